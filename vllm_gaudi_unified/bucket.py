@@ -1,0 +1,58 @@
+"""The bucket: the static shape of one step, one compiled graph per bucket.
+
+A step's shape is what the planner needs to allocate: the padded number of new
+tokens and the number of work items of each path. Padding a step to a larger
+bucket only adds fully masked work, so any bucket whose every field is at least
+the step's covers it.
+
+Why six fields and not the five of DESIGN.md: once the causal path skips tiles
+that pair tokens of different requests, its work is no longer a function of
+`query_len` (one 2048-token prompt needs 136 tiles of 128, sixteen 128-token
+prompts need 16), so the number of causal tiles is a shape of its own. The five
+fields of the design keep their meaning and their order.
+"""
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields
+
+PATHS = "csu"
+
+
+def phase_of(num_causal_tiles: int, num_shared_blocks: int, num_unique_blocks: int) -> str:
+    """'c', 's', 'u' for each path that has work, '-' for one that has none."""
+    counts = (num_causal_tiles, num_shared_blocks, num_unique_blocks)
+    return "".join(p if n > 0 else "-" for p, n in zip(PATHS, counts))
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """Shape of a step (unpadded) or of a compiled graph (padded)."""
+
+    phase: str  #: 'csu', '--u', ...: which of causal / shared / unique run
+    query_len: int  #: new tokens, padded
+    num_shared_blocks: int  #: KV block slots the shared path gathers (tiles x blocks per tile)
+    num_unique_blocks: int  #: block slots of the unique path (one query token each)
+    num_logits: int  #: rows handed to the sampler (one per request, padded)
+    num_causal_tiles: int = 0  #: query-tile x key-tile pairs of the causal path
+
+    def __post_init__(self):
+        for f in fields(self)[1:]:
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"Bucket.{f.name} must be a non-negative int, got {value!r}")
+        expected = phase_of(self.num_causal_tiles, self.num_shared_blocks, self.num_unique_blocks)
+        if self.phase != expected:
+            raise ValueError(f"Bucket.phase {self.phase!r} disagrees with its sizes (expected {expected!r})")
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The numeric fields, in declaration order."""
+        return astuple(self)[1:]
+
+    def covers(self, step: "Bucket") -> bool:
+        """True when a step of shape `step` can be padded to this bucket."""
+        return all(b >= s for b, s in zip(self.sizes, step.sizes))
+
+    def __str__(self) -> str:
+        return (f"{self.phase}:q{self.query_len}:c{self.num_causal_tiles}:s{self.num_shared_blocks}"
+                f":u{self.num_unique_blocks}:l{self.num_logits}")
