@@ -4,13 +4,15 @@ torch is required but deliberately unpinned: install the torch build for your
 machine first (`pip install torch==2.13.0` takes the CPU wheel on the project's
 CI machines); a range that the installed torch satisfies installs nothing more.
 """
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="vllm-gaudi-unified",
     version="0.1.0",
     description="Unified Attention for vLLM on Intel Gaudi: one attention path for mixed prefill/decode batches",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_gaudi_unified", "vllm_gaudi_unified.*"]),

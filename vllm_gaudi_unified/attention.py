@@ -1,0 +1,111 @@
+"""`unified_attention`: check the inputs, run the paths the batch needs, merge."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from vllm_gaudi_unified.batch import UnifiedBatch
+from vllm_gaudi_unified.causal import causal_partial, self_partial
+from vllm_gaudi_unified.kernels import compute_dtype
+from vllm_gaudi_unified.merge import Partial, merge_all, normalize
+from vllm_gaudi_unified.shared import shared_partial
+from vllm_gaudi_unified.unique import unique_partial
+
+
+def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, batch: UnifiedBatch, scale: float, *,
+                      logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every new token of a step; see DESIGN.md for the semantics.
+
+    query `[T, Hq, D]`, key/value `[T, Hkv, D]` (T = the step's tokens, or the
+    bucket's padded `query_len`), key_cache/value_cache `[num_blocks,
+    block_size, Hkv, D]`. `logits_soft_cap`: scores become `cap * tanh(s / cap)`.
+    `sinks`: `[Hq]` one logit per head that joins every softmax denominator.
+    Returns `[T, Hq, D]` in query's dtype.
+    """
+    _check_inputs(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks)
+    t, padded = query.shape[0], batch.bucket.query_len
+    if t < padded:
+        query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
+    partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)
+                if p is not None]
+    if sinks is not None:
+        partials.append(_sink_partial(sinks, padded, query.shape[2], compute_dtype(query.dtype)))
+    return normalize(merge_all(partials))[:t].to(query.dtype)
+
+
+def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap):
+    """Which paths run, all conditions in one place:
+
+    1. self (each token with its own key): always; it is elementwise.
+    2. causal tiles: when the phase has 'c' (some request has two or more new tokens).
+    3. shared tiles: when the phase has 's' (a cached block is seen by several tokens).
+    4. unique blocks: when the phase has 'u' (a cached block is seen by one token).
+    A path without work returns None, so the phase string and the tensors cannot disagree.
+    """
+    yield self_partial(query, key, value, scale, cap)
+    phase = batch.phase
+    if phase[0] == "c":
+        yield causal_partial(query, key, value, batch, scale, cap)
+    if phase[1] == "s":
+        yield shared_partial(query, key_cache, value_cache, batch, scale, cap)
+    if phase[2] == "u":
+        yield unique_partial(query, key_cache, value_cache, batch, scale, cap)
+
+
+def _sink_partial(sinks: torch.Tensor, rows: int, head_dim: int, dtype: torch.dtype) -> Partial:
+    """A sink is a key with logit `sinks[h]` and a zero value: weight in the denominator only."""
+    m = sinks.to(dtype)[None, :].expand(rows, -1)
+    return Partial(torch.zeros(rows, sinks.shape[0], head_dim, dtype=dtype, device=sinks.device), m,
+                   torch.ones_like(m))
+
+
+def _check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, sinks) -> None:
+    """Clear errors naming the field, before any device work; host-side facts only (no sync)."""
+    if not isinstance(batch, UnifiedBatch):
+        raise ValueError(f"batch must be a UnifiedBatch from build_unified_batch, got {type(batch).__name__}")
+    for name, x, dims in (("query", query, 3), ("key", key, 3), ("value", value, 3), ("key_cache", key_cache, 4),
+                          ("value_cache", value_cache, 4)):
+        if not isinstance(x, torch.Tensor) or x.dim() != dims:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a {dims}-D tensor, got {shape}")
+    dtypes = {n: x.dtype for n, x in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
+                                      ("value_cache", value_cache))}
+    if len(set(dtypes.values())) != 1:
+        raise ValueError("mixed dtypes: " + ", ".join(f"{n} {str(d).replace('torch.', '')}" for n, d in dtypes.items()))
+    if not query.dtype.is_floating_point:
+        raise ValueError(f"query dtype must be floating point, got {query.dtype}")
+    t, hq, d = query.shape
+    if t not in (batch.num_tokens, batch.bucket.query_len):
+        raise ValueError(f"query has {t} tokens but the batch has {batch.num_tokens} "
+                         f"(padded: {batch.bucket.query_len})")
+    hkv = key.shape[1]
+    for name, x in (("key", key), ("value", value)):
+        if tuple(x.shape) != (t, hkv, d):
+            raise ValueError(f"{name} shape {tuple(x.shape)} must be {(t, hkv, d)} (tokens, kv heads, head_dim)")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of kv heads {hkv}")
+    num_blocks = key_cache.shape[0]
+    expected = (num_blocks, batch.block_size, hkv, d)
+    for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if tuple(x.shape) != expected:
+            raise ValueError(f"{name} shape {tuple(x.shape)} must be {expected} "
+                             "(num_blocks, block_size, kv heads, head_dim)")
+    if batch.max_block_id >= num_blocks:
+        raise ValueError(f"block_table needs block id {batch.max_block_id} but key_cache has {num_blocks} blocks")
+    if batch.unique_blocks is None and batch.bucket.num_unique_blocks > num_blocks:
+        raise ValueError(f"unique slice of {batch.bucket.num_unique_blocks} blocks is larger than the cache "
+                         f"({num_blocks} blocks): pad to a smaller bucket or use unique_layout='gather'")
+    devices = {query.device, key.device, value.device, key_cache.device, value_cache.device, batch.device}
+    if len(devices) != 1:
+        raise ValueError(f"tensors and batch are on different devices: {sorted(map(str, devices))}; "
+                         "build the batch with device= or call batch.to(device)")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive float, got {scale!r}")
+    if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+        raise ValueError(f"logits_soft_cap must be None or a positive float, got {cap!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,)):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a tensor of shape ({hq},) (one logit per query head), got {shape}")

@@ -1,0 +1,45 @@
+"""Causal path: new tokens against new tokens of the same request.
+
+Two parts. The *self* pair (a token and its own key) is elementwise and always
+computed, so every real row sees at least one key. The strict-causal pairs come
+in square tiles on the flattened token axis, listed by the planner only where
+some pair is needed; a mask per tile keeps pairs inside one request, in order,
+and inside the sliding window.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.kernels import attend, compute_dtype
+from vllm_gaudi_unified.merge import Partial, scatter_merge
+
+
+def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 soft_cap: float | None) -> Partial:
+    """Each token against its own key: q/k/v `[T, H, D]` -> Partial `[T, Hq, D]`."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    dt = compute_dtype(q.dtype)
+    s = (q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)).sum(-1).reshape(t, hq) * scale
+    if soft_cap is not None:
+        s = soft_cap * torch.tanh(s / soft_cap)
+    acc = v.to(dt)[:, :, None, :].expand(t, hkv, hq // hkv, d).reshape(t, hq, d)
+    return Partial(acc, s, torch.ones_like(s))
+
+
+def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
+                   soft_cap: float | None) -> Partial | None:
+    """Strict-causal pairs within each request; None when the batch lists no causal tile."""
+    if batch.causal_q_start.numel() == 0:
+        return None
+    n = q.shape[0]
+    offsets = torch.arange(batch.causal_tile, device=q.device)
+    rows = batch.causal_q_start[:, None] + offsets  # [tiles, tile]; >= n: no row
+    keys = batch.causal_k_start[:, None] + offsets  # [tiles, tile]
+    rows_in, keys_in = rows.clamp(max=n - 1), keys.clamp(max=n - 1)
+    r, kk = rows[:, :, None], keys[:, None, :]
+    mask = (kk >= batch.token_seg_start[rows_in][:, :, None]) & (kk < r) & (r < n)
+    if batch.sliding_window is not None:
+        mask &= r - kk < batch.sliding_window
+    part = attend(q[rows_in], k[keys_in], v[keys_in], mask, scale, soft_cap)
+    return scatter_merge(part, rows.clamp(max=n).reshape(-1), n)

@@ -1,0 +1,65 @@
+"""Gaudi dispatch: which implementation of the masked softmax the paths use.
+
+The three paths are plain torch and run on HPU as they are (the graph compiler
+fuses them per bucket). The one piece Gaudi has a dedicated kernel for is the
+partial softmax of a score tile: `torch.ops.hpu.softmax_fa2` returns the
+probabilities together with the row max and sum that a `Partial` needs.
+FusedSDPA is not used: it returns only the normalised output, so its result
+cannot be merged exactly with the other paths.
+
+`habana_frameworks` is imported lazily, only when a tensor is on an HPU device.
+None of this can run on the project's machines (no Gaudi): the selection logic
+is tested, the HPU kernel call is not.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Callable
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def habana_importable() -> bool:
+    return importlib.util.find_spec("habana_frameworks") is not None
+
+
+def select_softmax(device_type: str, dtype: torch.dtype, importable: bool | None = None) -> str:
+    """Which masked-softmax implementation runs; all conditions live here.
+
+    1. Not an HPU tensor: the torch implementation.
+    2. HPU but `habana_frameworks` cannot be imported: torch (the bridge is missing; torch ops still fail loudly).
+    3. HPU with scores in fp32/fp64: torch (softmax_fa2 takes bf16 scores).
+    4. Otherwise Gaudi's fused `softmax_fa2`.
+    """
+    importable = habana_importable() if importable is None else importable
+    if device_type != "hpu":
+        return "torch"
+    if not importable:
+        return "torch"
+    if dtype != torch.bfloat16:
+        return "torch"
+    return "hpu"
+
+
+def masked_softmax_torch(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores with -inf at masked keys -> (e^(s - max), max, sum) over the last dim; -inf max for empty rows."""
+    m = scores.amax(-1)
+    p = torch.exp(scores - torch.where(m > float("-inf"), m, 0.0)[..., None])
+    return p, m, p.sum(-1)
+
+
+def masked_softmax_hpu(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pragma: no cover
+    """Gaudi's fused partial softmax; the initial max/sum are the empty partial (-inf, 0)."""
+    import habana_frameworks.torch  # noqa: F401  (registers torch.ops.hpu)
+
+    shape = scores.shape[:-1]
+    init_max = torch.full(shape, float("-inf"), dtype=scores.dtype, device=scores.device)
+    init_sum = torch.zeros(shape, dtype=scores.dtype, device=scores.device)
+    p, m, s, _ = torch.ops.hpu.softmax_fa2(scores, inputM=init_max, inputL=init_sum)
+    return p, m.reshape(shape).float(), s.reshape(shape).float()
+
+
+def masked_softmax_for(scores: torch.Tensor) -> Callable:
+    return masked_softmax_hpu if select_softmax(scores.device.type, scores.dtype) == "hpu" else masked_softmax_torch

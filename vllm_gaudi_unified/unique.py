@@ -1,0 +1,33 @@
+"""Unique path: cache blocks needed by exactly one query token (the usual decode).
+
+Computed per block, not per token: block slot `b` holds one block and the one
+token that sees it, the scores of all blocks come from one batched product, and
+the per-block partials are merged back into their tokens. The blocks are either
+the contiguous cache slice `[0, num_unique_blocks)` read in place (no gather:
+good when most of the slice is live) or the live blocks gathered by id (good
+when block ids are scattered over a large cache); the planner picks per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.kernels import attend
+from vllm_gaudi_unified.merge import Partial, scatter_merge
+from vllm_gaudi_unified.shared import slot_mask
+
+
+def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
+                   soft_cap: float | None) -> Partial | None:
+    """None when the batch has no unique block."""
+    slots = batch.unique_rows.shape[0]
+    if slots == 0:
+        return None
+    n = q.shape[0]
+    if batch.unique_blocks is None:
+        k, v = key_cache[:slots], value_cache[:slots]  # views: the slice is read in place
+    else:
+        k, v = key_cache[batch.unique_blocks], value_cache[batch.unique_blocks]
+    mask = slot_mask(batch.unique_lo, batch.unique_hi, key_cache.shape[1])[:, None, :]  # [slots, 1, block_size]
+    rows = batch.unique_rows
+    part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap)
+    return scatter_merge(part, rows, n)
