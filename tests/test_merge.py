@@ -1,0 +1,56 @@
+"""The merge on its own: exact, order independent, absent paths and empty rows contribute nothing."""
+import itertools
+
+import torch
+
+from vllm_gaudi_unified.merge import Partial, merge, merge_all, normalize, scatter_merge
+
+
+def partial_of(scores, values):
+    """Partial of full softmax rows: scores [rows, heads, keys], values [keys, dim]."""
+    m = scores.amax(-1)
+    p = torch.exp(scores - m[..., None])
+    return Partial(p @ values, m, p.sum(-1))
+
+
+def empty(rows, heads, dim):
+    return Partial(torch.zeros(rows, heads, dim, dtype=torch.float64),
+                   torch.full((rows, heads), float("-inf"), dtype=torch.float64),
+                   torch.zeros(rows, heads, dtype=torch.float64))
+
+
+def test_merging_splits_of_the_keys_equals_softmax_over_all():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(5, 3, 12, generator=g, dtype=torch.float64) * 4
+    values = torch.randn(12, 7, generator=g, dtype=torch.float64)
+    full = torch.softmax(scores, -1) @ values
+    parts = [partial_of(scores[..., a:b], values[a:b]) for a, b in ((0, 3), (3, 4), (4, 12))]
+    for order in itertools.permutations(parts):
+        torch.testing.assert_close(normalize(merge_all(list(order))), full, atol=1e-12, rtol=0)
+
+
+def test_absent_path_and_empty_rows_contribute_nothing_and_never_nan():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(4, 2, 6, generator=g, dtype=torch.float64)
+    values = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    p = partial_of(scores, values)
+    for merged in (merge(p, empty(4, 2, 3)), merge(empty(4, 2, 3), p)):
+        torch.testing.assert_close(normalize(merged), normalize(p), atol=0, rtol=0)
+    both_empty = normalize(merge(empty(4, 2, 3), empty(4, 2, 3)))
+    assert torch.equal(both_empty, torch.zeros_like(both_empty))
+
+
+def test_scatter_merge_equals_merging_each_destination():
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(6, 2, 5, generator=g, dtype=torch.float64) * 3
+    values = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    rows = partial_of(scores, values)
+    index = torch.tensor([2, 0, 2, 3, 0, 3])  # destination 3 = dropped; destination 1 receives nothing
+    out = scatter_merge(rows, index, 3)
+    for dest in (0, 2):
+        members = [i for i in range(6) if index[i] == dest]
+        want = merge_all([Partial(rows.acc[i:i + 1], rows.max[i:i + 1], rows.sum[i:i + 1]) for i in members])
+        torch.testing.assert_close(normalize(Partial(out.acc[dest:dest + 1], out.max[dest:dest + 1],
+                                                     out.sum[dest:dest + 1])), normalize(want), atol=1e-12, rtol=0)
+    assert torch.isinf(out.max[1]).all() and (out.sum[1] == 0).all()
+    assert torch.equal(normalize(out)[1], torch.zeros(2, 4, dtype=torch.float64))
