@@ -1,0 +1,117 @@
+"""BucketPlan: find returns the cheapest covering bucket, explicit misses, JSON round trip."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.bucketing import BucketMiss, BucketPlan, ServerSettings
+from vllm_gaudi_unified.bucketing.cost import DIMS
+from vllm_gaudi_unified.bucketing.shapes import bucket_from_sizes
+
+SETTINGS = ServerSettings(block_size=128, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=4096,
+                          num_blocks=512)
+KB = SETTINGS.blocks_per_tile
+
+sizes_st = st.tuples(st.integers(1, 1024), st.integers(0, 64).map(lambda x: x * KB), st.integers(0, 512),
+                     st.integers(1, 64), st.integers(0, 200))
+
+
+def brute_find(plan, shape):
+    covering = [b for b in plan.buckets if b.covers(shape)]
+    if not covering:
+        return None
+    return min(covering, key=plan.cost_model.bucket_cost)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(sizes_st, min_size=1, max_size=40), st.lists(sizes_st, min_size=1, max_size=20))
+def test_find_returns_the_cheapest_covering_bucket(bucket_sizes, step_sizes):
+    plan = BucketPlan([bucket_from_sizes(s) for s in bucket_sizes], SETTINGS, miss_policy="unbucketed")
+    found_all = plan.find_all(np.array(step_sizes))
+    for sizes, idx in zip(step_sizes, found_all):
+        shape = bucket_from_sizes(sizes)
+        expected = brute_find(plan, shape)
+        got = plan.find(shape)
+        if expected is None:
+            assert got is None and idx == -1
+        else:
+            assert got.covers(shape)
+            assert plan.cost_model.bucket_cost(got) == pytest.approx(plan.cost_model.bucket_cost(expected))
+            assert plan.buckets[idx] == got
+
+
+def test_find_exact_bucket_and_phase_order():
+    decode = Bucket("--u", 64, 0, 256, 64, 0)
+    mixed = Bucket("csu", 1024, 64 * KB, 512, 64, 136)
+    plan = BucketPlan([mixed, decode], SETTINGS)
+    assert plan.find(Bucket("--u", 10, 0, 100, 10, 0)) == decode
+    assert plan.find(decode) == decode
+    assert plan.find(Bucket("c--", 100, 0, 0, 1, 3)) == mixed
+    assert plan.buckets[0] == decode  # sorted by cost
+
+
+def test_miss_error_names_dimension_and_value():
+    plan = BucketPlan([Bucket("--u", 64, 0, 256, 64, 0)], SETTINGS)
+    with pytest.raises(BucketMiss, match="num_unique_blocks = 300 > 256"):
+        plan.find(Bucket("--u", 8, 0, 300, 8, 0))
+    with pytest.raises(BucketMiss, match="num_causal_tiles = 1 > 0"):
+        plan.find(Bucket("c--", 8, 0, 0, 1, 1))
+
+
+def test_miss_combination_names_the_dimension():
+    a = Bucket("--u", 64, 0, 256, 64, 0)
+    b = Bucket("c-u", 512, 0, 16, 8, 36)
+    plan = BucketPlan([a, b], SETTINGS)
+    with pytest.raises(BucketMiss, match="too small in"):
+        plan.find(Bucket("c-u", 100, 0, 200, 8, 3))
+
+
+def test_miss_policies():
+    small = Bucket("--u", 64, 0, 256, 64, 0)
+    big = Bucket("csu", 1024, 8 * KB, 512, 64, 136)
+    step = Bucket("--u", 100, 0, 300, 60, 0)  # beyond `small`, within `big` only by... query 100 > 64
+    largest = BucketPlan([small, big], SETTINGS, miss_policy="largest")
+    assert largest.find(step) == big  # covered anyway
+    only_small = BucketPlan([small], SETTINGS, miss_policy="largest")
+    with pytest.raises(BucketMiss):
+        only_small.find(step)  # the largest bucket does not cover it: cannot pad down
+    unb = BucketPlan([small], SETTINGS, miss_policy="unbucketed")
+    assert unb.find(step) is None
+    with pytest.raises(ValueError, match="miss_policy"):
+        BucketPlan([small], SETTINGS, miss_policy="ignore")
+
+
+def test_plan_rejects_bad_buckets():
+    with pytest.raises(ValueError, match="at least one bucket"):
+        BucketPlan([], SETTINGS)
+    with pytest.raises(ValueError, match="multiple"):
+        BucketPlan([Bucket("-s-", 8, KB + 1, 0, 8, 0)], SETTINGS)
+
+
+def test_save_load_round_trip(tmp_path):
+    plan = BucketPlan([Bucket("--u", 64, 0, 256, 64, 0), Bucket("csu", 1024, 8 * KB, 512, 64, 136)], SETTINGS,
+                      strategy="trace", info={"note": "x"})
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    back = BucketPlan.load(str(path))
+    assert back.buckets == plan.buckets and back.settings == plan.settings and back.info == plan.info
+    assert BucketPlan.load(str(path), miss_policy="unbucketed").miss_policy == "unbucketed"
+    path.write_text(path.read_text().replace("bucket-plan", "other"))
+    with pytest.raises(ValueError, match="not a bucket plan"):
+        BucketPlan.load(str(path))
+    with pytest.raises(FileNotFoundError):
+        BucketPlan.load(str(tmp_path / "missing.json"))
+
+
+def test_check_compatible():
+    plan = BucketPlan([Bucket("--u", 64, 0, 256, 64, 0)], SETTINGS)
+    plan.check_compatible(128, SETTINGS.options, 64, 1024)
+    with pytest.raises(ValueError, match="block_size 32"):
+        plan.check_compatible(32)
+    with pytest.raises(ValueError, match="max_num_seqs 128"):
+        plan.check_compatible(128, max_num_seqs=128)
+
+
+def test_dims_match_bucket_sizes():
+    b = Bucket("csu", 1, 2, 3, 4, 5)
+    assert tuple(getattr(b, d) for d in DIMS) == b.sizes

@@ -1,0 +1,105 @@
+"""The server settings a bucket plan is made for, and the largest shape they allow.
+
+A plan is only valid with the settings and planner options it was made for:
+the block size and the tile sizes decide every size of a step's shape.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+from vllm_gaudi_unified.plan import PlanOptions
+
+#: Planner options used for bucket plans unless told otherwise. The unique path's layout is
+#: fixed to 'gather': with 'auto' the same bucket would need two graphs (slice and gather).
+DEFAULT_OPTIONS = PlanOptions(unique_layout="gather")
+
+
+def options_to_dict(options: PlanOptions) -> dict:
+    return asdict(options)
+
+
+def options_from_dict(d: dict | None) -> PlanOptions:
+    if not d:
+        return DEFAULT_OPTIONS
+    known = {f.name for f in fields(PlanOptions)}
+    return PlanOptions(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The vLLM settings that bound a step's shape."""
+
+    block_size: int = 128
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    num_blocks: int = 6000  #: KV cache blocks (vLLM's num_gpu_blocks, null block included)
+    sliding_window: int | None = None
+    options: PlanOptions = field(default=DEFAULT_OPTIONS)
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below max_num_seqs "
+                             f"({self.max_num_seqs}): a step could not give every running request a token")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks ({self.num_blocks}) must leave a block besides the null block")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window!r}")
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def blocks_per_tile(self) -> int:
+        return self.options.blocks_per_tile(self.block_size)
+
+    def limits(self) -> np.ndarray:
+        """int64[5] (DIMS order): the largest value of each size these settings allow.
+
+        - query_len: the token budget `max_num_batched_tokens`;
+        - num_shared_blocks: every shared row tile of a full token budget against the
+          most blocks one request can see, `min(max_model_len // block_size, num_blocks)`
+          rounded up to whole shared tiles;
+        - num_unique_blocks: `num_blocks` (the live blocks of a gather, or the largest
+          slice);
+        - num_logits: `max_num_seqs`;
+        - num_causal_tiles: the lower triangle of tiles over a full token budget.
+        """
+        o, kb = self.options, self.blocks_per_tile
+        row_tiles = -(-self.max_num_batched_tokens // o.shared_rows)
+        seq_blocks = min(self.max_model_len // self.block_size, self.num_blocks)
+        shared = row_tiles * (-(-seq_blocks // kb)) * kb
+        n = -(-self.max_num_batched_tokens // o.causal_tile)
+        return np.array([self.max_num_batched_tokens, shared, self.num_blocks, self.max_num_seqs, n * (n + 1) // 2],
+                        dtype=np.int64)
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                             "num_blocks", "sliding_window")}
+        d["options"] = options_to_dict(self.options)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServerSettings":
+        d = dict(d)
+        d["options"] = options_from_dict(d.get("options"))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+#: Named settings the shipped plans are made for.
+PRESETS: dict[str, ServerSettings] = {
+    # An 8B model (Llama-3.1-8B, bf16) on one Gaudi 3: the setting of the chat seed-4 trace.
+    "llama8b-gaudi3": ServerSettings(block_size=128, max_num_seqs=256, max_num_batched_tokens=8192,
+                                     max_model_len=8192, num_blocks=6000),
+    # The setting of the seed-1 trace: small blocks, 64 sequences, 2048-token budget.
+    "bs32-seqs64": ServerSettings(block_size=32, max_num_seqs=64, max_num_batched_tokens=2048,
+                                  max_model_len=8192, num_blocks=8192),
+}

@@ -1,0 +1,296 @@
+"""Two ways to choose buckets: `exponential` (from the settings alone) and `trace` (learned).
+
+**exponential**, the classic baseline (what the earlier Gaudi implementation did,
+in this plugin's six-field shape): per phase, an exponential range per dimension
+(`base**k`, rounded up to the dimension's step, capped at the settings' limit):
+query tokens in `[1, max_num_batched_tokens]` (`[1, max_num_seqs]` for phases
+without causal work: there every request has one token), shared block slots in
+`[0, limit]`, unique blocks in `[0, num_blocks]`. Like the 4-tuple of the
+earlier scheme, the number of logits and of causal tiles follow the query
+length: `min(query_len, max_num_seqs)` logits and the full lower triangle of
+causal tiles. Combinations no step can reach are dropped (more unique blocks
+than the requests can hold; more shared slots than the query rows allow).
+
+**trace**, learned from recorded steps: choose at most `max_graphs` buckets
+(or the fewest reaching a padding-waste target) that minimise the expected
+padded work `sum over steps of cost(find(step))`, while one bucket covers the
+settings' limits and every step learned from, so no such step is ever a miss. The
+method is greedy facility location followed by local search:
+
+1. Every step's shape is rounded up onto a per-dimension geometric grid (ratio
+   `2**(1/resolution)`, each point rounded to the dimension's step). A grid
+   point covers a step iff it covers the step's rounded shape, so steps with
+   the same rounded shape are one weighted group.
+2. Candidates: the distinct rounded shapes, the largest rounded shape of each
+   phase, and the limits. Start from the limits bucket alone.
+3. Greedy: add the candidate that lowers the total padded work most (each group
+   pays the cheapest bucket covering it), until `max_graphs` buckets or the
+   waste target. The gain of every candidate is one vectorised product.
+4. Local search: tighten every bucket to the grid-rounded maximum of the groups
+   it serves (cost only falls), and try dropping each bucket and adding the best
+   candidate instead, keeping any change that lowers the total; repeat until
+   nothing improves.
+
+The objective is a weighted facility-location cost, so the greedy step has the
+usual `1 - 1/e` guarantee on the work saved; the local search removes most of
+the rest. Work is the linear model of `cost.py`.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from vllm_gaudi_unified.bucketing.cost import DIMS, CostModel, Hardware, ModelSpec
+from vllm_gaudi_unified.bucketing.plan import BucketPlan
+from vllm_gaudi_unified.bucketing.settings import ServerSettings
+from vllm_gaudi_unified.bucketing.shapes import StepShapes, bucket_from_sizes, codes_of
+
+STRATEGIES = ("exponential", "trace")
+Q, S, U, L, C = range(5)
+
+
+def exp_values(lo: int, hi: int, base: float = 2.0, step: int = 1) -> list[int]:
+    """`lo, lo*base, lo*base**2, ...` rounded up to multiples of `step`, capped at and ending with `hi`."""
+    if hi < lo:
+        raise ValueError(f"maximum {hi} is below minimum {lo}")
+    if lo < 1 or step < 1 or base <= 1:
+        raise ValueError(f"exponential range needs lo >= 1, step >= 1 and base > 1 (got {lo}, {step}, {base})")
+    out, v = [], float(lo)
+    while True:
+        x = min(int(-(-int(np.ceil(v - 1e-9)) // step) * step), hi)
+        if not out or x > out[-1]:
+            out.append(x)
+        if x >= hi:
+            return out
+        v *= base
+
+
+def max_causal_tiles(query_len: np.ndarray | int, tile: int):
+    n = -(-np.asarray(query_len) // tile)
+    return n * (n + 1) // 2
+
+
+def exponential_plan(settings: ServerSettings, model: ModelSpec | None = None, hardware: Hardware | None = None,
+                     base: float = 2.0, query_step: int = 1, unique_step: int = 1) -> BucketPlan:
+    """The classic baseline; see the module docstring."""
+    model, hardware = model or ModelSpec(), hardware or Hardware()
+    lim = settings.limits()
+    kb, o = settings.blocks_per_tile, settings.options
+    seqs = settings.max_num_seqs
+    shared_vals = [0] + exp_values(kb, int(lim[S]), base, kb)
+    unique_vals = [0] + exp_values(1, int(lim[U]), base, unique_step)
+    rows: list[tuple] = []
+    for causal in (False, True):
+        q_hi = int(lim[Q]) if causal else seqs
+        q_vals = exp_values(2 if causal else 1, q_hi, base, query_step)
+        for q in q_vals:
+            logits = min(q, seqs)
+            tiles = int(max_causal_tiles(q, o.causal_tile)) if causal else 0
+            # What the steps in this query cell can reach at most.
+            reqs = min(q, seqs)
+            unique_cap = min(reqs * settings.blocks_per_seq, int(lim[U]))
+            row_tiles = min(q, q // o.shared_rows + reqs)
+            shared_cap = min(row_tiles * (-(-settings.blocks_per_seq // kb)) * kb, int(lim[S]))
+            for si, s in enumerate(shared_vals):
+                if si > 1 and shared_vals[si - 1] + 1 > shared_cap:
+                    continue
+                for ui, u in enumerate(unique_vals):
+                    if ui > 1 and unique_vals[ui - 1] + 1 > unique_cap:
+                        continue
+                    rows.append((q, s, u, logits, tiles))
+    rows.append(tuple(int(x) for x in lim))  # the configured maxima, always
+    buckets = sorted({bucket_from_sizes(r) for r in rows})
+    return BucketPlan(buckets, settings, model, hardware, strategy="exponential",
+                      info={"base": base, "query_step": query_step, "unique_step": unique_step})
+
+
+# ----------------------------------------------------------------------------- trace strategy
+
+#: Grid step per dimension (query, shared: blocks_per_tile, unique, logits, causal).
+DEFAULT_STEPS = {"query_len": 8, "num_unique_blocks": 8, "num_logits": 4, "num_causal_tiles": 1}
+
+
+def grid_values(limit: int, step: int, resolution: float, lo: int = 1) -> np.ndarray:
+    """0, then a geometric grid of ratio 2**(1/resolution) from `lo`, rounded up to `step`, up to `limit`."""
+    vals = exp_values(max(1, min(lo, limit)), limit, 2.0 ** (1.0 / resolution), step) if limit > 0 else []
+    return np.array([0] + vals, dtype=np.int64)
+
+
+def round_up(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Smallest grid value >= x (x beyond the grid stays x: such a step is past the limits)."""
+    i = np.searchsorted(grid, x, side="left")
+    return np.where(i < len(grid), grid[np.minimum(i, len(grid) - 1)], x)
+
+
+class _Problem:
+    """Weighted groups of grid-rounded shapes, and the coverage of candidate buckets."""
+
+    def __init__(self, sizes: np.ndarray, settings: ServerSettings, cost: CostModel, resolution: float,
+                 margin: float = 0.0):
+        lim = settings.limits()
+        kb = settings.blocks_per_tile
+        steps = [DEFAULT_STEPS["query_len"], kb, DEFAULT_STEPS["num_unique_blocks"], DEFAULT_STEPS["num_logits"],
+                 DEFAULT_STEPS["num_causal_tiles"]]
+        self.grids = [grid_values(int(lim[d]), steps[d], resolution, lo=steps[d]) for d in range(len(DIMS))]
+        self.num_over = int((sizes > lim[None, :]).any(1).sum())
+        grown = np.ceil(sizes * (1.0 + margin)).astype(np.int64)
+        grown = np.where(sizes > 0, np.minimum(grown, np.maximum(lim[None, :], sizes)), 0)
+        rounded = np.stack([round_up(grown[:, d], self.grids[d]) for d in range(len(DIMS))], 1)
+        self.groups, self.weight = np.unique(rounded, axis=0, return_counts=True)
+        self.weight = self.weight.astype(np.float64)
+        self.real = float(cost.cost(sizes).sum())
+        # The top bucket covers the configured maxima and every step learned from (the
+        # limits are a convention for the shared slots; an odd step may exceed them).
+        self.limits = np.maximum(lim, self.groups.max(0))
+        self.cost = cost
+
+    def covers(self, cands: np.ndarray) -> np.ndarray:
+        """bool [len(cands), groups]."""
+        g = self.groups
+        cov = np.ones((len(cands), len(g)), bool)
+        for d in range(len(DIMS)):
+            cov &= cands[:, None, d] >= g[None, :, d]
+        return cov
+
+
+def _assign(cov_b: np.ndarray, cost_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per group: cost of and index of the cheapest covering bucket."""
+    c = np.where(cov_b, cost_b[:, None], np.inf)
+    idx = c.argmin(0)
+    return c[idx, np.arange(c.shape[1])], idx
+
+
+def trace_plan(shapes: StepShapes, settings: ServerSettings, model: ModelSpec | None = None,
+               hardware: Hardware | None = None, max_graphs: int | None = 32, target_waste: float | None = None,
+               resolution: float = 3.0, margin: float = 0.2, local_search: bool = True,
+               progress: bool = False) -> BucketPlan:
+    """Learn a plan from step shapes; see the module docstring. `max_graphs` counts every bucket,
+    the limits bucket included; with `target_waste` it stops at the fewest graphs reaching it."""
+    t0 = time.perf_counter()
+    model, hardware = model or ModelSpec(), hardware or Hardware()
+    if len(shapes) == 0:
+        raise ValueError("the traces hold no step to learn from")
+    if shapes.block_size != settings.block_size:
+        raise ValueError(f"traces have block_size {shapes.block_size}, settings {settings.block_size}")
+    if max_graphs is None and target_waste is None:
+        raise ValueError("give max_graphs, target_waste or both")
+    if max_graphs is not None and max_graphs < 1:
+        raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+    if target_waste is not None and target_waste < 1.0:
+        raise ValueError(f"target_waste is padded work / real work, so >= 1.0; got {target_waste}")
+    if resolution <= 0:
+        raise ValueError(f"resolution must be positive, got {resolution}")
+    cost = CostModel(model, hardware, settings.block_size, settings.options)
+    pb = _Problem(np.asarray(shapes.sizes, np.int64), settings, cost, resolution, margin)
+    limit_row = pb.limits[None, :]
+    # Candidates: the groups, each phase's largest group, the limits.
+    codes = codes_of(pb.groups)
+    phase_tops = np.array([pb.groups[codes == c].max(0) for c in np.unique(codes)])
+    cands = np.unique(np.concatenate([pb.groups, phase_tops, limit_row]), axis=0)
+    cand_cost = cost.cost(cands)
+    cand_cov = pb.covers(cands)
+    w = pb.weight
+    cap = max_graphs if max_graphs is not None else len(cands)
+
+    chosen = [int(np.flatnonzero((cands == limit_row).all(1))[0])]
+    cur = np.full(len(pb.groups), cand_cost[chosen[0]])
+
+    def waste(cur_cost):
+        return float((w * cur_cost).sum()) / pb.real if pb.real > 0 else 1.0
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cap, desc="choosing buckets", unit="bucket", leave=False)
+        bar.update(1)
+    while len(chosen) < cap and (target_waste is None or waste(cur) > target_waste):
+        gain = (np.maximum(cur[None, :] - cand_cost[:, None], 0.0) * cand_cov) @ w
+        best = int(np.argmax(gain))
+        if gain[best] <= 0:
+            break
+        chosen.append(best)
+        cur = np.minimum(cur, np.where(cand_cov[best], cand_cost[best], np.inf))
+        if bar:
+            bar.update(1)
+    if bar:
+        bar.close()
+
+    buckets = cands[chosen]
+    if local_search:
+        buckets = _local_search(pb, buckets, cands, cand_cost, cand_cov, target_waste)
+    plan = BucketPlan([bucket_from_sizes(b) for b in buckets], settings, model, hardware, strategy="trace",
+                      info={"max_graphs": max_graphs, "target_waste": target_waste, "resolution": resolution,
+                            "sources": [str(s) for s in shapes.sources], "steps": int(len(shapes)),
+                            "steps_beyond_limits": pb.num_over,
+                            "margin": margin})
+    # The waste on the steps learned from, each padded to the bucket `find` picks.
+    idx = plan.find_all(shapes.sizes)
+    plan.info["expected_padding_waste"] = round(float(plan.costs[idx].sum() / pb.real), 4) if pb.real else 1.0
+    plan.info["seconds"] = round(time.perf_counter() - t0, 2)
+    return plan
+
+
+def _local_search(pb: _Problem, buckets: np.ndarray, cands, cand_cost, cand_cov, target_waste,
+                  rounds: int = 8) -> np.ndarray:
+    """Tighten, then drop-and-add swaps, while the total padded work falls."""
+    w = pb.weight
+    fixed = (buckets == pb.limits[None, :]).all(1)  # the limits bucket stays
+    buckets = buckets.copy()
+
+    def total(bk):
+        c, idx = _assign(pb.covers(bk), pb.cost.cost(bk))
+        return float((w * c).sum()), idx
+
+    best_total, idx = total(buckets)
+    for _ in range(rounds):
+        improved = False
+        # Tighten: each bucket down to the largest (rounded) group it serves.
+        for b in range(len(buckets)):
+            if fixed[b]:
+                continue
+            mine = idx == b
+            if not mine.any():
+                continue
+            tight = pb.groups[mine].max(0)
+            if (tight < buckets[b]).any():
+                trial = buckets.copy()
+                trial[b] = tight
+                t, tidx = total(trial)
+                if t < best_total - 1e-9:
+                    buckets, best_total, idx, improved = trial, t, tidx, True
+        # Swap: drop one bucket, add the best candidate for the groups as they are then served.
+        cov_b = pb.covers(buckets)
+        cost_b = pb.cost.cost(buckets)
+        for b in range(len(buckets)):
+            if fixed[b]:
+                continue
+            keep = np.ones(len(buckets), bool)
+            keep[b] = False
+            cur, _ = _assign(cov_b[keep], cost_b[keep])
+            gain = (np.maximum(cur[None, :] - cand_cost[:, None], 0.0) * cand_cov) @ w
+            best = int(np.argmax(gain))
+            t = float((w * cur).sum()) - float(gain[best])
+            if t < best_total - 1e-9 and not (cands[best] == buckets).all(1).any():
+                buckets = buckets.copy()
+                buckets[b] = cands[best]
+                cov_b[b] = cand_cov[best]
+                cost_b[b] = cand_cost[best]
+                best_total, idx = total(buckets)
+                improved = True
+        if not improved:
+            break
+    return np.unique(buckets, axis=0)
+
+
+def make_plan(strategy: str, settings: ServerSettings, shapes: StepShapes | None = None, **kw) -> BucketPlan:
+    if strategy == "exponential":
+        return exponential_plan(settings, kw.get("model"), kw.get("hardware"), base=kw.get("base", 2.0))
+    if strategy == "trace":
+        if shapes is None:
+            raise ValueError("the trace strategy needs at least one trace (--trace)")
+        return trace_plan(shapes, settings, kw.get("model"), kw.get("hardware"), max_graphs=kw.get("max_graphs", 32),
+                          target_waste=kw.get("target_waste"), resolution=kw.get("resolution", 3.0), margin=kw.get("margin", 0.2),
+                          progress=kw.get("progress", False))
+    raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
