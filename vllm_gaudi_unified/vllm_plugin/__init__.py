@@ -1,0 +1,13 @@
+"""vLLM glue: the only part of the package that imports vLLM.
+
+- `entry`: the two entry points vLLM calls (platform plugin, general plugin);
+- `config`: the plugin's options (environment variables);
+- `platform`: the CPU platform that selects the unified backend when asked;
+  `hpu_platform`: the same on top of vllm-gaudi's Gaudi platform;
+- `backend`: the v1 attention backend (backend class, metadata, builder, impl);
+- `steps`: what happens around each planned step (bucket plan, warmup, debug
+  log, trace recording).
+
+Importing this package imports nothing from vLLM; the modules above that need
+vLLM import it themselves.
+"""

@@ -1,0 +1,261 @@
+"""Unified attention as a vLLM v1 attention backend.
+
+The usual v1 split (see `vllm/v1/attention/backends/cpu_attn.py`):
+
+- `GaudiUnifiedAttentionBackend`: static declarations only, so vLLM's selector
+  can accept or refuse a model before anything is built;
+- `GaudiUnifiedMetadata`: one planned step, shared by every layer of the step;
+- `GaudiUnifiedMetadataBuilder`: vLLM's `CommonAttentionMetadata` of a step ->
+  `build_unified_batch`; it runs once per step (per KV cache group), never per layer;
+- `GaudiUnifiedAttentionImpl`: `forward` writes the step's new K/V into the
+  cache, then runs `unified_attention`; nothing else.
+
+KV cache layout. vLLM hands each layer its cache as a logical
+`[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` view whose
+memory order is the layout the backend declares. We declare LBNHC (memory
+`[num_blocks, block_size, num_kv_heads, K | V]`), so `split_kv_cache` gets the
+core's `[num_blocks, block_size, num_kv_heads, head_size]` key and value caches
+as views, without a copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from vllm_gaudi_unified import UnifiedBatch, build_unified_batch, unified_attention
+from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
+from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
+
+#: The name vLLM's registry and `--attention-backend` know this backend by.
+BACKEND_NAME = "GAUDI_UNIFIED_ATTN"
+
+
+def register_backend() -> None:
+    """Add `BACKEND_NAME` to vLLM's `AttentionBackendEnum` (idempotent).
+
+    vLLM's `Attention` layer looks its backend up by `get_name()` in that enum,
+    so this must run in every process that builds the model: the general
+    plugin does it, and the platforms repeat it before selecting the backend.
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import register_backend as vllm_register_backend
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        vllm_register_backend(BACKEND_NAME, f"{__name__}.{GaudiUnifiedAttentionBackend.__qualname__}")
+
+
+class GaudiUnifiedAttentionBackend(AttentionBackend):
+    """What the unified backend supports; vLLM's `validate_configuration` reads these."""
+
+    forward_includes_kv_cache_update: bool = True  # forward writes K/V itself: one call per layer
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]  # the cache holds the model dtype; no fp8 yet
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["GaudiUnifiedAttentionImpl"]:
+        return GaudiUnifiedAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["GaudiUnifiedMetadataBuilder"]:
+        return GaudiUnifiedMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # The planner takes any block size; whole 16-token blocks keep the gathered
+        # key tiles aligned on the HPU (vllm-gaudi's default is 128).
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        # The paths are plain matmuls over head_dim; multiples of 16 up to 512 cover the models
+        # vLLM serves and keep the HPU's matmul engine on full tiles.
+        return list(range(16, 513, 16))
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC,)  # memory [num_blocks, block_size, num_kv_heads, K|V]; see the module doc
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True  # unified_attention(sinks=...)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True  # planned per step (build_unified_batch(sliding_window=...)), one window per KV cache group
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False  # a connector moves cache pages in its own layout assumptions; not verified with ours
+
+    @staticmethod
+    def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's per-layer cache view -> (key_cache, value_cache), each
+        `[num_blocks, block_size, num_kv_heads, head_size]`, views of the same memory."""
+        blocks = kv_cache.permute(0, 2, 1, 3)  # [num_blocks, block_size, num_kv_heads, head_size + head_size_v]
+        return blocks[..., :head_size], blocks[..., head_size:]
+
+
+@dataclass
+class GaudiUnifiedMetadata:
+    """One planned step; every attention layer of the step reads the same object."""
+
+    batch: UnifiedBatch  #: the plan (padded to its bucket when a bucket plan is active), on the model's device
+    slot_mapping: torch.Tensor  #: [num_tokens] int64, cache slot (block * block_size + offset) of each new token
+    num_tokens: int  #: real new tokens of the step; vLLM may hand forward() more rows (padding), never fewer
+
+
+class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]):
+    """Turns vLLM's common metadata of a step into a `UnifiedBatch`, once per step.
+
+    Request lengths, as vLLM and the planner name them::
+
+        |------------------- seq_len -------------------|
+        |---- context_len (in the cache) ----|-- query --|
+    """
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        refuse_unsupported_config(vllm_config)
+        self.block_size = kv_cache_spec.block_size
+        self.sliding_window = _group_sliding_window(vllm_config, layer_names)
+        self.hooks = StepHooks.create(PluginConfig.from_env(), vllm_config, kv_cache_spec, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> GaudiUnifiedMetadata:
+        cm = common_attn_metadata
+        if cm.causal is not True:
+            raise NotImplementedError("unified attention runs causal decoder attention only")
+        query_lens, context_lens, block_table = step_lengths(cm)
+        batch = build_unified_batch(query_lens, context_lens, block_table, self.block_size,
+                                    sliding_window=self.sliding_window, options=self.hooks.options,
+                                    bucket=self.hooks.bucket_plan, device=self.device)
+        self.hooks.after_plan(batch, query_lens, context_lens, block_table)
+        num_tokens = int(query_lens.sum())
+        return GaudiUnifiedMetadata(batch=batch, slot_mapping=cm.slot_mapping[:num_tokens].long(),
+                                    num_tokens=num_tokens)
+
+
+def step_lengths(cm: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(query_lens, context_lens, block_table) of the step's requests, as host arrays.
+
+    Uses the host copies vLLM keeps (`query_start_loc_cpu`, `seq_lens_cpu_upper_bound`,
+    exact without speculative decoding, which the plugin refuses), so on a device
+    only the block table is copied back. Requests with no token this step
+    (padding rows) are left out: they own no rows of the flattened token batch.
+    """
+    n = cm.num_reqs
+    starts = cm.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
+    query_lens = np.diff(starts)
+    seq_lens = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens
+    seq_lens = seq_lens[:n].cpu().numpy().astype(np.int64)
+    block_table = cm.block_table_tensor[:n].cpu().numpy()
+    live = query_lens > 0
+    if not live.all():
+        query_lens, seq_lens, block_table = query_lens[live], seq_lens[live], block_table[live]
+    return query_lens, seq_lens - query_lens, block_table
+
+
+def refuse_unsupported_config(vllm_config: VllmConfig) -> None:
+    """Start-up errors for engine features the unified backend does not handle (rather than wrong output)."""
+    problems = []
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding (its draft tokens and optimistic sequence lengths are not planned)")
+    parallel = vllm_config.parallel_config
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        problems.append("context parallelism")
+    if vllm_config.model_config is not None and vllm_config.model_config.is_mm_prefix_lm:
+        problems.append("bidirectional attention over multimodal prefixes")
+    if problems:
+        raise NotImplementedError("The unified attention backend does not support " + ", ".join(problems)
+                                  + ". Unset VLLM_GAUDI_UNIFIED to use vLLM's own backend.")
+
+
+def _group_sliding_window(vllm_config: VllmConfig, layer_names: list[str]) -> int | None:
+    """The window of this group's layers; the plan is shared by the group, so they must agree."""
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    windows = {layer.impl.sliding_window for layer in layers.values()}
+    if len(windows) > 1:
+        raise NotImplementedError(f"layers sharing one KV cache group have different sliding windows {windows}; "
+                                  "the unified backend plans one window per step (enable vLLM's hybrid KV cache "
+                                  "manager so that each window gets its own group)")
+    return windows.pop() if windows else None
+
+
+class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
+    """Per layer: write the new K/V into the cache, then `unified_attention`."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
+        unsupported = [what for what, present in (
+            ("ALiBi", alibi_slopes is not None),
+            (f"attention type {attn_type!r} (decoder only)", attn_type != AttentionType.DECODER),
+            ("KV cache sharing between layers", kv_sharing_target_layer_name is not None),
+            (f"kv_cache_dtype {kv_cache_dtype!r}", kv_cache_dtype != "auto"),
+        ) if present]
+        if unsupported:
+            raise NotImplementedError("The unified attention backend does not support " + ", ".join(unsupported))
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap or None  # vLLM passes 0 / None for "no cap"
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = None
+        self.sinks = sinks
+
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: GaudiUnifiedMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query `[T, Hq, D]`, key/value `[T, Hkv, D]`, output `[T, Hq, D]` (T >= the step's tokens)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the unified backend")
+        if attn_metadata is None:  # vLLM's profiling / dummy runs carry no metadata
+            return output
+        t = attn_metadata.num_tokens
+        query, key, value = query[:t], key[:t], value[:t]
+        key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv_cache, self.head_size)
+        write_kv(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
+        output[:t] = unified_attention(query, key, value, key_cache, value_cache, attn_metadata.batch, self.scale,
+                                       logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
+        return output
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V at their slots. key/value `[T, Hkv, D]`; caches
+    `[num_blocks, block_size, Hkv, D]` (views whose block and slot axes flatten
+    without a copy); slot_mapping `[T]` int64.
+
+    Writing before attending is safe: the planner reads positions below a
+    request's context_len from the cache and the new tokens from key/value, so
+    no key is counted twice (the bug of the earlier Gaudi implementation)."""
+    # view(), not flatten(): a silent copy would drop the write; view() raises instead.
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)

@@ -1,0 +1,86 @@
+"""The plugin's options: environment variables, read once per process.
+
+vLLM starts engine and worker processes of its own, and the platform plugin is
+resolved before any vLLM config exists, so the options are environment
+variables: they reach every process and are there when vLLM asks for a
+platform. docs/usage.md lists them with their defaults. Only the standard
+library is imported here: `entry.py` reads these in every vLLM process.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+#: "1" activates the plugin off Gaudi (CPU platform + unified backend); "0" keeps it off even
+#: on Gaudi; unset: on only on Gaudi.
+ENV_ENABLE = "VLLM_GAUDI_UNIFIED"
+#: A bucket plan file (from `vllm-gaudi-unified buckets generate`), or "auto" to make one at start-up.
+ENV_BUCKETS = "VLLM_GAUDI_UNIFIED_BUCKETS"
+#: "1" (default when a plan is given) runs every bucket of the plan once at start-up.
+ENV_WARMUP = "VLLM_GAUDI_UNIFIED_WARMUP"
+#: A path: every step the backend plans is appended to it in the scheduler trace format.
+ENV_RECORD_TRACE = "VLLM_GAUDI_UNIFIED_RECORD_TRACE"
+#: "1": plan steps so that a request's result does not depend on its batch (PlanOptions.batch_invariant).
+ENV_BATCH_INVARIANT = "VLLM_GAUDI_UNIFIED_BATCH_INVARIANT"
+
+ALL_ENV_VARS = (ENV_ENABLE, ENV_BUCKETS, ENV_WARMUP, ENV_RECORD_TRACE, ENV_BATCH_INVARIANT)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _flag(name: str, environ) -> bool | None:
+    """True / False for a set boolean variable, None when unset or empty; anything else is an error."""
+    raw = environ.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={environ[name]!r}: expected one of {_TRUE + _FALSE}")
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """What the user asked for; `from_env()` is the only constructor vLLM processes use."""
+
+    enable: bool | None = None  #: VLLM_GAUDI_UNIFIED: True / False / None (auto: on only on Gaudi)
+    buckets: str | None = None  #: VLLM_GAUDI_UNIFIED_BUCKETS: plan file path, "auto", or None (no padding)
+    warmup: bool = True  #: VLLM_GAUDI_UNIFIED_WARMUP: warm every bucket at start-up when a plan is given
+    record_trace: str | None = None  #: VLLM_GAUDI_UNIFIED_RECORD_TRACE: trace file to append steps to
+    batch_invariant: bool = False  #: VLLM_GAUDI_UNIFIED_BATCH_INVARIANT (default: vLLM's VLLM_BATCH_INVARIANT)
+
+    @classmethod
+    def from_env(cls, environ=None) -> "PluginConfig":
+        env = os.environ if environ is None else environ
+        batch_invariant = _flag(ENV_BATCH_INVARIANT, env)
+        if batch_invariant is None:
+            batch_invariant = bool(_flag("VLLM_BATCH_INVARIANT", env))
+        warmup = _flag(ENV_WARMUP, env)
+        return cls(
+            enable=_flag(ENV_ENABLE, env),
+            buckets=env.get(ENV_BUCKETS) or None,
+            warmup=True if warmup is None else warmup,
+            record_trace=env.get(ENV_RECORD_TRACE) or None,
+            batch_invariant=batch_invariant,
+        )
+
+
+def habana_importable() -> bool:
+    """`habana_frameworks` is installed (found without importing it)."""
+    return importlib.util.find_spec("habana_frameworks") is not None
+
+
+def hpu_present() -> bool:
+    """An HPU is usable: `habana_frameworks` imports and reports a device. Imports the bridge
+    only when it is installed, so machines without it pay nothing."""
+    if not habana_importable():
+        return False
+    try:
+        import habana_frameworks.torch.hpu as hthpu  # noqa: PLC0415  (lazy: heavy, Gaudi only)
+
+        return bool(hthpu.is_available())
+    except Exception:  # a broken or driver-less install is "no Gaudi"
+        return False

@@ -1,0 +1,54 @@
+"""vLLM's CPU platform with the unified attention backend, for trying and testing off Gaudi.
+
+vLLM's own `CpuPlatform.get_attn_backend_cls` always answers CPU_ATTN, so the
+only way to run another backend on the CPU is a platform of our own; this one
+changes nothing else. `select_unified_backend` is shared with the Gaudi platform.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.platforms.cpu import CpuPlatform
+
+from vllm_gaudi_unified.log import get_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+logger = get_logger("vllm.gaudi_unified.platform")
+
+
+def select_unified_backend(attn_selector_config: "AttentionSelectorConfig") -> str:
+    """The unified backend's class path for a layer, or a start-up error naming what it lacks.
+
+    vLLM asks once per distinct layer configuration while building the model,
+    so an unsupported feature (MLA, encoder or cross attention, ALiBi-free
+    checks aside) stops the start-up with the reasons instead of running wrong.
+    """
+    from vllm_gaudi_unified.vllm_plugin.backend import GaudiUnifiedAttentionBackend, register_backend
+
+    register_backend()  # the general plugin normally did this; the Attention layer looks the name up
+    cfg = attn_selector_config._asdict()
+    reasons = GaudiUnifiedAttentionBackend.validate_configuration(device_capability=None, **cfg)
+    if reasons:
+        raise ValueError(
+            f"The unified attention backend ({GaudiUnifiedAttentionBackend.get_name()}) cannot run this model: "
+            f"{'; '.join(reasons)} (layer config: {attn_selector_config!r}). "
+            "Unset VLLM_GAUDI_UNIFIED (or set it to 0) to use vLLM's own backend.")
+    logger.info_once("Using the unified attention backend %s.", GaudiUnifiedAttentionBackend.get_name())
+    return GaudiUnifiedAttentionBackend.full_cls_name()[0] + "." + GaudiUnifiedAttentionBackend.__qualname__
+
+
+class UnifiedCpuPlatform(CpuPlatform):
+    """`CpuPlatform` whose attention backend is unified attention (unless another is named explicitly)."""
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend: "AttentionBackendEnum", attn_selector_config:
+                             "AttentionSelectorConfig", num_heads: int | None = None) -> str:
+        from vllm_gaudi_unified.vllm_plugin.backend import BACKEND_NAME
+
+        if selected_backend is not None and selected_backend.name != BACKEND_NAME:
+            # `--attention-backend X` given explicitly: vLLM's own choice for X.
+            return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+        return select_unified_backend(attn_selector_config)

@@ -1,0 +1,112 @@
+"""What happens around each planned step inside vLLM: bucket plan, warmup, debug log, trace.
+
+Made once per metadata builder (at vLLM's start-up, after the KV cache is
+sized), used once per step by `GaudiUnifiedMetadataBuilder.build`:
+
+- a bucket plan (`VLLM_GAUDI_UNIFIED_BUCKETS`), checked against the server's
+  settings at start-up; every step is then padded to its bucket, and the plan
+  decides the planner options (a plan is only valid for the options it was
+  made with);
+- warmup of every bucket of the plan at start-up (`VLLM_GAUDI_UNIFIED_WARMUP`);
+- the phase and bucket of each step, logged through vLLM's logger at debug
+  level (`VLLM_LOGGING_LEVEL=DEBUG` shows them);
+- recording of every step to a trace file (`VLLM_GAUDI_UNIFIED_RECORD_TRACE`)
+  in the scheduler trace format of `vllm_gaudi_unified.bucketing.trace`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_gaudi_unified import PlanOptions, UnifiedBatch
+from vllm_gaudi_unified.log import get_logger
+from vllm_gaudi_unified.vllm_plugin.config import ENV_BATCH_INVARIANT, ENV_BUCKETS, PluginConfig
+
+logger = get_logger("vllm.gaudi_unified.steps")
+
+
+@dataclass
+class StepHooks:
+    options: PlanOptions  #: planner options of every step (the bucket plan's when there is one)
+    bucket_plan: object | None = None  #: a `BucketPlan` (anything with .find(shape)), or None: steps run unpadded
+    trace_path: str | None = None  #: where steps are appended, or None
+
+    @classmethod
+    def create(cls, config: PluginConfig, vllm_config, kv_cache_spec, device: torch.device) -> "StepHooks":
+        options = PlanOptions(batch_invariant=config.batch_invariant)
+        plan = None
+        if config.buckets:
+            plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options)
+            options = plan.settings.options
+        hooks = cls(options=options, bucket_plan=plan, trace_path=_trace_path(config, vllm_config))
+        if hooks.trace_path:
+            _start_trace(hooks.trace_path, vllm_config, kv_cache_spec)
+        if plan is not None and config.warmup:
+            _warmup(plan, vllm_config, kv_cache_spec, device)
+        return hooks
+
+    def after_plan(self, batch: UnifiedBatch, query_lens: np.ndarray, context_lens: np.ndarray,
+                   block_table: np.ndarray) -> None:
+        """Per step, after planning: debug log, trace line. Host work only."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("unified attention step: phase %s, bucket %s, step shape %s, %d requests, %d tokens",
+                         batch.phase, batch.bucket, batch.shape, batch.num_requests, batch.num_tokens)
+        if self.trace_path:
+            from vllm_gaudi_unified.bucketing.trace import append_step
+
+            # One open/append/close per step: the line is on disk even if vLLM kills this process.
+            append_step(self.trace_path, query_lens, context_lens, block_table, batch.block_size)
+
+
+def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOptions):
+    """The plan of `path`, refused at start-up when it was made for other settings than this server's."""
+    from vllm_gaudi_unified.bucketing.plan import BucketPlan
+
+    plan = BucketPlan.load(path)
+    sched = vllm_config.scheduler_config
+    try:
+        plan.check_compatible(kv_cache_spec.block_size, max_num_seqs=sched.max_num_seqs,
+                              max_num_batched_tokens=sched.max_num_batched_tokens)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_BUCKETS}={path}: {exc}") from None
+    if options.batch_invariant != plan.settings.options.batch_invariant:
+        raise ValueError(f"{ENV_BUCKETS}={path}: the plan was made with batch_invariant="
+                         f"{plan.settings.options.batch_invariant}, but {ENV_BATCH_INVARIANT} asks for "
+                         f"{options.batch_invariant}")
+    logger.info("Unified attention: bucket plan %s, %d buckets, miss policy %r", path, len(plan),
+                plan.miss_policy)
+    return plan
+
+
+def _warmup(plan, vllm_config, kv_cache_spec, device) -> None:
+    raise NotImplementedError("bucket warmup inside vLLM waits for vllm_gaudi_unified.warmup")
+
+
+def _trace_path(config: PluginConfig, vllm_config) -> str | None:
+    """Only the first worker records: with several workers every one plans the same steps."""
+    if not config.record_trace or vllm_config.parallel_config.rank != 0:
+        return None
+    return config.record_trace
+
+
+def _start_trace(path: str, vllm_config, kv_cache_spec) -> None:
+    """A new trace file whose header holds the server settings the steps were recorded under."""
+    from vllm_gaudi_unified.bucketing.trace import TraceWriter
+
+    sched, cache, model = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.model_config
+    header = {
+        "source": "vllm-gaudi-unified vLLM plugin",
+        "block_size": kv_cache_spec.block_size,
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "max_model_len": model.max_model_len,
+        "num_blocks": cache.num_gpu_blocks,
+        "enable_prefix_caching": bool(cache.enable_prefix_caching),
+        "enable_chunked_prefill": bool(sched.enable_chunked_prefill),
+    }
+    with TraceWriter(path, header=header):
+        pass
+    logger.info("Unified attention: recording every step to %s", path)
