@@ -36,10 +36,10 @@ class Bucket:
     num_causal_tiles: int = 0  #: query-tile x key-tile pairs of the causal path
 
     def __post_init__(self):
-        for f in fields(self)[1:]:
-            value = getattr(self, f.name)
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
-                raise ValueError(f"Bucket.{f.name} must be a non-negative int, got {value!r}")
+                raise ValueError(f"Bucket.{name} must be a non-negative int, got {value!r}")
         expected = phase_of(self.num_causal_tiles, self.num_shared_blocks, self.num_unique_blocks)
         if self.phase != expected:
             raise ValueError(f"Bucket.phase {self.phase!r} disagrees with its sizes (expected {expected!r})")
@@ -56,3 +56,7 @@ class Bucket:
     def __str__(self) -> str:
         return (f"{self.phase}:q{self.query_len}:c{self.num_causal_tiles}:s{self.num_shared_blocks}"
                 f":u{self.num_unique_blocks}:l{self.num_logits}")
+
+
+#: The numeric fields of a Bucket, in declaration order.
+SIZE_FIELDS = tuple(f.name for f in fields(Bucket)[1:])

@@ -49,14 +49,18 @@ class PlanOptions:
     """Tile sizes and choices of the planner; one graph per bucket *and* options."""
 
     causal_tile: int = 64  #: query rows = key columns of a causal tile
-    shared_rows: int = 32  #: query rows of a shared tile
+    shared_rows: int = 8  #: query rows of a shared tile (small: decode groups sharing a prefix are often 2-16 requests)
     shared_tile_keys: int = 512  #: keys of a shared tile, rounded down to whole blocks (at least one)
     unique_layout: str = "auto"  #: 'slice', 'gather', or 'auto' (slice when dense enough)
     slice_min_density: float = 0.5  #: 'auto' reads the slice when live blocks / (max id + 1) >= this
     batch_invariant: bool = False  #: same bits for a request whatever its batch (docs/batch_invariance.md)
+    invariant_rows: int = 8  #: batch_invariant: query tokens per cached-block unit (the block is read once per unit)
+    invariant_chunk: int = 512  #: batch_invariant: cached-block units per product (one shape for every call)
+    invariant_causal_chunk: int = 16  #: batch_invariant: causal tiles per product
 
     def __post_init__(self):
-        for name in ("causal_tile", "shared_rows", "shared_tile_keys"):
+        for name in ("causal_tile", "shared_rows", "shared_tile_keys", "invariant_rows", "invariant_chunk",
+                     "invariant_causal_chunk"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"PlanOptions.{name} must be an int >= 1, got {value!r}")
@@ -68,6 +72,9 @@ class PlanOptions:
     def blocks_per_tile(self, block_size: int) -> int:
         """Cache blocks in one shared tile."""
         return max(1, self.shared_tile_keys // block_size)
+
+
+DEFAULT_OPTIONS = PlanOptions()
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,17 @@ class StepPlan:
     logits_indices: np.ndarray  #: [num_logits] last new token of each request
     max_block_id: int  #: largest cache block id read (-1: none); checked against the cache
     work_needed: PathWork  #: pairs the step needs
-    work_dense: PathWork  #: pairs the dense design (all tokens x all shared blocks, [0, max id] slice) computes
+    work_dense: PathWork | None  #: pairs the dense design would compute (only with plan_step(dense_work=True))
+    # Batch-invariant plans only (options.batch_invariant; see invariant.py), else None / 0. There the
+    # causal tiles are counted from each request's first token and the cached blocks come as units.
+    inv_unit_rows: np.ndarray | None = None  #: [units, invariant_rows] query token per unit row (query_len: none)
+    inv_unit_block: np.ndarray | None = None  #: [units] the one cache block of each unit
+    inv_unit_col: np.ndarray | None = None  #: [units, invariant_rows] logical index of the block in the row's request
+    inv_unit_lo: np.ndarray | None = None  #: [units, invariant_rows] first visible slot
+    inv_unit_hi: np.ndarray | None = None  #: [units, invariant_rows] end of visible slots
+    inv_causal_col: np.ndarray | None = None  #: [num_causal_tiles] key tile index within its request
+    inv_cached_width: int = 0  #: slots per token for cached partials (a power of two)
+    inv_causal_width: int = 0  #: slots per token for causal partials (a power of two)
 
     @property
     def unique_layout(self) -> str:
@@ -125,6 +142,9 @@ class StepPlan:
     def work_planned(self) -> PathWork:
         """Pairs the device computes for the arrays as they are (padding included)."""
         b, opts = self.bucket, self.options
+        if opts.batch_invariant:
+            return PathWork(causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len,
+                            shared=b.num_shared_blocks * opts.invariant_rows * self.block_size)
         return PathWork(
             causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len,
             shared=b.num_shared_blocks * opts.shared_rows * self.block_size,
@@ -139,7 +159,7 @@ def _int_vector(name: str, values) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
 
@@ -162,7 +182,7 @@ def _validate(query_lens, context_lens, block_table, block_size, sliding_window,
     bt = np.asarray(block_table)
     if bt.ndim != 2 or bt.shape[0] != q.size:
         raise ValueError(f"block_table must have shape [{q.size}, max_blocks], got {tuple(bt.shape)}")
-    if bt.size and not np.issubdtype(bt.dtype, np.integer):
+    if bt.size and bt.dtype.kind not in "iu":
         raise ValueError(f"block_table must hold integers, got dtype {bt.dtype}")
     if not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -177,7 +197,7 @@ def _validate(query_lens, context_lens, block_table, block_size, sliding_window,
         raise ValueError(
             f"block_table has {bt.shape[1]} columns but request {r} needs {int(nb_ctx[r])} blocks "
             f"for context_lens[{r}] = {int(ctx[r])} (block_size {block_size})")
-    return q, ctx, bt.astype(np.int64, copy=False), nb_ctx
+    return q, ctx, np.ascontiguousarray(bt, dtype=np.int64), nb_ctx
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -187,7 +207,7 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     """Concatenate `arange(starts[i], starts[i] + counts[i])`; also return the owner i of each item."""
     owner = np.repeat(np.arange(counts.size), counts)
     offsets = np.cumsum(counts) - counts
-    return starts[owner] + (np.arange(owner.size) - offsets[owner]), owner
+    return np.repeat(starts - offsets, counts) + np.arange(owner.size), owner
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -221,30 +241,47 @@ def _chunk_index(first: np.ndarray, count: np.ndarray, width: int) -> tuple[np.n
 
 
 def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None = None,
-              num_blocks: int | None = None, options: PlanOptions | None = None) -> StepPlan:
-    """Plan one scheduler step (see the module docstring); arrays are unpadded: `bucket == shape`."""
-    opts = options or PlanOptions()
+              num_blocks: int | None = None, options: PlanOptions | None = None,
+              dense_work: bool = False) -> StepPlan:
+    """Plan one scheduler step (see the module docstring); arrays are unpadded: `bucket == shape`.
+
+    `dense_work`: also count what the dense design would compute (for trace statistics; costs time)."""
+    opts = options or DEFAULT_OPTIONS
+    if opts.batch_invariant:
+        from vllm_gaudi_unified.invariant import plan_step_invariant
+
+        return plan_step_invariant(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
+                                   num_blocks=num_blocks, options=opts)
     q, ctx, bt, nb_ctx = _validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
     bs, W = int(block_size), sliding_window
     R, T = q.size, int(q.sum())
     starts = np.cumsum(q) - q
-    tok_j, tok_req = _ranges(np.zeros_like(q), q)
+    if T == R:  # every request has one new token (decodes): no ranges to build
+        tok_j, tok_req = np.zeros(R, np.int64), np.arange(R)
+    else:
+        tok_j, tok_req = _ranges(np.zeros_like(q), q)
     seg_start = starts[tok_req]
     tok_pos = ctx[tok_req] + tok_j
 
-    # (request, cached block) pairs some token of the request can see.
+    # (request, cached block) pairs some token of the request can see, as flat indices into the table.
     first_blk = np.zeros_like(ctx) if W is None else np.maximum(ctx - W + 1, 0) // bs
-    pair_blk, pair_req = _ranges(first_blk, np.maximum(nb_ctx - first_blk, 0))
-    phys = bt[pair_req, pair_blk]
+    counts = np.maximum(nb_ctx - first_blk, 0)
+    width = bt.shape[1]
+    flat, pair_req = _ranges(np.arange(R) * width + first_blk, counts)
+    pair_blk = flat - pair_req * width
+    phys = bt.ravel()[flat]
     _first_bad_block(phys, pair_req, pair_blk, num_blocks)
-    pair_hi = np.minimum(bs, ctx[pair_req] - pair_blk * bs)
-    if W is None:
-        pair_users = q[pair_req]
-    else:  # token j sees the block's last key k while j <= k - context_len + W - 1
-        pair_users = np.clip(pair_blk * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
+    pair_hi = np.full(flat.size, bs, np.int64)  # every block is full but a request's last one
+    last = (np.cumsum(counts) - 1)[counts > 0]
+    pair_hi[last] = ctx[counts > 0] - pair_blk[last] * bs
     max_block_id = int(phys.max()) if phys.size else -1
-    users = np.bincount(phys, weights=pair_users, minlength=max_block_id + 1)
-    is_shared = users[phys] > 1
+    if W is None:  # every token of the request sees every block
+        is_shared = np.bincount(phys, minlength=max_block_id + 1)[phys] > 1
+        if T > R:
+            is_shared |= np.repeat(q > 1, counts)
+    else:  # token j sees the block's last key k while j <= k - context_len + W - 1
+        users = np.clip(pair_blk * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
+        is_shared = np.bincount(phys, weights=users, minlength=max_block_id + 1)[phys] > 1
 
     unique = _plan_unique(~is_shared, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts)
     shared = _plan_shared(is_shared, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, first_blk,
@@ -258,19 +295,24 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
         num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=causal_needed, shared=int((shared[3] - shared[2]).sum()),
                       unique=int((unique[3] - unique[2]).sum()))
-    n_shared_blocks = int(np.count_nonzero(np.bincount(phys[is_shared]))) if is_shared.any() else 0
-    unique_ids = phys[~is_shared]
-    dense = PathWork(  # the design before tiling: 512-row slices, all tokens x all shared blocks, [0, max id] slice
-        causal=sum(512 * min(T, (a + 1) * 512) for a in range(-(-T // 512))),
-        shared=T * n_shared_blocks * bs,
-        unique=(int(unique_ids.max()) + 1) * bs if unique_ids.size else 0)
+    dense = _dense_work(phys, is_shared, T, bs) if dense_work else None
     return StepPlan(
         block_size=bs, sliding_window=W, options=opts, num_requests=R, num_tokens=T, shape=shape, bucket=shape,
-        token_seg_start=seg_start.astype(np.int32), causal_q_start=causal_q, causal_k_start=causal_k,
+        token_seg_start=seg_start, causal_q_start=causal_q, causal_k_start=causal_k,
         shared_rows=shared[0], shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3],
         unique_rows=unique[0], unique_blocks=unique[1], unique_lo=unique[2], unique_hi=unique[3],
-        logits_indices=(starts + q - 1).astype(np.int32), max_block_id=max_block_id,
+        logits_indices=(starts + q - 1), max_block_id=max_block_id,
         work_needed=needed, work_dense=dense)
+
+
+def _dense_work(phys, is_shared, T, bs) -> PathWork:
+    """The design before tiling: 512-row causal slices over the flattened batch, every token
+    against every shared block, the unique slice [0, max id]."""
+    n_shared_blocks = np.unique(phys[is_shared]).size
+    unique_ids = phys[~is_shared]
+    return PathWork(causal=sum(512 * min(T, (a + 1) * 512) for a in range(-(-T // 512))),
+                    shared=T * n_shared_blocks * bs,
+                    unique=(int(unique_ids.max()) + 1) * bs if unique_ids.size else 0)
 
 
 def _first_bad_block(phys, pair_req, pair_blk, num_blocks):
@@ -285,21 +327,23 @@ def _first_bad_block(phys, pair_req, pair_blk, num_blocks):
 def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts):
     """One row per block used by exactly one token: the first token of its request (the only
     one that sees it: with a window, later tokens see less far back)."""
-    ids, req, blk, hi = phys[mask], pair_req[mask], pair_blk[mask], pair_hi[mask]
+    if not mask.all():
+        phys, pair_req, pair_blk, pair_hi = phys[mask], pair_req[mask], pair_blk[mask], pair_hi[mask]
+    ids, req, blk, hi = phys, pair_req, pair_blk, pair_hi
     lo = np.zeros_like(hi) if W is None else np.clip(ctx[req] - W + 1 - blk * bs, 0, hi)
     rows = starts[req]
     if ids.size == 0:
-        empty = np.zeros(0, np.int32)
+        empty = np.zeros(0, np.int64)
         return empty, (empty if opts.unique_layout == "gather" else None), empty, empty
     span = int(ids.max()) + 1
     layout = opts.unique_layout
     if layout == "auto":
         layout = "slice" if ids.size >= opts.slice_min_density * span else "gather"
     if layout == "gather":
-        return rows.astype(np.int32), ids.astype(np.int32), lo.astype(np.int32), hi.astype(np.int32)
-    slot_rows = np.full(span, T, np.int32)
-    slot_lo = np.zeros(span, np.int32)
-    slot_hi = np.zeros(span, np.int32)
+        return rows, ids, lo, hi
+    slot_rows = np.full(span, T, np.int64)
+    slot_lo = np.zeros(span, np.int64)
+    slot_hi = np.zeros(span, np.int64)
     slot_rows[ids], slot_lo[ids], slot_hi[ids] = rows, lo, hi
     return slot_rows, None, slot_lo, slot_hi
 
@@ -309,8 +353,8 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, fir
     """Tiles of (query tokens x blocks) over groups of blocks with the same set of user requests."""
     qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
     if not mask.any():
-        z = np.zeros((0, qt, kb), np.int32)
-        return np.zeros((0, qt), np.int32), np.zeros((0, kb), np.int32), z, z
+        z = np.zeros((0, qt, kb), np.int64)
+        return np.zeros((0, qt), np.int64), np.zeros((0, kb), np.int64), z, z
     s_phys, s_req, s_blk = phys[mask], pair_req[mask], pair_blk[mask]
     # Columns are (block id, position in the request); group them by the set of requests using them.
     col_key = s_phys * bt.shape[1] + s_blk
@@ -355,17 +399,20 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, fir
     else:
         pos = tok_pos[np.minimum(rows, T - 1)][:, :, None]
         lo = np.clip(pos - W + 1 - blk * bs, 0, hi)
-    return rows.astype(np.int32), cphys.astype(np.int32), lo.astype(np.int32), hi.astype(np.int32)
+    return rows, cphys, lo, hi
 
 
 def _plan_causal(seg_start, tok_j, T, W, tile):
     """Tiles (query slice, key slice) on the flattened token axis that hold some strict-causal pair."""
+    if tok_j.size == 0 or tok_j.max() == 0:  # single-token requests: only self pairs
+        empty = np.zeros(0, np.int64)
+        return empty, empty, T
     t = np.arange(T)
     klo = seg_start if W is None else np.maximum(seg_start, t - W + 1)
     needs = klo <= t - 1  # at least one earlier new token of the same request is visible
     needed = int(np.minimum(tok_j + 1, W if W is not None else T + 1).sum())
     if not needs.any():
-        empty = np.zeros(0, np.int32)
+        empty = np.zeros(0, np.int64)
         return empty, empty, needed
     n = -(-T // tile)
     big = np.iinfo(np.int64).max
@@ -377,7 +424,7 @@ def _plan_causal(seg_start, tok_j, T, W, tile):
     active = np.flatnonzero(hi >= 0)
     first_k, last_k = lo[active] // tile, hi[active] // tile
     k_tiles, owner = _ranges(first_k, last_k - first_k + 1)
-    return (active[owner] * tile).astype(np.int32), (k_tiles * tile).astype(np.int32), needed
+    return (active[owner] * tile), (k_tiles * tile), needed
 
 
 # ----------------------------------------------------------------------------- padding
@@ -387,6 +434,10 @@ def pad_plan(plan: StepPlan, bucket: Bucket) -> StepPlan:
     """The same step padded to `bucket`; padding adds only fully masked work."""
     if bucket == plan.bucket:
         return plan
+    if plan.options.batch_invariant:
+        from vllm_gaudi_unified.invariant import pad_plan_invariant
+
+        return pad_plan_invariant(plan, bucket)
     _check_covers(bucket, plan.shape)
     kb = plan.options.blocks_per_tile(plan.block_size)
     if bucket.num_shared_blocks % kb:
@@ -395,7 +446,7 @@ def pad_plan(plan: StepPlan, bucket: Bucket) -> StepPlan:
     T, Tp = plan.bucket.query_len, bucket.query_len
 
     def rows(a):  # move the "no row" marker from the old to the new token count
-        return np.where(a == T, Tp, a).astype(np.int32)
+        return np.where(a == T, Tp, a)
 
     def grow(a, n, fill):
         extra = np.full((n - a.shape[0],) + a.shape[1:], fill, a.dtype)
@@ -405,7 +456,7 @@ def pad_plan(plan: StepPlan, bucket: Bucket) -> StepPlan:
     nu = bucket.num_unique_blocks
     return replace(
         plan, bucket=bucket,
-        token_seg_start=np.concatenate([plan.token_seg_start, np.arange(T, Tp, dtype=np.int32)]),
+        token_seg_start=np.concatenate([plan.token_seg_start, np.arange(T, Tp, dtype=np.int64)]),
         causal_q_start=grow(rows(plan.causal_q_start), bucket.num_causal_tiles, Tp),
         causal_k_start=grow(plan.causal_k_start, bucket.num_causal_tiles, 0),
         shared_rows=grow(rows(plan.shared_rows), ns, Tp), shared_blocks=grow(plan.shared_blocks, ns, 0),
