@@ -350,26 +350,30 @@ def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T,
 
 def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, first_blk, tok_req, tok_pos,
                  bs, W, T, opts):
-    """Tiles of (query tokens x blocks) over groups of blocks with the same set of user requests."""
+    """Tiles of (query tokens x blocks) over groups of blocks with the same set of user requests.
+
+    Every row of a group uses every column of the group (the grouping is exact),
+    so a cell's visible slots follow from the row's context length and position
+    and the column's first position alone: no per-cell lookup of the block table."""
     qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
     if not mask.any():
         z = np.zeros((0, qt, kb), np.int64)
         return np.zeros((0, qt), np.int64), np.zeros((0, kb), np.int64), z, z
     s_phys, s_req, s_blk = phys[mask], pair_req[mask], pair_blk[mask]
-    # Columns are (block id, position in the request); group them by the set of requests using them.
+    # Columns are (block id, position in the request); pairs sorted by column, requests in order within one.
     col_key = s_phys * bt.shape[1] + s_blk
     order = np.argsort(col_key, kind="stable")
-    col_key_sorted = col_key[order]
+    col_key_sorted, req_sorted = col_key[order], s_req[order]
     col_start = np.flatnonzero(np.r_[True, col_key_sorted[1:] != col_key_sorted[:-1]])
-    col_hash = np.bitwise_xor.reduceat(_mix64(s_req[order]), col_start)
-    _, col_group = np.unique(col_hash, return_inverse=True)
-    col_group = col_group.ravel()
+    col_users = np.diff(np.r_[col_start, order.size])
+    col_group = _exact_groups(req_sorted, col_start, col_users, q.size)
     col_phys, col_blk = s_phys[order][col_start], s_blk[order][col_start]
-    # Requests of each group (union over its columns' users: always correct, tight when hashes agree).
-    pair_group = np.repeat(col_group, np.diff(np.r_[col_start, order.size]))
-    gr = np.unique(pair_group * q.size + s_req[order])
-    gr_group, gr_req = gr // q.size, gr % q.size
     G = int(col_group.max()) + 1
+    # A group's requests are those of its first column (all its columns have the same users).
+    first_col = np.full(G, -1, np.int64)
+    first_col[col_group[::-1]] = np.arange(col_group.size)[::-1]
+    req_idx, gr_group = _ranges(col_start[first_col], col_users[first_col])
+    gr_req = req_sorted[req_idx]
     # Group-sorted row list (tokens of the group's requests) and column list.
     rows_flat, _ = _ranges(starts[gr_req], q[gr_req])
     rows_per_group = np.bincount(gr_group, weights=q[gr_req], minlength=G).astype(np.int64)
@@ -387,19 +391,34 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, fir
     col_idx, col_ok = _chunk_index(c_first[ci], c_cnt[ci], kb)
     rows = np.where(row_ok, rows_flat[row_idx], T)
     cphys = np.where(col_ok, col_phys[col_order][col_idx], 0)
-    cblk = np.where(col_ok, col_blk[col_order][col_idx], 0)
-    # Visible slots per (row, column): the row's request must hold this block at this position.
-    req = tok_req[np.minimum(rows, T - 1)][:, :, None]
-    blk = cblk[:, None, :]
-    used = (row_ok[:, :, None] & col_ok[:, None, :] & (blk < nb_ctx[req]) & (blk >= first_blk[req])
-            & (bt[req, np.minimum(blk, bt.shape[1] - 1)] == cphys[:, None, :]))
-    hi = np.where(used, np.minimum(bs, ctx[req] - blk * bs), 0)
+    # Visible slots of a cell: [lo, hi) with hi = the row's context past the block start (0 for padding).
+    row_ctx = np.where(row_ok, ctx[tok_req[np.minimum(rows, T - 1)]], 0)  # [tiles, rows]
+    col_pos = np.where(col_ok, col_blk[col_order][col_idx] * bs, 0)  # [tiles, blocks]
+    hi = np.clip(row_ctx[:, :, None] - col_pos[:, None, :], 0, bs) * col_ok[:, None, :]
     if W is None:
         lo = np.zeros_like(hi)
     else:
-        pos = tok_pos[np.minimum(rows, T - 1)][:, :, None]
-        lo = np.clip(pos - W + 1 - blk * bs, 0, hi)
+        row_lo = tok_pos[np.minimum(rows, T - 1)] - W + 1  # first visible position of the row
+        lo = np.clip(row_lo[:, :, None] - col_pos[:, None, :], 0, hi)
     return rows, cphys, lo, hi
+
+
+def _exact_groups(req_sorted, col_start, col_users, num_requests):
+    """Group id per column, columns with equal user sets together.
+
+    A 64-bit hash of the user set proposes the groups; membership in a
+    [groups, requests] table then checks every column exactly, and a failed
+    check (a hash collision) falls back to one group per column, so a tile
+    never pairs a token with a block its request does not hold."""
+    col_hash = np.bitwise_xor.reduceat(_mix64(req_sorted), col_start)
+    _, col_group = np.unique(col_hash, return_inverse=True)
+    col_group = col_group.ravel()
+    G = int(col_group.max()) + 1
+    pair_group = np.repeat(col_group, col_users)
+    member = np.zeros((G, num_requests), bool)
+    member[pair_group, req_sorted] = True
+    exact = (member.sum(1)[col_group] == col_users).all()
+    return col_group if exact else np.arange(col_start.size)
 
 
 def _plan_causal(seg_start, tok_j, T, W, tile):
