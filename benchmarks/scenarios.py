@@ -1,0 +1,127 @@
+"""The benchmark scenarios of issue 7: each a step vLLM could schedule, with its block table.
+
+Shapes are the issue's (32 query heads, 8 KV heads, head size 128, bf16); `scale`
+shrinks request counts and lengths for CPU runs and tests. Block ids are drawn
+the way a warm block manager hands them out: a random permutation, over a cache
+just large enough ("dense"), or over a cache `spread` times larger than needed
+("scattered": the largest id is far above the number of live blocks).
+
+The block table covers `context_len + query_len` tokens (vLLM allocates the new
+tokens' slots before attention), so baselines that read the new tokens from the
+cache (FlexAttention over the paged cache) find them there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    query_lens: tuple  #: per request
+    context_lens: tuple  #: per request
+    prefix: tuple = ()  #: (first request, request count, common tokens): groups sharing their first blocks
+    spread: float = 1.0  #: cache size / blocks needed (1 = dense)
+    target_ms: float | None = None  #: issue 7's H100 target at block size 16
+    triton_ms: float | None = None  #: vLLM's Triton unified attention at block size 16 (issue 7)
+    dense_twin: str | None = None  #: for 'scattered': the dense scenario it must stay within 10 % of
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens))
+
+
+@dataclass
+class Layout:
+    """A scenario made concrete for one block size."""
+
+    scenario: Scenario
+    block_size: int
+    block_table: np.ndarray  #: [R, max blocks] int64, -1 past a request's blocks
+    num_blocks: int
+    owned: list = field(default_factory=list)  #: per request: its physical blocks in order
+
+
+def _rep(n: int, value) -> tuple:
+    return (value,) * n
+
+
+def _scaled(n: int, scale: float, minimum: int = 1) -> int:
+    return max(minimum, int(round(n * scale)))
+
+
+def scenarios(scale: float = 1.0, seed: int = 0) -> list[Scenario]:
+    """All scenarios of issue 7; `scale` < 1 shrinks counts and lengths (CPU runs, tests)."""
+    s = lambda n, m=1: _scaled(n, scale, m)  # noqa: E731
+    rng = np.random.default_rng(seed)
+    ragged = tuple(int(x) for x in rng.integers(s(64), s(8192) + 1, size=s(256)))
+    return [
+        Scenario("decode_256x2k", "decode 256 x 2k", _rep(s(256), 1), _rep(s(256), s(2048)),
+                 target_ms=0.75, triton_ms=0.75),
+        Scenario("decode_64x8k", "decode 64 x 8k", _rep(s(64), 1), _rep(s(64), s(8192)), target_ms=None),
+        Scenario("decode_ragged", "decode 256, ctx 64..8k", _rep(len(ragged), 1), ragged,
+                 target_ms=0.66, triton_ms=0.82),
+        Scenario("prefill_4x2k", "prefill 4 x 2k", _rep(4, s(2048)), _rep(4, 0), target_ms=0.6, triton_ms=1.93),
+        Scenario("chunked_2x2k_6k", "chunked prefill 2 x 2k over 6k", _rep(2, s(2048)), _rep(2, s(6144)),
+                 target_ms=2.5, triton_ms=6.4),
+        Scenario("mixed", "mixed 4 x 512 over 1.5k + 256 decodes x 2k",
+                 _rep(4, s(512)) + _rep(s(256), 1), _rep(4, s(1536)) + _rep(s(256), s(2048)),
+                 target_ms=1.0, triton_ms=1.39),
+        Scenario("shared_prefix", "shared prefix 64 x (4k + 256)", _rep(s(64), 1), _rep(s(64), s(4096) + s(256)),
+                 prefix=((0, s(64), s(4096)),), target_ms=0.07, triton_ms=0.27),
+        Scenario("parallel_sampling", "parallel sampling 16 x (2k + 64)", _rep(16, 1), _rep(16, s(2048) + s(64)),
+                 prefix=((0, 16, s(2048)),), target_ms=0.03, triton_ms=0.066),
+        Scenario("scattered", "decode 256 x 2k, blocks over a 6x cache", _rep(s(256), 1), _rep(s(256), s(2048)),
+                 spread=6.0, dense_twin="decode_256x2k"),
+    ]
+
+
+def layout(sc: Scenario, block_size: int, seed: int = 0) -> Layout:
+    """Block table and cache size; prefix groups reuse the full blocks of their first request."""
+    rng = np.random.default_rng(seed)
+    bs = block_size
+    need = [-(-(c + q) // bs) for q, c in zip(sc.query_lens, sc.context_lens)]
+    share = {}  # request -> (owner request, shared full blocks)
+    for first, count, common in sc.prefix:
+        for r in range(first + 1, first + count):
+            share[r] = (first, common // bs)
+    live = sum(n - share.get(r, (0, 0))[1] for r, n in enumerate(need))
+    num_blocks = max(live + 1, int(np.ceil(live * sc.spread)) + 1)
+    free = iter(rng.permutation(np.arange(1, num_blocks))[:live])  # block 0: vLLM's null block
+    table = np.full((sc.num_requests, max(need)), -1, np.int64)
+    for r, n in enumerate(need):
+        owner, common = share.get(r, (r, 0))
+        for i in range(n):
+            table[r, i] = table[owner, i] if i < common else next(free)
+    owned = [table[r, :n].copy() for r, n in enumerate(need)]
+    return Layout(sc, bs, table, num_blocks, owned)
+
+
+def floors(sc: Scenario, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+           elem_bytes: int = 2) -> dict:
+    """The two floors: score+value FLOPs of the pairs the step needs, and the fewest bytes
+    (every live cache block's K and V once, q/k/v/out once)."""
+    pairs = 0
+    for q, c in zip(sc.query_lens, sc.context_lens):
+        pairs += q * c + q * (q + 1) // 2
+    flops = 4 * pairs * num_heads * head_dim
+    kv_tokens = 0
+    seen_prefix = set()
+    for r, (q, c) in enumerate(zip(sc.query_lens, sc.context_lens)):
+        kv_tokens += c
+        for first, count, common in sc.prefix:
+            if first < r < first + count:
+                kv_tokens -= common
+            elif r == first:
+                seen_prefix.add(first)
+    t = sc.num_tokens
+    kv_bytes = 2 * kv_tokens * num_kv_heads * head_dim * elem_bytes
+    io_bytes = t * (2 * num_heads + 2 * num_kv_heads) * head_dim * elem_bytes
+    return {"flops": flops, "bytes": kv_bytes + io_bytes, "kv_bytes": kv_bytes}

@@ -1,0 +1,280 @@
+"""The benchmark suite of issue 7: plan, copy, check, time, compare, write JSON/markdown/PNG.
+
+For every scenario and block size: plan the step on the host (timed), copy the
+batch to the device (timed), draw fresh random q/k/v and caches, check
+`unified_attention` (every variant) against a float32 reference with the cache
+slots no request may read poisoned with NaN, then time it next to the
+baselines in the same process. Variants of our path:
+
+* `eager`: plain calls (launch gaps included);
+* `graph`: the eager call captured in a CUDA graph and replayed (HPU graphs'
+  stand-in);
+* `compiled`: `vllm_gaudi_unified.graphs.compiled_attention` (torch.compile per
+  bucket), captured in a CUDA graph.
+
+Run: `python -m benchmarks.suite --out DIR` (or `vllm-gaudi-unified bench`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import baselines, report, scenarios as sc_mod
+from vllm_gaudi_unified import graphs
+from benchmarks.timing import capture, host_ms, peak_bytes, sync, time_ms
+
+from benchmarks.options import BASELINES, BF16_FLOPS, HBM_BYTES_PER_S, VARIANTS, build_parser  # noqa: F401
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+
+
+def _readable(lay: sc_mod.Layout, device) -> torch.Tensor:
+    """[num_blocks, block_size] True for slots some request may read (context or its new tokens)."""
+    bs = lay.block_size
+    ok = torch.zeros(lay.num_blocks * bs, dtype=torch.bool)
+    for blocks, q, c in zip(lay.owned, lay.scenario.query_lens, lay.scenario.context_lens):
+        pos = np.arange(c + q)
+        ok[torch.as_tensor(blocks[pos // bs] * bs + pos % bs)] = True
+    return ok.view(lay.num_blocks, bs).to(device)
+
+
+def core_variant(name: str):
+    """Swap the tile computation of the three paths for a benchmark comparison; returns an undo."""
+    if name == "current":
+        return lambda: None
+    from vllm_gaudi_unified import causal, shared, unique
+
+    if name != "v0":
+        raise ValueError(f"unknown core variant {name!r}")
+    from benchmarks._attend_v0 import attend as attend_v0
+
+    saved = {m: m.attend for m in (causal, shared, unique)}
+    for m in saved:
+        m.attend = attend_v0
+    return lambda: [setattr(m, "attend", f) for m, f in saved.items()]
+
+
+def run_case(sc, bs, args, device, dtype, rows, profiles):
+    from vllm_gaudi_unified import PlanOptions, plan_step
+    from vllm_gaudi_unified.attention import unified_attention
+    from vllm_gaudi_unified.batch import UnifiedBatch
+    from vllm_gaudi_unified.graphs import compiled_attention
+
+    hq, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
+    lay = sc_mod.layout(sc, bs, seed=args.seed)
+    tiles = {k: getattr(args, k) for k in ("causal_tile", "shared_rows", "shared_tile_keys")
+             if getattr(args, k) is not None}
+    opts = PlanOptions(unique_layout=args.unique_layout, **tiles)
+    ql, cl = list(sc.query_lens), list(sc.context_lens)
+    plan_t, plan = host_ms(lambda: plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks, options=opts))
+
+    def to_device():
+        b = UnifiedBatch.from_plan(plan, device)
+        sync(device)
+        return b
+
+    h2d_t, batch = host_ms(to_device)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
+    t = sc.num_tokens
+    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
+    kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
+    scale = d ** -0.5
+    blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
+    fl = sc_mod.floors(sc, bs, hq, hkv, d, torch.finfo(dtype).bits // 8)
+    floor_ms = max(fl["bytes"] / HBM_BYTES_PER_S, fl["flops"] / BF16_FLOPS) * 1e3
+    base = dict(scenario=sc.name, options=str(opts), title=sc.title, block_size=bs, plan_ms=plan_t, h2d_ms=h2d_t,
+                unique_layout=plan.unique_layout, bucket=str(plan.bucket), work_needed=plan.work_needed.total,
+                work_planned=plan.work_planned.total, floor_ms=floor_ms, flops=fl["flops"], bytes=fl["bytes"],
+                target_ms=sc.target_ms if bs == 16 else None, triton_ms=sc.triton_ms if bs == 16 else None,
+                num_blocks=lay.num_blocks, max_block_id=plan.max_block_id)
+    ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
+    # Our variants: check on a cache whose unreadable slots are NaN/inf, then time on a finite one.
+    dead = ~_readable(lay, device)
+    kc_clean, vc_clean = kc[dead].clone(), vc[dead].clone()
+    kc[dead], vc[dead] = float("nan"), float("inf")
+    fns = {"eager": lambda: unified_attention(q, k, v, kc, vc, batch, scale),
+           "graph": lambda: unified_attention(q, k, v, kc, vc, batch, scale),
+           "compiled": lambda: compiled_attention(q, k, v, kc, vc, batch, scale)}
+    timed, ours = {}, []
+    for var in args.variants:
+        if var != "eager" and device.type != "cuda":
+            continue
+        row = dict(base, method="unified", variant=var)
+        try:
+            t0 = time.time()
+            if var == "eager":
+                out = fns[var]()
+                timed[var] = fns[var]
+            else:
+                replay, out_buf = capture(fns[var], device)
+                replay()
+                sync(device)
+                out = out_buf
+                timed[var] = replay
+            row["setup_s"] = time.time() - t0
+            row["rel_err"] = _rel_err(out, ref)
+            row["ok"] = row["rel_err"] <= args.tol
+        except Exception as exc:  # noqa: BLE001 - a failing variant is reported, not fatal
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+            traceback.print_exc()
+        rows.append(row)
+        ours.append(row)
+    kc[dead], vc[dead] = kc_clean, vc_clean
+    del kc_clean, vc_clean, dead
+    for row in ours:
+        if row.get("ok"):
+            fn = timed[row["variant"]]
+            row["ms"] = time_ms(fn, device)
+            if row["variant"] == "eager":
+                row["peak_mb"] = (peak_bytes(fn, device) or 0) / 2**20 if device.type == "cuda" else None
+    if any(sp == (sc.name, bs) for sp, _ in profiles):
+        for (name_bs, var) in profiles:
+            if name_bs == (sc.name, bs) and var in timed:
+                _profile(timed[var], device, f"{sc.name}:bs{bs}:{var}", rows)
+    timed.clear()  # free our captured graphs before the baselines allocate
+    # Baselines, same tensors, same run.
+    if bs not in args.baseline_block_sizes:
+        return
+    for name in args.baselines:
+        row = dict(base, method=name, variant="graph" if device.type == "cuda" else "eager")
+        try:
+            if name == "sdpa_loop":
+                fn = baselines.per_request_sdpa(q, k, v, kc, vc, ql, cl, blocks, scale)
+            elif name == "padded_sdpa":
+                fn = baselines.padded_sdpa(q, k, v, kc, vc, ql, cl, lay.block_table, scale)
+            elif name == "flex":
+                if device.type != "cuda":
+                    row.update(ok=None, error="CUDA only here")
+                    rows.append(row)
+                    continue
+                fn = baselines.flex_paged(q, k, v, kc, vc, ql, cl, lay.owned, scale)
+            else:
+                raise ValueError(f"unknown baseline {name!r}")
+            if fn is None:
+                row.update(ok=None, error="does not apply")
+                rows.append(row)
+                continue
+            out = fn()
+            row["rel_err"] = _rel_err(out, ref)
+            row["ok"] = row["rel_err"] <= args.tol
+            del out
+            if row["ok"]:
+                row["peak_mb"] = (peak_bytes(fn, device) or 0) / 2**20 if device.type == "cuda" else None
+                if device.type == "cuda":
+                    try:
+                        replay, _ = capture(fn, device)
+                        row["ms"] = time_ms(replay, device)
+                    except Exception:  # noqa: BLE001 - graph capture refused: time eager calls
+                        row["variant"] = "eager"
+                        row["ms"] = time_ms(fn, device)
+                else:
+                    row["ms"] = time_ms(fn, device)
+        except Exception as exc:  # noqa: BLE001
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+            traceback.print_exc()
+        rows.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _profile(fn, device, label, rows):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            fn()
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=70)
+    rows.append(dict(method="profile", scenario=label, table=table))
+    print(f"== profile {label}\n{table}", flush=True)
+
+
+def environment(device: torch.device) -> dict:
+    env = dict(torch=torch.__version__, python=platform.python_version(), device_type=device.type,
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(device=p.name, sms=p.multi_processor_count, memory_gb=round(p.total_memory / 2**30, 1),
+                   cuda=torch.version.cuda)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    else:
+        env["device"] = platform.processor() or platform.machine()
+    return env
+
+
+def main(argv=None, args=None) -> int:
+    args = args or build_parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _dtype(args.dtype)
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.baselines = [] if args.baselines in ("", "none") else args.baselines.split(",")
+    args.baseline_block_sizes = [int(x) for x in args.baseline_block_sizes.split(",") if x]
+    block_sizes = [int(x) for x in args.block_sizes.split(",")]
+    all_sc = sc_mod.scenarios(args.scale, args.seed)
+    wanted = None if args.scenarios == "all" else set(args.scenarios.split(","))
+    chosen = [s for s in all_sc if wanted is None or s.name in wanted]
+    if wanted and len(chosen) != len(wanted):
+        raise SystemExit(f"unknown scenario in {sorted(wanted)}; known: {[s.name for s in all_sc]}")
+    profiles = []
+    for spec in filter(None, args.profile.split(",")):
+        name, bs, var = spec.split(":")
+        profiles.append(((name, int(bs)), var))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(device)
+    print(json.dumps(env), flush=True)
+    undo = core_variant(args.core)
+    rows: list[dict] = []
+    start = time.time()
+    try:
+        for bs in block_sizes:
+            for sc in chosen:
+                if time.time() - start > args.time_budget:
+                    rows.append(dict(scenario=sc.name, block_size=bs, method="skipped", error="time budget"))
+                    continue
+                t0 = time.time()
+                run_case(sc, bs, args, device, dtype, rows, profiles)
+                print(report.progress_line(rows, sc.name, bs, time.time() - t0), flush=True)
+                report.write_all(out_dir, env, vars(args), rows)
+                graphs.clear()  # compiled buckets and captured graphs hold memory pools
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        undo()
+    report.write_all(out_dir, env, vars(args), rows, plot=True)
+    print(report.markdown(env, rows), flush=True)
+    failed = [r for r in rows if r.get("method") == "unified" and r.get("ok") is False]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

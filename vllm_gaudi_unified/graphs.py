@@ -1,0 +1,44 @@
+"""Compiled `unified_attention`, one compiled function per bucket.
+
+The stand-in for Gaudi's graph compiler on other devices: the same torch code,
+handed to `torch.compile` with static shapes. A bucket fixes every shape of a
+step, so each bucket gets its own compiled function (and, where the caller
+captures one, its own CUDA graph). Dynamo caches compiled code per code
+object and falls back to eager past a few recompiles, so each bucket compiles
+a private copy of `unified_attention`'s code: a server with many buckets keeps
+one compiled entry per bucket. Nothing here changes what is computed.
+"""
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+
+from vllm_gaudi_unified.attention import unified_attention
+
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def bucket_key(batch, query: torch.Tensor, key_cache: torch.Tensor, **kwargs) -> tuple:
+    """Everything that changes the compiled code: bucket, plan options, layout, dtypes, shapes, device."""
+    return (batch.bucket, batch.plan.options, batch.block_size, batch.sliding_window, batch.unique_layout,
+            query.dtype, tuple(query.shape[1:]), tuple(key_cache.shape), str(query.device),
+            tuple(sorted((k, v is None) for k, v in kwargs.items())))
+
+
+def compiled_attention(query, key, value, key_cache, value_cache, batch, scale, **kwargs) -> torch.Tensor:
+    """`unified_attention` through the compiled function of this batch's bucket (compiled on first use)."""
+    k = bucket_key(batch, query, key_cache, **kwargs)
+    fn = _COMPILED.get(k)
+    if fn is None:
+        private = types.FunctionType(unified_attention.__code__.replace(), unified_attention.__globals__,
+                                     "unified_attention", unified_attention.__defaults__, unified_attention.__closure__)
+        private.__kwdefaults__ = unified_attention.__kwdefaults__
+        fn = _COMPILED[k] = torch.compile(private, dynamic=False)
+    return fn(query, key, value, key_cache, value_cache, batch, scale, **kwargs)
+
+
+def clear() -> None:
+    """Forget every compiled bucket (tests, benchmarks between configurations)."""
+    _COMPILED.clear()
