@@ -1,0 +1,115 @@
+"""Warmup runs every bucket with the bucket's exact shapes; padded results equal unpadded ones."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_gaudi_unified import build_unified_batch, unified_attention
+from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.bucketing import BucketPlan, ServerSettings
+from vllm_gaudi_unified.bucketing.shapes import PHASES
+from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, workload_from
+from vllm_gaudi_unified.bucketing.shapes import shapes_of_steps
+from vllm_gaudi_unified.bucketing.strategies import trace_plan
+from vllm_gaudi_unified.cli import main
+from vllm_gaudi_unified.warmup import batch_for_bucket, resolve_mode, step_for_bucket, warmup
+
+SETTINGS = ServerSettings(block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512,
+                          num_blocks=256)
+SCHED = SchedulerConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512,
+                        num_blocks=256)
+WORK = workload_from("mixed", num_requests=24, prompt_median=80, prompt_max=300, output_median=12, output_max=40,
+                     prefix_lens=(32, 48))
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return list(Simulator(SCHED, WORK, 2).steps())
+
+
+@pytest.fixture(scope="module")
+def plan(steps):
+    return trace_plan(shapes_of_steps(steps, SETTINGS), SETTINGS, max_graphs=5)
+
+
+@pytest.mark.parametrize("code", range(8))
+def test_step_for_bucket_has_the_phase(code):
+    phase = PHASES[code]
+    kb = SETTINGS.blocks_per_tile
+    bucket = Bucket(phase, 8, kb if phase[1] == "s" else 0, 4 if phase[2] == "u" else 0, 4, 2 if phase[0] == "c" else 0)
+    batch = batch_for_bucket(bucket, 16, SETTINGS.options)
+    assert batch.bucket == bucket and batch.shape.phase == phase
+
+
+def test_bucket_too_small_for_its_phase():
+    with pytest.raises(ValueError, match="cannot hold"):
+        batch_for_bucket(Bucket("c--", 1, 0, 0, 1, 1), 16, SETTINGS.options)
+
+
+def test_padded_to_plan_buckets_equals_unpadded(plan, steps):
+    """Every simulated step, padded to the bucket the plan finds, gives the unpadded result (float64)."""
+    torch.manual_seed(0)
+    hq, hkv, d = 4, 2, 8
+    kc = torch.randn(SETTINGS.num_blocks, 16, hkv, d, dtype=torch.float64)
+    vc = torch.randn_like(kc)
+    for step in steps[::12]:
+        t = int(step.query_lens.sum())
+        q, k, v = torch.randn(t, hq, d, dtype=torch.float64), torch.randn(t, hkv, d, dtype=torch.float64), \
+            torch.randn(t, hkv, d, dtype=torch.float64)
+        table = step.block_table()
+        plain = build_unified_batch(step.query_lens, step.context_lens, table, 16, options=SETTINGS.options)
+        padded = build_unified_batch(step.query_lens, step.context_lens, table, 16, options=SETTINGS.options,
+                                     bucket=plan)
+        assert padded.bucket in plan.buckets and padded.bucket.covers(plain.shape)
+        torch.testing.assert_close(unified_attention(q, k, v, kc, vc, padded, 0.3),
+                                   unified_attention(q, k, v, kc, vc, plain, 0.3), rtol=1e-9, atol=1e-9)
+
+
+def test_warmup_runs_every_bucket_with_its_shapes(plan):
+    seen = []
+
+    def run(bucket, batch):
+        assert batch.bucket == bucket
+        seen.append(bucket)
+        return torch.zeros(1)
+
+    report = warmup(plan, run=run, progress=False)
+    assert seen == plan.buckets and len(report.seconds) == len(plan) and report.total_seconds >= 0
+
+
+def test_warmup_default_attention(plan):
+    report = warmup(plan, num_qo_heads=2, num_kv_heads=1, head_dim=8, dtype=torch.float32, progress=False)
+    assert report.mode == "eager" and len(report.buckets) == len(plan)
+    assert "warmed" in report.table()
+
+
+def test_modes():
+    assert resolve_mode("auto", "cpu") == "eager" and resolve_mode("auto", "hpu") == "hpu_graphs"
+    with pytest.raises(ValueError, match="needs an HPU"):
+        resolve_mode("hpu_graphs", "cpu")
+    with pytest.raises(ValueError, match="warmup mode"):
+        resolve_mode("fast", "cpu")
+
+
+def test_warmup_command(plan, tmp_path, capsys):
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    out = str(tmp_path / "w.json")
+    assert main(["warmup", path, "--num-qo-heads", "2", "--num-kv-heads", "1", "--head-dim", "8", "--dtype",
+                 "float32", "--limit", "3", "--json", out, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "warmed 3 buckets" in text
+    assert len(json.load(open(out))["buckets"]) == 3
+
+
+def test_warmup_compile_mode_one_bucket(plan):
+    pytest.importorskip("torch._inductor")
+    try:
+        report = warmup(plan, mode="compile", buckets=plan.buckets[:1], num_qo_heads=2, num_kv_heads=1, head_dim=8,
+                        dtype=torch.float32, progress=False)
+    except Exception as exc:  # no C++ compiler on the machine
+        if "compiler" in str(exc).lower() or "InductorError" in type(exc).__name__:
+            pytest.skip(f"torch.compile unavailable here: {exc}")
+        raise
+    assert report.mode == "compile" and len(report.seconds) == 1

@@ -1,0 +1,73 @@
+"""Pictures of bucket plans: the buckets over a scatter of a trace's steps, and waste-vs-graphs curves."""
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_gaudi_unified.bucketing.cost import DIMS, SHORT
+
+#: The three panels of `plot_plan`: (x, y) dimensions.
+PANELS = (("query_len", "num_unique_blocks"), ("query_len", "num_shared_blocks"), ("query_len", "num_causal_tiles"))
+
+
+def plot_plan(plan, shapes, path: str, title: str = "") -> None:
+    """PNG: for three pairs of dimensions, every step as a dot (colour = phase) and every bucket
+    the step pads to as the corner of its rectangle; both axes symlog so decodes and prefills show."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    sizes = np.asarray(shapes.sizes)
+    idx = plan.find_all(sizes)
+    used = np.unique(idx[idx >= 0])
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 5.2))
+    codes = shapes.codes
+    from vllm_gaudi_unified.bucketing.shapes import PHASES
+
+    colours = plt.get_cmap("tab10")
+    for ax, (xd, yd) in zip(axes, PANELS):
+        xi, yi = DIMS.index(xd), DIMS.index(yd)
+        for code in np.unique(codes):
+            m = codes == code
+            ax.scatter(sizes[m, xi] + 0.5, sizes[m, yi] + 0.5, s=4, alpha=0.35, color=colours(int(code)),
+                       label=f"{PHASES[code]} ({m.sum()} steps)")
+        for i, b in enumerate(plan.sizes):
+            lw, alpha = (1.2, 0.9) if i in used else (0.6, 0.3)
+            ax.add_patch(Rectangle((0.5, 0.5), b[xi], b[yi], fill=False, lw=lw, alpha=alpha, color="black"))
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_yscale("symlog", linthresh=1)
+        ax.set_xlabel(SHORT[xd] + f" ({xd})")
+        ax.set_ylabel(SHORT[yd] + f" ({yd})")
+        ax.grid(alpha=0.2)
+    axes[0].legend(fontsize=7, markerscale=3, loc="upper left")
+    fig.suptitle(title or f"{plan.strategy} plan: {len(plan)} buckets ({len(used)} used by this trace); "
+                 "dots: steps, boxes: buckets (bold: used)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(curves: dict, path: str, title: str = "") -> None:
+    """PNG: padding waste against number of graphs, one line per (strategy, trace).
+
+    `curves`: label -> list of (graphs, waste)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for label, pts in curves.items():
+        pts = sorted(pts)
+        style = "o-" if "trace" in label else "s--"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
+    ax.set_xscale("log")
+    ax.set_xlabel("graphs (buckets) to warm up")
+    ax.set_ylabel("padding waste (padded work / real work)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

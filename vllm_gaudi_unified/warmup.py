@@ -1,0 +1,263 @@
+"""Warmup: run unified attention once per bucket of a plan, so no graph is compiled while serving.
+
+`warmup(plan, ...)` is what both the `vllm-gaudi-unified warmup PLAN` command
+and the vLLM integration (at start-up) call. For every bucket it makes the
+smallest step of the bucket's phase, plans it padded to the bucket (so the
+batch has exactly the bucket's shapes), and runs it through the chosen mode:
+
+1. `hpu_graphs`: on Gaudi, the attention wrapped in an HPU graph (one graph per
+   bucket, captured on this first run);
+2. `compile`: `torch.compile` with static shapes, one compiled function per
+   bucket (`vllm_gaudi_unified.graphs`);
+3. `eager`: plain torch (checks every bucket runs; nothing is cached);
+`auto` picks `hpu_graphs` on an HPU device and `eager` elsewhere.
+
+A caller with its own forward pass (the vLLM integration runs the model, not
+only attention) passes `run(bucket, batch)`; the default runs the attention
+with random inputs on a KV cache of the plan's size.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.log import get_logger
+
+logger = get_logger(__name__)
+
+MODES = ("auto", "eager", "compile", "hpu_graphs")
+
+
+@dataclass
+class WarmupReport:
+    mode: str
+    device: str
+    seconds: list = field(default_factory=list)  #: per bucket, in the order warmed
+    buckets: list = field(default_factory=list)
+    total_seconds: float = 0.0
+
+    def table(self) -> str:
+        lines = [f"{'#':>4}  {'bucket':<44} {'seconds':>9}"]
+        for i, (b, s) in enumerate(zip(self.buckets, self.seconds)):
+            lines.append(f"{i:>4}  {str(b):<44} {s:>9.3f}")
+        lines.append(f"warmed {len(self.buckets)} buckets in {self.total_seconds:.2f} s ({self.mode} on {self.device})")
+        return "\n".join(lines)
+
+
+def step_for_bucket(bucket: Bucket, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The smallest step of `bucket`'s phase: (query_lens, context_lens, block_table).
+
+    - causal work: a request with 2 new tokens (over one cached block when the
+      phase also has shared work: its 2 tokens share that block);
+    - shared work without causal: two one-token requests reading the same block;
+    - unique work: a one-token request reading a block of its own;
+    - no path: one token with an empty context.
+    """
+    c, s, u = (p != "-" for p in bucket.phase)
+    q, ctx, blocks = [], [], []
+    if c:
+        q.append(2)
+        ctx.append(block_size if s else 0)
+        blocks.append([1])
+    elif s:
+        q += [1, 1]
+        ctx += [block_size, block_size]
+        blocks += [[1], [1]]
+    if u:
+        q.append(1)
+        ctx.append(block_size)
+        blocks.append([2])
+    if not q:
+        q, ctx, blocks = [1], [0], [[0]]
+    return np.array(q), np.array(ctx), np.array(blocks, dtype=np.int64)
+
+
+def batch_for_bucket(bucket: Bucket, block_size: int, options, sliding_window=None, device=None):
+    """A UnifiedBatch with exactly `bucket`'s shapes (the step of `step_for_bucket`, padded)."""
+    from vllm_gaudi_unified.batch import build_unified_batch
+    from vllm_gaudi_unified.plan import plan_step
+
+    q, ctx, table = step_for_bucket(bucket, block_size)
+    shape = plan_step(q, ctx, table, block_size, sliding_window=sliding_window, options=options).shape
+    if shape.phase != bucket.phase or not bucket.covers(shape):
+        raise ValueError(f"bucket {bucket} cannot hold the smallest step of its phase ({shape})")
+    return build_unified_batch(q, ctx, table, block_size, sliding_window=sliding_window, options=options,
+                               bucket=bucket, device=device)
+
+
+def resolve_mode(mode: str, device_type: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"warmup mode must be one of {MODES}, got {mode!r}")
+    if mode == "auto":
+        return "hpu_graphs" if device_type == "hpu" else "eager"
+    if mode == "hpu_graphs" and device_type != "hpu":
+        raise ValueError("mode 'hpu_graphs' needs an HPU device (Gaudi); use 'compile' or 'eager' here")
+    return mode
+
+
+def _attention_fn(mode: str) -> Callable:
+    from vllm_gaudi_unified.attention import unified_attention
+
+    if mode == "eager":
+        return unified_attention
+    if mode == "compile":
+        from vllm_gaudi_unified.graphs import compiled_attention
+
+        return compiled_attention
+    return _hpu_graph_attention()  # pragma: no cover - needs Gaudi
+
+
+def _hpu_graph_attention() -> Callable:  # pragma: no cover - needs Gaudi
+    """unified_attention inside an HPU graph; the graph cache is keyed by input shapes (= bucket)."""
+    import habana_frameworks.torch.hpu.graphs as htgraphs
+    import torch
+
+    from vllm_gaudi_unified.attention import unified_attention
+
+    class _Attention(torch.nn.Module):
+        def forward(self, query, key, value, key_cache, value_cache, batch, scale):
+            return unified_attention(query, key, value, key_cache, value_cache, batch, scale)
+
+    return htgraphs.wrap_in_hpu_graph(_Attention(), disable_tensor_cache=True)
+
+
+def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: int | None = None,
+           num_kv_heads: int | None = None, head_dim: int | None = None, num_blocks: int | None = None,
+           key_cache=None, value_cache=None, run: Callable | None = None, buckets: list[Bucket] | None = None,
+           progress: bool = True) -> WarmupReport:
+    """Run every bucket of `plan` (a BucketPlan) once; returns per-bucket and total seconds.
+
+    Heads, head size and cache size default to the plan's model and settings.
+    `key_cache`/`value_cache`: the real KV cache (vLLM); else one is allocated.
+    `run(bucket, batch)`: replaces the default attention call (vLLM runs its model).
+    `buckets`: a subset to warm (default: all, cheapest first).
+    """
+    import torch
+
+    device = torch.device(device or "cpu")
+    mode = resolve_mode(mode, device.type)
+    settings, model = plan.settings, plan.model
+    dtype = dtype or (torch.bfloat16 if model.dtype_bytes == 2 else torch.float32)
+    hq, hkv, d = num_qo_heads or model.num_qo_heads, num_kv_heads or model.num_kv_heads, head_dim or model.head_dim
+    todo = list(plan.buckets if buckets is None else buckets)
+    if run is None:
+        if key_cache is None:
+            nb = num_blocks or settings.num_blocks
+            shape = (nb, settings.block_size, hkv, d)
+            key_cache = torch.zeros(shape, dtype=dtype, device=device)
+            value_cache = torch.zeros(shape, dtype=dtype, device=device)
+        attend = _attention_fn(mode)
+        scale = 1.0 / d ** 0.5
+
+        def run(bucket, batch):
+            t = bucket.query_len
+            q = torch.randn(t, hq, d, dtype=dtype, device=device)
+            k = torch.randn(t, hkv, d, dtype=dtype, device=device)
+            return attend(q, k, torch.randn_like(k), key_cache, value_cache, batch, scale)
+
+    report = WarmupReport(mode=mode, device=str(device))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc=f"warmup ({mode})", unit="bucket")
+    start = time.perf_counter()
+    for bucket in todo:
+        t0 = time.perf_counter()
+        batch = batch_for_bucket(bucket, settings.block_size, settings.options, settings.sliding_window, device)
+        out = run(bucket, batch)
+        _sync(out, device)
+        report.buckets.append(bucket)
+        report.seconds.append(time.perf_counter() - t0)
+        if bar:
+            bar.set_postfix_str(f"{bucket} {report.seconds[-1]:.2f}s")
+            bar.update(1)
+    if bar:
+        bar.close()
+    report.total_seconds = time.perf_counter() - start
+    logger.info("warmed %d buckets in %.2f s (%s on %s)", len(todo), report.total_seconds, mode, device)
+    return report
+
+
+def _sync(out, device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "hpu":  # pragma: no cover - needs Gaudi
+        import habana_frameworks.torch.core as htcore
+
+        htcore.mark_step()
+        torch.hpu.synchronize()
+    elif isinstance(out, torch.Tensor):
+        out.sum().item()  # make sure the work ran
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("warmup", help="run unified attention once per bucket of a plan, timed",
+                              description="Run unified attention once per bucket of PLAN on the current device "
+                                          "(HPU graphs on Gaudi, torch.compile with --mode compile, eager "
+                                          "otherwise) and print per-bucket and total times.")
+    p.add_argument("plan", metavar="PLAN", help="bucket plan JSON (from `buckets generate`)")
+    p.add_argument("--device", default=None, help="torch device (default: hpu if available, else cpu)")
+    p.add_argument("--mode", choices=MODES, default="auto", help="how each bucket runs (default: auto)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="activation and KV dtype (default: the plan's model dtype)")
+    p.add_argument("--num-qo-heads", type=int, default=None, help="query heads (default: the plan's model)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default: the plan's model)")
+    p.add_argument("--head-dim", type=int, default=None, help="head size (default: the plan's model)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the plan's)")
+    p.add_argument("--limit", type=int, default=None, help="warm only the N cheapest buckets")
+    p.add_argument("--max-cost-us", type=float, default=None,
+                   help="skip buckets whose modelled work exceeds this many µs (e.g. the limits bucket on CPU)")
+    p.add_argument("--json", default=None, help="also write the per-bucket times to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_warmup)
+
+
+def _default_device() -> str:
+    from vllm_gaudi_unified.hpu import habana_importable
+
+    if habana_importable():  # pragma: no cover - needs Gaudi
+        import habana_frameworks.torch  # noqa: F401
+        import torch
+
+        if torch.hpu.is_available():
+            return "hpu"
+    return "cpu"
+
+
+def _cmd_warmup(args) -> int:
+    import json
+
+    import torch
+
+    from vllm_gaudi_unified.bucketing.plan import BucketPlan
+
+    plan = BucketPlan.load(args.plan)
+    todo = list(plan.buckets)  # cheapest first
+    if args.max_cost_us is not None:
+        todo = [b for b, c in zip(plan.buckets, plan.costs) if c <= args.max_cost_us]
+    if args.limit is not None:
+        todo = todo[: args.limit]
+    report = warmup(plan, device=args.device or _default_device(), mode=args.mode,
+                    dtype=getattr(torch, args.dtype) if args.dtype else None, num_qo_heads=args.num_qo_heads,
+                    num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, num_blocks=args.num_blocks,
+                    buckets=todo, progress=not args.no_progress)
+    print(report.table())
+    if len(todo) < len(plan):
+        print(f"({len(plan) - len(todo)} of {len(plan)} buckets skipped by --limit/--max-cost-us)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"plan": args.plan, "mode": report.mode, "device": report.device,
+                       "total_seconds": report.total_seconds,
+                       "buckets": [{"bucket": str(b), "seconds": s} for b, s in zip(report.buckets, report.seconds)]},
+                      f, indent=1)
+    return 0
