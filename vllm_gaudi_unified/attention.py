@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from vllm_gaudi_unified.batch import UnifiedBatch
 from vllm_gaudi_unified.causal import causal_partial, self_partial
+from vllm_gaudi_unified.invariant import invariant_partial
 from vllm_gaudi_unified.kernels import compute_dtype
 from vllm_gaudi_unified.merge import Partial, merge_all, normalize
 from vllm_gaudi_unified.shared import shared_partial
@@ -29,8 +30,11 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     t, padded = query.shape[0], batch.bucket.query_len
     if t < padded:
         query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
-    partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)
-                if p is not None]
+    if batch.plan.options.batch_invariant:  # one fixed computation per request: see invariant.py
+        partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)]
+    else:
+        partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)
+                    if p is not None]
     if sinks is not None:
         partials.append(_sink_partial(sinks, padded, query.shape[2], compute_dtype(query.dtype)))
     return normalize(merge_all(partials))[:t].to(query.dtype)

@@ -32,6 +32,13 @@ class UnifiedBatch:
     unique_lo: torch.Tensor  #: [num_unique_blocks]
     unique_hi: torch.Tensor  #: [num_unique_blocks]
     logits_indices: torch.Tensor  #: [num_logits] last new token of each request (padding: 0)
+    # Batch-invariant plans only (see StepPlan / invariant.py), else None.
+    inv_unit_rows: torch.Tensor | None = None  #: [units, invariant_rows] query token per unit row
+    inv_unit_block: torch.Tensor | None = None  #: [units] cache block of each unit
+    inv_unit_col: torch.Tensor | None = None  #: [units, invariant_rows] logical block index in the row's request
+    inv_unit_lo: torch.Tensor | None = None  #: [units, invariant_rows] first visible slot
+    inv_unit_hi: torch.Tensor | None = None  #: [units, invariant_rows] end of visible slots
+    inv_causal_col: torch.Tensor | None = None  #: [num_causal_tiles] key tile index within its request
 
     @classmethod
     def from_plan(cls, plan: StepPlan, device: torch.device | str | None = None) -> "UnifiedBatch":

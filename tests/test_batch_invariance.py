@@ -1,0 +1,323 @@
+"""Batch invariance: one request alone and inside other batches gives the same bits.
+
+The request under test (the *target*) keeps its own new tokens, its own cache
+contents and its own options; what changes is everything else: the other
+requests, the target's position, which of its cached blocks other requests
+share (so the default planner classes them shared instead of unique), the
+bucket the step is padded to, and so where the flattened causal tiles cut.
+Outputs are compared with `torch.equal`.
+
+The default mode is expected to fail exactly this comparison where its
+reduction order depends on the batch (prefix sharing, request offset); those
+cases are tested too, so these tests can tell the two modes apart. Devices:
+the CPU, and CUDA when present (run on the GPU machine the same way).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, plan_step, unified_attention
+from vllm_gaudi_unified.bucket import phase_of
+from vllm_gaudi_unified.reference import reference_attention
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.bfloat16]
+#: Small tiles so that small steps cross tile, unit and call boundaries.
+SMALL = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
+INVARIANT = replace(SMALL, batch_invariant=True, invariant_rows=2, invariant_chunk=3, invariant_causal_chunk=2)
+EXAMPLES = int(os.environ.get("INVARIANCE_EXAMPLES", "40"))
+
+
+@dataclass(frozen=True)
+class Req:
+    query_len: int
+    context_len: int
+    share: int = 0  #: leading cache blocks that are the target's own (a common prefix)
+
+
+@dataclass(frozen=True)
+class World:
+    """The target and the batch around it; every tensor is built from `seed`."""
+
+    target: Req
+    others: tuple = ()
+    position: int = 0  #: the target's index in the batch
+    block_size: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 8
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    sinks: bool = False
+    pad: tuple = (0, 0, 0, 0, 0)  #: extra (query_len, causal tiles, shared blocks, unique blocks, logits) of the bucket
+    seed: int = 0
+
+    @property
+    def requests(self) -> list:
+        return list(self.others[:self.position]) + [self.target] + list(self.others[self.position:])
+
+
+def _block_table(world: World, rng: np.random.Generator):
+    reqs, bs, t = world.requests, world.block_size, world.position
+    need = [-(-(r.context_len + r.query_len) // bs) for r in reqs]
+    num_blocks = sum(need) + 9
+    free = list(rng.permutation(np.arange(1, num_blocks)))  # block 0: the null block
+    table = np.full((len(reqs), max(need) + 2), -1, np.int64)
+    table[t, :need[t]] = [free.pop() for _ in range(need[t])]
+    for r, req in enumerate(reqs):
+        if r != t:
+            assert req.share * bs <= min(req.context_len, world.target.context_len)
+            table[r, :need[r]] = [table[t, i] if i < req.share else free.pop() for i in range(need[r])]
+    return table, num_blocks
+
+
+def _tensors(world: World, table: np.ndarray, num_blocks: int, dtype, device):
+    """Caches (unreadable slots poisoned) and q/k/v, the target's drawn from its own generator."""
+    hq, hkv, d, bs = world.num_heads, world.num_kv_heads, world.head_dim, world.block_size
+    g = torch.Generator().manual_seed(world.seed)
+    rand = lambda *shape, gen=g: torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
+    kc, vc = rand(num_blocks, bs, hkv, d), rand(num_blocks, bs, hkv, d)
+    readable = torch.zeros(num_blocks, bs, dtype=torch.bool)
+    for r, req in enumerate(world.requests):
+        for pos in range(req.context_len):
+            readable[table[r, pos // bs], pos % bs] = True
+    kc[~readable], vc[~readable] = float("nan"), float("inf")
+    gt = torch.Generator().manual_seed(world.seed + 1)
+    tq = world.target.query_len
+    target = (rand(tq, hq, d, gen=gt), rand(tq, hkv, d, gen=gt), rand(tq, hkv, d, gen=gt))
+    parts = {name: [] for name in "qkv"}
+    for r, req in enumerate(world.requests):
+        if r == world.position:
+            new = target
+        else:
+            new = (rand(req.query_len, hq, d), rand(req.query_len, hkv, d), rand(req.query_len, hkv, d))
+        for name, x in zip("qkv", new):
+            parts[name].append(x)
+    q, k, v = (torch.cat(parts[n]) for n in "qkv")
+    sinks = torch.randn(hq, generator=gt) if world.sinks else None
+    move = lambda x: None if x is None else x.to(device)
+    return [move(x) for x in (q, k, v, kc, vc, sinks)] + [[move(x) for x in target]]
+
+
+def _padded_bucket(shape: Bucket, pad: tuple) -> Bucket:
+    q, c, s, u, n = (a + b for a, b in zip((shape.query_len, shape.num_causal_tiles, shape.num_shared_blocks,
+                                            shape.num_unique_blocks, shape.num_logits), pad))
+    return Bucket(phase_of(c, s, u), q, s, u, n, c)
+
+
+def _pad_multiple(options: PlanOptions, block_size: int, pad: tuple) -> tuple:
+    """Default-mode buckets need whole shared tiles."""
+    if options.batch_invariant:
+        return pad
+    kb = options.blocks_per_tile(block_size)
+    return pad[:2] + (pad[2] * kb,) + pad[3:]
+
+
+def run_world(world: World, options: PlanOptions, dtype, device="cpu"):
+    """-> (target alone, target inside the batch), each `[query_len, Hq, D]`."""
+    rng = np.random.default_rng(world.seed)
+    table, num_blocks = _block_table(world, rng)
+    q, k, v, kc, vc, sinks, (tq, tk, tv) = _tensors(world, table, num_blocks, dtype, device)
+    kw = dict(sliding_window=world.sliding_window, num_blocks=num_blocks, options=options, device=device)
+    attn = dict(logits_soft_cap=world.soft_cap, sinks=sinks)
+    t, bs = world.position, world.block_size
+    alone_batch = build_unified_batch([world.target.query_len], [world.target.context_len], table[t:t + 1], bs, **kw)
+    alone = unified_attention(tq, tk, tv, kc, vc, alone_batch, 0.37, **attn)
+    reqs = world.requests
+    query_lens, context_lens = [r.query_len for r in reqs], [r.context_len for r in reqs]
+    bucket = None
+    if any(world.pad):
+        shape = plan_step(query_lens, context_lens, table, bs, sliding_window=world.sliding_window,
+                          options=options).shape
+        bucket = _padded_bucket(shape, _pad_multiple(options, bs, world.pad))
+    batch = build_unified_batch(query_lens, context_lens, table, bs, bucket=bucket, **kw)
+    out = unified_attention(q, k, v, kc, vc, batch, 0.37, **attn)
+    start = sum(query_lens[:t])
+    return alone, out[start:start + world.target.query_len]
+
+
+def assert_same_bits(alone: torch.Tensor, inside: torch.Tensor):
+    assert torch.isfinite(alone).all(), "a poisoned cache slot was read"
+    if not torch.equal(alone, inside):
+        diff = (alone.double() - inside.double()).abs()
+        raise AssertionError(f"{int((diff > 0).sum())} of {diff.numel()} values differ, max {float(diff.max()):.3g}")
+
+
+# ----------------------------------------------------------------------------- named scenarios
+
+#: name -> (world, whether the default mode is expected to differ). Each varies one thing.
+SCENARIOS = {
+    # The target's context is a prefix three decodes share: shared tiles instead of per-block partials.
+    "shared_prefix_decode": (World(Req(1, 61), others=(Req(1, 64, 15), Req(1, 70, 15), Req(1, 61, 15)), position=2,
+                                   head_dim=32), True),
+    # A prompt chunk over a shared prefix next to other chunks over the same prefix.
+    "shared_prefix_prefill": (World(Req(9, 32), others=(Req(9, 32, 8), Req(5, 40, 8)), position=1, head_dim=32),
+                              True),
+    # A prefill after an odd-length request: the flattened causal tiles cut it elsewhere.
+    "offset_prefill": (World(Req(45, 0), others=(Req(3, 0), Req(2, 9)), position=2, head_dim=32), True),
+    # Unrelated decodes around a decode, padded to a larger bucket.
+    "padded_decode": (World(Req(1, 37), others=(Req(1, 20), Req(1, 5)), position=1, pad=(3, 2, 2, 5, 2)), False),
+    # A chunked prefill with a sliding window among others, position 0.
+    "window_chunk": (World(Req(13, 22), others=(Req(2, 7), Req(6, 0)), sliding_window=9), False),
+    # Soft cap and sinks, target last.
+    "softcap_sinks": (World(Req(6, 18), others=(Req(4, 18, 2), Req(1, 3)), position=2, soft_cap=5.0, sinks=True),
+                      False),
+    # MQA and a bucket with extra causal tiles and rows.
+    "mqa_padded": (World(Req(7, 10), others=(Req(5, 12),), position=1, num_heads=6, num_kv_heads=1,
+                         pad=(5, 3, 1, 0, 1)), False),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_invariant_mode_scenarios(name, dtype, device):
+    world, _ = SCENARIOS[name]
+    assert_same_bits(*run_world(world, INVARIANT, dtype, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(n for n, (_, differs) in SCENARIOS.items() if differs))
+def test_default_mode_is_not_invariant(name, dtype, device):
+    """The hazard is real: the default mode changes bits in these scenarios (so the tests above can fail)."""
+    world, _ = SCENARIOS[name]
+    alone, inside = run_world(world, SMALL, dtype, device)
+    assert torch.isfinite(alone).all()
+    assert not torch.equal(alone, inside), "the default mode was invariant here; pick a scenario where it is not"
+    torch.testing.assert_close(alone.float(), inside.float(), atol=2e-2, rtol=2e-2)  # different bits, same answer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [INVARIANT, replace(INVARIANT, invariant_rows=1, invariant_chunk=1,
+                                                        invariant_causal_chunk=1, causal_tile=8),
+                                     replace(PlanOptions(batch_invariant=True), causal_tile=16)],
+                         ids=["small", "ones", "defaults"])
+def test_invariant_mode_matches_reference(options, device):
+    """The invariant mode computes attention (float64, every named scenario, against the dense reference)."""
+    for world, _ in SCENARIOS.values():
+        rng = np.random.default_rng(world.seed)
+        table, num_blocks = _block_table(world, rng)
+        q, k, v, kc, vc, sinks, _ = _tensors(world, table, num_blocks, torch.float64, device)
+        reqs = world.requests
+        ql, cl = [r.query_len for r in reqs], [r.context_len for r in reqs]
+        batch = build_unified_batch(ql, cl, table, world.block_size, sliding_window=world.sliding_window,
+                                    num_blocks=num_blocks, options=options, device=device)
+        out = unified_attention(q, k, v, kc, vc, batch, 0.37, logits_soft_cap=world.soft_cap, sinks=sinks)
+        ref = reference_attention(q, k, v, kc, vc, ql, cl, table, 0.37, sliding_window=world.sliding_window,
+                                  logits_soft_cap=world.soft_cap, sinks=sinks)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.cpu(), ref, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- random batches
+
+
+@st.composite
+def worlds(draw, sharing: bool):
+    bs = draw(st.sampled_from([2, 4, 8]))
+    target = Req(draw(st.integers(1, 20)), draw(st.integers(0, 40)))
+    others = []
+    for _ in range(draw(st.integers(0 if not sharing else 1, 6))):
+        other = Req(draw(st.integers(1, 12)), draw(st.integers(0, 40)))
+        if sharing:
+            most = min(target.context_len, other.context_len) // bs
+            other = replace(other, share=draw(st.integers(0, most)))
+        others.append(other)
+    heads = draw(st.sampled_from([(4, 2), (4, 4), (6, 1), (8, 2)]))
+    pad = draw(st.sampled_from([(0, 0, 0, 0, 0), (3, 1, 2, 0, 1), (1, 4, 7, 3, 2)]))
+    return World(target, tuple(others), position=draw(st.integers(0, len(others))), block_size=bs,
+                 num_heads=heads[0], num_kv_heads=heads[1], head_dim=draw(st.sampled_from([8, 16])),
+                 sliding_window=draw(st.sampled_from([None, None, 6, 17])),
+                 soft_cap=draw(st.sampled_from([None, 4.0])), sinks=draw(st.booleans()), pad=pad,
+                 seed=draw(st.integers(0, 2**16)))
+
+
+@st.composite
+def invariant_options(draw):
+    return replace(PlanOptions(batch_invariant=True), causal_tile=draw(st.sampled_from([2, 4, 8, 64])),
+                   invariant_rows=draw(st.sampled_from([1, 2, 4, 8])),
+                   invariant_chunk=draw(st.sampled_from([1, 3, 8, 512])),
+                   invariant_causal_chunk=draw(st.sampled_from([1, 2, 16])))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sharing", [False, True], ids=["no_sharing", "prefix_sharing"])
+def test_invariant_mode_random_batches(sharing, dtype, device):
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(world=worlds(sharing), options=invariant_options())
+    def check(world, options):
+        assert_same_bits(*run_world(world, options, dtype, device))
+
+    check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_default_mode_differs_in_random_shared_batches(dtype, device):
+    """Over the same kind of random batches, the default mode changes the target's bits in some."""
+    import random
+
+    rnd = random.Random(1234)
+    differing = 0
+    for i in range(12):
+        others = tuple(Req(rnd.randint(1, 4), 64, rnd.randint(8, 16)) for _ in range(rnd.randint(1, 5)))
+        world = World(Req(rnd.randint(1, 24), 64), others, position=rnd.randint(0, len(others)), head_dim=32,
+                      seed=i)
+        alone, inside = run_world(world, SMALL, dtype, device)
+        differing += not torch.equal(alone, inside)
+    assert differing >= 3, f"the default mode differed in only {differing} of 12 shared-prefix batches"
+
+
+# ----------------------------------------------------------------------------- plan and routing
+
+
+def test_invariant_plan_does_not_depend_on_the_batch():
+    """The target's units, seen from the target (token offset removed), are the same in any batch
+    except for which rows they share with others: each of its (token, block) pairs is one row."""
+    world, _ = SCENARIOS["shared_prefix_decode"]
+    table, _ = _block_table(world, np.random.default_rng(0))
+    reqs = world.requests
+    plan = plan_step([r.query_len for r in reqs], [r.context_len for r in reqs], table, world.block_size,
+                     options=INVARIANT)
+    assert plan.bucket.num_unique_blocks == 0 and plan.bucket.num_shared_blocks % INVARIANT.invariant_chunk == 0
+    rows = plan.inv_unit_rows
+    real = rows < plan.num_tokens
+    pairs = sorted(zip(rows[real].tolist(), plan.inv_unit_col[real].tolist()))
+    assert len(pairs) == len(set(pairs)), "a (token, block) pair is computed twice"
+    expected = sorted((t, b) for t, r in enumerate(reqs) for b in range(-(-r.context_len // world.block_size)))
+    assert pairs == expected
+    assert plan.inv_cached_width == 32  # 70 tokens of context / 4 -> 18 blocks -> next power of two
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="invariant_rows"):
+        PlanOptions(batch_invariant=True, invariant_rows=0)
+    with pytest.raises(ValueError, match="invariant_chunk"):
+        PlanOptions(invariant_chunk=0)
+    assert PlanOptions().batch_invariant is False
+
+
+def test_invariant_mode_takes_only_its_own_path(monkeypatch):
+    """With batch_invariant the default paths never run; without it the invariant one never runs."""
+    import vllm_gaudi_unified.attention as attention
+
+    world, _ = SCENARIOS["shared_prefix_prefill"]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("wrong path")
+
+    monkeypatch.setattr(attention, "_run_paths", fail)
+    run_world(world, INVARIANT, torch.float32)
+    monkeypatch.undo()
+    monkeypatch.setattr(attention, "invariant_partial", fail)
+    run_world(world, SMALL, torch.float32)
