@@ -270,20 +270,22 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
     flat, pair_req = _ranges(np.arange(R) * width + first_blk, counts)
     pair_blk = flat - pair_req * width
     phys = bt.ravel()[flat]
-    _first_bad_block(phys, pair_req, pair_blk, num_blocks)
+    max_block_id = int(phys.max()) if phys.size else -1
+    if phys.size and (phys.min() < 0 or (num_blocks is not None and max_block_id >= num_blocks)):
+        _first_bad_block(phys, pair_req, pair_blk, num_blocks)
     pair_hi = np.full(flat.size, bs, np.int64)  # every block is full but a request's last one
     last = (np.cumsum(counts) - 1)[counts > 0]
     pair_hi[last] = ctx[counts > 0] - pair_blk[last] * bs
-    max_block_id = int(phys.max()) if phys.size else -1
     if W is None:  # every token of the request sees every block
-        is_shared = np.bincount(phys, minlength=max_block_id + 1)[phys] > 1
+        uses = np.bincount(phys, minlength=max_block_id + 1)
+        is_shared = (uses[phys] > 1) if uses.size and uses.max() > 1 else np.zeros(phys.size, bool)
         if T > R:
             is_shared |= np.repeat(q > 1, counts)
     else:  # token j sees the block's last key k while j <= k - context_len + W - 1
         users = np.clip(pair_blk * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
         is_shared = np.bincount(phys, weights=users, minlength=max_block_id + 1)[phys] > 1
 
-    unique = _plan_unique(~is_shared, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts)
+    unique = _plan_unique(~is_shared, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts, counts)
     shared = _plan_shared(is_shared, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, first_blk,
                           tok_req, tok_pos, bs, W, T, opts)
     causal_q, causal_k, causal_needed = _plan_causal(seg_start, tok_j, T, W, opts.causal_tile)
@@ -324,14 +326,16 @@ def _first_bad_block(phys, pair_req, pair_blk, num_blocks):
                          f"for the context but must be >= 0{limit}")
 
 
-def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts):
+def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts, counts):
     """One row per block used by exactly one token: the first token of its request (the only
     one that sees it: with a window, later tokens see less far back)."""
-    if not mask.all():
+    if mask.all():  # the usual decode step: every pair is unique, rows by repeating (no gather)
+        rows = np.repeat(starts, counts)
+    else:
         phys, pair_req, pair_blk, pair_hi = phys[mask], pair_req[mask], pair_blk[mask], pair_hi[mask]
+        rows = starts[pair_req]
     ids, req, blk, hi = phys, pair_req, pair_blk, pair_hi
     lo = np.zeros_like(hi) if W is None else np.clip(ctx[req] - W + 1 - blk * bs, 0, hi)
-    rows = starts[req]
     if ids.size == 0:
         empty = np.zeros(0, np.int64)
         return empty, (empty if opts.unique_layout == "gather" else None), empty, empty
