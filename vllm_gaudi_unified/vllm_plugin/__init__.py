@@ -6,7 +6,8 @@
   `hpu_platform`: the same on top of vllm-gaudi's Gaudi platform;
 - `backend`: the v1 attention backend (backend class, metadata, builder, impl);
 - `steps`: what happens around each planned step (bucket plan, warmup, debug
-  log, trace recording).
+  log, trace recording);
+- `worker`: vLLM's CPU worker plus the bucket warmup at start-up.
 
 Importing this package imports nothing from vLLM; the modules above that need
 vLLM import it themselves.

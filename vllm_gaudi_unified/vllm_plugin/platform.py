@@ -41,7 +41,15 @@ def select_unified_backend(attn_selector_config: "AttentionSelectorConfig") -> s
 
 
 class UnifiedCpuPlatform(CpuPlatform):
-    """`CpuPlatform` whose attention backend is unified attention (unless another is named explicitly)."""
+    """`CpuPlatform` whose attention backend is unified attention (unless another is named explicitly),
+    and whose worker warms the bucket plan at start-up (`worker.UnifiedCpuWorker`)."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        super().check_and_update_config(vllm_config)
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker":
+            parallel.worker_cls = "vllm_gaudi_unified.vllm_plugin.worker.UnifiedCpuWorker"
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend: "AttentionBackendEnum", attn_selector_config:

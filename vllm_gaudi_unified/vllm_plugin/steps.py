@@ -3,11 +3,14 @@
 Made once per metadata builder (at vLLM's start-up, after the KV cache is
 sized), used once per step by `GaudiUnifiedMetadataBuilder.build`:
 
-- a bucket plan (`VLLM_GAUDI_UNIFIED_BUCKETS`), checked against the server's
-  settings at start-up; every step is then padded to its bucket, and the plan
+- a bucket plan (`VLLM_GAUDI_UNIFIED_BUCKETS`: a plan file, checked against
+  the server's settings, or `auto`: the exponential plan made at start-up for
+  these settings); every step is then padded to its bucket, and the plan
   decides the planner options (a plan is only valid for the options it was
   made with);
-- warmup of every bucket of the plan at start-up (`VLLM_GAUDI_UNIFIED_WARMUP`);
+- warmup of every bucket of the plan at start-up (`VLLM_GAUDI_UNIFIED_WARMUP`),
+  on the real KV cache once vLLM has allocated it (`warm_up`, called by the
+  plugin's worker);
 - the phase and bucket of each step, logged through vLLM's logger at debug
   level (`VLLM_LOGGING_LEVEL=DEBUG` shows them);
 - recording of every step to a trace file (`VLLM_GAUDI_UNIFIED_RECORD_TRACE`)
@@ -33,6 +36,7 @@ class StepHooks:
     options: PlanOptions  #: planner options of every step (the bucket plan's when there is one)
     bucket_plan: object | None = None  #: a `BucketPlan` (anything with .find(shape)), or None: steps run unpadded
     trace_path: str | None = None  #: where steps are appended, or None
+    warmup_enabled: bool = True  #: VLLM_GAUDI_UNIFIED_WARMUP
 
     @classmethod
     def create(cls, config: PluginConfig, vllm_config, kv_cache_spec, device: torch.device) -> "StepHooks":
@@ -41,12 +45,23 @@ class StepHooks:
         if config.buckets:
             plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options)
             options = plan.settings.options
-        hooks = cls(options=options, bucket_plan=plan, trace_path=_trace_path(config, vllm_config))
+        hooks = cls(options=options, bucket_plan=plan, trace_path=_trace_path(config, vllm_config),
+                    warmup_enabled=config.warmup)
         if hooks.trace_path:
             _start_trace(hooks.trace_path, vllm_config, kv_cache_spec)
-        if plan is not None and config.warmup:
-            _warmup(plan, vllm_config, kv_cache_spec, device)
         return hooks
+
+    def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, num_qo_heads: int) -> None:
+        """Run every bucket of the plan once on the real cache (`[num_blocks, block_size, Hkv, D]`)."""
+        if self.bucket_plan is None or not self.warmup_enabled:
+            return
+        from vllm_gaudi_unified.warmup import warmup
+
+        report = warmup(self.bucket_plan, device=key_cache.device, dtype=key_cache.dtype, num_qo_heads=num_qo_heads,
+                        num_kv_heads=key_cache.shape[2], head_dim=key_cache.shape[3], key_cache=key_cache,
+                        value_cache=value_cache, progress=False)
+        logger.info("Unified attention: warmed %d buckets in %.1f s (%s)", len(report.buckets),
+                    report.total_seconds, report.mode)
 
     def after_plan(self, batch: UnifiedBatch, query_lens: np.ndarray, context_lens: np.ndarray,
                    block_table: np.ndarray) -> None:
@@ -62,10 +77,11 @@ class StepHooks:
 
 
 def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOptions):
-    """The plan of `path`, refused at start-up when it was made for other settings than this server's."""
+    """The plan of `path` (or made now for `auto`), refused at start-up when it was made for other
+    settings than this server's."""
     from vllm_gaudi_unified.bucketing.plan import BucketPlan
 
-    plan = BucketPlan.load(path)
+    plan = _auto_plan(vllm_config, kv_cache_spec, options) if path == "auto" else BucketPlan.load(path)
     sched = vllm_config.scheduler_config
     try:
         plan.check_compatible(kv_cache_spec.block_size, max_num_seqs=sched.max_num_seqs,
@@ -81,8 +97,26 @@ def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOption
     return plan
 
 
-def _warmup(plan, vllm_config, kv_cache_spec, device) -> None:
-    raise NotImplementedError("bucket warmup inside vLLM waits for vllm_gaudi_unified.warmup")
+def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions):
+    """The exponential plan for this server's settings and model (what `buckets generate
+    --strategy exponential` would write for them)."""
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.bucketing.cost import ModelSpec
+    from vllm_gaudi_unified.bucketing.settings import DEFAULT_OPTIONS, ServerSettings
+    from vllm_gaudi_unified.bucketing.strategies import make_plan
+
+    sched, model, parallel = vllm_config.scheduler_config, vllm_config.model_config, vllm_config.parallel_config
+    settings = ServerSettings(block_size=kv_cache_spec.block_size, max_num_seqs=sched.max_num_seqs,
+                              max_num_batched_tokens=sched.max_num_batched_tokens,
+                              max_model_len=model.max_model_len, num_blocks=vllm_config.cache_config.num_gpu_blocks,
+                              sliding_window=getattr(kv_cache_spec, "sliding_window", None),
+                              options=replace(DEFAULT_OPTIONS, batch_invariant=options.batch_invariant))
+    spec = ModelSpec(num_layers=model.get_num_layers(parallel), num_qo_heads=model.get_num_attention_heads(parallel),
+                     num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
+                     dtype_bytes=kv_cache_spec.dtype.itemsize, hidden_size=model.get_hidden_size(),
+                     vocab_size=model.get_vocab_size())
+    return make_plan("exponential", settings, model=spec)
 
 
 def _trace_path(config: PluginConfig, vllm_config) -> str | None:

