@@ -34,5 +34,24 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--shared-tile-keys", type=int, default=None,
                    help="PlanOptions.shared_tile_keys (default: the planner's)")
     p.add_argument("--profile", default="", help="comma-separated scenario:block_size:variant to profile")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each (scenario, block size) in its own process (no memory carried between cases)")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; skip remaining work past this")
     return p
+
+
+def to_argv(args: argparse.Namespace, **override) -> list[str]:
+    """The flags that reproduce `args` (with `override`), for a child process."""
+    argv = []
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = override.get(action.dest, getattr(args, action.dest, action.default))
+        if isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        if action.nargs == 0:
+            if value:
+                argv.append(action.option_strings[0])
+        elif value is not None:
+            argv += [action.option_strings[0], str(value)]
+    return argv

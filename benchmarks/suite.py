@@ -212,6 +212,37 @@ def _profile(fn, device, label, rows):
     print(f"== profile {label}\n{table}", flush=True)
 
 
+def _run_isolated(args, chosen, block_sizes, out_dir, start) -> list[dict]:
+    """Each case in a child process; their rows merged in order (profiles printed by the children)."""
+    import subprocess
+    import tempfile
+
+    from benchmarks.options import to_argv
+
+    rows, scratch = [], Path(tempfile.mkdtemp(prefix="bench-cases-"))
+    for bs in block_sizes:
+        for sc in chosen:
+            if time.time() - start > args.time_budget:
+                rows.append(dict(scenario=sc.name, block_size=bs, method="skipped", error="time budget"))
+                continue
+            sub = scratch / f"{sc.name}_{bs}"
+            argv = to_argv(args, scenarios=sc.name, block_sizes=bs, out=str(sub), isolate=False,
+                           variants=args.variants, baselines=args.baselines or "none",
+                           baseline_block_sizes=args.baseline_block_sizes)
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.suite", *argv], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+            print("\n".join(line for line in proc.stdout.splitlines()
+                            if line.startswith("[") or line.startswith("== profile") or "Self CUDA" in line
+                            or "aten::" in line or "void " in line or "nvjet" in line or "triton" in line.lower()),
+                  flush=True)
+            try:
+                rows += json.loads((sub / "results.json").read_text())["rows"]
+            except (OSError, ValueError):
+                rows.append(dict(scenario=sc.name, block_size=bs, method="unified", variant="-", ok=False,
+                                 error=f"child exited {proc.returncode}: {proc.stdout[-300:]}"))
+    return rows
+
+
 def environment(device: torch.device) -> dict:
     env = dict(torch=torch.__version__, python=platform.python_version(), device_type=device.type,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
@@ -255,7 +286,7 @@ def main(argv=None, args=None) -> int:
     rows: list[dict] = []
     start = time.time()
     try:
-        for bs in block_sizes:
+        for bs in block_sizes if not args.isolate else []:
             for sc in chosen:
                 if time.time() - start > args.time_budget:
                     rows.append(dict(scenario=sc.name, block_size=bs, method="skipped", error="time budget"))
@@ -268,6 +299,8 @@ def main(argv=None, args=None) -> int:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        if args.isolate:
+            rows = _run_isolated(args, chosen, block_sizes, out_dir, start)
     finally:
         undo()
     report.write_all(out_dir, env, vars(args), rows, plot=True)
