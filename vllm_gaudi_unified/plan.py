@@ -177,8 +177,10 @@ def _validate(query_lens, context_lens, block_table, block_size, sliding_window,
         raise ValueError("query_lens is empty: a step needs at least one request")
     if ctx.size != q.size:
         raise ValueError(f"context_lens has {ctx.size} entries but query_lens has {q.size}")
-    _first_bad("query_lens", q < 1, q, ">= 1")
-    _first_bad("context_lens", ctx < 0, ctx, ">= 0")
+    if q.min() < 1:  # one reduction on the common path; the mask only when something is wrong
+        _first_bad("query_lens", q < 1, q, ">= 1")
+    if ctx.min() < 0:
+        _first_bad("context_lens", ctx < 0, ctx, ">= 0")
     bt = np.asarray(block_table)
     if bt.ndim != 2 or bt.shape[0] != q.size:
         raise ValueError(f"block_table must have shape [{q.size}, max_blocks], got {tuple(bt.shape)}")
@@ -191,9 +193,8 @@ def _validate(query_lens, context_lens, block_table, block_size, sliding_window,
     if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1):
         raise ValueError(f"num_blocks must be None or an int >= 1, got {num_blocks!r}")
     nb_ctx = (ctx + block_size - 1) // block_size
-    short = nb_ctx > bt.shape[1]
-    if short.any():
-        r = int(np.argmax(short))
+    if nb_ctx.max() > bt.shape[1]:
+        r = int(np.argmax(nb_ctx > bt.shape[1]))
         raise ValueError(
             f"block_table has {bt.shape[1]} columns but request {r} needs {int(nb_ctx[r])} blocks "
             f"for context_lens[{r}] = {int(ctx[r])} (block_size {block_size})")
@@ -346,9 +347,11 @@ def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T,
     if layout == "gather":
         return rows, ids, lo, hi
     slot_rows = np.full(span, T, np.int64)
-    slot_lo = np.zeros(span, np.int64)
     slot_hi = np.zeros(span, np.int64)
-    slot_rows[ids], slot_lo[ids], slot_hi[ids] = rows, lo, hi
+    slot_rows[ids], slot_hi[ids] = rows, hi
+    slot_lo = np.zeros(span, np.int64)
+    if W is not None:  # without a window every lo is 0
+        slot_lo[ids] = lo
     return slot_rows, None, slot_lo, slot_hi
 
 
