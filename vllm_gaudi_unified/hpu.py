@@ -33,10 +33,9 @@ def select_softmax(device_type: str, dtype: torch.dtype, importable: bool | None
     3. HPU with scores in fp32/fp64: torch (softmax_fa2 takes bf16 scores).
     4. Otherwise Gaudi's fused `softmax_fa2`.
     """
-    importable = habana_importable() if importable is None else importable
-    if device_type != "hpu":
+    if device_type != "hpu":  # first, so CPU/CUDA graphs never trace the import probe
         return "torch"
-    if not importable:
+    if not (habana_importable() if importable is None else importable):
         return "torch"
     if dtype != torch.bfloat16:
         return "torch"
