@@ -37,6 +37,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--isolate", action="store_true",
                    help="run each (scenario, block size) in its own process (no memory carried between cases)")
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; skip remaining work past this")
+    p.add_argument("--cpu-reps", type=int, default=50, help="timed calls per measurement on CPU (CUDA: do_bench)")
+    p.add_argument("--case-timeout", type=float, default=1e9, help="--isolate: seconds one case may take")
+    p.add_argument("--invariant", default="none",
+                   help="scenarios ('all', 'none' or comma-separated) where the batch-invariant mode is also "
+                        "timed (eager and graph), at the baseline block sizes (issue 6's cost column)")
     return p
 
 

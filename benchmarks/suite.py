@@ -25,6 +25,7 @@ import platform
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -111,48 +112,35 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
     # Our variants: check on a cache whose unreadable slots are NaN/inf, then time on a finite one.
     dead = ~_readable(lay, device)
-    kc_clean, vc_clean = kc[dead].clone(), vc[dead].clone()
-    kc[dead], vc[dead] = float("nan"), float("inf")
     fns = {"eager": lambda: unified_attention(q, k, v, kc, vc, batch, scale),
            "graph": lambda: unified_attention(q, k, v, kc, vc, batch, scale),
            "compiled": lambda: compiled_attention(q, k, v, kc, vc, batch, scale)}
-    timed, ours = {}, []
-    for var in args.variants:
-        if var != "eager" and device.type != "cuda":
-            continue
-        row = dict(base, method="unified", variant=var)
-        try:
-            t0 = time.time()
-            if var == "eager":
-                out = fns[var]()
-                timed[var] = fns[var]
-            else:
-                replay, out_buf = capture(fns[var], device)
-                replay()
-                sync(device)
-                out = out_buf
-                timed[var] = replay
-            row["setup_s"] = time.time() - t0
-            row["rel_err"] = _rel_err(out, ref)
-            row["ok"] = row["rel_err"] <= args.tol
-        except Exception as exc:  # noqa: BLE001 - a failing variant is reported, not fatal
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
-            traceback.print_exc()
-        rows.append(row)
-        ours.append(row)
-    kc[dead], vc[dead] = kc_clean, vc_clean
-    del kc_clean, vc_clean, dead
-    for row in ours:
-        if row.get("ok"):
-            fn = timed[row["variant"]]
-            row["ms"] = time_ms(fn, device)
-            if row["variant"] == "eager":
-                row["peak_mb"] = (peak_bytes(fn, device) or 0) / 2**20 if device.type == "cuda" else None
+    timed = _check_and_time(fns, args.variants, dict(base, method="unified"), q, kc, vc, dead, ref, args, device,
+                            rows)
     if any(sp == (sc.name, bs) for sp, _ in profiles):
         for (name_bs, var) in profiles:
             if name_bs == (sc.name, bs) and var in timed:
                 _profile(timed[var], device, f"{sc.name}:bs{bs}:{var}", rows)
-    timed.clear()  # free our captured graphs before the baselines allocate
+    timed.clear()
+    graphs.clear()
+    if _wants(args.invariant, sc.name) and bs in args.baseline_block_sizes:
+        # Issue 6's cost column: the batch-invariant mode on the same tensors, checked the same way.
+        inv_opts = replace(opts, batch_invariant=True)
+        inv_plan_t, inv_plan = host_ms(lambda: plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks,
+                                                         options=inv_opts), reps=1)
+        inv_batch = UnifiedBatch.from_plan(inv_plan, device)
+        inv_fn = lambda: unified_attention(q, k, v, kc, vc, inv_batch, scale)  # noqa: E731
+        inv_base = dict(base, method="invariant", options=str(inv_opts), plan_ms=inv_plan_t,
+                        work_planned=inv_plan.work_planned.total, bucket=str(inv_plan.bucket))
+        timed = _check_and_time({"eager": inv_fn, "graph": inv_fn}, [v_ for v_ in ("eager", "graph")
+                                                                     if v_ in args.variants],
+                                inv_base, q, kc, vc, dead, ref, args, device, rows)
+        timed.clear()
+        del inv_batch
+    del dead
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
     # Baselines, same tensors, same run.
     if bs not in args.baseline_block_sizes:
         return
@@ -184,18 +172,67 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
                 if device.type == "cuda":
                     try:
                         replay, _ = capture(fn, device)
-                        row["ms"] = time_ms(replay, device)
+                        row["ms"] = time_ms(replay, device, reps=args.cpu_reps)
                     except Exception:  # noqa: BLE001 - graph capture refused: time eager calls
                         row["variant"] = "eager"
-                        row["ms"] = time_ms(fn, device)
+                        row["ms"] = time_ms(fn, device, reps=args.cpu_reps)
                 else:
-                    row["ms"] = time_ms(fn, device)
+                    row["ms"] = time_ms(fn, device, reps=args.cpu_reps)
         except Exception as exc:  # noqa: BLE001
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
             traceback.print_exc()
         rows.append(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _wants(spec: str, name: str) -> bool:
+    """A comma-separated scenario list, 'all' or 'none'."""
+    return spec == "all" or name in spec.split(",")
+
+
+def _check_and_time(fns, variants, base, q, kc, vc, dead, ref, args, device, rows) -> dict:
+    """Check each variant on a cache whose unreadable slots are NaN/inf, then time it on a finite cache.
+
+    Appends one row per variant; returns {variant: timed callable} (graphs hold memory: clear it after use)."""
+    timed, ours = {}, []
+    kc_clean, vc_clean = kc[dead].clone(), vc[dead].clone()
+    kc[dead], vc[dead] = float("nan"), float("inf")
+    try:
+        for var in variants:
+            if var not in fns or (var != "eager" and device.type != "cuda"):
+                continue
+            row = dict(base, variant=var)
+            try:
+                t0 = time.time()
+                if var == "eager":
+                    out = fns[var]()
+                    timed[var] = fns[var]
+                else:
+                    replay, out_buf = capture(fns[var], device)
+                    out_buf.fill_(float("nan"))  # poison: the replay must write every element
+                    replay()
+                    sync(device)
+                    out = out_buf
+                    timed[var] = replay
+                row["setup_s"] = time.time() - t0
+                row["rel_err"] = _rel_err(out, ref)
+                row["ok"] = row["rel_err"] <= args.tol
+                del out
+            except Exception as exc:  # noqa: BLE001 - a failing variant is reported, not fatal
+                row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+                traceback.print_exc()
+            rows.append(row)
+            ours.append(row)
+    finally:
+        kc[dead], vc[dead] = kc_clean, vc_clean
+    for row in ours:
+        if row.get("ok"):
+            fn = timed[row["variant"]]
+            row["ms"] = time_ms(fn, device, reps=args.cpu_reps)
+            if row["variant"] == "eager":
+                row["peak_mb"] = (peak_bytes(fn, device) or 0) / 2**20 if device.type == "cuda" else None
+    return timed
 
 
 def _profile(fn, device, label, rows):
@@ -212,34 +249,46 @@ def _profile(fn, device, label, rows):
     print(f"== profile {label}\n{table}", flush=True)
 
 
-def _run_isolated(args, chosen, block_sizes, out_dir, start) -> list[dict]:
-    """Each case in a child process; their rows merged in order (profiles printed by the children)."""
+def _run_isolated(args, chosen, block_sizes, out_dir, start, env) -> list[dict]:
+    """Each case in a child process (at most `--case-timeout` s); rows merged in order and written after
+    every case, so a run stopped early keeps what it measured. Children's output goes to `cases.log`."""
     import subprocess
     import tempfile
 
     from benchmarks.options import to_argv
 
     rows, scratch = [], Path(tempfile.mkdtemp(prefix="bench-cases-"))
+    log = Path(out_dir) / "cases.log"
     for bs in block_sizes:
         for sc in chosen:
-            if time.time() - start > args.time_budget:
+            left = args.time_budget - (time.time() - start)
+            if left < 20:
                 rows.append(dict(scenario=sc.name, block_size=bs, method="skipped", error="time budget"))
                 continue
             sub = scratch / f"{sc.name}_{bs}"
             argv = to_argv(args, scenarios=sc.name, block_sizes=bs, out=str(sub), isolate=False,
                            variants=args.variants, baselines=args.baselines or "none",
                            baseline_block_sizes=args.baseline_block_sizes)
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.suite", *argv], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
-            print("\n".join(line for line in proc.stdout.splitlines()
-                            if line.startswith("[") or line.startswith("== profile") or "Self CUDA" in line
-                            or "aten::" in line or "void " in line or "nvjet" in line or "triton" in line.lower()),
-                  flush=True)
+            t0 = time.time()
             try:
-                rows += json.loads((sub / "results.json").read_text())["rows"]
+                proc = subprocess.run([sys.executable, "-m", "benchmarks.suite", *argv], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, timeout=min(args.case_timeout, left))
+                output, code = proc.stdout, proc.returncode
+            except subprocess.TimeoutExpired as exc:
+                output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+                code = "timeout"
+            with log.open("a") as f:
+                f.write(f"\n===== {sc.name} bs{bs} ({time.time() - t0:.0f} s, exit {code})\n{output}")
+            print("\n".join(line for line in output.splitlines() if line.startswith("[")), flush=True)
+            try:
+                got = json.loads((sub / "results.json").read_text())["rows"]
             except (OSError, ValueError):
+                got = []
+            rows += got
+            if not got or code not in (0, 1):  # 1: a variant failed its check, already in the rows
                 rows.append(dict(scenario=sc.name, block_size=bs, method="unified", variant="-", ok=False,
-                                 error=f"child exited {proc.returncode}: {proc.stdout[-300:]}"))
+                                 error=f"child exited {code}: {output[-300:]}"))
+            report.write_all(out_dir, env, vars(args), rows)
     return rows
 
 
@@ -300,7 +349,7 @@ def main(argv=None, args=None) -> int:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         if args.isolate:
-            rows = _run_isolated(args, chosen, block_sizes, out_dir, start)
+            rows = _run_isolated(args, chosen, block_sizes, out_dir, start, env)
     finally:
         undo()
     report.write_all(out_dir, env, vars(args), rows, plot=True)

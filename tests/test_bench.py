@@ -1,31 +1,98 @@
-"""The benchmark suite end to end on CPU, tiny: every scenario checked, files written, CLI wired."""
+"""The benchmark suite on CPU, tiny: scenarios checked, files written, CLI wired, a wrong result caught,
+and the dense plan of the GPU replay (issue 8) equal to the reference."""
 import json
 
+import numpy as np
 import pytest
+import torch
 
-pytest.importorskip("matplotlib")
-
-from vllm_gaudi_unified.cli import build_parser  # noqa: E402
+from vllm_gaudi_unified.cli import build_parser
 
 SMALL = ["--device", "cpu", "--scale", "0.01", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
-         "--dtype", "float32", "--tol", "1e-4", "--baselines", "sdpa_loop,padded_sdpa,flex"]
+         "--dtype", "float32", "--tol", "1e-4", "--cpu-reps", "2"]
+
+
+def _bench(tmp_path, *extra):
+    args = build_parser().parse_args(["bench", *SMALL, "--out", str(tmp_path), *extra])
+    code = args.func(args)
+    return code, json.loads((tmp_path / "results.json").read_text())
 
 
 def test_bench_cli_runs_checks_and_writes(tmp_path):
-    args = build_parser().parse_args(["bench", *SMALL, "--out", str(tmp_path),
-                                      "--scenarios", "decode_256x2k,mixed,shared_prefix,scattered"])
-    assert args.func(args) == 0
-    data = json.loads((tmp_path / "results.json").read_text())
+    pytest.importorskip("matplotlib")
+    code, data = _bench(tmp_path, "--scenarios", "decode_256x2k,mixed,shared_prefix,scattered", "--block-sizes", "16",
+                        "--baselines", "sdpa_loop,padded_sdpa,flex", "--invariant", "mixed")
+    assert code == 0
     ours = [r for r in data["rows"] if r["method"] == "unified"]
-    assert len(ours) == 4 * 2  # 4 scenarios x block sizes 16 and 128, eager on CPU
+    assert len(ours) == 4  # 4 scenarios x block size 16, eager only on CPU
     assert all(r["ok"] and r["ms"] > 0 and r["rel_err"] < 1e-4 for r in ours)
     layouts = {r["scenario"]: r["unique_layout"] for r in ours}
     assert layouts["decode_256x2k"] == "slice" and layouts["scattered"] == "gather"  # the planner says which
     base = {(r["scenario"], r["method"]): r for r in data["rows"] if r["method"] in ("sdpa_loop", "padded_sdpa")}
     assert all(r["ok"] for r in base.values()) and len(base) == 8
+    flex = [r for r in data["rows"] if r["method"] == "flex"]
+    assert len(flex) == 4 and all(r["ok"] is None for r in flex)  # CUDA only: reported, not run
+    inv = [r for r in data["rows"] if r["method"] == "invariant"]
+    assert [r["scenario"] for r in inv] == ["mixed"] and inv[0]["ok"] and inv[0]["ms"] > 0
+    summ = {s["scenario"]: s for s in data["summary"]}
+    assert summ["scattered"]["vs_dense"] > 0 and "dense" in summ["scattered"]["verdict"]
+    assert summ["mixed"]["invariant_eager_ms"] == inv[0]["ms"]
     md = (tmp_path / "results.md").read_text()
-    assert "SDPA loop / ours" in md and "decode 256 x 2k" in md
+    assert "SDPA loop ms (÷ ours)" in md and "decode 256 x 2k" in md and "Batch-invariant mode" in md
     assert (tmp_path / "results.png").stat().st_size > 1000
+
+
+def test_bench_reports_a_wrong_result(tmp_path, monkeypatch):
+    """The check before timing can fail: a result off by 1 % is reported and the exit code is 1."""
+    from vllm_gaudi_unified import attention
+
+    real = attention.unified_attention
+    monkeypatch.setattr(attention, "unified_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    code, data = _bench(tmp_path, "--scenarios", "decode_256x2k", "--block-sizes", "128", "--baselines", "none")
+    assert code == 1
+    (row,) = [r for r in data["rows"] if r["method"] == "unified"]
+    assert row["ok"] is False and row["rel_err"] > 1e-3 and "ms" not in row
+    assert "FAILED" in (tmp_path / "results.md").read_text()
+
+
+def test_report_verdicts():
+    from benchmarks.report import verdict
+
+    line = dict(scenario="decode_256x2k", block_size=16, ms=0.8, target_ms=0.75)
+    assert verdict(line).startswith("miss")
+    assert verdict(dict(line, ms=0.7)) == "pass"
+    assert verdict(dict(line, block_size=128, target_ms=None, other_bs_ms=0.7)).endswith("miss")
+    assert verdict(dict(line, scenario="scattered", target_ms=None, vs_dense=1.05)).endswith("pass")
+
+
+def test_dense_replay_plan_equals_reference_and_counts_dense_work():
+    """benchmarks.replay's 'before' plan (issue 8): the dense design's work, the same result."""
+    from benchmarks.replay import dense_plan
+    from vllm_gaudi_unified import plan_step
+    from vllm_gaudi_unified.attention import unified_attention
+    from vllm_gaudi_unified.batch import UnifiedBatch
+    from vllm_gaudi_unified.reference import reference_attention
+
+    # A chunk over its context, two decodes sharing two blocks, a long prompt (three 512-row slices).
+    bs, ql, cl = 4, [5, 1, 1, 1100], [6, 9, 9, 3]
+    table = np.zeros((4, 276), np.int64)  # each request's blocks cover context + new tokens, as vLLM allocates
+    table[0, :3], table[1, :3], table[2, :3] = [1, 2, 9], [3, 4, 5], [3, 4, 6]
+    table[3, :276] = [7] + list(range(10, 285))
+    num_blocks = int(table.max()) + 1
+    dense = dense_plan(ql, cl, table, bs, num_blocks)
+    ref_plan = plan_step(ql, cl, table, bs, num_blocks=num_blocks, dense_work=True)
+    got, want = dense.work_planned, ref_plan.work_dense
+    assert got.shared == want.shared and got.unique == want.unique
+    # Causal: all 6 slice pairs at or below the diagonal of 3 slices of 512 rows, plus the self pairs (the
+    # planner's dense count stops the last slice's keys at the last token).
+    assert got.causal == 6 * 512**2 + sum(ql) and want.causal <= got.causal
+    g = torch.Generator().manual_seed(0)
+    t = sum(ql)
+    q, k, v = (torch.randn(t, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    kc, vc = (torch.randn(num_blocks, bs, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out = unified_attention(q, k, v, kc, vc, UnifiedBatch.from_plan(dense), 0.3)
+    ref = reference_attention(q, k, v, kc, vc, ql, cl, table, 0.3)
+    assert torch.allclose(out, ref, atol=1e-10, rtol=0)
 
 
 def test_scenario_floors_match_the_issue():
