@@ -27,7 +27,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     p.add_argument("--tol", type=float, default=1e-2, help="largest accepted |out - ref| / |ref|")
     p.add_argument("--seed", type=int, default=0, help="seed of block tables and tensors")
-    p.add_argument("--core", default="current", help="core variant: 'current', or 'v0' (the fp32-upcast attend)")
+    p.add_argument("--core", default="current", help="core variant: 'current', 'v0' (the fp32-upcast attend) or 'v2-unique' (V masked on every "
+                        "unique block slot, before run 5)")
     p.add_argument("--unique-layout", default="auto", help="PlanOptions.unique_layout: auto, slice or gather")
     p.add_argument("--causal-tile", type=int, default=None, help="PlanOptions.causal_tile (default: the planner's)")
     p.add_argument("--shared-rows", type=int, default=None, help="PlanOptions.shared_rows (default: the planner's)")

@@ -103,7 +103,8 @@ def choose(trace, top: int) -> list[int]:
     return [int(i) for i in np.argsort(work, kind="stable")[::-1][:top]]
 
 
-def replay_step(step, label: str, device, dtype, heads=(32, 8, 128), tol: float = 1e-2, seed: int = 0) -> dict:
+def replay_step(step, label: str, device, dtype, heads=(32, 8, 128), tol: float = 1e-2, seed: int = 0,
+                tuned: PlanOptions | None = None) -> dict:
     from vllm_gaudi_unified.attention import unified_attention
 
     hq, hkv, d = heads
@@ -127,7 +128,13 @@ def replay_step(step, label: str, device, dtype, heads=(32, 8, 128), tol: float 
     ql, cl = [int(x) for x in step.query_lens], [int(x) for x in step.context_lens]
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
     dead = ~_readable(step, num_blocks).to(device)
-    for name, plan in (("before", before), ("after", after)):
+    plans = [("before", before), ("after", after)]
+    if tuned is not None:  # the planner with other tile options (same work accounting, other shapes)
+        plans.append(("tuned", plan_step(step.query_lens, step.context_lens, bt, bs, num_blocks=num_blocks,
+                                         options=tuned)))
+        row.update(tuned_options=str(tuned), tuned_planned=plans[-1][1].work_planned.total,
+                   tuned_bucket=str(plans[-1][1].bucket))
+    for name, plan in plans:
         batch = UnifiedBatch.from_plan(plan, device)
         fn = lambda b=batch: unified_attention(q, k, v, kc, vc, b, scale)  # noqa: E731
         clean_k, clean_v = kc[dead].clone(), vc[dead].clone()
@@ -175,6 +182,7 @@ def markdown(rows, env) -> str:
     def f(x, n=3):
         return "-" if x is None else (f"{x:.{n}f}" if x < 100 else f"{x:.0f}")
 
+    tuned = any("tuned_planned" in r for r in rows)
     lines = [f"Device: {env['device']}; torch {env['torch']}; {env['date']}.", "",
              "| step | tokens / requests / bs | work needed | dense design (planner count) | before: planned "
              "| after: planned | before eager ms | after eager ms | before graph ms | after graph ms "
@@ -190,6 +198,13 @@ def markdown(rows, env) -> str:
             f"| {f(r.get('after_graph_ms'))} | {f(sp, 1) + 'x' if sp else '-'} "
             f"| {f(r.get('before_peak_mb'), 0)} / {f(r.get('after_peak_mb'), 0)} "
             f"| {f(r.get('before_rel_err'), 4)} / {f(r.get('after_rel_err'), 4)} |")
+    if tuned:
+        lines += ["", f"Tuned planner options: {rows[0].get('tuned_options')}", "",
+                  "| step | tuned: planned | tuned eager ms | tuned graph ms | rel err |", "|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['step']} | {r['tuned_planned'] / 1e6:.2f} M ({r['tuned_planned'] / r['needed']:.2f}x "
+                         f"needed) | {f(r.get('tuned_eager_ms'))} | {f(r.get('tuned_graph_ms'))} "
+                         f"| {f(r.get('tuned_rel_err'), 4)} |")
     return "\n".join(lines)
 
 
@@ -202,6 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     p.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size")
     p.add_argument("--tol", type=float, default=1e-2, help="largest accepted |out - ref| / |ref|")
+    p.add_argument("--tuned", default=None,
+                   help="also time the planner with these PlanOptions, e.g. 'shared_rows=64,causal_tile=256'")
     p.add_argument("--out", default=None, help="folder for replay.json and replay.md")
     args = p.parse_args(argv)
     import datetime
@@ -211,6 +228,10 @@ def main(argv=None) -> int:
     heads = tuple(int(x) for x in args.heads.split(","))
     env = dict(torch=torch.__version__, device=torch.cuda.get_device_name(device) if device.type == "cuda"
                else platform.machine(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    tuned = None
+    if args.tuned:
+        tuned = PlanOptions(**{k: int(v) if v.isdigit() else v for k, v in
+                               (item.split("=") for item in args.tuned.split(","))})
     rows = []
     for spec in args.trace or [f"{t}:auto" for t in TRACES]:
         path, _, which = spec.rpartition(":")
@@ -218,7 +239,7 @@ def main(argv=None) -> int:
         idx = choose(trace, args.top) if which == "auto" else [int(x) for x in which.split(",")]
         for i in idx:
             row = replay_step(trace.steps[i], f"{Path(path).name.split('.jsonl')[0]} #{i}", device, dtype, heads,
-                              args.tol)
+                              args.tol, tuned=tuned)
             rows.append(row)
             print(json.dumps(row), flush=True)
     md = markdown(rows, env)
@@ -228,7 +249,7 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "replay.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
         (out / "replay.md").write_text(md + "\n")
-    return 0 if all(r.get("before_ok") and r.get("after_ok") for r in rows) else 1
+    return 0 if all(r.get("before_ok") and r.get("after_ok") and r.get("tuned_ok", True) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -60,11 +60,20 @@ def _readable(lay: sc_mod.Layout, device) -> torch.Tensor:
 
 
 def core_variant(name: str):
-    """Swap the tile computation of the three paths for a benchmark comparison; returns an undo."""
+    """Swap a piece of the core for a benchmark comparison in the same run; returns an undo.
+
+    'v0': the fp32-upcast tile computation of run 1; 'v2-unique': the unique path of run 3 (V masked on
+    every block slot) instead of the current one."""
     if name == "current":
         return lambda: None
-    from vllm_gaudi_unified import causal, shared, unique
+    from vllm_gaudi_unified import attention, causal, shared, unique
 
+    if name == "v2-unique":
+        from benchmarks._unique_v2 import unique_partial as unique_v2
+
+        saved_unique = attention.unique_partial
+        attention.unique_partial = unique_v2
+        return lambda: setattr(attention, "unique_partial", saved_unique)
     if name != "v0":
         raise ValueError(f"unknown core variant {name!r}")
     from benchmarks._attend_v0 import attend as attend_v0
@@ -115,14 +124,9 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
     fns = {"eager": lambda: unified_attention(q, k, v, kc, vc, batch, scale),
            "graph": lambda: unified_attention(q, k, v, kc, vc, batch, scale),
            "compiled": lambda: compiled_attention(q, k, v, kc, vc, batch, scale)}
-    timed = _check_and_time(fns, args.variants, dict(base, method="unified"), q, kc, vc, dead, ref, args, device,
-                            rows)
-    if any(sp == (sc.name, bs) for sp, _ in profiles):
-        for (name_bs, var) in profiles:
-            if name_bs == (sc.name, bs) and var in timed:
-                _profile(timed[var], device, f"{sc.name}:bs{bs}:{var}", rows)
-    timed.clear()
-    graphs.clear()
+    prof = [var for (name_bs, var) in profiles if name_bs == (sc.name, bs)]
+    _check_and_time(fns, args.variants, dict(base, method="unified"), q, kc, vc, dead, ref, args, device, rows,
+                    profile=prof, label=f"{sc.name}:bs{bs}")
     if _wants(args.invariant, sc.name) and bs in args.baseline_block_sizes:
         # Issue 6's cost column: the batch-invariant mode on the same tensors, checked the same way.
         inv_opts = replace(opts, batch_invariant=True)
@@ -132,11 +136,9 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
         inv_fn = lambda: unified_attention(q, k, v, kc, vc, inv_batch, scale)  # noqa: E731
         inv_base = dict(base, method="invariant", options=str(inv_opts), plan_ms=inv_plan_t,
                         work_planned=inv_plan.work_planned.total, bucket=str(inv_plan.bucket))
-        timed = _check_and_time({"eager": inv_fn, "graph": inv_fn}, [v_ for v_ in ("eager", "graph")
-                                                                     if v_ in args.variants],
-                                inv_base, q, kc, vc, dead, ref, args, device, rows)
-        timed.clear()
-        del inv_batch
+        _check_and_time({"eager": inv_fn, "graph": inv_fn}, [v_ for v_ in ("eager", "graph") if v_ in args.variants],
+                        inv_base, q, kc, vc, dead, ref, args, device, rows)
+        del inv_batch, inv_fn
     del dead
     if device.type == "cuda":
         gc.collect()
@@ -191,48 +193,52 @@ def _wants(spec: str, name: str) -> bool:
     return spec == "all" or name in spec.split(",")
 
 
-def _check_and_time(fns, variants, base, q, kc, vc, dead, ref, args, device, rows) -> dict:
-    """Check each variant on a cache whose unreadable slots are NaN/inf, then time it on a finite cache.
-
-    Appends one row per variant; returns {variant: timed callable} (graphs hold memory: clear it after use)."""
-    timed, ours = {}, []
-    kc_clean, vc_clean = kc[dead].clone(), vc[dead].clone()
-    kc[dead], vc[dead] = float("nan"), float("inf")
-    try:
-        for var in variants:
-            if var not in fns or (var != "eager" and device.type != "cuda"):
-                continue
-            row = dict(base, variant=var)
-            try:
-                t0 = time.time()
-                if var == "eager":
-                    out = fns[var]()
-                    timed[var] = fns[var]
-                else:
-                    replay, out_buf = capture(fns[var], device)
-                    out_buf.fill_(float("nan"))  # poison: the replay must write every element
-                    replay()
-                    sync(device)
-                    out = out_buf
-                    timed[var] = replay
-                row["setup_s"] = time.time() - t0
-                row["rel_err"] = _rel_err(out, ref)
-                row["ok"] = row["rel_err"] <= args.tol
-                del out
-            except Exception as exc:  # noqa: BLE001 - a failing variant is reported, not fatal
-                row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
-                traceback.print_exc()
-            rows.append(row)
-            ours.append(row)
-    finally:
-        kc[dead], vc[dead] = kc_clean, vc_clean
-    for row in ours:
-        if row.get("ok"):
-            fn = timed[row["variant"]]
-            row["ms"] = time_ms(fn, device, reps=args.cpu_reps)
-            if row["variant"] == "eager":
-                row["peak_mb"] = (peak_bytes(fn, device) or 0) / 2**20 if device.type == "cuda" else None
-    return timed
+def _check_and_time(fns, variants, base, q, kc, vc, dead, ref, args, device, rows, profile=(), label="") -> None:
+    """Per variant: check it on a cache whose unreadable slots are NaN/inf, time it on the finite cache,
+    profile it if asked, then drop its graph before the next variant (graph pools of several variants
+    together ran a chunked prefill out of memory). Appends one row per variant."""
+    for var in variants:
+        if var not in fns or (var != "eager" and device.type != "cuda"):
+            continue
+        row = dict(base, variant=var)
+        rows.append(row)
+        fn = None
+        kc_clean, vc_clean = kc[dead].clone(), vc[dead].clone()
+        kc[dead], vc[dead] = float("nan"), float("inf")
+        try:
+            t0 = time.time()
+            if var == "eager":
+                fn, out = fns[var], fns[var]()
+            else:
+                fn, out = capture(fns[var], device)
+                out.fill_(float("nan"))  # poison: the replay must write every element
+                fn()
+                sync(device)
+            row["setup_s"] = time.time() - t0
+            row["rel_err"] = _rel_err(out, ref)
+            row["ok"] = row["rel_err"] <= args.tol
+            del out
+        except Exception as exc:  # noqa: BLE001 - a failing variant is reported, not fatal
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+            traceback.print_exc()
+        finally:
+            kc[dead], vc[dead] = kc_clean, vc_clean
+            del kc_clean, vc_clean
+        try:
+            if row.get("ok"):
+                row["ms"] = time_ms(fn, device, reps=args.cpu_reps)
+                if var == "eager" and device.type == "cuda":
+                    row["peak_mb"] = (peak_bytes(fn, device) or 0) / 2**20
+                if var in profile:
+                    _profile(fn, device, f"{label}:{var}", rows)
+        except Exception as exc:  # noqa: BLE001
+            row.update(ms=None, error=f"timing: {type(exc).__name__}: {exc}"[:300])
+            traceback.print_exc()
+        del fn
+        graphs.clear()
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def _profile(fn, device, label, rows):

@@ -16,9 +16,10 @@ reading K/V, not by arithmetic. There both products run over the block as
 stored, `[keys * kv_heads, head_dim]`: the scores of every (query head, KV
 head) pair are computed and the matching ones kept, and `p @ V` takes a
 probability matrix that is zero off the matching heads. K and V are read in
-place (V once more through the masking pass, which writes it in the same
-layout) instead of being transposed into a per-head layout, for kv_heads
-times the (free) arithmetic.
+place instead of being transposed into a per-head layout, for kv_heads times
+the (free) arithmetic. When the caller lists the tiles that miss some key
+(the unique path: a request's partial last block), V is masked on those
+tiles alone rather than copied whole through the masking pass.
 """
 from __future__ import annotations
 
@@ -53,18 +54,21 @@ def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           soft_cap: float | None) -> Partial:
+           soft_cap: float | None, masked_tiles: torch.Tensor | None = None) -> Partial:
     """q `[T, R, Hq, D]`, k/v `[T, K, Hkv, D]`, mask `[T, R, K]` (True = visible) -> Partial `[T*R, Hq, D]`.
 
     Keys no row of a tile may see are zeroed in `v` first: a poisoned cache slot
-    (NaN, inf) times a zero probability would still be NaN.
+    (NaN, inf) times a zero probability would still be NaN. `masked_tiles`
+    (one-row tiles only): indices of every tile whose row is real and may miss
+    some key; then only those tiles are masked, and the others (all keys seen,
+    or no row: their partial may hold NaN, for the merge to drop) read V as is.
     """
     t, r, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     dt = compute_dtype(q.dtype)
     if r == 1 and hkv > 1 and k.is_contiguous() and v.is_contiguous():
-        return _attend_one_row(q, k, v, mask, scale, soft_cap)
+        return _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles)
     qg = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # [T, Hkv, G*R, D]
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).view(t, hkv, g, r, nk)
     scores = scores.to(dt) * scale
@@ -73,7 +77,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return scores_to_partial(scores, _zero_unseen(v, mask.any(1)), mask)
 
 
-def _attend_one_row(q, k, v, mask, scale, soft_cap) -> Partial:
+def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
     """`attend` for one-row tiles, K/V as stored `[T, K, Hkv, D]` (see the module docstring)."""
     t, _, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
@@ -89,6 +93,15 @@ def _attend_one_row(q, k, v, mask, scale, soft_cap) -> Partial:
     p, m, total = masked_softmax_for(scores)(scores)
     p_every = torch.zeros((t, hkv, g, nk, hkv), dtype=v.dtype, device=v.device)
     torch.diagonal(p_every, dim1=1, dim2=4).copy_(p.permute(0, 2, 3, 1))
-    vz = torch.where(visible[:, :, None, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
-    acc = torch.matmul(p_every.view(t, hq, nk * hkv), vz.view(t, nk * hkv, d)).to(dt)  # [T, Hq, D]
+    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    if masked_tiles is None:
+        vz = torch.where(visible[:, :, None, None], v, zero)
+        acc = torch.matmul(p_every.view(t, hq, nk * hkv), vz.view(t, nk * hkv, d)).to(dt)  # [T, Hq, D]
+    else:  # V as stored, then the few tiles that miss a key again on masked V (one pass less over V)
+        acc = torch.matmul(p_every.view(t, hq, nk * hkv), v.view(t, nk * hkv, d))
+        sel = masked_tiles
+        vz = torch.where(visible[sel][:, :, None, None], v[sel], zero)
+        # Fixed in the product's own dtype, so the cast to fp32 stays fused into the merge that reads it.
+        acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nk * hkv), vz.view(-1, nk * hkv, d)))
+        acc = acc.to(dt)
     return Partial(acc, m.reshape(t, hq), total.reshape(t, hq))

@@ -27,7 +27,24 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
         k, v = key_cache[:slots], value_cache[:slots]  # views: the slice is read in place
     else:
         k, v = key_cache[batch.unique_blocks], value_cache[batch.unique_blocks]
-    mask = slot_mask(batch.unique_lo, batch.unique_hi, key_cache.shape[1])[:, None, :]  # [slots, 1, block_size]
+    block_size = key_cache.shape[1]
+    mask = slot_mask(batch.unique_lo, batch.unique_hi, block_size)[:, None, :]  # [slots, 1, block_size]
     rows = batch.unique_rows
-    part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap)
+    part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
+                  masked_tiles=_partial_slots(batch, n, block_size))
     return scatter_merge(part, rows, n)
+
+
+def _partial_slots(batch, n: int, block_size: int) -> torch.Tensor:
+    """Indices of every slot with a real row that sees only part of its block, padded with other slots.
+
+    A request's unique blocks are full but its last context block (`hi < block_size`) and, with a
+    sliding window, its first visible one (`lo > 0`): at most 2 per request, so a fixed count per
+    bucket (`num_logits` >= requests) covers them; the rest of the count is filled with other slots,
+    which masking leaves unchanged. Slots without a row (padding, dead slots of the slice) are dropped
+    by the merge and need no mask."""
+    slots = batch.unique_rows.shape[0]
+    per_request = 1 if batch.sliding_window is None else 2
+    count = min(slots, per_request * batch.bucket.num_logits)
+    partial = (batch.unique_rows < n) & ((batch.unique_lo > 0) | (batch.unique_hi < block_size))
+    return torch.topk(partial.to(torch.int32), count, sorted=False).indices
