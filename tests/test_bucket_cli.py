@@ -44,6 +44,30 @@ def test_round_trip(tmp_path, trace, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_records_the_command_that_makes_it_again(tmp_path, trace):
+    import shlex
+
+    first = str(tmp_path / "a.json")
+    assert main(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "5", "--margin", "0.3",
+                 "--resolution", "4", "--jobs", "1", "-o", first, "--no-progress"]) == 0
+    command = BucketPlan.load(first).info["command"]
+    assert command.startswith("vllm-gaudi-unified buckets generate --strategy trace --preset llama8b-gaudi3")
+    assert "--margin 0.3" in command and "--resolution 4.0" in command and "--jobs" not in command
+    again = shlex.split(command)[1:]
+    again[again.index("--output") + 1] = str(tmp_path / "b.json")
+    assert main(again + ["--no-progress"]) == 0
+    assert BucketPlan.load(str(tmp_path / "b.json")).buckets == BucketPlan.load(first).buckets
+
+
+def test_curve_plot(tmp_path):
+    from vllm_gaudi_unified.bucketing.plot import plot_curves
+
+    path = tmp_path / "c.png"
+    plot_curves({"trace: t": [(4, 2.5), (32, 1.3)], "exponential: t": [(300, 3.0), (3000, 1.4)]}, str(path), "t",
+                styles={"trace: t": {"color": "blue", "marker": "o"}}, hlines={"goal": 1.15})
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_exponential_generate(tmp_path):
     plan_path = str(tmp_path / "exp.json")
     assert main(["buckets", "generate", "--strategy", "exponential", *SMALL, "--exp-base", "4", "-o", plan_path]) == 0
@@ -54,14 +78,21 @@ def test_exponential_generate(tmp_path):
 def test_clear_errors(tmp_path, trace, capsys):
     out = str(tmp_path / "p.json")
     assert main(["buckets", "generate", "--block-size", "0", "--strategy", "exponential", "-o", out]) == 2
-    assert "block_size must be a positive integer" in capsys.readouterr().err
+    assert "block_size must be a positive integer, got 0" in capsys.readouterr().err
     assert main(["buckets", "generate", "--max-num-seqs", "512", "--max-num-batched-tokens", "256",
                  "--strategy", "exponential", "-o", out]) == 2
-    assert "below max_num_seqs" in capsys.readouterr().err
+    assert "max_num_batched_tokens (256) is below max_num_seqs (512)" in capsys.readouterr().err
+    assert main(["buckets", "simulate", "--num-blocks", "0", "-o", out, "--no-progress"]) == 2
+    assert "num_blocks must be a positive integer, got 0" in capsys.readouterr().err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main(["buckets", "generate", *SMALL, "--trace", str(empty), "-o", out, "--no-progress"]) == 2
-    assert "no scheduler step" in capsys.readouterr().err
+    assert f"{empty}: the trace holds no scheduler step" in capsys.readouterr().err
+    assert main(["buckets", "evaluate", out, "--trace", str(empty), "--no-progress"]) == 2  # no plan at `out`
+    assert "no such bucket plan" in capsys.readouterr().err
+    assert main(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "0", "-o", out,
+                 "--no-progress", "--jobs", "1"]) == 2
+    assert "max_graphs must be >= 1, got 0" in capsys.readouterr().err
     assert main(["buckets", "generate", "--trace", trace, "-o", out, "--no-progress"]) == 2  # block size 128 != 16
     assert "differs" in capsys.readouterr().err
     assert main(["buckets", "show", str(tmp_path / "missing.json")]) == 2

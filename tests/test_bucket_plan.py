@@ -1,4 +1,7 @@
 """BucketPlan: find returns the cheapest covering bucket, explicit misses, JSON round trip."""
+import json
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -115,3 +118,27 @@ def test_check_compatible():
 def test_dims_match_bucket_sizes():
     b = Bucket("csu", 1, 2, 3, 4, 5)
     assert tuple(getattr(b, d) for d in DIMS) == b.sizes
+
+
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "bucketing")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(SHIPPED) if f.endswith(".json")
+                                        and not f.endswith(".eval.json")))
+def test_shipped_plans_load_and_cover_the_limits(name):
+    plan = BucketPlan.load(os.path.join(SHIPPED, name))
+    assert plan.covers_limits() and plan.miss_policy == "error"
+    assert plan.info["command"].startswith("vllm-gaudi-unified buckets generate")
+    with open(os.path.join(SHIPPED, name.replace(".json", ".eval.json"))) as f:
+        ev = json.load(f)
+    assert ev["graphs"] == len(plan) and all(r["covered"] == 1.0 for r in ev["results"])
+
+
+def test_shipped_trace_plan_covers_every_step_it_learned_from():
+    from vllm_gaudi_unified.bucketing.shapes import StepShapes, shapes_of_trace
+
+    plan = BucketPlan.load(os.path.join(SHIPPED, "bs32-seqs64_trace32.json"))
+    shapes = StepShapes.concat([shapes_of_trace(os.path.join(SHIPPED, "..", p), plan.settings, jobs=1)
+                                for p in plan.info["sources"]])
+    assert len(shapes) == plan.info["steps"]
+    assert (plan.find_all(shapes.sizes) >= 0).all()

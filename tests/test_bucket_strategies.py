@@ -84,26 +84,39 @@ def test_steps_are_one_weighted_problem_not_a_lookup(train):
 
 
 def test_bad_settings_give_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+    """Each error names the field and the value."""
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
         ServerSettings(block_size=0)
-    with pytest.raises(ValueError, match="max_num_batched_tokens .* below max_num_seqs"):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(256\) is below max_num_seqs \(512\)"):
         ServerSettings(max_num_seqs=512, max_num_batched_tokens=256)
-    with pytest.raises(ValueError, match="num_blocks"):
+    with pytest.raises(ValueError, match="num_blocks must be a positive integer, got -3"):
         ServerSettings(num_blocks=-3)
-    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+    with pytest.raises(ValueError, match="max_model_len must be a positive integer, got 0"):
+        ServerSettings(max_model_len=0)
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
         SchedulerConfig(block_size=0)
-    with pytest.raises(ValueError, match="max_graphs"):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) is below max_num_seqs \(64\)"):
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="maximum 5 is below minimum 10"):
+        exp_values(10, 5)
+    with pytest.raises(ValueError, match="max_graphs must be >= 1, got 0"):
         trace_plan(sim_shapes(3), SETTINGS, max_graphs=0)
-    with pytest.raises(ValueError, match="target_waste"):
+    with pytest.raises(ValueError, match="target_waste .* got 0.5"):
         trace_plan(sim_shapes(3), SETTINGS, max_graphs=None, target_waste=0.5)
+    with pytest.raises(ValueError, match="resolution must be positive, got 0"):
+        trace_plan(sim_shapes(3), SETTINGS, resolution=0)
     with pytest.raises(ValueError, match="needs at least one trace"):
         make_plan("trace", SETTINGS)
     with pytest.raises(ValueError, match="unknown strategy"):
         make_plan("linear", SETTINGS)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(TraceError, match="no scheduler step"):
+    with pytest.raises(TraceError, match="empty.jsonl: the trace holds no scheduler step"):
         shapes_of_trace(str(empty), SETTINGS)
+    with pytest.raises(TraceError, match="the trace holds no scheduler step"):
+        shapes_of_steps([], SETTINGS)
+    with pytest.raises(ValueError, match="no step to learn from"):
+        trace_plan(StepShapes(np.zeros((0, 5), np.int64), np.zeros((0, 3), np.int64), 16), SETTINGS)
     with pytest.raises(TraceError, match="no steps"):
         StepShapes.concat([])
 
@@ -126,3 +139,34 @@ def test_shapes_of_trace_parallel_equals_serial(tmp_path):
     np.testing.assert_array_equal(a.sizes, b.sizes)
     np.testing.assert_array_equal(a.sizes, c.sizes)
     np.testing.assert_array_equal(a.needed, c.needed)
+
+
+def test_gains_updates_and_best_match_the_exact_sums():
+    """The greedy step's incremental gains pick what a fresh sum over every group would pick."""
+    from vllm_gaudi_unified.bucketing.strategies import _Gains
+
+    rng = np.random.default_rng(0)
+    cost = rng.uniform(1, 100, 300)
+    cov = rng.random((300, 500)) < 0.3
+    w = rng.integers(1, 20, 500).astype(float)
+    cur = rng.uniform(50, 200, 500)
+    g = _Gains(cost, cov, w)
+    g.reset(cur)
+    new = cur.copy()
+    changed = rng.choice(500, 40, replace=False)
+    new[changed] = rng.uniform(1, 50, 40)
+    approx = g.updated(new, np.sort(changed))
+    exact = g.exact(new)
+    np.testing.assert_allclose(approx, exact, rtol=1e-12)
+    best, value = g.best(approx, new)
+    assert best == int(np.argmax(exact)) and value == exact[best]
+
+
+def test_trace_plan_larger_budgets_stay_fast_and_keep_improving(train):
+    import time
+
+    t0 = time.perf_counter()
+    plans = [trace_plan(train, SETTINGS, max_graphs=k) for k in (16, 64, 256)]
+    assert time.perf_counter() - t0 < 10
+    wastes = [p.info["expected_padding_waste"] for p in plans]
+    assert wastes[0] >= wastes[1] >= wastes[2] >= 1.0

@@ -42,7 +42,7 @@ def register(subparsers) -> None:
     g.add_argument("--jobs", type=int, default=None, help="processes for replaying traces (default: all cores)")
     g.add_argument("-o", "--output", required=True, help="plan file to write (JSON)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, _parser=g)
 
     s = sub.add_parser("show", help="print a plan as a table", description="Print a bucket plan as a table.")
     s.add_argument("plan", metavar="PLAN", help="bucket plan JSON")
@@ -174,14 +174,37 @@ def cmd_generate(args) -> int:
     except (ValueError, TraceError, FileNotFoundError) as exc:
         return _fail(str(exc))
     plan.miss_policy = args.miss_policy
-    plan.info["command"] = "vllm-gaudi-unified " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(
-        ("vllm-gaudi-unified", "__main__.py")) else "buckets generate"
+    plan.info["command"] = command_line(args)
     plan.save(args.output)
     extra = ""
     if "expected_padding_waste" in plan.info:
         extra = f", padding waste {plan.info['expected_padding_waste']:.3f} on {plan.info['steps']} steps learned from"
     print(f"wrote {args.output}: {plan.strategy} plan, {len(plan)} buckets{extra} ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def command_line(args) -> str:
+    """The `buckets generate` command that makes this plan again: --preset, --strategy and every
+    flag that differs from its default, in the parser's order (not --jobs or --no-progress,
+    which do not change the plan)."""
+    import shlex
+
+    words = ["vllm-gaudi-unified", "buckets", "generate"]
+    for action in args._parser._actions:
+        if not action.option_strings or action.dest in ("help", "jobs", "no_progress"):
+            continue
+        value = getattr(args, action.dest, None)
+        if value in (None, []) or (value == action.default and action.dest not in ("preset", "strategy")):
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append(flag)
+        elif isinstance(value, list):
+            for v in value:
+                words += [flag, str(v)]
+        else:
+            words += [flag, str(value)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def cmd_show(args) -> int:

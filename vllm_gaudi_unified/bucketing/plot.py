@@ -48,26 +48,48 @@ def plot_plan(plan, shapes, path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def plot_curves(curves: dict, path: str, title: str = "") -> None:
+def plot_curves(curves: dict, path: str, title: str = "", styles: dict | None = None,
+                hlines: dict | None = None, zoom: tuple | None = None) -> None:
     """PNG: padding waste against number of graphs, one line per (strategy, trace).
 
-    `curves`: label -> list of (graphs, waste)."""
+    `curves`: label -> list of (graphs, waste); `styles`: label -> matplotlib keyword arguments
+    (default: circles for labels with 'trace', squares otherwise); `hlines`: label -> waste of a
+    dotted reference line (e.g. a goal); `zoom`: (low, high) waste of a second, linear panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for label, pts in curves.items():
-        pts = sorted(pts)
-        style = "o-" if "trace" in label else "s--"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
-    ax.set_xscale("log")
-    ax.set_xlabel("graphs (buckets) to warm up")
-    ax.set_ylabel("padding waste (padded work / real work)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=10)
+    panels = 2 if zoom else 1
+    fig, axes = plt.subplots(1, panels, figsize=(8.5 if panels == 1 else 14, 5.5), squeeze=False)
+    top = max((p[1] for pts in curves.values() for p in pts), default=2.0)
+    for i, ax in enumerate(axes[0]):
+        for label, pts in curves.items():
+            pts = sorted(pts)
+            if i == 1:
+                pts = [p for p in pts if p[1] <= zoom[1] * 1.2]
+            style = (styles or {}).get(label) or {"marker": "o" if "trace" in label else "s",
+                                                  "ls": "-" if "trace" in label else "--"}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, ms=4, **style)
+        for label, y in (hlines or {}).items():
+            ax.axhline(y, color="grey", ls=":", lw=1)
+            ax.annotate(label, (1, y), xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=8,
+                        color="grey")
+        ax.set_xscale("log")
+        if i == 0:
+            ax.set_yscale("log")  # waste runs from ~1.1 to ~6: keep the low end readable
+            ticks = [t for t in (1.0, 1.1, 1.2, 1.3, 1.5, 2, 3, 4, 6, 8) if t <= top * 1.05]
+            ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.legend(fontsize=7)
+        else:
+            ax.set_ylim(*zoom)
+            ax.set_title(f"zoom: waste {zoom[0]:g} to {zoom[1]:g}", fontsize=9)
+        ax.set_xlabel("graphs (buckets) to warm up")
+        ax.set_ylabel("padding waste (padded work / real work)")
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)

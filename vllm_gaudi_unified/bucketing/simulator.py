@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterator
 
 import numpy as np
@@ -109,8 +109,10 @@ class WorkloadConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
         if self.arrival_rate < 0:
             raise ValueError(f"arrival_rate must be >= 0, got {self.arrival_rate}")
-        if self.prompt_median <= 0 or self.output_median <= 0 or self.prompt_max < 1 or self.output_max < 1:
-            raise ValueError("prompt/output medians and maxima must be positive")
+        for name in ("prompt_median", "output_median", "prompt_max", "output_max"):
+            v = getattr(self, name)
+            if v <= 0:
+                raise ValueError(f"{name} must be positive, got {v}")
         if self.parallel_n < 1:
             raise ValueError(f"parallel_n must be >= 1, got {self.parallel_n}")
 

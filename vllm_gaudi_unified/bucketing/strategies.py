@@ -154,11 +154,41 @@ class _Problem:
         return cov
 
 
-def _assign(cov_b: np.ndarray, cost_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per group: cost of and index of the cheapest covering bucket."""
-    c = np.where(cov_b, cost_b[:, None], np.inf)
-    idx = c.argmin(0)
-    return c[idx, np.arange(c.shape[1])], idx
+class _Gains:
+    """`gain[c] = sum over groups g of cov[c, g] w[g] max(cur[g] - cost[c], 0)`: the padded work
+    candidate c saves when added to buckets that serve the groups at `cur`.
+
+    The full product is [candidates x groups]; when `cur` changes on a few groups only (a
+    bucket added, or one dropped) the sums are updated on those groups. Updated sums can
+    differ from a fresh sum in the last bits, so `best` re-sums exactly the candidates within
+    a relative 1e-9 of the top and takes the first exact maximum, which is the argmax of the
+    exact sums."""
+
+    def __init__(self, cost: np.ndarray, cov: np.ndarray, w: np.ndarray):
+        self.cost, self.cov, self.w = cost, cov, w
+
+    def exact(self, cur: np.ndarray, rows=slice(None)) -> np.ndarray:
+        return (np.maximum(cur[None, :] - self.cost[rows, None], 0.0) * self.cov[rows]) @ self.w
+
+    def reset(self, cur: np.ndarray) -> np.ndarray:
+        self.cur, self.gain = cur, self.exact(cur)
+        return self.gain
+
+    def updated(self, new: np.ndarray, changed: np.ndarray) -> np.ndarray:
+        """Gains with `cur` replaced by `new` (which differs from it only on `changed`)."""
+        if changed.size == 0:
+            return self.gain
+        c = self.cost[:, None]
+        d = (np.maximum(new[changed][None, :] - c, 0.0) - np.maximum(self.cur[changed][None, :] - c, 0.0))
+        return self.gain + (d * self.cov[:, changed]) @ self.w[changed]
+
+    def best(self, approx: np.ndarray, cur: np.ndarray) -> tuple[int, float]:
+        top = float(approx.max())
+        tol = 1e-9 * (float(self.w @ cur) + abs(top)) + 1e-12
+        near = np.flatnonzero(approx >= top - tol)
+        exact = self.exact(cur, near)
+        i = int(np.argmax(exact))
+        return int(near[i]), float(exact[i])
 
 
 def trace_plan(shapes: StepShapes, settings: ServerSettings, model: ModelSpec | None = None,
@@ -205,13 +235,19 @@ def trace_plan(shapes: StepShapes, settings: ServerSettings, model: ModelSpec | 
 
         bar = tqdm(total=cap, desc="choosing buckets", unit="bucket", leave=False)
         bar.update(1)
+    gains = _Gains(cand_cost, cand_cov, w)
+    approx = gains.reset(cur)
     while len(chosen) < cap and (target_waste is None or waste(cur) > target_waste):
-        gain = (np.maximum(cur[None, :] - cand_cost[:, None], 0.0) * cand_cov) @ w
-        best = int(np.argmax(gain))
-        if gain[best] <= 0:
+        best, gain = gains.best(approx, cur)
+        if gain <= 0:
             break
         chosen.append(best)
-        cur = np.minimum(cur, np.where(cand_cov[best], cand_cost[best], np.inf))
+        new = np.minimum(cur, np.where(cand_cov[best], cand_cost[best], np.inf))
+        if len(chosen) % 64 == 0:
+            approx, cur = gains.reset(new), new  # bound the drift of the updated sums
+        else:
+            approx = gains.updated(new, np.flatnonzero(new < cur))
+            gains.cur, gains.gain, cur = new, approx, new
         if bar:
             bar.update(1)
     if bar:
@@ -219,7 +255,7 @@ def trace_plan(shapes: StepShapes, settings: ServerSettings, model: ModelSpec | 
 
     buckets = cands[chosen]
     if local_search:
-        buckets = _local_search(pb, buckets, cands, cand_cost, cand_cov, target_waste)
+        buckets = _local_search(pb, buckets, cands, cand_cost, cand_cov, gains)
     plan = BucketPlan([bucket_from_sizes(b) for b in buckets], settings, model, hardware, strategy="trace",
                       info={"max_graphs": max_graphs, "target_waste": target_waste, "resolution": resolution,
                             "sources": [str(s) for s in shapes.sources], "steps": int(len(shapes)),
@@ -232,18 +268,28 @@ def trace_plan(shapes: StepShapes, settings: ServerSettings, model: ModelSpec | 
     return plan
 
 
-def _local_search(pb: _Problem, buckets: np.ndarray, cands, cand_cost, cand_cov, target_waste,
+def _local_search(pb: _Problem, buckets: np.ndarray, cands, cand_cost, cand_cov, gains: _Gains,
                   rounds: int = 8) -> np.ndarray:
-    """Tighten, then drop-and-add swaps, while the total padded work falls."""
+    """Tighten, then drop-and-add swaps, while the total padded work falls.
+
+    Kept incremental: `table` holds each bucket's cost per group (inf where it does not
+    cover it), `cur`/`idx` the cheapest covering bucket per group (the lowest index on a
+    tie, as argmin), so a tightened bucket is one row update and dropping bucket b changes
+    only the groups b serves, which fall to their second-cheapest bucket."""
     w = pb.weight
     fixed = (buckets == pb.limits[None, :]).all(1)  # the limits bucket stays
     buckets = buckets.copy()
 
-    def total(bk):
-        c, idx = _assign(pb.covers(bk), pb.cost.cost(bk))
-        return float((w * c).sum()), idx
+    def table_of(bk):
+        return np.where(pb.covers(bk), pb.cost.cost(bk)[:, None], np.inf)
 
-    best_total, idx = total(buckets)
+    def row_of(b):
+        return np.where(pb.covers(b[None, :])[0], pb.cost.cost(b[None, :])[0], np.inf)
+
+    table = table_of(buckets)
+    idx = table.argmin(0)
+    cur = table[idx, np.arange(table.shape[1])]
+    best_total = float((w * cur).sum())
     for _ in range(rounds):
         improved = False
         # Tighten: each bucket down to the largest (rounded) group it serves.
@@ -255,30 +301,36 @@ def _local_search(pb: _Problem, buckets: np.ndarray, cands, cand_cost, cand_cov,
                 continue
             tight = pb.groups[mine].max(0)
             if (tight < buckets[b]).any():
-                trial = buckets.copy()
-                trial[b] = tight
-                t, tidx = total(trial)
+                row = row_of(tight)
+                # b still covers every group it served, now cheaper; other groups may now prefer it.
+                new_idx = np.where(row < cur, b, np.where(row == cur, np.minimum(idx, b), idx))
+                new_cur = np.minimum(cur, row)
+                t = float((w * new_cur).sum())
                 if t < best_total - 1e-9:
-                    buckets, best_total, idx, improved = trial, t, tidx, True
+                    buckets = buckets.copy()
+                    buckets[b] = tight
+                    table[b] = row
+                    idx, cur, best_total, improved = new_idx, new_cur, t, True
         # Swap: drop one bucket, add the best candidate for the groups as they are then served.
-        cov_b = pb.covers(buckets)
-        cost_b = pb.cost.cost(buckets)
+        second = np.partition(table, 1, axis=0)[1] if len(buckets) > 1 else np.full_like(cur, np.inf)
+        gains.reset(cur)
         for b in range(len(buckets)):
             if fixed[b]:
                 continue
-            keep = np.ones(len(buckets), bool)
-            keep[b] = False
-            cur, _ = _assign(cov_b[keep], cost_b[keep])
-            gain = (np.maximum(cur[None, :] - cand_cost[:, None], 0.0) * cand_cov) @ w
-            best = int(np.argmax(gain))
-            t = float((w * cur).sum()) - float(gain[best])
+            served = np.flatnonzero(idx == b)
+            drop = cur.copy()
+            drop[served] = second[served]  # served by the others only
+            best, gain = gains.best(gains.updated(drop, served), drop)
+            t = float((w * drop).sum()) - gain
             if t < best_total - 1e-9 and not (cands[best] == buckets).all(1).any():
                 buckets = buckets.copy()
                 buckets[b] = cands[best]
-                cov_b[b] = cand_cov[best]
-                cost_b[b] = cand_cost[best]
-                best_total, idx = total(buckets)
-                improved = True
+                table[b] = np.where(cand_cov[best], cand_cost[best], np.inf)
+                idx = table.argmin(0)
+                cur = table[idx, np.arange(table.shape[1])]
+                second = np.partition(table, 1, axis=0)[1]
+                best_total, improved = float((w * cur).sum()), True
+                gains.reset(cur)
         if not improved:
             break
     return np.unique(buckets, axis=0)
