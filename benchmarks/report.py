@@ -73,9 +73,14 @@ def summary(rows) -> list[dict]:
     return out
 
 
+#: Block size 128 vs 16: a ratio up to 1 + TIE is reported as a tie, not a miss. Repeated runs of one version
+#: on the H100 (benchmarks/NOTES.md) moved by up to 0.1 % (decode, prefill) and 6 % (shared prefix, 0.46-0.49 ms).
+TIE = 0.03
+
+
 def verdict(s: dict) -> str:
     """Issue 7's criterion for one line: the target at block size 16, scattered within 10 % of dense,
-    block size 128 no slower than 16 (best variant against best variant)."""
+    block size 128 no slower than 16 (best variant against best variant; `TIE` for run-to-run spread)."""
     if s["ms"] is None:
         return "no timing"
     parts = []
@@ -85,7 +90,8 @@ def verdict(s: dict) -> str:
         parts.append("pass" if s["ms"] <= s["target_ms"] else f"miss ({s['ms'] / s['target_ms']:.1f}x)")
     if s["block_size"] == 128 and s.get("other_bs_ms"):
         r = s["ms"] / s["other_bs_ms"]
-        parts.append(f"{r:.2f}x bs16: " + ("pass" if r <= 1.0 else "miss"))
+        parts.append(f"{r:.3f}x bs16: " + ("pass" if r <= 1.0 else f"tie (within {TIE:.0%})" if r <= 1 + TIE
+                                            else "miss"))
     return "; ".join(parts) or "no target"
 
 
@@ -106,7 +112,7 @@ def markdown(env: dict, rows) -> str:
                 return "-"
             b = s[name + "_ms"]
             if b is None:
-                return "n/a" if s[name + "_note"] == "does not apply" else "-"
+                return "n/a" if s[name + "_note"].startswith("does not apply") else "-"
             return f"{_fmt(b)} ({b / ms:.1f}x)" if ms else _fmt(b)
 
         triton = f"{s['triton_ms'] / ms:.2f}" if s["triton_ms"] and ms else "-"
@@ -140,7 +146,7 @@ def markdown(env: dict, rows) -> str:
         for r in base_rows:
             lines.append(f"| {r.get('title', r['scenario'])} | {BASELINE_NAMES[r['method']]} | {r.get('variant')} "
                          f"| {_fmt(r.get('ms'))} | {_fmt(r.get('peak_mb'), 0)} | {_fmt(r.get('rel_err'), 4)} "
-                         f"| {r.get('error', '')} |")
+                         f"| {_note(r)} |")
     bad = [r for r in rows if r.get("method") in ("unified", "invariant") and r.get("ok") is False]
     for r in bad:
         lines.append(f"\nFAILED: {r['scenario']} bs {r['block_size']} {r['method']} {r['variant']}: "
@@ -149,6 +155,13 @@ def markdown(env: dict, rows) -> str:
     for r in skipped:
         lines.append(f"\nSKIPPED: {r['scenario']} bs {r['block_size']}: {r.get('error')}")
     return "\n".join(lines)
+
+
+def _note(row) -> str:
+    """A baseline row's note on one line: its error, or that it failed the check."""
+    if row.get("error"):
+        return " ".join(str(row["error"]).split())[:160]
+    return "failed the check: not timed" if row.get("ok") is False else ""
 
 
 def ratio_x(ms, floor):
@@ -192,7 +205,8 @@ def write_plot(path: Path, env: dict, rows) -> None:
     ax.set_xticklabels([s["title"] for s in summ], rotation=25, ha="right", fontsize=8)
     ax.set_title(f"unified_attention vs baselines: {env.get('device')}, torch {env.get('torch')}, {env.get('date')}"
                  "\n(dashed black: target, dotted red: HBM/FLOP floor)", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylim(top=ax.get_ylim()[1] * 10)  # room for the legend above the bars
+    ax.legend(fontsize=8, ncol=len(series), loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -62,6 +62,7 @@ def test_report_verdicts():
     assert verdict(line).startswith("miss")
     assert verdict(dict(line, ms=0.7)) == "pass"
     assert verdict(dict(line, block_size=128, target_ms=None, other_bs_ms=0.7)).endswith("miss")
+    assert "tie" in verdict(dict(line, block_size=128, target_ms=None, other_bs_ms=0.79))
     assert verdict(dict(line, scenario="scattered", target_ms=None, vs_dense=1.05)).endswith("pass")
 
 
