@@ -2,15 +2,25 @@
 
     python -m benchmarks.invariance_vllm [--out results.json]
 
-The prompt has a 96-token prefix (three blocks of 32) that 15 other prompts
-share. Each run is a fresh engine (so the target's own blocks are never cached
-from an earlier run) that first generates one warm-up prompt holding the
-prefix, so the prefix comes from the prefix cache in both runs; then either
-the target alone or the 16 prompts together (the target in the middle), greedy,
-16 tokens, 5 logprobs each. Three engines: vLLM's own CPU attention, this
-plugin in its default mode, and this plugin in batch-invariant mode
-(`VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=1`). Reported: whether the target's tokens
-agree and the largest logprob difference between alone and batched.
+The prompt has a 256-token prefix (eight blocks of 32; the size from which
+vLLM's GPU backends use cascade attention) that 15 other prompts share. Each
+run is a fresh engine (so the target's own blocks are never cached from an
+earlier run) that first generates one warm-up prompt holding the prefix, so
+the prefix comes from the prefix cache in both runs; then either the target
+alone or the 16 prompts together (the target in the middle), greedy, 16
+tokens, 5 logprobs each. Engines (`CONFIGS`): vLLM's own CPU attention, this
+plugin in its default mode, this plugin in batch-invariant mode
+(`VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=1`), and vLLM's CPU attention without its
+split-KV decode (`VLLM_CPU_ATTN_SPLIT_KV=0`); `--configs` also knows
+`plugin_vllm_flag` (the plugin under vLLM's own `VLLM_BATCH_INVARIANT=1`,
+which fails on the CPU build). Besides, `linear_rows_check` tests whether the
+linear layers' GEMM (vLLM's CPU oneDNN path, fp32) gives a row the same bits
+alone and among 16 rows.
+
+Reported per engine: whether the target's tokens agree, whether its logprobs
+are bitwise identical, the largest logprob difference between alone and
+batched, and the first generated position where they differ. Results of
+2026-11-23: docs/batch_invariance.md.
 """
 from __future__ import annotations
 
@@ -28,13 +38,18 @@ CONFIGS = {
     "vllm_cpu_attn": {},
     "plugin_default": {"VLLM_GAUDI_UNIFIED": "1", "VLLM_GAUDI_UNIFIED_BATCH_INVARIANT": "0"},
     "plugin_invariant": {"VLLM_GAUDI_UNIFIED": "1", "VLLM_GAUDI_UNIFIED_BATCH_INVARIANT": "1"},
+    # vLLM's CPU attention without its split-KV decode (flash-decoding across threads when few requests run).
+    "vllm_cpu_attn_no_split": {"VLLM_CPU_ATTN_SPLIT_KV": "0"},
 }
+#: Not run by default: vLLM's own batch-invariant switch fails on the CPU build (its kernels are Triton's).
+EXTRA_CONFIGS = {"plugin_vllm_flag": {"VLLM_GAUDI_UNIFIED": "1", "VLLM_BATCH_INVARIANT": "1"}}
+PREFIX_LEN = 256
 
 
 def prompts():
     rng = random.Random(7)
     toks = lambda n: [rng.randrange(3, 512) for _ in range(n)]  # noqa: E731
-    prefix = toks(96)
+    prefix = toks(PREFIX_LEN)
     warm = prefix + toks(4)
     batch = [prefix + toks(rng.randrange(5, 40)) for _ in range(16)]
     return warm, batch, 7  # the target is batch[7]
@@ -60,22 +75,46 @@ def engine(model: str, mode: str, out: str) -> None:
         json.dump(result, f)
 
 
+def linear_rows_check() -> dict:
+    """Row 0 of x[:1] @ W.T vs row 0 of x[:16] @ W.T (bitwise), for this model's linear shapes
+    (K, N), through vLLM's CPU GEMM (oneDNN, as `dispatch_cpu_unquantized_gemm` sets it up for fp32)
+    and through torch.nn.functional.linear."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for k, n in ((256, 768), (256, 256), (256, 1024), (512, 256), (256, 512)):  # qkv, o, gate_up, down, lm_head
+        w = torch.randn(n, k, generator=gen) * 0.05
+        x = torch.randn(16, k, generator=gen)
+        handler = ops.create_onednn_mm(w.t(), 32)
+        one, many = ops.onednn_mm(handler, x[:1].contiguous(), None), ops.onednn_mm(handler, x, None)
+        out[f"{k}x{n}"] = {"onednn_same_bits": bool(torch.equal(one[0], many[0])),
+                           "torch_linear_same_bits": bool(torch.equal(torch.nn.functional.linear(x[:1], w)[0],
+                                                                      torch.nn.functional.linear(x, w)[0]))}
+    return out
+
+
 def compare(alone: dict, batched: dict) -> dict:
     same_tokens = alone["tokens"] == batched["tokens"]
-    diffs, identical = [], True
-    for a, b in zip(alone["logprobs"], batched["logprobs"]):
+    diffs, identical, first = [], True, None
+    for pos, (a, b) in enumerate(zip(alone["logprobs"], batched["logprobs"])):
+        same_here = a == b  # same top tokens, bitwise equal values
         for tok in set(a) & set(b):
             diffs.append(abs(a[tok] - b[tok]))
-            identical &= a[tok] == b[tok]
-        identical &= set(a) == set(b)
+        if not same_here and first is None:
+            first = pos
+        identical &= same_here
     return dict(same_tokens=same_tokens, identical_logprobs=identical and same_tokens,
-                max_abs_logprob_diff=max(diffs) if diffs else None, compared=len(diffs))
+                max_abs_logprob_diff=max(diffs) if diffs else None, first_differing_position=first,
+                compared=len(diffs))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--configs", nargs="*", default=list(CONFIGS), help="which engines to run")
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS) + list(EXTRA_CONFIGS),
+                   help="which engines to run (default: %(default)s)")
     p.add_argument("--engine", nargs=3, metavar=("MODEL", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.engine:
@@ -91,13 +130,22 @@ def main(argv=None) -> int:
             runs = {}
             for mode in ("alone", "batch"):
                 out = str(Path(tmp) / f"{name}_{mode}.json")
-                env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GAUDI_UNIFIED")}
-                env.update(CONFIGS[name])
-                subprocess.run([sys.executable, "-m", "benchmarks.invariance_vllm", "--engine", model, mode, out],
-                               env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                env = {k: v for k, v in os.environ.items()
+                       if not k.startswith("VLLM_GAUDI_UNIFIED") and k != "VLLM_BATCH_INVARIANT"}
+                env.update({**CONFIGS, **EXTRA_CONFIGS}[name])
+                proc = subprocess.run([sys.executable, "-m", "benchmarks.invariance_vllm", "--engine", model, mode,
+                                       out], env=env, cwd=ROOT, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(f"{name} {mode}: engine failed ({proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+                    break
                 runs[mode] = json.loads(Path(out).read_text())
+            if len(runs) < 2:
+                results[name] = {"error": "engine failed"}
+                continue
             results[name] = compare(runs["alone"], runs["batch"])
             print(name, json.dumps(results[name]), flush=True)
+    results["linear_rows_check"] = linear_rows_check()
+    print("linear_rows_check", json.dumps(results["linear_rows_check"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

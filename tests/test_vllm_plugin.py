@@ -114,6 +114,7 @@ def test_selects_unified_backend_for_a_decoder():
     path = select_unified_backend(_selector())
     assert path == "vllm_gaudi_unified.vllm_plugin.backend.GaudiUnifiedAttentionBackend"
     assert select_unified_backend(_selector(has_sliding_window=True, has_sink=True, dtype=torch.bfloat16))
+    assert select_unified_backend(_selector(use_batch_invariant=True))  # vLLM's VLLM_BATCH_INVARIANT=1
 
 
 @pytest.mark.parametrize("kw, reason", [
@@ -142,6 +143,21 @@ def test_unsupported_layer_arguments_fail_at_construction(kw, reason):
 
 
 # ---------------------------------------------------------------------------------------- builder
+
+
+def test_trace_is_recorded_by_one_builder_of_the_first_worker(monkeypatch):
+    """Several KV cache groups (several builders) in one worker, or several workers: one writer per file."""
+    from types import SimpleNamespace
+
+    from vllm_gaudi_unified.vllm_plugin import steps
+
+    monkeypatch.setattr(steps, "_CLAIMED_TRACES", set())
+    config = PluginConfig(record_trace="steps.jsonl")
+    rank = lambda r: SimpleNamespace(parallel_config=SimpleNamespace(rank=r))  # noqa: E731
+    assert steps._trace_path(config, rank(1)) is None
+    assert steps._trace_path(config, rank(0)) == "steps.jsonl"
+    assert steps._trace_path(config, rank(0)) is None
+    assert steps._trace_path(PluginConfig(), rank(0)) is None
 
 
 def _common_metadata(query_lens, seq_lens, block_table, *, cpu_upper_bound=True) -> CommonAttentionMetadata:

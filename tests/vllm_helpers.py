@@ -25,15 +25,27 @@ MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 512
 VOCAB = 512
 SHARED_PREFIX_LEN = 96  # three whole blocks
+#: The models of the e2e comparison (`make_tiny_llama` arguments): MHA, GQA (4 query heads per KV head),
+#: and the MHA weights with the first layer windowed to 48 positions (two KV cache groups).
+MODELS = {"mha": dict(num_heads=4, num_kv_heads=4), "gqa": dict(num_heads=8, num_kv_heads=2),
+          "swa": dict(num_heads=4, num_kv_heads=4, sliding_window=48)}
 
 
 def make_tiny_llama(path: str, num_heads: int = 4, num_kv_heads: int = 4, hidden: int = 256, layers: int = 2,
-                    seed: int = 0) -> str:
-    """Save a random-weight LlamaForCausalLM (float32) to `path`; returns `path`."""
+                    seed: int = 0, sliding_window: int | None = None) -> str:
+    """Save a random-weight LlamaForCausalLM (float32) to `path`; returns `path`.
+
+    `sliding_window`: the first layer attends to that many positions, the
+    second to all (vLLM's Llama reads `layer_types`); vLLM then keeps two KV
+    cache groups, each planned with its own window."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+    extra = {}
+    if sliding_window is not None:
+        extra = dict(sliding_window=sliding_window,
+                     layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
+    config = LlamaConfig(**extra, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                          max_position_embeddings=MAX_MODEL_LEN, initializer_range=0.05, torch_dtype="float32",
                          architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -85,7 +97,8 @@ def _logprob_dict(entry) -> dict:
 
 
 def run_scenario(model: str, out: str) -> None:
-    """Generate both waves with one engine; write tokens, logprobs and timings to `out` (JSON).
+    """Generate both waves with one engine; write tokens, logprobs and timings to `out` (JSON): `import_s`
+    (importing vLLM), `startup_s` (`LLM(...)`: model load, KV cache, warm-up), `generate_s` (both waves).
 
     The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): all of a
     wave's requests are queued before the first step, so both runs schedule the
@@ -93,8 +106,10 @@ def run_scenario(model: str, out: str) -> None:
     it already steps, and the batches, hence the random draws of n > 1, differ).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
+    import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
               max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
@@ -120,7 +135,48 @@ def run_scenario(model: str, out: str) -> None:
                 [None if e is None else _logprob_dict(e) for e in o.prompt_logprobs],
             }
     with open(out, "w") as f:
-        json.dump({"results": results, "startup_s": startup, "generate_s": gen_time}, f)
+        json.dump({"results": results, "import_s": import_s, "startup_s": startup, "generate_s": gen_time}, f)
+
+
+def compare_results(plugin: dict, ref: dict) -> dict:
+    """Per case of two `run` results: whether the tokens are identical, and the largest |logprob
+    difference| over the generated tokens' top logprobs and the prompt logprobs (tokens both report)."""
+    out = {}
+    for case, b in ref["results"].items():
+        a = plugin["results"][case]
+        same = [x["tokens"] == y["tokens"] for x, y in zip(a["samples"], b["samples"])]
+        pairs = [(la, lb) for x, y in zip(a["samples"], b["samples"]) for la, lb in zip(x["logprobs"], y["logprobs"])]
+        pairs += [(la, lb) for la, lb in zip(a["prompt_logprobs"] or [], b["prompt_logprobs"] or []) if lb is not None]
+        diffs = [abs(la[t] - lb[t]) for la, lb in pairs for t in la.keys() & lb.keys()]
+        out[case] = {"tokens_identical": len(same) == len(b["samples"]) and all(same),
+                     "max_abs_logprob_diff": max(diffs), "logprobs_compared": len(diffs)}
+    return out
+
+
+def measure(workdir: str, models: list[str]) -> dict:
+    """The e2e comparison of the tests, as numbers: for each model, one engine with vLLM's CPU attention
+    and one with the plugin (fresh processes, one after the other), per case the max logprob
+    difference and token identity, and each engine's start-up and generation times."""
+    import subprocess
+
+    report = {}
+    for name in models:
+        model = make_tiny_llama(os.path.join(workdir, name, "model"), **MODELS[name])
+        runs = {}
+        for engine, extra in (("vllm_cpu_attn", {}), ("plugin", {"VLLM_GAUDI_UNIFIED": "1"})):
+            out = os.path.join(workdir, name, engine + ".json")
+            env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GAUDI_UNIFIED")}
+            env.update(extra)
+            subprocess.run([sys.executable, os.path.abspath(__file__), "run", "--model", model, "--out", out],
+                           env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with open(out) as f:
+                runs[engine] = json.load(f)
+        report[name] = {"cases": compare_results(runs["plugin"], runs["vllm_cpu_attn"]),
+                        "import_s": {k: round(r["import_s"], 1) for k, r in runs.items()},
+                        "startup_s": {k: round(r["startup_s"], 1) for k, r in runs.items()},
+                        "generate_s": {k: round(r["generate_s"], 1) for k, r in runs.items()}}
+        print(name, json.dumps(report[name]), flush=True)
+    return report
 
 
 def vllm_cli(argv: list[str]) -> None:
@@ -152,14 +208,25 @@ def main(argv=None) -> int:
     mk.add_argument("path", help="output directory")
     mk.add_argument("--num-heads", type=int, default=4, help="query heads")
     mk.add_argument("--num-kv-heads", type=int, default=4, help="KV heads (fewer than query heads: GQA)")
+    mk.add_argument("--sliding-window", type=int, default=None, help="window of the first layer (default: none)")
     run = sub.add_parser("run", help="run the generation scenario with one vLLM engine")
     run.add_argument("--model", required=True, help="model directory")
     run.add_argument("--out", required=True, help="JSON result file")
+    ms = sub.add_parser("measure", help="plugin vs vLLM's CPU attention on the scenario: logprob differences, "
+                                        "token identity, start-up and generation times (JSON)")
+    ms.add_argument("--dir", required=True, help="work directory (models, engine results)")
+    ms.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ms.add_argument("--out", default=None, help="write the report here (JSON)")
     args = parser.parse_args(argv)
     if args.cmd == "make-model":
-        make_tiny_llama(args.path, args.num_heads, args.num_kv_heads)
-    else:
+        make_tiny_llama(args.path, args.num_heads, args.num_kv_heads, sliding_window=args.sliding_window)
+    elif args.cmd == "run":
         run_scenario(args.model, args.out)
+    else:
+        report = measure(args.dir, args.models)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
     return 0
 
 

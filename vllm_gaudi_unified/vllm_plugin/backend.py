@@ -104,6 +104,12 @@ class GaudiUnifiedAttentionBackend(AttentionBackend):
         return True  # planned per step (build_unified_batch(sliding_window=...)), one window per KV cache group
 
     @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        # VLLM_BATCH_INVARIANT=1 plans with PlanOptions(batch_invariant=True) unless
+        # VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=0 says otherwise (config.py)
+        return True
+
+    @classmethod
     def supports_kv_connector(cls) -> bool:
         return False  # a connector moves cache pages in its own layout assumptions; not verified with ours
 
@@ -139,7 +145,10 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         refuse_unsupported_config(vllm_config)
         self.block_size = kv_cache_spec.block_size
         self.sliding_window = _group_sliding_window(vllm_config, layer_names)
-        self.hooks = StepHooks.create(PluginConfig.from_env(), vllm_config, kv_cache_spec, device)
+        # One group's steps go to the trace: a full-attention group's if the model has one.
+        may_record = self.sliding_window is None or not _model_has_full_attention(vllm_config)
+        self.hooks = StepHooks.create(PluginConfig.from_env(), vllm_config, kv_cache_spec, device,
+                                      sliding_window=self.sliding_window, may_record=may_record)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GaudiUnifiedMetadata:
@@ -200,6 +209,12 @@ def _group_sliding_window(vllm_config: VllmConfig, layer_names: list[str]) -> in
                                   "the unified backend plans one window per step (enable vLLM's hybrid KV cache "
                                   "manager so that each window gets its own group)")
     return windows.pop() if windows else None
+
+
+def _model_has_full_attention(vllm_config: VllmConfig) -> bool:
+    """Some attention layer of the model has no sliding window."""
+    layers = get_layers_from_vllm_config(vllm_config, Attention)
+    return any(layer.impl.sliding_window is None for layer in layers.values())
 
 
 class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):

@@ -39,16 +39,19 @@ class StepHooks:
     warmup_enabled: bool = True  #: VLLM_GAUDI_UNIFIED_WARMUP
 
     @classmethod
-    def create(cls, config: PluginConfig, vllm_config, kv_cache_spec, device: torch.device) -> "StepHooks":
+    def create(cls, config: PluginConfig, vllm_config, kv_cache_spec, device: torch.device,
+               sliding_window: int | None = None, may_record: bool = True) -> "StepHooks":
+        """Hooks of one metadata builder (one KV cache group): `sliding_window` is the group's window,
+        `may_record` whether this group's steps are the ones to record (see `_trace_path`)."""
         options = PlanOptions(batch_invariant=config.batch_invariant)
         plan = None
         if config.buckets:
-            plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options)
+            plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options, sliding_window)
             options = plan.settings.options
-        hooks = cls(options=options, bucket_plan=plan, trace_path=_trace_path(config, vllm_config),
-                    warmup_enabled=config.warmup)
+        trace_path = _trace_path(config, vllm_config) if may_record else None
+        hooks = cls(options=options, bucket_plan=plan, trace_path=trace_path, warmup_enabled=config.warmup)
         if hooks.trace_path:
-            _start_trace(hooks.trace_path, vllm_config, kv_cache_spec)
+            _start_trace(hooks.trace_path, vllm_config, kv_cache_spec, sliding_window)
         return hooks
 
     def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, num_qo_heads: int) -> None:
@@ -76,12 +79,13 @@ class StepHooks:
             append_step(self.trace_path, query_lens, context_lens, block_table, batch.block_size)
 
 
-def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOptions):
+def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None):
     """The plan of `path` (or made now for `auto`), refused at start-up when it was made for other
     settings than this server's."""
     from vllm_gaudi_unified.bucketing.plan import BucketPlan
 
-    plan = _auto_plan(vllm_config, kv_cache_spec, options) if path == "auto" else BucketPlan.load(path)
+    plan = (_auto_plan(vllm_config, kv_cache_spec, options, sliding_window) if path == "auto"
+            else BucketPlan.load(path))
     sched = vllm_config.scheduler_config
     try:
         plan.check_compatible(kv_cache_spec.block_size, max_num_seqs=sched.max_num_seqs,
@@ -97,7 +101,7 @@ def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOption
     return plan
 
 
-def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions):
+def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None):
     """The exponential plan for this server's settings and model (what `buckets generate
     --strategy exponential` would write for them)."""
     from dataclasses import replace
@@ -110,7 +114,7 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions):
     settings = ServerSettings(block_size=kv_cache_spec.block_size, max_num_seqs=sched.max_num_seqs,
                               max_num_batched_tokens=sched.max_num_batched_tokens,
                               max_model_len=model.max_model_len, num_blocks=vllm_config.cache_config.num_gpu_blocks,
-                              sliding_window=getattr(kv_cache_spec, "sliding_window", None),
+                              sliding_window=sliding_window,
                               options=replace(DEFAULT_OPTIONS, batch_invariant=options.batch_invariant))
     spec = ModelSpec(num_layers=model.get_num_layers(parallel), num_qo_heads=model.get_num_attention_heads(parallel),
                      num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
@@ -119,14 +123,25 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions):
     return make_plan("exponential", settings, model=spec)
 
 
+#: Trace files this process already records to. A model with several KV cache groups (sliding-window
+#: layers beside full ones) has one builder per group, each planning the same step over its own block
+#: table; one builder records, so the trace holds one line per step: a full-attention group's when the
+#: model has one (a windowed group's block table has null blocks where blocks left the window), else
+#: the first windowed group's (the header then names its window).
+_CLAIMED_TRACES: set[str] = set()
+
+
 def _trace_path(config: PluginConfig, vllm_config) -> str | None:
-    """Only the first worker records: with several workers every one plans the same steps."""
-    if not config.record_trace or vllm_config.parallel_config.rank != 0:
+    """Only the first worker records (with several workers every one plans the same steps), and in it
+    only the first builder that may record (`StepHooks.create(may_record=...)`)."""
+    path = config.record_trace
+    if not path or vllm_config.parallel_config.rank != 0 or path in _CLAIMED_TRACES:
         return None
-    return config.record_trace
+    _CLAIMED_TRACES.add(path)
+    return path
 
 
-def _start_trace(path: str, vllm_config, kv_cache_spec) -> None:
+def _start_trace(path: str, vllm_config, kv_cache_spec, sliding_window: int | None) -> None:
     """A new trace file whose header holds the server settings the steps were recorded under."""
     from vllm_gaudi_unified.bucketing.trace import TraceWriter
 
@@ -140,6 +155,7 @@ def _start_trace(path: str, vllm_config, kv_cache_spec) -> None:
         "num_blocks": cache.num_gpu_blocks,
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
         "enable_chunked_prefill": bool(sched.enable_chunked_prefill),
+        "sliding_window": sliding_window,
     }
     with TraceWriter(path, header=header):
         pass
