@@ -142,3 +142,48 @@ def test_shipped_trace_plan_covers_every_step_it_learned_from():
                                 for p in plan.info["sources"]])
     assert len(shapes) == plan.info["steps"]
     assert (plan.find_all(shapes.sizes) >= 0).all()
+
+
+def test_limits_cover_a_chunk_and_decodes_over_a_shared_prefix():
+    """The step that broke `VLLM_GAUDI_UNIFIED_BUCKETS=auto` inside vLLM: a 57-token prompt chunk over
+    the common 3-block prefix and 2 blocks of its own, and 7 decodes over the same prefix (block size 32,
+    8 sequences, 64-token budget, length 512). The chunk's rows meet two groups of blocks (the prefix,
+    its own context), so the shared tiles exceed ceil(64 / shared_rows) row tiles."""
+    from vllm_gaudi_unified import plan_step
+
+    settings_ = ServerSettings(block_size=32, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                               num_blocks=128)
+    q = np.array([57] + [1] * 7)
+    ctx = np.array([160] + [130 + 9 * i for i in range(7)])
+    table = np.zeros((8, 16), np.int64)
+    table[:, :3] = [1, 2, 3]  # the common prefix
+    table[:, 3:] = 4 + np.arange(8 * 13).reshape(8, 13)  # each request's own blocks
+    shape = plan_step(q, ctx, table, 32, num_blocks=settings_.num_blocks).shape
+    assert shape.num_shared_blocks > -(-64 // settings_.options.shared_rows) * settings_.blocks_per_tile
+    assert (np.array([getattr(shape, d) for d in DIMS]) <= settings_.limits()).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_limits_cover_random_steps_with_one_shared_prefix(data):
+    """Any step of <= max_num_seqs requests and <= max_num_batched_tokens tokens over a common prefix
+    plus own blocks fits the configured maxima (the bound the exponential plan's largest bucket uses)."""
+    from vllm_gaudi_unified import plan_step
+
+    bs, seqs, budget, max_len = data.draw(st.sampled_from([(16, 6, 48, 256), (32, 8, 64, 512)]))
+    s = ServerSettings(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
+                       num_blocks=4096)
+    n = data.draw(st.integers(1, seqs))
+    q = np.array(data.draw(st.lists(st.integers(1, budget), min_size=n, max_size=n)))
+    q = np.maximum(1, (q * budget) // max(budget, int(q.sum())))  # scale into the token budget
+    prefix = data.draw(st.integers(0, 4))
+    ctx = np.array([data.draw(st.integers(prefix * bs, max_len - int(x))) for x in q])
+    need = -(-(ctx + q) // bs)
+    table = np.zeros((n, int(need.max())), np.int64)
+    table[:, :prefix] = 1 + np.arange(prefix)
+    own = need - prefix
+    ids = 1 + prefix + np.arange(int(own.sum()))
+    for r, start in enumerate(np.cumsum(own) - own):
+        table[r, prefix:need[r]] = ids[start:start + own[r]]
+    shape = plan_step(q, ctx, table, bs, num_blocks=s.num_blocks).shape
+    assert (np.array([getattr(shape, d) for d in DIMS]) <= s.limits()).all(), shape

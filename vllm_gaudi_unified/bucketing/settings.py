@@ -60,23 +60,33 @@ class ServerSettings:
     def blocks_per_tile(self) -> int:
         return self.options.blocks_per_tile(self.block_size)
 
+    def max_shared_blocks(self, query_len: int, num_requests: int) -> int:
+        """Shared block slots of a step with these many tokens and requests: row tiles x column chunks.
+
+        A group's row tiles are at most its requests' `ceil(query_len / shared_rows)` summed, so
+        all groups hold at most `query_len // shared_rows + num_requests` row tiles (and never more
+        than `query_len`). A row tile meets the column chunks of the blocks its request sees,
+        `min(ceil(max_model_len / block_size), num_blocks)` in whole tiles, plus one partial chunk more
+        when those blocks fall into two user sets (a prefix common with other requests and the
+        request's own context read by its chunk). Deeper prefix trees (three or more user sets
+        per request) can exceed this; the plan's miss policy then decides."""
+        kb = self.blocks_per_tile
+        row_tiles = min(query_len, query_len // self.options.shared_rows + num_requests)
+        seq_blocks = min(self.blocks_per_seq, self.num_blocks)
+        return int(row_tiles * (-(-seq_blocks // kb) + 1) * kb)
+
     def limits(self) -> np.ndarray:
         """int64[5] (DIMS order): the largest value of each size these settings allow.
 
         - query_len: the token budget `max_num_batched_tokens`;
-        - num_shared_blocks: every shared row tile of a full token budget against the
-          most blocks one request can see, `min(max_model_len // block_size, num_blocks)`
-          rounded up to whole shared tiles;
+        - num_shared_blocks: `max_shared_blocks` of a full token budget and `max_num_seqs`;
         - num_unique_blocks: `num_blocks` (the live blocks of a gather, or the largest
           slice);
         - num_logits: `max_num_seqs`;
         - num_causal_tiles: the lower triangle of tiles over a full token budget.
         """
-        o, kb = self.options, self.blocks_per_tile
-        row_tiles = -(-self.max_num_batched_tokens // o.shared_rows)
-        seq_blocks = min(self.max_model_len // self.block_size, self.num_blocks)
-        shared = row_tiles * (-(-seq_blocks // kb)) * kb
-        n = -(-self.max_num_batched_tokens // o.causal_tile)
+        shared = self.max_shared_blocks(self.max_num_batched_tokens, self.max_num_seqs)
+        n = -(-self.max_num_batched_tokens // self.options.causal_tile)
         return np.array([self.max_num_batched_tokens, shared, self.num_blocks, self.max_num_seqs, n * (n + 1) // 2],
                         dtype=np.int64)
 

@@ -90,8 +90,7 @@ def exponential_plan(settings: ServerSettings, model: ModelSpec | None = None, h
             # What the steps in this query cell can reach at most.
             reqs = min(q, seqs)
             unique_cap = min(reqs * settings.blocks_per_seq, int(lim[U]))
-            row_tiles = min(q, q // o.shared_rows + reqs)
-            shared_cap = min(row_tiles * (-(-settings.blocks_per_seq // kb)) * kb, int(lim[S]))
+            shared_cap = settings.max_shared_blocks(q, reqs)
             for si, s in enumerate(shared_vals):
                 if si > 1 and shared_vals[si - 1] + 1 > shared_cap:
                     continue
