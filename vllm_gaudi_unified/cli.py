@@ -17,13 +17,14 @@ COMMAND_MODULES = (
     "vllm_gaudi_unified.warmup",
     "vllm_gaudi_unified.trace_stats",
     "vllm_gaudi_unified.bench",
+    "vllm_gaudi_unified.vllm_plugin.serve",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-gaudi-unified",
-        description="Unified Attention for vLLM on Intel Gaudi: demo, bucket plans, warmup, benchmarks.",
+        description="Unified Attention for vLLM on Intel Gaudi: demo, bucket plans, warmup, benchmarks, serving.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -8,6 +8,7 @@
 - `steps`: what happens around each planned step (bucket plan, warmup, debug
   log, trace recording);
 - `worker`: vLLM's CPU worker plus the bucket warmup at start-up.
+- `serve`: the `vllm-gaudi-unified serve` command (`vllm serve` with the plugin on).
 
 Importing this package imports nothing from vLLM; the modules above that need
 vLLM import it themselves.
