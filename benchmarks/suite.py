@@ -16,7 +16,6 @@ Run: `python -m benchmarks.suite --out DIR` (or `vllm-gaudi-unified bench`).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import json
@@ -66,14 +65,12 @@ def core_variant(name: str):
     every block slot) instead of the current one."""
     if name == "current":
         return lambda: None
-    from vllm_gaudi_unified import attention, causal, shared, unique
+    from vllm_gaudi_unified import causal, shared, unique
 
-    if name == "v2-unique":
-        from benchmarks._unique_v2 import unique_partial as unique_v2
-
-        saved_unique = attention.unique_partial
-        attention.unique_partial = unique_v2
-        return lambda: setattr(attention, "unique_partial", saved_unique)
+    if name == "v2-unique":  # no list of partially seen slots: `attend` masks V on every slot, as in run 3
+        saved_slots = unique._partial_slots
+        unique._partial_slots = lambda *args: None
+        return lambda: setattr(unique, "_partial_slots", saved_slots)
     if name != "v0":
         raise ValueError(f"unknown core variant {name!r}")
     from benchmarks._attend_v0 import attend as attend_v0
