@@ -1,4 +1,7 @@
-"""The one computation every path repeats: a batch of query-row tiles against key tiles.
+"""`attend` as of run 1 (benchmarks/NOTES.md): q, K and V copied up to fp32 before both products.
+
+Kept for `python -m benchmarks.suite --core v0`. The one computation every path repeats: a batch of
+query-row tiles against key tiles.
 
 Each path gathers its rows and keys into `[tiles, rows, heads, head_dim]` /
 `[tiles, keys, kv_heads, head_dim]`, builds a boolean mask, and calls `attend`,
@@ -9,23 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.hpu import masked_softmax_for
+# Shared with the core: with q/k/v upcast first, the core's `scores_to_partial` casts are no-ops, so
+# it computes what run 1's copy did.
+from vllm_gaudi_unified.kernels import compute_dtype, scores_to_partial
 from vllm_gaudi_unified.merge import Partial
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 accumulation for fp16/bf16/fp32 inputs, fp64 kept as is (for the reference checks)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Partial:
-    """Masked scores `[T, Hkv, G, R, K]` and values `[T, Hkv, K, D]` -> Partial rows `[T*R, Hkv*G, D]`."""
-    t, hkv, g, r, k = scores.shape
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    p, m, total = masked_softmax_for(scores)(scores)
-    acc = torch.matmul(p.reshape(t, hkv, g * r, k), v).reshape(t, hkv, g, r, -1)
-    as_rows = lambda x: x.permute(0, 3, 1, 2, *range(4, x.dim())).reshape(t * r, hkv * g, *x.shape[4:])
-    return Partial(as_rows(acc), as_rows(m), as_rows(total))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
