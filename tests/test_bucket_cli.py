@@ -108,3 +108,15 @@ def test_help_everywhere(argv, capsys):
         main(argv)
     assert exc.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_commands_with_progress_bars_on(tmp_path, trace, capsys):
+    """What a user runs: the default, progress bars on (they go to stderr)."""
+    out = str(tmp_path / "sim.jsonl.gz")
+    assert main(["buckets", "simulate", *SMALL, "--workload", "mixed", "--num-requests", "10", "--seed", "4",
+                 "-o", out]) == 0
+    assert "simulating" in capsys.readouterr().err
+    plan = str(tmp_path / "plan.json")
+    assert main(["buckets", "generate", *SMALL, "--strategy", "trace", "--max-graphs", "8", "--trace", trace,
+                 "--trace", out, "-o", plan]) == 0
+    assert main(["buckets", "evaluate", plan, "--trace", out]) == 0

@@ -160,8 +160,7 @@ def cmd_generate(args) -> int:
             if args.trace:
                 shapes = load_shapes(args.trace, settings, args.jobs, not args.no_progress)
             else:
-                sched = SchedulerConfig(settings.block_size, settings.max_num_seqs, settings.max_num_batched_tokens,
-                                        settings.max_model_len, settings.num_blocks)
+                sched = SchedulerConfig.from_settings(settings)
                 work = workload_from(args.workload)
                 parts = []
                 for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
@@ -285,24 +284,19 @@ def cmd_simulate(args) -> int:
 
     try:
         s = settings_from_args(args)
-        sched = SchedulerConfig(s.block_size, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
-                                s.num_blocks, enable_prefix_caching=not args.no_prefix_caching)
+        sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching)
         work = workload_from(args.workload, num_requests=args.num_requests, arrival_rate=args.arrival_rate)
     except ValueError as exc:
         return _fail(str(exc))
-    sim = Simulator(sched, work, args.seed)
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(desc="simulating", unit="step")
-    with TraceWriter(args.output, header=header_for(sched, work, args.seed, args.workload)) as w:
+    sim = Simulator(sched, work, args.seed)
+    # The step count is not known ahead (requests arrive and finish): a counting bar, no total.
+    with TraceWriter(args.output, header=header_for(sched, work, args.seed, args.workload)) as w, \
+            tqdm(desc="simulating", unit="step", disable=args.no_progress) as bar:
         for step in sim.steps(args.max_steps):
             w.write(step)
-            if bar:
-                bar.update(1)
-    if bar:
-        bar.close()
+            bar.update(1)
     print(f"wrote {args.output}: {w.num_steps} steps, {len(sim.finished)} requests finished, "
           f"{sim.num_preemptions} preemptions")
     return 0

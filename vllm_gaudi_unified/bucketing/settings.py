@@ -27,6 +27,21 @@ def options_from_dict(d: dict | None) -> PlanOptions:
     return PlanOptions(**{k: v for k, v in d.items() if k in known})
 
 
+def check_settings(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                   num_blocks: int) -> None:
+    """Clear errors for settings no server could run with."""
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
+                        ("num_blocks", num_blocks)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) is below max_num_seqs "
+                         f"({max_num_seqs}): a step could not give every running request a token")
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks ({num_blocks}) must leave at least one block besides the null block")
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """The vLLM settings that bound a step's shape."""
@@ -40,15 +55,8 @@ class ServerSettings:
     options: PlanOptions = field(default=DEFAULT_OPTIONS)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below max_num_seqs "
-                             f"({self.max_num_seqs}): a step could not give every running request a token")
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks ({self.num_blocks}) must leave a block besides the null block")
+        check_settings(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                       self.num_blocks)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window!r}")
 

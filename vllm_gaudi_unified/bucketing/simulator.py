@@ -44,6 +44,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from vllm_gaudi_unified.bucketing.settings import check_settings
 from vllm_gaudi_unified.bucketing.trace import TraceStep
 
 
@@ -59,27 +60,18 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
 
+    @classmethod
+    def from_settings(cls, settings, **flags) -> "SchedulerConfig":
+        """The scheduler of a server with these `ServerSettings` (flags: prefix caching, chunked prefill)."""
+        return cls(settings.block_size, settings.max_num_seqs, settings.max_num_batched_tokens,
+                   settings.max_model_len, settings.num_blocks, **flags)
+
     def __post_init__(self):
         check_settings(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                        self.num_blocks)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len "
                              f"({self.max_num_batched_tokens} < {self.max_model_len})")
-
-
-def check_settings(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                   num_blocks: int) -> None:
-    """Clear errors for settings no server could run with."""
-    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
-                        ("num_blocks", num_blocks)):
-        if not isinstance(value, (int, np.integer)) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if max_num_batched_tokens < max_num_seqs:
-        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) is below max_num_seqs "
-                         f"({max_num_seqs}): a step could not give every running request a token")
-    if num_blocks < 2:
-        raise ValueError(f"num_blocks ({num_blocks}) must leave at least one block besides the null block")
 
 
 @dataclass(frozen=True)
