@@ -154,7 +154,7 @@ def test_other_block_size_in_a_trace_is_an_error(tmp_path, steps):
 def test_hash_collision_falls_back_like_the_planner(steps, monkeypatch):
     """With every user set hashing alike, plan_step detects the clash and gives each shared block
     its own group; the shape-only replay must notice too (and hand the step to plan_step)."""
-    import vllm_gaudi_unified.plan.default as plan_mod
+    import vllm_gaudi_unified.plan.shared_tiles as plan_mod
 
     def collide(x):
         return np.zeros(np.shape(x), np.uint64)

@@ -178,10 +178,10 @@ def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarra
     pairs of the step use it or its request has more than one new token; unique blocks take
     one slot each ('gather') or the slice [0, max id] ('slice'; 'auto': when at least
     `slice_min_density` of it is live); shared blocks are grouped per step by the exact set
-    of requests using them (same hash as `plan._exact_groups`) and every group costs
+    of requests using them (same hash as `plan.shared_tiles.exact_groups`) and every group costs
     ceil(its tokens / shared_rows) x ceil(its blocks / blocks_per_tile) tiles; causal tiles
     are the (query tile, key tile) pairs between the first and last key some token of the
-    query tile needs, as in `plan._plan_causal`."""
+    query tile needs, as in `plan.default._plan_causal`."""
     bs, q, ctx, n = int(a.block_size), a.q, a.ctx, a.num_steps
     req_step = a.req_step
     R = np.bincount(req_step, minlength=n)
