@@ -47,5 +47,5 @@ def pad_plan(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = None)
     return pad_default(plan, bucket, buffers)
 
 
-__all__ = ["DEFAULT_OPTIONS", "InvariantPlan", "PathWork", "PlanBuffers", "PlanOptions", "StepPlan", "UNIQUE_LAYOUTS", "pad_plan",
-           "plan_step"]
+__all__ = ["DEFAULT_OPTIONS", "InvariantPlan", "PathWork", "PlanBuffers", "PlanOptions", "StepPlan", "UNIQUE_LAYOUTS",
+           "pad_plan", "plan_step"]
