@@ -18,18 +18,15 @@ from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 
 def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None = None,
-              num_blocks: int | None = None, options: PlanOptions | None = None,
-              dense_work: bool = False) -> StepPlan:
+              num_blocks: int | None = None, options: PlanOptions | None = None) -> StepPlan:
     """Plan one scheduler step; arrays are unpadded (`bucket == shape`). See `plan/default.py` for the
-    semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`).
-
-    `dense_work`: also count what the dense design would compute (default mode; for trace statistics)."""
+    semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`)."""
     opts = options or DEFAULT_OPTIONS
     if opts.batch_invariant:
         return plan_invariant(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
                               num_blocks=num_blocks, options=opts)
     return plan_default(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                        num_blocks=num_blocks, options=opts, dense_work=dense_work)
+                        num_blocks=num_blocks, options=opts)
 
 
 def pad_plan(plan: StepPlan, bucket: Bucket) -> StepPlan:

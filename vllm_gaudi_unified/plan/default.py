@@ -49,10 +49,8 @@ from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 
 def plan_default(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None,
-                 num_blocks: int | None, options: PlanOptions, dense_work: bool = False) -> StepPlan:
-    """`plan_step` in the default mode (see the module docstring); arrays are unpadded: `bucket == shape`.
-
-    `dense_work`: also count what the dense design would compute (for trace statistics; costs time)."""
+                 num_blocks: int | None, options: PlanOptions) -> StepPlan:
+    """`plan_step` in the default mode (see the module docstring); arrays are unpadded: `bucket == shape`."""
     opts = options
     q, ctx, bt, nb_ctx = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
     bs, W = int(block_size), sliding_window
@@ -99,24 +97,13 @@ def plan_default(query_lens, context_lens, block_table, block_size: int, *, slid
         num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=causal_needed, shared=int((shared[3] - shared[2]).sum()),
                       unique=int((unique[3] - unique[2]).sum()))
-    dense = _dense_work(phys, is_shared, T, bs) if dense_work else None
     return StepPlan(
         block_size=bs, sliding_window=W, options=opts, num_requests=R, num_tokens=T, shape=shape, bucket=shape,
         token_seg_start=seg_start, causal_q_start=causal_q, causal_k_start=causal_k,
         shared_rows=shared[0], shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3],
         unique_rows=unique[0], unique_blocks=unique[1], unique_lo=unique[2], unique_hi=unique[3],
         logits_indices=(starts + q - 1), max_block_id=max_block_id,
-        work_needed=needed, work_dense=dense)
-
-
-def _dense_work(phys, is_shared, T, bs) -> PathWork:
-    """The design before tiling: 512-row causal slices over the flattened batch, every token
-    against every shared block, the unique slice [0, max id]."""
-    n_shared_blocks = np.unique(phys[is_shared]).size
-    unique_ids = phys[~is_shared]
-    return PathWork(causal=sum(512 * min(T, (a + 1) * 512) for a in range(-(-T // 512))),
-                    shared=T * n_shared_blocks * bs,
-                    unique=(int(unique_ids.max()) + 1) * bs if unique_ids.size else 0)
+        work_needed=needed)
 
 
 def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts, counts):
