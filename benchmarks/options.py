@@ -23,7 +23,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help=f"baselines to time, from {','.join(BASELINES)} ('none' for none; flex: CUDA only)")
     p.add_argument("--baseline-block-sizes", default="16", help="block sizes at which baselines run")
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU runs, tests)")
-    p.add_argument("--num-heads", type=int, default=32, help="query heads")
+    p.add_argument("--num-qo-heads", type=int, default=32, help="query heads")
     p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=int, default=128, help="head size")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
