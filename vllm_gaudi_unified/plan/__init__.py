@@ -5,14 +5,15 @@
 - `arrays`: input checks and vectorised range/tiling/padding helpers both planners use;
 - `default`: the default planner (causal / shared / unique tiles);
 - `invariant`: the batch-invariant planner and its `InvariantPlan`;
-- `buffers`: where a plan's arrays live (new per call, or `PlanBuffers` kept from step to step);
-- `shared_tiles`: the default planner's shared tiles.
+- `rules`: the default planner's rules (also replayed by the bucketing tools), `shared`: its shared tiles;
+- `buffers`: where a plan's arrays live (new per call, or `PlanBuffers` kept from step to step).
 
 `plan_step` and `pad_plan` below pick the planner from `options.batch_invariant`.
 """
 from __future__ import annotations
 
 from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.plan.arrays import validate
 from vllm_gaudi_unified.plan.buffers import PlanBuffers
 from vllm_gaudi_unified.plan.default import pad_default, plan_default
 from vllm_gaudi_unified.plan.invariant import InvariantPlan, pad_invariant, plan_invariant
@@ -22,19 +23,17 @@ from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None = None,
               num_blocks: int | None = None, options: PlanOptions | None = None,
-              dense_work: bool = False, buffers: PlanBuffers | None = None) -> StepPlan:
+              buffers: PlanBuffers | None = None) -> StepPlan:
     """Plan one scheduler step; arrays are unpadded (`bucket == shape`). See `plan/default.py` for the
     semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`).
 
-    `dense_work`: also count what the dense design would compute (default mode; for trace statistics).
     `buffers`: host memory kept from step to step (`plan/buffers.py`; default mode, else ignored): the
     plan's arrays are views of it, valid until the next plan or padding into the same buffers."""
     opts = options or DEFAULT_OPTIONS
+    checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
     if opts.batch_invariant:
-        return plan_invariant(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                              num_blocks=num_blocks, options=opts)
-    return plan_default(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                        num_blocks=num_blocks, options=opts, dense_work=dense_work, buffers=buffers)
+        return plan_invariant(*checked, int(block_size), sliding_window, num_blocks, opts)
+    return plan_default(*checked, int(block_size), sliding_window, num_blocks, opts, buffers)
 
 
 def pad_plan(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = None) -> StepPlan:

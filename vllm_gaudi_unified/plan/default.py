@@ -35,10 +35,10 @@ is built on the host: the device makes masks from these small integer arrays.
 Cost (`benchmarks/planning.py`, docs/benchmarks.md): a step is a few dozen
 numpy calls on arrays of tokens, (request, block) pairs and tiles, never a
 Python loop over them. The common decode step (one new token per request, no
-window, no block used twice) takes its own branch of about 25 calls; the
-shared tiles are in `shared_tiles.py`. Arrays come from `out` (`buffers.py`):
-new ones, or host memory kept from step to step, which `pad_default` then pads
-in place.
+window, no block read twice) takes its own branch of about 25 calls; the shared
+tiles are in `shared.py`; the rules the bucketing tools replay are in
+`rules.py`. Arrays come from `out` (`buffers.py`): new ones, or host memory
+kept from step to step, which `pad_default` then pads in place.
 """
 
 from __future__ import annotations
@@ -48,35 +48,28 @@ from dataclasses import replace
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.plan.arrays import (check_covers, empty, first_bad_block, grow, move_no_row, ranges, trusted,
-                                            validate)
+from vllm_gaudi_unified.plan.arrays import cached_pairs, check_covers, empty, grow, move_no_row, ranges, trusted
 from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers, holds
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
-from vllm_gaudi_unified.plan.shared_tiles import plan_shared
+from vllm_gaudi_unified.plan.rules import causal_spans, shared_pairs, unique_reads_slice
+from vllm_gaudi_unified.plan.shared import plan_shared
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 _I64 = np.int64
-#: Block ids up to this many times the step's pairs (plus a constant) are counted in a table indexed by id;
-#: beyond that by sorting, so plan memory follows the step, not the largest id.
-_COUNT_SPAN = 8
 
 
 # ----------------------------------------------------------------------------- the planner
 
 
-def plan_default(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None,
-                 num_blocks: int | None, options: PlanOptions, dense_work: bool = False,
+def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | None, opts: PlanOptions,
                  buffers: PlanBuffers | None = None) -> StepPlan:
-    """`plan_step` in the default mode (see the module docstring); arrays are unpadded: `bucket == shape`.
-
-    `dense_work`: also count what the dense design would compute (for trace statistics; costs time).
-    `buffers`: write the arrays there (the plan holds views, valid until the next plan into them)."""
-    opts, out = options, buffers or FRESH
-    q, ctx, bt, nb_ctx = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
-    bs, W = int(block_size), sliding_window
+    """`plan_step` in the default mode (see the module docstring) on checked inputs (`arrays.validate`);
+    arrays are unpadded: `bucket == shape`. `buffers`: write the arrays there (the plan holds views,
+    valid until the next plan or padding into them)."""
+    out = buffers or FRESH
     R, T = q.size, int(q.sum())
     decodes = T == R  # every request has one new token
-    if decodes and W is None and not dense_work:
+    if decodes and W is None:
         plan = _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out)
         if plan is not None:
             return plan
@@ -85,47 +78,25 @@ def plan_default(query_lens, context_lens, block_table, block_size: int, *, slid
     else:
         starts = np.cumsum(q)
         starts -= q
-
-    # (request, cached block) pairs some token of the request can see, as flat indices into the table.
-    first_blk = None if W is None else np.maximum(ctx - (W - 1), 0) // bs
-    counts = nb_ctx if W is None else np.maximum(nb_ctx - first_blk, 0)
-    width = bt.shape[1]
-    row0 = np.arange(R) * width
-    flat, pair_req = ranges(row0 if W is None else row0 + first_blk, counts)
-    phys = bt.ravel().take(flat)
-    P = phys.size
-    max_block_id = -1
-    if P:
-        max_block_id = int(phys.max())
-        if phys.min() < 0 or (num_blocks is not None and max_block_id >= num_blocks):
-            first_bad_block(phys, pair_req, flat - pair_req * width, num_blocks)
+    pair_req, pair_blk, phys, counts, max_block_id = cached_pairs(ctx, nb_ctx, bt, bs, W, num_blocks)
     has_pairs = counts > 0
     last = np.cumsum(counts)
     last -= 1
     last_hi = ctx - (nb_ctx - 1) * bs  # a request's last block with pairs is its last context block
     if not has_pairs.all():
         last, last_hi = last[has_pairs], last_hi[has_pairs]
-    pair_hi = np.full(P, bs, _I64)  # every block is full but a request's last one
+    pair_hi = np.full(phys.size, bs, _I64)  # every block is full but a request's last one
     pair_hi[last] = last_hi
     if W is None:  # every token of the request sees every block
-        is_shared = None if decodes else np.repeat(q > 1, counts)
-        if P:
-            idx = _count_index(phys, max_block_id)
-            uses = np.bincount(idx)
-            if uses.max() > 1:
-                twice = uses[idx] > 1
-                is_shared = twice if is_shared is None else is_shared | twice
+        is_shared = shared_pairs(phys, q, counts)
     else:  # token j sees the block's last key k while j <= k - context_len + W - 1
-        users = np.clip((flat - pair_req * width) * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
-        idx = _count_index(phys, max_block_id)
-        is_shared = np.bincount(idx, weights=users)[idx] > 1
-    if is_shared is not None and not is_shared.any():
-        is_shared = None
+        users = np.clip(pair_blk * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
+        is_shared = np.bincount(phys, weights=users, minlength=max_block_id + 1)[phys] > 1
 
-    if is_shared is None:  # every pair unique
+    if not is_shared.any():  # every pair unique
         u_rows = pair_req if decodes else starts[pair_req]
         u_ids, u_hi = phys, pair_hi
-        u_lo = None if W is None else _first_lo(ctx, first_blk, counts, pair_hi, bs, W, P)
+        u_lo = None if W is None else _first_lo(ctx, nb_ctx - counts, counts, pair_hi, bs, W, phys.size)
         shared, shared_needed = _no_shared(opts, bs), 0
     else:
         u_mask = ~is_shared
@@ -133,9 +104,9 @@ def plan_default(query_lens, context_lens, block_table, block_size: int, *, slid
         u_rows = starts[u_req]
         u_lo = None
         if W is not None:  # the window cuts a block's first slots
-            u_lo = np.clip(ctx[u_req] - W + 1 - (flat[u_mask] - u_req * width) * bs, 0, u_hi)
-        shared, shared_needed = plan_shared(is_shared, phys, pair_req, flat, pair_hi, width, q, starts, ctx, bs, W,
-                                            T, opts, out)
+            u_lo = np.clip(ctx[u_req] - W + 1 - pair_blk[u_mask] * bs, 0, u_hi)
+        shared, shared_needed = plan_shared(is_shared, phys, pair_req, pair_blk, pair_hi, bt.shape[1], q, starts,
+                                            ctx, bs, W, T, opts, out)
     unique, unique_needed = _plan_unique(u_rows, u_ids, u_lo, u_hi, T, opts, out)
     if decodes:
         causal_q = causal_k = empty((0,))
@@ -143,18 +114,14 @@ def plan_default(query_lens, context_lens, block_table, block_size: int, *, slid
         seg_start = out.keep("token_seg_start", np.arange(R))
     else:
         seg_start = out.keep("token_seg_start", np.repeat(starts, q))
-        causal_q, causal_k, causal_needed = _plan_causal(q, starts, seg_start, T, W, opts.causal_tile, out)
+        causal_q, causal_k, causal_needed = _plan_causal(q, seg_start, T, W, opts.causal_tile, out)
     shape = _bucket(T, causal_q.size, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R)
-    dense = None
-    if dense_work:
-        dense = _dense_work(phys, np.zeros(P, bool) if is_shared is None else is_shared, T, bs)
     return trusted(StepPlan, block_size=bs, sliding_window=W, options=opts, num_requests=R, num_tokens=T,
                    shape=shape, bucket=shape, token_seg_start=seg_start, causal_q_start=causal_q,
                    causal_k_start=causal_k, shared_rows=shared[0], shared_blocks=shared[1], shared_lo=shared[2],
                    shared_hi=shared[3], unique_rows=unique[0], unique_blocks=unique[1], unique_lo=unique[2],
                    unique_hi=unique[3], logits_indices=out.keep("logits_indices", starts + (q - 1)),
-                   max_block_id=max_block_id, work_needed=PathWork(causal_needed, shared_needed, unique_needed),
-                   work_dense=dense)
+                   max_block_id=max_block_id, work_needed=PathWork(causal_needed, shared_needed, unique_needed))
 
 
 def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
@@ -168,13 +135,11 @@ def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     if P == 0:
         return None
     max_id = int(phys.view(np.uint64).max())  # a negative id reads as huge: one reduction checks both ends
-    if max_id >= (1 << 62 if num_blocks is None else num_blocks) or not _counts_fit(max_id, P):
+    if max_id >= (1 << 62 if num_blocks is None else num_blocks):
         return None
     span = max_id + 1
-    layout = opts.unique_layout
-    if layout == "auto":
-        layout = "slice" if P >= opts.slice_min_density * span else "gather"
-    if layout == "gather" and np.bincount(phys, minlength=span).max() > 1:
+    reads_slice = unique_reads_slice(P, max_id, opts)
+    if not reads_slice and np.bincount(phys, minlength=span).max() > 1:
         return None
     req = np.repeat(np.arange(R), nb_ctx)
     last = np.cumsum(nb_ctx)
@@ -183,7 +148,7 @@ def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     if nb_ctx.min() == 0:
         has = nb_ctx > 0
         last, last_hi = last[has], last_hi[has]
-    if layout == "slice":
+    if reads_slice:
         rows = out.full("unique_rows", span, R)
         rows[phys] = req
         seen = rows != R
@@ -206,23 +171,12 @@ def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
                    shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3], unique_rows=rows,
                    unique_blocks=ids, unique_lo=lo, unique_hi=hi,
                    logits_indices=out.keep("logits_indices", np.arange(R)), max_block_id=max_id,
-                   work_needed=PathWork(R, 0, int(ctx.sum())), work_dense=None)
+                   work_needed=PathWork(R, 0, int(ctx.sum())))
 
 
 def _bucket(T, n_causal, n_shared, n_unique, R) -> Bucket:
     return trusted(Bucket, phase=phase_of(n_causal, n_shared, n_unique), query_len=T, num_shared_blocks=n_shared,
                    num_unique_blocks=n_unique, num_logits=R, num_causal_tiles=n_causal)
-
-
-def _counts_fit(max_id, pairs) -> bool:
-    return max_id + 1 <= _COUNT_SPAN * pairs + 65536
-
-
-def _count_index(phys, max_id):
-    """Index of each id in the counting table: the id itself, or its rank when ids spread too far."""
-    if _counts_fit(max_id, phys.size):
-        return phys
-    return np.unique(phys, return_inverse=True)[1].ravel()
 
 
 def _first_lo(ctx, first_blk, counts, pair_hi, bs, W, P):
@@ -239,16 +193,6 @@ def _no_shared(opts, bs):
     return empty((0, qt)), empty((0, kb)), empty((0, qt, kb)), empty((0, qt, kb))
 
 
-def _dense_work(phys, is_shared, T, bs) -> PathWork:
-    """The design before tiling: 512-row causal slices over the flattened batch, every token
-    against every shared block, the unique slice [0, max id]."""
-    n_shared_blocks = np.unique(phys[is_shared]).size
-    unique_ids = phys[~is_shared]
-    return PathWork(causal=sum(512 * min(T, (a + 1) * 512) for a in range(-(-T // 512))),
-                    shared=T * n_shared_blocks * bs,
-                    unique=(int(unique_ids.max()) + 1) * bs if unique_ids.size else 0)
-
-
 def _plan_unique(rows, ids, lo, hi, T, opts, out):
     """One row per block used by exactly one token (the first token of its request: with a window,
     later tokens see less far back), compact (gathered) or on the slice [0, max id] of the cache."""
@@ -257,10 +201,7 @@ def _plan_unique(rows, ids, lo, hi, T, opts, out):
         return (empty((0,)), blocks, empty((0,)), empty((0,))), 0
     needed = int(hi.sum()) - (0 if lo is None else int(lo.sum()))
     span = int(ids.max()) + 1
-    layout = opts.unique_layout
-    if layout == "auto":
-        layout = "slice" if ids.size >= opts.slice_min_density * span else "gather"
-    if layout == "gather":
+    if not unique_reads_slice(ids.size, span - 1, opts):
         lo = out.zeros("unique_lo", ids.size) if lo is None else out.keep("unique_lo", lo)
         return (out.keep("unique_rows", rows), out.keep("unique_blocks", ids), lo, out.keep("unique_hi", hi)), needed
     slot_rows = out.full("unique_rows", span, T)
@@ -273,32 +214,21 @@ def _plan_unique(rows, ids, lo, hi, T, opts, out):
     return (slot_rows, None, slot_lo, slot_hi), needed
 
 
-def _plan_causal(q, starts, seg_start, T, W, tile, out):
-    """Tiles (query slice, key slice) on the flattened token axis that hold some strict-causal pair.
-
-    A row needs one when it is not its request's first new token (and the window reaches past
-    itself); a query tile's keys run from the first visible key of its first such row to the
-    key before its last such row."""
-    wq = q if W is None else np.minimum(q, W)  # pairs of a request: sum_j min(j + 1, W)
+def _plan_causal(q, seg_start, T, W, tile, out):
+    """Tiles (query slice, key slice) on the flattened token axis that hold some strict-causal pair
+    (`rules.causal_spans`); the pairs needed come per request: sum_j min(j + 1, W)."""
+    wq = q if W is None else np.minimum(q, W)
     needed = int(np.dot(wq, wq + 1)) // 2 + (0 if W is None else int(np.dot(q - wq, wq)))
-    if W == 1 or int(q.max()) == 1:
+    if W == 1 or int(q.max()) == 1:  # only self pairs
         return empty((0,)), empty((0,)), needed
-    n = -(-T // tile)
-    needs = np.zeros(n * tile, bool)
-    needs[:T] = True
-    needs[starts] = False
-    needs = needs.reshape(n, tile)
-    active = np.flatnonzero(needs.any(1))
-    sub = needs[active]
-    first = active * tile + sub.argmax(1)
-    last = active * tile + (tile - 1) - sub[:, ::-1].argmax(1)
-    klo = seg_start[first]
-    if W is not None:
-        klo = np.maximum(klo, first - (W - 1))
-    first_k = klo // tile
-    k_tiles, owner = ranges(first_k, (last - 1) // tile - first_k + 1)
+    t = np.arange(T)
+    klo = seg_start if W is None else np.maximum(seg_start, t - (W - 1))
+    needs = klo <= t - 1  # at least one earlier new token of the same request is visible
+    first_q, active, first_k, last_k = causal_spans(t // tile, t, klo, needs, tile)
+    first_q, first_k, last_k = first_q[active], first_k[active], last_k[active]
+    k_tiles, owner = ranges(first_k, last_k - first_k + 1)
     cq = out.array("causal_q_start", k_tiles.size)
-    np.multiply(active[owner], tile, out=cq)
+    np.take(first_q, owner, out=cq)
     ck = out.array("causal_k_start", k_tiles.size)
     np.multiply(k_tiles, tile, out=ck)
     return cq, ck, needed

@@ -1,7 +1,8 @@
 """The default planner's shared tiles: (query tokens x cache blocks) over blocks with the same users.
 
 A column is one (block id, position in the request) used by more than one
-query token. Columns with the same set of user requests form a group; every
+query token. Columns with the same set of user requests form a group
+(`rules.group_columns`); every
 row (a new token of one of those requests) of a group sees every column of the
 group, so a group is cut into row chunks x column chunks, and each pair of
 chunks is one tile. A cell's visible slots follow from its row's context and
@@ -19,19 +20,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_gaudi_unified.plan.arrays import mix64, ranges
+from vllm_gaudi_unified.plan.arrays import ranges
 from vllm_gaudi_unified.plan.buffers import FreshArrays
+from vllm_gaudi_unified.plan.rules import group_columns, shared_tiles
 
 _I64 = np.int64
 _FAR = np.iinfo(_I64).max // 4  #: first position of a padding column: past every context, so it sees nothing
 
 
-def plan_shared(mask, phys, pair_req, flat, pair_hi, width, q, starts, ctx, bs, W, T, opts, out: FreshArrays):
+def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, bs, W, T, opts, out: FreshArrays):
     """Tiles over the shared (request, block) pairs `mask` selects; returns (rows, blocks, lo, hi) and
     the pairs they need."""
     qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
-    s_phys, s_req = phys[mask], pair_req[mask]
-    s_blk = flat[mask] - s_req * width
+    s_phys, s_req, s_blk = phys[mask], pair_req[mask], pair_blk[mask]
     # Columns: pairs sorted by (block id, position), requests in order within one column.
     col_key = s_phys * width + s_blk
     order = np.argsort(col_key, kind="stable")
@@ -42,7 +43,9 @@ def plan_shared(mask, phys, pair_req, flat, pair_hi, width, q, starts, ctx, bs, 
     np.not_equal(ck[1:], ck[:-1], out=new[1:])
     col_start = np.flatnonzero(new)
     col_users = np.diff(col_start, append=n)
-    col_group = exact_groups(req_sorted, col_start, col_users, q.size)
+    col_group, collided = group_columns(np.zeros(col_start.size, _I64), req_sorted, req_sorted, col_start, col_users)
+    if collided.any():  # one group per column: a tile never pairs a token with a block its request lacks
+        col_group = np.arange(col_start.size)
     first_pair = order[col_start]
     col_phys, col_pos = s_phys[first_pair], s_blk[first_pair] * bs
     G = int(col_group.max()) + 1
@@ -81,7 +84,7 @@ def plan_shared(mask, phys, pair_req, flat, pair_hi, width, q, starts, ctx, bs, 
     cpos_sorted = col_pos[col_order]
     cc_pos[cdest] = cpos_sorted
     # Tiles: every (row chunk, column chunk) of each group, row chunk major.
-    per_group = r_chunks * c_chunks
+    per_group = shared_tiles(rows_per_group, cols_per_group, opts, bs)
     local, tile_group = ranges(np.zeros(G, _I64), per_group)
     cg = c_chunks[tile_group]
     ri = r_off[tile_group] + local // cg
@@ -141,21 +144,3 @@ def _full_blocks_hi(hi, cc_pos, ci, rc_ctx, rows_per_group, r_chunks, c_chunks, 
         cells = rc_ctx[r_off[g] + k] - cpos_sorted[partial][own][:, None]  # [cells, rows]
         np.clip(cells, 0, bs, out=cells)
         hi[t, :, local % kb] = cells
-
-
-def exact_groups(req_sorted, col_start, col_users, num_requests):
-    """Group id per column, columns with equal user sets together.
-
-    A 64-bit hash of the user set proposes the groups; membership in a
-    [groups, requests] table then checks every column exactly, and a failed
-    check (a hash collision) falls back to one group per column, so a tile
-    never pairs a token with a block its request does not hold."""
-    col_hash = np.bitwise_xor.reduceat(mix64(req_sorted), col_start)
-    _, col_group = np.unique(col_hash, return_inverse=True)
-    col_group = col_group.ravel()
-    G = int(col_group.max()) + 1
-    pair_group = np.repeat(col_group, col_users)
-    member = np.zeros((G, num_requests), bool)
-    member[pair_group, req_sorted] = True
-    exact = (member.sum(1)[col_group] == col_users).all()
-    return col_group if exact else np.arange(col_start.size)
