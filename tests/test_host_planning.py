@@ -124,9 +124,26 @@ def _bucket_for(steps, options, block_size) -> Bucket:
     return Bucket(phase_of(sizes[3], shared, sizes[1]), sizes[0], shared, sizes[1], sizes[2], sizes[3])
 
 
-def test_a_buckets_steps_reuse_the_same_memory_and_allocate_nothing(monkeypatch):
-    """The graph of a bucket replays on the same addresses: two different steps padded to one bucket
-    give tensors at the same data_ptr, and with buffers sized by the bucket no step allocates."""
+class _NoNewKeys(dict):
+    """The device buffers: any new or replaced one is an allocation."""
+
+    def __init__(self, items, log):
+        super().__init__(items)
+        self.log = log
+
+    def __setitem__(self, key, value):
+        self.log.append(key)
+        super().__setitem__(key, value)
+
+
+DEVICES = [("cpu", None)] + [("cuda", None)] * torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device, copy", DEVICES + [("cpu", True)])
+def test_a_buckets_steps_reuse_the_same_memory_and_allocate_nothing(monkeypatch, device, copy):
+    """The graph of a bucket replays on the same addresses: different steps padded to one bucket give
+    tensors at the same data_ptr, and with buffers sized by the bucket no step allocates. `copy`: the
+    device path (host buffers copied into device buffers) run on the CPU, where no GPU is."""
     options, bs = PlanOptions(causal_tile=8, shared_rows=4, shared_tile_keys=16, unique_layout="gather"), 4  # as plans
     rng = np.random.default_rng(0)
     steps = []
@@ -134,17 +151,19 @@ def test_a_buckets_steps_reuse_the_same_memory_and_allocate_nothing(monkeypatch)
         table, _ = make_block_table(SPECS[spec], rng)
         steps.append((SPECS[spec].query_lens, SPECS[spec].context_lens, table))
     bucket = _bucket_for(steps, options, bs)
-    buffers = StepBuffers("cpu", reserve=StepBuffers.reserve_for([bucket], options, bs))
+    buffers = StepBuffers(device, reserve=StepBuffers.reserve_for([bucket], options, bs), copy=copy)
     allocations = []
     monkeypatch.setattr(buffers.host, "_grow", lambda *a: allocations.append(a))
+    monkeypatch.setattr(buffers, "_device", _NoNewKeys(buffers._device, allocations))
     addresses = None
     for q, c, t in steps:
         batch = build_unified_batch(q, c, t, bs, options=options, bucket=bucket, buffers=buffers)
         fresh = build_unified_batch(q, c, t, bs, options=options, bucket=bucket)
         tensors = {f.name: getattr(batch, f.name) for f in fields(batch) if f.name != "plan"}
+        buffers.wait()
         for name, x in tensors.items():
             y = getattr(fresh, name)
-            assert (x is None and y is None) or torch.equal(x, y), name
+            assert (x is None and y is None) or (x.device.type == device and torch.equal(x.cpu(), y)), name
         now = {name: x.data_ptr() for name, x in tensors.items() if x is not None and x.numel()}
         assert addresses is None or now == addresses
         addresses = now

@@ -97,11 +97,14 @@ class StepBuffers:
     """
 
     def __init__(self, device: torch.device | str = "cpu", reserve: dict[str, int] | None = None,
-                 pin: bool | None = None):
+                 pin: bool | None = None, copy: bool | None = None):
+        """`pin`: page-locked host memory (default: off the CPU). `copy`: device tensors apart from the
+        host buffers, filled by a copy per array (default: off the CPU; on it, the host buffers are the
+        tensors)."""
         self.device = torch.device(device)
-        self.on_host = self.device.type == "cpu"
-        self.pin = (not self.on_host) if pin is None else pin
-        self._host_tensors: dict[int, torch.Tensor] = {}  # host buffer address -> its torch tensor
+        self.on_host = not ((self.device.type != "cpu") if copy is None else copy)
+        self.pin = (self.device.type != "cpu") if pin is None else pin
+        self._host_tensors: dict[int, torch.Tensor] = {}  # id of a host buffer -> its torch tensor
         self._device: dict[str, torch.Tensor] = {}
         self._copied = None  # event after the last host -> device copies
         self.host = PlanBuffers(allocate=self._allocate_host)
@@ -134,7 +137,7 @@ class StepBuffers:
             self.pin = False
             t = torch.empty(n, dtype=dtype)
         a = t.numpy()
-        self._host_tensors[a.ctypes.data] = t
+        self._host_tensors[id(a)] = t
         return a
 
     def _device_buffer(self, name: str, n: int) -> torch.Tensor:
@@ -158,12 +161,13 @@ class StepBuffers:
             a = getattr(plan, f.name) if f.name != "plan" else None
             if a is None:
                 continue
-            a = self.host.keep(f.name, np.ascontiguousarray(a, dtype=np.int64))
+            if not self.host.holds(f.name, a):  # not planned here (an invariant plan, a shared empty array)
+                a = self.host.keep(f.name, np.ascontiguousarray(a, dtype=np.int64))
             if self.on_host:
                 values[f.name] = torch.from_numpy(a)
                 continue
             base = self.host.buffer(f.name)
-            src = self._host_tensors[base.ctypes.data][: a.size]
+            src = self._host_tensors[id(base)][: a.size]
             dst = self._device_buffer(f.name, a.size)[: a.size]
             dst.copy_(src, non_blocking=True)
             values[f.name] = dst.view(a.shape)
@@ -173,8 +177,8 @@ class StepBuffers:
 
 
 def _event(device: torch.device):
-    """An event recorded now on `device`'s current stream (None: the backend has none; copies then
-    finish before `wait` returns through a device synchronize)."""
+    """An event recorded now on `device`'s current stream (a backend without events: `wait` then
+    synchronizes the device)."""
     try:
         event = torch.Event(device=device)
         event.record()

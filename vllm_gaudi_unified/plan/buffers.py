@@ -35,6 +35,10 @@ class FreshArrays:
         """`values` as the array `name` (no copy: the plan may own them)."""
         return values
 
+    def holds(self, name: str, values: np.ndarray) -> bool:
+        """`values` is the array last handed out as `name` (so it already lives here)."""
+        return False
+
 
 FRESH = FreshArrays()
 
@@ -51,6 +55,7 @@ class PlanBuffers(FreshArrays):
                  reserve: dict[str, int] | None = None):
         self._allocate = allocate or (lambda n, dtype: np.empty(n, dtype))
         self._buffers: dict[str, np.ndarray] = {}
+        self._views: dict[str, np.ndarray] = {}  # the last array handed out per name
         for name, n in (reserve or {}).items():
             self._grow(name, n, _I64)
 
@@ -60,7 +65,8 @@ class PlanBuffers(FreshArrays):
         buf = self._buffers.get(name)
         if buf is None or buf.size < n or buf.dtype != dtype:
             buf = self._grow(name, n, dtype)
-        return buf[:n] if flat else buf[:n].reshape(shape)
+        view = self._views[name] = buf[:n] if flat else buf[:n].reshape(shape)
+        return view
 
     def zeros(self, name, shape, dtype=_I64):
         a = self.array(name, shape, dtype)
@@ -73,10 +79,14 @@ class PlanBuffers(FreshArrays):
         return a
 
     def keep(self, name, values):
+        if values is self._views.get(name):
+            return values
         a = self.array(name, values.shape, values.dtype)
-        if not holds(a, values):
-            np.copyto(a, values)
+        np.copyto(a, values)
         return a
+
+    def holds(self, name, values):
+        return values is self._views.get(name)
 
     def buffer(self, name: str) -> np.ndarray | None:
         """The whole buffer behind `name` (None before its first use)."""
@@ -90,8 +100,3 @@ class PlanBuffers(FreshArrays):
         self._buffers[name] = new
         return new
 
-
-def holds(view: np.ndarray, values: np.ndarray) -> bool:
-    """`values` already is `view` (same first element), so copying it there is a no-op."""
-    return values.size == 0 or (view.ctypes.data == values.ctypes.data and view.dtype == values.dtype
-                               and view.shape == values.shape and values.flags.c_contiguous)

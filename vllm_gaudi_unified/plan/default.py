@@ -49,7 +49,7 @@ import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
 from vllm_gaudi_unified.plan.arrays import cached_pairs, check_covers, empty, grow, move_no_row, ranges, trusted
-from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers, holds
+from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.rules import causal_spans, shared_pairs, unique_reads_slice
 from vllm_gaudi_unified.plan.shared import plan_shared
@@ -266,9 +266,10 @@ def pad_default(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = No
 
     def pad(name, n, fill, rows=False):
         a = getattr(plan, name)
-        padded = buffers.array(name, (n,) + a.shape[1:])
+        kept = buffers.holds(name, a)
+        padded = buffers.array(name, (n,) + a.shape[1:])  # the same memory (grown: its content too)
         head = padded[: a.shape[0]]
-        if not holds(head, a):
+        if not kept:
             np.copyto(head, a)
         if rows and T != Tp:
             np.putmask(head, head == T, Tp)
