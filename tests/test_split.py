@@ -1,0 +1,75 @@
+"""A step beyond the gather cap runs as several calls with the same result (float64 reference)."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SMALL_TILES, Step, assert_matches, make_block_table, make_tensors
+from vllm_gaudi_unified.batch import UnifiedBatch
+from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.plan import pad_plan, plan_step
+from vllm_gaudi_unified.reference import reference_attention
+from vllm_gaudi_unified.split import GatherCap, piece_sizes, pieces_attention, split_plan
+
+OPTIONS = replace(SMALL_TILES, unique_layout="gather")  # as bucket plans plan (a slice cannot grow past the cache)
+KB = SMALL_TILES.blocks_per_tile(4)  # 2 blocks per shared tile at block size 4
+
+CASES = {
+    "prefix_and_chunks": Step([1, 1, 1, 6, 9], [16, 18, 21, 16, 30], 4, prefix_groups=[([0, 1, 2, 3], 4)]),
+    "decodes": Step([1] * 7, [5, 17, 1, 32, 9, 64, 12], 4),
+    "long_chunk": Step([23, 1], [40, 9], 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cap", [GatherCap(KB, 3), GatherCap(2 * KB, None), GatherCap(None, 5)])
+@pytest.mark.parametrize("pad", [False, True])
+def test_split_step_equals_reference(name, cap, pad):
+    step = CASES[name]
+    rng = np.random.default_rng(3)
+    table, num_blocks = make_block_table(step, rng)
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float64, seed=3)
+    plan = plan_step(step.query_lens, step.context_lens, table, step.block_size, options=OPTIONS)
+    pieces = split_plan(plan, cap)
+    assert len(pieces) == len(piece_sizes(np.array([plan.shape.sizes]), cap, KB)[0])
+    for p in pieces:
+        assert not cap.exceeded(p.shape)
+    assert sum(p.shape.num_shared_blocks for p in pieces) == plan.shape.num_shared_blocks
+    assert sum(p.shape.num_unique_blocks for p in pieces) == plan.shape.num_unique_blocks
+    if pad:  # each piece padded to a larger bucket, as a plan's find would
+        pieces = [pad_plan(p, Bucket("csu", p.shape.query_len + 3, p.shape.num_shared_blocks + KB,
+                                     p.shape.num_unique_blocks + 2, p.shape.num_logits + 1,
+                                     p.shape.num_causal_tiles + 1)) for p in pieces]
+    out = pieces_attention(q, k, v, kc, vc, [UnifiedBatch.from_plan(p) for p in pieces], 0.37)
+    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+    assert_matches(out, ref)
+
+
+def test_a_slice_is_cut_into_gathered_pieces():
+    step = CASES["decodes"]
+    table, _ = make_block_table(step, np.random.default_rng(0))
+    plan = plan_step(step.query_lens, step.context_lens, table, 4, options=replace(SMALL_TILES, unique_layout="slice"))
+    pieces = split_plan(plan, GatherCap(None, 4))
+    assert len(pieces) > 1 and all(p.unique_blocks is not None for p in pieces)
+    assert np.concatenate([p.unique_blocks for p in pieces]).tolist() == list(range(plan.shape.num_unique_blocks))
+
+
+def test_piece_sizes_cut_evenly_and_keep_unsplit_steps():
+    sizes = np.array([[10, 8, 7, 3, 4], [10, 40, 0, 3, 4], [1, 0, 0, 1, 0]])
+    pieces, owner = piece_sizes(sizes, GatherCap(16, 5), blocks_per_tile=2)
+    assert owner.tolist() == [0, 0, 1, 1, 1, 2]
+    assert pieces[:2].tolist() == [[10, 8, 4, 3, 4], [10, 0, 3, 3, 0]]
+    assert pieces[2:5, 1].tolist() == [14, 14, 12] and (pieces[3:5, 4] == 0).all()
+    assert (pieces[5] == sizes[2]).all()
+
+
+def test_gather_cap_from_memory_and_bad_values():
+    cap = GatherCap.from_memory(128e9, 0.05, block_size=128, num_kv_heads=8, head_dim=128, dtype_bytes=2,
+                                blocks_per_tile=4)
+    assert cap.max_unique_blocks == int(0.05 * 128e9 // (2 * 128 * 8 * 128 * 2))
+    assert cap.max_shared_blocks % 4 == 0 and cap.max_shared_blocks <= cap.max_unique_blocks
+    with pytest.raises(ValueError, match="memory share"):
+        GatherCap.from_memory(128e9, 0, 128, 8, 128, 2, 4)
+    with pytest.raises(ValueError, match="max_shared_blocks"):
+        GatherCap(0, 3)
