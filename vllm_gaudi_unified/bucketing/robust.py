@@ -111,8 +111,8 @@ def skeleton(points: np.ndarray, own_cost: np.ndarray, top: np.ndarray, weights:
 
 
 def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: ModelSpec | None = None,
-                hardware: Hardware | None = None, max_graphs: int = 24, worst: float = 3.0,
-                skeleton_ratio: float = 8.0, resolution: float = 3.0, margin: float = 0.1,
+                hardware: Hardware | None = None, max_graphs: int = 27, worst: float = 3.0,
+                skeleton_ratio: float = 32.0, resolution: float = 3.0, margin: float = 0.1,
                 total_share: float = 1.0, source_weights=None, cap: GatherCap | None = None, local_search: bool = True,
                 sources: list | None = None) -> BucketPlan:
     """Learn a plan from several sets of step shapes (traces, and the same traces at lower loads);
@@ -212,14 +212,8 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
         chosen.append(best)
         cur = np.minimum(cur, M[best])
     buckets = cands[chosen]
-    import os
-    if os.environ.get("ROBUST_DEBUG"):
-        print("greedy: violating groups", int((cur >= big).sum()), "of", G)
     if local_search:
         buckets = _local_search(buckets, len(fixed), cands, M, rows, groups, grids)
-    if os.environ.get("ROBUST_DEBUG"):
-        fin = rows(buckets).min(0)
-        print("final: violating groups", int((fin >= big).sum()), "of", G, groups[fin >= big][:20])
     plan = BucketPlan([bucket_from_sizes(b) for b in buckets], settings, model, hardware, strategy="robust",
                       info={"max_graphs": max_graphs, "worst": worst, "skeleton_ratio": skeleton_ratio,
                             "skeleton_buckets": int(len(skel)), "resolution": resolution, "margin": margin,
