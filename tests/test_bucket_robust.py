@@ -3,13 +3,14 @@ holds at a load it never saw better than a plan learned by total work alone."""
 import numpy as np
 import pytest
 
-from vllm_gaudi_unified.bucketing import ServerSettings
-from vllm_gaudi_unified.bucketing.figures import evaluate
-from vllm_gaudi_unified.bucketing.robust import load_scaled_shapes, pair_weights, robust_plan
-from vllm_gaudi_unified.bucketing.shapes import shapes_of_steps
-from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, workload_from
-from vllm_gaudi_unified.bucketing.strategies import trace_plan
-from vllm_gaudi_unified.split import GatherCap
+from vllm_gaudi_unified.bucket_plans import ServerSettings
+from vllm_gaudi_unified.tools.evaluate import evaluate
+from vllm_gaudi_unified.tools.robust import load_scaled_shapes, robust_plan
+from vllm_gaudi_unified.tools.shapes import shapes_of_steps
+from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.tools.workloads import workload_from
+from vllm_gaudi_unified.tools.strategies import trace_plan
+from vllm_gaudi_unified.plan.split import GatherCap
 
 SETTINGS = ServerSettings(block_size=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024,
                           num_blocks=600)
@@ -59,20 +60,24 @@ def test_holds_at_a_load_it_never_saw_better_than_total_work_alone(busy):
     shapes = [shapes_of_steps(s, SETTINGS) for s in busy]
     quiet = shapes_of_steps(sim(9, 0.15, 40), SETTINGS)
     scaled = [x for s in busy for x in load_scaled_shapes(s, SETTINGS)]
-    robust = robust_plan(shapes + scaled, SETTINGS, max_graphs=10, skeleton_ratio=16,
+    robust = robust_plan(shapes + scaled, SETTINGS, max_graphs=10, skeleton_ratio=0,
                          source_weights=[1.0] * len(shapes) + [0.3 * len(shapes) / len(scaled)] * len(scaled))
-    from vllm_gaudi_unified.bucketing.shapes import StepShapes
+    from vllm_gaudi_unified.tools.shapes import StepShapes
 
     learned = trace_plan(StepShapes.concat(shapes), SETTINGS, max_graphs=10)
     r, t = evaluate(robust, quiet), evaluate(learned, quiet)
     assert max(r.worst_time, r.worst_pairs) < max(t.worst_time, t.worst_pairs)
-    assert r.padding_pairs < t.padding_pairs
+    assert r.padding_pairs < t.padding_pairs and r.padding_time < t.padding_time
 
 
-def test_pair_weights_follow_the_planner():
-    w = pair_weights(SETTINGS)
-    o = SETTINGS.options
-    assert w.tolist() == [1, o.shared_rows * 16, 16, 0, o.causal_tile ** 2]
+def test_pair_weights_are_the_planners_work(busy):
+    from vllm_gaudi_unified.bucket_plans.cost import CostModel, Hardware, ModelSpec
+    from vllm_gaudi_unified.plan import plan_step
+
+    w = CostModel(ModelSpec(), Hardware(), 16, SETTINGS.options).pair_weights
+    for step in busy[0][::40]:
+        p = plan_step(step.query_lens, step.context_lens, step.block_table(), 16, options=SETTINGS.options)
+        assert np.dot(p.shape.sizes, w) == p.work_planned.total
 
 
 def test_bad_arguments(busy):

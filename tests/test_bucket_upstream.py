@@ -3,11 +3,11 @@ import itertools
 
 import numpy as np
 
-from vllm_gaudi_unified.bucketing.cost import CostModel, Hardware, ModelSpec
-from vllm_gaudi_unified.bucketing.settings import PRESETS
-from vllm_gaudi_unified.bucketing.shapes import _arrays_of_steps
-from vllm_gaudi_unified.bucketing.trace import TraceStep
-from vllm_gaudi_unified.bucketing.upstream import (find_upstream, log_points, step_tuples, upstream_buckets,
+from vllm_gaudi_unified.bucket_plans.cost import CostModel, Hardware, ModelSpec
+from vllm_gaudi_unified.bucket_plans.settings import PRESETS
+from vllm_gaudi_unified.tools.shapes import _arrays_of_steps
+from vllm_gaudi_unified.bucket_plans.trace import TraceStep
+from vllm_gaudi_unified.tools.upstream import (find_upstream, log_points, step_tuples, upstream_buckets,
                                                    upstream_work)
 
 

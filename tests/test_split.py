@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import SMALL_TILES, Step, assert_matches, make_block_table, make_tensors
-from vllm_gaudi_unified.batch import UnifiedBatch
+from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.bucket import Bucket
-from vllm_gaudi_unified.plan import pad_plan, plan_step
+from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes, split_plan
 from vllm_gaudi_unified.reference import reference_attention
-from vllm_gaudi_unified.split import GatherCap, piece_sizes, pieces_attention, split_plan
 
 OPTIONS = replace(SMALL_TILES, unique_layout="gather")  # as bucket plans plan (a slice cannot grow past the cache)
 KB = SMALL_TILES.blocks_per_tile(4)  # 2 blocks per shared tile at block size 4
@@ -20,6 +20,20 @@ CASES = {
     "decodes": Step([1] * 7, [5, 17, 1, 32, 9, 64, 12], 4),
     "long_chunk": Step([23, 1], [40, 9], 4),
 }
+
+
+class CappedPlan:
+    """A bucket plan as `build_unified_batch` sees one: a gather cap, and `find` (here: pad by a margin)."""
+
+    def __init__(self, cap, pad):
+        self.gather_cap, self.pad, self.found = cap, pad, []
+
+    def find(self, shape):
+        self.found.append(shape)
+        if not self.pad:
+            return None
+        return Bucket("csu", shape.query_len + 3, shape.num_shared_blocks + KB, shape.num_unique_blocks + 2,
+                      shape.num_logits + 1, shape.num_causal_tiles + 1)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -37,12 +51,26 @@ def test_split_step_equals_reference(name, cap, pad):
         assert not cap.exceeded(p.shape)
     assert sum(p.shape.num_shared_blocks for p in pieces) == plan.shape.num_shared_blocks
     assert sum(p.shape.num_unique_blocks for p in pieces) == plan.shape.num_unique_blocks
-    if pad:  # each piece padded to a larger bucket, as a plan's find would
-        pieces = [pad_plan(p, Bucket("csu", p.shape.query_len + 3, p.shape.num_shared_blocks + KB,
-                                     p.shape.num_unique_blocks + 2, p.shape.num_logits + 1,
-                                     p.shape.num_causal_tiles + 1)) for p in pieces]
-    out = pieces_attention(q, k, v, kc, vc, [UnifiedBatch.from_plan(p) for p in pieces], 0.37)
+    buckets = CappedPlan(cap, pad)  # each piece padded to a larger bucket, as a plan's find would
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, options=OPTIONS,
+                                bucket=buckets)
+    assert len(batch.pieces) == len(pieces) - 1 and len(buckets.found) == len(pieces)
+    assert [b.plan.shape for b in (batch,) + batch.pieces] == [p.shape for p in pieces]
+    out = unified_attention(q, k, v, kc, vc, batch, 0.37)
     ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+    assert_matches(out, ref)
+
+
+def test_split_bf16_and_sinks():
+    step = CASES["prefix_and_chunks"]
+    table, num_blocks = make_block_table(step, np.random.default_rng(5))
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.bfloat16, seed=5)
+    sinks = torch.randn(step.num_heads, dtype=torch.bfloat16)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=OPTIONS,
+                                bucket=CappedPlan(GatherCap(KB, 3), True))
+    assert batch.pieces
+    out = unified_attention(q, k, v, kc, vc, batch, 0.37, sinks=sinks)
+    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37, sinks=sinks)
     assert_matches(out, ref)
 
 

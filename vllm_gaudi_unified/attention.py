@@ -6,13 +6,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from vllm_gaudi_unified.batch import UnifiedBatch
-from vllm_gaudi_unified.causal import causal_partial, self_partial
-from vllm_gaudi_unified.invariant import invariant_partial
-from vllm_gaudi_unified.kernels import compute_dtype
+from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch
 from vllm_gaudi_unified.merge import Partial, merge_all, normalize
-from vllm_gaudi_unified.shared import shared_partial
-from vllm_gaudi_unified.unique import unique_partial
+from vllm_gaudi_unified.paths.causal import causal_partial, self_partial
+from vllm_gaudi_unified.paths.invariant import invariant_partial
+from vllm_gaudi_unified.paths.shared import shared_partial
+from vllm_gaudi_unified.paths.tiles import compute_dtype
+from vllm_gaudi_unified.paths.unique import unique_partial
 
 
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -30,14 +30,36 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     t, padded = query.shape[0], batch.bucket.query_len
     if t < padded:
         query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
-    if batch.plan.options.batch_invariant:  # one fixed computation per request: see invariant.py
+    if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
         partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)]
     else:
         partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)
                     if p is not None]
+        if batch.pieces:  # a step split under the gather cap (plan/split.py): each pair is in one piece
+            partials = [_first_rows(p, t) for p in partials]
+            partials += _piece_partials(query[:t], key[:t], value[:t], key_cache, value_cache, batch.pieces, scale,
+                                        logits_soft_cap)
+            padded = t
     if sinks is not None:
         partials.append(_sink_partial(sinks, padded, query.shape[2], compute_dtype(query.dtype)))
     return normalize(merge_all(partials))[:t].to(query.dtype)
+
+
+def _first_rows(p: Partial, rows: int) -> Partial:
+    return Partial(*(x[:rows] for x in p))
+
+
+def _piece_partials(query, key, value, key_cache, value_cache, pieces, scale, cap) -> list[Partial]:
+    """The shared and unique pairs of the further pieces of a split step, each piece at its own bucket
+    (the self and causal pairs are all in the first piece, the batch itself)."""
+    t, out = query.shape[0], []
+    for piece in pieces:
+        pad = piece.bucket.query_len - t
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x for x in (query, key, value))
+        paths = _run_paths(q, k, v, key_cache, value_cache, piece, scale, cap)
+        next(paths)  # self pairs: already in the first piece
+        out += [_first_rows(p, t) for p in paths if p is not None]
+    return out
 
 
 def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap):

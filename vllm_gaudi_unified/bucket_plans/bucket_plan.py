@@ -1,0 +1,256 @@
+"""The bucket plan: the set of compiled shapes, and `find`, which runs every step.
+
+`find(shape)` returns the cheapest bucket (by the plan's work model) whose every
+size is at least the step's. It runs each step, so it is a few bit operations:
+buckets are numbered by cost, and for each dimension and each distinct bucket
+value the plan keeps a bit mask (a Python int) of the buckets at least that
+large. A step's value is located by `bisect` in each dimension, the five masks
+are ANDed, and the lowest set bit is the cheapest covering bucket.
+
+A step that no bucket covers is a *miss*, handled by the plan's miss policy,
+never silently:
+
+- `error` (default): raise `BucketMiss` naming the dimension and value;
+- `largest`: pad to the largest bucket when it covers the step (else raise);
+- `unbucketed`: return None, so the step runs at its own shape (on Gaudi: a
+  graph compiled while serving); a warning is logged for the first misses.
+"""
+from __future__ import annotations
+
+import json
+import os
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes
+from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
+from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+from vllm_gaudi_unified.log import get_logger
+from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes
+
+logger = get_logger(__name__)
+
+MISS_POLICIES = ("error", "largest", "unbucketed")
+FORMAT = "vllm-gaudi-unified/bucket-plan"
+VERSION = 1
+
+
+#: Share of device memory one call's gathered K and V (one layer) may take, unless told otherwise.
+DEFAULT_MEMORY_SHARE = 0.04
+
+
+def gather_cap_for(settings: ServerSettings, model: ModelSpec, hardware: Hardware,
+                   share: float = DEFAULT_MEMORY_SHARE) -> GatherCap:
+    """The cap that keeps one call's gathered K and V of one layer within `share` of the device's memory."""
+    return GatherCap.from_memory(hardware.memory_gb * 1e9, share, settings.block_size, model.num_kv_heads,
+                                 model.head_dim, model.dtype_bytes, settings.blocks_per_tile)
+
+
+class BucketMiss(ValueError):
+    """No bucket of the plan covers a step (and the miss policy says to raise)."""
+
+
+@dataclass
+class BucketPlan:
+    """A set of buckets plus the settings, planner options and work model it was made for."""
+
+    buckets: list[Bucket]
+    settings: ServerSettings
+    model: ModelSpec = field(default_factory=ModelSpec)
+    hardware: Hardware = field(default_factory=Hardware)
+    strategy: str = ""
+    miss_policy: str = "error"
+    info: dict = field(default_factory=dict)  #: how it was made (command, traces, expected waste)
+    #: most block slots one call may gather (a share of device memory); a step beyond it is split by the
+    #: planner into pieces within it (`plan/split.py`), so no bucket needs to be larger
+    gather_cap: GatherCap = field(default_factory=GatherCap)
+
+    def __post_init__(self):
+        if self.miss_policy not in MISS_POLICIES:
+            raise ValueError(f"miss_policy must be one of {MISS_POLICIES}, got {self.miss_policy!r}")
+        if not self.buckets:
+            raise ValueError("a bucket plan needs at least one bucket")
+        # Shared slots come in whole tiles (a batch-invariant plan counts units of one block instead).
+        kb = 1 if self.settings.options.batch_invariant else self.settings.blocks_per_tile
+        for b in self.buckets:
+            if not isinstance(b, Bucket):
+                raise ValueError(f"not a Bucket: {b!r}")
+            if b.num_shared_blocks % kb:
+                raise ValueError(f"bucket {b}: num_shared_blocks must be a multiple of the {kb} blocks of a "
+                                 f"shared tile")
+            if self.gather_cap.exceeded(b):
+                raise ValueError(f"bucket {b} gathers more block slots than the plan's cap {self.gather_cap}")
+        self._index()
+
+    # ---- lookup -----------------------------------------------------------------------------
+    @property
+    def cost_model(self) -> CostModel:
+        return CostModel(self.model, self.hardware, self.settings.block_size, self.settings.options)
+
+    def _index(self) -> None:
+        unique = sorted(set(self.buckets))
+        sizes = np.array([b.sizes for b in unique], dtype=np.int64).reshape(-1, len(DIMS))
+        cost = self.cost_model.cost(sizes)
+        order = np.lexsort(tuple(sizes[:, ::-1].T) + (cost,))  # by cost, then by sizes
+        self.buckets = [unique[i] for i in order]
+        self.sizes = sizes[order]
+        self.costs = cost[order]
+        self._values: list[list[int]] = []
+        self._masks: list[list[int]] = []
+        for d in range(len(DIMS)):
+            col = self.sizes[:, d]
+            values = sorted(set(int(v) for v in col))
+            masks = []
+            for v in values:
+                bits = np.flatnonzero(col >= v)
+                m = 0
+                for i in bits.tolist():
+                    m |= 1 << i
+                masks.append(m)
+            self._values.append(values)
+            self._masks.append(masks)
+        self._largest = self.buckets[int(np.argmax(self.costs))]
+        self._misses_logged = 0
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def find_sizes(self, q: int, s: int, u: int, l: int, c: int) -> int:
+        """Index (into `buckets`) of the cheapest bucket covering these sizes; -1 if none."""
+        vals, masks = self._values, self._masks
+        i = bisect_left(vals[0], q)
+        if i == len(vals[0]):
+            return -1
+        m = masks[0][i]
+        for d, x in ((1, s), (2, u), (3, l), (4, c)):
+            i = bisect_left(vals[d], x)
+            if i == len(vals[d]):
+                return -1
+            m &= masks[d][i]
+        if not m:
+            return -1
+        return (m & -m).bit_length() - 1
+
+    def find(self, shape: Bucket) -> Bucket | None:
+        """The cheapest bucket covering `shape`; on a miss, what the miss policy says."""
+        i = self.find_sizes(shape.query_len, shape.num_shared_blocks, shape.num_unique_blocks, shape.num_logits,
+                            shape.num_causal_tiles)
+        if i >= 0:
+            return self.buckets[i]
+        return self._miss(shape)
+
+    def find_all(self, sizes: np.ndarray) -> np.ndarray:
+        """Bucket index per shape [N, 5] (-1 = miss, whatever the policy); vectorised over steps."""
+        sizes = np.asarray(sizes, dtype=np.int64)
+        best = np.full(len(sizes), -1, np.int64)
+        # Buckets are sorted by cost: the first covering one wins. Chunked to bound memory.
+        for start in range(0, len(sizes), 4096):
+            part = sizes[start:start + 4096]
+            cover = np.ones((len(part), len(self.buckets)), bool)
+            for d in range(len(DIMS)):
+                cover &= self.sizes[None, :, d] >= part[:, None, d]
+            hit = cover.any(1)
+            best[start:start + len(part)] = np.where(hit, cover.argmax(1), -1)
+        return best
+
+    def _miss(self, shape: Bucket) -> Bucket | None:
+        if self.miss_policy == "largest" and self._largest.covers(shape):
+            return self._largest
+        if self.miss_policy == "unbucketed":
+            if self._misses_logged < 10:
+                self._misses_logged += 1
+                logger.warning("no bucket covers step %s (%s); running it unbucketed (a new graph)", shape,
+                               self.explain_miss(shape))
+            return None
+        raise BucketMiss(f"no bucket of the plan covers step {shape}: {self.explain_miss(shape)} "
+                         f"(miss policy {self.miss_policy!r})")
+
+    def explain_miss(self, shape: Bucket) -> str:
+        """Which dimension(s) are beyond the plan, with the values."""
+        step = shape.sizes
+        top = self.sizes.max(0)
+        over = [f"{DIMS[d]} = {step[d]} > {int(top[d])} (the plan's largest)" for d in range(len(DIMS))
+                if step[d] > top[d]]
+        if over:
+            return "; ".join(over)
+        # Every dimension fits some bucket, but no bucket fits all: name the dimensions that
+        # rule out the bucket closest in cost among those covering the most dimensions.
+        fits = self.sizes >= np.asarray(step)[None, :]
+        best = int(np.argmax(fits.sum(1) * 1e18 - self.costs))
+        bad = [f"{DIMS[d]} = {step[d]} > {int(self.sizes[best, d])}" for d in range(len(DIMS)) if not fits[best, d]]
+        return f"nearest bucket {self.buckets[best]} is too small in " + ", ".join(bad)
+
+    # ---- checks -----------------------------------------------------------------------------
+    def check_compatible(self, block_size: int, options=None, max_num_seqs: int | None = None,
+                         max_num_batched_tokens: int | None = None) -> None:
+        """Raise if the plan was made for other settings than the server's."""
+        s = self.settings
+        problems = []
+        if block_size != s.block_size:
+            problems.append(f"block_size {block_size} != plan's {s.block_size}")
+        if options is not None and options != s.options:
+            problems.append(f"planner options {options} != plan's {s.options}")
+        if max_num_seqs is not None and max_num_seqs > s.max_num_seqs:
+            problems.append(f"max_num_seqs {max_num_seqs} > plan's {s.max_num_seqs}")
+        if max_num_batched_tokens is not None and max_num_batched_tokens > s.max_num_batched_tokens:
+            problems.append(f"max_num_batched_tokens {max_num_batched_tokens} > plan's {s.max_num_batched_tokens}")
+        if problems:
+            raise ValueError("bucket plan does not match the server: " + "; ".join(problems))
+
+    def covers_limits(self) -> bool:
+        """True when the largest shape the settings allow has buckets: every piece the gather cap cuts it into."""
+        pieces, _ = piece_sizes(self.settings.limits()[None, :], self.gather_cap, self.settings.blocks_per_tile)
+        return all(self.find_sizes(*(int(x) for x in p)) >= 0 for p in pieces)
+
+    # ---- files ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT, "version": VERSION, "strategy": self.strategy, "miss_policy": self.miss_policy,
+            "settings": self.settings.to_dict(), "model": vars(self.model).copy(), "hardware": vars(self.hardware).copy(),
+            "fields": ["phase", *DIMS], "info": self.info, "gather_cap": vars(self.gather_cap).copy(),
+            "buckets": [[b.phase, *b.sizes] for b in self.buckets],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "plan") -> "BucketPlan":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"{source}: not a bucket plan (format {d.get('format')!r}, expected {FORMAT!r})")
+        if d.get("version") != VERSION:
+            raise ValueError(f"{source}: bucket plan version {d.get('version')!r} is not supported ({VERSION})")
+        order = d.get("fields", ["phase", *DIMS])
+        idx = [order.index(f) for f in DIMS]
+        buckets = []
+        for row in d["buckets"]:
+            b = bucket_from_sizes([row[i] for i in idx])
+            if b.phase != row[order.index("phase")]:
+                raise ValueError(f"{source}: bucket {row} has a phase that disagrees with its sizes")
+            buckets.append(b)
+        return cls(buckets=buckets, settings=ServerSettings.from_dict(d["settings"]),
+                   model=ModelSpec(**d.get("model", {})), hardware=Hardware(**d.get("hardware", {})),
+                   strategy=d.get("strategy", ""), miss_policy=d.get("miss_policy", "error"), info=d.get("info", {}),
+                   gather_cap=GatherCap(**d.get("gather_cap", {})))
+
+    def save(self, path: str) -> None:
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        d = self.to_dict()
+        rows = ",\n    ".join(json.dumps(r) for r in d.pop("buckets"))
+        text = json.dumps(d, indent=2)
+        text = text[:-2] + f',\n  "buckets": [\n    {rows}\n  ]\n}}\n'  # one bucket a line: readable diffs
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    @classmethod
+    def load(cls, path: str, miss_policy: str | None = None) -> "BucketPlan":
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no such bucket plan") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if miss_policy is not None:
+            d["miss_policy"] = miss_policy
+        return cls.from_dict(d, path)

@@ -1,0 +1,60 @@
+"""Causal path: new tokens against new tokens of the same request.
+
+Two parts. The *self* pair (a token and its own key) is elementwise and always
+computed, so every real row sees at least one key. The strict-causal pairs come
+in square tiles on the flattened token axis, listed by the planner only where
+some pair is needed; a mask per tile keeps pairs inside one request, in order,
+and inside the sliding window.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.paths.tiles import attend, compute_dtype
+from vllm_gaudi_unified.merge import Partial, scatter_merge
+
+
+def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 soft_cap: float | None, fixed_order: bool = False) -> Partial:
+    """Each token against its own key: q/k/v `[T, H, D]` -> Partial `[T, Hq, D]`.
+
+    `fixed_order` (the batch-invariant mode): the dot products are summed by a fixed
+    pairwise tree over `head_dim` (elementwise adds), whatever kernel `sum` would pick."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    dt = compute_dtype(q.dtype)
+    products = q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)
+    s = (_tree_sum(products) if fixed_order else products.sum(-1)).reshape(t, hq) * scale
+    if soft_cap is not None:
+        s = soft_cap * torch.tanh(s / soft_cap)
+    acc = v.to(dt)[:, :, None, :].expand(t, hkv, hq // hkv, d).reshape(t, hq, d)
+    return Partial(acc, s, torch.ones_like(s))
+
+
+def _tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim by a fixed pairwise tree (zero-padded to a power of two)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        x = torch.nn.functional.pad(x, (0, (1 << (n - 1).bit_length()) - n))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
+                   soft_cap: float | None) -> Partial | None:
+    """Strict-causal pairs within each request; None when the batch lists no causal tile."""
+    if batch.causal_q_start.numel() == 0:
+        return None
+    n = q.shape[0]
+    offsets = torch.arange(batch.causal_tile, device=q.device)
+    rows = batch.causal_q_start[:, None] + offsets  # [tiles, tile]; >= n: no row
+    keys = batch.causal_k_start[:, None] + offsets  # [tiles, tile]
+    rows_in, keys_in = rows.clamp(max=n - 1), keys.clamp(max=n - 1)
+    r, kk = rows[:, :, None], keys[:, None, :]
+    mask = (kk >= batch.token_seg_start[rows_in][:, :, None]) & (kk < r) & (r < n)
+    if batch.sliding_window is not None:
+        mask &= r - kk < batch.sliding_window
+    part = attend(q[rows_in], k[keys_in], v[keys_in], mask, scale, soft_cap)
+    return scatter_merge(part, rows.clamp(max=n).reshape(-1), n)

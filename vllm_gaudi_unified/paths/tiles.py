@@ -1,0 +1,113 @@
+"""The one computation every path repeats: a batch of query-row tiles against key tiles.
+
+Each path gathers its rows and keys into `[tiles, rows, heads, head_dim]` /
+`[tiles, keys, kv_heads, head_dim]`, builds a boolean mask, and calls `attend`,
+which returns one `Partial` row per (tile, row). GQA is done by grouping query
+heads per KV head inside the matmul, so K/V are never repeated in memory.
+
+Precision and bytes: the two matmuls take the inputs' own dtype (bf16 tensor
+cores, fp32 accumulation inside), so K/V are never copied up to fp32; scores,
+max, sum and the merged accumulators are in the compute dtype (fp32, fp64 for
+fp64 inputs). Probabilities are rounded to the value dtype for `p @ V`, as
+flash attention does.
+
+Tiles of one row (the unique path: one decode token per block) are bound by
+reading K/V, not by arithmetic. There both products run over the block as
+stored, `[keys * kv_heads, head_dim]`: the scores of every (query head, KV
+head) pair are computed and the matching ones kept, and `p @ V` takes a
+probability matrix that is zero off the matching heads. K and V are read in
+place instead of being transposed into a per-head layout, for kv_heads times
+the (free) arithmetic. When the caller lists the tiles that miss some key
+(the unique path: a request's partial last block), V is masked on those
+tiles alone rather than copied whole through the masking pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.hpu import masked_softmax_for
+from vllm_gaudi_unified.merge import Partial
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation for fp16/bf16/fp32 inputs, fp64 kept as is (for the reference checks)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def slot_mask(lo: torch.Tensor, hi: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[..., block_size]` True for slots in `[lo, hi)` (a token's visible slots of one cache block)."""
+    slot = torch.arange(block_size, device=lo.device)
+    return (slot >= lo[..., None]) & (slot < hi[..., None])
+
+
+def _zero_unseen(v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """v `[T, K, Hkv, D]` with keys no row sees set to 0, as contiguous `[T, Hkv, K, D]` (one pass)."""
+    t, k, hkv, d = v.shape
+    out = torch.empty((t, hkv, k, d), dtype=v.dtype, device=v.device)
+    torch.where(seen[:, None, :, None], v.permute(0, 2, 1, 3), torch.zeros((), dtype=v.dtype, device=v.device),
+                out=out)
+    return out
+
+
+def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Partial:
+    """Masked scores `[T, Hkv, G, R, K]` and values `[T, Hkv, K, D]` -> Partial rows `[T*R, Hkv*G, D]`."""
+    t, hkv, g, r, k = scores.shape
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    p, m, total = masked_softmax_for(scores)(scores)
+    acc = torch.matmul(p.to(v.dtype).reshape(t, hkv, g * r, k), v).to(scores.dtype).reshape(t, hkv, g, r, -1)
+    as_rows = lambda x: x.permute(0, 3, 1, 2, *range(4, x.dim())).reshape(t * r, hkv * g, *x.shape[4:])
+    return Partial(as_rows(acc), as_rows(m), as_rows(total))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           soft_cap: float | None, masked_tiles: torch.Tensor | None = None) -> Partial:
+    """q `[T, R, Hq, D]`, k/v `[T, K, Hkv, D]`, mask `[T, R, K]` (True = visible) -> Partial `[T*R, Hq, D]`.
+
+    Keys no row of a tile may see are zeroed in `v` first: a poisoned cache slot
+    (NaN, inf) times a zero probability would still be NaN. `masked_tiles`
+    (one-row tiles only): indices of every tile whose row is real and may miss
+    some key; then only those tiles are masked, and the others (all keys seen,
+    or no row: their partial may hold NaN, for the merge to drop) read V as is.
+    """
+    t, r, hq, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dt = compute_dtype(q.dtype)
+    if r == 1 and hkv > 1 and k.is_contiguous() and v.is_contiguous():
+        return _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles)
+    qg = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # [T, Hkv, G*R, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).view(t, hkv, g, r, nk)
+    scores = scores.to(dt) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    return scores_to_partial(scores, _zero_unseen(v, mask.any(1)), mask)
+
+
+def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
+    """`attend` for one-row tiles, K/V as stored `[T, K, Hkv, D]` (see the module docstring)."""
+    t, _, hq, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dt = compute_dtype(q.dtype)
+    every = torch.matmul(q.reshape(t, hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, Hq, K*Hkv]
+    scores = torch.diagonal(every.view(t, hkv, g, nk, hkv), dim1=1, dim2=4)  # [T, G, K, Hkv]: head h vs h // g
+    scores = scores.permute(0, 3, 1, 2).to(dt) * scale  # [T, Hkv, G, K]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    visible = mask[:, 0]  # [T, K]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    p, m, total = masked_softmax_for(scores)(scores)
+    p_every = torch.zeros((t, hkv, g, nk, hkv), dtype=v.dtype, device=v.device)
+    torch.diagonal(p_every, dim1=1, dim2=4).copy_(p.permute(0, 2, 3, 1))
+    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    if masked_tiles is None:
+        vz = torch.where(visible[:, :, None, None], v, zero)
+        acc = torch.matmul(p_every.view(t, hq, nk * hkv), vz.view(t, nk * hkv, d)).to(dt)  # [T, Hq, D]
+    else:  # V as stored, then the few tiles that miss a key again on masked V (one pass less over V)
+        acc = torch.matmul(p_every.view(t, hq, nk * hkv), v.view(t, nk * hkv, d))
+        sel = masked_tiles
+        vz = torch.where(visible[sel][:, :, None, None], v[sel], zero)
+        # Fixed in the product's own dtype, so the cast to fp32 stays fused into the merge that reads it.
+        acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nk * hkv), vz.view(-1, nk * hkv, d)))
+        acc = acc.to(dt)
+    return Partial(acc, m.reshape(t, hq), total.reshape(t, hq))

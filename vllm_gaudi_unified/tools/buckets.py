@@ -1,0 +1,387 @@
+"""`vllm-gaudi-unified buckets ...`: generate, show, evaluate and plot bucket plans; simulate traces."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE
+
+SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
+                 "sliding_window")
+OPTION_FLAGS = ("causal_tile", "shared_rows", "shared_tile_keys", "unique_layout", "batch_invariant",
+                "invariant_rows", "invariant_chunk", "invariant_causal_chunk")
+MODEL_FLAGS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size", "vocab_size")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("buckets", help="bucket plans: generate, show, evaluate, plot; simulate traces",
+                              description="Bucket plans: which step shapes get a compiled graph.")
+    sub = p.add_subparsers(dest="buckets_command", metavar="SUBCOMMAND")
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+    g = sub.add_parser("generate", help="make a bucket plan (learned from traces, or exponential)",
+                       description="Make a bucket plan for a server setting. `robust` (default) and `trace` learn "
+                                   "from --trace files (several at once: each counts equally), or, without any, "
+                                   "from simulated traces of --workload and --seeds.")
+    g.add_argument("--strategy", choices=("robust", "trace", "exponential"), default="robust",
+                   help="how buckets are chosen: robust (skeleton over the whole range + buckets learned at "
+                        "several loads), trace (learned by total padded work), exponential (settings only)")
+    _add_settings(g)
+    _add_model(g)
+    g.add_argument("--trace", action="append", default=[], metavar="T",
+                   help="scheduler trace (.jsonl or .jsonl.gz) to learn from; repeatable")
+    g.add_argument("--workload", default="chat", help="simulated workload when no --trace is given (chat, mixed)")
+    g.add_argument("--seeds", default="1,2,3", help="simulator seeds when no --trace is given (comma separated)")
+    g.add_argument("--max-graphs", type=int, default=None,
+                   help="most buckets in the plan (default: robust 27, trace 32)")
+    g.add_argument("--target-waste", type=float, default=None,
+                   help="stop at the fewest buckets whose padding waste on the traces is at most this (trace)")
+    g.add_argument("--resolution", type=float, default=3.0,
+                   help="grid points per doubling for bucket boundaries (robust, trace; default 3)")
+    g.add_argument("--margin", type=float, default=None,
+                   help="grow learned shapes by this share before choosing, for unseen steps "
+                        "(default: robust 0.1, trace 0.2)")
+    g.add_argument("--skeleton-ratio", type=float, default=32.0,
+                   help="robust: cost ratio between neighbouring skeleton buckets (0: no skeleton; default 32)")
+    g.add_argument("--load-fractions", default="0.5,0.25,0.0625",
+                   help="robust: also learn from each trace with only this share of each step's requests, "
+                        "for lower loads (comma separated; empty for none)")
+    g.add_argument("--load-weight", type=float, default=0.3,
+                   help="robust: weight of all load-scaled steps together, against 1 for the traces (default 0.3)")
+    g.add_argument("--worst", type=float, default=None,
+                   help="robust: steps padded beyond this ratio (time or score pairs) cost more than any "
+                        "other padding (default: off)")
+    g.add_argument("--memory-share", type=float, default=None,
+                   help="no bucket gathers more K/V (one layer) than this share of device memory; steps "
+                        f"beyond are split by the planner (robust default {DEFAULT_MEMORY_SHARE}; "
+                        "exponential and trace: no cap unless given)")
+    g.add_argument("--device-memory-gb", type=float, default=None,
+                   help="device memory for --memory-share (default 128, Gaudi 3)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="plan for batch-invariant mode (PlanOptions.batch_invariant; steps replayed through "
+                        "plan_step, slower)")
+    g.add_argument("--exp-base", type=float, default=2.0, help="growth factor of exponential ranges (default 2)")
+    g.add_argument("--miss-policy", choices=("error", "largest", "unbucketed"), default="error",
+                   help="what a step no bucket covers does at serve time (default: error)")
+    g.add_argument("--jobs", type=int, default=None, help="processes for replaying traces (default: all cores)")
+    g.add_argument("-o", "--output", required=True, help="plan file to write (JSON)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.set_defaults(func=cmd_generate, _parser=g)
+
+    s = sub.add_parser("show", help="print a plan as a table", description="Print a bucket plan as a table.")
+    s.add_argument("plan", metavar="PLAN", help="bucket plan JSON")
+    s.add_argument("--json", action="store_true", help="print the plan file's JSON instead")
+    s.set_defaults(func=cmd_show)
+
+    e = sub.add_parser("evaluate", help="graphs, coverage and padding waste of a plan on traces",
+                       description="Replay traces through the planner, pad each step to the bucket `find` "
+                                   "returns, and report graphs, share of steps covered, padding waste (padded "
+                                   "work / real work, work from the plan's FLOPs-and-bytes model) and the waste "
+                                   "per dimension.")
+    e.add_argument("plan", metavar="PLAN", help="bucket plan JSON")
+    e.add_argument("--trace", action="append", required=True, metavar="T", help="scheduler trace; repeatable")
+    e.add_argument("--json", default=None, help="also write the results to this JSON file")
+    e.add_argument("--upstream", action="store_true",
+                   help="also score the earlier Gaudi implementation's plan for the plan's settings (rebuilt "
+                        "from its rules: 107 graphs at the 8B setting) on the same traces")
+    e.add_argument("--jobs", type=int, default=None, help="processes for replaying traces")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.set_defaults(func=cmd_evaluate)
+
+    pl = sub.add_parser("plot", help="PNG of a plan's buckets over a trace's steps",
+                        description="Draw every step of the trace (query tokens against unique blocks, shared "
+                                    "slots and causal tiles) and the plan's buckets as boxes.")
+    pl.add_argument("plan", metavar="PLAN", help="bucket plan JSON")
+    pl.add_argument("--trace", required=True, metavar="T", help="scheduler trace")
+    pl.add_argument("-o", "--output", required=True, help="PNG file to write")
+    pl.add_argument("--jobs", type=int, default=None, help="processes for replaying the trace")
+    pl.set_defaults(func=cmd_plot)
+
+    sm = sub.add_parser("simulate", help="make a scheduler trace with the v1-like simulator",
+                        description="Simulate a vLLM v1 scheduler serving a generated workload and write "
+                                    "its steps as a trace.")
+    _add_settings(sm, options=False)
+    sm.add_argument("--workload", default="chat", help="named workload: chat or mixed")
+    sm.add_argument("--seed", type=int, default=0, help="random seed")
+    sm.add_argument("--num-requests", type=int, default=None, help="requests (default: the workload's)")
+    sm.add_argument("--arrival-rate", type=float, default=None, help="new requests per step, 0 = all at once")
+    sm.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    sm.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    sm.add_argument("-o", "--output", required=True, help="trace file to write (.jsonl or .jsonl.gz)")
+    sm.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sm.set_defaults(func=cmd_simulate)
+
+
+def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
+    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
+
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama8b-gaudi3",
+                   help="server settings to start from (default: llama8b-gaudi3); flags below override")
+    p.add_argument("--block-size", type=int, default=None, help="KV cache block size (tokens)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM max_num_batched_tokens")
+    p.add_argument("--max-model-len", type=int, default=None, help="vLLM max_model_len")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
+    p.add_argument("--sliding-window", type=int, default=None, help="sliding window of the model, if any")
+    if options:
+        p.add_argument("--causal-tile", type=int, default=None, help="planner option: causal tile size")
+        p.add_argument("--shared-rows", type=int, default=None, help="planner option: query rows of a shared tile")
+        p.add_argument("--shared-tile-keys", type=int, default=None, help="planner option: keys of a shared tile")
+        p.add_argument("--unique-layout", choices=("gather", "slice"), default=None,
+                       help="planner option: unique path layout (default gather: one graph per bucket)")
+        p.add_argument("--invariant-rows", type=int, default=None,
+                       help="planner option, batch-invariant mode: query rows of a unit")
+        p.add_argument("--invariant-chunk", type=int, default=None,
+                       help="planner option, batch-invariant mode: units per product")
+        p.add_argument("--invariant-causal-chunk", type=int, default=None,
+                       help="planner option, batch-invariant mode: causal tiles per product")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-layers", type=int, default=None, help="model layers (default 32, Llama-3.1-8B)")
+    p.add_argument("--num-qo-heads", type=int, default=None, help="query heads (default 32)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=None, help="head size (default 128)")
+    p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per element (default 2, bf16)")
+    p.add_argument("--hidden-size", type=int, default=None, help="hidden size, for the LM head (default 4096)")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary, for the LM head (default 128256)")
+
+
+def settings_from_args(args):
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
+
+    s = PRESETS[args.preset]
+    over = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
+    opts = {k: getattr(args, k) for k in OPTION_FLAGS if getattr(args, k, None) not in (None, False)}
+    if opts:
+        over["options"] = replace(s.options, **opts)
+    return replace(s, **over) if over else s
+
+
+def model_from_args(args):
+    from vllm_gaudi_unified.bucket_plans.cost import ModelSpec
+
+    return ModelSpec(**{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k, None) is not None})
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_generate(args) -> int:
+    from vllm_gaudi_unified.bucket_plans.trace import TraceError
+
+    t0 = time.perf_counter()
+    try:
+        plan = make_plan_from_args(args)
+    except (ValueError, TraceError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    plan.miss_policy = args.miss_policy
+    plan.info["command"] = command_line(args)
+    plan.save(args.output)
+    extra = ""
+    if "expected_padding_waste" in plan.info:
+        extra = f", padding waste {plan.info['expected_padding_waste']:.3f} on {plan.info['steps']} steps learned from"
+    print(f"wrote {args.output}: {plan.strategy} plan, {len(plan)} buckets{extra} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def make_plan_from_args(args):
+    """The plan `buckets generate` makes (everything but writing it)."""
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import gather_cap_for
+    from vllm_gaudi_unified.bucket_plans.cost import Hardware
+    from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+    from vllm_gaudi_unified.tools.robust import load_scaled_shapes, robust_plan
+    from vllm_gaudi_unified.tools.shapes import StepShapes
+    from vllm_gaudi_unified.tools.strategies import trace_plan
+
+    settings = settings_from_args(args)
+    model = model_from_args(args)
+    hardware = Hardware() if args.device_memory_gb is None else replace(Hardware(), memory_gb=args.device_memory_gb)
+    share = args.memory_share if args.memory_share is not None else (
+        DEFAULT_MEMORY_SHARE if args.strategy == "robust" else None)
+    cap = None
+    if share is not None and not settings.options.batch_invariant:  # invariant products are chunked already
+        cap = gather_cap_for(settings, model, hardware, share)
+    if args.strategy == "exponential":
+        return exponential_plan(settings, model, hardware, base=args.exp_base, cap=cap)
+    traces = _learning_traces(args, settings)
+    parts = [s for s, _ in traces]
+    if args.strategy == "trace":
+        max_graphs = args.max_graphs if args.max_graphs is not None else (None if args.target_waste else 32)
+        plan = trace_plan(StepShapes.concat(parts), settings, model, hardware, max_graphs=max_graphs,
+                          target_waste=args.target_waste, resolution=args.resolution,
+                          margin=0.2 if args.margin is None else args.margin, progress=not args.no_progress)
+        if cap is not None:
+            raise ValueError("--memory-share is for the robust and exponential strategies")
+        return plan
+    fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
+    scaled = [x for _, src in traces for x in load_scaled_shapes(src, settings, fractions)]
+    weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
+    plan = robust_plan(parts + scaled, settings, model, hardware,
+                       max_graphs=27 if args.max_graphs is None else args.max_graphs, worst=args.worst,
+                       skeleton_ratio=args.skeleton_ratio, resolution=args.resolution,
+                       margin=0.1 if args.margin is None else args.margin, cap=cap, source_weights=weights)
+    from vllm_gaudi_unified.tools.evaluate import evaluate
+
+    seen = evaluate(plan, StepShapes.concat(parts))  # on the steps of the traces themselves
+    plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
+    plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
+    return plan
+
+
+def _learning_traces(args, settings):
+    """(shapes, source) per trace to learn from: each --trace, or simulated seeds of --workload."""
+    from vllm_gaudi_unified.tools.shapes import shapes_of_steps, shapes_of_trace
+    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+    from vllm_gaudi_unified.tools.workloads import workload_from
+
+    if args.trace:
+        return [(shapes_of_trace(t, settings, jobs=args.jobs, progress=not args.no_progress), t) for t in args.trace]
+    sched = SchedulerConfig.from_settings(settings)
+    work = workload_from(args.workload)
+    out = []
+    for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
+        steps = list(Simulator(sched, work, seed).steps())
+        out.append((shapes_of_steps(steps, settings, f"simulated:{args.workload}:seed{seed}"), steps))
+    return out
+
+
+def command_line(args) -> str:
+    """The `buckets generate` command that makes this plan again: --preset, --strategy and every
+    flag that differs from its default, in the parser's order (not --jobs or --no-progress,
+    which do not change the plan)."""
+    import shlex
+
+    words = ["vllm-gaudi-unified", "buckets", "generate"]
+    for action in args._parser._actions:
+        if not action.option_strings or action.dest in ("help", "jobs", "no_progress"):
+            continue
+        value = getattr(args, action.dest, None)
+        if value in (None, []) or (value == action.default and action.dest not in ("preset", "strategy")):
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append(flag)
+        elif isinstance(value, list):
+            for v in value:
+                words += [flag, str(v)]
+        else:
+            words += [flag, str(value)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def cmd_show(args) -> int:
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+
+    try:
+        plan = BucketPlan.load(args.plan)
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    print(format_plan(plan))
+    return 0
+
+
+def format_plan(plan) -> str:
+    s = plan.settings
+    lines = [f"{plan.strategy or 'plan'}: {len(plan)} buckets, miss policy {plan.miss_policy!r}",
+             f"settings: block_size {s.block_size}, max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
+             f"{s.max_num_batched_tokens}, max_model_len {s.max_model_len}, num_blocks {s.num_blocks}"
+             + (f", sliding_window {s.sliding_window}" if s.sliding_window else ""),
+             f"planner: causal_tile {s.options.causal_tile}, shared_rows {s.options.shared_rows}, shared_tile_keys "
+             f"{s.options.shared_tile_keys}, unique_layout {s.options.unique_layout}",
+             "",
+             f"{'#':>4} {'phase':<5} {'query':>7} {'causal':>7} {'shared':>7} {'unique':>7} {'logits':>7} {'work µs':>10}"]
+    for i, (b, c) in enumerate(zip(plan.buckets, plan.costs)):
+        lines.append(f"{i:>4} {b.phase:<5} {b.query_len:>7} {b.num_causal_tiles:>7} {b.num_shared_blocks:>7} "
+                     f"{b.num_unique_blocks:>7} {b.num_logits:>7} {c:>10.1f}")
+    if "expected_padding_waste" in plan.info:
+        lines.append(f"padding waste on the {plan.info.get('steps')} steps it was made from: "
+                     f"{plan.info['expected_padding_waste']:.3f}")
+    return "\n".join(lines)
+
+
+def cmd_evaluate(args) -> int:
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.bucket_plans.trace import TraceError
+    from vllm_gaudi_unified.tools.evaluate import evaluate
+    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+    from vllm_gaudi_unified.tools.upstream import evaluate_upstream, upstream_tuples_of_trace
+
+    try:
+        plan = BucketPlan.load(args.plan)
+        if args.upstream and plan.settings.options.batch_invariant:
+            raise ValueError("--upstream compares default-mode plans (the earlier scheme had no invariant mode)")
+        results, upstream = [], []
+        for t in args.trace:
+            shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
+            results.append(evaluate(plan, shapes, os.path.basename(t)))
+            if args.upstream:
+                upstream.append(evaluate_upstream(plan.settings, plan.cost_model, upstream_tuples_of_trace(t, plan.settings),
+                                                  float(shapes.needed.sum()), os.path.basename(t)))
+    except (ValueError, TraceError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    print(f"plan: {args.plan} ({plan.strategy}, {len(plan)} graphs, gather cap {plan.gather_cap})\n")
+    print("\n\n".join(r.table() for r in results))
+    for u in upstream:
+        print(f"\nupstream plan on {u['trace']}: {u['graphs']} graphs, uncovered {u['uncovered']} (run unpadded), "
+              f"padding time {u['padding_time']:.3f} / score pairs {u['padding_pairs']:.3f}, worst step "
+              f"{u['worst_time']:.2f} / {u['worst_pairs']:.2f}, p99 {u['p99_time']:.2f} / {u['p99_pairs']:.2f}; "
+              f"algorithm factor {u['algorithm_factor']:.3f}, with padding {u['total_factor']:.3f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"plan": args.plan, "strategy": plan.strategy, "graphs": len(plan),
+                       "results": [r.to_dict() for r in results], "upstream": upstream}, f, indent=1)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.tools.plot import plot_plan
+    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+    from vllm_gaudi_unified.bucket_plans.trace import TraceError
+
+    try:
+        plan = BucketPlan.load(args.plan)
+        shapes = shapes_of_trace(args.trace, plan.settings, jobs=args.jobs)
+    except (ValueError, TraceError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    plot_plan(plan, shapes, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator, header_for
+    from vllm_gaudi_unified.tools.workloads import workload_from
+    from vllm_gaudi_unified.bucket_plans.trace import TraceWriter
+
+    try:
+        s = settings_from_args(args)
+        sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching)
+        work = workload_from(args.workload, num_requests=args.num_requests, arrival_rate=args.arrival_rate)
+    except ValueError as exc:
+        return _fail(str(exc))
+    from tqdm import tqdm
+
+    sim = Simulator(sched, work, args.seed)
+    # The step count is not known ahead (requests arrive and finish): a counting bar, no total.
+    with TraceWriter(args.output, header=header_for(sched, work, args.seed, args.workload)) as w, \
+            tqdm(desc="simulating", unit="step", disable=args.no_progress) as bar:
+        for step in sim.steps(args.max_steps):
+            w.write(step)
+            bar.update(1)
+    print(f"wrote {args.output}: {w.num_steps} steps, {len(sim.finished)} requests finished, "
+          f"{sim.num_preemptions} preemptions")
+    return 0
