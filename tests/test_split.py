@@ -101,3 +101,28 @@ def test_gather_cap_from_memory_and_bad_values():
         GatherCap.from_memory(128e9, 0, 128, 8, 128, 2, 4)
     with pytest.raises(ValueError, match="max_shared_blocks"):
         GatherCap(0, 3)
+
+
+def test_a_plan_keeps_its_cap_and_splits_what_is_beyond(tmp_path):
+    """A real plan: no bucket beyond its cap, the cap saved with it, the limits covered by pieces, and a
+    step beyond the cap split by build_unified_batch and equal to the reference."""
+    from vllm_gaudi_unified.bucket import bucket_from_sizes
+    from vllm_gaudi_unified.bucket_plans import BucketPlan, ServerSettings
+    from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+
+    settings = ServerSettings(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                              num_blocks=80, options=replace(OPTIONS, unique_layout="gather"))
+    cap = GatherCap(2 * KB, 6)
+    plan = exponential_plan(settings, cap=cap)
+    assert plan.sizes[:, 1].max() <= 2 * KB and plan.sizes[:, 2].max() <= 6 and plan.covers_limits()
+    plan.save(str(tmp_path / "p.json"))
+    assert BucketPlan.load(str(tmp_path / "p.json")).gather_cap == cap
+    with pytest.raises(ValueError, match="gathers more block slots"):
+        BucketPlan([bucket_from_sizes([8, 4 * KB, 0, 2, 1])], settings, gather_cap=cap)
+    step = CASES["prefix_and_chunks"]
+    table, num_blocks = make_block_table(step, np.random.default_rng(7))
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float64, seed=7)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=settings.options, bucket=plan)
+    assert batch.pieces and all(not cap.exceeded(b.bucket) for b in (batch,) + batch.pieces)
+    out = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    assert_matches(out, reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37))

@@ -232,7 +232,9 @@ def make_plan_from_args(args):
                        margin=0.1 if args.margin is None else args.margin, cap=cap, source_weights=weights)
     from vllm_gaudi_unified.tools.evaluate import evaluate
 
-    seen = evaluate(plan, StepShapes.concat(parts))  # on the steps of the traces themselves
+    learned = StepShapes.concat(parts)
+    seen = evaluate(plan, learned)  # on the steps of the traces themselves
+    plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
     return plan

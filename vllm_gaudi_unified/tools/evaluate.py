@@ -121,7 +121,7 @@ class Evaluation:
         return 1.0 - self.uncovered / self.steps
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "padding_waste": self.padding_waste, "covered": self.covered}
 
     def table(self) -> str:
         lines = [f"trace: {self.trace}",
