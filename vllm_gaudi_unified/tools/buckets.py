@@ -8,11 +8,12 @@ import sys
 import time
 
 from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE
+from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
 
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                  "sliding_window")
-OPTION_FLAGS = ("causal_tile", "shared_rows", "shared_tile_keys", "unique_layout", "batch_invariant",
-                "invariant_rows", "invariant_chunk", "invariant_causal_chunk")
+#: Batch-invariant PlanOptions with a flag of `buckets generate` (`--batch-invariant`, `--invariant-chunk`, ...).
+INVARIANT_FLAGS = ("batch_invariant", "invariant_rows", "invariant_chunk", "invariant_causal_chunk")
 MODEL_FLAGS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size", "vocab_size")
 
 
@@ -126,12 +127,8 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM max_model_len")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     p.add_argument("--sliding-window", type=int, default=None, help="sliding window of the model, if any")
-    if options:
-        p.add_argument("--causal-tile", type=int, default=None, help="planner option: causal tile size")
-        p.add_argument("--shared-rows", type=int, default=None, help="planner option: query rows of a shared tile")
-        p.add_argument("--shared-tile-keys", type=int, default=None, help="planner option: keys of a shared tile")
-        p.add_argument("--unique-layout", choices=("gather", "slice"), default=None,
-                       help="planner option: unique path layout (default gather: one graph per bucket)")
+    if options:  # no 'auto' layout: one bucket would need two graphs (slice and gather)
+        add_plan_option_flags(p, layouts=("gather", "slice"), base="the preset's (unique layout: gather)")
         p.add_argument("--invariant-rows", type=int, default=None,
                        help="planner option, batch-invariant mode: query rows of a unit")
         p.add_argument("--invariant-chunk", type=int, default=None,
@@ -157,9 +154,11 @@ def settings_from_args(args):
 
     s = PRESETS[args.preset]
     over = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
-    opts = {k: getattr(args, k) for k in OPTION_FLAGS if getattr(args, k, None) not in (None, False)}
-    if opts:
-        over["options"] = replace(s.options, **opts)
+    options = plan_options_from_args(args, s.options)
+    invariant = {k: getattr(args, k) for k in INVARIANT_FLAGS if getattr(args, k, None) not in (None, False)}
+    options = replace(options, **invariant) if invariant else options
+    if options != s.options:
+        over["options"] = options
     return replace(s, **over) if over else s
 
 
