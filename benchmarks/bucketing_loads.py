@@ -12,7 +12,8 @@ Run from the repository root (about 10 minutes on 2 shared cores):
    recorded from vLLM, the simulated seeds 101/102 at the training load, and the two other loads),
    writing bucketing/<plan>.eval.json / .eval.txt;
 3. load growth: one robust plan learned from the busy training traces alone, scored on every load,
-   beside the multi-load plan and the `trace` plan: how waste grows at a load a plan never saw;
+   beside the multi-load plan and the `trace` plan: how waste grows at a load a plan never saw; and
+   the in-sample bound: a 27-graph `trace` plan learned from each held-out trace itself;
 4. timing: `buckets generate` (robust, the default) from one 10 000-step trace, a separate process,
    wall time from start to exit, three runs, with the machine's load average.
 
@@ -131,6 +132,23 @@ def load_growth(preset: str, cfg: dict, tests: list[str]) -> dict:
             for r in res["results"]}
 
 
+def in_sample_bound(preset: str, tests: list[str], graphs: int = 27) -> dict:
+    """What 27 graphs can do at best: a `trace` plan learned from each held-out trace itself (resolution
+    3, no margin), scored on that same trace. Not a plan to ship: a bound on what generalising can reach."""
+    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
+    from vllm_gaudi_unified.tools.evaluate import evaluate
+    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+    from vllm_gaudi_unified.tools.strategies import trace_plan
+
+    out = {}
+    for t in tests:
+        shapes = shapes_of_trace(t, PRESETS[preset], jobs=1)
+        e = evaluate(trace_plan(shapes, PRESETS[preset], max_graphs=graphs, margin=0.0), shapes)
+        out[os.path.basename(t)] = {"padding_time": round(e.padding_time, 3), "padding_pairs": round(e.padding_pairs, 3),
+                                    "worst_time": round(e.worst_time, 2), "worst_pairs": round(e.worst_pairs, 2)}
+    return out
+
+
 def time_generation(runs: int = 3) -> dict:
     path = "/tmp/bucketing_10k_steps.jsonl.gz"
     if not os.path.exists(path):
@@ -159,6 +177,7 @@ def main() -> None:
         tests = held_out(preset, cfg)
         results[preset] = {name: ship(preset, name, a, tests) for name, a in plans(preset, cfg).items()}
         results[preset]["load_growth_busy_only"] = load_growth(preset, cfg, tests)
+        results[preset]["in_sample_bound_27"] = in_sample_bound(preset, tests)
         print(json.dumps(results[preset], indent=1), flush=True)
     if not args.no_time:
         results["generate_10k"] = time_generation()
