@@ -48,7 +48,7 @@ def test_step_tuples_against_a_loop():
     got = step_tuples(_arrays_of_steps(steps), 8)
     for s, g in zip(steps, got):
         users = {}
-        for r in range(s.num_reqs):
+        for r in range(s.num_requests):
             for blk in s.block_ids[r][:-(-int(s.context_lens[r]) // 8)]:
                 users[blk] = users.get(blk, 0) + int(s.query_lens[r])
         shared = sum(1 for u in users.values() if u > 1)

@@ -6,23 +6,26 @@ pays for buckets sized for a busy one. Three changes make a plan hold:
 
 1. **A skeleton over the whole range.** Two chains of buckets, one for steps
    without causal work (decodes) and one for steps with it, from the smallest
-   step up to the settings' limits, each bucket `skeleton_ratio` times cheaper
-   than the next. A chain bucket is the per-dimension maximum of the learned
-   steps at most as costly as its level (so it follows the traffic's
-   proportions), never more than the level's cost in any one dimension, and,
-   below the cheapest step seen, the next bucket divided by the ratio. Every
-   step up to the limits is covered, and a step as costly as a level pays at
-   most about `ratio` times its work there.
-2. **Steps at other loads.** Besides the traces, the learner sees each trace
-   again at lower loads: every step with only some of its requests (each kept
-   with probability 1/2, 1/4, 1/16, at least one), replayed through the
-   planner's shape rules (`load_scaled_shapes`). A trace at high load shows
-   what many requests do; its subsets show what a few do.
-3. **An objective per step, in both measures.** Each step weighs in by its
-   share of its trace's total work *and* by its own padding ratio (so small
-   steps count as much as large ones), in estimated time (`cost.py`) and in
-   score pairs, and a step padded beyond `worst` times its work costs ten
-   times more. Every trace (and every load level of it) counts equally.
+   step up to the settings' limits (clipped to the gather cap), each bucket
+   about `skeleton_ratio` times cheaper than the next. A chain bucket is the
+   per-dimension maximum of the learned steps at most as costly as its level
+   (so it follows the traffic's proportions), never more than the level's cost
+   in any one dimension, and, below the cheapest step seen, the next bucket
+   divided by the ratio. Every step up to the limits is covered; a step near a
+   chain bucket's proportions pays at most about the ratio there (a step far
+   from them can pay more: five independent sizes cannot all be bounded
+   without a product grid).
+2. **Several traces, several loads.** Every trace given counts equally, and
+   the learner also sees each trace again at lower loads: its steps with only
+   some of their requests (each kept with probability 1/2, 1/4, 1/16, at least
+   one), replayed through the planner's shape rules (`load_scaled_shapes`). A
+   trace at high load shows what many requests do; its subsets what a few do.
+3. **Both measures.** A step padded to a bucket costs its share of its trace's
+   total estimated time (`cost.py`) plus its share of the trace's total score
+   pairs (`CostModel.pair_weights`); `total_share < 1` mixes in each step's own
+   padding ratio (small steps then count as much as large ones), and with
+   `worst` a step padded beyond `worst` times its work (either measure) costs
+   more than all other padding together, so the greedy covers it first.
 
 Then, as for `trace`: steps are rounded onto a geometric grid and grouped,
 candidates are the group shapes, greedy facility location adds the candidate
@@ -31,7 +34,7 @@ and swaps buckets while the objective falls. The objective is linear in a
 bucket's sizes for each group (`A_g time(bucket) + B_g pairs(bucket)`), so
 the greedy and the swaps are products of a [candidates x groups] matrix.
 
-No bucket gathers more block slots than the gather cap (`split.GatherCap`, a
+No bucket gathers more block slots than the gather cap (`plan.split.GatherCap`, a
 share of device memory): steps beyond it are cut into pieces by the planner,
 and the learner plans for the pieces.
 """
@@ -50,8 +53,6 @@ from vllm_gaudi_unified.tools.strategies import grid_values, round_up
 from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes
 
 Q, S, U, L, C = range(5)
-#: Grid step per dimension: small, so that one-request steps are not padded by a coarse grid.
-GRID_STEPS = (4, None, 4, 2, 1)  # None: the shared tile
 #: Fractions of a step's requests kept to see it at lower loads.
 LOAD_FRACTIONS = (0.5, 0.25, 0.0625)
 
@@ -159,7 +160,7 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
     coef_a, coef_b = np.concatenate(coef_a), np.concatenate(coef_b)
     top = np.maximum(top, sizes.max(0))  # pieces are within the cap
 
-    steps = [4, kb, 4, 2, c_step]
+    steps = [4, kb, 4, 2, c_step]  # grid steps: small, so that a one-request step is not padded by the grid
     top[S], top[C] = -(-top[S] // kb) * kb, -(-top[C] // c_step) * c_step
     grids = [grid_values(int(top[d]), steps[d], resolution, lo=steps[d] if d in (S, C) else 1)
              for d in range(len(DIMS))]
@@ -214,7 +215,7 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
         cur = np.minimum(cur, M[best])
     buckets = cands[chosen]
     if local_search:
-        buckets = _local_search(buckets, len(fixed), cands, M, rows, groups, grids)
+        buckets = _local_search(buckets, len(fixed), cands, M, rows, groups)
     plan = BucketPlan([bucket_from_sizes(b) for b in buckets], settings, model, hardware, strategy="robust", gather_cap=cap,
                       info={"max_graphs": max_graphs, "worst": worst, "skeleton_ratio": skeleton_ratio,
                             "skeleton_buckets": int(len(skel)), "resolution": resolution, "margin": margin,
@@ -224,7 +225,7 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
     return plan
 
 
-def _local_search(buckets, num_fixed, cands, M, rows, groups, grids, rounds: int = 6) -> np.ndarray:
+def _local_search(buckets, num_fixed, cands, M, rows, groups, rounds: int = 6) -> np.ndarray:
     """Tighten each learned bucket to the groups it serves, then swap it for the best candidate,
     while the objective falls. The first `num_fixed` buckets (the skeleton) stay."""
     buckets = buckets.copy()
