@@ -65,7 +65,7 @@ def test_split_bf16_and_sinks():
     step = CASES["prefix_and_chunks"]
     table, num_blocks = make_block_table(step, np.random.default_rng(5))
     q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.bfloat16, seed=5)
-    sinks = torch.randn(step.num_heads, dtype=torch.bfloat16)
+    sinks = torch.randn(step.num_qo_heads, dtype=torch.bfloat16)
     batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=OPTIONS,
                                 bucket=CappedPlan(GatherCap(KB, 3), True))
     assert batch.pieces

@@ -126,8 +126,7 @@ def split_plan(plan, cap: GatherCap) -> list:
             shared_lo=plan.shared_lo[ts:ts + ns], shared_hi=plan.shared_hi[ts:ts + ns],
             unique_rows=plan.unique_rows[u0:u0 + u], unique_blocks=unique_blocks[u0:u0 + u],
             unique_lo=plan.unique_lo[u0:u0 + u], unique_hi=plan.unique_hi[u0:u0 + u],
-            work_needed=plan.work_needed if i == 0 else type(plan.work_needed)(),
-            work_dense=plan.work_dense if i == 0 else None))
+            work_needed=plan.work_needed if i == 0 else type(plan.work_needed)()))
         s0, u0 = s0 + s, u0 + u
     return out
 
