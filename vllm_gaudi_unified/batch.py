@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -10,6 +10,7 @@ import torch
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanBuffers, PlanOptions, StepPlan, pad_plan, plan_step
+from vllm_gaudi_unified.plan.split import split_plan
 
 logger = get_logger(__name__)
 
@@ -20,6 +21,9 @@ class UnifiedBatch:
     `bucket.query_len` means "no row" (padding). Sizes come from `bucket`."""
 
     plan: StepPlan  #: the host-side plan (numpy arrays, sizes, work accounting)
+    #: further calls of a step split under a plan's gather cap (`plan/split.py`): their shared and unique
+    #: pairs merge into this batch's result; empty for every step within the cap
+    pieces: tuple = field(default=(), kw_only=True)
     token_seg_start: torch.Tensor  #: [query_len] first flattened token of each token's request
     causal_q_start: torch.Tensor  #: [num_causal_tiles] first query row of each causal tile
     causal_k_start: torch.Tensor  #: [num_causal_tiles] first key of each causal tile
@@ -45,12 +49,13 @@ class UnifiedBatch:
             t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
             return t if device is None else t.to(device, non_blocking=True)
 
-        values = {f.name: tensor(getattr(plan, f.name)) for f in fields(cls) if f.name != "plan"}
+        values = {f.name: tensor(getattr(plan, f.name)) for f in fields(cls) if f.name not in ("plan", "pieces")}
         return cls(plan=plan, **values)
 
     def to(self, device: torch.device | str) -> "UnifiedBatch":
-        moved = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
-        return replace(self, **{k: None if v is None else v.to(device, non_blocking=True) for k, v in moved.items()})
+        moved = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("plan", "pieces")}
+        moved = {k: None if v is None else v.to(device, non_blocking=True) for k, v in moved.items()}
+        return replace(self, pieces=tuple(p.to(device) for p in self.pieces), **moved)
 
     @property
     def device(self) -> torch.device:
@@ -158,7 +163,7 @@ class StepBuffers:
         cls = InvariantBatch if isinstance(plan, InvariantPlan) else UnifiedBatch
         values = {}
         for f in fields(cls):
-            a = getattr(plan, f.name) if f.name != "plan" else None
+            a = getattr(plan, f.name) if f.name not in ("plan", "pieces") else None
             if a is None:
                 continue
             if not self.host.holds(f.name, a):  # not planned here (an invariant plan, a shared empty array)
@@ -173,7 +178,7 @@ class StepBuffers:
             values[f.name] = dst.view(a.shape)
         if not self.on_host:
             self._copied = _event(self.device)
-        return cls(plan=plan, **{f.name: values.get(f.name) for f in fields(cls) if f.name != "plan"})
+        return cls(plan=plan, **{f.name: values.get(f.name) for f in fields(cls) if f.name not in ("plan", "pieces")})
 
 
 def _event(device: torch.device):
@@ -218,14 +223,23 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     host = None if buffers is None else buffers.host
     plan = plan_step(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
                      num_blocks=num_blocks, options=options, buffers=host)
+    cap = getattr(bucket, "gather_cap", None)
+    if cap is not None and cap.exceeded(plan.shape):  # rare: several calls, each padded into new arrays
+        pieces = [_pad_to(p, bucket) for p in split_plan(plan, cap)]
+        device = buffers.device if buffers is not None else device
+        rest = tuple(UnifiedBatch.from_plan(p, device) for p in pieces[1:])
+        return replace(UnifiedBatch.from_plan(pieces[0], device), pieces=rest)
     if bucket is not None:
-        target = bucket if isinstance(bucket, Bucket) else bucket.find(plan.shape)
-        if target is not None:
-            plan = pad_plan(plan, target, host)
+        plan = _pad_to(plan, bucket, host)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("step %s bucket %s unique=%s work needed=%s planned=%s", plan.shape, plan.bucket,
                      plan.unique_layout, plan.work_needed, plan.work_planned)
     return UnifiedBatch.from_plan(plan, device) if buffers is None else buffers.batch(plan)
+
+
+def _pad_to(plan: StepPlan, bucket, host: PlanBuffers | None = None) -> StepPlan:
+    target = bucket if isinstance(bucket, Bucket) else bucket.find(plan.shape)
+    return plan if target is None else pad_plan(plan, target, host)
 
 
 __all__ = ["InvariantBatch", "StepBuffers", "UnifiedBatch", "build_unified_batch", "PathWork"]
