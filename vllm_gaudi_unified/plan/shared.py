@@ -141,6 +141,7 @@ def _full_blocks_hi(hi, cc_pos, ci, rc_ctx, rows_per_group, r_chunks, c_chunks, 
         k, own = ranges(np.zeros(partial.size, _I64), r_chunks[g])
         g, local = g[own], (partial - col0[g_sorted[partial]])[own]
         t = tile_off[g] + k * c_chunks[g] + local // kb
-        cells = rc_ctx[r_off[g] + k] - cpos_sorted[partial][own][:, None]  # [cells, rows]
+        cells = rc_ctx.T[:, r_off[g] + k]  # [rows, cells]: the long axis last, for numpy's inner loops
+        cells -= cpos_sorted[partial][own]
         np.clip(cells, 0, bs, out=cells)
-        hi[t, :, local % kb] = cells
+        hi[t, :, local % kb] = cells.T
