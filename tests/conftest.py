@@ -18,6 +18,12 @@ import torch
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention
 
+import vllm_helpers  # noqa: E402  (tests/ is on sys.path)
+
+# Before any vLLM import or engine subprocess (they inherit the environment): with vllm-gaudi
+# installed on a machine without Gaudi software, vLLM must not load vllm-gaudi's plugins.
+vllm_helpers.keep_vllm_gaudi_out()
+
 #: Small tiles so that small tests still cross tile boundaries.
 SMALL_TILES = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
 

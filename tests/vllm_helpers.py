@@ -31,6 +31,24 @@ MODELS = {"mha": dict(num_heads=4, num_kv_heads=4), "gqa": dict(num_heads=8, num
           "swa": dict(num_heads=4, num_kv_heads=4, sliding_window=48)}
 
 
+#: The plugins a CPU vLLM run may load when vllm-gaudi is installed too (see `keep_vllm_gaudi_out`).
+CPU_VLLM_PLUGINS = "unified_attention"
+
+
+def keep_vllm_gaudi_out(environ=os.environ) -> None:
+    """Name this project's plugins in VLLM_PLUGINS when vllm-gaudi is installed without Gaudi software.
+
+    vllm-gaudi's general plugins import `habana_frameworks` unconditionally, so once vllm-gaudi is
+    installed (the Gaudi tests need it) every vLLM process on a machine without Gaudi software dies
+    in `load_general_plugins` unless VLLM_PLUGINS leaves them out. A VLLM_PLUGINS already set is kept.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_gaudi") is None or importlib.util.find_spec("habana_frameworks") is not None:
+        return
+    environ.setdefault("VLLM_PLUGINS", CPU_VLLM_PLUGINS)
+
+
 def make_tiny_llama(path: str, num_heads: int = 4, num_kv_heads: int = 4, hidden: int = 256, layers: int = 2,
                     seed: int = 0, sliding_window: int | None = None) -> str:
     """Save a random-weight LlamaForCausalLM (float32) to `path`; returns `path`.
@@ -181,6 +199,7 @@ def measure(workdir: str, models: list[str]) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    keep_vllm_gaudi_out()
     parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-model", help="save a tiny random Llama")
