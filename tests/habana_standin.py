@@ -35,7 +35,9 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
   their native torch implementations, as they do on a Gaudi without those kernels.
 - vLLM: `vllm.multimodal.utils.group_mm_kwargs_by_modality`, the one vLLM name that
   vllm-gaudi's `hpu_model_runner` imports and vLLM 0.32 no longer has (added only when
-  missing; it refuses multimodal inputs, the only case that calls it).
+  missing; it refuses multimodal inputs, the only case that calls it), and the
+  `kernel_block_sizes=` argument vllm-gaudi's input batch passes to vLLM's
+  `MultiGroupBlockTable` (0.32 has none; accepted when equal to the block sizes).
 - the torch.compile backend `"hpu_backend"`: runs the captured graph as it is (eager).
 - `torch.hpu`: `synchronize`, `is_available`, `device_count`, `current_device`,
   `mem_get_info` (free/total = `memory_bytes`), `max_memory_allocated`,
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib.machinery
 import sys
 import types
 from dataclasses import dataclass, field
@@ -101,6 +104,7 @@ def _module(name: str, **attrs) -> types.ModuleType:
     mod.__dict__.update(attrs)
     mod.__file__ = __file__  # so that tools printing a module's file do not fail
     mod.__path__ = []  # a package: `import a.b.c` finds the submodules in sys.modules
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)  # importlib.util.find_spec reads it
     return mod
 
 
@@ -253,6 +257,30 @@ def _provide_missing_vllm_names() -> None:
         return
     if not hasattr(mm_utils, "group_mm_kwargs_by_modality"):
         mm_utils.group_mm_kwargs_by_modality = _group_mm_kwargs_by_modality
+    _accept_kernel_block_sizes()
+
+
+def _accept_kernel_block_sizes() -> None:
+    """vllm-gaudi's `HPUInputBatch` passes `kernel_block_sizes=` to vLLM's `MultiGroupBlockTable`, whose
+    vLLM-0.32 constructor has no such argument. Accepted when each kernel block size equals its group's
+    block size (one kernel block per cache block: what 0.32's table does anyway); anything else is refused."""
+    import inspect
+
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    init = MultiGroupBlockTable.__init__
+    if "kernel_block_sizes" in inspect.signature(init).parameters or getattr(init, "_standin", False):
+        return
+
+    def __init__(self, *args, kernel_block_sizes=None, **kwargs):
+        block_sizes = kwargs.get("block_sizes")
+        if kernel_block_sizes is not None and list(kernel_block_sizes) != list(block_sizes):
+            raise NotImplementedError(f"kernel_block_sizes={kernel_block_sizes} != block_sizes={block_sizes}: "
+                                      "vLLM 0.32's block table has no kernel blocks smaller than cache blocks")
+        init(self, *args, **kwargs)
+
+    __init__._standin = True
+    MultiGroupBlockTable.__init__ = __init__
 
 
 def uninstall() -> None:
