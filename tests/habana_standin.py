@@ -37,7 +37,11 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
   vllm-gaudi's `hpu_model_runner` imports and vLLM 0.32 no longer has (added only when
   missing; it refuses multimodal inputs, the only case that calls it), and the
   `kernel_block_sizes=` argument vllm-gaudi's input batch passes to vLLM's
-  `MultiGroupBlockTable` (0.32 has none; accepted when equal to the block sizes).
+  `MultiGroupBlockTable` (0.32 has none; accepted when equal to the block sizes), and
+  `MultiModalRegistry.supports_multimodal_inputs(model_config)` (0.32: the model config's
+  `supports_multimodal_inputs`).
+- `VLLM_BUILD` (unless set): `0.0.0.0`, the Gaudi software version vllm-gaudi's runtime config
+  otherwise reads from habana-torch-plugin's metadata; no version-gated HPU kernel is enabled.
 - the torch.compile backend `"hpu_backend"`: runs the captured graph as it is (eager).
 - `torch.hpu`: `synchronize`, `is_available`, `device_count`, `current_device`,
   `mem_get_info` (free/total = `memory_bytes`), `max_memory_allocated`,
@@ -52,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import importlib.machinery
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -92,8 +97,10 @@ class StandIn:
     device: str = "gaudi3"  #: what `_get_device_type()` reports: "gaudi2" or "gaudi3"
     lazy: bool = False  #: what `is_lazy()` reports (vllm-gaudi: lazy mode uses HPU graphs)
     memory_bytes: int = 8 << 30  #: free and total memory reported by `torch.hpu.mem_get_info`
+    build: str = "0.0.0.0"  #: VLLM_BUILD, the Gaudi software version vllm-gaudi's runtime config asks for
     wrapped: list = field(default_factory=list)  #: modules passed to `wrap_in_hpu_graph`
     mark_steps: int = 0  #: calls of `htcore.mark_step` / `htorch.core.mark_step`
+    set_build: bool = False  #: install() set VLLM_BUILD (uninstall() removes it)
 
 
 _STATE: StandIn | None = None
@@ -219,6 +226,9 @@ def install(device: str = "gaudi3", lazy: bool = False, memory_bytes: int = 8 <<
     state = StandIn(device=device, lazy=lazy, memory_bytes=memory_bytes)
     sys.modules.update(_build(state))
     torch.hpu = sys.modules["torch.hpu"]
+    if "VLLM_BUILD" not in os.environ:  # read from habana-torch-plugin's metadata on a Gaudi
+        os.environ["VLLM_BUILD"] = state.build
+        state.set_build = True
     _register_compile_backend()
     _provide_missing_vllm_names()
     _STATE = state
@@ -258,6 +268,12 @@ def _provide_missing_vllm_names() -> None:
     if not hasattr(mm_utils, "group_mm_kwargs_by_modality"):
         mm_utils.group_mm_kwargs_by_modality = _group_mm_kwargs_by_modality
     _accept_kernel_block_sizes()
+    from vllm.multimodal.registry import MultiModalRegistry
+
+    if not hasattr(MultiModalRegistry, "supports_multimodal_inputs"):
+        # vllm-gaudi asks the registry; vLLM 0.32 moved the answer to the model config.
+        MultiModalRegistry.supports_multimodal_inputs = lambda self, model_config: \
+            model_config.supports_multimodal_inputs
 
 
 def _accept_kernel_block_sizes() -> None:
@@ -286,6 +302,8 @@ def _accept_kernel_block_sizes() -> None:
 def uninstall() -> None:
     """Remove every stand-in module and `torch.hpu` (modules that imported them keep their references)."""
     global _STATE
+    if _STATE is not None and _STATE.set_build:
+        os.environ.pop("VLLM_BUILD", None)
     for name in MODULES:
         sys.modules.pop(name, None)
     if hasattr(torch, "hpu"):

@@ -291,3 +291,168 @@ def test_impl_refuses_fp8_scales_and_foreign_metadata(gaudi):
         impl.forward(None, x, x, x, (cache, cache, None, None), object())
     # vllm-gaudi's profiling forwards carry no cache: zeros of the query's shape, as its own impl.
     assert impl.forward(None, x, x, x, None, None).shape == x.shape
+
+
+# ---------------------------------------------------------------------------------------- c. step planning
+
+C_BLOCK = 32
+C_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def runner_setup(gaudi, tmp_path_factory):
+    """vLLM's scheduler and the unified runner for one tiny model, with a single-process distributed
+    group (vllm-gaudi's `_update_states` asks for the pipeline group)."""
+    import tempfile
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
+                                  ensure_model_parallel_initialized, init_distributed_environment)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    model = H.make_tiny_llama(str(tmp_path_factory.mktemp("c") / "model"), num_heads=8, num_kv_heads=2)
+    # bfloat16: what vllm-gaudi's platform makes of any float32 model.
+    config = EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=512,
+                        block_size=C_BLOCK, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True,
+                        dtype="bfloat16").create_engine_config()
+    config.cache_config.num_gpu_blocks = C_BLOCKS
+    init_none_hash(sha256)
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method="file://" + tempfile.mktemp())
+        ensure_model_parallel_initialized(1, 1)
+    yield config
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def _scheduler_and_runner(config, monkeypatch, buckets: str | None):
+    import torch as _torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_runner import UnifiedHpuModelRunner
+
+    spec = FullAttentionSpec(block_size=C_BLOCK, num_kv_heads=2, head_size=32, dtype=_torch.bfloat16)
+    kv_config = KVCacheConfig(num_blocks=C_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)])
+    scheduler = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=C_BLOCK)
+    if buckets:
+        monkeypatch.setenv("VLLM_GAUDI_UNIFIED_BUCKETS", buckets)
+    with set_current_vllm_config(config):
+        runner = UnifiedHpuModelRunner(config, device="cpu")
+    # What initialize_kv_cache sets besides allocating caches (this test runs no model).
+    runner.kv_cache_config = kv_config
+    runner._PAD_SLOT_ID = C_BLOCKS * C_BLOCK
+    runner.make_unified_hooks()
+    return scheduler, runner
+
+
+def _cpu_path_plan(out, blocks: dict, order: list[str], options, bucket_plan):
+    """What the CPU platform's metadata builder plans for this SchedulerOutput: vLLM's
+    CommonAttentionMetadata of the step (lengths and block ids taken from the scheduler's output,
+    not from vllm-gaudi's input batch) -> `backend.step_lengths` -> `build_unified_batch`."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_gaudi_unified.vllm_plugin.backend import step_lengths
+
+    computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    q = torch.tensor([out.num_scheduled_tokens[r] for r in order], dtype=torch.int32)
+    seq = torch.tensor([computed[r] for r in order], dtype=torch.int32) + q
+    width = max(len(blocks[r]) for r in order)
+    table = torch.tensor([blocks[r] + [0] * (width - len(blocks[r])) for r in order], dtype=torch.int32)
+    qsl = torch.zeros(len(order) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(q, 0)
+    cm = CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=len(order),
+                                 num_actual_tokens=int(q.sum()), max_query_len=int(q.max()), max_seq_len=int(seq.max()),
+                                 block_table_tensor=table, slot_mapping=torch.zeros(int(q.sum()), dtype=torch.int64),
+                                 seq_lens_cpu_upper_bound=seq)
+    ql, cl, bt = step_lengths(cm)
+    return build_unified_batch(ql, cl, bt, C_BLOCK, options=options, bucket=bucket_plan)
+
+
+@pytest.mark.parametrize("buckets", [None, "auto"])
+def test_step_planning_from_hpu_input_batch(runner_setup, monkeypatch, buckets):
+    """Steps made by vLLM's scheduler (chunked prompts, a prefix-cache hit read together with the
+    chunk that wrote it, decodes), fed to vllm-gaudi's own `_update_states`; the runner subclass
+    plans each from its `HPUInputBatch`. Its plan equals the CPU path's for the same step, and its
+    model inputs (tokens, positions, cache slots) are the scheduler's."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from vllm_gaudi_unified.batch import UnifiedBatch
+
+    scheduler, runner = _scheduler_and_runner(runner_setup, monkeypatch, buckets)
+    hooks = runner.unified_hooks[0]
+    assert (hooks.bucket_plan is not None) == (buckets is not None)
+    rng = np.random.default_rng(0)
+    prefix = [int(x) for x in rng.integers(3, 500, 70)]
+    prompts = {"a": prefix + [int(x) for x in rng.integers(3, 500, 30)], "b": [int(x) for x in rng.integers(3, 500, 5)],
+               "c": prefix + [int(x) for x in rng.integers(3, 500, 9)]}
+    hasher = get_request_block_hasher(C_BLOCK, sha256)
+    for rid, p in prompts.items():
+        scheduler.add_request(Request(rid, p, SamplingParams(max_tokens=4, temperature=0.0), None, block_hasher=hasher))
+    tokens = {r: list(p) for r, p in prompts.items()}
+    blocks: dict[str, list[int]] = {}
+    seen = {"chunk_over_context": False, "shared_block": False, "decode": False}
+    for _ in range(12):
+        out = scheduler.schedule()
+        if out.total_num_scheduled_tokens == 0:
+            break
+        for r in out.scheduled_new_reqs:
+            blocks[r.req_id] = list(r.block_ids[0])
+        for rid, new in zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.new_block_ids):
+            blocks[rid] += list(new[0]) if new else []
+        runner._update_states(out)
+        pd = runner._get_prompts_and_decodes(out)
+        assert pd.decode_req_ids == [] and sorted(pd.prompt_req_ids) == sorted(out.num_scheduled_tokens)
+        (data, _), (decode, _) = runner._prepare_inputs(out, len(pd.prompt_req_ids), 0)
+        assert decode is None
+        step = runner.last_step
+        metadata = data.attn_metadata[0]
+        assert set(metadata) == {f"model.layers.{i}.self_attn.attn" for i in range(2)}
+        ours = next(iter(metadata.values()))
+        cpu = _cpu_path_plan(out, blocks, step.req_ids, hooks.options, hooks.bucket_plan)
+        assert ours.batch.bucket == cpu.bucket and ours.batch.shape == cpu.shape
+        for f in (f.name for f in UnifiedBatch.__dataclass_fields__.values() if f.name != "plan"):
+            a, b = getattr(ours.batch, f), getattr(cpu, f)
+            assert (a is None and b is None) or torch.equal(a, b), f
+        # Model inputs: the scheduler's tokens at their positions, K/V slots in the scheduler's blocks.
+        padded = ours.batch.bucket.query_len
+        exp_tok, exp_pos, exp_slot = [], [], []
+        for r, q, c in zip(step.req_ids, step.query_lens, step.context_lens):
+            exp_tok += tokens[r][c:c + q]
+            exp_pos += list(range(c, c + q))
+            exp_slot += [blocks[r][p // C_BLOCK] * C_BLOCK + p % C_BLOCK for p in range(c, c + q)]
+        n = len(exp_tok)
+        assert data.token_ids[0].shape == (1, padded) and data.token_ids[0][0, :n].tolist() == exp_tok
+        assert data.position_ids[0][0, :n].tolist() == exp_pos
+        assert ours.slot_mapping[:n].tolist() == exp_slot
+        assert (ours.slot_mapping[n:] == runner._PAD_SLOT_ID).all()
+        seen["chunk_over_context"] |= bool(((step.query_lens > 1) & (step.context_lens > 0)).any())
+        seen["shared_block"] |= ours.batch.phase[1] == "s"
+        seen["decode"] |= bool((step.query_lens == 1).any())
+        # Sample as vllm-gaudi's sample_tokens records it, and report it to the scheduler.
+        sampled = {}
+        for i, rid in enumerate(step.req_ids):
+            if rid in data.logits_requests[0]:
+                tok = int(rng.integers(3, 500))
+                sampled[rid] = [tok]
+                tokens[rid].append(tok)
+                end = runner.input_batch.num_tokens_no_spec[i]
+                runner.input_batch.token_ids_cpu[i, end] = tok
+                runner.input_batch.num_tokens_no_spec[i] = runner.input_batch.num_tokens[i] = end + 1
+                runner.requests[rid].output_token_ids.append(tok)
+        scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=step.req_ids, req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+            sampled_token_ids=[sampled.get(r, []) for r in step.req_ids]))
+    assert all(seen.values()), seen

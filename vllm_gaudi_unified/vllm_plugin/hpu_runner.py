@@ -157,6 +157,10 @@ class UnifiedHpuModelRunner(HPUModelRunner):
 
     def initialize_kv_cache(self, kv_cache_config) -> None:
         super().initialize_kv_cache(kv_cache_config)
+        self.make_unified_hooks()
+
+    def make_unified_hooks(self) -> None:
+        """Bucket plan, trace and debug log per KV cache group of `self.kv_cache_config`."""
         config = PluginConfig.from_env()
         groups = self.kv_cache_config.kv_cache_groups
         windows = [_group_sliding_window(self.vllm_config, g.layer_names) for g in groups]
