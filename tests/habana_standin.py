@@ -30,16 +30,18 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
 - `habana_frameworks.torch.utils.experimental`: `_get_device_type()` returns
   `synDeviceType.synDeviceGaudi3` (`install(device="gaudi2")` for Gaudi2).
 - `habana_frameworks.torch.internal.bridge_config.env_setting(name, value)`: a no-op context.
-- `habana_frameworks.torch.hpex.kernels` / `.normalization`: empty, so vllm-gaudi's kernel
-  loaders (`vllm_gaudi.extension.kernels`) find no FusedSDPA / FusedRMSNorm and fall back to
-  their native torch implementations, as they do on a Gaudi without those kernels.
+- `habana_frameworks.torch.hpex.kernels`: `apply_rotary_pos_emb` / `RotaryPosEmbeddingMode` (torch
+  RoPE with the kernel's contract: vllm-gaudi's rotary embedding has no fallback), and no FusedSDPA,
+  so vllm-gaudi's kernel loader (`vllm_gaudi.extension.kernels`) falls back to its native attention.
+- `habana_frameworks.torch.hpex.normalization.FusedRMSNorm`: vLLM's native RMSNorm arithmetic
+  (vllm-gaudi's RMSNorm has no fallback either).
 - vLLM: `vllm.multimodal.utils.group_mm_kwargs_by_modality`, the one vLLM name that
   vllm-gaudi's `hpu_model_runner` imports and vLLM 0.32 no longer has (added only when
   missing; it refuses multimodal inputs, the only case that calls it), and the
   `kernel_block_sizes=` argument vllm-gaudi's input batch passes to vLLM's
   `MultiGroupBlockTable` (0.32 has none; accepted when equal to the block sizes), and
   `MultiModalRegistry.supports_multimodal_inputs(model_config)` (0.32: the model config's
-  `supports_multimodal_inputs`).
+  `supports_multimodal_inputs`), `KVCacheTensor.shared_by` (0.32: `layers`).
 - `VLLM_BUILD` (unless set): `0.0.0.0`, the Gaudi software version vllm-gaudi's runtime config
   otherwise reads from habana-torch-plugin's metadata; no version-gated HPU kernel is enabled.
 - the torch.compile backend `"hpu_backend"`: runs the captured graph as it is (eager).
@@ -96,7 +98,9 @@ class StandIn:
 
     device: str = "gaudi3"  #: what `_get_device_type()` reports: "gaudi2" or "gaudi3"
     lazy: bool = False  #: what `is_lazy()` reports (vllm-gaudi: lazy mode uses HPU graphs)
-    memory_bytes: int = 8 << 30  #: free and total memory reported by `torch.hpu.mem_get_info`
+    #: free and total memory reported by `torch.hpu.mem_get_info`; vllm-gaudi sizes its KV cache from it
+    #: (and the CPU then allocates that cache for real: keep it small)
+    memory_bytes: int = 512 << 20
     build: str = "0.0.0.0"  #: VLLM_BUILD, the Gaudi software version vllm-gaudi's runtime config asks for
     wrapped: list = field(default_factory=list)  #: modules passed to `wrap_in_hpu_graph`
     mark_steps: int = 0  #: calls of `htcore.mark_step` / `htorch.core.mark_step`
@@ -144,6 +148,36 @@ class _Stream:
         return True
 
 
+class RotaryPosEmbeddingMode(enum.Enum):
+    BLOCKWISE = 0  # GPT-NeoX: the two halves of the head rotate together
+    PAIRWISE = 1  # GPT-J: neighbouring pairs rotate together
+
+
+def apply_rotary_pos_emb(x, cos, sin, position_ids=None, offset=0, mode=RotaryPosEmbeddingMode.BLOCKWISE):
+    """The HPU RoPE kernel's contract as vllm-gaudi calls it: `cos`/`sin` already expanded to the
+    rotated width (halves concatenated for BLOCKWISE, pairs repeated for PAIRWISE), broadcast over heads."""
+    if position_ids is not None or offset:
+        raise NotImplementedError("the stand-in RoPE takes pre-gathered cos/sin only (vllm-gaudi's use)")
+    if mode == RotaryPosEmbeddingMode.BLOCKWISE:
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+    else:
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class FusedRMSNorm:
+    """`FusedRMSNorm.apply(x, weight, eps)`, with vLLM's native RMSNorm arithmetic (float32 inside).
+    vllm-gaudi's RMSNorm calls this kernel with no fallback."""
+
+    @staticmethod
+    def apply(x, weight, eps):
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return h.to(dtype) * weight
+
+
 def _build(state: StandIn) -> dict[str, types.ModuleType]:
     def mark_step(*args, **kwargs):
         state.mark_steps += 1
@@ -177,8 +211,11 @@ def _build(state: StandIn) -> dict[str, types.ModuleType]:
             _get_device_type=lambda: device_types[state.device]),
         "habana_frameworks.torch.internal.bridge_config": _module("habana_frameworks.torch.internal.bridge_config",
                                                                   env_setting=env_setting),
-        "habana_frameworks.torch.hpex.kernels": _module("habana_frameworks.torch.hpex.kernels"),
-        "habana_frameworks.torch.hpex.normalization": _module("habana_frameworks.torch.hpex.normalization"),
+        "habana_frameworks.torch.hpex.kernels": _module(
+            "habana_frameworks.torch.hpex.kernels", RotaryPosEmbeddingMode=RotaryPosEmbeddingMode,
+            apply_rotary_pos_emb=apply_rotary_pos_emb),
+        "habana_frameworks.torch.hpex.normalization": _module("habana_frameworks.torch.hpex.normalization",
+                                                              FusedRMSNorm=FusedRMSNorm),
     }
     mods["habana_frameworks.torch.hpu"] = _module(
         "habana_frameworks.torch.hpu", is_available=lambda: True, device_count=lambda: 1, synchronize=_noop,
@@ -211,7 +248,7 @@ def _build(state: StandIn) -> dict[str, types.ModuleType]:
     return mods
 
 
-def install(device: str = "gaudi3", lazy: bool = False, memory_bytes: int = 8 << 30) -> StandIn:
+def install(device: str = "gaudi3", lazy: bool = False, memory_bytes: int = 512 << 20) -> StandIn:
     """Put the stand-in modules in `sys.modules` and set `torch.hpu`; returns its state.
 
     Installing again returns the installed state (its settings are not changed).
@@ -268,6 +305,13 @@ def _provide_missing_vllm_names() -> None:
     if not hasattr(mm_utils, "group_mm_kwargs_by_modality"):
         mm_utils.group_mm_kwargs_by_modality = _group_mm_kwargs_by_modality
     _accept_kernel_block_sizes()
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    if not hasattr(KVCacheTensor, "shared_by"):
+        # vllm-gaudi allocates one cache per layer named in `shared_by`; vLLM 0.32 calls that list
+        # `layers` (and its `size` covers all of them, so vllm-gaudi sizes each layer's cache for all:
+        # more blocks than the scheduler hands out, which costs memory only).
+        KVCacheTensor.shared_by = property(lambda self: self.layers)
     from vllm.multimodal.registry import MultiModalRegistry
 
     if not hasattr(MultiModalRegistry, "supports_multimodal_inputs"):
@@ -309,6 +353,32 @@ def uninstall() -> None:
     if hasattr(torch, "hpu"):
         del torch.hpu
     _STATE = None
+
+
+def stub_vision_only_vllm_models() -> list[str]:
+    """Where torchvision is missing (this project's CPU venv: the PyPI wheels do not match its torch),
+    stand in for vLLM model modules that need it and that vllm-gaudi imports for text models too.
+
+    vllm-gaudi's `HPUModelRunner.load_model` -> `apply_model_specific_patches` imports
+    `vllm_gaudi.models.llama4`, which imports vLLM's multimodal `mllama4` (transformers' Llama 4
+    image processor -> torchvision) only to subclass `Llama4ForConditionalGeneration`. The stand-in
+    module holds that class as a placeholder that cannot be built, so vllm-gaudi's check
+    `isinstance(model, HpuLlama4ForConditionalGeneration)` is False for every other model, as it is
+    with the real one. Returns the module names stood in for (none where torchvision imports).
+    """
+    try:
+        import torchvision  # noqa: F401
+        return []
+    except Exception:  # missing, or built for another torch
+        pass
+
+    class Llama4ForConditionalGeneration(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError("vLLM's Llama 4 vision model needs torchvision, which is not installed")
+
+    name = "vllm.model_executor.models.mllama4"
+    sys.modules[name] = _module(name, Llama4ForConditionalGeneration=Llama4ForConditionalGeneration)
+    return [name]
 
 
 def state() -> StandIn | None:

@@ -54,7 +54,9 @@ class UnifiedHpuAttentionBackend(HPUAttentionBackend):
 
     forward_includes_kv_cache_update: bool = True  # vllm-gaudi's Attention.forward asserts it
     supported_dtypes: ClassVar[list[torch.dtype]] = GaudiUnifiedAttentionBackend.supported_dtypes
-    supported_kv_cache_dtypes: ClassVar[list] = GaudiUnifiedAttentionBackend.supported_kv_cache_dtypes
+    # vllm-gaudi's runner names an unquantized cache by its dtype ("bfloat16"), vLLM's config by "auto";
+    # quantized caches (fp8_inc) are refused here, at start-up (issue 17).
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32"]
 
     @staticmethod
     def get_name() -> str:
