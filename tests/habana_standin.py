@@ -381,6 +381,35 @@ def stub_vision_only_vllm_models() -> list[str]:
     return [name]
 
 
+def keep_float32() -> None:
+    """Let vllm-gaudi run a float32 model in float32 on the CPU (test only; call after `install()`).
+
+    Gaudi has no fast float32 path, so vllm-gaudi's `HpuPlatform.check_and_update_config` turns a
+    float32 model into bfloat16, and its runner then names the cache dtype "float32", which vLLM
+    0.32's backend selector does not accept ("auto" means the same: the model dtype). A comparison of
+    attention against vLLM's CPU float32 run needs float32 everywhere else, so this keeps it: the
+    platform's choice is undone for float32 models, and the runner's cache dtype name is "auto".
+    Nothing of the attention path changes.
+    """
+    from vllm_gaudi.platform import HpuPlatform
+    from vllm_gaudi.v1.worker import hpu_model_runner
+
+    original = HpuPlatform.__dict__["check_and_update_config"].__func__
+    if getattr(original, "_keeps_float32", False):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        model = vllm_config.model_config
+        dtype = None if model is None else model.dtype
+        original(cls, vllm_config)
+        if dtype == torch.float32:
+            model.dtype = torch.float32
+
+    check_and_update_config._keeps_float32 = True
+    HpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    hpu_model_runner.HPU_TORCH_DTYPE_TO_STR_DTYPE[torch.float32] = "auto"
+
+
 def state() -> StandIn | None:
     """The installed stand-in's state, or None."""
     return _STATE

@@ -456,3 +456,53 @@ def test_step_planning_from_hpu_input_batch(runner_setup, monkeypatch, buckets):
             req_ids=step.req_ids, req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
             sampled_token_ids=[sampled.get(r, []) for r in step.req_ids]))
     assert all(seen.values()), seen
+
+
+# ---------------------------------------------------------------------------------------- d. generation
+
+HELPER = os.path.join(TESTS, "vllm_helpers.py")
+LOGPROB_ATOL = 1e-4  # the CPU e2e tests' bound (tests/test_vllm_e2e.py explains it)
+
+
+def _engine(model: str, out: str, gaudi: bool, **env) -> dict:
+    args = [sys.executable, HELPER, "run", "--model", model, "--out", out, "--dtype", "float32"]
+    extra = dict(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1") if gaudi else {}
+    proc = subprocess.run(args + (["--gaudi-standin"] if gaudi else []), env=_env(**extra, **env),
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    log = proc.stdout + proc.stderr
+    assert os.path.exists(out), f"engine run failed ({proc.returncode}):\n{log[-8000:]}"
+    with open(out) as f:
+        result = json.load(f)
+    result["log"] = log
+    return result
+
+
+@pytest.fixture(scope="module")
+def generations(tmp_path_factory):
+    root = tmp_path_factory.mktemp("d")
+    model = H.make_tiny_llama(str(root / "model"), **H.MODELS["gqa"])
+    return {
+        "ref": _engine(model, str(root / "ref.json"), gaudi=False),
+        "unified": _engine(model, str(root / "unified.json"), gaudi=True),
+        "unified_buckets": _engine(model, str(root / "buckets.json"), gaudi=True, VLLM_GAUDI_UNIFIED_BUCKETS="auto"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["unified", "unified_buckets"])
+def test_generation_through_the_unified_runner(generations, run):
+    """The e2e scenario (mixed prompt/decode steps, chunked prefill, prefix caching, n > 1, prompt
+    logprobs) through vllm-gaudi's platform, worker, model adapter and sampling with the unified
+    runner and impl, on the CPU: the same tokens as vLLM's own CPU attention, logprobs within 1e-4.
+    With the auto bucket plan every step is padded to a bucket warmed through the model at start-up."""
+    ref, got = generations["ref"], generations[run]
+    log = got["log"]
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in log
+    assert "vllm-gaudi's model runner plans every step as one unified batch" in log
+    assert "GAUDI_UNIFIED" not in ref["log"]
+    if run == "unified_buckets":
+        assert "warmed" in log and "buckets through the model" in log
+    report = H.compare_results(got, ref)
+    for case, r in report.items():
+        assert r["tokens_identical"], (case, r)
+        assert r["max_abs_logprob_diff"] <= LOGPROB_ATOL, (case, r)

@@ -131,6 +131,8 @@ def run_scenario(model: str, out: str, dtype: str = "float32", gaudi_standin: bo
 
         habana_standin.install(memory_bytes=128 << 20)  # vllm-gaudi sizes the KV cache from the "device" memory
         habana_standin.stub_vision_only_vllm_models()
+        if dtype == "float32":
+            habana_standin.keep_float32()
         device_context = habana_standin.hpu_device_as_cpu()
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
