@@ -6,11 +6,13 @@ import torch
 
 from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.bucket import Bucket
-from vllm_gaudi_unified.bucketing import ServerSettings
-from vllm_gaudi_unified.bucketing.shapes import PHASES, shapes_of_steps
-from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, workload_from
-from vllm_gaudi_unified.bucketing.strategies import trace_plan
-from vllm_gaudi_unified.cli import main
+from vllm_gaudi_unified.bucket_plans import ServerSettings
+from vllm_gaudi_unified.bucket import PHASES
+from vllm_gaudi_unified.tools.shapes import shapes_of_steps
+from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.tools.workloads import workload_from
+from vllm_gaudi_unified.tools.strategies import trace_plan
+from vllm_gaudi_unified.tools.cli import main
 from vllm_gaudi_unified.warmup import batch_for_bucket, resolve_mode, warmup
 
 SETTINGS = ServerSettings(block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512,
@@ -65,15 +67,21 @@ def test_padded_to_plan_buckets_equals_unpadded(plan, steps):
 
 
 def test_warmup_runs_every_bucket_with_its_shapes(plan):
+    """Every bucket runs once, cheapest first, and its time is the time its run took."""
+    import time
+
     seen = []
 
     def run(bucket, batch):
         assert batch.bucket == bucket
         seen.append(bucket)
+        time.sleep(0.002)
         return torch.zeros(1)
 
     report = warmup(plan, run=run, progress=False)
-    assert seen == plan.buckets and len(report.seconds) == len(plan) and report.total_seconds >= 0
+    assert seen == plan.buckets == report.buckets and len(report.seconds) == len(plan)
+    assert min(report.seconds) >= 0.002  # each bucket's time includes its run
+    assert report.total_seconds >= sum(report.seconds)  # the total spans them all
 
 
 def test_warmup_default_attention(plan):

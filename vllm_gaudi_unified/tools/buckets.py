@@ -7,9 +7,10 @@ import os
 import sys
 import time
 
+from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
+
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                  "sliding_window")
-OPTION_FLAGS = ("causal_tile", "shared_rows", "shared_tile_keys", "unique_layout")
 MODEL_FLAGS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size", "vocab_size")
 
 
@@ -86,7 +87,7 @@ def register(subparsers) -> None:
 
 
 def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
-    from vllm_gaudi_unified.bucketing.settings import PRESETS
+    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
 
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama8b-gaudi3",
                    help="server settings to start from (default: llama8b-gaudi3); flags below override")
@@ -96,12 +97,8 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM max_model_len")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     p.add_argument("--sliding-window", type=int, default=None, help="sliding window of the model, if any")
-    if options:
-        p.add_argument("--causal-tile", type=int, default=None, help="planner option: causal tile size")
-        p.add_argument("--shared-rows", type=int, default=None, help="planner option: query rows of a shared tile")
-        p.add_argument("--shared-tile-keys", type=int, default=None, help="planner option: keys of a shared tile")
-        p.add_argument("--unique-layout", choices=("gather", "slice"), default=None,
-                       help="planner option: unique path layout (default gather: one graph per bucket)")
+    if options:  # no 'auto' layout: one bucket would need two graphs (slice and gather)
+        add_plan_option_flags(p, layouts=("gather", "slice"), base="the preset's (unique layout: gather)")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -117,18 +114,18 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args):
     from dataclasses import replace
 
-    from vllm_gaudi_unified.bucketing.settings import PRESETS
+    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
 
     s = PRESETS[args.preset]
     over = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
-    opts = {k: getattr(args, k) for k in OPTION_FLAGS if getattr(args, k, None) is not None}
-    if opts:
-        over["options"] = replace(s.options, **opts)
+    options = plan_options_from_args(args, s.options)
+    if options != s.options:
+        over["options"] = options
     return replace(s, **over) if over else s
 
 
 def model_from_args(args):
-    from vllm_gaudi_unified.bucketing.cost import ModelSpec
+    from vllm_gaudi_unified.bucket_plans.cost import ModelSpec
 
     return ModelSpec(**{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k, None) is not None})
 
@@ -139,16 +136,17 @@ def _fail(msg: str) -> int:
 
 
 def load_shapes(paths, settings, jobs=None, progress=True):
-    from vllm_gaudi_unified.bucketing.shapes import StepShapes, shapes_of_trace
+    from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace
 
     return StepShapes.concat([shapes_of_trace(p, settings, jobs=jobs, progress=progress) for p in paths])
 
 
 def cmd_generate(args) -> int:
-    from vllm_gaudi_unified.bucketing.shapes import StepShapes, shapes_of_steps
-    from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, workload_from
-    from vllm_gaudi_unified.bucketing.strategies import exponential_plan, trace_plan
-    from vllm_gaudi_unified.bucketing.trace import TraceError
+    from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_steps
+    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+    from vllm_gaudi_unified.tools.workloads import workload_from
+    from vllm_gaudi_unified.tools.strategies import exponential_plan, trace_plan
+    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
     t0 = time.perf_counter()
     try:
@@ -207,7 +205,7 @@ def command_line(args) -> str:
 
 
 def cmd_show(args) -> int:
-    from vllm_gaudi_unified.bucketing.plan import BucketPlan
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
     try:
         plan = BucketPlan.load(args.plan)
@@ -240,10 +238,10 @@ def format_plan(plan) -> str:
 
 
 def cmd_evaluate(args) -> int:
-    from vllm_gaudi_unified.bucketing.evaluate import evaluate
-    from vllm_gaudi_unified.bucketing.plan import BucketPlan
-    from vllm_gaudi_unified.bucketing.shapes import shapes_of_trace
-    from vllm_gaudi_unified.bucketing.trace import TraceError
+    from vllm_gaudi_unified.tools.evaluate import evaluate
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
     try:
         plan = BucketPlan.load(args.plan)
@@ -263,10 +261,10 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from vllm_gaudi_unified.bucketing.plan import BucketPlan
-    from vllm_gaudi_unified.bucketing.plot import plot_plan
-    from vllm_gaudi_unified.bucketing.shapes import shapes_of_trace
-    from vllm_gaudi_unified.bucketing.trace import TraceError
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.tools.plot import plot_plan
+    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
     try:
         plan = BucketPlan.load(args.plan)
@@ -279,8 +277,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, header_for, workload_from
-    from vllm_gaudi_unified.bucketing.trace import TraceWriter
+    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator, header_for
+    from vllm_gaudi_unified.tools.workloads import workload_from
+    from vllm_gaudi_unified.bucket_plans.trace import TraceWriter
 
     try:
         s = settings_from_args(args)
