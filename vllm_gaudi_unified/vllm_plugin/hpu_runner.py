@@ -284,6 +284,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
 
     # ------------------------------------------------------------------ warmup
 
+    @torch.inference_mode()  # as every serving step runs (HPUWorker.execute_model)
     def warmup_model(self) -> None:
         """Each bucket of the plan once through the whole model, on the real KV caches.
 
@@ -292,6 +293,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         graph, captured here per bucket (later steps padded to a warmed bucket replay it). The dummy
         steps read real cache blocks and write only the padding block. Without a bucket plan there
         is nothing to warm (every step runs at its own shape, eagerly)."""
+        if self.unified_warmed:  # vllm-gaudi's worker asks twice (initialize_from_config, then the engine)
+            return
         self.defragmenter = OnlineDefragmenter(self.kv_caches, self.block_size)  # vllm-gaudi makes it here too
         plans = {id(h.bucket_plan): h for h in self.unified_hooks if h.bucket_plan is not None}
         if not plans or not all(h.warmup_enabled for h in self.unified_hooks):
