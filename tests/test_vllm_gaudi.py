@@ -33,11 +33,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh insta
 if importlib.util.find_spec("vllm_gaudi") is None:
     pytest.skip("vllm-gaudi is not installed: scripts/test.sh installs it from ../shared/third_party/"
                 "vllm-gaudi-*.tar.gz or from VLLM_GAUDI_SRC, and neither was found", allow_module_level=True)
-if importlib.util.find_spec("habana_frameworks") is not None:
+import habana_standin  # noqa: E402
+
+if habana_standin.state() is None and importlib.util.find_spec("habana_frameworks") is not None:
     pytest.skip("a real habana_frameworks is installed: these tests run vllm-gaudi on the CPU stand-in",
                 allow_module_level=True)
 
-import habana_standin  # noqa: E402
 import vllm_helpers as H  # noqa: E402
 from conftest import Step, make_block_table, make_tensors  # noqa: E402
 
@@ -56,11 +57,6 @@ def _env(**extra) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
-
-
-def _run(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env=_env(**env), capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
 
 
 # ---------------------------------------------------------------------------------------- a. wiring
@@ -312,7 +308,7 @@ def runner_setup(gaudi, tmp_path_factory):
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    model = H.make_tiny_llama(str(tmp_path_factory.mktemp("c") / "model"), num_qo_heads=8, num_kv_heads=2)
+    model = H.make_tiny_llama(str(tmp_path_factory.mktemp("c") / "model"), num_heads=8, num_kv_heads=2)
     # bfloat16: what vllm-gaudi's platform makes of any float32 model.
     config = EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=512,
                         block_size=C_BLOCK, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True,
