@@ -454,6 +454,19 @@ def test_step_planning_from_hpu_input_batch(runner_setup, monkeypatch, buckets):
     assert all(seen.values()), seen
 
 
+def test_several_kv_cache_groups_are_refused(runner_setup, monkeypatch):
+    """Sliding-window beside full-attention layers make two KV cache groups; vllm-gaudi's input batch keeps
+    one block table, so the runner refuses at KV cache set-up instead of planning a group without one."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
+
+    _, runner = _scheduler_and_runner(runner_setup, monkeypatch, None)
+    window = SlidingWindowSpec(block_size=C_BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
+                               sliding_window=48)
+    runner.kv_cache_config.kv_cache_groups.append(KVCacheGroupSpec(["model.layers.2.self_attn.attn"], window))
+    with pytest.raises(NotImplementedError, match="2 KV cache groups"):
+        runner.make_unified_hooks()
+
+
 # ---------------------------------------------------------------------------------------- d. generation
 
 HELPER = os.path.join(TESTS, "vllm_helpers.py")

@@ -163,6 +163,12 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         """Bucket plan, trace and debug log per KV cache group of `self.kv_cache_config`."""
         config = PluginConfig.from_env()
         groups = self.kv_cache_config.kv_cache_groups
+        tables = len(self.input_batch.block_table.block_tables)
+        if len(groups) != tables:
+            # vllm-gaudi keeps one block table for attention-only models and handles windows inside it.
+            raise NotImplementedError(f"{len(groups)} KV cache groups (e.g. sliding-window beside full attention "
+                                      f"layers) but vllm-gaudi's input batch keeps {tables} block table(s): not "
+                                      "supported by the unified runner yet")
         windows = [_group_sliding_window(self.vllm_config, g.layer_names) for g in groups]
         has_full = _model_has_full_attention(self.vllm_config)
         recorder = next((i for i, w in enumerate(windows) if w is None), 0) if has_full else 0
