@@ -188,6 +188,19 @@ def gaudi():
         habana_standin.uninstall()
 
 
+def test_a_changed_vllm_gaudi_is_refused(gaudi, monkeypatch):
+    """The overridden vllm-gaudi methods are checked at start-up: a changed signature stops it, naming it."""
+    from vllm_gaudi_unified.vllm_plugin import hpu_platform
+
+    hpu_platform.check_vllm_gaudi_hooks()  # the installed snapshot: as checked
+    hooks = {k: dict(v) for k, v in hpu_platform.VLLM_GAUDI_HOOKS.items()}
+    hooks["vllm_gaudi.v1.worker.hpu_model_runner.HPUModelRunner"]["_prepare_inputs"] = ["scheduler_output"]
+    hooks["vllm_gaudi.v1.worker.hpu_worker.HPUWorker"]["gone_method"] = []
+    monkeypatch.setattr(hpu_platform, "VLLM_GAUDI_HOOKS", hooks)
+    with pytest.raises(RuntimeError, match=r"HPUModelRunner\._prepare_inputs.*HPUWorker\.gone_method is missing"):
+        hpu_platform.check_vllm_gaudi_hooks()
+
+
 # ---------------------------------------------------------------------------------------- b. the impl
 
 #: Steps of case b (block size 16), named by what they cover. Prompt chunks over cached context and
