@@ -432,7 +432,8 @@ def test_step_planning_from_hpu_input_batch(runner_setup, monkeypatch, buckets):
         ours = next(iter(metadata.values()))
         cpu = _cpu_path_plan(out, blocks, step.req_ids, hooks.options, hooks.bucket_plan)
         assert ours.batch.bucket == cpu.bucket and ours.batch.shape == cpu.shape
-        for f in (f.name for f in UnifiedBatch.__dataclass_fields__.values() if f.name != "plan"):
+        assert len(ours.batch.pieces) == len(cpu.pieces)
+        for f in (f.name for f in UnifiedBatch.__dataclass_fields__.values() if f.name not in ("plan", "pieces")):
             a, b = getattr(ours.batch, f), getattr(cpu, f)
             assert (a is None and b is None) or torch.equal(a, b), f
         # Model inputs: the scheduler's tokens at their positions, K/V slots in the scheduler's blocks.
