@@ -1,0 +1,215 @@
+"""Issue 14 on the GPU: our default against the same-rules peer (vllm-gaudi's algorithms), per scenario.
+
+    python -m benchmarks.speed14 --out DIR [--block-sizes 16,128] [--scenarios all] [--sweep] [--probe]
+
+Per scenario and block size, on the same tensors in one process: unified attention at the
+default options (and, with `--variants`, other option sets), compiled per bucket and
+replayed as a CUDA graph; the same-rules peer (`benchmarks/gaudi_peer.py`) as a replayed
+CUDA graph of its eager ops and compiled; the HBM / FLOP floor. Every variant is checked
+against the float32 reference first (ours on a cache whose unreadable slots hold NaN/inf,
+graph outputs poisoned before the checking replay). Peak MB: device memory one
+(un-captured) call allocates beyond its inputs. Rows go to DIR/speed14.json after every case.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from benchmarks import baselines, gaudi_peer, scenarios as sc_mod
+from benchmarks.options import BF16_FLOPS, HBM_BYTES_PER_S
+from benchmarks.suite import _readable, _rel_err, environment
+from benchmarks.timing import capture, peak_bytes, sync, time_ms
+from vllm_gaudi_unified import graphs
+
+
+def _variants(spec: str) -> dict:
+    """name -> PlanOptions overrides; 'default' is PlanOptions()."""
+    out = {"default": {}}
+    for item in filter(None, spec.split(";")):
+        name, _, kv = item.partition("=")
+        out[name] = {k: (v if k == "unique_layout" else int(v)) for k, v in
+                     (p.split(":") for p in kv.split(",") if p)}
+    return out
+
+
+def _time_fn(fn, device, poison_check=None):
+    """(ms, out) of a callable replayed as a CUDA graph."""
+    replay, out = capture(fn, device)
+    out.fill_(float("nan"))
+    replay()
+    sync(device)
+    if poison_check is not None:
+        poison_check(out)
+    return replay, out
+
+
+def run_case(sc, bs, args, device, rows):
+    from vllm_gaudi_unified import PlanOptions, plan_step
+    from vllm_gaudi_unified.attention import unified_attention
+    from vllm_gaudi_unified.batch import UnifiedBatch
+    from vllm_gaudi_unified.graphs import compiled_attention
+
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    lay = sc_mod.layout(sc, bs, seed=0)
+    ql, cl = list(sc.query_lens), list(sc.context_lens)
+    g = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
+    t = sc.num_tokens
+    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
+    kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
+    scale = d ** -0.5
+    blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
+    fl = sc_mod.floors(sc, bs, hq, hkv, d, 2)
+    floor_ms = max(fl["bytes"] / HBM_BYTES_PER_S, fl["flops"] / BF16_FLOPS) * 1e3
+    base = dict(scenario=sc.name, title=sc.title, block_size=bs, floor_ms=floor_ms, triton_ms=None)
+    ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
+    dead = ~_readable(lay, device)
+    for name, over in _variants(args.variants).items():
+        if time.time() - args.start > args.time_budget:
+            break
+        row = dict(base, method="ours", variant=name, options=over)
+        rows.append(row)
+        over = dict(over)
+        undo = None
+        try:
+            flags = {f: bool(over.pop(f, 0)) for f in ("fc", "fs", "fu")}
+            if any(flags.values()):
+                from benchmarks import _fused_proto
+
+                undo = _fused_proto.install(causal=flags["fc"], shared=flags["fs"], decode=flags["fu"])
+            opts = PlanOptions(**over)
+            plan = plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks, options=opts)
+            batch = UnifiedBatch.from_plan(plan, device)
+            row.update(bucket=str(plan.bucket), unique_layout=plan.unique_layout)
+            fn = (lambda: compiled_attention(q, k, v, kc, vc, batch, scale)) if args.compile else \
+                (lambda: unified_attention(q, k, v, kc, vc, batch, scale))
+            t0 = time.time()
+            fn()
+            row["compile_s"] = time.time() - t0
+            row["peak_mb"] = peak_bytes(fn, device) / 2**20
+            clean_k, clean_v = kc[dead].clone(), vc[dead].clone()
+            kc[dead], vc[dead] = float("nan"), float("inf")
+            try:
+                replay, out = _time_fn(fn, device)
+                row["rel_err"] = _rel_err(out, ref)
+            finally:
+                kc[dead], vc[dead] = clean_k, clean_v
+            row["ok"] = row["rel_err"] <= 1e-2
+            if row["ok"]:
+                row["ms"] = time_ms(replay, device)
+            del replay, out
+        except Exception as exc:  # noqa: BLE001
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
+            traceback.print_exc()
+        finally:
+            if undo is not None:
+                undo()
+        graphs.clear()
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"[{sc.name} bs{bs} ours/{name}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')}", flush=True)
+    if "peer" not in args.methods:
+        return
+    try:
+        peer = gaudi_peer.build(q, k, v, kc, vc, ql, cl, lay.owned, scale)
+    except Exception as exc:  # noqa: BLE001
+        rows.append(dict(base, method="peer", variant="-", ok=False, error=f"{type(exc).__name__}: {exc}"[:400]))
+        traceback.print_exc()
+        return
+    for var in args.peer_variants.split(","):
+        row = dict(base, method="peer", variant=var)
+        rows.append(row)
+        try:
+            fn = peer if var == "graph" else torch.compile(peer, dynamic=False)
+            fn()
+            row["peak_mb"] = peak_bytes(fn, device) / 2**20
+            replay, out = _time_fn(fn, device)
+            row["rel_err"] = _rel_err(out, ref)
+            row["ok"] = row["rel_err"] <= 1e-2
+            if row["ok"]:
+                row["ms"] = time_ms(replay, device)
+            del replay, out
+        except Exception as exc:  # noqa: BLE001
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
+            traceback.print_exc()
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"[{sc.name} bs{bs} peer/{var}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')}", flush=True)
+
+
+def probe(device) -> None:
+    """Facts the fused paths rely on: flash varlen with empty segments, GQA, LSE shape, under torch.compile."""
+    try:
+        print(torch.ops.aten._flash_attention_forward.default._schema, flush=True)
+        g = torch.Generator(device=device).manual_seed(1)
+        q = torch.randn(10, 32, 128, device=device, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(10, 8, 128, device=device, dtype=torch.bfloat16, generator=g)
+        cu = torch.tensor([0, 4, 4, 9, 10, 10], device=device, dtype=torch.int32)
+        f = lambda: torch.ops.aten._flash_attention_forward(q, k, k, cu, cu, 10, 10, 0.0, True, False,  # noqa: E731
+                                                            scale=0.1)[:2]
+        out, lse = f()
+        ref = []
+        for a, b in ((0, 4), (4, 9), (9, 10)):
+            qq, kk = q[a:b].float().transpose(0, 1), k[a:b].float().transpose(0, 1).repeat_interleave(4, 0)
+            s = (qq @ kk.transpose(1, 2)) * 0.1
+            s = s.masked_fill(torch.ones(b - a, b - a, device=device, dtype=torch.bool).triu(1), float("-inf"))
+            ref.append(((torch.softmax(s, -1) @ kk).transpose(0, 1), torch.logsumexp(s, -1)))
+        print("lse shape", tuple(lse.shape), "out err", float((out.float() - torch.cat([r[0] for r in ref])).abs().max()),
+              "lse err", float((lse - torch.cat([r[1] for r in ref], 1)).abs().max()), flush=True)
+        out2, _ = torch.compile(f)()
+        print("compiled ok", bool(torch.equal(out, out2)), flush=True)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks.speed14", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="out/speed14")
+    p.add_argument("--scenarios", default="all")
+    p.add_argument("--block-sizes", default="16,128")
+    p.add_argument("--variants", default="", help="extra option sets: 'name=shared_rows:64,causal_tile:256;...'")
+    p.add_argument("--methods", default="ours,peer")
+    p.add_argument("--peer-variants", default="graph,compiled")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="ours as a graph of eager calls")
+    p.add_argument("--time-budget", type=float, default=1e9)
+    p.add_argument("--probe", action="store_true", help="first print facts about the device's fused kernels")
+    args = p.parse_args(argv)
+    args.start = time.time()
+    device = torch.device("cuda")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(device)
+    print(json.dumps(env), flush=True)
+    if args.probe:
+        probe(device)
+    chosen = [s for s in sc_mod.scenarios() if args.scenarios == "all" or s.name in args.scenarios.split(",")]
+    rows: list[dict] = []
+    for bs in [int(x) for x in args.block_sizes.split(",")]:
+        for sc in chosen:
+            if time.time() - args.start > args.time_budget:
+                rows.append(dict(scenario=sc.name, block_size=bs, method="skipped"))
+                continue
+            try:
+                run_case(sc, bs, args, device, rows)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+            (out_dir / "speed14.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
+    for r in rows:
+        if r.get("method") != "skipped":
+            print(f"{r['scenario']:18s} bs{r['block_size']:<4d} {r['method']:5s} {r.get('variant',''):10s} "
+                  f"{r.get('ms') or float('nan'):8.3f} ms  floor {r.get('floor_ms', 0):.3f}  peak "
+                  f"{r.get('peak_mb') or 0:8.0f} MB  err {r.get('rel_err', '-')}  {r.get('error', '')[:80]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
