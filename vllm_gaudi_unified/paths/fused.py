@@ -1,0 +1,83 @@
+"""The device's fused attention kernel, where it returns what the merge needs.
+
+A path can only hand its rows to the exact merge if it knows each row's
+log-sum-exp (or max and sum). Two fused kernels give it:
+
+* CUDA: `torch.ops.aten._flash_attention_forward`, flash attention over
+  *varlen* input (flattened rows, int32 cumulative lengths), GQA without
+  repeating K/V, optional causal mask and left window, `seqused_k` (use only
+  the first keys of each segment); it returns the output and the LSE
+  `[Hq, rows]` in fp32. Scores never leave the chip.
+* HPU: FusedSDPA's forward with statistics (`torch.ops.hpu.sdpa_recomp_fwd`,
+  the call vllm-gaudi's sliced FusedSDPA merges chunks with), in `hpu.py`.
+
+`fused_kernel` says which one runs; all conditions live there. Everything else
+(soft cap, float32/float64 inputs, CPU) takes the matmul tiles of `tiles.py`,
+which stay the reference and the fallback. Every caller turns the kernel's
+normalised output into a `Partial` with `lse_partial`: acc = out, max = LSE,
+sum = 1 (so acc / sum = out and the row's weight is e^LSE).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.merge import Partial
+from vllm_gaudi_unified.paths.tiles import compute_dtype
+
+#: The CUDA kernel; a module attribute so CPU tests can put an exact stand-in in its place.
+FLASH = torch.ops.aten._flash_attention_forward
+#: CUDA grid limit on the batch dimension of flash's non-varlen launch (the unique path's one block per segment).
+MAX_FLASH_BATCH = 65535
+#: Unique path through flash (one segment per block) from this block size up: measured on an H100
+#: (benchmarks/NOTES.md run 11): faster than the matmul tiles at block size 128, 3x slower at 16.
+FUSED_UNIQUE_MIN_BLOCK_SIZE = 64
+
+
+def fused_kernel(device_type: str, dtype: torch.dtype, head_dim: int, soft_cap: float | None,
+                 enabled: bool = True) -> str | None:
+    """'flash', 'hpu' or None (the matmul tiles). All conditions in one place:
+
+    1. `PlanOptions.fused_kernels` off, or a soft cap (neither kernel takes one): None.
+    2. Not a 16-bit float (the float64 checks, fp32 runs): None.
+    3. CUDA with a head size flash takes (a multiple of 8, at most 256): 'flash'.
+    4. HPU with habana_frameworks importable: 'hpu' (`hpu.select_fused_sdpa`).
+    5. Otherwise None.
+    """
+    if not enabled or soft_cap is not None or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if device_type == "cuda":
+        return "flash" if head_dim % 8 == 0 and head_dim <= 256 else None
+    if device_type == "hpu":
+        from vllm_gaudi_unified.hpu import select_fused_sdpa
+
+        return "hpu" if select_fused_sdpa(device_type, dtype) else None
+    return None
+
+
+def kernel_for(batch, query: torch.Tensor, soft_cap: float | None) -> str | None:
+    """`fused_kernel` for this batch's options and these inputs."""
+    return fused_kernel(query.device.type, query.dtype, query.shape[-1], soft_cap, batch.plan.options.fused_kernels)
+
+
+def lse_partial(out: torch.Tensor, lse: torch.Tensor) -> Partial:
+    """A fused kernel's normalised rows `[rows, Hq, D]` and LSE `[rows, Hq]` as a `Partial` (sum 1)."""
+    lse = lse.to(compute_dtype(out.dtype))
+    return Partial(out.to(lse.dtype), lse, torch.ones_like(lse))
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, *, causal: bool,
+                 window: int | None = None, seqused_k: torch.Tensor | None = None) -> Partial:
+    """Flash attention over segments: rows `cu_q[i]:cu_q[i+1]` see keys `cu_k[i]:cu_k[i+1]` (their first
+    `seqused_k[i]` when given); causal is bottom-right aligned; `window` keeps the last `window` positions.
+    Rows past `cu_q[-1]` are left unwritten (their partial is garbage: callers drop them)."""
+    out, lse = FLASH(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+                     window_size_left=None if window is None else window - 1,
+                     window_size_right=None if window is None else 0, seqused_k=seqused_k)[:2]
+    return lse_partial(out, lse.t())
+
+
+def flash_blocks(q, k, v, scale: float) -> Partial:
+    """One query row per segment of whole blocks: q `[S, Hq, D]`, k/v `[S, keys, Hkv, D]` -> Partial `[S, Hq, D]`
+    (flash's batched launch; with one query row it packs a KV head's query heads into one tile)."""
+    out, lse = FLASH(q[:, None], k, v, None, None, 1, k.shape[1], 0.0, False, False, scale=scale)[:2]
+    return lse_partial(out[:, 0], lse[:, :, 0])
