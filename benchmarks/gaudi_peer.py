@@ -238,8 +238,9 @@ def build(query, key, value, key_cache, value_cache, query_lens, context_lens, b
         idx = torch.zeros(len(pre), s, dtype=torch.long)
         for i, r in enumerate(pre):
             idx[i, :query_lens[r]] = torch.arange(starts[r], starts[r] + query_lens[r])
-        idx, valid = idx.to(device), torch.arange(s)[None, :].to(device) < torch.tensor(qls, device=device)[:, None]
-        dest = idx[valid]
+        valid = torch.arange(s)[None, :] < torch.tensor(qls)[:, None]
+        dest, picked = idx[valid].to(device), valid.flatten().nonzero()[:, 0].to(device)  # host-side: graphs
+        idx = idx.to(device)
         prefill_args = _common_args(vg, scale, kc, vc, block_list, bs)
         seq_t = torch.tensor(qls, device=device)
 
@@ -247,7 +248,7 @@ def build(query, key, value, key_cache, value_cache, query_lens, context_lens, b
             out = ops.prompt_attention(impl=CONFIG.prompt_attn_impl, query=query[idx], key=key[idx], value=value[idx],
                                        is_causal=True, attn_bias=bias, position_bias=None, valid_seq_lengths=seq_t,
                                        **prefill_args)
-            return dest, out.reshape(len(pre), s, hq, d)[valid]
+            return dest, out.reshape(len(pre) * s, hq, d)[picked]
         steps.append(prefill)
     if dec:
         seq_lens = [context_lens[r] + 1 for r in dec]

@@ -20,6 +20,7 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks import baselines, gaudi_peer, scenarios as sc_mod
@@ -27,15 +28,17 @@ from benchmarks.options import BF16_FLOPS, HBM_BYTES_PER_S
 from benchmarks.suite import _readable, _rel_err, environment
 from benchmarks.timing import capture, peak_bytes, sync, time_ms
 from vllm_gaudi_unified import graphs
+from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
 
 
 def _variants(spec: str) -> dict:
-    """name -> PlanOptions overrides; 'default' is PlanOptions()."""
+    """name -> PlanOptions overrides of the default ('default': none; the device's measured options
+    apply to every variant, see `run_case`)."""
     out = {"default": {}}
     for item in filter(None, spec.split(";")):
         name, _, kv = item.partition("=")
-        out[name] = {k: (v if k == "unique_layout" else int(v)) for k, v in
-                     (p.split(":") for p in kv.split(",") if p)}
+        out[name] = {k: (v if k == "unique_layout" else bool(int(v)) if k == "fused_kernels" else int(v))
+                     for k, v in (p.split(":") for p in kv.split(",") if p)}
     return out
 
 
@@ -50,14 +53,48 @@ def _time_fn(fn, device, poison_check=None):
     return replay, out
 
 
-def run_case(sc, bs, args, device, rows):
+def trace_cases(spec: str, top: int) -> list:
+    """(Scenario, Layout) of the `top` steps with the most dense-design work of a recorded trace
+    (`PATH:auto`) or of the listed steps (`PATH:i,j`), as `benchmarks/replay.py` picks them."""
+    from benchmarks.replay import choose
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
+
+    path, _, which = spec.rpartition(":")
+    trace = read_trace(path)
+    out = []
+    for i in (choose(trace, top) if which == "auto" else [int(x) for x in which.split(",")]):
+        st = trace.steps[i]
+        name = f"{Path(path).name.split('_')[1]}#{i}"
+        sc = sc_mod.Scenario(name, f"trace {Path(path).name.split('.jsonl')[0]} step {i}",
+                             tuple(int(x) for x in st.query_lens), tuple(int(x) for x in st.context_lens))
+        owned = [np.asarray(ids, np.int64) for ids in st.block_ids]
+        lay = sc_mod.Layout(sc, st.block_size, st.block_table(), max(int(o.max()) for o in owned) + 1, owned)
+        out.append((sc, lay))
+    return out
+
+
+def _floor_ms(lay, hq, hkv, d) -> float:
+    """HBM / FLOP floor of any step: every cache slot some request reads once (a shared block once),
+    q/k/v/out once; score + value FLOPs of the needed pairs."""
+    sc, bs = lay.scenario, lay.block_size
+    slots = set()
+    pairs = 0
+    for blocks, q, c in zip(lay.owned, sc.query_lens, sc.context_lens):
+        pos = np.arange(c)
+        slots.update((blocks[pos // bs] * bs + pos % bs).tolist())
+        pairs += q * c + q * (q + 1) // 2
+    nbytes = 2 * len(slots) * hkv * d * 2 + sc.num_tokens * (2 * hq + 2 * hkv) * d * 2
+    return max(nbytes / HBM_BYTES_PER_S, 4 * pairs * hq * d / BF16_FLOPS) * 1e3
+
+
+def run_case(sc, bs, args, device, rows, lay=None):
     from vllm_gaudi_unified import PlanOptions, plan_step
     from vllm_gaudi_unified.attention import unified_attention
     from vllm_gaudi_unified.batch import UnifiedBatch
     from vllm_gaudi_unified.graphs import compiled_attention
 
     hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
-    lay = sc_mod.layout(sc, bs, seed=0)
+    lay = lay or sc_mod.layout(sc, bs, seed=0)
     ql, cl = list(sc.query_lens), list(sc.context_lens)
     g = torch.Generator(device=device).manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
@@ -66,8 +103,7 @@ def run_case(sc, bs, args, device, rows):
     kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
     scale = d ** -0.5
     blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
-    fl = sc_mod.floors(sc, bs, hq, hkv, d, 2)
-    floor_ms = max(fl["bytes"] / HBM_BYTES_PER_S, fl["flops"] / BF16_FLOPS) * 1e3
+    floor_ms = _floor_ms(lay, hq, hkv, d)
     base = dict(scenario=sc.name, title=sc.title, block_size=bs, floor_ms=floor_ms, triton_ms=None)
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
     dead = ~_readable(lay, device)
@@ -76,16 +112,16 @@ def run_case(sc, bs, args, device, rows):
             break
         row = dict(base, method="ours", variant=name, options=over)
         rows.append(row)
-        over = dict(over)
-        undo = None
         try:
-            flags = {f: bool(over.pop(f, 0)) for f in ("fc", "fs", "fu")}
-            if any(flags.values()):
-                from benchmarks import _fused_proto
+            # What a user gets on this device: the measured options of its kind, then the variant's.
+            opts = replace(options_for_device(device_kind(device), PlanOptions()), **over)
+            row["options"] = str(opts)
+            if name == "dense":  # issue 8's dense design as a plan for the same device code
+                from benchmarks.replay import dense_plan
 
-                undo = _fused_proto.install(causal=flags["fc"], shared=flags["fs"], decode=flags["fu"])
-            opts = PlanOptions(**over)
-            plan = plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks, options=opts)
+                plan = dense_plan(ql, cl, lay.block_table, bs, lay.num_blocks)
+            else:
+                plan = plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks, options=opts)
             batch = UnifiedBatch.from_plan(plan, device)
             row.update(bucket=str(plan.bucket), unique_layout=plan.unique_layout)
             fn = (lambda: compiled_attention(q, k, v, kc, vc, batch, scale)) if args.compile else \
@@ -108,9 +144,6 @@ def run_case(sc, bs, args, device, rows):
         except Exception as exc:  # noqa: BLE001
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
             traceback.print_exc()
-        finally:
-            if undo is not None:
-                undo()
         graphs.clear()
         torch._dynamo.reset()
         gc.collect()
@@ -182,6 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="ours as a graph of eager calls")
     p.add_argument("--time-budget", type=float, default=1e9)
     p.add_argument("--probe", action="store_true", help="first print facts about the device's fused kernels")
+    p.add_argument("--trace", action="append", default=[], help="PATH:auto or PATH:i,j: also time these trace steps")
+    p.add_argument("--top", type=int, default=3, help="steps per trace for PATH:auto")
     args = p.parse_args(argv)
     args.start = time.time()
     device = torch.device("cuda")
@@ -200,6 +235,16 @@ def main(argv=None) -> int:
                 continue
             try:
                 run_case(sc, bs, args, device, rows)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+            (out_dir / "speed14.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
+    for spec in args.trace:
+        for sc, lay in trace_cases(spec, args.top):
+            if time.time() - args.start > args.time_budget:
+                rows.append(dict(scenario=sc.name, block_size=lay.block_size, method="skipped"))
+                continue
+            try:
+                run_case(sc, lay.block_size, args, device, rows, lay=lay)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
             (out_dir / "speed14.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
