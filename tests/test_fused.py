@@ -154,9 +154,9 @@ def test_real_flash_on_cuda(spec_name, options, monkeypatch):
     step = Step(step.query_lens, step.context_lens, step.block_size, step.prefix_groups, num_heads=8,
                 num_kv_heads=2, head_dim=64)
     table, nb = make_block_table(step, np.random.default_rng(0))
-    q, k, v, kc, vc = make_tensors(step, table, nb)
-    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
-    dev = [x.to("cuda", torch.bfloat16) for x in (q, k, v, kc, vc)]
+    low = make_tensors(step, table, nb, dtype=torch.bfloat16)
+    ref = reference_attention(*low, step.query_lens, step.context_lens, table, 0.37)
+    dev = [x.to("cuda") for x in low]
     batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, options=options,
                                 device="cuda")
     assert attention.kernel_for(batch, dev[0], None) == "flash"
