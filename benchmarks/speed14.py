@@ -204,6 +204,46 @@ def probe(device) -> None:
         traceback.print_exc()
 
 
+#: vLLM's Triton unified attention on the same H100, block size 16 / 128, from issue 14's table (this
+#: device has no vLLM, so it is not re-run here). Not given for the scattered scenario.
+TRITON_MS = {"decode_256x2k": (0.747, 0.799), "decode_64x8k": (0.735, 0.748), "decode_ragged": (0.828, 0.807),
+             "prefill_4x2k": (1.92, 1.85), "chunked_2x2k_6k": (6.46, 6.14), "mixed": (1.38, 1.31),
+             "shared_prefix": (0.265, 0.317), "parallel_sampling": (0.062, 0.062)}
+#: issue 14's goal for ours / Triton, per scenario.
+TRITON_GOAL = {"decode_256x2k": 1.3, "decode_64x8k": 1.3, "decode_ragged": 1.3, "prefill_4x2k": 1.0,
+               "chunked_2x2k_6k": 0.8, "mixed": 1.0, "shared_prefix": 0.5, "parallel_sampling": 1.0}
+
+
+def table(rows: list[dict]) -> str:
+    """One markdown row per (scenario, block size): ours default, the peer, Triton, floor, peak MB, verdicts.
+    Later rows of the same (scenario, block size, method, variant) replace earlier ones."""
+    best: dict = {}
+    for r in rows:
+        if r.get("ms") is not None and r.get("method") in ("ours", "peer"):
+            best[(r["scenario"], r["block_size"], r["method"], r.get("variant"))] = r
+    cases = sorted({(k[0], k[1]) for k in best}, key=lambda c: (c[0][0].isupper(), "#" in c[0], c[0], c[1]))
+    order = [s.name for s in sc_mod.scenarios()]
+    cases.sort(key=lambda c: (order.index(c[0]) if c[0] in order else len(order), c[0], c[1]))
+    lines = ["| scenario | bs | ours default ms | same-rules peer ms | peer / ours | vLLM Triton ms (issue) | ours / Triton "
+             "(goal) | floor ms | ours / floor | dense design ms | peak MB ours / peer |", "|" + "---|" * 11]
+    f = lambda x, n=3: "-" if x is None else f"{x:.{n}f}"  # noqa: E731
+    for sc, bs in cases:
+        ours, peer = best.get((sc, bs, "ours", "default")), best.get((sc, bs, "peer", "compiled"))
+        dense = best.get((sc, bs, "ours", "dense"))
+        if ours is None:
+            continue
+        tri = TRITON_MS.get(sc, (None, None))[{16: 0, 128: 1}[bs]] if bs in (16, 128) else None
+        ratio = ours["ms"] / tri if tri else None
+        goal = TRITON_GOAL.get(sc)
+        verdict = f"{ratio:.2f}x ({'met' if ratio <= goal else 'missed'}: <= {goal})" if ratio else "-"
+        vs_peer = f"{peer['ms'] / ours['ms']:.2f}x" if peer else "-"
+        vs_dense = f"{dense['ms']:.3f} ({'faster' if ours['ms'] < dense['ms'] else 'SLOWER'})" if dense else "-"
+        lines.append(f"| {ours.get('title', sc)} | {bs} | {f(ours['ms'])} | {f(peer['ms']) if peer else '-'} | {vs_peer} "
+                     f"| {f(tri)} | {verdict} | {f(ours['floor_ms'])} | {ours['ms'] / ours['floor_ms']:.1f}x | {vs_dense} "
+                     f"| {f(ours.get('peak_mb'), 0)} / {f(peer.get('peak_mb'), 0) if peer else '-'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks.speed14", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out/speed14")
@@ -217,7 +257,12 @@ def main(argv=None) -> int:
     p.add_argument("--probe", action="store_true", help="first print facts about the device's fused kernels")
     p.add_argument("--trace", action="append", default=[], help="PATH:auto or PATH:i,j: also time these trace steps")
     p.add_argument("--top", type=int, default=3, help="steps per trace for PATH:auto")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="only print the markdown table of these speed14.json files (later files win)")
     args = p.parse_args(argv)
+    if args.table:
+        print(table([r for path in args.table for r in json.loads(Path(path).read_text())["rows"]]))
+        return 0
     args.start = time.time()
     device = torch.device("cuda")
     out_dir = Path(args.out)
