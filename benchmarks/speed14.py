@@ -117,7 +117,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
             opts = replace(options_for_device(device_kind(device), PlanOptions()), **over)
             row["options"] = str(opts)
             if name == "dense":  # issue 8's dense design as a plan for the same device code
-                from benchmarks.replay import dense_plan
+                from benchmarks.dense import dense_plan
 
                 plan = dense_plan(ql, cl, lay.block_table, bs, lay.num_blocks)
             else:

@@ -38,7 +38,6 @@ class StepPlan:
     logits_indices: np.ndarray  #: [num_logits] last new token of each request
     max_block_id: int  #: largest cache block id read (-1: none); checked against the cache
     work_needed: PathWork  #: pairs the step needs
-    work_dense: PathWork | None  #: pairs the dense design would compute (only with plan_step(dense_work=True))
     #: every shared tile's real rows see one and the same prefix of its slots (no window, whole blocks
     #: but the last): the shared path may run as one fused-kernel segment per tile (paths/shared.py)
     shared_prefix_visible: bool
