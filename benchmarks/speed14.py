@@ -114,7 +114,8 @@ def run_case(sc, bs, args, device, rows, lay=None):
         rows.append(row)
         try:
             # What a user gets on this device: the measured options of its kind, then the variant's.
-            opts = replace(options_for_device(device_kind(device), PlanOptions()), **over)
+            kind = device_kind(device.type, torch.cuda.get_device_name(device))
+            opts = replace(options_for_device(kind, PlanOptions()), **over)
             row["options"] = str(opts)
             if name == "dense":  # issue 8's dense design as a plan for the same device code
                 from benchmarks.dense import dense_plan

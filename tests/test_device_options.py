@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from vllm_gaudi_unified.bucket_plans import device_options
 from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS, ServerSettings, options_from_dict, options_to_dict
 from vllm_gaudi_unified.plan import PlanOptions
@@ -24,7 +22,8 @@ def test_unmeasured_kinds_keep_the_defaults():
 
 def test_device_kind():
     assert device_options.device_kind("cpu") == "cpu"
-    assert device_options.device_kind(torch.device("cpu")) == "cpu"
+    assert device_options.device_kind("hpu") == "hpu"
+    assert device_options.device_kind("cuda", "NVIDIA H100 80GB HBM3") in device_options.DEVICE_OPTIONS
 
 
 def test_every_entry_is_valid_planner_options():

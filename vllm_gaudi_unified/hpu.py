@@ -9,8 +9,9 @@ fuses them per bucket). Two pieces have dedicated Gaudi kernels:
   forward with statistics, `torch.ops.hpu.sdpa_recomp_fwd(..., requires_backward=True)`,
   returns the output with each row's max `m` and inverse sum `linv`, the
   call vllm-gaudi's sliced FusedSDPA merges its chunks with; as a `Partial`:
-  acc = out / linv, max = m, sum = 1 / linv (`fused_sdpa_attend`). Plain
-  FusedSDPA returns only the normalised output, which cannot be merged.
+  acc = out / linv, max = m, sum = 1 / linv (`paths/fused.py`: `sdpa_attend`;
+  `select_fused_sdpa` here says when). Plain FusedSDPA returns only the
+  normalised output, which cannot be merged.
 
 `habana_frameworks` is imported lazily, only when a tensor is on an HPU device.
 None of this can run on the project's machines (no Gaudi): the selection logic
@@ -48,46 +49,12 @@ def select_softmax(device_type: str, dtype: torch.dtype, importable: bool | None
 
 
 def select_fused_sdpa(device_type: str, dtype: torch.dtype, importable: bool | None = None) -> bool:
-    """Whether the causal and shared tiles run through FusedSDPA with statistics (`fused_sdpa_attend`):
+    """Whether the causal and shared tiles run through FusedSDPA with statistics (`paths.fused.sdpa_attend`):
     an HPU tensor, habana_frameworks importable, 16-bit floats (the kernel's inputs). The caller
     (`paths/fused.py`) has already ruled out a soft cap and `PlanOptions.fused_kernels=False`."""
     if device_type != "hpu" or dtype not in (torch.bfloat16, torch.float16):
         return False
     return habana_importable() if importable is None else importable
-
-
-def fused_sdpa_attend(q, k, v, mask, scale, soft_cap=None, masked_tiles=None):  # pragma: no cover - needs a Gaudi
-    """`paths.tiles.attend` through FusedSDPA: q `[T, R, Hq, D]`, k/v `[T, K, Hkv, D]`, mask `[T, R, K]`.
-
-    K/V are expanded to the query heads (a view; no GQA reshape to get wrong), masked keys get a
-    -inf bias and zeroed values (a poisoned slot times a zero weight is still NaN), rows that see no
-    key are set to the empty partial. Untested on a Gaudi (none here); the conversion is tested on
-    CPU against a stand-in with the same outputs (tests/test_fused.py)."""
-    import habana_frameworks.torch  # noqa: F401  (registers torch.ops.hpu)
-
-    return fused_sdpa_partial(torch.ops.hpu.sdpa_recomp_fwd, q, k, v, mask, scale)
-
-
-def fused_sdpa_partial(op, q, k, v, mask, scale):
-    """The device-independent part of `fused_sdpa_attend`, with the kernel `op` passed in."""
-    from vllm_gaudi_unified.merge import Partial
-    from vllm_gaudi_unified.paths.tiles import compute_dtype
-
-    t, r, hq, d = q.shape
-    hkv = k.shape[2]
-    dt = compute_dtype(q.dtype)
-    seen = mask.any(1)  # [T, K]: keys some row sees
-    v = torch.where(seen[:, :, None, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
-    heads = lambda x: x.permute(0, 2, 1, 3)[:, :, None].expand(t, hkv, hq // hkv, -1, d).reshape(t, hq, -1, d)  # noqa: E731
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))[:, None]
-    out, m, linv = op(q.permute(0, 2, 1, 3), heads(k), heads(v), bias, 0.0, scale, False, True, "fast", None,
-                      "right")[:3]
-    rows = lambda x: x.permute(0, 2, 1, *range(3, x.dim())).reshape(t * r, hq, *x.shape[3:]).to(dt)  # noqa: E731
-    out, m, linv = rows(out), rows(m.reshape(t, hq, r)), rows(linv.reshape(t, hq, r))
-    any_key = mask.any(-1).reshape(t * r, 1)
-    total = torch.where(any_key, 1.0 / linv, 0.0)
-    return Partial(torch.where(any_key[..., None], out * total[..., None], 0.0),
-                   torch.where(any_key, m, float("-inf")), total)
 
 
 def masked_softmax_torch(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from vllm_gaudi_unified.plan import PlanOptions
 
 #: device kind -> PlanOptions fields, each measured faster than the defaults on that device.
@@ -27,12 +25,9 @@ DEVICE_OPTIONS: dict[str, dict] = {
 }
 
 
-def device_kind(device: torch.device | str) -> str:
-    """'cuda:<device name>' for a CUDA device, else the device type ('hpu', 'cpu')."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return device.type
+def device_kind(device_type: str, device_name: str = "") -> str:
+    """'cuda:<device name>' for a CUDA device (`torch.cuda.get_device_name`), else the device type."""
+    return f"cuda:{device_name}" if device_type == "cuda" else device_type
 
 
 def options_for_device(kind: str, base: PlanOptions) -> PlanOptions:

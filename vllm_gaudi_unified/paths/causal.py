@@ -62,7 +62,7 @@ def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, sca
         mask &= r - kk < batch.sliding_window
     tile_attend = attend
     if fused.kernel_for(batch, q, soft_cap) == "hpu":  # FusedSDPA with statistics on the same tiles
-        from vllm_gaudi_unified.hpu import fused_sdpa_attend as tile_attend
+        tile_attend = fused.sdpa_attend
     part = tile_attend(q[rows_in], k[keys_in], v[keys_in], mask, scale, soft_cap)
     return scatter_merge(part, rows.clamp(max=n).reshape(-1), n)
 

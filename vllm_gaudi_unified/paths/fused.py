@@ -9,7 +9,8 @@ log-sum-exp (or max and sum). Two fused kernels give it:
   the first keys of each segment); it returns the output and the LSE
   `[Hq, rows]` in fp32. Scores never leave the chip.
 * HPU: FusedSDPA's forward with statistics (`torch.ops.hpu.sdpa_recomp_fwd`,
-  the call vllm-gaudi's sliced FusedSDPA merges chunks with), in `hpu.py`.
+  the call vllm-gaudi's sliced FusedSDPA merges chunks with) on the causal and
+  shared tiles, `sdpa_attend` (when: `hpu.select_fused_sdpa`).
 
 `fused_kernel` says which one runs; all conditions live there. Everything else
 (soft cap, float32/float64 inputs, CPU) takes the matmul tiles of `tiles.py`,
@@ -81,3 +82,35 @@ def flash_blocks(q, k, v, scale: float) -> Partial:
     (flash's batched launch; with one query row it packs a KV head's query heads into one tile)."""
     out, lse = FLASH(q[:, None], k, v, None, None, 1, k.shape[1], 0.0, False, False, scale=scale)[:2]
     return lse_partial(out[:, 0], lse[:, :, 0])
+
+
+def sdpa_attend(q, k, v, mask, scale, soft_cap=None, masked_tiles=None):  # pragma: no cover - needs a Gaudi
+    """`tiles.attend` through Gaudi's FusedSDPA with statistics: q `[T, R, Hq, D]`, k/v `[T, K, Hkv, D]`,
+    mask `[T, R, K]` -> Partial `[T*R, Hq, D]`. Untested on a Gaudi (none here); `sdpa_stats_partial`
+    is tested on CPU against a stand-in with the op's outputs (tests/test_fused.py)."""
+    import habana_frameworks.torch  # noqa: F401  (registers torch.ops.hpu)
+
+    return sdpa_stats_partial(torch.ops.hpu.sdpa_recomp_fwd, q, k, v, mask, scale)
+
+
+def sdpa_stats_partial(op, q, k, v, mask, scale) -> Partial:
+    """The device-independent part of `sdpa_attend`, with the kernel `op` passed in.
+
+    K/V are expanded to the query heads (a view; no GQA reshape to get wrong), masked keys get a
+    -inf bias and zeroed values (a poisoned slot times a zero weight is still NaN), rows that see
+    no key are set to the empty partial (-inf, 0, 0) whatever the kernel returns for them."""
+    t, r, hq, d = q.shape
+    hkv = k.shape[2]
+    dt = compute_dtype(q.dtype)
+    seen = mask.any(1)  # [T, K]: keys some row sees
+    v = torch.where(seen[:, :, None, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
+    heads = lambda x: x.permute(0, 2, 1, 3)[:, :, None].expand(t, hkv, hq // hkv, -1, d).reshape(t, hq, -1, d)  # noqa: E731
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))[:, None]
+    out, m, linv = op(q.permute(0, 2, 1, 3), heads(k), heads(v), bias, 0.0, scale, False, True, "fast", None,
+                      "right")[:3]
+    rows = lambda x: x.permute(0, 2, 1, *range(3, x.dim())).reshape(t * r, hq, *x.shape[3:]).to(dt)  # noqa: E731
+    out, m, linv = rows(out), rows(m.reshape(t, hq, r)), rows(linv.reshape(t, hq, r))
+    any_key = mask.any(-1).reshape(t * r, 1)
+    total = torch.where(any_key, 1.0 / linv, 0.0)
+    return Partial(torch.where(any_key[..., None], out * total[..., None], 0.0),
+                   torch.where(any_key, m, float("-inf")), total)

@@ -45,7 +45,8 @@ class StepHooks:
         `may_record` whether this group's steps are the ones to record (see `_trace_path`)."""
         from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
 
-        kind = device_kind(device)
+        device = torch.device(device)
+        kind = device_kind(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
         options = options_for_device(kind, PlanOptions(batch_invariant=config.batch_invariant))
         plan = None
         if config.buckets:
