@@ -162,3 +162,31 @@ def test_real_flash_on_cuda(spec_name, options, monkeypatch):
     assert attention.kernel_for(batch, dev[0], None) == "flash"
     out = unified_attention(*dev, batch, 0.37)
     assert_matches(out.cpu(), ref)
+
+
+def _brute_prefix_visible(plan) -> bool:
+    """The flag's definition, cell by cell."""
+    hi, real = plan.shared_hi, plan.shared_rows < plan.num_tokens
+    top = hi.max(1)
+    same = ((hi == top[:, None, :]) | ~real[:, :, None]).all()
+    return plan.sliding_window is None and bool(same and ((top[:, 1:] == 0) | (top[:, :-1] == plan.block_size)).all())
+
+
+def test_prefix_flag_matches_its_definition():
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        r = int(rng.integers(1, 6))
+        bs = int(rng.choice([2, 4, 8]))
+        q = rng.integers(1, 6, r)
+        ctx = rng.integers(0, 30, r)
+        nb = -(-(ctx + q) // bs)
+        table = np.full((r, int(nb.max())), -1, np.int64)
+        free = iter(rng.permutation(np.arange(1, 200)))
+        for i in range(r):
+            for j in range(nb[i]):
+                share = i and rng.random() < 0.5 and j < table.shape[1] and table[0, j] >= 0
+                table[i, j] = table[0, j] if share else next(free)  # may share a partly filled block
+        window = None if trial % 3 else int(rng.integers(1, 12))
+        opts = PlanOptions(shared_rows=int(rng.choice([1, 3, 8])), shared_tile_keys=int(rng.choice([2, 8, 32])))
+        plan = plan_step(q, ctx, table, bs, sliding_window=window, options=opts)
+        assert plan.shared_prefix_visible == _brute_prefix_visible(plan), (q, ctx, table, window, opts)

@@ -119,7 +119,7 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, to
     qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
     if not mask.any():
         z = np.zeros((0, qt, kb), np.int64)
-        return np.zeros((0, qt), np.int64), np.zeros((0, kb), np.int64), z, z, True
+        return np.zeros((0, qt), np.int64), np.zeros((0, kb), np.int64), z, z, W is None
     s_phys, s_req, s_blk = phys[mask], pair_req[mask], pair_blk[mask]
     # Columns are (block id, position in the request); pairs sorted by column, requests in order within one.
     col_key = s_phys * bt.shape[1] + s_blk
@@ -166,16 +166,22 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, to
     else:
         row_lo = tok_pos[np.minimum(rows, T - 1)] - W + 1  # first visible position of the row
         lo = np.clip(row_lo[:, :, None] - col_pos[:, None, :], 0, hi)
-    return rows, cphys, lo, hi, W is None and _prefix_visible(hi, row_ok, bs)
+    return rows, cphys, lo, hi, W is None and _prefix_visible(row_ctx, row_ok, col_pos, col_ok, bs)
 
 
-def _prefix_visible(hi: np.ndarray, row_ok: np.ndarray, bs: int) -> bool:
+def _prefix_visible(row_ctx, row_ok, col_pos, col_ok, bs: int) -> bool:
     """True when every shared tile's real rows all see the same keys and those keys are a prefix of the
     tile's slots (full blocks, then at most one partial one, then none): then a tile is one segment of a
     fused kernel with a key count (`paths/shared.py`). vLLM shares only full blocks, so this holds for
-    its steps; a table that shares a partly filled block falls back to the masked tiles."""
-    top = hi.max(1)  # [tiles, blocks]
-    same = ((hi == top[:, None, :]) | ~row_ok[:, :, None]).all()
+    its steps; a table that shares a partly filled block falls back to the masked tiles.
+
+    Without a window a cell's `hi` grows with the row's context, so the rows of a tile agree exactly
+    when its shortest and longest real contexts do: [tiles, blocks] work, not [tiles, rows, blocks]."""
+    big = np.iinfo(np.int64).max
+    longest = np.where(row_ok, row_ctx, -1).max(1)[:, None]
+    shortest = np.where(row_ok, row_ctx, big).min(1)[:, None]
+    top = np.clip(longest - col_pos, 0, bs) * col_ok
+    same = (top == np.clip(np.minimum(shortest, longest) - col_pos, 0, bs) * col_ok).all()
     return bool(same and ((top[:, 1:] == 0) | (top[:, :-1] == bs)).all())
 
 
