@@ -190,3 +190,25 @@ def test_prefix_flag_matches_its_definition():
         opts = PlanOptions(shared_rows=int(rng.choice([1, 3, 8])), shared_tile_keys=int(rng.choice([2, 8, 32])))
         plan = plan_step(q, ctx, table, bs, sliding_window=window, options=opts)
         assert plan.shared_prefix_visible == _brute_prefix_visible(plan), (q, ctx, table, window, opts)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_split_steps_through_flash(flash_calls, pad):
+    """A step cut into pieces under a gather cap (plan/split.py): each piece's shared and unique tiles
+    through flash, the causal pairs once, in the first piece."""
+    from test_split import CASES, KB, OPTIONS, CappedPlan
+
+    from conftest import make_block_table, make_tensors
+    from vllm_gaudi_unified import unified_attention
+    from vllm_gaudi_unified.plan.split import GatherCap
+    from vllm_gaudi_unified.reference import reference_attention
+
+    for name, step in sorted(CASES.items()):
+        table, num_blocks = make_block_table(step, np.random.default_rng(3))
+        q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float64, seed=3)
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, options=OPTIONS,
+                                    bucket=CappedPlan(GatherCap(KB, 3), pad))
+        assert batch.pieces and all(p.plan.shared_prefix_visible for p in (batch,) + batch.pieces)
+        out = unified_attention(q, k, v, kc, vc, batch, 0.37)
+        assert_matches(out, reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37))
+    assert flash_calls and any(flash_calls) and not all(flash_calls)

@@ -57,14 +57,14 @@ def _piece_partials(query, key, value, key_cache, value_cache, pieces, scale, ca
     for piece in pieces:
         pad = piece.bucket.query_len - t
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x for x in (query, key, value))
-        paths = _run_paths(q, k, v, key_cache, value_cache, piece, scale, cap)
-        next(paths)  # self pairs: already in the first piece
+        paths = _run_paths(q, k, v, key_cache, value_cache, piece, scale, cap, new_tokens=False)
         out += [_first_rows(p, t) for p in paths if p is not None]
     return out
 
 
-def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap):
-    """Which paths run, all conditions in one place:
+def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, new_tokens: bool = True):
+    """Which paths run, all conditions in one place (`new_tokens=False`: the further pieces of a split
+    step, whose self and causal pairs are in the first piece: 1 and 2 do not run):
 
     1. self (each token with its own key): always; it is elementwise.
     2. causal tiles: when the phase has 'c' (some request has two or more new tokens).
@@ -78,7 +78,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap):
     """
     phase = batch.phase
     flash = kernel_for(batch, query, cap) == "flash"
-    if flash and phase[0] == "c":
+    if not new_tokens:
+        pass
+    elif flash and phase[0] == "c":
         yield fused_causal_partial(query, key, value, batch, scale)
     else:
         yield self_partial(query, key, value, scale, cap)
