@@ -23,7 +23,9 @@ a device without the fused `block_softmax_adjustment` kernel (that kernel is
 Gaudi-3-only: on Gaudi 2, and here, flat_pa merges with matmuls), prefix
 caching on (so `use_contiguous_pa` is off and blocks are gathered by id). The
 vLLM modules ops.py imports for its MoE/quantization code are empty stand-ins,
-installed only while the file loads.
+installed only while the file loads. The project's shared stand-in
+(`tests/habana_standin.py`) is not used here: it completes a real vLLM and
+vllm-gaudi install, and the GPU machine this peer runs on has neither.
 """
 from __future__ import annotations
 
