@@ -1,7 +1,8 @@
 """Host side of a step (issue 14, items 4 and 5): what the faster planner and the kept buffers must not change.
 
 - the planner's arrays are bitwise those of the planner before its rewrite (digests recorded from
-  it, `data/plan_digests.json`, over trace steps and random batches, windows and tile options);
+  it, `data/plan_digests.json`, over trace steps, random batches and the benchmark's steps, with
+  windows and tile options);
 - plans made into kept buffers, and padded in place, equal fresh ones (the decode branch is held
   to the old planner by the benchmark's decode steps among the digests);
 - a bucket's steps reuse the same memory (graph replay) and allocate nothing;
@@ -95,8 +96,9 @@ def _larger(plan: StepPlan) -> Bucket:
 
 
 def test_plans_are_bitwise_those_of_the_planner_before_its_rewrite():
-    """Digests written by the planner of commit 9302982 (before the rewrite for issue 14; main's
-    refactors since were checked identical to it)."""
+    """Digests written by the planner before the rewrite for issue 14, as main had it at 98aae66 (the
+    planner of 9302982 plus the device half's column order and `shared_prefix_visible`), run outside
+    the repository on the same steps."""
     want = json.loads(DIGESTS.read_text())
     got = {name: digest(plan_step(*args, **kw)) for name, args, kw in golden_steps()}
     assert got.keys() == want.keys()

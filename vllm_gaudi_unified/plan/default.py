@@ -97,7 +97,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
         u_rows = pair_req if decodes else starts[pair_req]
         u_ids, u_hi = phys, pair_hi
         u_lo = None if W is None else _first_lo(ctx, nb_ctx - counts, counts, pair_hi, bs, W, phys.size)
-        shared, shared_needed = _no_shared(opts, bs), 0
+        shared, shared_needed = _no_shared(opts, bs, W), 0
     else:
         u_mask = ~is_shared
         u_ids, u_req, u_hi = phys[u_mask], pair_req[u_mask], pair_hi[u_mask]
@@ -121,7 +121,8 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
                    causal_k_start=causal_k, shared_rows=shared[0], shared_blocks=shared[1], shared_lo=shared[2],
                    shared_hi=shared[3], unique_rows=unique[0], unique_blocks=unique[1], unique_lo=unique[2],
                    unique_hi=unique[3], logits_indices=out.keep("logits_indices", starts + (q - 1)),
-                   max_block_id=max_block_id, work_needed=PathWork(causal_needed, shared_needed, unique_needed))
+                   max_block_id=max_block_id, work_needed=PathWork(causal_needed, shared_needed, unique_needed),
+                   shared_prefix_visible=shared[4])
 
 
 def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
@@ -163,7 +164,7 @@ def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
         hi = out.full("unique_hi", P, bs)
         hi[last] = last_hi
         lo = out.zeros("unique_lo", P)
-    shared = _no_shared(opts, bs)
+    shared = _no_shared(opts, bs, None)
     shape = _bucket(R, 0, 0, rows.size, R)
     return trusted(StepPlan, block_size=bs, sliding_window=None, options=opts, num_requests=R, num_tokens=R,
                    shape=shape, bucket=shape, token_seg_start=out.keep("token_seg_start", np.arange(R)),
@@ -171,7 +172,7 @@ def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
                    shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3], unique_rows=rows,
                    unique_blocks=ids, unique_lo=lo, unique_hi=hi,
                    logits_indices=out.keep("logits_indices", np.arange(R)), max_block_id=max_id,
-                   work_needed=PathWork(R, 0, int(ctx.sum())))
+                   work_needed=PathWork(R, 0, int(ctx.sum())), shared_prefix_visible=True)
 
 
 def _bucket(T, n_causal, n_shared, n_unique, R) -> Bucket:
@@ -188,9 +189,9 @@ def _first_lo(ctx, first_blk, counts, pair_hi, bs, W, P):
     return lo
 
 
-def _no_shared(opts, bs):
+def _no_shared(opts, bs, W):
     qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
-    return empty((0, qt)), empty((0, kb)), empty((0, qt, kb)), empty((0, qt, kb))
+    return empty((0, qt)), empty((0, kb)), empty((0, qt, kb)), empty((0, qt, kb)), W is None
 
 
 def _plan_unique(rows, ids, lo, hi, T, opts, out):

@@ -70,7 +70,9 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     rc_ctx = np.zeros(n_rc * qt, _I64)  # 0 for padding rows: they see no slot
     rc_ctx[dest] = np.repeat(ctx[gr_req], gr_q)
     # Column chunks: each group's columns, padded.
-    col_order = np.argsort(col_group, kind="stable")
+    # Within a group, columns in request order: a request's partly filled last block comes last, so a
+    # tile's visible keys are one prefix (what the fused kernel's per-segment key count can express).
+    col_order = np.lexsort((col_pos, col_group))
     cols_per_group = np.bincount(col_group, minlength=G)
     c_chunks = -(-cols_per_group // kb)
     c_off = np.cumsum(c_chunks) - c_chunks
@@ -102,6 +104,7 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
                         bs)
         lo = out.zeros("shared_lo", (tiles, qt, kb))
         needed = int(np.dot(q[s_req], pair_hi[mask]))  # each token of a request sees each of its pairs' slots
+        visible = _prefix_visible(rc_ctx.reshape(n_rc, qt), ri, cc_pos.reshape(n_cc, kb).take(ci, axis=0), bs)
     else:
         cpos = np.repeat(cc_pos.reshape(n_cc, kb).take(ci, axis=0)[:, None, :], qt, axis=1)
         row_ctx = rc_ctx.reshape(n_rc, qt).take(ri, axis=0)
@@ -115,7 +118,21 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
         np.maximum(lo, 0, out=lo)
         np.minimum(lo, hi, out=lo)
         needed = int(hi.sum()) - int(lo.sum())
-    return (rows, cphys, lo, hi), needed
+        visible = False
+    return (rows, cphys, lo, hi, visible), needed
+
+
+def _prefix_visible(rc_ctx, ri, col_pos, bs: int) -> bool:
+    """Without a window: True when every tile's real rows all see the same keys and those keys are a
+    prefix of the tile's slots (full blocks, then at most one partial one, then none), so a tile is one
+    segment of a fused kernel with a key count (`paths/shared.py`). A cell's `hi` grows with the row's
+    context, so a tile's rows agree when its shortest and longest real contexts do: per row chunk, not
+    per cell (padding rows have context 0, padding columns start at `_FAR`)."""
+    longest = rc_ctx.max(1)[ri][:, None]
+    shortest = np.where(rc_ctx > 0, rc_ctx, _FAR).min(1)[ri][:, None]
+    top = np.clip(longest - col_pos, 0, bs)
+    same = (top == np.clip(np.minimum(shortest, longest) - col_pos, 0, bs)).all()
+    return bool(same and ((top[:, 1:] == 0) | (top[:, :-1] == bs)).all())
 
 
 def _full_blocks_hi(hi, cc_pos, ci, rc_ctx, rows_per_group, r_chunks, c_chunks, r_off, per_group, partial,
