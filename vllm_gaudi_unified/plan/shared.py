@@ -128,11 +128,14 @@ def _prefix_visible(rc_ctx, ri, col_pos, bs: int) -> bool:
     segment of a fused kernel with a key count (`paths/shared.py`). A cell's `hi` grows with the row's
     context, so a tile's rows agree when its shortest and longest real contexts do: per row chunk, not
     per cell (padding rows have context 0, padding columns start at `_FAR`)."""
-    longest = rc_ctx.max(1)[ri][:, None]
-    shortest = np.where(rc_ctx > 0, rc_ctx, _FAR).min(1)[ri][:, None]
-    top = np.clip(longest - col_pos, 0, bs)
-    same = (top == np.clip(np.minimum(shortest, longest) - col_pos, 0, bs)).all()
-    return bool(same and ((top[:, 1:] == 0) | (top[:, :-1] == bs)).all())
+    rc_t = rc_ctx.T  # [rows, chunks]: reductions and differences with the long axis last (numpy's inner loops)
+    longest = rc_t.max(0)[ri]
+    shortest = np.minimum(np.where(rc_t > 0, rc_t, _FAR).min(0)[ri], longest)
+    pos = np.ascontiguousarray(col_pos.T)  # [blocks, tiles]
+    top = np.clip(longest - pos, 0, bs)
+    if not (top == np.clip(shortest - pos, 0, bs)).all():
+        return False
+    return bool(((top[1:] == 0) | (top[:-1] == bs)).all())
 
 
 def _full_blocks_hi(hi, cc_pos, ci, rc_ctx, rows_per_group, r_chunks, c_chunks, r_off, per_group, partial,
