@@ -64,37 +64,40 @@ def poisoned_steps(draw):
             table[r, :k] = table[0, :k]
     hkv = draw(st.sampled_from([1, 2]))
     readable = [(r, p) for r in range(n) for p in range(ctx[r])]
-    kinds = ["query", "key", "value"] + (["key_cache", "value_cache"] if readable else [])
-    kind = draw(st.sampled_from(kinds))
-    if kind.endswith("cache"):
-        r, pos = readable[draw(st.integers(0, len(readable) - 1))]
-        where = (int(table[r, pos // bs]), pos % bs)
-    else:
-        where = (draw(st.integers(0, sum(q) - 1)),)
+    kinds = ["query", "key", "value", "value"] + (["key_cache", "value_cache"] if readable else [])
+    poisons = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(kinds))
+        if kind.endswith("cache"):
+            r, pos = readable[draw(st.integers(0, len(readable) - 1))]
+            where = (int(table[r, pos // bs]), pos % bs)
+        else:
+            where = (draw(st.integers(0, sum(q) - 1)),)
+        poisons.append((kind, where, draw(st.integers(0, 7)),
+                        draw(st.sampled_from([float("nan"), float("inf"), float("-inf"), 6e4]))))
     return dict(seed=seed, bs=bs, q=q, ctx=ctx, table=table, hkv=hkv, hq=hkv * draw(st.sampled_from([1, 2])),
-                num_blocks=int(ids.max()) + 1, kind=kind, where=where, head=draw(st.integers(0, 7)),
-                value=draw(st.sampled_from([float("nan"), float("inf"), float("-inf"), 6e4])),
+                num_blocks=int(ids.max()) + 1, poisons=poisons,
                 window=draw(st.sampled_from([None, 1, 2, 5])), cap=draw(st.sampled_from([None, 3.0])),
                 pad=draw(st.booleans()))
 
 
 def attending_tokens(case) -> np.ndarray:
-    """[T] True for the tokens whose visible keys (or own query) include the poisoned element."""
+    """[T] True for the tokens whose visible keys (or own query) include a poisoned element."""
     q, ctx, table, bs, w = case["q"], case["ctx"], case["table"], case["bs"], case["window"]
     starts = np.cumsum(q) - q
     out = np.zeros(sum(q), bool)
-    for r in range(len(q)):
-        for j in range(q[r]):
-            t, p = starts[r] + j, ctx[r] + j
-            lo = 0 if w is None else max(0, p - w + 1)
-            if case["kind"] == "query":
-                out[t] = t == case["where"][0]
-            elif case["kind"] in ("key", "value"):
-                src = case["where"][0]
-                out[t] = starts[r] <= src <= t and ctx[r] + src - starts[r] >= lo
-            else:
-                b, s = case["where"]
-                out[t] = any(table[r, pos // bs] == b and pos % bs == s for pos in range(lo, min(p, ctx[r])))
+    for kind, where, _, _ in case["poisons"]:
+        for r in range(len(q)):
+            for j in range(q[r]):
+                t, p = starts[r] + j, ctx[r] + j
+                lo = 0 if w is None else max(0, p - w + 1)
+                if kind == "query":
+                    out[t] |= t == where[0]
+                elif kind in ("key", "value"):
+                    out[t] |= bool(starts[r] <= where[0] <= t and ctx[r] + where[0] - starts[r] >= lo)
+                else:
+                    out[t] |= any(table[r, pos // bs] == where[0] and pos % bs == where[1]
+                                  for pos in range(lo, min(p, ctx[r])))
     return out
 
 
@@ -118,8 +121,9 @@ def run_poisoned(case, options, dtype, device):
                                 num_blocks=case["num_blocks"], options=options, bucket=bucket, device=device)
     tensors = [x.to(device) for x in (q, k, v, kc, vc)]
     clean = unified_attention(*tensors, batch, 0.5, logits_soft_cap=case["cap"])
-    target = tensors[["query", "key", "value", "key_cache", "value_cache"].index(case["kind"])]
-    target[case["where"] + (case["head"] % target.shape[-2],)] = case["value"]
+    for kind, where, head, value in case["poisons"]:
+        target = tensors[["query", "key", "value", "key_cache", "value_cache"].index(kind)]
+        target[where + (head % target.shape[-2],)] = value
     poisoned = unified_attention(*tensors, batch, 0.5, logits_soft_cap=case["cap"])
     return clean.cpu(), poisoned.cpu()
 
@@ -244,7 +248,7 @@ def test_plan_memory_does_not_grow_with_the_largest_block_id(big, mode):
     assert peak < 4 << 20
     batch = build_unified_batch([1, 2, 1], [8, 8, 8], table, 4, options=opts)
     assert batch.max_block_id == big
-    ids = batch.plan.inv_unit_block if mode == "invariant" else np.concatenate(
+    ids = batch.plan.unit_block if mode == "invariant" else np.concatenate(
         [batch.plan.shared_blocks.ravel(), batch.plan.unique_blocks])
     assert big in set(int(x) for x in ids), "a block id was truncated"
 
@@ -252,7 +256,7 @@ def test_plan_memory_does_not_grow_with_the_largest_block_id(big, mode):
 def test_invariant_mode_does_not_truncate_block_ids_to_32_bits():
     """Block 2**32 + 15 planned as block 15 read the wrong cache block silently."""
     batch = build_unified_batch([1], [4], [[2**32 + 15]], 4, options=PlanOptions(batch_invariant=True))
-    assert int(batch.inv_unit_block[0]) == 2**32 + 15
+    assert int(batch.unit_block[0]) == 2**32 + 15
     args = (torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(16, 4, 1, 4),
             torch.zeros(16, 4, 1, 4))
     with pytest.raises(ValueError, match="block id 4294967311 but key_cache has 16 blocks"):

@@ -24,6 +24,8 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
     semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`).
 
     `dense_work`: also count what the dense design would compute (default mode; for trace statistics)."""
+    if options is not None and not isinstance(options, PlanOptions):
+        raise ValueError(f"options must be a PlanOptions or None, got {options!r}")
     opts = options or DEFAULT_OPTIONS
     if opts.batch_invariant:
         return plan_invariant(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,

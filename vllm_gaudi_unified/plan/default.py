@@ -39,11 +39,14 @@ from dataclasses import replace
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.plan.arrays import (check_covers, chunk_groups, chunk_index, first_bad_block, grow, mix64,
-                                            move_no_row, ranges, validate)
+from vllm_gaudi_unified.plan.arrays import (check_causal_tiles, check_covers, chunk_groups, chunk_index,
+                                            first_bad_block, grow, mix64, move_no_row, ranges, same_id_sum, validate)
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
+
+#: Largest cache slice the unique path reads in place (blocks): beyond it 'auto' gathers, 'slice' is refused.
+MAX_SLICE_BLOCKS = 1 << 22
 
 # ----------------------------------------------------------------------------- the planner
 
@@ -78,14 +81,15 @@ def plan_default(query_lens, context_lens, block_table, block_size: int, *, slid
     pair_hi = np.full(flat.size, bs, np.int64)  # every block is full but a request's last one
     last = (np.cumsum(counts) - 1)[counts > 0]
     pair_hi[last] = ctx[counts > 0] - pair_blk[last] * bs
-    if W is None:  # every token of the request sees every block
-        uses = np.bincount(phys, minlength=max_block_id + 1)
-        is_shared = (uses[phys] > 1) if uses.size and uses.max() > 1 else np.zeros(phys.size, bool)
+    if phys.size == 0:
+        is_shared = np.zeros(0, bool)
+    elif W is None:  # every token of the request sees every block
+        is_shared = same_id_sum(phys, max_block_id) > 1
         if T > R:
             is_shared |= np.repeat(q > 1, counts)
     else:  # token j sees the block's last key k while j <= k - context_len + W - 1
         users = np.clip(pair_blk * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
-        is_shared = np.bincount(phys, weights=users, minlength=max_block_id + 1)[phys] > 1
+        is_shared = same_id_sum(phys, max_block_id, users) > 1
 
     unique = _plan_unique(~is_shared, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts, counts)
     shared = _plan_shared(is_shared, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, first_blk,
@@ -135,7 +139,10 @@ def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T,
     span = int(ids.max()) + 1
     layout = opts.unique_layout
     if layout == "auto":
-        layout = "slice" if ids.size >= opts.slice_min_density * span else "gather"
+        layout = "slice" if ids.size >= opts.slice_min_density * span and span <= MAX_SLICE_BLOCKS else "gather"
+    elif layout == "slice" and span > MAX_SLICE_BLOCKS:
+        raise ValueError(f"unique_layout='slice' would read cache blocks [0, {span}) for block id {span - 1}: "
+                         f"more than {MAX_SLICE_BLOCKS}; use 'gather' or 'auto'")
     if layout == "gather":
         return rows, ids, lo, hi
     slot_rows = np.full(span, T, np.int64)
@@ -241,6 +248,7 @@ def _plan_causal(seg_start, tok_j, T, W, tile):
     lo, hi = lo.reshape(n, tile).min(1), hi.reshape(n, tile).max(1)
     active = np.flatnonzero(hi >= 0)
     first_k, last_k = lo[active] // tile, hi[active] // tile
+    check_causal_tiles(int((last_k - first_k + 1).sum()), tile)
     k_tiles, owner = ranges(first_k, last_k - first_k + 1)
     return (active[owner] * tile), (k_tiles * tile), needed
 
