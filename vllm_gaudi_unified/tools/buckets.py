@@ -4,8 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
+
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE, MAX_STEP_TOKENS
+from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, TILE, comma_ints, float_in, int_in, parse_comma_ints
+from vllm_gaudi_unified.tools.workloads import WORKLOADS
+
+WORKLOAD_NAMES = tuple(WORKLOADS)
 
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                  "sliding_window")
@@ -27,20 +33,27 @@ def register(subparsers) -> None:
     _add_model(g)
     g.add_argument("--trace", action="append", default=[], metavar="T",
                    help="scheduler trace (.jsonl or .jsonl.gz) to learn from; repeatable")
-    g.add_argument("--workload", default="chat", help="simulated workload when no --trace is given (chat, mixed)")
-    g.add_argument("--seeds", default="1,2,3", help="simulator seeds when no --trace is given (comma separated)")
-    g.add_argument("--max-graphs", type=int, default=None, help="most buckets in the plan (trace; default 32)")
-    g.add_argument("--target-waste", type=float, default=None,
-                   help="stop at the fewest buckets whose padding waste on the traces is at most this (trace)")
-    g.add_argument("--resolution", type=float, default=3.0,
-                   help="grid points per doubling for bucket boundaries (trace; default 3)")
-    g.add_argument("--margin", type=float, default=0.2,
-                   help="grow learned shapes by this share before choosing, for unseen steps (trace; default 0.2)")
-    g.add_argument("--exp-base", type=float, default=2.0, help="growth factor of exponential ranges (default 2)")
+    g.add_argument("--workload", choices=WORKLOAD_NAMES, default="chat",
+                   help="simulated workload when no --trace is given")
+    g.add_argument("--seeds", type=comma_ints, default="1,2,3",
+                   help="simulator seeds when no --trace is given (comma separated)")
+    g.add_argument("--max-graphs", type=int_in(1, 4096), default=None,
+                   help="most buckets in the plan (trace; default 32)")
+    g.add_argument("--target-waste", type=float_in(1.0, 1e6), default=None,
+                   help="stop at the fewest buckets whose padding waste (padded / real work, >= 1) on the traces "
+                        "is at most this (trace)")
+    g.add_argument("--resolution", type=float_in(0.5, 8.0), default=3.0,
+                   help="grid points per doubling for bucket boundaries, 0.5 to 8 (trace; default 3)")
+    g.add_argument("--margin", type=float_in(0.0, 4.0), default=0.2,
+                   help="grow learned shapes by this share before choosing, for unseen steps, 0 to 4 "
+                        "(trace; default 0.2)")
+    g.add_argument("--exp-base", type=float_in(1.4, 16.0), default=2.0,
+                   help="growth factor of exponential ranges, 1.4 to 16 (default 2; 1.4 already makes ~25000 "
+                        "buckets)")
     g.add_argument("--miss-policy", choices=("error", "largest", "unbucketed"), default="error",
                    help="what a step no bucket covers does at serve time (default: error)")
-    g.add_argument("--jobs", type=int, default=None, help="processes for replaying traces (default: all cores)")
-    g.add_argument("-o", "--output", required=True, help="plan file to write (JSON)")
+    g.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying traces (default: all cores)")
+    g.add_argument("-o", "--output", type=output_path, required=True, help="plan file to write (JSON)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.set_defaults(func=cmd_generate, _parser=g)
 
@@ -56,8 +69,8 @@ def register(subparsers) -> None:
                                    "per dimension.")
     e.add_argument("plan", metavar="PLAN", help="bucket plan JSON")
     e.add_argument("--trace", action="append", required=True, metavar="T", help="scheduler trace; repeatable")
-    e.add_argument("--json", default=None, help="also write the results to this JSON file")
-    e.add_argument("--jobs", type=int, default=None, help="processes for replaying traces")
+    e.add_argument("--json", type=output_path, default=None, help="also write the results to this JSON file")
+    e.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying traces")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_evaluate)
 
@@ -66,21 +79,23 @@ def register(subparsers) -> None:
                                     "slots and causal tiles) and the plan's buckets as boxes.")
     pl.add_argument("plan", metavar="PLAN", help="bucket plan JSON")
     pl.add_argument("--trace", required=True, metavar="T", help="scheduler trace")
-    pl.add_argument("-o", "--output", required=True, help="PNG file to write")
-    pl.add_argument("--jobs", type=int, default=None, help="processes for replaying the trace")
+    pl.add_argument("-o", "--output", type=output_path, required=True, help="PNG file to write")
+    pl.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying the trace")
     pl.set_defaults(func=cmd_plot)
 
     sm = sub.add_parser("simulate", help="make a scheduler trace with the v1-like simulator",
                         description="Simulate a vLLM v1 scheduler serving a generated workload and write "
                                     "its steps as a trace.")
     _add_settings(sm, options=False)
-    sm.add_argument("--workload", default="chat", help="named workload: chat or mixed")
-    sm.add_argument("--seed", type=int, default=0, help="random seed")
-    sm.add_argument("--num-requests", type=int, default=None, help="requests (default: the workload's)")
-    sm.add_argument("--arrival-rate", type=float, default=None, help="new requests per step, 0 = all at once")
-    sm.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    sm.add_argument("--workload", choices=WORKLOAD_NAMES, default="chat", help="named workload")
+    sm.add_argument("--seed", type=SEED, default=0, help="random seed")
+    sm.add_argument("--num-requests", type=POSITIVE, default=None, help="requests (default: the workload's)")
+    sm.add_argument("--arrival-rate", type=float_in(0.0, 1e6), default=None,
+                    help="new requests per step, 0 = all at once")
+    sm.add_argument("--max-steps", type=POSITIVE, default=None, help="stop after this many steps")
     sm.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    sm.add_argument("-o", "--output", required=True, help="trace file to write (.jsonl or .jsonl.gz)")
+    sm.add_argument("-o", "--output", type=output_path, required=True,
+                    help="trace file to write (.jsonl or .jsonl.gz)")
     sm.add_argument("--no-progress", action="store_true", help="no progress bar")
     sm.set_defaults(func=cmd_simulate)
 
@@ -90,28 +105,32 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
 
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama8b-gaudi3",
                    help="server settings to start from (default: llama8b-gaudi3); flags below override")
-    p.add_argument("--block-size", type=int, default=None, help="KV cache block size (tokens)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM max_num_seqs")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM max_num_batched_tokens")
-    p.add_argument("--max-model-len", type=int, default=None, help="vLLM max_model_len")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
-    p.add_argument("--sliding-window", type=int, default=None, help="sliding window of the model, if any")
+    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None, help="KV cache block size (tokens)")
+    p.add_argument("--max-num-seqs", type=POSITIVE, default=None, help="vLLM max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int_in(1, MAX_STEP_TOKENS), default=None,
+                   help="vLLM max_num_batched_tokens")
+    p.add_argument("--max-model-len", type=POSITIVE, default=None, help="vLLM max_model_len")
+    p.add_argument("--num-blocks", type=POSITIVE, default=None, help="KV cache blocks")
+    p.add_argument("--sliding-window", type=POSITIVE, default=None, help="sliding window of the model, if any")
     if options:
-        p.add_argument("--causal-tile", type=int, default=None, help="planner option: causal tile size")
-        p.add_argument("--shared-rows", type=int, default=None, help="planner option: query rows of a shared tile")
-        p.add_argument("--shared-tile-keys", type=int, default=None, help="planner option: keys of a shared tile")
+        p.add_argument("--causal-tile", type=TILE["causal_tile"], default=None,
+                       help="planner option: causal tile size")
+        p.add_argument("--shared-rows", type=TILE["shared_rows"], default=None,
+                       help="planner option: query rows of a shared tile")
+        p.add_argument("--shared-tile-keys", type=TILE["shared_tile_keys"], default=None,
+                       help="planner option: keys of a shared tile")
         p.add_argument("--unique-layout", choices=("gather", "slice"), default=None,
                        help="planner option: unique path layout (default gather: one graph per bucket)")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-layers", type=int, default=None, help="model layers (default 32, Llama-3.1-8B)")
-    p.add_argument("--num-qo-heads", type=int, default=None, help="query heads (default 32)")
-    p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default 8)")
-    p.add_argument("--head-dim", type=int, default=None, help="head size (default 128)")
-    p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per element (default 2, bf16)")
-    p.add_argument("--hidden-size", type=int, default=None, help="hidden size, for the LM head (default 4096)")
-    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary, for the LM head (default 128256)")
+    p.add_argument("--num-layers", type=POSITIVE, default=None, help="model layers (default 32, Llama-3.1-8B)")
+    p.add_argument("--num-qo-heads", type=POSITIVE, default=None, help="query heads (default 32)")
+    p.add_argument("--num-kv-heads", type=POSITIVE, default=None, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=POSITIVE, default=None, help="head size (default 128)")
+    p.add_argument("--dtype-bytes", type=int_in(1, 8), default=None, help="bytes per element (default 2, bf16)")
+    p.add_argument("--hidden-size", type=POSITIVE, default=None, help="hidden size, for the LM head (default 4096)")
+    p.add_argument("--vocab-size", type=POSITIVE, default=None, help="vocabulary, for the LM head (default 128256)")
 
 
 def settings_from_args(args):
@@ -133,11 +152,6 @@ def model_from_args(args):
     return ModelSpec(**{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k, None) is not None})
 
 
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return 2
-
-
 def load_shapes(paths, settings, jobs=None, progress=True):
     from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace
 
@@ -149,30 +163,26 @@ def cmd_generate(args) -> int:
     from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
     from vllm_gaudi_unified.tools.workloads import workload_from
     from vllm_gaudi_unified.tools.strategies import exponential_plan, trace_plan
-    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
     t0 = time.perf_counter()
-    try:
-        settings = settings_from_args(args)
-        model = model_from_args(args)
-        if args.strategy == "exponential":
-            plan = exponential_plan(settings, model, base=args.exp_base)
+    settings = settings_from_args(args)
+    model = model_from_args(args)
+    if args.strategy == "exponential":
+        plan = exponential_plan(settings, model, base=args.exp_base)
+    else:
+        if args.trace:
+            shapes = load_shapes(args.trace, settings, args.jobs, not args.no_progress)
         else:
-            if args.trace:
-                shapes = load_shapes(args.trace, settings, args.jobs, not args.no_progress)
-            else:
-                sched = SchedulerConfig.from_settings(settings)
-                work = workload_from(args.workload)
-                parts = []
-                for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
-                    steps = list(Simulator(sched, work, seed).steps())
-                    parts.append(shapes_of_steps(steps, settings, f"simulated:{args.workload}:seed{seed}"))
-                shapes = StepShapes.concat(parts)
-            max_graphs = args.max_graphs if args.max_graphs is not None else (None if args.target_waste else 32)
-            plan = trace_plan(shapes, settings, model, max_graphs=max_graphs, target_waste=args.target_waste,
-                              resolution=args.resolution, margin=args.margin, progress=not args.no_progress)
-    except (ValueError, TraceError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+            sched = SchedulerConfig.from_settings(settings)
+            work = workload_from(args.workload)
+            parts = []
+            for seed in parse_comma_ints(args.seeds):
+                steps = list(Simulator(sched, work, seed).steps())
+                parts.append(shapes_of_steps(steps, settings, f"simulated:{args.workload}:seed{seed}"))
+            shapes = StepShapes.concat(parts)
+        max_graphs = args.max_graphs if args.max_graphs is not None else (None if args.target_waste else 32)
+        plan = trace_plan(shapes, settings, model, max_graphs=max_graphs, target_waste=args.target_waste,
+                          resolution=args.resolution, margin=args.margin, progress=not args.no_progress)
     plan.miss_policy = args.miss_policy
     plan.info["command"] = command_line(args)
     plan.save(args.output)
@@ -210,10 +220,7 @@ def command_line(args) -> str:
 def cmd_show(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
-    try:
-        plan = BucketPlan.load(args.plan)
-    except (ValueError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+    plan = BucketPlan.load(args.plan)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
@@ -244,20 +251,16 @@ def cmd_evaluate(args) -> int:
     from vllm_gaudi_unified.tools.evaluate import evaluate
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
-    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
-    try:
-        plan = BucketPlan.load(args.plan)
-        results = []
-        for t in args.trace:
-            shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
-            results.append(evaluate(plan, shapes, os.path.basename(t)))
-    except (ValueError, TraceError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+    plan = BucketPlan.load(args.plan)
+    results = []
+    for t in args.trace:
+        shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
+        results.append(evaluate(plan, shapes, os.path.basename(t)))
     print(f"plan: {args.plan} ({plan.strategy}, {len(plan)} graphs)\n")
     print("\n\n".join(r.table() for r in results))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+        with atomic_write(args.json) as f:
             json.dump({"plan": args.plan, "strategy": plan.strategy, "graphs": len(plan),
                        "results": [r.to_dict() for r in results]}, f, indent=1)
     return 0
@@ -267,13 +270,9 @@ def cmd_plot(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
     from vllm_gaudi_unified.tools.plot import plot_plan
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
-    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
-    try:
-        plan = BucketPlan.load(args.plan)
-        shapes = shapes_of_trace(args.trace, plan.settings, jobs=args.jobs)
-    except (ValueError, TraceError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+    plan = BucketPlan.load(args.plan)
+    shapes = shapes_of_trace(args.trace, plan.settings, jobs=args.jobs)
     plot_plan(plan, shapes, args.output)
     print(f"wrote {args.output}")
     return 0
@@ -284,12 +283,9 @@ def cmd_simulate(args) -> int:
     from vllm_gaudi_unified.tools.workloads import workload_from
     from vllm_gaudi_unified.bucket_plans.trace import TraceWriter
 
-    try:
-        s = settings_from_args(args)
-        sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching)
-        work = workload_from(args.workload, num_requests=args.num_requests, arrival_rate=args.arrival_rate)
-    except ValueError as exc:
-        return _fail(str(exc))
+    s = settings_from_args(args)
+    sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching)
+    work = workload_from(args.workload, num_requests=args.num_requests, arrival_rate=args.arrival_rate)
     from tqdm import tqdm
 
     sim = Simulator(sched, work, args.seed)

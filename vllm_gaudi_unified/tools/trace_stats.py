@@ -12,7 +12,9 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, field
 
+from vllm_gaudi_unified.files import atomic_write, output_path
 from vllm_gaudi_unified.plan import PathWork, PlanOptions, plan_step
+from vllm_gaudi_unified.flags import POSITIVE, TILE
 
 PATHS = ("causal", "shared", "unique")
 
@@ -65,9 +67,11 @@ def options_from_args(args) -> PlanOptions:
 def add_plan_option_flags(parser: argparse.ArgumentParser) -> None:
     """The planner's tile options as flags, defaults from PlanOptions."""
     d = PlanOptions()
-    parser.add_argument("--causal-tile", type=int, default=d.causal_tile, help="rows = keys of a causal tile")
-    parser.add_argument("--shared-rows", type=int, default=d.shared_rows, help="query rows of a shared tile")
-    parser.add_argument("--shared-tile-keys", type=int, default=d.shared_tile_keys,
+    parser.add_argument("--causal-tile", type=TILE["causal_tile"], default=d.causal_tile,
+                        help="rows = keys of a causal tile")
+    parser.add_argument("--shared-rows", type=TILE["shared_rows"], default=d.shared_rows,
+                        help="query rows of a shared tile")
+    parser.add_argument("--shared-tile-keys", type=TILE["shared_tile_keys"], default=d.shared_tile_keys,
                         help="keys of a shared tile (whole blocks)")
     parser.add_argument("--unique-layout", choices=("auto", "slice", "gather"), default=d.unique_layout,
                         help="unique path: contiguous slice, gathered live blocks, or per-step choice")
@@ -82,7 +86,7 @@ def _run(args) -> int:
           f"unique path gathered live blocks in {work.gathered_steps} steps")
     print(work.table())
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json) as f:
             json.dump({"trace": args.trace, "steps": work.steps, "options": asdict(options_from_args(args)),
                        **{k: asdict(getattr(work, k)) for k in ("needed", "planned", "dense")}}, f, indent=1)
     return 0
@@ -93,8 +97,8 @@ def register(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="scheduler trace, JSON Lines (.jsonl or .jsonl.gz)")
     add_plan_option_flags(p)
-    p.add_argument("--sliding-window", type=int, default=None, help="model sliding window (default: none)")
-    p.add_argument("--limit", type=int, default=None, help="read only the first N steps")
-    p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("--sliding-window", type=POSITIVE, default=None, help="model sliding window (default: none)")
+    p.add_argument("--limit", type=POSITIVE, default=None, help="read only the first N steps")
+    p.add_argument("--json", type=output_path, default=None, help="also write the numbers to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
