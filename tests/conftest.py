@@ -18,6 +18,22 @@ import torch
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention
 
+#: The suite's tensors are tiny: one intra-op thread is faster than several, and far faster on a
+#: shared machine, where torch's waiting threads spin for cores (the random invariance tests ran 10x
+#: longer with two threads under load). Tests that should see torch's own threading ask for
+#: `torch_threads`.
+TORCH_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def torch_threads():
+    """torch's default intra-op thread count for the duration of one test."""
+    torch.set_num_threads(TORCH_THREADS)
+    yield TORCH_THREADS
+    torch.set_num_threads(1)
+
+
 #: Small tiles so that small tests still cross tile boundaries.
 SMALL_TILES = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
 

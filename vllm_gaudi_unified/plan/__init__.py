@@ -18,12 +18,9 @@ from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 
 def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None = None,
-              num_blocks: int | None = None, options: PlanOptions | None = None,
-              dense_work: bool = False) -> StepPlan:
+              num_blocks: int | None = None, options: PlanOptions | None = None) -> StepPlan:
     """Plan one scheduler step; arrays are unpadded (`bucket == shape`). See `plan/default.py` for the
-    semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`).
-
-    `dense_work`: also count what the dense design would compute (default mode; for trace statistics)."""
+    semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`)."""
     if options is not None and not isinstance(options, PlanOptions):
         raise ValueError(f"options must be a PlanOptions or None, got {options!r}")
     opts = options or DEFAULT_OPTIONS
@@ -31,7 +28,7 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
         return plan_invariant(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
                               num_blocks=num_blocks, options=opts)
     return plan_default(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                        num_blocks=num_blocks, options=opts, dense_work=dense_work)
+                        num_blocks=num_blocks, options=opts)
 
 
 def pad_plan(plan: StepPlan, bucket: Bucket) -> StepPlan:

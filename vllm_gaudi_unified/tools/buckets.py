@@ -7,15 +7,15 @@ import os
 import time
 
 from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, comma_ints, float_in, int_in, parse_comma_ints
 from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE, MAX_STEP_TOKENS
-from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, TILE, comma_ints, float_in, int_in, parse_comma_ints
+from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
 from vllm_gaudi_unified.tools.workloads import WORKLOADS
 
 WORKLOAD_NAMES = tuple(WORKLOADS)
 
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                  "sliding_window")
-OPTION_FLAGS = ("causal_tile", "shared_rows", "shared_tile_keys", "unique_layout")
 MODEL_FLAGS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size", "vocab_size")
 
 
@@ -112,15 +112,8 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
     p.add_argument("--max-model-len", type=POSITIVE, default=None, help="vLLM max_model_len")
     p.add_argument("--num-blocks", type=POSITIVE, default=None, help="KV cache blocks")
     p.add_argument("--sliding-window", type=POSITIVE, default=None, help="sliding window of the model, if any")
-    if options:
-        p.add_argument("--causal-tile", type=TILE["causal_tile"], default=None,
-                       help="planner option: causal tile size")
-        p.add_argument("--shared-rows", type=TILE["shared_rows"], default=None,
-                       help="planner option: query rows of a shared tile")
-        p.add_argument("--shared-tile-keys", type=TILE["shared_tile_keys"], default=None,
-                       help="planner option: keys of a shared tile")
-        p.add_argument("--unique-layout", choices=("gather", "slice"), default=None,
-                       help="planner option: unique path layout (default gather: one graph per bucket)")
+    if options:  # no 'auto' layout: one bucket would need two graphs (slice and gather)
+        add_plan_option_flags(p, layouts=("gather", "slice"), base="the preset's (unique layout: gather)")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -140,9 +133,9 @@ def settings_from_args(args):
 
     s = PRESETS[args.preset]
     over = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
-    opts = {k: getattr(args, k) for k in OPTION_FLAGS if getattr(args, k, None) is not None}
-    if opts:
-        over["options"] = replace(s.options, **opts)
+    options = plan_options_from_args(args, s.options)
+    if options != s.options:
+        over["options"] = options
     return replace(s, **over) if over else s
 
 
