@@ -23,8 +23,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--baselines", default="sdpa_loop,padded_sdpa,flex",
                    help=f"baselines to time, from {','.join(BASELINES)} ('none' for none; flex: CUDA only)")
     p.add_argument("--baseline-block-sizes", default="16", help="block sizes at which baselines run")
-    p.add_argument("--scale", type=float_in(1e-6, 1e3), default=1.0, help="shrink request counts and lengths (CPU runs, tests)")
-    p.add_argument("--num-heads", type=POSITIVE, default=32, help="query heads")
+    p.add_argument("--scale", type=float_in(1e-6, 1e3), default=1.0,
+                   help="shrink request counts and lengths (CPU runs, tests)")
+    p.add_argument("--num-qo-heads", type=POSITIVE, default=32, help="query heads")
     p.add_argument("--num-kv-heads", type=POSITIVE, default=8, help="KV heads")
     p.add_argument("--head-dim", type=POSITIVE, default=128, help="head size")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")

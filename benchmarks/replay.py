@@ -70,7 +70,7 @@ def replay_step(step, label: str, device, dtype, heads=(32, 8, 128), tol: float 
     after = plan_step(step.query_lens, step.context_lens, bt, bs, num_blocks=num_blocks)
     before = dense_plan(step.query_lens, step.context_lens, bt, bs, num_blocks)
     dense = dense_work(after)
-    row = dict(step=label, tokens=int(step.query_lens.sum()), requests=int(step.num_reqs), block_size=bs,
+    row = dict(step=label, tokens=int(step.query_lens.sum()), requests=int(step.num_requests), block_size=bs,
                num_blocks=num_blocks, needed=after.work_needed.total, dense=dense.total, dense_paths=str(dense), before_planned=before.work_planned.total,
                before_paths=str(before.work_planned), after_planned=after.work_planned.total,
                after_paths=str(after.work_planned), before_bucket=str(before.bucket), after_bucket=str(after.bucket))

@@ -65,7 +65,7 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
     from vllm_gaudi_unified.batch import UnifiedBatch
     from vllm_gaudi_unified.graphs import compiled_attention
 
-    hq, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
+    hq, hkv, d = args.num_qo_heads, args.num_kv_heads, args.head_dim
     lay = sc_mod.layout(sc, bs, seed=args.seed)
     opts = plan_options_from_args(args)
     ql, cl = list(sc.query_lens), list(sc.context_lens)

@@ -44,7 +44,7 @@ class Step:
     context_lens: list
     block_size: int
     prefix_groups: list = field(default_factory=list)  # [(request indices, shared full blocks)]
-    num_heads: int = 4
+    num_qo_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 8
     num_blocks: int | None = None  # default: just enough, plus the null block and some spare
@@ -60,8 +60,8 @@ SPECS = {
     "parallel_sampling": Step([1, 1, 1, 1], [13, 13, 13, 13], 4, prefix_groups=[([0, 1, 2, 3], 3)]),  # -su
     "ragged_partial": Step([3, 1, 9, 2, 1], [13, 30, 7, 1, 2], 8),  # csu
     "long_causal": Step([37, 1], [3, 40], 4),  # causal longer than many tiles
-    "gqa": Step([5, 1, 1], [6, 11, 3], 4, num_heads=8, num_kv_heads=2),
-    "mqa": Step([5, 1, 1], [6, 11, 3], 4, num_heads=6, num_kv_heads=1),
+    "gqa": Step([5, 1, 1], [6, 11, 3], 4, num_qo_heads=8, num_kv_heads=2),
+    "mqa": Step([5, 1, 1], [6, 11, 3], 4, num_qo_heads=6, num_kv_heads=1),
 }
 
 
@@ -86,7 +86,7 @@ def make_tensors(step: Step, table: np.ndarray, num_blocks: int, dtype=torch.flo
     """Random q/k/v and caches; every slot no request may read is poisoned with NaN or inf."""
     g = torch.Generator().manual_seed(seed)
     t = sum(step.query_lens)
-    hq, hkv, d, bs = step.num_heads, step.num_kv_heads, step.head_dim, step.block_size
+    hq, hkv, d, bs = step.num_qo_heads, step.num_kv_heads, step.head_dim, step.block_size
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
     q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
     kc, vc = rand(num_blocks, bs, hkv, d), rand(num_blocks, bs, hkv, d)

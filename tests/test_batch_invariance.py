@@ -50,7 +50,7 @@ class World:
     others: tuple = ()
     position: int = 0  #: the target's index in the batch
     block_size: int = 4
-    num_heads: int = 4
+    num_qo_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 8
     sliding_window: int | None = None
@@ -80,7 +80,7 @@ def _block_table(world: World, rng: np.random.Generator):
 
 def _tensors(world: World, table: np.ndarray, num_blocks: int, dtype, device):
     """Caches (unreadable slots poisoned) and q/k/v, the target's drawn from its own generator."""
-    hq, hkv, d, bs = world.num_heads, world.num_kv_heads, world.head_dim, world.block_size
+    hq, hkv, d, bs = world.num_qo_heads, world.num_kv_heads, world.head_dim, world.block_size
     g = torch.Generator().manual_seed(world.seed)
     rand = lambda *shape, gen=g: torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
     kc, vc = rand(num_blocks, bs, hkv, d), rand(num_blocks, bs, hkv, d)
@@ -169,7 +169,7 @@ SCENARIOS = {
     # Soft cap and sinks, target last.
     "softcap_sinks": World(Req(6, 18), others=(Req(4, 18, 2), Req(1, 3)), position=2, soft_cap=5.0, sinks=True),
     # MQA and a bucket with extra causal tiles and rows.
-    "mqa_padded": World(Req(7, 10), others=(Req(5, 12),), position=1, num_heads=6, num_kv_heads=1,
+    "mqa_padded": World(Req(7, 10), others=(Req(5, 12),), position=1, num_qo_heads=6, num_kv_heads=1,
                         pad=(5, 3, 1, 0, 1)),
 }
 
@@ -222,7 +222,7 @@ def worlds(draw, sharing: bool):
     heads = draw(st.sampled_from([(4, 2), (4, 4), (6, 1), (8, 2)]))
     pad = draw(st.sampled_from([(0, 0, 0, 0, 0), (3, 1, 2, 0, 1), (1, 4, 7, 3, 2)]))
     return World(target, tuple(others), position=draw(st.integers(0, len(others))), block_size=bs,
-                 num_heads=heads[0], num_kv_heads=heads[1], head_dim=draw(st.sampled_from([8, 16])),
+                 num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim=draw(st.sampled_from([8, 16])),
                  sliding_window=draw(st.sampled_from([None, None, 6, 17])),
                  soft_cap=draw(st.sampled_from([None, 4.0])), sinks=draw(st.booleans()), pad=pad,
                  seed=draw(st.integers(0, 2**16)))

@@ -9,7 +9,7 @@ import torch
 
 from vllm_gaudi_unified.tools.cli import build_parser
 
-SMALL = ["--device", "cpu", "--scale", "0.01", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
+SMALL = ["--device", "cpu", "--scale", "0.01", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
          "--dtype", "float32", "--tol", "1e-4", "--cpu-reps", "2"]
 
 

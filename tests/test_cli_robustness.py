@@ -129,7 +129,7 @@ def test_every_numeric_flag_is_range_checked():
     (["buckets", "simulate", "--num-requests", "0", "-o", "t.jsonl"], ["--num-requests", "0"]),
     (["demo", "--steps", "-3"], ["--steps", "-3"]),
     (["demo", "--head-dim", "0"], ["--head-dim", "0"]),
-    (["demo", "--num-heads", "3", "--num-kv-heads", "2"], ["--num-heads 3", "--num-kv-heads 2"]),
+    (["demo", "--num-qo-heads", "3", "--num-kv-heads", "2"], ["--num-qo-heads 3", "--num-kv-heads 2"]),
     (["bench", "--scale", "0"], ["--scale", "0"]),
     (["bench", "--cpu-reps", "0"], ["--cpu-reps", "0"]),
     (["buckets", "show"], ["PLAN"]),

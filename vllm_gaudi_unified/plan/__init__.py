@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.plan.arrays import validate
 from vllm_gaudi_unified.plan.default import pad_default, plan_default
 from vllm_gaudi_unified.plan.invariant import InvariantPlan, pad_invariant, plan_invariant
 from vllm_gaudi_unified.plan.options import DEFAULT_OPTIONS, UNIQUE_LAYOUTS, PathWork, PlanOptions
@@ -24,11 +25,9 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
     if options is not None and not isinstance(options, PlanOptions):
         raise ValueError(f"options must be a PlanOptions or None, got {options!r}")
     opts = options or DEFAULT_OPTIONS
-    if opts.batch_invariant:
-        return plan_invariant(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                              num_blocks=num_blocks, options=opts)
-    return plan_default(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                        num_blocks=num_blocks, options=opts)
+    checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
+    planner = plan_invariant if opts.batch_invariant else plan_default
+    return planner(*checked, int(block_size), sliding_window, num_blocks, opts)
 
 
 def pad_plan(plan: StepPlan, bucket: Bucket) -> StepPlan:

@@ -39,8 +39,8 @@ from dataclasses import replace
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.plan.arrays import (check_causal_tiles, check_covers, chunk_groups, chunk_index,
-                                            first_bad_block, grow, move_no_row, ranges, same_id_sum, validate)
+from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, chunk_groups, chunk_index,
+                                            grow, move_no_row, ranges, same_id_sum, step_tokens)
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.rules import (MAX_SLICE_BLOCKS, causal_spans, group_columns, shared_pairs, shared_tiles,
                                            unique_reads_slice)
@@ -50,32 +50,14 @@ from vllm_gaudi_unified.plan.step_plan import StepPlan
 # ----------------------------------------------------------------------------- the planner
 
 
-def plan_default(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None,
-                 num_blocks: int | None, options: PlanOptions) -> StepPlan:
-    """`plan_step` in the default mode (see the module docstring); arrays are unpadded: `bucket == shape`."""
-    opts = options
-    q, ctx, bt, nb_ctx = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
-    bs, W = int(block_size), sliding_window
+def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | None, opts: PlanOptions) -> StepPlan:
+    """`plan_step` in the default mode (see the module docstring) on checked inputs (`arrays.validate`);
+    arrays are unpadded: `bucket == shape`."""
     R, T = q.size, int(q.sum())
-    starts = np.cumsum(q) - q
-    if T == R:  # every request has one new token (decodes): no ranges to build
-        tok_j, tok_req = np.zeros(R, np.int64), np.arange(R)
-    else:
-        tok_j, tok_req = ranges(np.zeros_like(q), q)
+    starts, tok_j, tok_req, tok_pos = step_tokens(q, ctx)
     seg_start = starts[tok_req]
-    tok_pos = ctx[tok_req] + tok_j
-
-    # (request, cached block) pairs some token of the request can see, as flat indices into the table.
-    first_blk = np.zeros_like(ctx) if W is None else np.maximum(ctx - W + 1, 0) // bs
-    counts = np.maximum(nb_ctx - first_blk, 0)
-    width = bt.shape[1]
-    flat, pair_req = ranges(np.arange(R) * width + first_blk, counts)
-    pair_blk = flat - pair_req * width
-    phys = bt.ravel()[flat]
-    max_block_id = int(phys.max()) if phys.size else -1
-    if phys.size and (phys.min() < 0 or (num_blocks is not None and max_block_id >= num_blocks)):
-        first_bad_block(phys, pair_req, pair_blk, num_blocks)
-    pair_hi = np.full(flat.size, bs, np.int64)  # every block is full but a request's last one
+    pair_req, pair_blk, phys, counts, max_block_id = cached_pairs(ctx, nb_ctx, bt, bs, W, num_blocks)
+    pair_hi = np.full(phys.size, bs, np.int64)  # every block is full but a request's last one
     last = (np.cumsum(counts) - 1)[counts > 0]
     pair_hi[last] = ctx[counts > 0] - pair_blk[last] * bs
     if W is None:  # every token of the request sees every block
@@ -85,8 +67,7 @@ def plan_default(query_lens, context_lens, block_table, block_size: int, *, slid
         is_shared = same_id_sum(phys, max_block_id, users) > 1 if phys.size else np.zeros(0, bool)
 
     unique = _plan_unique(~is_shared, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts, counts)
-    shared = _plan_shared(is_shared, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, first_blk,
-                          tok_req, tok_pos, bs, W, T, opts)
+    shared = _plan_shared(is_shared, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, tok_pos, bs, W, T, opts)
     causal_q, causal_k, causal_needed = _plan_causal(seg_start, tok_j, T, W, opts.causal_tile)
 
     kb = opts.blocks_per_tile(bs)
@@ -133,8 +114,7 @@ def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T,
     return slot_rows, None, slot_lo, slot_hi
 
 
-def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, first_blk, tok_req, tok_pos,
-                 bs, W, T, opts):
+def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, tok_pos, bs, W, T, opts):
     """Tiles of (query tokens x blocks) over groups of blocks with the same set of user requests.
 
     Every row of a group uses every column of the group (the grouping is exact),

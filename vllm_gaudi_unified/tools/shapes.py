@@ -151,7 +151,7 @@ def _parse_lines(lines: list[str], block_size: int) -> _Arrays | None:
 
 
 def _arrays_of_steps(steps: list[TraceStep]) -> _Arrays:
-    nreq = np.array([s.num_reqs for s in steps], np.int64)
+    nreq = np.array([s.num_requests for s in steps], np.int64)
     q = np.concatenate([s.query_lens for s in steps]).astype(np.int64)
     ctx = np.concatenate([s.context_lens for s in steps]).astype(np.int64)
     rows = [b for s in steps for b in s.block_ids]
