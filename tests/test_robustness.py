@@ -365,3 +365,8 @@ def test_bad_attention_arguments(changes, match):
     args.update(changes)
     with pytest.raises(ValueError, match=match):
         unified_attention(**args)
+
+
+def test_bucket_sizes_are_not_booleans():
+    with pytest.raises(ValueError, match="Bucket.query_len must be a non-negative int, got True"):
+        Bucket(phase="--u", query_len=True, num_shared_blocks=0, num_unique_blocks=1, num_logits=1)
