@@ -370,3 +370,15 @@ def test_bad_attention_arguments(changes, match):
 def test_bucket_sizes_are_not_booleans():
     with pytest.raises(ValueError, match="Bucket.query_len must be a non-negative int, got True"):
         Bucket(phase="--u", query_len=True, num_shared_blocks=0, num_unique_blocks=1, num_logits=1)
+
+
+def test_a_huge_bucket_is_refused_before_padding():
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="query_len 1099511627776 is beyond the largest accepted"):
+        build_unified_batch([1], [4], [[1]], 4, bucket=Bucket("--u", 2**40, 0, 1, 1))
+    with pytest.raises(ValueError, match="num_unique_blocks 1099511627776 is beyond"):
+        build_unified_batch([1], [4], [[1]], 4, bucket=Bucket("--u", 1, 0, 2**40, 1))
+    with pytest.raises(ValueError, match="num_shared_blocks 1099511627776 is beyond"):
+        build_unified_batch([1], [4], [[1]], 4, bucket=Bucket("-s-", 1, 2**40, 0, 1),
+                            options=PlanOptions(batch_invariant=True))
+    assert time.perf_counter() - t0 < 1.0

@@ -169,11 +169,21 @@ def first_bad_block(phys, pair_req, pair_blk, num_blocks):
                          f"for the context but must be >= 0{limit}")
 
 
+#: Largest bucket a step is padded to, per size: padding allocates these, so a bucket of 2**40 tokens
+#: is an error here, not a MemoryError.
+BUCKET_LIMITS = {"query_len": MAX_STEP_TOKENS, "num_logits": MAX_STEP_TOKENS, "num_causal_tiles": MAX_CAUSAL_TILES,
+                 "num_shared_blocks": 1 << 22, "num_unique_blocks": 1 << 22}
+
+
 def check_covers(bucket: Bucket, shape: Bucket) -> None:
+    """`bucket` holds the step (every size at least the step's) and is small enough to pad to."""
     for f in fields(Bucket)[1:]:
         need, have = getattr(shape, f.name), getattr(bucket, f.name)
         if have < need:
             raise ValueError(f"bucket {bucket} does not cover the step: {f.name} {need} > {have}")
+        if have > BUCKET_LIMITS[f.name]:
+            raise ValueError(f"bucket {bucket}: {f.name} {have} is beyond the largest accepted, "
+                             f"{BUCKET_LIMITS[f.name]}")
 
 
 def step_tokens(q: np.ndarray, ctx: np.ndarray):
