@@ -89,6 +89,15 @@ def digest(plan: StepPlan) -> str:
     return h.hexdigest()
 
 
+def plan_digest(args, kw) -> str:
+    """The digest of the step's plan, or its error (a batch the planner refuses, e.g. a forced slice
+    of more than MAX_SLICE_BLOCKS)."""
+    try:
+        return digest(plan_step(*args, **kw))
+    except ValueError as exc:
+        return f"error: {exc}"
+
+
 def _larger(plan: StepPlan) -> Bucket:
     s, kb = plan.shape, plan.options.blocks_per_tile(plan.block_size)
     c, n_s, u = s.num_causal_tiles + 2, s.num_shared_blocks + 2 * kb, s.num_unique_blocks + 5
@@ -100,14 +109,14 @@ def test_plans_are_bitwise_those_of_the_planner_before_its_rewrite():
     planner of 9302982 plus the device half's column order and `shared_prefix_visible`), run outside
     the repository on the same steps."""
     want = json.loads(DIGESTS.read_text())
-    got = {name: digest(plan_step(*args, **kw)) for name, args, kw in golden_steps()}
+    got = {name: plan_digest(args, kw) for name, args, kw in golden_steps()}
     assert got.keys() == want.keys()
     differ = [name for name in want if got[name] != want[name]]
     assert not differ, f"{len(differ)} plans differ, first {differ[:5]}"
     # and padded: digests of pad_plan to a larger bucket
     want_padded = json.loads((DIGESTS.parent / "plan_digests_padded.json").read_text())
     for name, args, kw in golden_steps():
-        if name in want_padded:
+        if name in want_padded and not want[name].startswith("error"):
             plan = plan_step(*args, **kw)
             assert digest(pad_plan(plan, _larger(plan))) == want_padded[name], name
 
@@ -115,7 +124,7 @@ def test_plans_are_bitwise_those_of_the_planner_before_its_rewrite():
 def test_plans_into_kept_buffers_equal_fresh_plans_also_padded_in_place():
     buffers = PlanBuffers()  # one set of buffers for every step, as a server keeps them
     for i, (name, args, kw) in enumerate(golden_steps()):
-        if i % 2:
+        if i % 2 or plan_digest(args, kw).startswith("error"):
             continue
         fresh = plan_step(*args, **kw)
         kept = plan_step(*args, buffers=buffers, **kw)

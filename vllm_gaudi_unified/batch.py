@@ -216,6 +216,9 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     `buffers`: `StepBuffers` to plan and pad into (a server's steps; `device` is theirs): the batch
     is valid until the next build into them.
     """
+    if not (bucket is None or isinstance(bucket, Bucket)
+            or (callable(getattr(bucket, "find", None)) and not isinstance(bucket, (str, bytes)))):
+        raise ValueError(f"bucket must be a Bucket, a bucket plan (with .find) or None, got {bucket!r}")
     if buffers is not None:
         if device is not None and torch.device(device) != buffers.device:
             raise ValueError(f"device {device} differs from the buffers' device {buffers.device}")

@@ -29,6 +29,8 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
 
     `buffers`: host memory kept from step to step (`plan/buffers.py`; default mode, else ignored): the
     plan's arrays are views of it, valid until the next plan or padding into the same buffers."""
+    if options is not None and not isinstance(options, PlanOptions):
+        raise ValueError(f"options must be a PlanOptions or None, got {options!r}")
     opts = options or DEFAULT_OPTIONS
     checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
     if opts.batch_invariant:

@@ -48,10 +48,11 @@ from dataclasses import replace
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.plan.arrays import cached_pairs, check_covers, empty, grow, move_no_row, ranges, trusted
+from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, empty, grow, move_no_row,
+                                            ranges, same_id_sum, trusted)
 from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
-from vllm_gaudi_unified.plan.rules import causal_spans, shared_pairs, unique_reads_slice
+from vllm_gaudi_unified.plan.rules import MAX_SLICE_BLOCKS, causal_spans, shared_pairs, unique_reads_slice
 from vllm_gaudi_unified.plan.shared import plan_shared
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
@@ -91,7 +92,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
         is_shared = shared_pairs(phys, q, counts)
     else:  # token j sees the block's last key k while j <= k - context_len + W - 1
         users = np.clip(pair_blk * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
-        is_shared = np.bincount(phys, weights=users, minlength=max_block_id + 1)[phys] > 1
+        is_shared = same_id_sum(phys, max_block_id, users) > 1 if phys.size else np.zeros(0, bool)
 
     if not is_shared.any():  # every pair unique
         u_rows = pair_req if decodes else starts[pair_req]
@@ -139,8 +140,10 @@ def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     if max_id >= (1 << 62 if num_blocks is None else num_blocks):
         return None
     span = max_id + 1
+    if opts.unique_layout == "slice" and span > MAX_SLICE_BLOCKS:
+        return None  # refused by the general path
     reads_slice = unique_reads_slice(P, max_id, opts)
-    if not reads_slice and np.bincount(phys, minlength=span).max() > 1:
+    if not reads_slice and same_id_sum(phys, max_id).max() > 1:
         return None
     req = np.repeat(np.arange(R), nb_ctx)
     last = np.cumsum(nb_ctx)
@@ -202,6 +205,9 @@ def _plan_unique(rows, ids, lo, hi, T, opts, out):
         return (empty((0,)), blocks, empty((0,)), empty((0,))), 0
     needed = int(hi.sum()) - (0 if lo is None else int(lo.sum()))
     span = int(ids.max()) + 1
+    if opts.unique_layout == "slice" and span > MAX_SLICE_BLOCKS:
+        raise ValueError(f"unique_layout='slice' would read cache blocks [0, {span}) for block id {span - 1}: "
+                         f"more than {MAX_SLICE_BLOCKS}; use 'gather' or 'auto'")
     if not unique_reads_slice(ids.size, span - 1, opts):
         lo = out.zeros("unique_lo", ids.size) if lo is None else out.keep("unique_lo", lo)
         return (out.keep("unique_rows", rows), out.keep("unique_blocks", ids), lo, out.keep("unique_hi", hi)), needed
@@ -227,6 +233,7 @@ def _plan_causal(q, seg_start, T, W, tile, out):
     needs = klo <= t - 1  # at least one earlier new token of the same request is visible
     first_q, active, first_k, last_k = causal_spans(t // tile, t, klo, needs, tile)
     first_q, first_k, last_k = first_q[active], first_k[active], last_k[active]
+    check_causal_tiles(int((last_k - first_k + 1).sum()), tile)
     k_tiles, owner = ranges(first_k, last_k - first_k + 1)
     cq = out.array("causal_q_start", k_tiles.size)
     np.take(first_q, owner, out=cq)
