@@ -110,6 +110,12 @@ class GaudiUnifiedAttentionBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # The planner reads each request's query length from vLLM's host copy
+        # (`query_start_loc_cpu`); adaptive verification trims drafts on the device only.
+        return False
+
+    @classmethod
     def supports_kv_connector(cls) -> bool:
         return False  # a connector moves cache pages in its own layout assumptions; not verified with ours
 
@@ -144,6 +150,7 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         refuse_unsupported_config(vllm_config)
         self.block_size = kv_cache_spec.block_size
+        self.speculative = vllm_config.speculative_config is not None
         self.sliding_window = _group_sliding_window(vllm_config, layer_names)
         # One group's steps go to the trace: a full-attention group's if the model has one.
         may_record = self.sliding_window is None or not _model_has_full_attention(vllm_config)
@@ -155,7 +162,7 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         cm = common_attn_metadata
         if cm.causal is not True:
             raise NotImplementedError("unified attention runs causal decoder attention only")
-        query_lens, context_lens, block_table = step_lengths(cm)
+        query_lens, context_lens, block_table = step_lengths(cm, exact_seq_lens=self.speculative)
         batch = build_unified_batch(query_lens, context_lens, block_table, self.block_size,
                                     sliding_window=self.sliding_window, options=self.hooks.options,
                                     bucket=self.hooks.bucket_plan, device=self.device)
@@ -165,18 +172,33 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
                                     num_tokens=num_tokens)
 
 
-def step_lengths(cm: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def step_lengths(cm: CommonAttentionMetadata, exact_seq_lens: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(query_lens, context_lens, block_table) of the step's requests, as host arrays.
 
-    Uses the host copies vLLM keeps (`query_start_loc_cpu`, `seq_lens_cpu_upper_bound`,
-    exact without speculative decoding, which the plugin refuses), so on a device
-    only the block table is copied back. Requests with no token this step
-    (padding rows) are left out: they own no rows of the flattened token batch.
+    Query lengths come from vLLM's host copy `query_start_loc_cpu`. With
+    speculative decoding a decode's query is its last sampled token followed by
+    its draft tokens (`1 + k` rows, causal among themselves like any chunk), and
+    the sequence lengths need care, so `exact_seq_lens` must then be set:
+
+    - vLLM's host `seq_lens_cpu_upper_bound` is *optimistic* under speculative
+      decoding: with async scheduling it assumes every draft of the previous step
+      was accepted, and in a drafter's steps after the first it still counts the
+      rejected drafts that `seq_lens` already dropped;
+    - `seq_lens` is exact: rejected drafts are rolled back (their cache slots
+      lie past the new context length and are overwritten by the next step's
+      tokens, never read).
+
+    So with `exact_seq_lens` the lengths are `seq_lens` (free on the CPU, one
+    small device-to-host copy elsewhere); without it the host upper bound,
+    exact when nothing is speculated, so on a device only the block table is
+    copied back. Requests with no token this step (padding rows) are left out:
+    they own no rows of the flattened token batch.
     """
     n = cm.num_reqs
     starts = cm.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
     query_lens = np.diff(starts)
-    seq_lens = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens
+    seq_lens = cm.seq_lens if exact_seq_lens or cm.seq_lens_cpu_upper_bound is None else cm.seq_lens_cpu_upper_bound
     seq_lens = seq_lens[:n].cpu().numpy().astype(np.int64)
     block_table = cm.block_table_tensor[:n].cpu().numpy()
     live = query_lens > 0
@@ -188,8 +210,6 @@ def step_lengths(cm: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray, n
 def refuse_unsupported_config(vllm_config: VllmConfig) -> None:
     """Start-up errors for engine features the unified backend does not handle (rather than wrong output)."""
     problems = []
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding (its draft tokens and optimistic sequence lengths are not planned)")
     parallel = vllm_config.parallel_config
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
         problems.append("context parallelism")
@@ -270,7 +290,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
 
     Writing before attending is safe: the planner reads positions below a
     request's context_len from the cache and the new tokens from key/value, so
-    no key is counted twice (the bug of the earlier Gaudi implementation)."""
+    no key is counted twice (the bug of the earlier Gaudi implementation).
+
+    A slot of -1 (vLLM's `PADDING_SLOT_ID`) means "do not cache this token": a
+    drafter's rows for the drafts the target rejected, positions past
+    max_model_len. Such tokens write into slot 0 of block 0 instead, vLLM's
+    null block, which no request's context ever reads (its content is never
+    used, so colliding writes there do not matter); one fixed-shape write, no
+    host sync, no data-dependent shape."""
+    slots = slot_mapping.clamp(min=0)
     # view(), not flatten(): a silent copy would drop the write; view() raises instead.
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
