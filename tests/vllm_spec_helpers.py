@@ -62,7 +62,7 @@ def spec_prompts() -> list[dict]:
     prefix = pattern(8, SHARED_PREFIX_LEN)
     return [
         dict(name="loop_short", prompt=pattern(4, 20), max_tokens=32),
-        dict(name="loop_long_chunked", prompt=toks(60) + pattern(6, 90), max_tokens=24),
+        dict(name="loop_long_chunked", prompt=toks(60) + pattern(6, 240), max_tokens=24),
         dict(name="prefix_a", prompt=prefix + toks(9), max_tokens=24),
         dict(name="prefix_b", prompt=prefix + pattern(3, 17), max_tokens=24),
         dict(name="random", prompt=toks(11), max_tokens=28),
