@@ -14,7 +14,7 @@ import torch
 
 # Shared with the core: with q/k/v upcast first, the core's `scores_to_partial` casts are no-ops, so
 # it computes what run 1's copy did.
-from vllm_gaudi_unified.kernels import compute_dtype, scores_to_partial
+from vllm_gaudi_unified.paths.tiles import compute_dtype, scores_to_partial
 from vllm_gaudi_unified.merge import Partial
 
 

@@ -10,7 +10,7 @@ the seed-1 trace recorded from vLLM):
 
 1. traces: simulates the training traces (seeds 1-3) and the held-out ones (seeds 101-102) of
    the setting's workload with `buckets simulate` when they are missing from bucketing/traces/,
-   and checks that the shape-only replay of `shapes.py` equals `plan_step` on every step of
+   and checks that the shape-only replay of `tools/shapes.py` equals `plan_step` on every step of
    every trace used here;
 2. shipped plans: makes them with `buckets generate` (trace: 32 graphs; exponential: base 2)
    and evaluates them with `buckets evaluate` on the held-out traces: the trace recorded from
@@ -48,13 +48,13 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vllm_gaudi_unified.bucketing.evaluate import evaluate  # noqa: E402
-from vllm_gaudi_unified.bucketing.plan import BucketPlan  # noqa: E402
-from vllm_gaudi_unified.bucketing.plot import plot_curves  # noqa: E402
-from vllm_gaudi_unified.bucketing.settings import PRESETS  # noqa: E402
-from vllm_gaudi_unified.bucketing.shapes import StepShapes, shapes_of_trace  # noqa: E402
-from vllm_gaudi_unified.bucketing.strategies import exponential_plan, trace_plan  # noqa: E402
-from vllm_gaudi_unified.cli import main as cli  # noqa: E402
+from vllm_gaudi_unified.tools.evaluate import evaluate  # noqa: E402
+from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan  # noqa: E402
+from vllm_gaudi_unified.tools.plot import plot_curves  # noqa: E402
+from vllm_gaudi_unified.bucket_plans.settings import PRESETS  # noqa: E402
+from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace  # noqa: E402
+from vllm_gaudi_unified.tools.strategies import exponential_plan, trace_plan  # noqa: E402
+from vllm_gaudi_unified.tools.cli import main as cli  # noqa: E402
 
 TRACES = "bucketing/traces"  # paths are relative to ROOT: they end up in the plan files
 SETTINGS = {

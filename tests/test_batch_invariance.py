@@ -290,13 +290,13 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     plan = plan_step([r.query_len for r in reqs], [r.context_len for r in reqs], table, world.block_size,
                      options=INVARIANT)
     assert plan.bucket.num_unique_blocks == 0 and plan.bucket.num_shared_blocks % INVARIANT.invariant_chunk == 0
-    rows = plan.inv_unit_rows
+    rows = plan.unit_rows
     real = rows < plan.num_tokens
-    pairs = sorted(zip(rows[real].tolist(), plan.inv_unit_col[real].tolist()))
+    pairs = sorted(zip(rows[real].tolist(), plan.unit_col[real].tolist()))
     assert len(pairs) == len(set(pairs)), "a (token, block) pair is computed twice"
     expected = sorted((t, b) for t, r in enumerate(reqs) for b in range(-(-r.context_len // world.block_size)))
     assert pairs == expected
-    assert plan.inv_cached_width == 32  # 70 tokens of context / 4 -> 18 blocks -> next power of two
+    assert plan.cached_width == 32  # 70 tokens of context / 4 -> 18 blocks -> next power of two
 
 
 def test_options_are_checked():

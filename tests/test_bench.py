@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_gaudi_unified.cli import build_parser
+from vllm_gaudi_unified.tools.cli import build_parser
 
 SMALL = ["--device", "cpu", "--scale", "0.01", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
          "--dtype", "float32", "--tol", "1e-4", "--cpu-reps", "2"]

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from vllm_gaudi_unified.bucketing import BucketPlan
-from vllm_gaudi_unified.cli import main
+from vllm_gaudi_unified.bucket_plans import BucketPlan
+from vllm_gaudi_unified.tools.cli import main
 
 SMALL = ["--block-size", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "1024",
          "--num-blocks", "400"]
@@ -60,7 +60,7 @@ def test_plan_records_the_command_that_makes_it_again(tmp_path, trace):
 
 
 def test_curve_plot(tmp_path):
-    from vllm_gaudi_unified.bucketing.plot import plot_curves
+    from vllm_gaudi_unified.tools.plot import plot_curves
 
     path = tmp_path / "c.png"
     plot_curves({"trace: t": [(4, 2.5), (32, 1.3)], "exponential: t": [(300, 3.0), (3000, 1.4)]}, str(path), "t",

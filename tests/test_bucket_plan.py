@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from vllm_gaudi_unified.bucket import Bucket
-from vllm_gaudi_unified.bucketing import BucketMiss, BucketPlan, ServerSettings
-from vllm_gaudi_unified.bucketing.cost import DIMS
-from vllm_gaudi_unified.bucketing.shapes import bucket_from_sizes
+from vllm_gaudi_unified.bucket_plans import BucketMiss, BucketPlan, ServerSettings
+from vllm_gaudi_unified.bucket_plans.cost import DIMS
+from vllm_gaudi_unified.bucket import bucket_from_sizes
 
 SETTINGS = ServerSettings(block_size=128, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=4096,
                           num_blocks=512)
@@ -135,7 +135,7 @@ def test_shipped_plans_load_and_cover_the_limits(name):
 
 
 def test_shipped_trace_plan_covers_every_step_it_learned_from():
-    from vllm_gaudi_unified.bucketing.shapes import StepShapes, shapes_of_trace
+    from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace
 
     plan = BucketPlan.load(os.path.join(SHIPPED, "bs32-seqs64_trace32.json"))
     shapes = StepShapes.concat([shapes_of_trace(os.path.join(SHIPPED, "..", p), plan.settings, jobs=1)

@@ -7,12 +7,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from vllm_gaudi_unified.bucketing import ServerSettings, TraceError
-from vllm_gaudi_unified.bucketing import shapes as shapes_mod
-from vllm_gaudi_unified.bucketing.shapes import (_arrays_of_steps, _parse_lines, batch_shapes, shapes_of_steps,
+from vllm_gaudi_unified.bucket_plans import ServerSettings, TraceError
+from vllm_gaudi_unified.tools import shapes as shapes_mod
+from vllm_gaudi_unified.tools.shapes import (_arrays_of_steps, _parse_lines, batch_shapes, shapes_of_steps,
                                                  shapes_of_trace)
-from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, WorkloadConfig
-from vllm_gaudi_unified.bucketing.trace import TraceStep, step_from_json, write_trace
+from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.tools.workloads import WorkloadConfig
+from vllm_gaudi_unified.bucket_plans.trace import TraceStep, step_from_json, write_trace
 from vllm_gaudi_unified.plan import PlanOptions, plan_step
 
 SETTINGS = ServerSettings(block_size=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024,
@@ -153,13 +154,13 @@ def test_other_block_size_in_a_trace_is_an_error(tmp_path, steps):
 def test_hash_collision_falls_back_like_the_planner(steps, monkeypatch):
     """With every user set hashing alike, plan_step detects the clash and gives each shared block
     its own group; the shape-only replay must notice too (and hand the step to plan_step)."""
-    import vllm_gaudi_unified.plan as plan_mod
+    import vllm_gaudi_unified.plan.default as plan_mod
 
     def collide(x):
         return np.zeros(np.shape(x), np.uint64)
 
-    monkeypatch.setattr(plan_mod, "_mix64", collide)
-    monkeypatch.setattr(shapes_mod, "_mix64", collide)
+    monkeypatch.setattr(plan_mod, "mix64", collide)
+    monkeypatch.setattr(shapes_mod, "mix64", collide)
     options = SETTINGS.options
     sizes, needed, fallback = batch_shapes(_arrays_of_steps(steps), options)
     want_sizes, _ = exact(steps, options)

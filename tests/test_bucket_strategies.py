@@ -2,12 +2,14 @@
 import numpy as np
 import pytest
 
-from vllm_gaudi_unified.bucketing import ServerSettings, TraceError
-from vllm_gaudi_unified.bucketing.evaluate import evaluate
-from vllm_gaudi_unified.bucketing.shapes import StepShapes, shapes_of_steps, shapes_of_trace
-from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, workload_from
-from vllm_gaudi_unified.bucketing.strategies import exp_values, exponential_plan, make_plan, trace_plan
-from vllm_gaudi_unified.bucketing.trace import write_trace
+from vllm_gaudi_unified.bucket_plans import ServerSettings, TraceError
+from vllm_gaudi_unified.tools.evaluate import evaluate
+from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_steps, shapes_of_trace
+from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.tools.workloads import workload_from
+from vllm_gaudi_unified.bucket_plans.exponential import exp_values, exponential_plan
+from vllm_gaudi_unified.tools.strategies import make_plan, trace_plan
+from vllm_gaudi_unified.bucket_plans.trace import write_trace
 
 SETTINGS = ServerSettings(block_size=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024,
                           num_blocks=600)
@@ -143,7 +145,7 @@ def test_shapes_of_trace_parallel_equals_serial(tmp_path):
 
 def test_gains_updates_and_best_match_the_exact_sums():
     """The greedy step's incremental gains pick what a fresh sum over every group would pick."""
-    from vllm_gaudi_unified.bucketing.strategies import _Gains
+    from vllm_gaudi_unified.tools.strategies import _Gains
 
     rng = np.random.default_rng(0)
     cost = rng.uniform(1, 100, 300)

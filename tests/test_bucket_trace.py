@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from vllm_gaudi_unified.bucketing import TraceError, TraceWriter, append_step, read_trace
-from vllm_gaudi_unified.bucketing.trace import TraceStep, write_trace
+from vllm_gaudi_unified.bucket_plans import TraceError, TraceWriter, append_step, read_trace
+from vllm_gaudi_unified.bucket_plans.trace import TraceStep, write_trace
 from vllm_gaudi_unified.plan import plan_step
 
 STEPS = [

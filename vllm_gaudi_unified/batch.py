@@ -9,7 +9,7 @@ import torch
 
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.log import get_logger
-from vllm_gaudi_unified.plan import PathWork, PlanOptions, StepPlan, pad_plan, plan_step
+from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanOptions, StepPlan, pad_plan, plan_step
 
 logger = get_logger(__name__)
 
@@ -32,16 +32,13 @@ class UnifiedBatch:
     unique_lo: torch.Tensor  #: [num_unique_blocks]
     unique_hi: torch.Tensor  #: [num_unique_blocks]
     logits_indices: torch.Tensor  #: [num_logits] last new token of each request (padding: 0)
-    # Batch-invariant plans only (see StepPlan / invariant.py), else None.
-    inv_unit_rows: torch.Tensor | None = None  #: [units, invariant_rows] query token per unit row
-    inv_unit_block: torch.Tensor | None = None  #: [units] cache block of each unit
-    inv_unit_col: torch.Tensor | None = None  #: [units, invariant_rows] logical block index in the row's request
-    inv_unit_lo: torch.Tensor | None = None  #: [units, invariant_rows] first visible slot
-    inv_unit_hi: torch.Tensor | None = None  #: [units, invariant_rows] end of visible slots
-    inv_causal_col: torch.Tensor | None = None  #: [num_causal_tiles] key tile index within its request
 
     @classmethod
     def from_plan(cls, plan: StepPlan, device: torch.device | str | None = None) -> "UnifiedBatch":
+        """The plan's arrays as int64 tensors; an `InvariantPlan` gives an `InvariantBatch`."""
+        if cls is UnifiedBatch and isinstance(plan, InvariantPlan):
+            cls = InvariantBatch
+
         def tensor(a: np.ndarray | None):
             if a is None:
                 return None
@@ -74,6 +71,18 @@ class UnifiedBatch:
     work_planned = property(lambda self: self.plan.work_planned)
 
 
+@dataclass(frozen=True, eq=False)
+class InvariantBatch(UnifiedBatch):
+    """A batch-invariant step (`plan.invariant.InvariantPlan`) on one device: its units and causal columns."""
+
+    unit_rows: torch.Tensor  #: [units, invariant_rows] query token per unit row
+    unit_block: torch.Tensor  #: [units] cache block of each unit
+    unit_col: torch.Tensor  #: [units, invariant_rows] logical block index in the row's request
+    unit_lo: torch.Tensor  #: [units, invariant_rows] first visible slot
+    unit_hi: torch.Tensor  #: [units, invariant_rows] end of visible slots
+    causal_col: torch.Tensor  #: [num_causal_tiles] key tile index within its request
+
+
 def build_unified_batch(query_lens, context_lens, block_table, block_size: int, *,
                         sliding_window: int | None = None, num_blocks: int | None = None,
                         options: PlanOptions | None = None, bucket=None,
@@ -81,7 +90,7 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     """Plan one scheduler step and put it on `device`.
 
     query_lens [R] (>= 1), context_lens [R] (>= 0), block_table [R, M]: the
-    scheduler's view of the step (see `plan.py` for the semantics).
+    scheduler's view of the step (see `plan/default.py` for the semantics).
     `bucket`: a `Bucket` to pad to, or a bucket plan (anything with
     `.find(shape) -> Bucket | None`; None runs the step unpadded, and the plan's
     miss policy decides whether a miss raises).
@@ -99,4 +108,4 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     return UnifiedBatch.from_plan(plan, device)
 
 
-__all__ = ["UnifiedBatch", "build_unified_batch", "PathWork"]
+__all__ = ["InvariantBatch", "UnifiedBatch", "build_unified_batch", "PathWork"]

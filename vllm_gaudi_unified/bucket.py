@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass, fields
 
+import numpy as np
+
 PATHS = "csu"
 
 
@@ -60,3 +62,23 @@ class Bucket:
 
 #: The numeric fields of a Bucket, in declaration order.
 SIZE_FIELDS = tuple(f.name for f in fields(Bucket)[1:])
+
+#: Phase strings indexed by their code: bit 4 = causal, 2 = shared, 1 = unique.
+PHASES = tuple(phase_of(code & 4, code & 2, code & 1) for code in range(8))
+
+
+def phase_code(phase: str) -> int:
+    """The code of a phase string (index into `PHASES`)."""
+    return (4 if phase[0] == "c" else 0) | (2 if phase[1] == "s" else 0) | (1 if phase[2] == "u" else 0)
+
+
+def codes_of(sizes) -> np.ndarray:
+    """Phase codes of shapes `[N, 5]` (`SIZE_FIELDS` order)."""
+    s = np.asarray(sizes)
+    return ((s[:, 4] > 0) * 4 + (s[:, 1] > 0) * 2 + (s[:, 2] > 0) * 1).astype(np.int64)
+
+
+def bucket_from_sizes(sizes) -> Bucket:
+    """The Bucket of five sizes in `SIZE_FIELDS` order (its phase follows from them)."""
+    q, s, u, l, c = (int(x) for x in sizes)
+    return Bucket(phase_of(c, s, u), q, s, u, l, c)

@@ -10,8 +10,9 @@ inputs)::
 
 Merging is exact: rescale each side to the larger max and add. A row that saw
 no key has zero weight on every side, so an absent path or a fully masked row
-never produces NaN. `merge_all` is a fold over `merge`; `scatter_merge` is the
-same merge when many rows (tiles, blocks) feed one destination token.
+never produces NaN. `merge_all` is a fold over `merge` in a given order;
+`fold_pairwise` the same over slots in a fixed tree (the batch-invariant mode);
+`scatter_merge` the same merge when many rows (tiles, blocks) feed one destination token.
 """
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def merge_all(partials: Sequence[Partial]) -> Partial:
     for p in partials[1:]:
         out = merge(out, p)
     return out
+
+
+def fold_pairwise(slots: Partial) -> Partial:
+    """Merge `[rows, width, ...]` slots (width a power of two) into `[rows, ...]` by a fixed pairwise
+    tree: halves, then halves again. Empty slots merge exactly, so padding the width changes nothing."""
+    acc, m, s = slots
+    w = m.shape[1]
+    while w > 1:
+        h = w // 2
+        acc, m, s = merge(Partial(acc[:, :h], m[:, :h], s[:, :h]), Partial(acc[:, h:], m[:, h:], s[:, h:]))
+        w = h
+    return Partial(acc[:, 0], m[:, 0], s[:, 0])
 
 
 def scatter_merge(rows: Partial, index: torch.Tensor, num_out: int) -> Partial:

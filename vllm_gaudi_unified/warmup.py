@@ -239,7 +239,7 @@ def _cmd_warmup(args) -> int:
 
     import torch
 
-    from vllm_gaudi_unified.bucketing.plan import BucketPlan
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
     plan = BucketPlan.load(args.plan)
     todo = list(plan.buckets)  # cheapest first

@@ -4,13 +4,15 @@ vLLM starts engine and worker processes of its own, and the platform plugin is
 resolved before any vLLM config exists, so the options are environment
 variables: they reach every process and are there when vLLM asks for a
 platform. docs/usage.md lists them with their defaults. Only the standard
-library is imported here: `entry.py` reads these in every vLLM process.
+library and `hpu.habana_importable` are imported here: `entry.py` reads these
+in every vLLM process.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
+
+from vllm_gaudi_unified.hpu import habana_importable
 
 #: "1" activates the plugin off Gaudi (CPU platform + unified backend); "0" keeps it off even
 #: on Gaudi; unset: on only on Gaudi.
@@ -66,11 +68,6 @@ class PluginConfig:
             record_trace=env.get(ENV_RECORD_TRACE) or None,
             batch_invariant=batch_invariant,
         )
-
-
-def habana_importable() -> bool:
-    """`habana_frameworks` is installed (found without importing it)."""
-    return importlib.util.find_spec("habana_frameworks") is not None
 
 
 def hpu_present() -> bool:

@@ -14,7 +14,7 @@ sized), used once per step by `GaudiUnifiedMetadataBuilder.build`:
 - the phase and bucket of each step, logged through vLLM's logger at debug
   level (`VLLM_LOGGING_LEVEL=DEBUG` shows them);
 - recording of every step to a trace file (`VLLM_GAUDI_UNIFIED_RECORD_TRACE`)
-  in the scheduler trace format of `vllm_gaudi_unified.bucketing.trace`.
+  in the scheduler trace format of `vllm_gaudi_unified.bucket_plans.trace`.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class StepHooks:
             logger.debug("unified attention step: phase %s, bucket %s, step shape %s, %d requests, %d tokens",
                          batch.phase, batch.bucket, batch.shape, batch.num_requests, batch.num_tokens)
         if self.trace_path:
-            from vllm_gaudi_unified.bucketing.trace import append_step
+            from vllm_gaudi_unified.bucket_plans.trace import append_step
 
             # One open/append/close per step: the line is on disk even if vLLM kills this process.
             append_step(self.trace_path, query_lens, context_lens, block_table, batch.block_size)
@@ -82,7 +82,7 @@ class StepHooks:
 def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None):
     """The plan of `path` (or made now for `auto`), refused at start-up when it was made for other
     settings than this server's."""
-    from vllm_gaudi_unified.bucketing.plan import BucketPlan
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
     plan = (_auto_plan(vllm_config, kv_cache_spec, options, sliding_window) if path == "auto"
             else BucketPlan.load(path))
@@ -106,21 +106,21 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window:
     --strategy exponential` would write for them)."""
     from dataclasses import replace
 
-    from vllm_gaudi_unified.bucketing.cost import ModelSpec
-    from vllm_gaudi_unified.bucketing.settings import DEFAULT_OPTIONS, ServerSettings
-    from vllm_gaudi_unified.bucketing.strategies import make_plan
+    from vllm_gaudi_unified.bucket_plans.cost import ModelSpec
+    from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+    from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS, ServerSettings
 
     sched, model, parallel = vllm_config.scheduler_config, vllm_config.model_config, vllm_config.parallel_config
     settings = ServerSettings(block_size=kv_cache_spec.block_size, max_num_seqs=sched.max_num_seqs,
                               max_num_batched_tokens=sched.max_num_batched_tokens,
                               max_model_len=model.max_model_len, num_blocks=vllm_config.cache_config.num_gpu_blocks,
                               sliding_window=sliding_window,
-                              options=replace(DEFAULT_OPTIONS, batch_invariant=options.batch_invariant))
+                              options=replace(BUCKET_OPTIONS, batch_invariant=options.batch_invariant))
     spec = ModelSpec(num_layers=model.get_num_layers(parallel), num_qo_heads=model.get_num_attention_heads(parallel),
                      num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
                      dtype_bytes=kv_cache_spec.dtype.itemsize, hidden_size=model.get_hidden_size(),
                      vocab_size=model.get_vocab_size())
-    return make_plan("exponential", settings, model=spec)
+    return exponential_plan(settings, spec)
 
 
 #: Trace files this process already records to. A model with several KV cache groups (sliding-window
@@ -143,7 +143,7 @@ def _trace_path(config: PluginConfig, vllm_config) -> str | None:
 
 def _start_trace(path: str, vllm_config, kv_cache_spec, sliding_window: int | None) -> None:
     """A new trace file whose header holds the server settings the steps were recorded under."""
-    from vllm_gaudi_unified.bucketing.trace import TraceWriter
+    from vllm_gaudi_unified.bucket_plans.trace import TraceWriter
 
     sched, cache, model = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.model_config
     header = {

@@ -86,7 +86,7 @@ def register(subparsers) -> None:
 
 
 def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
-    from vllm_gaudi_unified.bucketing.settings import PRESETS
+    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
 
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama8b-gaudi3",
                    help="server settings to start from (default: llama8b-gaudi3); flags below override")
@@ -117,7 +117,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args):
     from dataclasses import replace
 
-    from vllm_gaudi_unified.bucketing.settings import PRESETS
+    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
 
     s = PRESETS[args.preset]
     over = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
@@ -128,7 +128,7 @@ def settings_from_args(args):
 
 
 def model_from_args(args):
-    from vllm_gaudi_unified.bucketing.cost import ModelSpec
+    from vllm_gaudi_unified.bucket_plans.cost import ModelSpec
 
     return ModelSpec(**{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k, None) is not None})
 
@@ -139,16 +139,17 @@ def _fail(msg: str) -> int:
 
 
 def load_shapes(paths, settings, jobs=None, progress=True):
-    from vllm_gaudi_unified.bucketing.shapes import StepShapes, shapes_of_trace
+    from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace
 
     return StepShapes.concat([shapes_of_trace(p, settings, jobs=jobs, progress=progress) for p in paths])
 
 
 def cmd_generate(args) -> int:
-    from vllm_gaudi_unified.bucketing.shapes import StepShapes, shapes_of_steps
-    from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, workload_from
-    from vllm_gaudi_unified.bucketing.strategies import exponential_plan, trace_plan
-    from vllm_gaudi_unified.bucketing.trace import TraceError
+    from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_steps
+    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+    from vllm_gaudi_unified.tools.workloads import workload_from
+    from vllm_gaudi_unified.tools.strategies import exponential_plan, trace_plan
+    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
     t0 = time.perf_counter()
     try:
@@ -207,7 +208,7 @@ def command_line(args) -> str:
 
 
 def cmd_show(args) -> int:
-    from vllm_gaudi_unified.bucketing.plan import BucketPlan
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
     try:
         plan = BucketPlan.load(args.plan)
@@ -240,10 +241,10 @@ def format_plan(plan) -> str:
 
 
 def cmd_evaluate(args) -> int:
-    from vllm_gaudi_unified.bucketing.evaluate import evaluate
-    from vllm_gaudi_unified.bucketing.plan import BucketPlan
-    from vllm_gaudi_unified.bucketing.shapes import shapes_of_trace
-    from vllm_gaudi_unified.bucketing.trace import TraceError
+    from vllm_gaudi_unified.tools.evaluate import evaluate
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
     try:
         plan = BucketPlan.load(args.plan)
@@ -263,10 +264,10 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from vllm_gaudi_unified.bucketing.plan import BucketPlan
-    from vllm_gaudi_unified.bucketing.plot import plot_plan
-    from vllm_gaudi_unified.bucketing.shapes import shapes_of_trace
-    from vllm_gaudi_unified.bucketing.trace import TraceError
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.tools.plot import plot_plan
+    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
     try:
         plan = BucketPlan.load(args.plan)
@@ -279,8 +280,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from vllm_gaudi_unified.bucketing.simulator import SchedulerConfig, Simulator, header_for, workload_from
-    from vllm_gaudi_unified.bucketing.trace import TraceWriter
+    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator, header_for
+    from vllm_gaudi_unified.tools.workloads import workload_from
+    from vllm_gaudi_unified.bucket_plans.trace import TraceWriter
 
     try:
         s = settings_from_args(args)

@@ -12,11 +12,11 @@ import sys
 
 #: Modules that add subcommands, in the order `--help` lists them.
 COMMAND_MODULES = (
-    "vllm_gaudi_unified.demo",
-    "vllm_gaudi_unified.bucketing.cli",
+    "vllm_gaudi_unified.tools.demo",
+    "vllm_gaudi_unified.tools.buckets",
     "vllm_gaudi_unified.warmup",
-    "vllm_gaudi_unified.trace_stats",
-    "vllm_gaudi_unified.bench",
+    "vllm_gaudi_unified.tools.trace_stats",
+    "vllm_gaudi_unified.tools.bench",
     "vllm_gaudi_unified.vllm_plugin.serve",
 )
 

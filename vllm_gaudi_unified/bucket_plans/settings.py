@@ -5,15 +5,15 @@ the block size and the tile sizes decide every size of a step's shape.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
-from vllm_gaudi_unified.plan import PlanOptions
+from vllm_gaudi_unified.plan import DEFAULT_OPTIONS, PlanOptions
 
-#: Planner options used for bucket plans unless told otherwise. The unique path's layout is
-#: fixed to 'gather': with 'auto' the same bucket would need two graphs (slice and gather).
-DEFAULT_OPTIONS = PlanOptions(unique_layout="gather")
+#: The planner's `DEFAULT_OPTIONS` with the unique path's layout fixed to 'gather', which bucket plans
+#: use unless told otherwise: with 'auto' the same bucket would need two graphs (slice and gather).
+BUCKET_OPTIONS = replace(DEFAULT_OPTIONS, unique_layout="gather")
 
 
 def options_to_dict(options: PlanOptions) -> dict:
@@ -22,7 +22,7 @@ def options_to_dict(options: PlanOptions) -> dict:
 
 def options_from_dict(d: dict | None) -> PlanOptions:
     if not d:
-        return DEFAULT_OPTIONS
+        return BUCKET_OPTIONS
     known = {f.name for f in fields(PlanOptions)}
     return PlanOptions(**{k: v for k, v in d.items() if k in known})
 
@@ -52,7 +52,7 @@ class ServerSettings:
     max_model_len: int = 8192
     num_blocks: int = 6000  #: KV cache blocks (vLLM's num_gpu_blocks, null block included)
     sliding_window: int | None = None
-    options: PlanOptions = field(default=DEFAULT_OPTIONS)
+    options: PlanOptions = field(default=BUCKET_OPTIONS)
 
     def __post_init__(self):
         check_settings(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.kernels import attend
+from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 from vllm_gaudi_unified.merge import Partial, scatter_merge
-from vllm_gaudi_unified.shared import slot_mask
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_gaudi_unified.bucketing.cost import DIMS, SHORT
+from vllm_gaudi_unified.bucket_plans.cost import DIMS, SHORT
 
 #: The three panels of `plot_plan`: (x, y) dimensions.
 PANELS = (("query_len", "num_unique_blocks"), ("query_len", "num_shared_blocks"), ("query_len", "num_causal_tiles"))
@@ -23,7 +23,7 @@ def plot_plan(plan, shapes, path: str, title: str = "") -> None:
     used = np.unique(idx[idx >= 0])
     fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 5.2))
     codes = shapes.codes
-    from vllm_gaudi_unified.bucketing.shapes import PHASES
+    from vllm_gaudi_unified.bucket import PHASES
 
     colours = plt.get_cmap("tab10")
     for ax, (xd, yd) in zip(axes, PANELS):

@@ -14,7 +14,7 @@ def _import_suite():
     try:
         from benchmarks import suite
     except ImportError:
-        root = Path(__file__).resolve().parents[1]
+        root = Path(__file__).resolve().parents[2]
         if not (root / "benchmarks" / "suite.py").exists():
             raise SystemExit("bench needs the repository's benchmarks/ folder (run from a source checkout)")
         sys.path.insert(0, str(root))
@@ -39,7 +39,7 @@ def _add_suite_args(p: argparse.ArgumentParser) -> None:
     """The suite's own flags (kept in benchmarks/suite.py; imported lazily: it imports torch)."""
     from importlib import util
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if util.find_spec("benchmarks") is None and str(root) not in sys.path and (root / "benchmarks").exists():
         sys.path.insert(0, str(root))
     try:

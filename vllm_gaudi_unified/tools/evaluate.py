@@ -3,7 +3,7 @@
 - graphs: buckets in the plan (one compiled graph each);
 - covered: share of the trace's steps some bucket covers (the rest are misses);
 - padding waste: padded work / real work over the covered steps, work from the
-  plan's cost model (`cost.py`): the sum over steps of the cost of the bucket
+  plan's cost model (`bucket_plans/cost.py`): the sum over steps of the cost of the bucket
   `find` returns, divided by the sum of the cost of each step's own shape;
 - per dimension: the same ratio for each size's term of the cost (the model
   is linear, so the terms add up to the total), and its share of the extra work;
@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vllm_gaudi_unified.bucketing.cost import DIMS, SHORT
-from vllm_gaudi_unified.bucketing.plan import BucketPlan
-from vllm_gaudi_unified.bucketing.shapes import StepShapes
+from vllm_gaudi_unified.bucket import bucket_from_sizes
+from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+from vllm_gaudi_unified.bucket_plans.cost import DIMS, SHORT
+from vllm_gaudi_unified.tools.shapes import StepShapes
 
 
 @dataclass
@@ -74,7 +75,7 @@ def evaluate(plan: BucketPlan, shapes: StepShapes, name: str = "") -> Evaluation
     planned_pairs = (sizes[:, 4] * opts.causal_tile ** 2 + sizes[:, 0] + sizes[:, 1] * opts.shared_rows * bs
                      + sizes[:, 2] * bs).sum()
     needed_pairs = shapes.needed.sum()
-    misses = [plan.explain_miss(_bucket(sizes[i])) for i in np.flatnonzero(~hit)[:3]]
+    misses = [plan.explain_miss(bucket_from_sizes(sizes[i])) for i in np.flatnonzero(~hit)[:3]]
     return Evaluation(
         trace=name or ", ".join(shapes.sources), steps=len(sizes), graphs=len(plan), graphs_used=len(np.unique(idx[hit])),
         covered=float(hit.mean()), misses=int((~hit).sum()),
@@ -83,7 +84,3 @@ def evaluate(plan: BucketPlan, shapes: StepShapes, name: str = "") -> Evaluation
         per_dim=per_dim, miss_examples=misses)
 
 
-def _bucket(sizes):
-    from vllm_gaudi_unified.bucketing.shapes import bucket_from_sizes
-
-    return bucket_from_sizes(sizes)

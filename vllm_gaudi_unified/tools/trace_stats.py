@@ -74,7 +74,7 @@ def add_plan_option_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args) -> int:
-    from vllm_gaudi_unified.bucketing.trace import read_trace
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
 
     trace = read_trace(args.trace, limit=args.limit)
     work = trace_work(trace.steps, options_from_args(args), args.sliding_window, progress=not args.quiet)

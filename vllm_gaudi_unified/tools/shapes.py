@@ -31,30 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket
-from vllm_gaudi_unified.bucketing.cost import DIMS
-from vllm_gaudi_unified.bucketing.settings import ServerSettings
-from vllm_gaudi_unified.bucketing.trace import Trace, TraceError, TraceStep, step_from_json
-from vllm_gaudi_unified.plan import _mix64, _ranges, plan_step
-
-#: Phase strings indexed by their code: bit 4 = causal, 2 = shared, 1 = unique.
-PHASES = tuple("".join(p if code & bit else "-" for p, bit in zip("csu", (4, 2, 1))) for code in range(8))
-
-
-def phase_code(phase: str) -> int:
-    return (4 if phase[0] == "c" else 0) | (2 if phase[1] == "s" else 0) | (1 if phase[2] == "u" else 0)
-
-
-def codes_of(sizes: np.ndarray) -> np.ndarray:
-    """Phase codes of shapes [N, 5] (DIMS order)."""
-    s = np.asarray(sizes)
-    return ((s[:, 4] > 0) * 4 + (s[:, 1] > 0) * 2 + (s[:, 2] > 0) * 1).astype(np.int64)
-
-
-def bucket_from_sizes(sizes) -> Bucket:
-    q, s, u, l, c = (int(x) for x in sizes)
-    return Bucket(PHASES[(c > 0) * 4 + (s > 0) * 2 + (u > 0)], q, s, u, l, c)
-
+from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes, codes_of
+from vllm_gaudi_unified.bucket_plans.cost import DIMS
+from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+from vllm_gaudi_unified.bucket_plans.trace import Trace, TraceError, TraceStep, step_from_json
+from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.plan.arrays import mix64, ranges
 
 @dataclass
 class StepShapes:
@@ -254,7 +236,7 @@ def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarra
         col_start = _segment_starts(col_key)
         col_users = np.diff(np.r_[col_start, order.size])
         col_step = s_step[order][col_start]
-        col_hash = np.bitwise_xor.reduceat(_mix64(local_req[req_sorted]), col_start)
+        col_hash = np.bitwise_xor.reduceat(mix64(local_req[req_sorted]), col_start)
         g_order = np.lexsort((col_hash, col_step))
         new = np.r_[True, (col_step[g_order][1:] != col_step[g_order][:-1])
                     | (col_hash[g_order][1:] != col_hash[g_order][:-1])]
@@ -292,7 +274,7 @@ def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarra
         steps_c = np.flatnonzero(np.bincount(req_step[multi], minlength=n) > 0)
         in_c = np.isin(req_step, steps_c)
         cq, c_step = q[in_c], req_step[in_c]
-        tok_j, tok_req = _ranges(np.zeros_like(cq), cq)
+        tok_j, tok_req = ranges(np.zeros_like(cq), cq)
         tok_step = c_step[tok_req]
         first_tok = np.zeros(n, np.int64)
         first_tok[steps_c] = np.cumsum(T[steps_c]) - T[steps_c]

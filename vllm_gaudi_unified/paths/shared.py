@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.kernels import attend
+from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 from vllm_gaudi_unified.merge import Partial, scatter_merge
-
-
-def slot_mask(lo: torch.Tensor, hi: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`[..., block_size]` True for slots in `[lo, hi)`."""
-    slot = torch.arange(block_size, device=lo.device)
-    return (slot >= lo[..., None]) & (slot < hi[..., None])
 
 
 def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,

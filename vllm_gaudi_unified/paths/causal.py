@@ -10,21 +10,36 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.kernels import attend, compute_dtype
+from vllm_gaudi_unified.paths.tiles import attend, compute_dtype
 from vllm_gaudi_unified.merge import Partial, scatter_merge
 
 
 def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 soft_cap: float | None) -> Partial:
-    """Each token against its own key: q/k/v `[T, H, D]` -> Partial `[T, Hq, D]`."""
+                 soft_cap: float | None, fixed_order: bool = False) -> Partial:
+    """Each token against its own key: q/k/v `[T, H, D]` -> Partial `[T, Hq, D]`.
+
+    `fixed_order` (the batch-invariant mode): the dot products are summed by a fixed
+    pairwise tree over `head_dim` (elementwise adds), whatever kernel `sum` would pick."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     dt = compute_dtype(q.dtype)
-    s = (q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)).sum(-1).reshape(t, hq) * scale
+    products = q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)
+    s = (_tree_sum(products) if fixed_order else products.sum(-1)).reshape(t, hq) * scale
     if soft_cap is not None:
         s = soft_cap * torch.tanh(s / soft_cap)
     acc = v.to(dt)[:, :, None, :].expand(t, hkv, hq // hkv, d).reshape(t, hq, d)
     return Partial(acc, s, torch.ones_like(s))
+
+
+def _tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim by a fixed pairwise tree (zero-padded to a power of two)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        x = torch.nn.functional.pad(x, (0, (1 << (n - 1).bit_length()) - n))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
 
 
 def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,

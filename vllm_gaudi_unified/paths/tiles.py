@@ -34,6 +34,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def slot_mask(lo: torch.Tensor, hi: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[..., block_size]` True for slots in `[lo, hi)` (a token's visible slots of one cache block)."""
+    slot = torch.arange(block_size, device=lo.device)
+    return (slot >= lo[..., None]) & (slot < hi[..., None])
+
+
 def _zero_unseen(v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """v `[T, K, Hkv, D]` with keys no row sees set to 0, as contiguous `[T, Hkv, K, D]` (one pass)."""
     t, k, hkv, d = v.shape

@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket
-from vllm_gaudi_unified.bucketing.cost import DIMS, CostModel, Hardware, ModelSpec
-from vllm_gaudi_unified.bucketing.settings import ServerSettings
-from vllm_gaudi_unified.bucketing.shapes import bucket_from_sizes
+from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes
+from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
+from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
 from vllm_gaudi_unified.log import get_logger
 
 logger = get_logger(__name__)

@@ -1,0 +1,111 @@
+"""The package's layout keeps its rules (docs/architecture.md): no import loops, the serve-time
+path (the core and the plugin) imports nothing offline (no tools, no benchmarks/), planning is
+numpy only, no module over ~400 lines.
+
+Imports are read from the source (every `import` statement, those inside functions too), so a
+lazy import that would close a loop or reach an offline tool is caught as well."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "vllm_gaudi_unified"
+ROOT = "vllm_gaudi_unified"
+
+#: Imported while serving: must not reach `tools` or `benchmarks` (only the `bench` command, a tool,
+#: runs the repository's benchmarks).
+SERVE_TIME = ("attention", "batch", "bucket", "graphs", "hpu", "log", "merge", "reference", "warmup", "plan",
+              "paths", "bucket_plans", "vllm_plugin")
+#: Loaded or planned on every step and replayed offline: numpy only.
+NUMPY_ONLY = ("bucket", "plan", "bucket_plans")
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """Every module this file imports (absolute names; `from pkg import mod` resolves to pkg.mod)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph():
+    mods = _modules()
+    return {m: _imports(p, m, set(mods)) for m, p in mods.items()}
+
+
+def _is(module: str, top: str) -> bool:
+    return module == top or module.startswith(top + ".")
+
+
+def test_no_import_loops(graph):
+    """Tarjan's strongly connected components over the package's own imports: all of size one."""
+    edges = {m: sorted(d for d in deps if d in graph and d != m) for m, deps in graph.items()}
+    index, low, stack, on, loops, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                loops.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert not loops, loops
+
+
+def test_serve_time_imports_nothing_offline(graph):
+    for mod, deps in graph.items():
+        if any(_is(mod, f"{ROOT}.{top}") for top in SERVE_TIME):
+            bad = sorted(d for d in deps if _is(d, f"{ROOT}.tools") or _is(d, "benchmarks"))
+            assert not bad, f"{mod} imports {bad}"
+
+
+def test_planning_modules_are_numpy_only(graph):
+    for mod, deps in graph.items():
+        if any(_is(mod, f"{ROOT}.{top}") for top in NUMPY_ONLY):
+            bad = sorted(d for d in deps if d.split(".")[0] in ("torch", "vllm", "habana_frameworks"))
+            assert not bad, f"{mod} imports {bad}"
+
+
+def test_no_module_over_the_line_limit():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long

@@ -1,0 +1,18 @@
+"""Bucket plans at serve time: which step shapes get a compiled graph, and the lookup each step makes.
+
+- `bucket_plan`: `BucketPlan` (`find`, miss policy, JSON plan files);
+- `exponential`: the plan made from the server settings alone (the plugin's `auto`);
+- `settings`: `ServerSettings` (the limits a plan is made for) and `BUCKET_OPTIONS`;
+- `cost`: the FLOPs-and-bytes work model that weighs the sizes of a shape;
+- `trace`: the JSON Lines scheduler trace format (the plugin records it while serving).
+
+Nothing here is offline: learning plans from traces, simulating, evaluating and
+plotting live in `vllm_gaudi_unified.tools`.
+"""
+from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
+from vllm_gaudi_unified.bucket_plans.bucket_plan import MISS_POLICIES, BucketMiss, BucketPlan
+from vllm_gaudi_unified.bucket_plans.settings import PRESETS, ServerSettings
+from vllm_gaudi_unified.bucket_plans.trace import Trace, TraceError, TraceStep, TraceWriter, append_step, read_trace
+
+__all__ = ["BucketMiss", "BucketPlan", "CostModel", "DIMS", "Hardware", "MISS_POLICIES", "ModelSpec", "PRESETS",
+           "ServerSettings", "Trace", "TraceError", "TraceStep", "TraceWriter", "append_step", "read_trace"]

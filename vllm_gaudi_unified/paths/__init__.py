@@ -1,0 +1,8 @@
+"""The device side of a step (torch): partial softmax results per path, merged by `merge.py`.
+
+- `tiles`: the one `attend` (a masked score tile -> `Partial`), `slot_mask`, `compute_dtype`;
+- `causal`: `self_partial` (each token with its own key) and the strict-causal tiles;
+- `shared`: cache blocks several query tokens read, in (tokens x blocks) tiles;
+- `unique`: cache blocks one query token reads, one row per block;
+- `invariant`: the batch-invariant mode's run (fixed shapes, slots folded in a fixed tree).
+"""

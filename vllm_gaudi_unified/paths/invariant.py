@@ -1,0 +1,107 @@
+"""The device run of the batch-invariant mode (`plan/invariant.py` says what and why).
+
+Every product has one shape (`invariant_chunk` units or `invariant_causal_chunk`
+causal tiles per call, the last call padded); each (token, block) or (token, key
+tile) partial is written to its own slot and the slots are folded by a fixed
+pairwise tree; then self, cached and causal are merged in that order.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all
+from vllm_gaudi_unified.paths.causal import self_partial
+from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
+
+
+def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, batch, scale: float, soft_cap: float | None) -> Partial:
+    """All keys of every token, merged in a fixed order: self, cached blocks, causal tiles."""
+    parts = (self_partial(q, k, v, scale, soft_cap, fixed_order=True),
+             _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap),
+             _causal_partial(q, k, v, batch, scale, soft_cap))
+    return merge_all([p for p in parts if p is not None])
+
+
+class _Slots:
+    """A `[tokens, width]` array of partials plus one dump slot per row of a call; each real
+    (token, slot) is written once, never added to, so no order of writes matters."""
+
+    def __init__(self, tokens: int, width: int, call_rows: int, hq: int, d: int, dtype, device):
+        self.tokens, self.width, self.call_rows = tokens, width, call_rows
+        size = tokens * width + call_rows
+        self.acc = torch.zeros((size, hq, d), dtype=dtype, device=device)
+        self.max = torch.full((size, hq), float("-inf"), dtype=dtype, device=device)
+        self.sum = torch.zeros((size, hq), dtype=dtype, device=device)
+        self.dump = tokens * width + torch.arange(call_rows, device=device)
+
+    def write(self, part: Partial, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> None:
+        dest = torch.where(valid, rows * self.width + cols, self.dump.view(valid.shape)).reshape(-1)
+        self.acc.index_copy_(0, dest, part.acc)
+        self.max.index_copy_(0, dest, part.max)
+        self.sum.index_copy_(0, dest, part.sum)
+
+    def fold(self) -> Partial:
+        """Each token's `width` slots merged by the fixed pairwise tree of `merge.fold_pairwise`."""
+        n, w = self.tokens, self.width
+        return fold_pairwise(Partial(*(x[:n * w].view(n, w, *x.shape[1:]) for x in (self.acc, self.max, self.sum))))
+
+
+def _chunks(total: int, size: int):
+    """(start, stop) of each call; the last may be short and is padded by the caller."""
+    return ((c, min(c + size, total)) for c in range(0, total, size))
+
+
+def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    if x.shape[0] == n:
+        return x
+    return torch.cat([x, torch.full((n - x.shape[0],) + x.shape[1:], fill, dtype=x.dtype, device=x.device)])
+
+
+def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap) -> Partial | None:
+    units = batch.unit_rows.shape[0]
+    if units == 0:
+        return None
+    n, hq, d = q.shape
+    opts = batch.plan.options
+    rs, size = batch.unit_rows.shape[1], opts.invariant_chunk
+    dt = compute_dtype(q.dtype)
+    slots = _Slots(n, batch.plan.cached_width, size * rs, hq, d, dt, q.device)
+    for start, stop in _chunks(units, size):
+        rows = _pad_to(batch.unit_rows[start:stop], size, n)  # [size, rs]
+        blocks = _pad_to(batch.unit_block[start:stop], size, 0)
+        cols = _pad_to(batch.unit_col[start:stop], size, 0)
+        lo = _pad_to(batch.unit_lo[start:stop], size, 0)
+        hi = _pad_to(batch.unit_hi[start:stop], size, 0)
+        mask = slot_mask(lo, hi, key_cache.shape[1])  # [size, rs, block_size]
+        part = attend(q[rows.clamp(max=n - 1)], key_cache[blocks], value_cache[blocks], mask, scale, soft_cap)
+        slots.write(part, rows, cols, rows < n)
+    return slots.fold()
+
+
+def _causal_partial(q, k, v, batch, scale, soft_cap) -> Partial | None:
+    tiles = batch.causal_q_start.shape[0]
+    if tiles == 0:
+        return None
+    n, hq, d = q.shape
+    opts = batch.plan.options
+    c, size = opts.causal_tile, opts.invariant_causal_chunk
+    dt = compute_dtype(q.dtype)
+    slots = _Slots(n, batch.plan.causal_width, size * c, hq, d, dt, q.device)
+    offsets = torch.arange(c, device=q.device)
+    seg = batch.token_seg_start
+    for start, stop in _chunks(tiles, size):
+        q_start = _pad_to(batch.causal_q_start[start:stop], size, n)
+        k_start = _pad_to(batch.causal_k_start[start:stop], size, 0)
+        cols = _pad_to(batch.causal_col[start:stop], size, 0)
+        rows, keys = q_start[:, None] + offsets, k_start[:, None] + offsets  # [size, c]
+        rows_in, keys_in = rows.clamp(max=n - 1), keys.clamp(max=n - 1)
+        first = seg[q_start.clamp(max=n - 1)][:, None]  # the tile's request starts here
+        valid = (rows < n) & (seg[rows_in] == first)  # rows of the tile's own request
+        kk, r = keys[:, None, :], rows[:, :, None]
+        mask = valid[:, :, None] & (kk >= first[:, :, None]) & (kk < r)
+        if batch.sliding_window is not None:
+            mask &= r - kk < batch.sliding_window
+        part = attend(q[rows_in], k[keys_in], v[keys_in], mask, scale, soft_cap)
+        slots.write(part, rows, cols[:, None].expand_as(rows), valid)
+    return slots.fold()

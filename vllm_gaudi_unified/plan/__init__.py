@@ -1,0 +1,45 @@
+"""Host planning of one step: numpy only, no torch, no vLLM.
+
+- `options`: `PlanOptions`, the one `DEFAULT_OPTIONS`, `PathWork`;
+- `step_plan`: `StepPlan`, the arrays the device needs;
+- `arrays`: input checks and vectorised range/tiling/padding helpers both planners use;
+- `default`: the default planner (causal / shared / unique tiles);
+- `invariant`: the batch-invariant planner and its `InvariantPlan`.
+
+`plan_step` and `pad_plan` below pick the planner from `options.batch_invariant`.
+"""
+from __future__ import annotations
+
+from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.plan.default import pad_default, plan_default
+from vllm_gaudi_unified.plan.invariant import InvariantPlan, pad_invariant, plan_invariant
+from vllm_gaudi_unified.plan.options import DEFAULT_OPTIONS, UNIQUE_LAYOUTS, PathWork, PlanOptions
+from vllm_gaudi_unified.plan.step_plan import StepPlan
+
+
+def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None = None,
+              num_blocks: int | None = None, options: PlanOptions | None = None,
+              dense_work: bool = False) -> StepPlan:
+    """Plan one scheduler step; arrays are unpadded (`bucket == shape`). See `plan/default.py` for the
+    semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`).
+
+    `dense_work`: also count what the dense design would compute (default mode; for trace statistics)."""
+    opts = options or DEFAULT_OPTIONS
+    if opts.batch_invariant:
+        return plan_invariant(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
+                              num_blocks=num_blocks, options=opts)
+    return plan_default(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
+                        num_blocks=num_blocks, options=opts, dense_work=dense_work)
+
+
+def pad_plan(plan: StepPlan, bucket: Bucket) -> StepPlan:
+    """The same step padded to `bucket`; padding adds only fully masked work."""
+    if bucket == plan.bucket:
+        return plan
+    if isinstance(plan, InvariantPlan):
+        return pad_invariant(plan, bucket)
+    return pad_default(plan, bucket)
+
+
+__all__ = ["DEFAULT_OPTIONS", "InvariantPlan", "PathWork", "PlanOptions", "StepPlan", "UNIQUE_LAYOUTS", "pad_plan",
+           "plan_step"]

@@ -1,0 +1,117 @@
+"""Array helpers shared by the planners (default and batch-invariant): input checks, ranges, tiling, padding.
+
+All vectorised numpy: a step's planning never loops over tokens in Python.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import numpy as np
+
+from vllm_gaudi_unified.bucket import Bucket
+
+def int_vector(name: str, values) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def first_bad(name: str, mask: np.ndarray, values: np.ndarray, need: str) -> None:
+    if mask.any():
+        i = int(np.argmax(mask))
+        raise ValueError(f"{name}[{i}] = {int(values[i])} must be {need}")
+
+
+def validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks):
+    q = int_vector("query_lens", query_lens)
+    ctx = int_vector("context_lens", context_lens)
+    if q.size == 0:
+        raise ValueError("query_lens is empty: a step needs at least one request")
+    if ctx.size != q.size:
+        raise ValueError(f"context_lens has {ctx.size} entries but query_lens has {q.size}")
+    if q.min() < 1:  # one reduction on the common path; the mask only when something is wrong
+        first_bad("query_lens", q < 1, q, ">= 1")
+    if ctx.min() < 0:
+        first_bad("context_lens", ctx < 0, ctx, ">= 0")
+    bt = np.asarray(block_table)
+    if bt.ndim != 2 or bt.shape[0] != q.size:
+        raise ValueError(f"block_table must have shape [{q.size}, max_blocks], got {tuple(bt.shape)}")
+    if bt.size and bt.dtype.kind not in "iu":
+        raise ValueError(f"block_table must hold integers, got dtype {bt.dtype}")
+    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1):
+        raise ValueError(f"num_blocks must be None or an int >= 1, got {num_blocks!r}")
+    nb_ctx = (ctx + block_size - 1) // block_size
+    if nb_ctx.max() > bt.shape[1]:
+        r = int(np.argmax(nb_ctx > bt.shape[1]))
+        raise ValueError(
+            f"block_table has {bt.shape[1]} columns but request {r} needs {int(nb_ctx[r])} blocks "
+            f"for context_lens[{r}] = {int(ctx[r])} (block_size {block_size})")
+    return q, ctx, np.ascontiguousarray(bt, dtype=np.int64), nb_ctx
+
+
+def ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate `arange(starts[i], starts[i] + counts[i])`; also return the owner i of each item."""
+    owner = np.repeat(np.arange(counts.size), counts)
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(starts - offsets, counts) + np.arange(owner.size), owner
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a well-spread 64-bit hash per request index (groups blocks by user set)."""
+    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def chunk_groups(group_sizes: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut groups of `group_sizes` items into chunks of `tile`.
+
+    Returns, per chunk, its group, its first item (global index into the
+    group-sorted item list) and its item count."""
+    chunks = -(-group_sizes // tile)
+    local, group = ranges(np.zeros_like(chunks), chunks)
+    group_offsets = np.cumsum(group_sizes) - group_sizes
+    first = group_offsets[group] + local * tile
+    return group, first, np.minimum(tile, group_sizes[group] - local * tile)
+
+
+def chunk_index(first: np.ndarray, count: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """[n, width] item indices of chunks (clipped) and which of them are real."""
+    idx = first[:, None] + np.arange(width)
+    valid = np.arange(width) < count[:, None]
+    return np.where(valid, idx, 0), valid
+
+
+def first_bad_block(phys, pair_req, pair_blk, num_blocks):
+    bad = phys < 0 if num_blocks is None else (phys < 0) | (phys >= num_blocks)
+    if bad.any():
+        i = int(np.argmax(bad))
+        limit = "" if num_blocks is None else f" and < num_blocks {num_blocks}"
+        raise ValueError(f"block_table[{int(pair_req[i])}, {int(pair_blk[i])}] = {int(phys[i])} is needed "
+                         f"for the context but must be >= 0{limit}")
+
+
+def check_covers(bucket: Bucket, shape: Bucket) -> None:
+    for f in fields(Bucket)[1:]:
+        need, have = getattr(shape, f.name), getattr(bucket, f.name)
+        if have < need:
+            raise ValueError(f"bucket {bucket} does not cover the step: {f.name} {need} > {have}")
+
+
+def move_no_row(rows: np.ndarray, old: int, new: int) -> np.ndarray:
+    """Row indices with the "no row" marker moved from the old token count to the padded one."""
+    return np.where(rows == old, new, rows).astype(rows.dtype, copy=False)
+
+
+def grow(a: np.ndarray, n: int, fill) -> np.ndarray:
+    """`a` padded along its first axis to `n` entries of `fill`."""
+    extra = np.full((n - a.shape[0],) + a.shape[1:], fill, a.dtype)
+    return np.concatenate([a, extra])

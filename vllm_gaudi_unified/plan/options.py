@@ -1,0 +1,60 @@
+"""The planner's options (one graph per bucket *and* options) and its work accounting."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Layouts of the unique path: read `[0, max id + 1)` of the cache in place, or gather live blocks.
+UNIQUE_LAYOUTS = ("auto", "slice", "gather")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Tile sizes and choices of the planner; one graph per bucket *and* options."""
+
+    causal_tile: int = 64  #: query rows = key columns of a causal tile
+    shared_rows: int = 8  #: query rows of a shared tile (small: decode groups sharing a prefix are often 2-16 requests)
+    shared_tile_keys: int = 512  #: keys of a shared tile, rounded down to whole blocks (at least one)
+    unique_layout: str = "auto"  #: 'slice', 'gather', or 'auto' (slice when dense enough)
+    slice_min_density: float = 0.5  #: 'auto' reads the slice when live blocks / (max id + 1) >= this
+    batch_invariant: bool = False  #: same bits for a request whatever its batch (docs/batch_invariance.md)
+    invariant_rows: int = 8  #: batch_invariant: query tokens per cached-block unit (the block is read once per unit)
+    invariant_chunk: int = 512  #: batch_invariant: cached-block units per product (one shape for every call)
+    invariant_causal_chunk: int = 16  #: batch_invariant: causal tiles per product
+
+    def __post_init__(self):
+        for name in ("causal_tile", "shared_rows", "shared_tile_keys", "invariant_rows", "invariant_chunk",
+                     "invariant_causal_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"PlanOptions.{name} must be an int >= 1, got {value!r}")
+        if self.unique_layout not in UNIQUE_LAYOUTS:
+            raise ValueError(f"PlanOptions.unique_layout must be one of {UNIQUE_LAYOUTS}, got {self.unique_layout!r}")
+        if not 0.0 <= self.slice_min_density <= 1.0:
+            raise ValueError(f"PlanOptions.slice_min_density must be in [0, 1], got {self.slice_min_density!r}")
+
+    def blocks_per_tile(self, block_size: int) -> int:
+        """Cache blocks in one shared tile."""
+        return max(1, self.shared_tile_keys // block_size)
+
+
+#: The one default: what `plan_step` / `build_unified_batch` use when given no options. Bucket plans
+#: derive theirs from it (`bucket_plans.settings.BUCKET_OPTIONS`: the unique layout fixed).
+DEFAULT_OPTIONS = PlanOptions()
+
+
+@dataclass(frozen=True)
+class PathWork:
+    """Score work of a step in (query token, key) pairs, per path; `causal` includes the self pairs."""
+
+    causal: int = 0
+    shared: int = 0
+    unique: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.causal + self.shared + self.unique
+
+    def __add__(self, other: "PathWork") -> "PathWork":
+        return PathWork(self.causal + other.causal, self.shared + other.shared, self.unique + other.unique)

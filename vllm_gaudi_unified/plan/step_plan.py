@@ -1,0 +1,56 @@
+"""`StepPlan`: what the host hands the device for one step, as numpy arrays."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """Everything the device needs for one step, as numpy arrays (row index `query_len` = no row).
+
+    Shapes use the padded sizes of `bucket`; before padding, `bucket == shape`.
+    The batch-invariant planner returns its own subclass, `InvariantPlan`.
+    """
+
+    block_size: int
+    sliding_window: int | None
+    options: PlanOptions
+    num_requests: int
+    num_tokens: int  #: real new tokens; rows past it are padding
+    shape: Bucket  #: the step's own (unpadded) shape
+    bucket: Bucket  #: the shape the arrays have (padded)
+    token_seg_start: np.ndarray  #: [query_len] flattened index of the token's first request token (own index for padding)
+    causal_q_start: np.ndarray  #: [num_causal_tiles] first query row of each tile (query_len for padding tiles)
+    causal_k_start: np.ndarray  #: [num_causal_tiles] first key (flattened new-token index) of each tile
+    shared_rows: np.ndarray  #: [tiles, options.shared_rows] query token of each tile row
+    shared_blocks: np.ndarray  #: [tiles, blocks_per_tile] physical block of each tile column
+    shared_lo: np.ndarray  #: [tiles, options.shared_rows, blocks_per_tile] first visible slot
+    shared_hi: np.ndarray  #: [tiles, options.shared_rows, blocks_per_tile] end of visible slots (0 = block unseen)
+    unique_rows: np.ndarray  #: [num_unique_blocks] the one query token of each block slot
+    unique_blocks: np.ndarray | None  #: [num_unique_blocks] gathered block ids; None = slice [0, num_unique_blocks)
+    unique_lo: np.ndarray  #: [num_unique_blocks]
+    unique_hi: np.ndarray  #: [num_unique_blocks]
+    logits_indices: np.ndarray  #: [num_logits] last new token of each request
+    max_block_id: int  #: largest cache block id read (-1: none); checked against the cache
+    work_needed: PathWork  #: pairs the step needs
+    work_dense: PathWork | None  #: pairs the dense design would compute (only with plan_step(dense_work=True))
+
+    @property
+    def unique_layout(self) -> str:
+        """'slice' (contiguous cache slice, no gather) or 'gather' (live blocks only)."""
+        return "slice" if self.unique_blocks is None else "gather"
+
+    @property
+    def work_planned(self) -> PathWork:
+        """Pairs the device computes for the arrays as they are (padding included)."""
+        b, opts = self.bucket, self.options
+        return PathWork(
+            causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len,
+            shared=b.num_shared_blocks * opts.shared_rows * self.block_size,
+            unique=b.num_unique_blocks * self.block_size,
+        )
