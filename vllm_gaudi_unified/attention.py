@@ -10,6 +10,7 @@ from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch
 from vllm_gaudi_unified.merge import Partial, merge_all, normalize
 from vllm_gaudi_unified.paths.causal import causal_partial, self_partial
 from vllm_gaudi_unified.paths.invariant import invariant_partial
+from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
 from vllm_gaudi_unified.paths.shared import shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.paths.unique import unique_partial
@@ -17,7 +18,8 @@ from vllm_gaudi_unified.paths.unique import unique_partial
 
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, batch: UnifiedBatch, scale: float, *,
-                      logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                      k_scale=None, v_scale=None) -> torch.Tensor:
     """Attention of every new token of a step; see DESIGN.md for the semantics.
 
     query `[T, Hq, D]`, key/value `[T, Hkv, D]` (T = the step's tokens, or the
@@ -25,22 +27,34 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     block_size, Hkv, D]`. `logits_soft_cap`: scores become `cap * tanh(s / cap)`.
     `sinks`: `[Hq]` one logit per head that joins every softmax denominator.
     Returns `[T, Hq, D]` in query's dtype.
+
+    fp8 KV cache: key_cache/value_cache may be `float8_e4m3fn` or `float8_e5m2`
+    (query/key/value stay in the model dtype); a cached key is `stored *
+    k_scale`, a value `stored * v_scale` (`paths/kv_quant.py`: a float or
+    one-element tensor per tensor, or a `[num_blocks, b, h, d]` tensor per
+    block; None: 1). The paths dequantize only the blocks they gathered. The
+    new tokens come from `key`/`value` as given: pass them as the cache stores
+    them (dequantized) for results that do not depend on how a prompt was
+    chunked (the vLLM plugin does).
     """
     _check_inputs(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks)
+    check_scale("k_scale", k_scale, key_cache)
+    check_scale("v_scale", v_scale, value_cache)
     t, padded = query.shape[0], batch.bucket.query_len
     if t < padded:
         query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
-        partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)]
+        partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
+                                      k_scale, v_scale)]
     else:
-        partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)
-                    if p is not None]
+        partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
+                                          k_scale, v_scale) if p is not None]
     if sinks is not None:
         partials.append(_sink_partial(sinks, padded, query.shape[2], compute_dtype(query.dtype)))
     return normalize(merge_all(partials))[:t].to(query.dtype)
 
 
-def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap):
+def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_scale, v_scale):
     """Which paths run, all conditions in one place:
 
     1. self (each token with its own key): always; it is elementwise.
@@ -54,9 +68,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap):
     if phase[0] == "c":
         yield causal_partial(query, key, value, batch, scale, cap)
     if phase[1] == "s":
-        yield shared_partial(query, key_cache, value_cache, batch, scale, cap)
+        yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
     if phase[2] == "u":
-        yield unique_partial(query, key_cache, value_cache, batch, scale, cap)
+        yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
 
 
 def _sink_partial(sinks: torch.Tensor, rows: int, head_dim: int, dtype: torch.dtype) -> Partial:
@@ -77,7 +91,8 @@ def _check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, 
             raise ValueError(f"{name} must be a {dims}-D tensor, got {shape}")
     dtypes = {n: x.dtype for n, x in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
                                       ("value_cache", value_cache))}
-    if len(set(dtypes.values())) != 1:
+    fp8_caches = is_fp8(key_cache.dtype) and key_cache.dtype == value_cache.dtype  # dequantized as read
+    if len({d for n, d in dtypes.items() if not (fp8_caches and n.endswith("_cache"))}) != 1:
         raise ValueError("mixed dtypes: " + ", ".join(f"{n} {str(d).replace('torch.', '')}" for n, d in dtypes.items()))
     if not query.dtype.is_floating_point:
         raise ValueError(f"query dtype must be floating point, got {query.dtype}")

@@ -59,22 +59,21 @@ def check_scale(name: str, scale, cache: torch.Tensor) -> None:
         raise ValueError(f"{name} must be None, a finite positive float or a tensor, got {scale!r}")
 
 
-def read_blocks(cache: torch.Tensor, blocks: torch.Tensor | None, count: int, scale, dtype: torch.dtype
-                ) -> torch.Tensor:
-    """Cache blocks `cache[blocks]` (or the slice `cache[:count]` when `blocks` is None) in `dtype`.
+def read_blocks(cache: torch.Tensor, blocks: torch.Tensor | int, scale, dtype: torch.dtype) -> torch.Tensor:
+    """Cache blocks `cache[blocks]` (`blocks` an index tensor, or a count: the slice `cache[:blocks]`) in `dtype`.
 
     Unquantized caches are returned as gathered (a view for the slice). An fp8
     cache is converted after the gather, and multiplied by its scale (per
     tensor, or per block gathered with the same ids), so the only dequantized
     copy is the gathered one."""
-    x = cache[:count] if blocks is None else cache[blocks]
+    x = cache[:blocks] if isinstance(blocks, int) else cache[blocks]
     if not is_fp8(cache.dtype):
         return x
     x = x.to(dtype)
     if scale is None:
         return x
     if isinstance(scale, torch.Tensor) and scale.numel() > 1:
-        s = scale[:count] if blocks is None else scale[blocks]  # [*blocks.shape, b, h, d]
+        s = scale[:blocks] if isinstance(blocks, int) else scale[blocks]  # [*blocks.shape, b, h, d]
         return x * s.to(dtype)
     s = float(scale) if not isinstance(scale, torch.Tensor) else scale.reshape(()).to(dtype)
     return x if isinstance(s, float) and s == 1.0 else x * s
@@ -84,7 +83,7 @@ def dequantize(cache: torch.Tensor, scale, dtype: torch.dtype = torch.float64) -
     """The whole cache dequantized: for references and tests only (the paths never do this)."""
     if not is_fp8(cache.dtype):
         return cache.to(dtype)
-    return read_blocks(cache, None, cache.shape[0], scale, dtype)
+    return read_blocks(cache, cache.shape[0], scale, dtype)
 
 
 def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale=1.0, rounding: str = "nearest") -> torch.Tensor:

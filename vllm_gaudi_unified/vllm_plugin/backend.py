@@ -16,6 +16,13 @@ memory order is the layout the backend declares. We declare LBNHC (memory
 `[num_blocks, block_size, num_kv_heads, K | V]`), so `split_kv_cache` gets the
 core's `[num_blocks, block_size, num_kv_heads, head_size]` key and value caches
 as views, without a copy.
+
+fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2): vLLM allocates the
+cache as bytes; `split_kv_cache` views them in the fp8 format, `forward`
+quantizes the new K/V with the layer's per-tensor scales (`layer._k_scale_float`,
+`_v_scale_float`) the way vLLM's CPU cache-write kernel does (dividing by the
+scale, rounding toward zero: the same bytes), and passes the scales to
+`unified_attention`, whose paths dequantize the blocks they gather.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_gaudi_unified import UnifiedBatch, build_unified_batch, unified_attention
+from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, is_fp8, quantize
 from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
 from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
 
@@ -65,7 +73,8 @@ class GaudiUnifiedAttentionBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = True  # forward writes K/V itself: one call per layer
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]  # the cache holds the model dtype; no fp8 yet
+    #: "auto": the model dtype; fp8 formats with per-tensor scales (what vLLM's CPU attention offers).
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     @staticmethod
     def get_name() -> str:
@@ -120,9 +129,13 @@ class GaudiUnifiedAttentionBackend(AttentionBackend):
         return False  # a connector moves cache pages in its own layout assumptions; not verified with ours
 
     @staticmethod
-    def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def split_kv_cache(kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str = "auto"
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's per-layer cache view -> (key_cache, value_cache), each
-        `[num_blocks, block_size, num_kv_heads, head_size]`, views of the same memory."""
+        `[num_blocks, block_size, num_kv_heads, head_size]`, views of the same memory
+        (for an fp8 `kv_cache_dtype`, vLLM's bytes viewed in that fp8 format)."""
+        if kv_cache_dtype in FP8_DTYPES and kv_cache.dtype == torch.uint8:
+            kv_cache = kv_cache.view(FP8_DTYPES[kv_cache_dtype])
         blocks = kv_cache.permute(0, 2, 1, 3)  # [num_blocks, block_size, num_kv_heads, head_size + head_size_v]
         return blocks[..., :head_size], blocks[..., head_size:]
 
@@ -249,7 +262,8 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             ("ALiBi", alibi_slopes is not None),
             (f"attention type {attn_type!r} (decoder only)", attn_type != AttentionType.DECODER),
             ("KV cache sharing between layers", kv_sharing_target_layer_name is not None),
-            (f"kv_cache_dtype {kv_cache_dtype!r}", kv_cache_dtype != "auto"),
+            (f"kv_cache_dtype {kv_cache_dtype!r}",
+             kv_cache_dtype not in GaudiUnifiedAttentionBackend.supported_kv_cache_dtypes),
         ) if present]
         if unsupported:
             raise NotImplementedError("The unified attention backend does not support " + ", ".join(unsupported))
@@ -275,10 +289,20 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             return output
         t = attn_metadata.num_tokens
         query, key, value = query[:t], key[:t], value[:t]
-        key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv_cache, self.head_size)
-        write_kv(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
+        key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv_cache, self.head_size,
+                                                                             self.kv_cache_dtype)
+        k_scale = v_scale = None
+        if key_cache.dtype != key.dtype:  # fp8: store quantized, attend to the new tokens as stored
+            k_scale, v_scale = float(layer._k_scale_float), float(layer._v_scale_float)
+            key_q = quantize(key, key_cache.dtype, k_scale, rounding="toward_zero")
+            value_q = quantize(value, value_cache.dtype, v_scale, rounding="toward_zero")
+            write_kv(key_q, value_q, key_cache, value_cache, attn_metadata.slot_mapping)
+            key, value = key_q.to(query.dtype) * k_scale, value_q.to(query.dtype) * v_scale
+        else:
+            write_kv(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
         output[:t] = unified_attention(query, key, value, key_cache, value_cache, attn_metadata.batch, self.scale,
-                                       logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
+                                       logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
+                                       k_scale=k_scale, v_scale=v_scale)
         return output
 
 
@@ -299,6 +323,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     used, so colliding writes there do not matter); one fixed-shape write, no
     host sync, no data-dependent shape."""
     slots = slot_mapping.clamp(min=0)
-    # view(), not flatten(): a silent copy would drop the write; view() raises instead.
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        if is_fp8(cache.dtype):  # stored as bytes: index_copy_ has no fp8 kernel on the CPU
+            new, cache = new.view(torch.uint8), cache.view(torch.uint8)
+        # view(), not flatten(): a silent copy would drop the write; view() raises instead.
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)

@@ -54,13 +54,16 @@ class StepHooks:
             _start_trace(hooks.trace_path, vllm_config, kv_cache_spec, sliding_window)
         return hooks
 
-    def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, num_qo_heads: int) -> None:
-        """Run every bucket of the plan once on the real cache (`[num_blocks, block_size, Hkv, D]`)."""
+    def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, num_qo_heads: int,
+                dtype: torch.dtype | None = None) -> None:
+        """Run every bucket of the plan once on the real cache (`[num_blocks, block_size, Hkv, D]`) with
+        activations in `dtype` (the model's; default: the cache's, which an fp8 cache is not)."""
         if self.bucket_plan is None or not self.warmup_enabled:
             return
         from vllm_gaudi_unified.warmup import warmup
 
-        report = warmup(self.bucket_plan, device=key_cache.device, dtype=key_cache.dtype, num_qo_heads=num_qo_heads,
+        report = warmup(self.bucket_plan, device=key_cache.device, dtype=dtype or key_cache.dtype,
+                        num_qo_heads=num_qo_heads,
                         num_kv_heads=key_cache.shape[2], head_dim=key_cache.shape[3], key_cache=key_cache,
                         value_cache=value_cache, progress=False)
         logger.info("Unified attention: warmed %d buckets in %.1f s (%s)", len(report.buckets),
