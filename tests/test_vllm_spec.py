@@ -85,3 +85,65 @@ def test_adaptive_verification_is_refused_at_selection():
                                   use_adaptive_verification=True)
     with pytest.raises(ValueError, match="device-cpu query lens mismatch"):
         select_unified_backend(cfg)
+
+
+# ---------------------------------------------------------------------------------------- fp8 KV cache
+
+
+def test_fp8_kv_cache_dtypes_are_selected():
+    for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        cfg = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype=dtype, block_size=32)
+        assert select_unified_backend(cfg).endswith("GaudiUnifiedAttentionBackend")
+
+
+@pytest.mark.parametrize("kv_cache_dtype, fp8", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_forward_writes_vllm_bytes_and_matches_the_dequantized_reference(kv_cache_dtype, fp8):
+    """The impl's forward on a cache vLLM allocated as bytes: the new K/V land at their slots as vLLM's
+    CPU kernel would store them (x / scale rounded toward zero), and the output equals the float64
+    reference over the dequantized cache, the new tokens included as stored."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+
+    from vllm_gaudi_unified import build_unified_batch
+    from vllm_gaudi_unified.paths.kv_quant import dequantize, quantize
+    from vllm_gaudi_unified.reference import reference_attention
+    from vllm_gaudi_unified.vllm_plugin.backend import (
+        GaudiUnifiedAttentionBackend,
+        GaudiUnifiedAttentionImpl,
+        GaudiUnifiedMetadata,
+    )
+
+    torch.manual_seed(0)
+    bs, hkv, hq, d, nb = 16, 2, 4, 32, 9
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=hkv, head_size=d, dtype=torch.uint8)
+    size = nb * spec.page_size_bytes
+    raw = torch.zeros(size, dtype=torch.int8)
+    kv = create_kv_cache_views(raw, spec, nb, GaudiUnifiedAttentionBackend.supported_kv_cache_layouts()[0],
+                               KVCacheTensor(size=size, layers=["l0"], layer_stride=size,
+                                             block_stride=spec.page_size_bytes))[0]
+    key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv, d, kv_cache_dtype)
+    assert key_cache.dtype == fp8 and key_cache.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+    k_scale, v_scale = 0.5, 1.5
+    query_lens, context_lens = np.array([1, 6, 3]), np.array([20, 0, 14])
+    table = np.array([[7, 2], [4, 0], [8, 5]])
+    for r, c in enumerate(context_lens):  # context already cached (quantized)
+        pos = np.arange(c)
+        slots = torch.as_tensor(table[r, pos // bs] * bs + pos % bs)
+        key_cache.view(torch.uint8).view(-1, hkv, d)[slots] = quantize(torch.randn(c, hkv, d), fp8, k_scale).view(torch.uint8)
+        value_cache.view(torch.uint8).view(-1, hkv, d)[slots] = quantize(torch.randn(c, hkv, d), fp8, v_scale).view(torch.uint8)
+    t = int(query_lens.sum())
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    new_slots = torch.as_tensor([table[r, p // bs] * bs + p % bs for r in range(3)
+                                 for p in range(context_lens[r], context_lens[r] + query_lens[r])])
+    impl = GaudiUnifiedAttentionImpl(hq, d, 0.3, hkv, kv_cache_dtype=kv_cache_dtype)
+    layer = SimpleNamespace(_k_scale_float=k_scale, _v_scale_float=v_scale)
+    meta = GaudiUnifiedMetadata(batch=build_unified_batch(query_lens, context_lens, table, bs), slot_mapping=new_slots,
+                                num_tokens=t)
+    out = impl.forward(layer, q, k, v, kv, meta, torch.empty(t, hq, d))
+    stored_k = key_cache.view(torch.uint8).view(-1, hkv, d)[new_slots]
+    assert torch.equal(stored_k, quantize(k, fp8, k_scale, rounding="toward_zero").view(torch.uint8))
+    kd, vd = dequantize(key_cache, k_scale), dequantize(value_cache, v_scale)
+    k_new, v_new = kd.view(-1, hkv, d)[new_slots], vd.view(-1, hkv, d)[new_slots]  # the new tokens as stored
+    ref = reference_attention(q.double(), k_new, v_new, kd, vd, query_lens, context_lens, table, 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
