@@ -8,7 +8,7 @@ import sys
 import time
 
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
-                 "sliding_window")
+                 "sliding_window", "num_speculative_tokens")
 OPTION_FLAGS = ("causal_tile", "shared_rows", "shared_tile_keys", "unique_layout")
 MODEL_FLAGS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size", "vocab_size")
 
@@ -96,6 +96,12 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM max_model_len")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     p.add_argument("--sliding-window", type=int, default=None, help="sliding window of the model, if any")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="speculative decoding: draft tokens per decode (vLLM's num_speculative_tokens; default 0). "
+                        "Decodes then bring up to 1 + k tokens: the exponential plan adds buckets for them and "
+                        "the simulator schedules them")
+    p.add_argument("--draft-acceptance", type=float, default=0.7,
+                   help="simulator only: probability that a draft is accepted (each, until the first rejection)")
     if options:
         p.add_argument("--causal-tile", type=int, default=None, help="planner option: causal tile size")
         p.add_argument("--shared-rows", type=int, default=None, help="planner option: query rows of a shared tile")
@@ -161,7 +167,7 @@ def cmd_generate(args) -> int:
             if args.trace:
                 shapes = load_shapes(args.trace, settings, args.jobs, not args.no_progress)
             else:
-                sched = SchedulerConfig.from_settings(settings)
+                sched = SchedulerConfig.from_settings(settings, draft_acceptance=args.draft_acceptance)
                 work = workload_from(args.workload)
                 parts = []
                 for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
@@ -286,7 +292,8 @@ def cmd_simulate(args) -> int:
 
     try:
         s = settings_from_args(args)
-        sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching)
+        sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching,
+                                              draft_acceptance=args.draft_acceptance)
         work = workload_from(args.workload, num_requests=args.num_requests, arrival_rate=args.arrival_rate)
     except ValueError as exc:
         return _fail(str(exc))

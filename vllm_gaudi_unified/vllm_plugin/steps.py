@@ -118,12 +118,19 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window:
                               max_num_batched_tokens=sched.max_num_batched_tokens,
                               max_model_len=model.max_model_len, num_blocks=vllm_config.cache_config.num_gpu_blocks,
                               sliding_window=sliding_window,
-                              options=replace(BUCKET_OPTIONS, batch_invariant=options.batch_invariant))
+                              options=replace(BUCKET_OPTIONS, batch_invariant=options.batch_invariant),
+                              num_speculative_tokens=_num_speculative_tokens(vllm_config))
     spec = ModelSpec(num_layers=model.get_num_layers(parallel), num_qo_heads=model.get_num_attention_heads(parallel),
                      num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
                      dtype_bytes=kv_cache_spec.dtype.itemsize, hidden_size=model.get_hidden_size(),
                      vocab_size=model.get_vocab_size())
     return exponential_plan(settings, spec)
+
+
+def _num_speculative_tokens(vllm_config) -> int:
+    """Draft tokens per decode of this server (0 without speculative decoding)."""
+    spec = vllm_config.speculative_config
+    return int(spec.num_speculative_tokens or 0) if spec is not None else 0
 
 
 #: Trace files this process already records to. A model with several KV cache groups (sliding-window
@@ -159,6 +166,7 @@ def _start_trace(path: str, vllm_config, kv_cache_spec, sliding_window: int | No
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
         "enable_chunked_prefill": bool(sched.enable_chunked_prefill),
         "sliding_window": sliding_window,
+        "num_speculative_tokens": _num_speculative_tokens(vllm_config),
     }
     with TraceWriter(path, header=header):
         pass
