@@ -108,3 +108,18 @@ def test_scenario_floors_match_the_issue():
     assert lay.block_table.max() + 1 > 4 * live  # ids spread over a cache about 6x the live blocks
     shared = layout(by_name["shared_prefix"], 16)
     assert (shared.block_table[:, :256] == shared.block_table[0, :256]).all()  # 4k common tokens, one copy
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_bench_fp8_decode_column(tmp_path, fmt):
+    """`--fp8`: the decode step again over an fp8 cache (issue 17's bf16 vs fp8 timing), checked against
+    the reference over the dequantized cache (its unreadable slots poisoned through the bytes)."""
+    code, data = _bench(tmp_path, "--scenarios", "decode_256x2k,decode_ragged", "--block-sizes", "16",
+                        "--baselines", "none", "--fp8", "decode_256x2k", "--fp8-dtype", fmt)
+    assert code == 0
+    (row,) = [r for r in data["rows"] if r["method"] == "fp8"]
+    assert row["scenario"] == "decode_256x2k" and row["kv_cache_dtype"] == fmt
+    assert row["ok"] and row["ms"] > 0 and row["rel_err"] < 1e-4
+    (plain,) = [r for r in data["rows"] if r["method"] == "unified" and r["scenario"] == "decode_256x2k"]
+    assert row["bytes"] < plain["bytes"]  # the floor counts one byte per cached element
+    assert f"decode 256 x 2k ({fmt})" in (tmp_path / "results.md").read_text()
