@@ -96,8 +96,10 @@ def _assert_same_metrics(plugin: dict, ref: dict) -> None:
     assert p == r, f"spec-decode metrics differ: plugin {p}, vLLM {r}"
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1, 4])
 def test_ngram(models, tmp_path, k):
+    """The smallest and the largest draft count of the issue (2 and 3 were measured too, with the same
+    result: docs/usage.md); the core tests cover 1..4 step by step (`test_spec_decode.py`)."""
     ref, plugin, steps = _pair(models, tmp_path, "ngram", k)
     for case in CASES:
         assert_same_results(plugin, ref, case)
