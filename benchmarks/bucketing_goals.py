@@ -2,8 +2,8 @@
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/bucketing_goals.py            # everything: ~10 minutes on 2 shared cores
-    .venv/bin/python benchmarks/bucketing_goals.py --quick    # fewer curve points, no cross-validation
+    python -m benchmarks.bucketing_goals           # everything: ~10 minutes on 2 shared cores
+    python -m benchmarks.bucketing_goals --quick   # fewer curve points, no cross-validation
 
 For each setting (`llama8b-gaudi3`: an 8B model on one Gaudi 3; `bs32-seqs64`: the setting of
 the seed-1 trace recorded from vLLM):
@@ -46,15 +46,14 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from vllm_gaudi_unified.tools.evaluate import evaluate  # noqa: E402
-from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan  # noqa: E402
-from vllm_gaudi_unified.tools.plot import plot_curves  # noqa: E402
-from vllm_gaudi_unified.bucket_plans.settings import PRESETS  # noqa: E402
-from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace  # noqa: E402
-from vllm_gaudi_unified.tools.strategies import exponential_plan, trace_plan  # noqa: E402
-from vllm_gaudi_unified.tools.cli import main as cli  # noqa: E402
+from vllm_gaudi_unified.tools.evaluate import evaluate
+from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+from vllm_gaudi_unified.tools.plot import plot_curves
+from vllm_gaudi_unified.bucket_plans.settings import PRESETS
+from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace
+from vllm_gaudi_unified.tools.strategies import exponential_plan, trace_plan
+from vllm_gaudi_unified.tools.cli import main as cli
 
 TRACES = "bucketing/traces"  # paths are relative to ROOT: they end up in the plan files
 SETTINGS = {

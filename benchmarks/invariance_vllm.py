@@ -120,8 +120,7 @@ def main(argv=None) -> int:
     if args.engine:
         engine(*args.engine)
         return 0
-    sys.path.insert(0, str(ROOT / "tests"))
-    from vllm_helpers import make_tiny_llama
+    from tests.vllm_helpers import make_tiny_llama  # run from the repository root (python -m benchmarks...)
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags
+
 HBM_BYTES_PER_S = 3.35e12  #: H100 SXM HBM3 peak (issue 7's 0.64 ms floor for decode 256 x 2k)
 BF16_FLOPS = 800e12  #: dense bf16 matmul measured on this workplace's H100 (KINDS.md)
 VARIANTS = ("eager", "graph", "compiled")
@@ -21,19 +23,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help=f"baselines to time, from {','.join(BASELINES)} ('none' for none; flex: CUDA only)")
     p.add_argument("--baseline-block-sizes", default="16", help="block sizes at which baselines run")
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU runs, tests)")
-    p.add_argument("--num-heads", type=int, default=32, help="query heads")
+    p.add_argument("--num-qo-heads", type=int, default=32, help="query heads")
     p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=int, default=128, help="head size")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     p.add_argument("--tol", type=float, default=1e-2, help="largest accepted |out - ref| / |ref|")
     p.add_argument("--seed", type=int, default=0, help="seed of block tables and tensors")
-    p.add_argument("--core", default="current", help="core variant: 'current', 'v0' (the fp32-upcast attend) or 'v2-unique' (V masked on every "
-                        "unique block slot, before run 5)")
-    p.add_argument("--unique-layout", default="auto", help="PlanOptions.unique_layout: auto, slice or gather")
-    p.add_argument("--causal-tile", type=int, default=None, help="PlanOptions.causal_tile (default: the planner's)")
-    p.add_argument("--shared-rows", type=int, default=None, help="PlanOptions.shared_rows (default: the planner's)")
-    p.add_argument("--shared-tile-keys", type=int, default=None,
-                   help="PlanOptions.shared_tile_keys (default: the planner's)")
+    add_plan_option_flags(p)
     p.add_argument("--profile", default="", help="comma-separated scenario:block_size:variant to profile")
     p.add_argument("--isolate", action="store_true",
                    help="run each (scenario, block size) in its own process (no memory carried between cases)")

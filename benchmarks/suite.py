@@ -62,40 +62,16 @@ def _readable(lay: sc_mod.Layout, device) -> torch.Tensor:
     return ok.view(lay.num_blocks, bs).to(device)
 
 
-def core_variant(name: str):
-    """Swap a piece of the core for a benchmark comparison in the same run; returns an undo.
-
-    'v0': the fp32-upcast tile computation of run 1; 'v2-unique': the unique path of run 3 (V masked on
-    every block slot) instead of the current one."""
-    if name == "current":
-        return lambda: None
-    from vllm_gaudi_unified.paths import causal, shared, unique
-
-    if name == "v2-unique":  # no list of partially seen slots: `attend` masks V on every slot, as in run 3
-        saved_slots = unique._partial_slots
-        unique._partial_slots = lambda *args: None
-        return lambda: setattr(unique, "_partial_slots", saved_slots)
-    if name != "v0":
-        raise ValueError(f"unknown core variant {name!r}")
-    from benchmarks._attend_v0 import attend as attend_v0
-
-    saved = {m: m.attend for m in (causal, shared, unique)}
-    for m in saved:
-        m.attend = attend_v0
-    return lambda: [setattr(m, "attend", f) for m, f in saved.items()]
-
-
 def run_case(sc, bs, args, device, dtype, rows, profiles):
-    from vllm_gaudi_unified import PlanOptions, plan_step
+    from vllm_gaudi_unified import plan_step
     from vllm_gaudi_unified.attention import unified_attention
+    from vllm_gaudi_unified.tools.plan_flags import plan_options_from_args
     from vllm_gaudi_unified.batch import UnifiedBatch
     from vllm_gaudi_unified.graphs import compiled_attention
 
-    hq, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
+    hq, hkv, d = args.num_qo_heads, args.num_kv_heads, args.head_dim
     lay = sc_mod.layout(sc, bs, seed=args.seed)
-    tiles = {k: getattr(args, k) for k in ("causal_tile", "shared_rows", "shared_tile_keys")
-             if getattr(args, k) is not None}
-    opts = PlanOptions(unique_layout=args.unique_layout, **tiles)
+    opts = plan_options_from_args(args)
     ql, cl = list(sc.query_lens), list(sc.context_lens)
     plan_t, plan = host_ms(lambda: plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks, options=opts))
 
@@ -204,7 +180,7 @@ def _fp8_case(args, sc, bs, q, k, v, kc, vc, batch, blocks, dead, base, scale, d
     kq, vq = quantize(kc, fp8, ks), quantize(vc, fp8, vs)
     ref = baselines.reference_fp32(q, k, v, dequantize(kq, ks, q.dtype), dequantize(vq, vs, q.dtype),
                                    list(sc.query_lens), list(sc.context_lens), blocks, scale)
-    fl = sc_mod.floors(sc, bs, args.num_heads, args.num_kv_heads, args.head_dim, torch.finfo(q.dtype).bits // 8,
+    fl = sc_mod.floors(sc, bs, args.num_qo_heads, args.num_kv_heads, args.head_dim, torch.finfo(q.dtype).bits // 8,
                        kv_elem_bytes=1)
     floor_ms = max(fl["bytes"] / HBM_BYTES_PER_S, fl["flops"] / BF16_FLOPS) * 1e3
     kw = dict(k_scale=ks, v_scale=vs)
@@ -367,27 +343,23 @@ def main(argv=None, args=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     print(json.dumps(env), flush=True)
-    undo = core_variant(args.core)
     rows: list[dict] = []
     start = time.time()
-    try:
-        for bs in block_sizes if not args.isolate else []:
-            for sc in chosen:
-                if time.time() - start > args.time_budget:
-                    rows.append(dict(scenario=sc.name, block_size=bs, method="skipped", error="time budget"))
-                    continue
-                t0 = time.time()
-                run_case(sc, bs, args, device, dtype, rows, profiles)
-                print(report.progress_line(rows, sc.name, bs, time.time() - t0), flush=True)
-                report.write_all(out_dir, env, vars(args), rows)
-                graphs.clear()  # compiled buckets and captured graphs hold memory pools
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        if args.isolate:
-            rows = _run_isolated(args, chosen, block_sizes, out_dir, start, env)
-    finally:
-        undo()
+    for bs in block_sizes if not args.isolate else []:
+        for sc in chosen:
+            if time.time() - start > args.time_budget:
+                rows.append(dict(scenario=sc.name, block_size=bs, method="skipped", error="time budget"))
+                continue
+            t0 = time.time()
+            run_case(sc, bs, args, device, dtype, rows, profiles)
+            print(report.progress_line(rows, sc.name, bs, time.time() - t0), flush=True)
+            report.write_all(out_dir, env, vars(args), rows)
+            graphs.clear()  # compiled buckets and captured graphs hold memory pools
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.isolate:
+        rows = _run_isolated(args, chosen, block_sizes, out_dir, start, env)
     report.write_all(out_dir, env, vars(args), rows, plot=True)
     print(report.markdown(env, rows), flush=True)
     failed = [r for r in rows if r.get("method") == "unified" and r.get("ok") is False]

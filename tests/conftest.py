@@ -18,6 +18,22 @@ import torch
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention
 
+#: The suite's tensors are tiny: one intra-op thread is faster than several, and far faster on a
+#: shared machine, where torch's waiting threads spin for cores (the random invariance tests ran 10x
+#: longer with two threads under load). Tests that should see torch's own threading ask for
+#: `torch_threads`.
+TORCH_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def torch_threads():
+    """torch's default intra-op thread count for the duration of one test."""
+    torch.set_num_threads(TORCH_THREADS)
+    yield TORCH_THREADS
+    torch.set_num_threads(1)
+
+
 #: Small tiles so that small tests still cross tile boundaries.
 SMALL_TILES = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
 
@@ -28,7 +44,7 @@ class Step:
     context_lens: list
     block_size: int
     prefix_groups: list = field(default_factory=list)  # [(request indices, shared full blocks)]
-    num_heads: int = 4
+    num_qo_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 8
     num_blocks: int | None = None  # default: just enough, plus the null block and some spare
@@ -44,8 +60,8 @@ SPECS = {
     "parallel_sampling": Step([1, 1, 1, 1], [13, 13, 13, 13], 4, prefix_groups=[([0, 1, 2, 3], 3)]),  # -su
     "ragged_partial": Step([3, 1, 9, 2, 1], [13, 30, 7, 1, 2], 8),  # csu
     "long_causal": Step([37, 1], [3, 40], 4),  # causal longer than many tiles
-    "gqa": Step([5, 1, 1], [6, 11, 3], 4, num_heads=8, num_kv_heads=2),
-    "mqa": Step([5, 1, 1], [6, 11, 3], 4, num_heads=6, num_kv_heads=1),
+    "gqa": Step([5, 1, 1], [6, 11, 3], 4, num_qo_heads=8, num_kv_heads=2),
+    "mqa": Step([5, 1, 1], [6, 11, 3], 4, num_qo_heads=6, num_kv_heads=1),
 }
 
 
@@ -70,7 +86,7 @@ def make_tensors(step: Step, table: np.ndarray, num_blocks: int, dtype=torch.flo
     """Random q/k/v and caches; every slot no request may read is poisoned with NaN or inf."""
     g = torch.Generator().manual_seed(seed)
     t = sum(step.query_lens)
-    hq, hkv, d, bs = step.num_heads, step.num_kv_heads, step.head_dim, step.block_size
+    hq, hkv, d, bs = step.num_qo_heads, step.num_kv_heads, step.head_dim, step.block_size
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
     q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
     kc, vc = rand(num_blocks, bs, hkv, d), rand(num_blocks, bs, hkv, d)

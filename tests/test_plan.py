@@ -89,7 +89,7 @@ def test_real_trace_steps_match_reference(index):
     width = max(map(len, s["block_ids"]))
     table = np.array([b + [-1] * (width - len(b)) for b in s["block_ids"]])
     nb = int(table.max()) + 1
-    step = Step(q, c, bs, num_heads=2, num_kv_heads=1, head_dim=4)
+    step = Step(q, c, bs, num_qo_heads=2, num_kv_heads=1, head_dim=4)
     qq, k, v, kc, vc = make_tensors(step, table, nb, seed=index)
     batch = build_unified_batch(q, c, table, bs, num_blocks=nb)
     out = unified_attention(qq, k, v, kc, vc, batch, 0.3)

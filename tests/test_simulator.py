@@ -31,7 +31,7 @@ def test_budget_seqs_and_block_table_invariants():
     assert sim.done and sim.num_preemptions == 0
     for s in steps:
         assert s.query_lens.sum() <= SCHED.max_num_batched_tokens
-        assert s.num_reqs <= SCHED.max_num_seqs
+        assert s.num_requests <= SCHED.max_num_seqs
         assert (s.query_lens >= 1).all() and (s.context_lens + s.query_lens <= SCHED.max_model_len).all()
         owner = {}
         for r, ids in enumerate(s.block_ids):

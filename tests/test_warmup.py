@@ -67,15 +67,21 @@ def test_padded_to_plan_buckets_equals_unpadded(plan, steps):
 
 
 def test_warmup_runs_every_bucket_with_its_shapes(plan):
+    """Every bucket runs once, cheapest first, and its time is the time its run took."""
+    import time
+
     seen = []
 
     def run(bucket, batch):
         assert batch.bucket == bucket
         seen.append(bucket)
+        time.sleep(0.002)
         return torch.zeros(1)
 
     report = warmup(plan, run=run, progress=False)
-    assert seen == plan.buckets and len(report.seconds) == len(plan) and report.total_seconds >= 0
+    assert seen == plan.buckets == report.buckets and len(report.seconds) == len(plan)
+    assert min(report.seconds) >= 0.002  # each bucket's time includes its run
+    assert report.total_seconds >= sum(report.seconds)  # the total spans them all
 
 
 def test_warmup_default_attention(plan):

@@ -31,7 +31,7 @@ class Bucket:
     """Shape of a step (unpadded) or of a compiled graph (padded)."""
 
     phase: str  #: 'csu', '--u', ...: which of causal / shared / unique run
-    query_len: int  #: new tokens, padded
+    query_len: int  #: new tokens of the whole step, all requests together (padded): the rows of q/k/v
     num_shared_blocks: int  #: KV block slots the shared path gathers (tiles x blocks per tile)
     num_unique_blocks: int  #: block slots of the unique path (one query token each)
     num_logits: int  #: rows handed to the sampler (one per request, padded)
@@ -56,12 +56,16 @@ class Bucket:
         return all(b >= s for b, s in zip(self.sizes, step.sizes))
 
     def __str__(self) -> str:
-        return (f"{self.phase}:q{self.query_len}:c{self.num_causal_tiles}:s{self.num_shared_blocks}"
-                f":u{self.num_unique_blocks}:l{self.num_logits}")
+        """`csu:q512:s256:u512:l164:c21`: the phase, then each size after its letter, in `SIZE_FIELDS` order."""
+        return ":".join([self.phase] + [f"{letter}{n}" for letter, n in zip(SIZE_LETTERS, self.sizes)])
 
 
-#: The numeric fields of a Bucket, in declaration order.
+#: The five sizes of a Bucket, in the one order every array of sizes uses (`Bucket.sizes`, plan files,
+#: the cost model, the bucketing tools), with their short names and letters, and their indexes.
 SIZE_FIELDS = tuple(f.name for f in fields(Bucket)[1:])
+SIZE_NAMES = ("query", "shared", "unique", "logits", "causal")
+SIZE_LETTERS = tuple(name[0] for name in SIZE_NAMES)
+Q, S, U, L, C = range(len(SIZE_FIELDS))
 
 #: Phase strings indexed by their code: bit 4 = causal, 2 = shared, 1 = unique.
 PHASES = tuple(phase_of(code & 4, code & 2, code & 1) for code in range(8))
@@ -75,7 +79,7 @@ def phase_code(phase: str) -> int:
 def codes_of(sizes) -> np.ndarray:
     """Phase codes of shapes `[N, 5]` (`SIZE_FIELDS` order)."""
     s = np.asarray(sizes)
-    return ((s[:, 4] > 0) * 4 + (s[:, 1] > 0) * 2 + (s[:, 2] > 0) * 1).astype(np.int64)
+    return ((s[:, C] > 0) * 4 + (s[:, S] > 0) * 2 + (s[:, U] > 0) * 1).astype(np.int64)
 
 
 def bucket_from_sizes(sizes) -> Bucket:

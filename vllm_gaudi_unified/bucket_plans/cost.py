@@ -35,13 +35,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.bucket import SIZE_FIELDS, SIZE_NAMES, Bucket
 from vllm_gaudi_unified.plan import PlanOptions
 
-#: The numeric fields of a Bucket, in `Bucket.sizes` order; every array of sizes here uses it.
-DIMS = ("query_len", "num_shared_blocks", "num_unique_blocks", "num_logits", "num_causal_tiles")
-SHORT = {"query_len": "query", "num_shared_blocks": "shared", "num_unique_blocks": "unique",
-         "num_logits": "logits", "num_causal_tiles": "causal"}
+#: The numeric fields of a Bucket, in `Bucket.sizes` order (`bucket.SIZE_FIELDS`), and their short names.
+DIMS = SIZE_FIELDS
+SHORT = dict(zip(SIZE_FIELDS, SIZE_NAMES))
 
 
 @dataclass(frozen=True)

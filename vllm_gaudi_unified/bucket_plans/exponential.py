@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket import bucket_from_sizes
+from vllm_gaudi_unified.bucket import Q, S, U, bucket_from_sizes
 from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 from vllm_gaudi_unified.bucket_plans.cost import Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
-
-Q, S, U, L, C = range(5)
 
 
 def exp_values(lo: int, hi: int, base: float = 2.0, step: int = 1) -> list[int]:

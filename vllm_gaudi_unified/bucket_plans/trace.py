@@ -36,13 +36,13 @@ class TraceStep:
     block_ids: list  #: R lists of physical block ids
 
     @property
-    def num_reqs(self) -> int:
+    def num_requests(self) -> int:
         return len(self.query_lens)
 
     def block_table(self, pad: int = 0) -> np.ndarray:
         """int32[R, max blocks] block table, rows padded with `pad` past each request's blocks."""
         width = max((len(b) for b in self.block_ids), default=0)
-        table = np.full((self.num_reqs, max(width, 1)), pad, dtype=np.int32)
+        table = np.full((self.num_requests, max(width, 1)), pad, dtype=np.int32)
         for r, ids in enumerate(self.block_ids):
             table[r, : len(ids)] = ids
         return table

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.plan.arrays import validate
 from vllm_gaudi_unified.plan.default import pad_default, plan_default
 from vllm_gaudi_unified.plan.invariant import InvariantPlan, pad_invariant, plan_invariant
 from vllm_gaudi_unified.plan.options import DEFAULT_OPTIONS, UNIQUE_LAYOUTS, PathWork, PlanOptions
@@ -18,18 +19,13 @@ from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 
 def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None = None,
-              num_blocks: int | None = None, options: PlanOptions | None = None,
-              dense_work: bool = False) -> StepPlan:
+              num_blocks: int | None = None, options: PlanOptions | None = None) -> StepPlan:
     """Plan one scheduler step; arrays are unpadded (`bucket == shape`). See `plan/default.py` for the
-    semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`).
-
-    `dense_work`: also count what the dense design would compute (default mode; for trace statistics)."""
+    semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`)."""
     opts = options or DEFAULT_OPTIONS
-    if opts.batch_invariant:
-        return plan_invariant(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                              num_blocks=num_blocks, options=opts)
-    return plan_default(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                        num_blocks=num_blocks, options=opts, dense_work=dense_work)
+    checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
+    planner = plan_invariant if opts.batch_invariant else plan_default
+    return planner(*checked, int(block_size), sliding_window, num_blocks, opts)
 
 
 def pad_plan(plan: StepPlan, bucket: Bucket) -> StepPlan:

@@ -106,6 +106,36 @@ def check_covers(bucket: Bucket, shape: Bucket) -> None:
             raise ValueError(f"bucket {bucket} does not cover the step: {f.name} {need} > {have}")
 
 
+def step_tokens(q: np.ndarray, ctx: np.ndarray):
+    """Each request's first token on the step's flattened token axis, and per new token: its index
+    in its request, its request, its position in the sequence."""
+    R, T = q.size, int(q.sum())
+    starts = np.cumsum(q) - q
+    if T == R:  # every request has one new token (decodes): no ranges to build
+        tok_j, tok_req = np.zeros(R, np.int64), np.arange(R)
+    else:
+        tok_j, tok_req = ranges(np.zeros_like(q), q)
+    return starts, tok_j, tok_req, ctx[tok_req] + tok_j
+
+
+def cached_pairs(ctx: np.ndarray, nb_ctx: np.ndarray, bt: np.ndarray, block_size: int, sliding_window: int | None,
+                 num_blocks: int | None):
+    """The (request, cached block) pairs some token of the request may see, request by request: each
+    pair's request, logical block and physical block, the pairs per request, and the largest block
+    id (-1: none). A block id the context needs that is negative or past `num_blocks` raises."""
+    W = sliding_window
+    first_blk = np.zeros_like(ctx) if W is None else np.maximum(ctx - W + 1, 0) // block_size
+    counts = np.maximum(nb_ctx - first_blk, 0)
+    width = bt.shape[1]
+    flat, pair_req = ranges(np.arange(ctx.size) * width + first_blk, counts)
+    pair_blk = flat - pair_req * width
+    phys = bt.ravel()[flat]
+    max_block_id = int(phys.max()) if phys.size else -1
+    if phys.size and (phys.min() < 0 or (num_blocks is not None and max_block_id >= num_blocks)):
+        first_bad_block(phys, pair_req, pair_blk, num_blocks)
+    return pair_req, pair_blk, phys, counts, max_block_id
+
+
 def move_no_row(rows: np.ndarray, old: int, new: int) -> np.ndarray:
     """Row indices with the "no row" marker moved from the old token count to the padded one."""
     return np.where(rows == old, new, rows).astype(rows.dtype, copy=False)

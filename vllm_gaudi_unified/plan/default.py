@@ -39,57 +39,34 @@ from dataclasses import replace
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.plan.arrays import (check_covers, chunk_groups, chunk_index, first_bad_block, grow, mix64,
-                                            move_no_row, ranges, validate)
+from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_covers, chunk_groups, chunk_index, grow, move_no_row,
+                                            ranges, step_tokens)
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
+from vllm_gaudi_unified.plan.rules import causal_spans, group_columns, shared_pairs, shared_tiles, unique_reads_slice
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 
 # ----------------------------------------------------------------------------- the planner
 
 
-def plan_default(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None,
-                 num_blocks: int | None, options: PlanOptions, dense_work: bool = False) -> StepPlan:
-    """`plan_step` in the default mode (see the module docstring); arrays are unpadded: `bucket == shape`.
-
-    `dense_work`: also count what the dense design would compute (for trace statistics; costs time)."""
-    opts = options
-    q, ctx, bt, nb_ctx = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
-    bs, W = int(block_size), sliding_window
+def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | None, opts: PlanOptions) -> StepPlan:
+    """`plan_step` in the default mode (see the module docstring) on checked inputs (`arrays.validate`);
+    arrays are unpadded: `bucket == shape`."""
     R, T = q.size, int(q.sum())
-    starts = np.cumsum(q) - q
-    if T == R:  # every request has one new token (decodes): no ranges to build
-        tok_j, tok_req = np.zeros(R, np.int64), np.arange(R)
-    else:
-        tok_j, tok_req = ranges(np.zeros_like(q), q)
+    starts, tok_j, tok_req, tok_pos = step_tokens(q, ctx)
     seg_start = starts[tok_req]
-    tok_pos = ctx[tok_req] + tok_j
-
-    # (request, cached block) pairs some token of the request can see, as flat indices into the table.
-    first_blk = np.zeros_like(ctx) if W is None else np.maximum(ctx - W + 1, 0) // bs
-    counts = np.maximum(nb_ctx - first_blk, 0)
-    width = bt.shape[1]
-    flat, pair_req = ranges(np.arange(R) * width + first_blk, counts)
-    pair_blk = flat - pair_req * width
-    phys = bt.ravel()[flat]
-    max_block_id = int(phys.max()) if phys.size else -1
-    if phys.size and (phys.min() < 0 or (num_blocks is not None and max_block_id >= num_blocks)):
-        first_bad_block(phys, pair_req, pair_blk, num_blocks)
-    pair_hi = np.full(flat.size, bs, np.int64)  # every block is full but a request's last one
+    pair_req, pair_blk, phys, counts, max_block_id = cached_pairs(ctx, nb_ctx, bt, bs, W, num_blocks)
+    pair_hi = np.full(phys.size, bs, np.int64)  # every block is full but a request's last one
     last = (np.cumsum(counts) - 1)[counts > 0]
     pair_hi[last] = ctx[counts > 0] - pair_blk[last] * bs
     if W is None:  # every token of the request sees every block
-        uses = np.bincount(phys, minlength=max_block_id + 1)
-        is_shared = (uses[phys] > 1) if uses.size and uses.max() > 1 else np.zeros(phys.size, bool)
-        if T > R:
-            is_shared |= np.repeat(q > 1, counts)
+        is_shared = shared_pairs(phys, q, counts)
     else:  # token j sees the block's last key k while j <= k - context_len + W - 1
         users = np.clip(pair_blk * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
         is_shared = np.bincount(phys, weights=users, minlength=max_block_id + 1)[phys] > 1
 
     unique = _plan_unique(~is_shared, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts, counts)
-    shared = _plan_shared(is_shared, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, first_blk,
-                          tok_req, tok_pos, bs, W, T, opts)
+    shared = _plan_shared(is_shared, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, tok_pos, bs, W, T, opts)
     causal_q, causal_k, causal_needed = _plan_causal(seg_start, tok_j, T, W, opts.causal_tile)
 
     kb = opts.blocks_per_tile(bs)
@@ -99,24 +76,13 @@ def plan_default(query_lens, context_lens, block_table, block_size: int, *, slid
         num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=causal_needed, shared=int((shared[3] - shared[2]).sum()),
                       unique=int((unique[3] - unique[2]).sum()))
-    dense = _dense_work(phys, is_shared, T, bs) if dense_work else None
     return StepPlan(
         block_size=bs, sliding_window=W, options=opts, num_requests=R, num_tokens=T, shape=shape, bucket=shape,
         token_seg_start=seg_start, causal_q_start=causal_q, causal_k_start=causal_k,
         shared_rows=shared[0], shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3],
         unique_rows=unique[0], unique_blocks=unique[1], unique_lo=unique[2], unique_hi=unique[3],
         logits_indices=(starts + q - 1), max_block_id=max_block_id,
-        work_needed=needed, work_dense=dense)
-
-
-def _dense_work(phys, is_shared, T, bs) -> PathWork:
-    """The design before tiling: 512-row causal slices over the flattened batch, every token
-    against every shared block, the unique slice [0, max id]."""
-    n_shared_blocks = np.unique(phys[is_shared]).size
-    unique_ids = phys[~is_shared]
-    return PathWork(causal=sum(512 * min(T, (a + 1) * 512) for a in range(-(-T // 512))),
-                    shared=T * n_shared_blocks * bs,
-                    unique=(int(unique_ids.max()) + 1) * bs if unique_ids.size else 0)
+        work_needed=needed)
 
 
 def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts, counts):
@@ -133,10 +99,7 @@ def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T,
         empty = np.zeros(0, np.int64)
         return empty, (empty if opts.unique_layout == "gather" else None), empty, empty
     span = int(ids.max()) + 1
-    layout = opts.unique_layout
-    if layout == "auto":
-        layout = "slice" if ids.size >= opts.slice_min_density * span else "gather"
-    if layout == "gather":
+    if not unique_reads_slice(ids.size, span - 1, opts):
         return rows, ids, lo, hi
     slot_rows = np.full(span, T, np.int64)
     slot_hi = np.zeros(span, np.int64)
@@ -147,8 +110,7 @@ def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T,
     return slot_rows, None, slot_lo, slot_hi
 
 
-def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, first_blk, tok_req, tok_pos,
-                 bs, W, T, opts):
+def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, tok_pos, bs, W, T, opts):
     """Tiles of (query tokens x blocks) over groups of blocks with the same set of user requests.
 
     Every row of a group uses every column of the group (the grouping is exact),
@@ -165,7 +127,10 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, fir
     col_key_sorted, req_sorted = col_key[order], s_req[order]
     col_start = np.flatnonzero(np.r_[True, col_key_sorted[1:] != col_key_sorted[:-1]])
     col_users = np.diff(np.r_[col_start, order.size])
-    col_group = _exact_groups(req_sorted, col_start, col_users, q.size)
+    col_group, collided = group_columns(np.zeros(col_start.size, np.int64), req_sorted, req_sorted, col_start,
+                                        col_users)
+    if collided.any():  # one group per column: a tile never pairs a token with a block its request lacks
+        col_group = np.arange(col_start.size)
     col_phys, col_blk = s_phys[order][col_start], s_blk[order][col_start]
     G = int(col_group.max()) + 1
     # A group's requests are those of its first column (all its columns have the same users).
@@ -182,7 +147,7 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, fir
     r_grp, r_first, r_cnt = chunk_groups(rows_per_group, qt)
     c_grp, c_first, c_cnt = chunk_groups(cols_per_group, kb)
     r_chunks, c_chunks = -(-rows_per_group // qt), -(-cols_per_group // kb)
-    pair_local, tile_group = ranges(np.zeros(G, np.int64), r_chunks * c_chunks)
+    pair_local, tile_group = ranges(np.zeros(G, np.int64), shared_tiles(rows_per_group, cols_per_group, opts, bs))
     r_off, c_off = np.cumsum(r_chunks) - r_chunks, np.cumsum(c_chunks) - c_chunks
     ri = r_off[tile_group] + pair_local // c_chunks[tile_group]
     ci = c_off[tile_group] + pair_local % c_chunks[tile_group]
@@ -202,24 +167,6 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, nb_ctx, fir
     return rows, cphys, lo, hi
 
 
-def _exact_groups(req_sorted, col_start, col_users, num_requests):
-    """Group id per column, columns with equal user sets together.
-
-    A 64-bit hash of the user set proposes the groups; membership in a
-    [groups, requests] table then checks every column exactly, and a failed
-    check (a hash collision) falls back to one group per column, so a tile
-    never pairs a token with a block its request does not hold."""
-    col_hash = np.bitwise_xor.reduceat(mix64(req_sorted), col_start)
-    _, col_group = np.unique(col_hash, return_inverse=True)
-    col_group = col_group.ravel()
-    G = int(col_group.max()) + 1
-    pair_group = np.repeat(col_group, col_users)
-    member = np.zeros((G, num_requests), bool)
-    member[pair_group, req_sorted] = True
-    exact = (member.sum(1)[col_group] == col_users).all()
-    return col_group if exact else np.arange(col_start.size)
-
-
 def _plan_causal(seg_start, tok_j, T, W, tile):
     """Tiles (query slice, key slice) on the flattened token axis that hold some strict-causal pair."""
     if tok_j.size == 0 or tok_j.max() == 0:  # single-token requests: only self pairs
@@ -232,17 +179,10 @@ def _plan_causal(seg_start, tok_j, T, W, tile):
     if not needs.any():
         empty = np.zeros(0, np.int64)
         return empty, empty, needed
-    n = -(-T // tile)
-    big = np.iinfo(np.int64).max
-    lo = np.full(n * tile, big, np.int64)
-    hi = np.full(n * tile, -1, np.int64)
-    lo[:T] = np.where(needs, klo, big)
-    hi[:T] = np.where(needs, t - 1, -1)
-    lo, hi = lo.reshape(n, tile).min(1), hi.reshape(n, tile).max(1)
-    active = np.flatnonzero(hi >= 0)
-    first_k, last_k = lo[active] // tile, hi[active] // tile
+    first_q, active, first_k, last_k = causal_spans(t // tile, t, klo, needs, tile)
+    first_q, first_k, last_k = first_q[active], first_k[active], last_k[active]
     k_tiles, owner = ranges(first_k, last_k - first_k + 1)
-    return (active[owner] * tile), (k_tiles * tile), needed
+    return first_q[owner], k_tiles * tile, needed
 
 
 # ----------------------------------------------------------------------------- padding

@@ -50,8 +50,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.plan.arrays import (check_covers, chunk_groups, chunk_index, first_bad_block, grow,
-                                            move_no_row, ranges, validate)
+from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_covers, chunk_groups, chunk_index, grow, move_no_row,
+                                            ranges, step_tokens)
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
@@ -82,23 +82,12 @@ def pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def plan_invariant(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None,
-                   num_blocks: int | None, options: PlanOptions) -> InvariantPlan:
-    """`plan_step` for `options.batch_invariant`: the same semantics, the layout of this module."""
-    opts = options
-    q, ctx, bt, nb_ctx = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
-    bs, W = int(block_size), sliding_window
+def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | None,
+                   opts: PlanOptions) -> InvariantPlan:
+    """`plan_step` for `options.batch_invariant` on checked inputs: the same semantics, the layout of this module."""
     R, T = q.size, int(q.sum())
-    starts = np.cumsum(q) - q
-    tok_j, tok_req = ranges(np.zeros_like(q), q)
-    tok_pos = ctx[tok_req] + tok_j
-
-    # (request, cached block) pairs some token of the request may see.
-    first_blk = np.zeros_like(ctx) if W is None else np.maximum(ctx - W + 1, 0) // bs
-    pair_blk, pair_req = ranges(first_blk, np.maximum(nb_ctx - first_blk, 0))
-    phys = bt[pair_req, pair_blk]
-    first_bad_block(phys, pair_req, pair_blk, num_blocks)
-    max_block_id = int(phys.max()) if phys.size else -1
+    starts, tok_j, tok_req, tok_pos = step_tokens(q, ctx)
+    pair_req, pair_blk, phys, _, max_block_id = cached_pairs(ctx, nb_ctx, bt, bs, W, num_blocks)
 
     units = _plan_units(phys, pair_req, pair_blk, q, starts, ctx, tok_pos, bs, W, T, opts)
     causal_q, causal_k, causal_col, causal_width = _plan_causal_tiles(q, starts, W, opts)
@@ -116,7 +105,7 @@ def plan_invariant(query_lens, context_lens, block_table, block_size: int, *, sl
         shared_rows=rows_kb, shared_blocks=np.zeros((0, 1), np.int32), shared_lo=none3, shared_hi=none3,
         unique_rows=empty, unique_blocks=empty, unique_lo=empty, unique_hi=empty,
         logits_indices=(starts + q - 1).astype(np.int32), max_block_id=max_block_id,
-        work_needed=needed, work_dense=needed,
+        work_needed=needed,
         unit_rows=units["rows"], unit_block=units["block"], unit_col=units["col"],
         unit_lo=units["lo"], unit_hi=units["hi"], causal_col=causal_col,
         cached_width=pow2(int(nb_ctx.max())), causal_width=causal_width)

@@ -14,7 +14,9 @@ class PlanOptions:
     """Tile sizes and choices of the planner; one graph per bucket *and* options."""
 
     causal_tile: int = 64  #: query rows = key columns of a causal tile
-    shared_rows: int = 8  #: query rows of a shared tile (small: decode groups sharing a prefix are often 2-16 requests)
+    #: query rows of a shared tile (small: decode groups sharing a prefix are often 2-16 requests); the
+    #: array `StepPlan.shared_rows` holds the query token of each such row
+    shared_rows: int = 8
     shared_tile_keys: int = 512  #: keys of a shared tile, rounded down to whole blocks (at least one)
     unique_layout: str = "auto"  #: 'slice', 'gather', or 'auto' (slice when dense enough)
     slice_min_density: float = 0.5  #: 'auto' reads the slice when live blocks / (max id + 1) >= this

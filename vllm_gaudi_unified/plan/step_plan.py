@@ -38,7 +38,6 @@ class StepPlan:
     logits_indices: np.ndarray  #: [num_logits] last new token of each request
     max_block_id: int  #: largest cache block id read (-1: none); checked against the cache
     work_needed: PathWork  #: pairs the step needs
-    work_dense: PathWork | None  #: pairs the dense design would compute (only with plan_step(dense_work=True))
 
     @property
     def unique_layout(self) -> str:

@@ -7,9 +7,10 @@ import os
 import sys
 import time
 
+from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
+
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                  "sliding_window", "num_speculative_tokens")
-OPTION_FLAGS = ("causal_tile", "shared_rows", "shared_tile_keys", "unique_layout")
 MODEL_FLAGS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size", "vocab_size")
 
 
@@ -102,12 +103,8 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
                         "the simulator schedules them")
     p.add_argument("--draft-acceptance", type=float, default=0.7,
                    help="simulator only: probability that a draft is accepted (each, until the first rejection)")
-    if options:
-        p.add_argument("--causal-tile", type=int, default=None, help="planner option: causal tile size")
-        p.add_argument("--shared-rows", type=int, default=None, help="planner option: query rows of a shared tile")
-        p.add_argument("--shared-tile-keys", type=int, default=None, help="planner option: keys of a shared tile")
-        p.add_argument("--unique-layout", choices=("gather", "slice"), default=None,
-                       help="planner option: unique path layout (default gather: one graph per bucket)")
+    if options:  # no 'auto' layout: one bucket would need two graphs (slice and gather)
+        add_plan_option_flags(p, layouts=("gather", "slice"), base="the preset's (unique layout: gather)")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -127,9 +124,9 @@ def settings_from_args(args):
 
     s = PRESETS[args.preset]
     over = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
-    opts = {k: getattr(args, k) for k in OPTION_FLAGS if getattr(args, k, None) is not None}
-    if opts:
-        over["options"] = replace(s.options, **opts)
+    options = plan_options_from_args(args, s.options)
+    if options != s.options:
+        over["options"] = options
     return replace(s, **over) if over else s
 
 

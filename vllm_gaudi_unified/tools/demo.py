@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 DEFAULTS = dict(steps=40, seed=0, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, num_blocks=1024,
-                num_heads=8, num_kv_heads=2, head_dim=64)
+                num_qo_heads=8, num_kv_heads=2, head_dim=64)
 
 
 @dataclass
@@ -28,7 +28,7 @@ class DemoConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     num_blocks: int
-    num_heads: int
+    num_qo_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"
@@ -62,7 +62,7 @@ def run_demo(cfg: DemoConfig, out=print) -> dict:
     for i, step in enumerate(Simulator(sched, workload, cfg.seed).steps(cfg.steps)):
         table = step.block_table()
         t = int(step.query_lens.sum())
-        q = torch.randn(t, cfg.num_heads, cfg.head_dim, generator=g).to(dtype)
+        q = torch.randn(t, cfg.num_qo_heads, cfg.head_dim, generator=g).to(dtype)
         k = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, generator=g).to(dtype)
         v = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, generator=g).to(dtype)
         # vLLM writes the step's new K/V before attention (a sibling may hit blocks computed this very step).
@@ -124,7 +124,7 @@ def register(subparsers) -> None:
     helps = dict(steps="scheduler steps to run", seed="seed of the workload and of the random q/k/v",
                  block_size="KV cache block size", max_num_seqs="most requests in a step",
                  max_num_batched_tokens="token budget of a step", num_blocks="KV cache blocks",
-                 num_heads="query heads", num_kv_heads="KV heads", head_dim="head size")
+                 num_qo_heads="query heads", num_kv_heads="KV heads", head_dim="head size")
     for name, default in DEFAULTS.items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                        help=f"{helps[name]} (default: {default})")

@@ -6,10 +6,10 @@ algorithm-vs-padding split). Two ways to get it, with identical results:
 
 - `exact=True`: run `plan_step` itself on every step (~1 ms a step: it builds
   every index array the device needs);
-- the default, *shape-only* replay (`batch_shapes`): the same pair selection,
-  the same shared grouping (the planner's user-set hash and its fallback) and
-  the same causal tiling, but only the counts, not the arrays, for a whole
-  batch of steps at once, from trace lines parsed straight into numpy (no
+- the default, *shape-only* replay (`batch_shapes`): the planner's own rules
+  (`plan/rules.py`: which pairs are shared, the unique layout, the shared
+  grouping with its hash and fallback, the causal tile spans), applied to a
+  whole batch of steps at once and only counted, not built into arrays, from trace lines parsed straight into numpy (no
   per-request Python): about 3x faster end to end on a 10 000-step trace.
   Steps it does not model (a sliding window, batch-invariant options, a line
   in another layout, negative block ids) go through `plan_step`.
@@ -36,7 +36,9 @@ from vllm_gaudi_unified.bucket_plans.cost import DIMS
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
 from vllm_gaudi_unified.bucket_plans.trace import Trace, TraceError, TraceStep, step_from_json
 from vllm_gaudi_unified.plan import plan_step
-from vllm_gaudi_unified.plan.arrays import mix64, ranges
+from vllm_gaudi_unified.plan.arrays import ranges
+from vllm_gaudi_unified.plan.rules import (causal_spans, group_columns, segment_starts, shared_pairs, shared_tiles,
+                                           unique_reads_slice)
 
 @dataclass
 class StepShapes:
@@ -148,7 +150,7 @@ def _parse_lines(lines: list[str], block_size: int) -> _Arrays | None:
 
 
 def _arrays_of_steps(steps: list[TraceStep]) -> _Arrays:
-    nreq = np.array([s.num_reqs for s in steps], np.int64)
+    nreq = np.array([s.num_requests for s in steps], np.int64)
     q = np.concatenate([s.query_lens for s in steps]).astype(np.int64)
     ctx = np.concatenate([s.context_lens for s in steps]).astype(np.int64)
     rows = [b for s in steps for b in s.block_ids]
@@ -163,25 +165,17 @@ def shape_only_supported(settings: ServerSettings) -> bool:
     return settings.sliding_window is None and not settings.options.batch_invariant
 
 
-def _segment_starts(keys: np.ndarray) -> np.ndarray:
-    return np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if keys.size else np.zeros(0, np.int64)
-
-
 def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per step: sizes [N, 5] (DIMS order) equal to `plan_step(...).shape.sizes`, needed pairs
     [N, 3] equal to its `work_needed` (causal incl. self, shared, unique), and a bool [N] of
     steps to hand to `plan_step` instead (a negative block id, which it rejects, or a user-set
     hash collision, where it falls back to one shared group per block). No sliding window.
 
-    It follows `plan_step` rule by rule but counts instead of building arrays, for all the
-    steps at once: (request, block) pairs below each context; a block is shared when two
-    pairs of the step use it or its request has more than one new token; unique blocks take
-    one slot each ('gather') or the slice [0, max id] ('slice'; 'auto': when at least
-    `slice_min_density` of it is live); shared blocks are grouped per step by the exact set
-    of requests using them (same hash as `plan._exact_groups`) and every group costs
-    ceil(its tokens / shared_rows) x ceil(its blocks / blocks_per_tile) tiles; causal tiles
-    are the (query tile, key tile) pairs between the first and last key some token of the
-    query tile needs, as in `plan._plan_causal`."""
+    The rules are `plan/rules.py`'s, the ones `plan_step` applies, here to every step at once
+    (each step a segment) and counted: (request, block) pairs below each context
+    (`shared_pairs`), the unique slots (`unique_reads_slice`: one per live block, or the slice
+    `[0, max id]`), the shared groups (`group_columns`) and their tiles (`shared_tiles`), the
+    causal tiles (`causal_spans`)."""
     bs, q, ctx, n = int(a.block_size), a.q, a.ctx, a.num_steps
     req_step = a.req_step
     R = np.bincount(req_step, minlength=n)
@@ -202,9 +196,7 @@ def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarra
     last = ends[has] - 1
     pair_hi[last] = ctx[has] - pair_blk[last] * bs
     span = int(phys.max()) + 1 if phys.size else 1
-    key = pair_step * span + phys
-    is_shared = np.bincount(key, minlength=n * span)[key] > 1
-    is_shared |= np.repeat(q > 1, nb_ctx)
+    is_shared = shared_pairs(pair_step * span + phys, q, nb_ctx)
 
     # unique
     uniq = ~is_shared
@@ -212,13 +204,9 @@ def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarra
     n_ids = np.bincount(u_step, minlength=n)
     max_id = np.full(n, -1, np.int64)
     if u_step.size:
-        starts = _segment_starts(u_step)
+        starts = segment_starts(u_step)
         max_id[u_step[starts]] = np.maximum.reduceat(u_phys, starts)
-    layout = options.unique_layout
-    if layout == "auto":
-        use_slice = n_ids >= options.slice_min_density * (max_id + 1)
-    else:
-        use_slice = np.full(n, layout == "slice")
+    use_slice = unique_reads_slice(n_ids, max_id, options)
     num_unique = np.where(n_ids == 0, 0, np.where(use_slice, max_id + 1, n_ids))
     unique_needed = np.bincount(u_step, weights=pair_hi[uniq], minlength=n).astype(np.int64)
 
@@ -226,35 +214,19 @@ def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarra
     kb = options.blocks_per_tile(bs)
     s_step, s_phys, s_blk, s_req = pair_step[is_shared], phys[is_shared], pair_blk[is_shared], pair_req[is_shared]
     shared_needed = np.bincount(s_step, weights=q[s_req] * pair_hi[is_shared], minlength=n).astype(np.int64)
-    shared_tiles = np.zeros(n, np.int64)
+    tiles_per_step = np.zeros(n, np.int64)
     if s_step.size:
         blk_span = int(s_blk.max()) + 1
         col_key = (s_step * span + s_phys) * blk_span + s_blk
         order = np.argsort(col_key, kind="stable")
         col_key = col_key[order]
         req_sorted = s_req[order]
-        col_start = _segment_starts(col_key)
+        col_start = segment_starts(col_key)
         col_users = np.diff(np.r_[col_start, order.size])
         col_step = s_step[order][col_start]
-        col_hash = np.bitwise_xor.reduceat(mix64(local_req[req_sorted]), col_start)
-        g_order = np.lexsort((col_hash, col_step))
-        new = np.r_[True, (col_step[g_order][1:] != col_step[g_order][:-1])
-                    | (col_hash[g_order][1:] != col_hash[g_order][:-1])]
-        col_group = np.empty(col_start.size, np.int64)
-        col_group[g_order] = np.cumsum(new) - 1
-        G = int(col_group[g_order[-1]]) + 1
-        # Exact: every column of a group has the same requests as the group's first column (a
-        # column lists its requests in ascending order), else plan_step falls back: so do we.
-        ref = np.empty(G, np.int64)
-        ref[col_group[g_order[::-1]]] = g_order[::-1]
-        ref = ref[col_group]
-        bad = col_users != col_users[ref]
-        in_col = np.arange(order.size) - np.repeat(col_start, col_users)
-        ref_pair = np.repeat(np.where(bad, col_start, col_start[ref]), col_users) + in_col
-        differs = req_sorted[ref_pair] != req_sorted
-        if differs.any():
-            bad |= np.add.reduceat(differs, col_start) > 0
-        if bad.any():
+        col_group, bad = group_columns(col_step, req_sorted, local_req[req_sorted], col_start, col_users)
+        G = int(col_group.max()) + 1
+        if bad.any():  # plan_step falls back to one group per column there: it plans those steps itself
             fallback[col_step[bad]] = True
         col_tokens = np.add.reduceat(q[req_sorted], col_start)
         g_tokens = np.zeros(G, np.int64)
@@ -262,8 +234,8 @@ def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarra
         g_cols = np.bincount(col_group, minlength=G)
         g_step = np.zeros(G, np.int64)
         g_step[col_group] = col_step
-        tiles = -(-g_tokens // options.shared_rows) * -(-g_cols // kb)
-        shared_tiles = np.bincount(g_step, weights=tiles, minlength=n).astype(np.int64)
+        tiles = shared_tiles(g_tokens, g_cols, options, bs)
+        tiles_per_step = np.bincount(g_step, weights=tiles, minlength=n).astype(np.int64)
 
     # causal: per query tile, key tiles from the first to the last key its tokens need
     tile = options.causal_tile
@@ -279,16 +251,12 @@ def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarra
         first_tok = np.zeros(n, np.int64)
         first_tok[steps_c] = np.cumsum(T[steps_c]) - T[steps_c]
         t = np.arange(tok_j.size) - first_tok[tok_step]  # position in the step's flattened tokens
-        needs = tok_j >= 1
-        lo = np.where(needs, t - tok_j, np.iinfo(np.int64).max)
-        hi = np.where(needs, t - 1, -1)
-        seg = _segment_starts(tok_step * (int(T.max()) // tile + 1) + t // tile)
-        lo, hi = np.minimum.reduceat(lo, seg), np.maximum.reduceat(hi, seg)
-        active = hi >= 0
-        count = np.where(active, hi // tile - np.where(active, lo, 0) // tile + 1, 0)
-        causal_tiles = np.bincount(tok_step[seg], weights=count, minlength=n).astype(np.int64)
+        first, active, first_k, last_k = causal_spans(tok_step * (int(T.max()) // tile + 1) + t // tile, t,
+                                                      t - tok_j, tok_j >= 1, tile)
+        count = np.where(active, last_k - first_k + 1, 0)
+        causal_tiles = np.bincount(tok_step[first], weights=count, minlength=n).astype(np.int64)
 
-    sizes = np.stack([T, shared_tiles * kb, num_unique, R, causal_tiles], 1)
+    sizes = np.stack([T, tiles_per_step * kb, num_unique, R, causal_tiles], 1)
     needed = np.stack([causal_needed, shared_needed, unique_needed], 1)
     return sizes, needed, fallback
 

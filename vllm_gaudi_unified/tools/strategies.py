@@ -39,7 +39,6 @@ from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
 from vllm_gaudi_unified.tools.shapes import StepShapes
 
 STRATEGIES = ("exponential", "trace")
-Q, S, U, L, C = range(5)
 
 
 #: Grid step per dimension (query, shared: blocks_per_tile, unique, logits, causal).

@@ -1,0 +1,26 @@
+"""Attention work of a trace: needed, planned (tiled) and the dense design's, per path.
+
+    python -m benchmarks.trace_work TRACE [--limit N] [--json OUT] [planner flags]
+
+`vllm-gaudi-unified trace-stats` with one more column, the dense design this
+project started from (`benchmarks/dense.py`); the table in docs/benchmarks.md
+was made with it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from benchmarks.dense import dense_work
+from vllm_gaudi_unified.tools import trace_stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.trace_work", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    trace_stats.add_arguments(p)
+    return trace_stats.run(p.parse_args(argv), measures={"dense": dense_work})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
