@@ -66,9 +66,10 @@ def read_blocks(cache: torch.Tensor, blocks: torch.Tensor | int, scale, dtype: t
     cache is converted after the gather, and multiplied by its scale (per
     tensor, or per block gathered with the same ids), so the only dequantized
     copy is the gathered one."""
-    x = cache[:blocks] if isinstance(blocks, int) else cache[blocks]
     if not is_fp8(cache.dtype):
-        return x
+        return cache[:blocks] if isinstance(blocks, int) else cache[blocks]
+    # Gathered as bytes: index kernels for fp8 dtypes are missing on some devices (index_copy_ on the CPU).
+    x = cache[:blocks] if isinstance(blocks, int) else cache.view(torch.uint8)[blocks].view(cache.dtype)
     x = x.to(dtype)
     if scale is None:
         return x
