@@ -44,17 +44,17 @@ def check_scale(name: str, scale, cache: torch.Tensor) -> None:
         raise ValueError(f"{name} is given but the cache dtype is {cache.dtype} (scales apply to fp8 caches: "
                          f"{sorted({str(d) for d in FP8_DTYPES.values()})})")
     if isinstance(scale, torch.Tensor):
-        if scale.numel() == 1:
-            pass
-        elif scale.dim() != 4 or scale.shape[0] != cache.shape[0] or any(
+        if not scale.dtype.is_floating_point:
+            raise ValueError(f"{name} dtype must be floating point, got {scale.dtype}")
+        if scale.numel() == 1:  # per tensor
+            return
+        if scale.dim() != 4 or scale.shape[0] != cache.shape[0] or any(
                 s not in (1, c) for s, c in zip(scale.shape[1:], cache.shape[1:])):
             raise ValueError(f"{name} shape {tuple(scale.shape)} must be one element (per tensor) or "
                              f"[{cache.shape[0]}, 1|{cache.shape[1]}, 1|{cache.shape[2]}, 1|{cache.shape[3]}] "
                              "(per block: num_blocks, block_size, kv heads, head_dim)")
-        elif scale.device != cache.device:
+        if scale.device != cache.device:
             raise ValueError(f"{name} is on {scale.device} but the cache is on {cache.device}")
-        if not scale.dtype.is_floating_point:
-            raise ValueError(f"{name} dtype must be floating point, got {scale.dtype}")
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 or scale == float("inf"):
         raise ValueError(f"{name} must be None, a finite positive float or a tensor, got {scale!r}")
 
