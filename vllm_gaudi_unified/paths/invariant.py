@@ -29,7 +29,9 @@ class _Slots:
     """A `[tokens, width]` array of partials plus one dump slot per row of a call; each real
     (token, slot) is written once, never added to, so no order of writes matters."""
 
-    def __init__(self, tokens: int, width: int, call_rows: int, hq: int, d: int, dtype, device):
+    def __init__(self, q: torch.Tensor, width: int, call_rows: int):
+        tokens, hq, d = q.shape
+        dtype, device = compute_dtype(q.dtype), q.device
         self.tokens, self.width, self.call_rows = tokens, width, call_rows
         size = tokens * width + call_rows
         self.acc = torch.zeros((size, hq, d), dtype=dtype, device=device)
@@ -64,11 +66,8 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     units = batch.unit_rows.shape[0]
     if units == 0:
         return None
-    n, hq, d = q.shape
-    opts = batch.plan.options
-    rs, size = batch.unit_rows.shape[1], opts.invariant_chunk
-    dt = compute_dtype(q.dtype)
-    slots = _Slots(n, batch.plan.cached_width, size * rs, hq, d, dt, q.device)
+    n, (rs, size) = q.shape[0], (batch.unit_rows.shape[1], batch.plan.options.invariant_chunk)
+    slots = _Slots(q, batch.plan.cached_width, size * rs)
     for start, stop in _chunks(units, size):
         rows = _pad_to(batch.unit_rows[start:stop], size, n)  # [size, rs]
         blocks = _pad_to(batch.unit_block[start:stop], size, 0)
@@ -87,11 +86,9 @@ def _causal_partial(q, k, v, batch, scale, soft_cap) -> Partial | None:
     tiles = batch.causal_q_start.shape[0]
     if tiles == 0:
         return None
-    n, hq, d = q.shape
-    opts = batch.plan.options
+    n, opts = q.shape[0], batch.plan.options
     c, size = opts.causal_tile, opts.invariant_causal_chunk
-    dt = compute_dtype(q.dtype)
-    slots = _Slots(n, batch.plan.causal_width, size * c, hq, d, dt, q.device)
+    slots = _Slots(q, batch.plan.causal_width, size * c)
     offsets = torch.arange(c, device=q.device)
     seg = batch.token_seg_start
     for start, stop in _chunks(tiles, size):
