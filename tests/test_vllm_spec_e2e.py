@@ -92,7 +92,7 @@ def _assert_speculative_steps(steps: list[dict], k: int) -> None:
 def _assert_same_metrics(plugin: dict, ref: dict) -> None:
     p, r = plugin["metrics"], ref["metrics"]
     assert r["num_draft_tokens"] > 0, "vLLM proposed no draft"
-    assert 0 < r["num_accepted_tokens"] < r["num_draft_tokens"], "drafts must be both accepted and rejected"
+    assert 0.1 < r["num_accepted_tokens"] / r["num_draft_tokens"] < 0.9, "drafts must be both accepted and rejected"
     assert p == r, f"spec-decode metrics differ: plugin {p}, vLLM {r}"
 
 

@@ -27,7 +27,7 @@ MAX_NUM_SEQS = 6
 SHARED_PREFIX_LEN = 64  # two whole blocks
 
 
-def make_draft_model(target: str, path: str, noise: float = 0.02, seed: int = 7) -> str:
+def make_draft_model(target: str, path: str, noise: float = 0.005, seed: int = 7) -> str:
     """A draft model for `method="draft_model"`: the target's weights with Gaussian noise of std `noise`
     added to every matrix, so the draft agrees with the target on most tokens but not all: some drafts
     are accepted, others rejected and rolled back. (An unrelated random draft is never accepted.)"""
