@@ -283,8 +283,10 @@ def _run_isolated(args, chosen, block_sizes, out_dir, start, env) -> list[dict]:
                            baseline_block_sizes=args.baseline_block_sizes)
             t0 = time.time()
             try:
+                # At most 1e6 s: a larger timeout (the 1e9 defaults) overflows poll() with OverflowError.
                 proc = subprocess.run([sys.executable, "-m", "benchmarks.suite", *argv], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, timeout=min(args.case_timeout, left))
+                                      stderr=subprocess.STDOUT, text=True,
+                                      timeout=min(args.case_timeout, left, 1e6))
                 output, code = proc.stdout, proc.returncode
             except subprocess.TimeoutExpired as exc:
                 output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
