@@ -28,17 +28,18 @@ def test_round_trip(tmp_path, trace, capsys):
     capsys.readouterr()
     assert main(["buckets", "show", plan_path]) == 0
     shown = capsys.readouterr().out
-    assert f"trace: {len(plan)} buckets" in shown and str(plan.buckets[0].query_len) in shown
+    assert f"robust: {len(plan)} buckets" in shown and str(plan.buckets[0].query_len) in shown
     assert main(["buckets", "show", plan_path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["buckets"] == plan.to_dict()["buckets"]
     out_json = str(tmp_path / "eval.json")
     assert main(["buckets", "evaluate", plan_path, "--trace", trace, "--json", out_json, "--jobs", "1",
                  "--no-progress"]) == 0
     text = capsys.readouterr().out
-    assert "covered: 100.00 %" in text and "padding waste" in text
+    assert "uncovered steps: 0" in text and "padding, time model" in text and "padding, score pairs" in text
     result = json.load(open(out_json))["results"][0]
-    assert result["covered"] == 1.0 and result["padding_waste"] >= 1.0
-    assert result["padding_waste"] == pytest.approx(plan.info["expected_padding_waste"], rel=1e-3)
+    assert result["uncovered"] == 0 and result["padding_time"] >= 1.0 and result["worst_pairs"] >= 1.0
+    assert result["padding_time"] == pytest.approx(plan.info["expected_padding_waste"], rel=1e-3)
+    assert result["padding_pairs"] == pytest.approx(plan.info["expected_padding_pairs"], rel=1e-3)
     png = tmp_path / "plan.png"
     assert main(["buckets", "plot", plan_path, "--trace", trace, "-o", str(png), "--jobs", "1"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -49,9 +50,9 @@ def test_plan_records_the_command_that_makes_it_again(tmp_path, trace):
 
     first = str(tmp_path / "a.json")
     assert main(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "5", "--margin", "0.3",
-                 "--resolution", "4", "--jobs", "1", "-o", first, "--no-progress"]) == 0
+                 "--resolution", "4", "--skeleton-ratio", "64", "--jobs", "1", "-o", first, "--no-progress"]) == 0
     command = BucketPlan.load(first).info["command"]
-    assert command.startswith("vllm-gaudi-unified buckets generate --strategy trace --preset llama8b-gaudi3")
+    assert command.startswith("vllm-gaudi-unified buckets generate --strategy robust --preset llama8b-gaudi3")
     assert "--margin 0.3" in command and "--resolution 4.0" in command and "--jobs" not in command
     again = shlex.split(command)[1:]
     again[again.index("--output") + 1] = str(tmp_path / "b.json")
@@ -120,3 +121,27 @@ def test_commands_with_progress_bars_on(tmp_path, trace, capsys):
     assert main(["buckets", "generate", *SMALL, "--strategy", "trace", "--max-graphs", "8", "--trace", trace,
                  "--trace", out, "-o", plan]) == 0
     assert main(["buckets", "evaluate", plan, "--trace", out]) == 0
+
+
+def test_invariant_capped_and_upstream(tmp_path, trace, capsys):
+    inv = str(tmp_path / "inv.json")
+    assert main(["buckets", "generate", *SMALL, "--trace", trace, "--batch-invariant", "--invariant-chunk", "16",
+                 "--max-graphs", "8", "--jobs", "1", "-o", inv, "--no-progress"]) == 0
+    plan = BucketPlan.load(inv)
+    assert plan.settings.options.batch_invariant and plan.settings.options.invariant_chunk == 16
+    assert (plan.sizes[:, 1] % 16 == 0).all() and "--batch-invariant" in plan.info["command"]
+    capped = str(tmp_path / "cap.json")
+    assert main(["buckets", "generate", *SMALL, "--trace", trace, "--memory-share", "0.000042",
+                 "--device-memory-gb", "100", "--max-graphs", "8", "--jobs", "1", "-o", capped, "--no-progress"]) == 0
+    plan = BucketPlan.load(capped)
+    cap = plan.gather_cap
+    assert cap.max_unique_blocks == int(0.000042 * 100e9 // (2 * 16 * 8 * 128 * 2))
+    assert (plan.sizes[:, 1] <= cap.max_shared_blocks).all() and (plan.sizes[:, 2] <= cap.max_unique_blocks).all()
+    capsys.readouterr()
+    out_json = str(tmp_path / "e.json")
+    assert main(["buckets", "evaluate", capped, "--trace", trace, "--upstream", "--json", out_json, "--jobs", "1",
+                 "--no-progress"]) == 0
+    assert "upstream plan on" in capsys.readouterr().out
+    result = json.load(open(out_json))
+    assert result["results"][0]["calls"] > result["results"][0]["steps"] and result["results"][0]["uncovered"] == 0
+    assert result["upstream"][0]["graphs"] > 0

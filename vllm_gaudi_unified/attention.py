@@ -49,9 +49,32 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     else:
         partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
                                           k_scale, v_scale) if p is not None]
+        if batch.pieces:  # a step split under the gather cap (plan/split.py): each pair is in one piece
+            partials = [_first_rows(p, t) for p in partials]
+            partials += _piece_partials(query[:t], key[:t], value[:t], key_cache, value_cache, batch.pieces, scale,
+                                        logits_soft_cap, k_scale, v_scale)
+            padded = t
     if sinks is not None:
         partials.append(_sink_partial(sinks, padded, query.shape[2], compute_dtype(query.dtype)))
     return normalize(merge_all(partials))[:t].to(query.dtype)
+
+
+def _first_rows(p: Partial, rows: int) -> Partial:
+    return Partial(*(x[:rows] for x in p))
+
+
+def _piece_partials(query, key, value, key_cache, value_cache, pieces, scale, cap, k_scale, v_scale
+                    ) -> list[Partial]:
+    """The shared and unique pairs of the further pieces of a split step, each piece at its own bucket
+    (the self and causal pairs are all in the first piece, the batch itself)."""
+    t, out = query.shape[0], []
+    for piece in pieces:
+        pad = piece.bucket.query_len - t
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x for x in (query, key, value))
+        paths = _run_paths(q, k, v, key_cache, value_cache, piece, scale, cap, k_scale, v_scale)
+        next(paths)  # self pairs: already in the first piece
+        out += [_first_rows(p, t) for p in paths if p is not None]
+    return out
 
 
 def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_scale, v_scale):

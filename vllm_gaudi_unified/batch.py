@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -10,6 +10,7 @@ import torch
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanOptions, StepPlan, pad_plan, plan_step
+from vllm_gaudi_unified.plan.split import split_plan
 
 logger = get_logger(__name__)
 
@@ -20,6 +21,9 @@ class UnifiedBatch:
     `bucket.query_len` means "no row" (padding). Sizes come from `bucket`."""
 
     plan: StepPlan  #: the host-side plan (numpy arrays, sizes, work accounting)
+    #: further calls of a step split under a plan's gather cap (`plan/split.py`): their shared and unique
+    #: pairs merge into this batch's result; empty for every step within the cap
+    pieces: tuple = field(default=(), kw_only=True)
     token_seg_start: torch.Tensor  #: [query_len] first flattened token of each token's request
     causal_q_start: torch.Tensor  #: [num_causal_tiles] first query row of each causal tile
     causal_k_start: torch.Tensor  #: [num_causal_tiles] first key of each causal tile
@@ -45,12 +49,13 @@ class UnifiedBatch:
             t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
             return t if device is None else t.to(device, non_blocking=True)
 
-        values = {f.name: tensor(getattr(plan, f.name)) for f in fields(cls) if f.name != "plan"}
+        values = {f.name: tensor(getattr(plan, f.name)) for f in fields(cls) if f.name not in ("plan", "pieces")}
         return cls(plan=plan, **values)
 
     def to(self, device: torch.device | str) -> "UnifiedBatch":
-        moved = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
-        return replace(self, **{k: None if v is None else v.to(device, non_blocking=True) for k, v in moved.items()})
+        moved = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("plan", "pieces")}
+        moved = {k: None if v is None else v.to(device, non_blocking=True) for k, v in moved.items()}
+        return replace(self, pieces=tuple(p.to(device) for p in self.pieces), **moved)
 
     @property
     def device(self) -> torch.device:
@@ -98,14 +103,21 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     """
     plan = plan_step(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
                      num_blocks=num_blocks, options=options)
+    cap = getattr(bucket, "gather_cap", None)
+    pieces = split_plan(plan, cap) if cap is not None and cap.exceeded(plan.shape) else [plan]
     if bucket is not None:
-        target = bucket if isinstance(bucket, Bucket) else bucket.find(plan.shape)
-        if target is not None:
-            plan = pad_plan(plan, target)
+        pieces = [_pad_to(p, bucket) for p in pieces]
+    plan = pieces[0]
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("step %s bucket %s unique=%s work needed=%s planned=%s", plan.shape, plan.bucket,
                      plan.unique_layout, plan.work_needed, plan.work_planned)
-    return UnifiedBatch.from_plan(plan, device)
+    rest = tuple(UnifiedBatch.from_plan(p, device) for p in pieces[1:])
+    return replace(UnifiedBatch.from_plan(plan, device), pieces=rest) if rest else UnifiedBatch.from_plan(plan, device)
+
+
+def _pad_to(plan: StepPlan, bucket) -> StepPlan:
+    target = bucket if isinstance(bucket, Bucket) else bucket.find(plan.shape)
+    return plan if target is None else pad_plan(plan, target)
 
 
 __all__ = ["InvariantBatch", "UnifiedBatch", "build_unified_batch", "PathWork"]

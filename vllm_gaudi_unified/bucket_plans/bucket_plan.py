@@ -28,12 +28,24 @@ from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
 from vllm_gaudi_unified.log import get_logger
+from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes
 
 logger = get_logger(__name__)
 
 MISS_POLICIES = ("error", "largest", "unbucketed")
 FORMAT = "vllm-gaudi-unified/bucket-plan"
 VERSION = 1
+
+
+#: Share of device memory one call's gathered K and V (one layer) may take, unless told otherwise.
+DEFAULT_MEMORY_SHARE = 0.04
+
+
+def gather_cap_for(settings: ServerSettings, model: ModelSpec, hardware: Hardware,
+                   share: float = DEFAULT_MEMORY_SHARE) -> GatherCap:
+    """The cap that keeps one call's gathered K and V of one layer within `share` of the device's memory."""
+    return GatherCap.from_memory(hardware.memory_gb * 1e9, share, settings.block_size, model.num_kv_heads,
+                                 model.head_dim, model.dtype_bytes, settings.blocks_per_tile)
 
 
 class BucketMiss(ValueError):
@@ -51,19 +63,25 @@ class BucketPlan:
     strategy: str = ""
     miss_policy: str = "error"
     info: dict = field(default_factory=dict)  #: how it was made (command, traces, expected waste)
+    #: most block slots one call may gather (a share of device memory); a step beyond it is split by the
+    #: planner into pieces within it (`plan/split.py`), so no bucket needs to be larger
+    gather_cap: GatherCap = field(default_factory=GatherCap)
 
     def __post_init__(self):
         if self.miss_policy not in MISS_POLICIES:
             raise ValueError(f"miss_policy must be one of {MISS_POLICIES}, got {self.miss_policy!r}")
         if not self.buckets:
             raise ValueError("a bucket plan needs at least one bucket")
-        kb = self.settings.blocks_per_tile
+        # Shared slots come in whole tiles (a batch-invariant plan counts units of one block instead).
+        kb = 1 if self.settings.options.batch_invariant else self.settings.blocks_per_tile
         for b in self.buckets:
             if not isinstance(b, Bucket):
                 raise ValueError(f"not a Bucket: {b!r}")
             if b.num_shared_blocks % kb:
                 raise ValueError(f"bucket {b}: num_shared_blocks must be a multiple of the {kb} blocks of a "
                                  f"shared tile")
+            if self.gather_cap.exceeded(b):
+                raise ValueError(f"bucket {b} gathers more block slots than the plan's cap {self.gather_cap}")
         self._index()
 
     # ---- lookup -----------------------------------------------------------------------------
@@ -182,15 +200,16 @@ class BucketPlan:
             raise ValueError("bucket plan does not match the server: " + "; ".join(problems))
 
     def covers_limits(self) -> bool:
-        """True when some bucket covers the largest shape the settings allow."""
-        return self.find_sizes(*(int(x) for x in self.settings.limits())) >= 0
+        """True when the largest shape the settings allow has buckets: every piece the gather cap cuts it into."""
+        pieces, _ = piece_sizes(self.settings.limits()[None, :], self.gather_cap, self.settings.blocks_per_tile)
+        return all(self.find_sizes(*(int(x) for x in p)) >= 0 for p in pieces)
 
     # ---- files ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
             "format": FORMAT, "version": VERSION, "strategy": self.strategy, "miss_policy": self.miss_policy,
             "settings": self.settings.to_dict(), "model": vars(self.model).copy(), "hardware": vars(self.hardware).copy(),
-            "fields": ["phase", *DIMS], "info": self.info,
+            "fields": ["phase", *DIMS], "info": self.info, "gather_cap": vars(self.gather_cap).copy(),
             "buckets": [[b.phase, *b.sizes] for b in self.buckets],
         }
 
@@ -210,7 +229,8 @@ class BucketPlan:
             buckets.append(b)
         return cls(buckets=buckets, settings=ServerSettings.from_dict(d["settings"]),
                    model=ModelSpec(**d.get("model", {})), hardware=Hardware(**d.get("hardware", {})),
-                   strategy=d.get("strategy", ""), miss_policy=d.get("miss_policy", "error"), info=d.get("info", {}))
+                   strategy=d.get("strategy", ""), miss_policy=d.get("miss_policy", "error"), info=d.get("info", {}),
+                   gather_cap=GatherCap(**d.get("gather_cap", {})))
 
     def save(self, path: str) -> None:
         if os.path.dirname(path):

@@ -71,6 +71,7 @@ class Hardware:
     matmul_tflops: float = 1835.0
     vector_tflops: float = 28.7
     hbm_tb_s: float = 3.7
+    memory_gb: float = 128.0  #: device memory (HBM), for the gather cap of a plan
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,16 @@ class CostModel:
 
     def bucket_cost(self, bucket: Bucket) -> float:
         return float(np.dot(bucket.sizes, self.weights))
+
+    @property
+    def pair_weights(self) -> np.ndarray:
+        """float64[5]: score pairs (query token x key) per unit of each size, DIMS order, as the planner's
+        `StepPlan.work_planned` counts them: the second measure of padding, blind to bytes and to the
+        LM head (no pairs for the logits). A shared slot holds `shared_rows x block_size` pairs, a unique
+        one `block_size`; in batch-invariant mode a unit holds `invariant_rows x block_size`."""
+        o, bs = self.options, self.block_size
+        rows = o.invariant_rows if o.batch_invariant else o.shared_rows
+        return np.array([1.0, rows * bs, bs, 0.0, o.causal_tile ** 2])
 
     def pair_cost(self) -> float:
         """µs per (query token, key) score pair, all heads and layers: prices the planner's `PathWork`."""

@@ -33,6 +33,7 @@ from vllm_gaudi_unified.bucket import Q, S, U, bucket_from_sizes
 from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 from vllm_gaudi_unified.bucket_plans.cost import Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+from vllm_gaudi_unified.plan.split import GatherCap
 
 
 def exp_values(lo: int, hi: int, base: float = 2.0, step: int = 1) -> list[int]:
@@ -66,8 +67,10 @@ def speculative_causal_tiles(query_len: np.ndarray | int, tile: int, num_specula
 
 
 def exponential_plan(settings: ServerSettings, model: ModelSpec | None = None, hardware: Hardware | None = None,
-                     base: float = 2.0, query_step: int = 1, unique_step: int = 1) -> BucketPlan:
-    """The classic baseline; see the module docstring."""
+                     base: float = 2.0, query_step: int = 1, unique_step: int = 1,
+                     cap: GatherCap | None = None) -> BucketPlan:
+    """The classic baseline; see the module docstring. `cap`: no bucket gathers more block slots
+    (sizes beyond it are clipped to it; the planner splits steps beyond it)."""
     model, hardware = model or ModelSpec(), hardware or Hardware()
     lim = settings.limits()
     kb, o = settings.blocks_per_tile, settings.options
@@ -97,7 +100,11 @@ def exponential_plan(settings: ServerSettings, model: ModelSpec | None = None, h
                         continue
                     rows.append((q, s, u, logits, tiles))
     rows.append(tuple(int(x) for x in lim))  # the configured maxima, always
-    buckets = sorted({bucket_from_sizes(r) for r in rows})
-    return BucketPlan(buckets, settings, model, hardware, strategy="exponential",
+    cap = cap or GatherCap()
+    sizes = np.array(rows, np.int64)
+    sizes[:, S] = np.minimum(sizes[:, S], cap.max_shared_blocks or sizes[:, S].max())
+    sizes[:, U] = np.minimum(sizes[:, U], cap.max_unique_blocks or sizes[:, U].max())
+    buckets = sorted({bucket_from_sizes(r) for r in sizes})
+    return BucketPlan(buckets, settings, model, hardware, strategy="exponential", gather_cap=cap,
                       info={"base": base, "query_step": query_step, "unique_step": unique_step,
                             **({"num_speculative_tokens": k} if k else {})})

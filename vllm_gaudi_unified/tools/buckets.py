@@ -7,10 +7,13 @@ import os
 import sys
 import time
 
+from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE
 from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
 
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                  "sliding_window", "num_speculative_tokens")
+#: Batch-invariant PlanOptions with a flag of `buckets generate` (`--batch-invariant`, `--invariant-chunk`, ...).
+INVARIANT_FLAGS = ("batch_invariant", "invariant_rows", "invariant_chunk", "invariant_causal_chunk")
 MODEL_FLAGS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size", "vocab_size")
 
 
@@ -20,23 +23,47 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="buckets_command", metavar="SUBCOMMAND")
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
-    g = sub.add_parser("generate", help="make a bucket plan (exponential, or learned from traces)",
-                       description="Make a bucket plan for a server setting. `trace` learns from --trace files "
-                                   "(or, without any, from simulated traces of --workload and --seeds).")
-    g.add_argument("--strategy", choices=("exponential", "trace"), default="trace", help="how buckets are chosen")
+    g = sub.add_parser("generate", help="make a bucket plan (learned from traces, or exponential)",
+                       description="Make a bucket plan for a server setting. `robust` (default) and `trace` learn "
+                                   "from --trace files (several at once: each counts equally), or, without any, "
+                                   "from simulated traces of --workload and --seeds.")
+    g.add_argument("--strategy", choices=("robust", "trace", "exponential"), default="robust",
+                   help="how buckets are chosen: robust (skeleton over the whole range + buckets learned at "
+                        "several loads), trace (learned by total padded work), exponential (settings only)")
     _add_settings(g)
     _add_model(g)
     g.add_argument("--trace", action="append", default=[], metavar="T",
                    help="scheduler trace (.jsonl or .jsonl.gz) to learn from; repeatable")
     g.add_argument("--workload", default="chat", help="simulated workload when no --trace is given (chat, mixed)")
     g.add_argument("--seeds", default="1,2,3", help="simulator seeds when no --trace is given (comma separated)")
-    g.add_argument("--max-graphs", type=int, default=None, help="most buckets in the plan (trace; default 32)")
+    g.add_argument("--max-graphs", type=int, default=None,
+                   help="most buckets in the plan (default: robust 27, trace 32)")
     g.add_argument("--target-waste", type=float, default=None,
                    help="stop at the fewest buckets whose padding waste on the traces is at most this (trace)")
     g.add_argument("--resolution", type=float, default=3.0,
-                   help="grid points per doubling for bucket boundaries (trace; default 3)")
-    g.add_argument("--margin", type=float, default=0.2,
-                   help="grow learned shapes by this share before choosing, for unseen steps (trace; default 0.2)")
+                   help="grid points per doubling for bucket boundaries (robust, trace; default 3)")
+    g.add_argument("--margin", type=float, default=None,
+                   help="grow learned shapes by this share before choosing, for unseen steps "
+                        "(default: robust 0.1, trace 0.2)")
+    g.add_argument("--skeleton-ratio", type=float, default=32.0,
+                   help="robust: cost ratio between neighbouring skeleton buckets (0: no skeleton; default 32)")
+    g.add_argument("--load-fractions", default="0.5,0.25,0.0625",
+                   help="robust: also learn from each trace with only this share of each step's requests, "
+                        "for lower loads (comma separated; empty for none)")
+    g.add_argument("--load-weight", type=float, default=0.3,
+                   help="robust: weight of all load-scaled steps together, against 1 for the traces (default 0.3)")
+    g.add_argument("--worst", type=float, default=None,
+                   help="robust: steps padded beyond this ratio (time or score pairs) cost more than any "
+                        "other padding (default: off)")
+    g.add_argument("--memory-share", type=float, default=None,
+                   help="no bucket gathers more K/V (one layer) than this share of device memory; steps "
+                        f"beyond are split by the planner (robust default {DEFAULT_MEMORY_SHARE}; "
+                        "exponential and trace: no cap unless given)")
+    g.add_argument("--device-memory-gb", type=float, default=None,
+                   help="device memory for --memory-share (default 128, Gaudi 3)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="plan for batch-invariant mode (PlanOptions.batch_invariant; steps replayed through "
+                        "plan_step, slower)")
     g.add_argument("--exp-base", type=float, default=2.0, help="growth factor of exponential ranges (default 2)")
     g.add_argument("--miss-policy", choices=("error", "largest", "unbucketed"), default="error",
                    help="what a step no bucket covers does at serve time (default: error)")
@@ -58,6 +85,9 @@ def register(subparsers) -> None:
     e.add_argument("plan", metavar="PLAN", help="bucket plan JSON")
     e.add_argument("--trace", action="append", required=True, metavar="T", help="scheduler trace; repeatable")
     e.add_argument("--json", default=None, help="also write the results to this JSON file")
+    e.add_argument("--upstream", action="store_true",
+                   help="also score the earlier Gaudi implementation's plan for the plan's settings (rebuilt "
+                        "from its rules: 107 graphs at the 8B setting) on the same traces")
     e.add_argument("--jobs", type=int, default=None, help="processes for replaying traces")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_evaluate)
@@ -105,6 +135,12 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
                    help="simulator only: probability that a draft is accepted (each, until the first rejection)")
     if options:  # no 'auto' layout: one bucket would need two graphs (slice and gather)
         add_plan_option_flags(p, layouts=("gather", "slice"), base="the preset's (unique layout: gather)")
+        p.add_argument("--invariant-rows", type=int, default=None,
+                       help="planner option, batch-invariant mode: query rows of a unit")
+        p.add_argument("--invariant-chunk", type=int, default=None,
+                       help="planner option, batch-invariant mode: units per product")
+        p.add_argument("--invariant-causal-chunk", type=int, default=None,
+                       help="planner option, batch-invariant mode: causal tiles per product")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -125,6 +161,8 @@ def settings_from_args(args):
     s = PRESETS[args.preset]
     over = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
     options = plan_options_from_args(args, s.options)
+    invariant = {k: getattr(args, k) for k in INVARIANT_FLAGS if getattr(args, k, None) not in (None, False)}
+    options = replace(options, **invariant) if invariant else options
     if options != s.options:
         over["options"] = options
     return replace(s, **over) if over else s
@@ -141,39 +179,12 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def load_shapes(paths, settings, jobs=None, progress=True):
-    from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace
-
-    return StepShapes.concat([shapes_of_trace(p, settings, jobs=jobs, progress=progress) for p in paths])
-
-
 def cmd_generate(args) -> int:
-    from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_steps
-    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
-    from vllm_gaudi_unified.tools.workloads import workload_from
-    from vllm_gaudi_unified.tools.strategies import exponential_plan, trace_plan
     from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
     t0 = time.perf_counter()
     try:
-        settings = settings_from_args(args)
-        model = model_from_args(args)
-        if args.strategy == "exponential":
-            plan = exponential_plan(settings, model, base=args.exp_base)
-        else:
-            if args.trace:
-                shapes = load_shapes(args.trace, settings, args.jobs, not args.no_progress)
-            else:
-                sched = SchedulerConfig.from_settings(settings, draft_acceptance=args.draft_acceptance)
-                work = workload_from(args.workload)
-                parts = []
-                for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
-                    steps = list(Simulator(sched, work, seed).steps())
-                    parts.append(shapes_of_steps(steps, settings, f"simulated:{args.workload}:seed{seed}"))
-                shapes = StepShapes.concat(parts)
-            max_graphs = args.max_graphs if args.max_graphs is not None else (None if args.target_waste else 32)
-            plan = trace_plan(shapes, settings, model, max_graphs=max_graphs, target_waste=args.target_waste,
-                              resolution=args.resolution, margin=args.margin, progress=not args.no_progress)
+        plan = make_plan_from_args(args)
     except (ValueError, TraceError, FileNotFoundError) as exc:
         return _fail(str(exc))
     plan.miss_policy = args.miss_policy
@@ -184,6 +195,71 @@ def cmd_generate(args) -> int:
         extra = f", padding waste {plan.info['expected_padding_waste']:.3f} on {plan.info['steps']} steps learned from"
     print(f"wrote {args.output}: {plan.strategy} plan, {len(plan)} buckets{extra} ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def make_plan_from_args(args):
+    """The plan `buckets generate` makes (everything but writing it)."""
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import gather_cap_for
+    from vllm_gaudi_unified.bucket_plans.cost import Hardware
+    from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+    from vllm_gaudi_unified.tools.robust import load_scaled_shapes, robust_plan
+    from vllm_gaudi_unified.tools.shapes import StepShapes
+    from vllm_gaudi_unified.tools.strategies import trace_plan
+
+    settings = settings_from_args(args)
+    model = model_from_args(args)
+    hardware = Hardware() if args.device_memory_gb is None else replace(Hardware(), memory_gb=args.device_memory_gb)
+    share = args.memory_share if args.memory_share is not None else (
+        DEFAULT_MEMORY_SHARE if args.strategy == "robust" else None)
+    cap = None
+    if share is not None and not settings.options.batch_invariant:  # invariant products are chunked already
+        cap = gather_cap_for(settings, model, hardware, share)
+    if args.strategy == "exponential":
+        return exponential_plan(settings, model, hardware, base=args.exp_base, cap=cap)
+    traces = _learning_traces(args, settings)
+    parts = [s for s, _ in traces]
+    if args.strategy == "trace":
+        max_graphs = args.max_graphs if args.max_graphs is not None else (None if args.target_waste else 32)
+        plan = trace_plan(StepShapes.concat(parts), settings, model, hardware, max_graphs=max_graphs,
+                          target_waste=args.target_waste, resolution=args.resolution,
+                          margin=0.2 if args.margin is None else args.margin, progress=not args.no_progress)
+        if cap is not None:
+            raise ValueError("--memory-share is for the robust and exponential strategies")
+        return plan
+    fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
+    scaled = [x for _, src in traces for x in load_scaled_shapes(src, settings, fractions)]
+    weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
+    plan = robust_plan(parts + scaled, settings, model, hardware,
+                       max_graphs=27 if args.max_graphs is None else args.max_graphs, worst=args.worst,
+                       skeleton_ratio=args.skeleton_ratio, resolution=args.resolution,
+                       margin=0.1 if args.margin is None else args.margin, cap=cap, source_weights=weights)
+    from vllm_gaudi_unified.tools.evaluate import evaluate
+
+    learned = StepShapes.concat(parts)
+    seen = evaluate(plan, learned)  # on the steps of the traces themselves
+    plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
+    plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
+    plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
+    return plan
+
+
+def _learning_traces(args, settings):
+    """(shapes, source) per trace to learn from: each --trace, or simulated seeds of --workload."""
+    from vllm_gaudi_unified.tools.shapes import shapes_of_steps, shapes_of_trace
+    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+    from vllm_gaudi_unified.tools.workloads import workload_from
+
+    if args.trace:
+        return [(shapes_of_trace(t, settings, jobs=args.jobs, progress=not args.no_progress), t) for t in args.trace]
+    sched = SchedulerConfig.from_settings(settings, draft_acceptance=args.draft_acceptance)
+    work = workload_from(args.workload)
+    out = []
+    for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
+        steps = list(Simulator(sched, work, seed).steps())
+        out.append((shapes_of_steps(steps, settings, f"simulated:{args.workload}:seed{seed}"), steps))
+    return out
 
 
 def command_line(args) -> str:
@@ -244,25 +320,36 @@ def format_plan(plan) -> str:
 
 
 def cmd_evaluate(args) -> int:
-    from vllm_gaudi_unified.tools.evaluate import evaluate
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
-    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
     from vllm_gaudi_unified.bucket_plans.trace import TraceError
+    from vllm_gaudi_unified.tools.evaluate import evaluate
+    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+    from vllm_gaudi_unified.tools.upstream import evaluate_upstream, upstream_tuples_of_trace
 
     try:
         plan = BucketPlan.load(args.plan)
-        results = []
+        if args.upstream and plan.settings.options.batch_invariant:
+            raise ValueError("--upstream compares default-mode plans (the earlier scheme had no invariant mode)")
+        results, upstream = [], []
         for t in args.trace:
             shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
             results.append(evaluate(plan, shapes, os.path.basename(t)))
+            if args.upstream:
+                upstream.append(evaluate_upstream(plan.settings, plan.cost_model, upstream_tuples_of_trace(t, plan.settings),
+                                                  float(shapes.needed.sum()), os.path.basename(t)))
     except (ValueError, TraceError, FileNotFoundError) as exc:
         return _fail(str(exc))
-    print(f"plan: {args.plan} ({plan.strategy}, {len(plan)} graphs)\n")
+    print(f"plan: {args.plan} ({plan.strategy}, {len(plan)} graphs, gather cap {plan.gather_cap})\n")
     print("\n\n".join(r.table() for r in results))
+    for u in upstream:
+        print(f"\nupstream plan on {u['trace']}: {u['graphs']} graphs, uncovered {u['uncovered']} (run unpadded), "
+              f"padding time {u['padding_time']:.3f} / score pairs {u['padding_pairs']:.3f}, worst step "
+              f"{u['worst_time']:.2f} / {u['worst_pairs']:.2f}, p99 {u['p99_time']:.2f} / {u['p99_pairs']:.2f}; "
+              f"algorithm factor {u['algorithm_factor']:.3f}, with padding {u['total_factor']:.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"plan": args.plan, "strategy": plan.strategy, "graphs": len(plan),
-                       "results": [r.to_dict() for r in results]}, f, indent=1)
+                       "results": [r.to_dict() for r in results], "upstream": upstream}, f, indent=1)
     return 0
 
 

@@ -106,10 +106,11 @@ def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOption
 
 def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None):
     """The exponential plan for this server's settings and model (what `buckets generate
-    --strategy exponential` would write for them)."""
+    --strategy exponential --memory-share 0.04` would write for them)."""
     from dataclasses import replace
 
-    from vllm_gaudi_unified.bucket_plans.cost import ModelSpec
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import gather_cap_for
+    from vllm_gaudi_unified.bucket_plans.cost import Hardware, ModelSpec
     from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
     from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS, ServerSettings
 
@@ -124,7 +125,10 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window:
                      num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
                      dtype_bytes=kv_cache_spec.dtype.itemsize, hidden_size=model.get_hidden_size(),
                      vocab_size=model.get_vocab_size())
-    return exponential_plan(settings, spec)
+    # No bucket gathers more K/V than a share of device memory (Gaudi 3's by default): steps beyond
+    # it are split by the planner. Batch-invariant products are chunked already.
+    cap = None if options.batch_invariant else gather_cap_for(settings, spec, Hardware())
+    return exponential_plan(settings, spec, cap=cap)
 
 
 def _num_speculative_tokens(vllm_config) -> int:

@@ -1,0 +1,91 @@
+"""The robust strategy: covers the whole range within the gather cap, learns from several traces,
+holds at a load it never saw better than a plan learned by total work alone."""
+import numpy as np
+import pytest
+
+from vllm_gaudi_unified.bucket_plans import ServerSettings
+from vllm_gaudi_unified.tools.evaluate import evaluate
+from vllm_gaudi_unified.tools.robust import load_scaled_shapes, robust_plan
+from vllm_gaudi_unified.tools.shapes import shapes_of_steps
+from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.tools.workloads import workload_from
+from vllm_gaudi_unified.tools.strategies import trace_plan
+from vllm_gaudi_unified.plan.split import GatherCap
+
+SETTINGS = ServerSettings(block_size=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024,
+                          num_blocks=600)
+SCHED = SchedulerConfig.from_settings(SETTINGS)
+
+
+def sim(seed, rate, n=60):
+    work = workload_from("chat", num_requests=n, arrival_rate=rate, prompt_median=80, prompt_max=600,
+                         output_median=40, output_max=200, prefix_lens=(48,))
+    return list(Simulator(SCHED, work, seed).steps())
+
+
+@pytest.fixture(scope="module")
+def busy():
+    return [sim(1, 2.0), sim(2, 2.0)]
+
+
+def test_covers_every_step_and_the_limits_within_the_cap(busy):
+    cap = GatherCap(64, 200)
+    shapes = [shapes_of_steps(s, SETTINGS, f"seed{i}") for i, s in enumerate(busy)]
+    plan = robust_plan(shapes, SETTINGS, max_graphs=12, cap=cap, skeleton_ratio=8)
+    assert len(plan) <= 12
+    assert (plan.sizes[:, 1] <= 64).all() and (plan.sizes[:, 2] <= 200).all()
+    plan.gather_cap = cap
+    for s in shapes:
+        e = evaluate(plan, s)
+        assert e.uncovered == 0 and e.failed == 0
+    lim = SETTINGS.limits()
+    assert plan.find_sizes(int(lim[0]), 64, 200, int(lim[3]), int(lim[4])) >= 0
+    # the skeleton: small buckets with and without causal work, well under the top one
+    small = plan.sizes[plan.costs < plan.costs.max() / 4]
+    assert (small[:, 4] == 0).any() and (small[:, 4] > 0).any()
+    assert plan.info["skeleton_buckets"] >= 3
+    assert plan.info["sources"] == ["seed0", "seed1"]
+
+
+def test_load_scaled_steps_have_fewer_requests_and_planner_shapes(busy):
+    base = shapes_of_steps(busy[0], SETTINGS)
+    scaled = load_scaled_shapes(busy[0], SETTINGS, fractions=(0.5, 0.125), seed=3)
+    assert len(scaled) == 2 and all(len(s) == len(base) for s in scaled)
+    assert scaled[0].sizes[:, 3].mean() < base.sizes[:, 3].mean()
+    assert scaled[1].sizes[:, 3].mean() < scaled[0].sizes[:, 3].mean()
+    assert (scaled[1].sizes[:, 3] >= 1).all() and (scaled[1].sizes[:, 0] >= scaled[1].sizes[:, 3]).all()
+
+
+def test_holds_at_a_load_it_never_saw_better_than_total_work_alone(busy):
+    shapes = [shapes_of_steps(s, SETTINGS) for s in busy]
+    quiet = shapes_of_steps(sim(9, 0.15, 40), SETTINGS)
+    scaled = [x for s in busy for x in load_scaled_shapes(s, SETTINGS)]
+    robust = robust_plan(shapes + scaled, SETTINGS, max_graphs=10, skeleton_ratio=0,
+                         source_weights=[1.0] * len(shapes) + [0.3 * len(shapes) / len(scaled)] * len(scaled))
+    from vllm_gaudi_unified.tools.shapes import StepShapes
+
+    learned = trace_plan(StepShapes.concat(shapes), SETTINGS, max_graphs=10)
+    r, t = evaluate(robust, quiet), evaluate(learned, quiet)
+    assert max(r.worst_time, r.worst_pairs) < max(t.worst_time, t.worst_pairs)
+    assert r.padding_pairs < t.padding_pairs and r.padding_time < t.padding_time
+
+
+def test_pair_weights_are_the_planners_work(busy):
+    from vllm_gaudi_unified.bucket_plans.cost import CostModel, Hardware, ModelSpec
+    from vllm_gaudi_unified.plan import plan_step
+
+    w = CostModel(ModelSpec(), Hardware(), 16, SETTINGS.options).pair_weights
+    for step in busy[0][::40]:
+        p = plan_step(step.query_lens, step.context_lens, step.block_table(), 16, options=SETTINGS.options)
+        assert np.dot(p.shape.sizes, w) == p.work_planned.total
+
+
+def test_bad_arguments(busy):
+    shapes = [shapes_of_steps(busy[0], SETTINGS)]
+    for kw, match in (({"max_graphs": 0}, "max_graphs"), ({"worst": 1.0}, "worst"), ({"skeleton_ratio": 0.5}, "skeleton"),
+                      ({"total_share": 2}, "total_share"), ({"source_weights": [1, 2]}, "source_weights"),
+                      ({"max_graphs": 2, "skeleton_ratio": 2}, "skeleton alone")):
+        with pytest.raises(ValueError, match=match):
+            robust_plan(shapes, SETTINGS, **kw)
+    with pytest.raises(ValueError, match="no step"):
+        robust_plan([], SETTINGS)

@@ -1,0 +1,301 @@
+"""The `robust` strategy: a plan that holds when the load changes.
+
+A plan learned by total padded work (`trace`) serves the heavy steps of the
+load it saw and pads everything else: at a quieter hour every step is small and
+pays for buckets sized for a busy one. Three changes make a plan hold:
+
+1. **A skeleton over the whole range.** Two chains of buckets, one for steps
+   without causal work (decodes) and one for steps with it, from the smallest
+   step up to the settings' limits (clipped to the gather cap), each bucket
+   about `skeleton_ratio` times cheaper than the next. A chain bucket is the
+   per-dimension maximum of the learned steps at most as costly as its level
+   (so it follows the traffic's proportions), never more than the level's cost
+   in any one dimension, and, below the cheapest step seen, the next bucket
+   divided by the ratio. Every step up to the limits is covered; a step near a
+   chain bucket's proportions pays at most about the ratio there (a step far
+   from them can pay more: five independent sizes cannot all be bounded
+   without a product grid).
+2. **Several traces, several loads.** Every trace given counts equally, and
+   the learner also sees each trace again at lower loads: its steps with only
+   some of their requests (each kept with probability 1/2, 1/4, 1/16, at least
+   one), replayed through the planner's shape rules (`load_scaled_shapes`). A
+   trace at high load shows what many requests do; its subsets what a few do.
+3. **Both measures.** A step padded to a bucket costs its share of its trace's
+   total estimated time (`cost.py`) plus its share of the trace's total score
+   pairs (`CostModel.pair_weights`); `total_share < 1` mixes in each step's own
+   padding ratio (small steps then count as much as large ones), and with
+   `worst` a step padded beyond `worst` times its work (either measure) costs
+   more than all other padding together, so the greedy covers it first.
+
+Then, as for `trace`: steps are rounded onto a geometric grid and grouped,
+candidates are the group shapes, greedy facility location adds the candidate
+that lowers the objective most until `max_graphs`, and a local search tightens
+and swaps buckets while the objective falls. The objective is linear in a
+bucket's sizes for each group (`A_g time(bucket) + B_g pairs(bucket)`), so
+the greedy and the swaps are products of a [candidates x groups] matrix.
+
+No bucket gathers more block slots than the gather cap (`plan.split.GatherCap`, a
+share of device memory): steps beyond it are cut into pieces by the planner,
+and the learner plans for the pieces.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
+from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+from vllm_gaudi_unified.bucket import bucket_from_sizes
+from vllm_gaudi_unified.tools.shapes import StepShapes
+from vllm_gaudi_unified.tools.strategies import grid_values, round_up
+from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes
+
+Q, S, U, L, C = range(5)
+#: Fractions of a step's requests kept to see it at lower loads.
+LOAD_FRACTIONS = (0.5, 0.25, 0.0625)
+
+
+def _level_down(b: np.ndarray, ratio: float, steps, causal: bool) -> np.ndarray:
+    """A bucket about `ratio` times cheaper: every size divided by the ratio, kept legal."""
+    out = np.ceil(b / ratio).astype(np.int64)
+    out[S] = -(-out[S] // steps[S]) * steps[S]
+    out[C] = -(-out[C] // steps[C]) * steps[C]
+    out[Q], out[L] = max(out[Q], 1), max(out[L], 1)
+    if causal:
+        out[C], out[Q] = max(out[C], 1), max(out[Q], 2)
+    return np.where(b > 0, out, 0)
+
+
+def skeleton(points: np.ndarray, own_cost: np.ndarray, top: np.ndarray, weights: np.ndarray, ratio: float,
+             grids: list, steps) -> np.ndarray:
+    """The two chains (no causal work / causal work) of the module docstring, as sizes [K, 5]."""
+    out = []
+    for causal in (False, True):
+        mine = (points[:, C] > 0) == causal
+        hi = top.copy()
+        if not causal:
+            hi[C], hi[Q] = 0, min(top[Q], top[L])  # decodes: one token per request
+        floor = np.array([2 if causal else 1, 0, 1, 1, steps[C] if causal else 0], np.int64)
+        lo_cost = float(floor @ weights)
+        level = float(hi @ weights)
+        prev = hi
+        out.append(hi)
+        while True:
+            level /= ratio
+            if level < lo_cost:
+                break
+            sel = mine & (own_cost <= level)
+            if sel.any():
+                env = points[sel].max(0)
+                env = np.minimum(env, np.floor(level / np.maximum(weights, 1e-30)).astype(np.int64))
+                env = np.minimum(np.maximum(env, floor), prev)
+                b = np.stack([round_up(env[d:d + 1], grids[d])[0] for d in range(len(DIMS))])
+            else:
+                b = _level_down(prev, ratio, steps, causal)
+            b = np.minimum(np.maximum(b, floor), prev)
+            if not causal:
+                b[C] = 0
+            if (b == prev).all():
+                continue
+            out.append(b)
+            prev = b
+    return np.unique(np.array(out, np.int64), axis=0)
+
+
+def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: ModelSpec | None = None,
+                hardware: Hardware | None = None, max_graphs: int = 27, worst: float | None = None,
+                skeleton_ratio: float = 32.0, resolution: float = 3.0, margin: float = 0.1,
+                total_share: float = 1.0, source_weights=None, cap: GatherCap | None = None, local_search: bool = True,
+                sources: list | None = None) -> BucketPlan:
+    """Learn a plan from several sets of step shapes (traces, and the same traces at lower loads);
+    see the module docstring. `max_graphs` counts every bucket, skeleton included."""
+    t0 = time.perf_counter()
+    model, hardware = model or ModelSpec(), hardware or Hardware()
+    shapes = [s for s in shapes if len(s)]
+    if not shapes:
+        raise ValueError("the traces hold no step to learn from")
+    for s in shapes:
+        if s.block_size != settings.block_size:
+            raise ValueError(f"traces have block_size {s.block_size}, settings {settings.block_size}")
+    if max_graphs < 1:
+        raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+    if worst is not None and worst <= 1.0:
+        raise ValueError(f"worst is a padding ratio, so > 1; got {worst}")
+    if skeleton_ratio != 0 and skeleton_ratio <= 1.0:
+        raise ValueError(f"skeleton_ratio must be 0 (no skeleton) or > 1, got {skeleton_ratio}")
+    if not 0.0 <= total_share <= 1.0:
+        raise ValueError(f"total_share must be in [0, 1], got {total_share}")
+    cap = cap or GatherCap()
+    cost = CostModel(model, hardware, settings.block_size, settings.options)
+    wt, wp = cost.weights, cost.pair_weights
+    o = settings.options
+    # The shared dimension's step: a shared tile's blocks; in batch-invariant mode a product of
+    # `invariant_chunk` units (and of `invariant_causal_chunk` causal tiles), which the device computes
+    # whole, so a bucket between two multiples would only hide padding.
+    kb = o.invariant_chunk if o.batch_invariant else settings.blocks_per_tile
+    c_step = o.invariant_causal_chunk if o.batch_invariant else 1
+    lim = settings.limits()
+    top = lim.copy()
+    if cap.max_shared_blocks is not None:
+        top[S] = min(top[S], cap.max_shared_blocks)
+    if cap.max_unique_blocks is not None:
+        top[U] = min(top[U], cap.max_unique_blocks)
+
+    # Pieces of every step, with their coefficients: A (per µs of a bucket), B (per score pair).
+    sizes, coef_a, coef_b = [], [], []
+    weights = np.ones(len(shapes)) if source_weights is None else np.asarray(source_weights, np.float64)
+    if weights.shape != (len(shapes),) or (weights < 0).any() or weights.sum() <= 0:
+        raise ValueError(f"source_weights must be {len(shapes)} non-negative numbers, got {source_weights!r}")
+    weights = weights / weights.sum()
+    for s, ws in zip(shapes, weights):
+        pieces, owner = piece_sizes(s.sizes, cap, kb)
+        own_t, own_p = pieces @ wt, np.maximum(pieces @ wp, 1.0)
+        n = len(s)
+        sizes.append(pieces)
+        coef_a.append(ws * (total_share / own_t.sum() + (1 - total_share) / (n * own_t)))
+        coef_b.append(ws * (total_share / own_p.sum() + (1 - total_share) / (n * own_p)))
+    sizes = np.concatenate(sizes)
+    coef_a, coef_b = np.concatenate(coef_a), np.concatenate(coef_b)
+    top = np.maximum(top, sizes.max(0))  # pieces are within the cap
+
+    steps = [4, kb, 4, 2, c_step]  # grid steps: small, so that a one-request step is not padded by the grid
+    top[S], top[C] = -(-top[S] // kb) * kb, -(-top[C] // c_step) * c_step
+    grids = [grid_values(int(top[d]), steps[d], resolution, lo=steps[d] if d in (S, C) else 1)
+             for d in range(len(DIMS))]
+    grown = np.where(sizes > 0, np.minimum(np.ceil(sizes * (1 + margin)).astype(np.int64), top[None, :]), 0)
+    grown = np.maximum(grown, sizes)
+    rounded = np.stack([round_up(grown[:, d], grids[d]) for d in range(len(DIMS))], 1)
+    rounded = np.minimum(rounded, np.maximum(top[None, :], sizes))
+    groups, inv = np.unique(rounded, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    G = len(groups)
+    A = np.bincount(inv, coef_a, G)
+    B = np.bincount(inv, coef_b, G)
+    own_t, own_p = sizes @ wt, np.maximum(sizes @ wp, 1.0)
+    min_t = np.full(G, np.inf)
+    np.minimum.at(min_t, inv, own_t)
+    min_p = np.full(G, np.inf)
+    np.minimum.at(min_p, inv, own_p)
+
+    top_row = np.maximum(top, groups.max(0))
+    skel = skeleton(groups, groups @ wt, top_row, wt, skeleton_ratio, grids, steps) if skeleton_ratio else top_row[None]
+    skel = np.unique(np.concatenate([skel, top_row[None]]), axis=0)
+    if len(skel) > max_graphs:
+        raise ValueError(f"the skeleton alone has {len(skel)} buckets, more than max_graphs {max_graphs}: "
+                         f"raise --skeleton-ratio or max_graphs")
+
+    def rows(cands: np.ndarray) -> np.ndarray:
+        """Objective of each candidate for each group [len(cands), G]; inf where it does not cover."""
+        ct, cp = cands @ wt, cands @ wp
+        m = ct[:, None] * A[None, :] + cp[:, None] * B[None, :]
+        if worst is not None:
+            bad = (ct[:, None] > worst * min_t[None, :]) | (cp[:, None] > worst * min_p[None, :])
+            m = np.where(bad, m + big, m)
+        cov = np.ones(m.shape, bool)
+        for d in range(len(DIMS)):
+            cov &= cands[:, None, d] >= groups[None, :, d]
+        return np.where(cov, m, np.inf)
+
+    # A group padded beyond `worst` costs more than padding every group to the top bucket: the greedy
+    # covers such groups first (set cover), then lowers the total.
+    big = float((top_row @ wt) * A.sum() + (top_row @ wp) * B.sum())
+    cands = np.unique(np.concatenate([groups, skel]), axis=0)
+    M = rows(cands)
+    fixed = [int(np.flatnonzero((cands == b).all(1))[0]) for b in skel]
+    chosen = list(fixed)
+    cur = M[chosen].min(0)
+    while len(chosen) < max_graphs:
+        gain = np.maximum(cur[None, :] - M, 0.0).sum(1)
+        best = int(np.argmax(gain))
+        if gain[best] <= 0:
+            break
+        chosen.append(best)
+        cur = np.minimum(cur, M[best])
+    buckets = cands[chosen]
+    if local_search:
+        buckets = _local_search(buckets, len(fixed), cands, M, rows, groups)
+    plan = BucketPlan([bucket_from_sizes(b) for b in buckets], settings, model, hardware, strategy="robust", gather_cap=cap,
+                      info={"max_graphs": max_graphs, "worst": worst, "skeleton_ratio": skeleton_ratio,
+                            "skeleton_buckets": int(len(skel)), "resolution": resolution, "margin": margin,
+                            "total_share": total_share, "steps": int(sum(len(s) for s in shapes)),
+                            "sources": [str(x) for x in (sources or [src for s in shapes for src in s.sources])]})
+    plan.info["seconds"] = round(time.perf_counter() - t0, 2)
+    return plan
+
+
+def _local_search(buckets, num_fixed, cands, M, rows, groups, rounds: int = 6) -> np.ndarray:
+    """Tighten each learned bucket to the groups it serves, then swap it for the best candidate,
+    while the objective falls. The first `num_fixed` buckets (the skeleton) stay."""
+    buckets = buckets.copy()
+    table = rows(buckets)
+    total = float(table.min(0).sum())
+    for _ in range(rounds):
+        improved = False
+        for b in range(num_fixed, len(buckets)):
+            idx = table.argmin(0)
+            mine = (idx == b) & np.isfinite(table[b])
+            if mine.any():
+                tight = groups[mine].max(0)
+                if (tight < buckets[b]).any():
+                    row = rows(tight[None])[0]
+                    trial = table.copy()
+                    trial[b] = row
+                    t = float(trial.min(0).sum())
+                    if t < total - 1e-12:
+                        buckets[b], table, total, improved = tight, trial, t, True
+            others = np.delete(table, b, 0).min(0)
+            gain = np.maximum(others[None, :] - M, 0.0).sum(1)
+            best = int(np.argmax(gain))
+            t = float(others.sum()) - float(gain[best])
+            if t < total - 1e-12 and not (cands[best] == buckets).all(1).any():
+                buckets[b] = cands[best]
+                table[b] = M[best]
+                total, improved = float(table.min(0).sum()), True
+        if not improved:
+            break
+    return np.unique(buckets, axis=0)
+
+
+def load_scaled_shapes(trace, settings: ServerSettings, fractions=LOAD_FRACTIONS, max_steps: int = 2000,
+                       seed: int = 0) -> list[StepShapes]:
+    """The steps of a trace (a path, or a list of TraceSteps) at lower loads: for each fraction f, up
+    to `max_steps` of its steps (a seeded sample) with each request kept with probability f (at least
+    one per step), replayed by the shape-only rules of `shapes.batch_shapes`. Steps in a layout the
+    fast parser does not read, and settings it does not model, give no scaled steps."""
+    from vllm_gaudi_unified.tools import shapes as sh
+
+    if not sh.shape_only_supported(settings):
+        return []
+    rng = np.random.default_rng(seed)
+    if isinstance(trace, str):
+        items, name = sh._read_step_lines(trace), trace
+    else:
+        items, name = list(trace), "steps"
+    if len(items) > max_steps:
+        items = [items[i] for i in np.sort(rng.choice(len(items), max_steps, replace=False))]
+    arrays = []
+    for lo in range(0, len(items), sh._BATCH):
+        part = items[lo:lo + sh._BATCH]
+        a = (sh._parse_lines(part, settings.block_size) if isinstance(part[0], str)
+             else sh._arrays_of_steps(part) if all(x.block_size == settings.block_size for x in part) else None)
+        if a is not None:
+            arrays.append(a)
+    out = []
+    for f in fractions:
+        sizes, needed = [], []
+        for a in arrays:
+            keep = rng.random(a.q.size) < f
+            first = np.r_[0, np.cumsum(np.bincount(a.req_step, minlength=a.num_steps))[:-1]]
+            counts = np.bincount(a.req_step, minlength=a.num_steps)
+            keep[first + (rng.random(a.num_steps) * counts).astype(np.int64)] = True  # at least one
+            sub = sh._Arrays(a.block_size, a.q[keep], a.ctx[keep], a.flat, a.row_starts[keep], a.req_step[keep],
+                             a.num_steps)
+            s, w, fallback = sh.batch_shapes(sub, settings.options)
+            sizes.append(s[~fallback])
+            needed.append(w[~fallback])
+        if sizes:
+            out.append(StepShapes(np.concatenate(sizes), np.concatenate(needed), settings.block_size,
+                                  (f"{name}@load{f:g}",)))
+    return out
