@@ -163,3 +163,21 @@ def test_quantize_rounding_and_names():
     assert FP8_DTYPES["fp8"] is torch.float8_e4m3fn and FP8_DTYPES["fp8_e5m2"] is torch.float8_e5m2
     with pytest.raises(ValueError, match="rounding must be one of"):
         quantize(x, torch.float8_e4m3fn, rounding="up")
+
+
+def test_split_step_reads_fp8_in_every_piece():
+    """A step split under a bucket plan's gather cap (plan/split.py): each piece dequantizes its own blocks."""
+    from dataclasses import replace
+
+    from test_split import CASES, KB, CappedPlan
+
+    from vllm_gaudi_unified.plan.split import GatherCap
+
+    step = CASES["prefix_and_chunks"]
+    q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8["e4m3"], "per_slot_head", "float", seed=4)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size,
+                                options=replace(SMALL_TILES, unique_layout="gather"),
+                                bucket=CappedPlan(GatherCap(KB, 3), True))
+    assert batch.pieces
+    out = unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
+    assert_matches(out, reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37))
