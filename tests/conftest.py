@@ -18,6 +18,12 @@ import torch
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention
 
+import vllm_helpers  # noqa: E402  (tests/ is on sys.path)
+
+# Before any vLLM import or engine subprocess (they inherit the environment): with vllm-gaudi
+# installed on a machine without Gaudi software, vLLM must not load vllm-gaudi's plugins.
+vllm_helpers.keep_vllm_gaudi_out()
+
 #: The suite's tensors are tiny: one intra-op thread is faster than several, and far faster on a
 #: shared machine, where torch's waiting threads spin for cores (the random invariance tests ran 10x
 #: longer with two threads under load). Tests that should see torch's own threading ask for

@@ -12,6 +12,7 @@ logits, where greedy choices hang on ties far below any attention error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -29,6 +30,24 @@ SHARED_PREFIX_LEN = 96  # three whole blocks
 #: and the MHA weights with the first layer windowed to 48 positions (two KV cache groups).
 MODELS = {"mha": dict(num_heads=4, num_kv_heads=4), "gqa": dict(num_heads=8, num_kv_heads=2),
           "swa": dict(num_heads=4, num_kv_heads=4, sliding_window=48)}
+
+
+#: The plugins a CPU vLLM run may load when vllm-gaudi is installed too (see `keep_vllm_gaudi_out`).
+CPU_VLLM_PLUGINS = "unified_attention"
+
+
+def keep_vllm_gaudi_out(environ=os.environ) -> None:
+    """Name this project's plugins in VLLM_PLUGINS when vllm-gaudi is installed without Gaudi software.
+
+    vllm-gaudi's general plugins import `habana_frameworks` unconditionally, so once vllm-gaudi is
+    installed (the Gaudi tests need it) every vLLM process on a machine without Gaudi software dies
+    in `load_general_plugins` unless VLLM_PLUGINS leaves them out. A VLLM_PLUGINS already set is kept.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_gaudi") is None or importlib.util.find_spec("habana_frameworks") is not None:
+        return
+    environ.setdefault("VLLM_PLUGINS", CPU_VLLM_PLUGINS)
 
 
 def make_tiny_llama(path: str, num_heads: int = 4, num_kv_heads: int = 4, hidden: int = 256, layers: int = 2,
@@ -96,7 +115,7 @@ def _logprob_dict(entry) -> dict:
     return {str(tok): float(lp.logprob) for tok, lp in entry.items()}
 
 
-def run_scenario(model: str, out: str) -> None:
+def run_scenario(model: str, out: str, dtype: str = "float32", gaudi_standin: bool = False) -> None:
     """Generate both waves with one engine; write tokens, logprobs and timings to `out` (JSON): `import_s`
     (importing vLLM), `startup_s` (`LLM(...)`: model load, KV cache, warm-up), `generate_s` (both waves).
 
@@ -106,12 +125,26 @@ def run_scenario(model: str, out: str) -> None:
     it already steps, and the batches, hence the random draws of n > 1, differ).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    device_context = contextlib.nullcontext()
+    if gaudi_standin:  # vllm-gaudi's platform, worker and runner on the CPU (tests/habana_standin.py)
+        import habana_standin
+
+        habana_standin.install(memory_bytes=128 << 20)  # vllm-gaudi sizes the KV cache from the "device" memory
+        habana_standin.stub_vision_only_vllm_models()
+        if dtype == "float32":
+            habana_standin.keep_float32()
+        device_context = habana_standin.hpu_device_as_cpu()
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
     import_s = time.perf_counter() - t0
+    with device_context:
+        _run_waves(LLM, SamplingParams, model, out, dtype, import_s)
+
+
+def _run_waves(LLM, SamplingParams, model: str, out: str, dtype: str, import_s: float) -> None:
     t0 = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, seed=0,
               max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
               enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20)
@@ -181,6 +214,8 @@ def measure(workdir: str, models: list[str]) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--gaudi-standin" not in argv:
+        keep_vllm_gaudi_out()
     parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-model", help="save a tiny random Llama")
@@ -191,6 +226,10 @@ def main(argv=None) -> int:
     run = sub.add_parser("run", help="run the generation scenario with one vLLM engine")
     run.add_argument("--model", required=True, help="model directory")
     run.add_argument("--out", required=True, help="JSON result file")
+    run.add_argument("--dtype", default="float32", help="model dtype (vllm-gaudi's platform makes float32 bfloat16)")
+    run.add_argument("--gaudi-standin", action="store_true",
+                     help="run vllm-gaudi's platform on the CPU with tests/habana_standin.py (set VLLM_PLUGINS and "
+                          "VLLM_GAUDI_UNIFIED for the unified runner)")
     ms = sub.add_parser("measure", help="plugin vs vLLM's CPU attention on the scenario: logprob differences, "
                                         "token identity, start-up and generation times (JSON)")
     ms.add_argument("--dir", required=True, help="work directory (models, engine results)")
@@ -200,7 +239,7 @@ def main(argv=None) -> int:
     if args.cmd == "make-model":
         make_tiny_llama(args.path, args.num_heads, args.num_kv_heads, sliding_window=args.sliding_window)
     elif args.cmd == "run":
-        run_scenario(args.model, args.out)
+        run_scenario(args.model, args.out, args.dtype, args.gaudi_standin)
     else:
         report = measure(args.dir, args.models)
         if args.out:

@@ -3,8 +3,12 @@
 - `entry`: the two entry points vLLM calls (platform plugin, general plugin);
 - `config`: the plugin's options (environment variables);
 - `platform`: the CPU platform that selects the unified backend when asked;
-  `hpu_platform`: the same on top of vllm-gaudi's Gaudi platform;
 - `backend`: the v1 attention backend (backend class, metadata, builder, impl);
+- on Gaudi, subclasses of vllm-gaudi's classes (they import vllm_gaudi):
+  `hpu_platform` (platform: worker class, hook check, refusals), `hpu_worker`
+  (builds the runner), `hpu_runner` (one unified batch per step from its input
+  batch, warmup of the bucket plan through the model), `hpu_backend` (backend,
+  per-step metadata, impl in vllm-gaudi's calling convention, metadata pass-through);
 - `steps`: what happens around each planned step (bucket plan, warmup, debug
   log, trace recording);
 - `worker`: vLLM's CPU worker plus the bucket warmup at start-up.

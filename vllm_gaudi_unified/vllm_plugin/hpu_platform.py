@@ -1,21 +1,123 @@
-"""On Gaudi: vllm-gaudi's platform, with the unified attention backend.
+"""On Gaudi: vllm-gaudi's platform, with the unified worker, model runner and backend.
 
-vLLM has no Gaudi platform of its own; vllm-gaudi provides it (and the HPU
-worker, model runner and ops). This platform builds on it and changes only
-the attention backend choice. `entry.platform_plugin` names this module only
-on a machine with an HPU and vllm-gaudi installed, so importing vllm_gaudi
-here is safe. Not tested: the project has no Gaudi machine.
+vLLM has no Gaudi platform of its own; vllm-gaudi provides it. This subclass of
+its `HpuPlatform` points vLLM at `UnifiedHpuWorker` (which builds
+`UnifiedHpuModelRunner`) and at `UnifiedHpuAttentionBackend`; everything else
+is vllm-gaudi's. `entry.platform_plugin` names it only where an HPU (or the
+tests' stand-in for one) and vllm-gaudi are present.
+
+Start-up refuses, with the reason, what the unified runner does not do:
+speculative decoding (vllm-gaudi's drafting runs on its own decode batches),
+fp8 KV caches (issue 17), a vllm-gaudi whose overridden methods differ from the
+ones checked (`check_vllm_gaudi_hooks`). Async scheduling is switched off: the
+runner reads the last sampled tokens from the host input batch.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
+
 from vllm_gaudi.platform import HpuPlatform
 
+from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.vllm_plugin.platform import select_unified_backend
+
+logger = get_logger("vllm.gaudi_unified.hpu_platform")
+
+HPU_WORKER = "vllm_gaudi.v1.worker.hpu_worker.HPUWorker"
+UNIFIED_HPU_WORKER = "vllm_gaudi_unified.vllm_plugin.hpu_worker.UnifiedHpuWorker"
+
+#: The vllm-gaudi snapshot the overrides were written against (`../shared/third_party/`).
+CHECKED_VLLM_GAUDI = "091bbadd (2026-08-21; tracks vLLM main of that date, newest tag v0.26.0)"
+
+#: vllm-gaudi methods the unified classes override or call, with their parameters (without self) as
+#: checked. A vllm-gaudi whose methods differ refuses to start rather than run a mismatched override.
+VLLM_GAUDI_HOOKS = {
+    "vllm_gaudi.v1.worker.hpu_model_runner.HPUModelRunner": {
+        "__init__": ["vllm_config", "device", "is_driver_worker"],
+        "load_model": [],
+        "initialize_kv_cache": ["kv_cache_config"],
+        "warmup_model": [],
+        "_get_prompts_and_decodes": ["scheduler_output"],
+        "_prepare_inputs": ["scheduler_output", "num_prefills", "num_decodes", "warmup"],
+        "_execute_model_generic": ["token_ids", "position_ids", "attn_metadata", "logits_indices", "kv_caches",
+                                   "lora_logits_mask", "lora_mask", "warmup_mode", "inputs_embeds",
+                                   "model_mm_kwargs"],
+        "sample_tokens": ["grammar_output"],
+        "_run_sampling": ["batch_changed", "logits_device", "request_ids", "pad_to", "logits_requests"],
+    },
+    "vllm_gaudi.v1.worker.hpu_model_runner.HPUAttentionMetadataProcessor": {
+        "process_metadata": ["attn_metadata", "batch_size", "seq_len", "device", "dtype",
+                             "model_has_chunked_attention"],
+    },
+    "vllm_gaudi.v1.worker.hpu_model_runner.PrefillInputData": {
+        "__init__": ["request_ids", "prompt_lens", "token_ids", "position_ids", "attn_metadata", "logits_indices",
+                     "logits_requests"],
+    },
+    "vllm_gaudi.v1.worker.hpu_model_runner.PromptDecodeInfo": {
+        "__init__": ["prompt_req_ids", "decode_req_ids", "prompt_scheduled_tokens"],
+    },
+    "vllm_gaudi.v1.worker.hpu_worker.HPUWorker": {
+        "init_device": [],
+        "load_model": ["vllm_config", "quant_config_path"],
+    },
+    "vllm_gaudi.attention.backends.hpu_attn.HPUAttentionBackend": {
+        "get_kv_cache_shape": ["num_blocks", "block_size", "num_kv_heads", "head_size"],
+    },
+}
+
+
+def check_vllm_gaudi_hooks() -> None:
+    """Raise if the installed vllm-gaudi's overridden methods are not the ones checked."""
+    problems = []
+    for qualname, methods in VLLM_GAUDI_HOOKS.items():
+        module, _, name = qualname.rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None)
+        if cls is None:
+            problems.append(f"{qualname} is missing")
+            continue
+        for method, expected in methods.items():
+            fn = getattr(cls, method, None)
+            if fn is None:
+                problems.append(f"{name}.{method} is missing")
+                continue
+            params = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
+            if params != expected:
+                problems.append(f"{name}.{method}{tuple(params)} (checked: {tuple(expected)})")
+    if problems:
+        raise RuntimeError("The installed vllm-gaudi differs from the one unified attention was checked against ("
+                           f"{CHECKED_VLLM_GAUDI}): " + "; ".join(problems) + ". Install that vllm-gaudi, or set "
+                           "VLLM_GAUDI_UNIFIED=0 to run vllm-gaudi's own attention.")
 
 
 class UnifiedHpuPlatform(HpuPlatform):
-    """vllm-gaudi's `HpuPlatform`, attention backend aside."""
+    """vllm-gaudi's `HpuPlatform` with the unified worker (and so model runner) and attention backend."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        super().check_and_update_config(vllm_config)
+        check_vllm_gaudi_hooks()
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls in ("auto", HPU_WORKER):
+            parallel.worker_cls = UNIFIED_HPU_WORKER
+        elif parallel.worker_cls != UNIFIED_HPU_WORKER:
+            raise ValueError(f"worker_cls={parallel.worker_cls!r}: unified attention on Gaudi needs its own worker "
+                             f"({UNIFIED_HPU_WORKER}); leave worker_cls unset")
+        if vllm_config.speculative_config is not None:
+            raise NotImplementedError("speculative decoding is not supported with unified attention on Gaudi: "
+                                      "vllm-gaudi drafts and verifies on its own decode batches, which the unified "
+                                      "runner does not build. Unset VLLM_GAUDI_UNIFIED (or set it to 0) to use "
+                                      "vllm-gaudi's own attention.")
+        sched = vllm_config.scheduler_config
+        if sched.async_scheduling:
+            sched.async_scheduling = False
+            logger.info("Unified attention: async scheduling off (the unified runner reads the last sampled "
+                        "tokens from the host input batch)")
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        return select_unified_backend(attn_selector_config)
+        from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionBackend, register_hpu_backend
+
+        register_hpu_backend()
+        return select_unified_backend(attn_selector_config, UnifiedHpuAttentionBackend,
+                                      where="vllm-gaudi's model runner, one unified batch per step")

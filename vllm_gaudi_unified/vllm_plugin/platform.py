@@ -19,25 +19,30 @@ if TYPE_CHECKING:
 logger = get_logger("vllm.gaudi_unified.platform")
 
 
-def select_unified_backend(attn_selector_config: "AttentionSelectorConfig") -> str:
+def select_unified_backend(attn_selector_config: "AttentionSelectorConfig", backend=None,
+                           where: str = "vLLM's model runner") -> str:
     """The unified backend's class path for a layer, or a start-up error naming what it lacks.
 
     vLLM asks once per distinct layer configuration while building the model,
     so an unsupported feature (MLA, encoder or cross attention, ALiBi-free
     checks aside) stops the start-up with the reasons instead of running wrong.
+    `backend`: the backend class (default: the CPU path's `GaudiUnifiedAttentionBackend`;
+    on Gaudi `hpu_backend.UnifiedHpuAttentionBackend`); `where` goes into the log line.
     """
     from vllm_gaudi_unified.vllm_plugin.backend import GaudiUnifiedAttentionBackend, register_backend
 
-    register_backend()  # the general plugin normally did this; the Attention layer looks the name up
+    if backend is None:
+        register_backend()  # the general plugin normally did this; the Attention layer looks the name up
+        backend = GaudiUnifiedAttentionBackend
     cfg = attn_selector_config._asdict()
-    reasons = GaudiUnifiedAttentionBackend.validate_configuration(device_capability=None, **cfg)
+    reasons = backend.validate_configuration(device_capability=None, **cfg)
     if reasons:
         raise ValueError(
-            f"The unified attention backend ({GaudiUnifiedAttentionBackend.get_name()}) cannot run this model: "
+            f"The unified attention backend ({backend.get_name()}) cannot run this model: "
             f"{'; '.join(reasons)} (layer config: {attn_selector_config!r}). "
             "Unset VLLM_GAUDI_UNIFIED (or set it to 0) to use vLLM's own backend.")
-    logger.info_once("Using the unified attention backend %s.", GaudiUnifiedAttentionBackend.get_name())
-    return GaudiUnifiedAttentionBackend.full_cls_name()[0] + "." + GaudiUnifiedAttentionBackend.__qualname__
+    logger.info_once("Using the unified attention backend %s (%s).", backend.get_name(), where)
+    return backend.full_cls_name()[0] + "." + backend.__qualname__
 
 
 class UnifiedCpuPlatform(CpuPlatform):

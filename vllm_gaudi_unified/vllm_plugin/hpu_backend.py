@@ -1,0 +1,173 @@
+"""Unified attention inside vllm-gaudi: backend, per-step metadata, impl, metadata pass-through.
+
+vllm-gaudi's model runner never calls a backend's metadata builder, and its
+replaced `Attention.forward` (`vllm_gaudi/ops/hpu_attention.py`) calls
+`impl.forward(layer, query, key, value, kv_cache, attn_metadata)` with
+vllm-gaudi's own shapes. So on Gaudi the pieces differ from the CPU path
+(`backend.py`):
+
+- `UnifiedHpuAttentionBackend` subclasses vllm-gaudi's `HPUAttentionBackend`, so the
+  KV-cache shape (`[num_blocks * block_size, num_kv_heads, head_size]` per K and V, which
+  vllm-gaudi's worker and runner allocate with one extra padding block), block copy and swap
+  stay vllm-gaudi's; the feature declarations are the unified backend's.
+- `UnifiedHpuMetadata`: what the runner subclass (`hpu_runner.py`) plans per step and KV cache
+  group; it reaches the impl through vllm-gaudi's forward context, per layer.
+- `UnifiedHpuAttentionImpl.forward` takes vllm-gaudi's calling convention as it is: query
+  `[batch, seq, num_heads * head_size]` (the runner sends one flattened batch, `[1, T, ...]`),
+  the cache 4-tuple `(k_cache, v_cache, k_scales, v_scales)`, viewed (never copied) as the
+  core's `[num_blocks + 1, block_size, num_kv_heads, head_size]`.
+- `UnifiedMetadataProcessor`: vllm-gaudi's model adapter post-processes the metadata of every
+  forward (biases, block mappings for its own kernels); ours passes through unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionLayer, MultipleOf
+from vllm_gaudi.attention.backends.hpu_attn import HPUAttentionBackend
+from vllm_gaudi.v1.worker.hpu_model_runner import HPUAttentionMetadataProcessor
+
+from vllm_gaudi_unified import UnifiedBatch, unified_attention
+from vllm_gaudi_unified.vllm_plugin.backend import (
+    GaudiUnifiedAttentionBackend,
+    GaudiUnifiedAttentionImpl,
+    write_kv,
+)
+
+#: The name vLLM's registry knows the Gaudi backend by (`backend.BACKEND_NAME` is the CPU path's).
+HPU_BACKEND_NAME = "GAUDI_UNIFIED_HPU_ATTN"
+
+
+def register_hpu_backend() -> None:
+    """Add `HPU_BACKEND_NAME` to vLLM's `AttentionBackendEnum` (idempotent); see `backend.register_backend`."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import register_backend as vllm_register_backend
+
+    if HPU_BACKEND_NAME not in AttentionBackendEnum.__members__:
+        vllm_register_backend(HPU_BACKEND_NAME, f"{__name__}.{UnifiedHpuAttentionBackend.__qualname__}")
+
+
+class UnifiedHpuAttentionBackend(HPUAttentionBackend):
+    """vllm-gaudi's cache layout and block operations; the unified backend's declarations."""
+
+    forward_includes_kv_cache_update: bool = True  # vllm-gaudi's Attention.forward asserts it
+    supported_dtypes: ClassVar[list[torch.dtype]] = GaudiUnifiedAttentionBackend.supported_dtypes
+    # vllm-gaudi's runner names an unquantized cache by its dtype ("bfloat16"), vLLM's config by "auto";
+    # quantized caches (fp8_inc) are refused here, at start-up (issue 17).
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32"]
+
+    @staticmethod
+    def get_name() -> str:
+        return HPU_BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["UnifiedHpuAttentionImpl"]:
+        return UnifiedHpuAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type["UnifiedHpuMetadata"]:
+        return UnifiedHpuMetadata
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return GaudiUnifiedAttentionBackend.get_supported_kernel_block_sizes()
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return GaudiUnifiedAttentionBackend.get_supported_head_sizes()
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @staticmethod
+    def block_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+        """vllm-gaudi's `[(num_blocks + 1) * block_size, Hkv, D]` cache as the core's
+        `[num_blocks + 1, block_size, Hkv, D]`: a view of the same memory (view() raises rather than copy)."""
+        return cache.view(-1, block_size, *cache.shape[1:])
+
+
+@dataclass
+class UnifiedHpuMetadata:
+    """One KV cache group's planned step, as the impl reads it from vllm-gaudi's forward context."""
+
+    batch: UnifiedBatch  #: the plan, padded to its bucket when a bucket plan is active, on the model's device
+    slot_mapping: torch.Tensor  #: [T] int64 cache slot of each model input row; padding rows: the padding block
+
+
+class UnifiedMetadataProcessor(HPUAttentionMetadataProcessor):
+    """vllm-gaudi's metadata post-processing, which lets the unified metadata through unchanged.
+
+    The model adapter calls `process_metadata` on every forward; its additions (causal biases,
+    one-hot block mappings) serve vllm-gaudi's own kernels. The unified plan already holds
+    everything its paths need, so it passes as it is: one `UnifiedHpuMetadata`, or a dict of them
+    by layer name (vllm-gaudi's `Attention.forward` looks a dict up by `layer.layer_name`).
+    """
+
+    def process_metadata(self, attn_metadata, batch_size, seq_len, device, dtype, model_has_chunked_attention=False):
+        if is_unified_metadata(attn_metadata):
+            return attn_metadata
+        return super().process_metadata(attn_metadata, batch_size, seq_len, device, dtype,
+                                        model_has_chunked_attention)
+
+
+def is_unified_metadata(attn_metadata) -> bool:
+    if isinstance(attn_metadata, dict):
+        return bool(attn_metadata) and all(isinstance(m, UnifiedHpuMetadata) for m in attn_metadata.values())
+    return isinstance(attn_metadata, UnifiedHpuMetadata)
+
+
+class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
+    """The unified impl under vllm-gaudi's calling convention (no `output` argument; returns the output)."""
+
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: tuple | None, attn_metadata: UnifiedHpuMetadata | None,
+                output: torch.Tensor | None = None, output_scale=None, output_block_scale=None) -> torch.Tensor:
+        """query `[B, S, Hq * D]` (or `[B * S, Hq * D]`), key/value the same with Hkv; kv_cache
+        `(k_cache, v_cache, k_scales, v_scales)`. Returns query's shape."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the unified backend")
+        shape = query.shape
+        if attn_metadata is None or kv_cache is None:
+            # vllm-gaudi's memory profiling forwards carry no cache (its own impl returns zeros there too).
+            return torch.zeros(shape, dtype=query.dtype, device=query.device)
+        if not isinstance(attn_metadata, UnifiedHpuMetadata):
+            raise TypeError(f"attn_metadata of type {type(attn_metadata).__name__}: the unified impl runs only the "
+                            "steps the unified model runner plans (UnifiedHpuModelRunner); vllm-gaudi's own runner "
+                            "or a path of it that builds HPUAttentionMetadataV1 reached it")
+        q = query.reshape(-1, self.num_heads, self.head_size)
+        k = key.reshape(-1, self.num_kv_heads, self.head_size)
+        v = value.reshape(-1, self.num_kv_heads, self.head_size)
+        key_cache, value_cache, k_scales, v_scales = kv_cache
+        # fp8 KV caches (issue 17): the scales of a quantized cache would be handed to the core here,
+        # the one place that sees them; refused at start-up (the backend accepts kv_cache_dtype "auto" only).
+        if k_scales is not None or v_scales is not None:
+            raise NotImplementedError("quantized (fp8) KV caches with scales are not supported by the unified "
+                                      "backend yet; start without --kv-cache-dtype")
+        bs = attn_metadata.batch.block_size
+        key_cache = UnifiedHpuAttentionBackend.block_view(key_cache, bs)
+        value_cache = UnifiedHpuAttentionBackend.block_view(value_cache, bs)
+        if k.dtype != key_cache.dtype:  # vllm-gaudi's impl does the same for float32 activations
+            q, k, v = q.to(key_cache.dtype), k.to(key_cache.dtype), v.to(key_cache.dtype)
+        t = attn_metadata.slot_mapping.shape[0]
+        if q.shape[0] != t:
+            raise ValueError(f"query rows {q.shape[0]} != planned rows {t} (slot_mapping): the runner's model "
+                             "inputs and its plan disagree")
+        write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        out = unified_attention(q, k, v, key_cache, value_cache, attn_metadata.batch, self.scale,
+                                logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
+        return out.reshape(shape).to(query.dtype)

@@ -1,0 +1,347 @@
+"""vllm-gaudi's model runner, planning every step as one unified batch.
+
+vllm-gaudi's `HPUModelRunner` splits a step into a decode forward and prefill
+forwards and builds its own `HPUAttentionMetadataV1` for each; it never calls a
+backend's metadata builder. The subclass keeps everything else of it (request
+state, input batch, sampling, logprobs, outputs, KV cache allocation,
+defragmenter) and replaces the step's forward plan:
+
+- `_get_prompts_and_decodes`: every scheduled request goes in the one batch (the
+  "prompt" list of vllm-gaudi's sampling code; no separate decode forward);
+- `_prepare_inputs`: the step from the runner's own input batch (computed tokens,
+  scheduled tokens, block table per KV cache group) -> `build_unified_batch` with the
+  bucket plan, exactly as the CPU path's metadata builder plans it
+  (`backend.GaudiUnifiedMetadataBuilder`); model inputs `[1, T]`, padded to the bucket;
+- `_execute_model_generic`: runs vllm-gaudi's model adapter with that metadata, which
+  its metadata processor lets through (`hpu_backend.UnifiedMetadataProcessor`, set by
+  `load_model`), and computes the logits of the requests that sample;
+- `warmup_model`: the bucket plan's buckets through the whole model on the real KV
+  caches (HPU graphs in lazy mode), instead of vllm-gaudi's prompt/decode buckets;
+- `initialize_kv_cache`: one `StepHooks` (bucket plan, trace, debug log) per KV cache group.
+
+vllm-gaudi's `sample_tokens` then samples and returns outputs as it always does:
+the unified batch is its single prefill batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import habana_frameworks.torch as htorch
+import numpy as np
+import torch
+from vllm_gaudi.extension.defragmentation import OnlineDefragmenter
+from vllm_gaudi.extension.ops import LoraMask
+from vllm_gaudi.v1.worker.hpu_model_runner import (
+    HpuModelAdapter,
+    HPUModelRunner,
+    PrefillInputData,
+    PromptDecodeInfo,
+)
+
+from vllm_gaudi_unified.log import get_logger
+from vllm_gaudi_unified.vllm_plugin.backend import (
+    _group_sliding_window,
+    _model_has_full_attention,
+    refuse_unsupported_config,
+)
+from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
+from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
+    UnifiedHpuAttentionBackend,
+    UnifiedHpuMetadata,
+    UnifiedMetadataProcessor,
+    is_unified_metadata,
+)
+from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
+
+logger = get_logger("vllm.gaudi_unified.hpu_runner")
+
+
+@dataclass
+class HpuStep:
+    """A scheduler step as the runner's input batch holds it, requests in input-batch order::
+
+        |---- context_len (num_computed_tokens) ----|-- query_len (scheduled) --|
+    """
+
+    req_ids: list[str]
+    query_lens: np.ndarray  #: [R] int64 tokens scheduled this step
+    context_lens: np.ndarray  #: [R] int64 tokens already in the KV cache
+    block_tables: list[np.ndarray]  #: per KV cache group, [R, max_blocks] int64 physical block ids
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_lens.sum())
+
+
+def step_from_input_batch(input_batch, num_scheduled_tokens, resolve_blocks=None) -> HpuStep:
+    """The step of `input_batch` (vllm-gaudi's `HPUInputBatch`) for the scheduler's
+    `num_scheduled_tokens` (request id -> tokens). `resolve_blocks(table)` maps block ids
+    through vllm-gaudi's defragmenter when it is on."""
+    n = input_batch.num_reqs
+    req_ids = list(input_batch.req_ids[:n])
+    query_lens = np.fromiter((num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
+    context_lens = input_batch.num_computed_tokens_cpu[:n].astype(np.int64)
+    tables = []
+    for table in input_batch.block_table.block_tables:
+        bt = table.get_numpy_array()[:n].astype(np.int64)
+        tables.append(bt if resolve_blocks is None else resolve_blocks(bt))
+    return HpuStep(req_ids, query_lens, context_lens, tables)
+
+
+def slot_mapping(step: HpuStep, block_table: np.ndarray, block_size: int, padded_len: int,
+                 pad_slot: int) -> np.ndarray:
+    """[padded_len] cache slot of every new token (requests in order), then `pad_slot` for padding rows."""
+    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+    starts = np.cumsum(step.query_lens) - step.query_lens
+    pos = step.context_lens[req] + np.arange(len(req)) - starts[req]
+    slots = np.full(padded_len, pad_slot, dtype=np.int64)
+    slots[:len(req)] = block_table[req, pos // block_size] * block_size + pos % block_size
+    return slots
+
+
+def token_positions(step: HpuStep, padded_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(request index, position) of every new token; padding rows: request 0, position 0."""
+    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+    starts = np.cumsum(step.query_lens) - step.query_lens
+    pos = np.zeros(padded_len, dtype=np.int64)
+    pos[:len(req)] = step.context_lens[req] + np.arange(len(req)) - starts[req]
+    index = np.zeros(padded_len, dtype=np.int64)
+    index[:len(req)] = req
+    return index, pos
+
+
+class PerRequestRows:
+    """The hidden states of one flattened step, indexed by request like vllm-gaudi's per-request
+    prefill batches (`rows[i]` is request i's `[query_len, hidden]`): its prompt-logprobs code reads them so."""
+
+    def __init__(self, hidden: torch.Tensor, query_lens: np.ndarray):
+        self.hidden = hidden
+        self.starts = (np.cumsum(query_lens) - query_lens).tolist()
+        self.lens = query_lens.tolist()
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.hidden[self.starts[i]:self.starts[i] + self.lens[i]]
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+
+class UnifiedHpuModelRunner(HPUModelRunner):
+    """`HPUModelRunner` with one unified forward per step; see the module doc for what is overridden."""
+
+    def __init__(self, vllm_config, device="hpu", is_driver_worker: bool = False):
+        refuse_unsupported_config(vllm_config)
+        super().__init__(vllm_config, device=device, is_driver_worker=is_driver_worker)
+        self.unified_hooks: list[StepHooks] = []  #: per KV cache group (made in initialize_kv_cache)
+        self.unified_windows: list[int | None] = []  #: per KV cache group
+        self.unified_warmed: set = set()  #: buckets run through the whole model at warmup
+        self.last_step: HpuStep | None = None  #: the last step planned (tests, debugging)
+
+    # ------------------------------------------------------------------ set-up
+
+    def load_model(self) -> None:
+        super().load_model()
+        self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
+        logger.info("Unified attention: vllm-gaudi's model runner plans every step as one unified batch "
+                    "(backend %s).", UnifiedHpuAttentionBackend.get_name())
+
+    def _model_adapter(self) -> HpuModelAdapter:
+        model = self.model
+        for attr in ("_orig_mod", "module"):  # a torch.compile or graph wrapper around the adapter
+            if not isinstance(model, HpuModelAdapter) and hasattr(model, attr):
+                model = getattr(model, attr)
+        if not isinstance(model, HpuModelAdapter):
+            raise TypeError(f"vllm-gaudi's runner model is a {type(self.model).__name__}, not its HpuModelAdapter: "
+                            "this vllm-gaudi is not the one the unified runner was checked against")
+        return model
+
+    def initialize_kv_cache(self, kv_cache_config) -> None:
+        super().initialize_kv_cache(kv_cache_config)
+        self.make_unified_hooks()
+
+    def make_unified_hooks(self) -> None:
+        """Bucket plan, trace and debug log per KV cache group of `self.kv_cache_config`."""
+        config = PluginConfig.from_env()
+        groups = self.kv_cache_config.kv_cache_groups
+        tables = len(self.input_batch.block_table.block_tables)
+        if len(groups) != tables:
+            # vllm-gaudi keeps one block table for attention-only models and handles windows inside it.
+            raise NotImplementedError(f"{len(groups)} KV cache groups (e.g. sliding-window beside full attention "
+                                      f"layers) but vllm-gaudi's input batch keeps {tables} block table(s): not "
+                                      "supported by the unified runner yet")
+        windows = [_group_sliding_window(self.vllm_config, g.layer_names) for g in groups]
+        has_full = _model_has_full_attention(self.vllm_config)
+        recorder = next((i for i, w in enumerate(windows) if w is None), 0) if has_full else 0
+        self.unified_windows = windows
+        self.unified_hooks = [
+            StepHooks.create(config, self.vllm_config, g.kv_cache_spec, torch.device(self.device),
+                             sliding_window=w, may_record=(i == recorder))
+            for i, (g, w) in enumerate(zip(groups, windows))]
+
+    # ------------------------------------------------------------------ one step
+
+    def _get_prompts_and_decodes(self, scheduler_output) -> PromptDecodeInfo:
+        """Every scheduled request in one batch, in input-batch order (as vllm-gaudi's prompt list)."""
+        n = self.input_batch.num_reqs
+        req_ids = list(self.input_batch.req_ids[:n])
+        return PromptDecodeInfo(prompt_req_ids=req_ids, decode_req_ids=[],
+                                prompt_scheduled_tokens=[scheduler_output.num_scheduled_tokens[r] for r in req_ids])
+
+    def _resolve_block_table(self, table: np.ndarray) -> np.ndarray:
+        defrag = getattr(self, "defragmenter", None)
+        if defrag is None or not defrag.enabled or not defrag.fwd_mapping_table:
+            return table
+        mapping = np.asarray(defrag.fwd_mapping_table, dtype=np.int64)
+        inside = table < len(mapping)
+        return np.where(inside, mapping[np.where(inside, table, 0)], table)
+
+    def plan_step(self, step: HpuStep, bucket_override=None) -> dict[str, UnifiedHpuMetadata]:
+        """The step planned per KV cache group, as `{layer_name: UnifiedHpuMetadata}`.
+
+        Each group plans like the CPU path's builder: `build_unified_batch(query_lens,
+        context_lens, block_table, block_size, sliding_window, options, bucket)`.
+        Model rows are padded to the first group's bucket; every group pads to the same rows.
+        """
+        from vllm_gaudi_unified import build_unified_batch
+
+        metadata, padded = {}, None
+        for gid, (group, hooks, window) in enumerate(zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
+                                                         self.unified_windows)):
+            bs = group.kv_cache_spec.block_size
+            table = step.block_tables[gid]
+            batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, sliding_window=window,
+                                        options=hooks.options,
+                                        bucket=bucket_override if bucket_override is not None else hooks.bucket_plan,
+                                        device=self.device)
+            hooks.after_plan(batch, step.query_lens, step.context_lens, table)
+            rows = batch.bucket.query_len
+            if padded is None:
+                padded = rows
+            elif rows != padded:
+                raise ValueError(f"KV cache group {gid} padded the step to {rows} rows, group 0 to {padded}: "
+                                 "the groups' bucket plans must agree on query lengths")
+            slots = slot_mapping(step, table, bs, rows, self._PAD_SLOT_ID)
+            md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.from_numpy(slots).to(self.device))
+            metadata.update({name: md for name in group.layer_names})
+        return metadata
+
+    def _prepare_inputs(self, scheduler_output, num_prefills, num_decodes, warmup=False):
+        """The step as vllm-gaudi's sampling code expects it: one prefill batch, no decode batch."""
+        step = step_from_input_batch(self.input_batch, scheduler_output.num_scheduled_tokens,
+                                     resolve_blocks=None if warmup else self._resolve_block_table)
+        self.last_step = step
+        metadata = self.plan_step(step)
+        first = next(iter(metadata.values()))
+        padded = first.batch.bucket.query_len
+        req_index, positions = token_positions(step, padded)
+        width = self.input_batch.token_ids_cpu.shape[1]
+        token_ids = self.input_batch.token_ids_cpu.reshape(-1)[req_index * width + positions]
+        token_ids[step.num_tokens:] = 0
+        # Which requests sample this step: vLLM's rule (the GPU runner's discard mask): a request
+        # whose scheduled tokens reach the end of its known tokens; a prompt chunk short of it does not.
+        n = len(step.req_ids)
+        ends = step.context_lens + step.query_lens
+        samples = ends >= self.input_batch.num_tokens_no_spec[:n]
+        last_rows = first.batch.plan.logits_indices[:n]
+        logits_indices = torch.from_numpy(np.ascontiguousarray(last_rows[samples], dtype=np.int64))
+        data = PrefillInputData(
+            request_ids=[step.req_ids],
+            prompt_lens=[step.query_lens.tolist()],
+            token_ids=[torch.from_numpy(token_ids.astype(np.int64)).view(1, -1).to(self.device)],
+            position_ids=[torch.from_numpy(positions).view(1, -1).to(self.device)],
+            attn_metadata=[metadata],
+            logits_indices=[logits_indices.to(self.device)],
+            logits_requests=[[r for r, s in zip(step.req_ids, samples) if s]],
+        )
+        return (data, None), (None, None)
+
+    def _execute_model_generic(self, token_ids, position_ids, attn_metadata, logits_indices, kv_caches,
+                               lora_logits_mask, lora_mask, warmup_mode=False, inputs_embeds=None,
+                               model_mm_kwargs=None):
+        """vllm-gaudi's forward with the unified metadata as it is (vllm-gaudi trims its own metadata
+        to a namedtuple here; the unified plan passes whole), then the logits of the sampling rows."""
+        if not is_unified_metadata(attn_metadata):
+            raise TypeError(f"the unified runner got {type(attn_metadata).__name__} metadata: a vllm-gaudi path "
+                            "that plans its own batches (e.g. pooling, multimodal warmup) is not supported")
+        extra = {}
+        if htorch.utils.internal.is_lazy():  # vllm-gaudi wraps its model adapter in an HPU graph only then
+            extra["bypass_hpu_graphs"] = not self._use_unified_graphs(attn_metadata)
+        hidden = self.model.forward(input_ids=token_ids, positions=position_ids, attn_metadata=attn_metadata,
+                                    kv_caches=kv_caches, inputs_embeds=inputs_embeds,
+                                    model_mm_kwargs=model_mm_kwargs, lora_mask=lora_mask, **extra)
+        aux = None
+        if self.use_aux_hidden_state_outputs:
+            hidden, aux = hidden
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        sample_hidden = flat[logits_indices]
+        LoraMask.setLoraMask(lora_logits_mask)
+        logits = self.model.compute_logits(sample_hidden)
+        step = self.last_step
+        rows = PerRequestRows(flat, step.query_lens) if step is not None else flat
+        return rows, aux, sample_hidden, logits
+
+    def _use_unified_graphs(self, attn_metadata) -> bool:
+        """HPU graphs only for buckets warmed at start-up: an unpadded step has a shape of its own,
+        and capturing a graph per step shape would fill the device memory."""
+        if self.model_config.enforce_eager:
+            return False
+        buckets = {md.batch.bucket for md in attn_metadata.values()}
+        return buckets <= self.unified_warmed
+
+    # ------------------------------------------------------------------ warmup
+
+    @torch.inference_mode()  # as every serving step runs (HPUWorker.execute_model)
+    def warmup_model(self) -> None:
+        """Each bucket of the plan once through the whole model, on the real KV caches.
+
+        vllm-gaudi's own warmup runs its prompt/decode buckets, which the unified runner never
+        plans; this runs the unified bucket plan instead. In lazy mode the model adapter is an HPU
+        graph, captured here per bucket (later steps padded to a warmed bucket replay it). The dummy
+        steps read real cache blocks and write only the padding block. Without a bucket plan there
+        is nothing to warm (every step runs at its own shape, eagerly)."""
+        if self.unified_warmed:  # vllm-gaudi's worker asks twice (initialize_from_config, then the engine)
+            return
+        self.defragmenter = OnlineDefragmenter(self.kv_caches, self.block_size)  # vllm-gaudi makes it here too
+        plans = {id(h.bucket_plan): h for h in self.unified_hooks if h.bucket_plan is not None}
+        if not plans or not all(h.warmup_enabled for h in self.unified_hooks):
+            logger.info("Unified attention: no bucket plan to warm (%s)",
+                        "warmup disabled" if plans else "steps run unpadded")
+            return
+        if len(plans) > 1 or len(plans) != len({id(h) for h in self.unified_hooks if h.bucket_plan is not None}):
+            self._warm_attention_only()
+            return
+        from vllm_gaudi_unified.warmup import warmup
+
+        hooks = self.unified_hooks[0]
+        device = torch.device(self.device)
+        report = warmup(hooks.bucket_plan, device=device, mode="eager", run=self._warm_bucket, progress=False)
+        self.unified_warmed.update(report.buckets)
+        logger.info("Unified attention: warmed %d buckets through the model in %.1f s", len(report.buckets),
+                    report.total_seconds)
+
+    def _warm_bucket(self, bucket, batch):
+        from vllm_gaudi_unified.warmup import batch_for_bucket
+
+        metadata = {}
+        pad = torch.full((bucket.query_len,), self._PAD_SLOT_ID, dtype=torch.int64, device=self.device)
+        for group, hooks, window in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
+                                        self.unified_windows):
+            b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.options, window, self.device)
+            metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in group.layer_names})
+        tokens = torch.zeros((1, bucket.query_len), dtype=torch.int64, device=self.device)
+        self.unified_warmed.add(bucket)  # the forward below captures its graph (lazy mode)
+        _, _, _, logits = self._execute_model_generic(tokens, tokens.clone(), metadata,
+                                                      torch.zeros(1, dtype=torch.int64, device=self.device),
+                                                      self.kv_caches, None, None, warmup_mode=True)
+        return logits
+
+    def _warm_attention_only(self) -> None:
+        """KV cache groups with different bucket plans (`auto` per sliding window): each group's plan
+        through its attention only, on its first layer's cache; model steps then run without graphs."""
+        layers = self.vllm_config.compilation_config.static_forward_context
+        for group, hooks in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks):
+            layer = layers[group.layer_names[0]]
+            k, v = layer.kv_cache[0], layer.kv_cache[1]
+            bs = group.kv_cache_spec.block_size
+            hooks.warm_up(UnifiedHpuAttentionBackend.block_view(k, bs), UnifiedHpuAttentionBackend.block_view(v, bs),
+                          layer.impl.num_heads)
