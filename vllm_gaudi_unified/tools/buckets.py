@@ -138,11 +138,11 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
     p.add_argument("--max-model-len", type=POSITIVE, default=None, help="vLLM max_model_len")
     p.add_argument("--num-blocks", type=POSITIVE, default=None, help="KV cache blocks")
     p.add_argument("--sliding-window", type=POSITIVE, default=None, help="sliding window of the model, if any")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
+    p.add_argument("--num-speculative-tokens", type=int_in(0, 64), default=None,
                    help="speculative decoding: draft tokens per decode (vLLM's num_speculative_tokens; default 0). "
                         "Decodes then bring up to 1 + k tokens: the exponential plan adds buckets for them and "
                         "the simulator schedules them")
-    p.add_argument("--draft-acceptance", type=float, default=0.7,
+    p.add_argument("--draft-acceptance", type=float_in(0.0, 1.0), default=0.7,
                    help="simulator only: probability that a draft is accepted (each, until the first rejection)")
     if options:  # no 'auto' layout: one bucket would need two graphs (slice and gather)
         add_plan_option_flags(p, layouts=("gather", "slice"), base="the preset's (unique layout: gather)")
