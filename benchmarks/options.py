@@ -41,6 +41,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--invariant", default="none",
                    help="scenarios ('all', 'none' or comma-separated) where the batch-invariant mode is also "
                         "timed (eager and graph), at the baseline block sizes (issue 6's cost column)")
+    p.add_argument("--fp8", default="none",
+                   help="scenarios ('all', 'none' or comma-separated) also timed over an fp8 KV cache (every "
+                        "variant; per-tensor scales; checked against the reference over the dequantized cache; "
+                        "issue 17's bf16 vs fp8 column)")
+    p.add_argument("--fp8-dtype", default="fp8_e4m3", choices=("fp8_e4m3", "fp8_e5m2"),
+                   help="fp8 format of the --fp8 runs (vLLM's kv_cache_dtype names)")
     return p
 
 

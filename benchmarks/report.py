@@ -142,6 +142,7 @@ def markdown(env: dict, rows) -> str:
             lines.append(f"| {s['title']} | {s['block_size']} | {_fmt(s['eager_ms'])} | {_fmt(s['invariant_eager_ms'])} "
                          f"| {rat(s['invariant_eager_ms'], s['eager_ms'])} | {_fmt(s['graph_ms'])} "
                          f"| {_fmt(s['invariant_graph_ms'])} | {rat(s['invariant_graph_ms'], s['graph_ms'])} |")
+    lines += fp8_lines(rows)
     base_rows = [r for r in rows if r.get("method") in BASELINE_NAMES]
     if base_rows:
         lines += ["", "| scenario | baseline | variant | ms | peak MB | rel err | note |", "|---|---|---|---|---|---|---|"]
@@ -149,7 +150,7 @@ def markdown(env: dict, rows) -> str:
             lines.append(f"| {r.get('title', r['scenario'])} | {BASELINE_NAMES[r['method']]} | {r.get('variant')} "
                          f"| {_fmt(r.get('ms'))} | {_fmt(r.get('peak_mb'), 0)} | {_fmt(r.get('rel_err'), 4)} "
                          f"| {_note(r)} |")
-    bad = [r for r in rows if r.get("method") in ("unified", "invariant") and r.get("ok") is False]
+    bad = [r for r in rows if r.get("method") in ("unified", "invariant", "fp8") and r.get("ok") is False]
     for r in bad:
         lines.append(f"\nFAILED: {r['scenario']} bs {r['block_size']} {r['method']} {r['variant']}: "
                      f"{r.get('error') or 'rel err %s' % r.get('rel_err')}")
@@ -157,6 +158,27 @@ def markdown(env: dict, rows) -> str:
     for r in skipped:
         lines.append(f"\nSKIPPED: {r['scenario']} bs {r['block_size']}: {r.get('error')}")
     return "\n".join(lines)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def fp8_lines(rows) -> list[str]:
+    """Issue 17's table: per (scenario, block size, variant) the step over the bf16 cache and over the fp8
+    one (`--fp8`), their ratio, and the fp8 floor (KV bytes halved)."""
+    fp8 = [r for r in rows if r.get("method") == "fp8" and r.get("ms")]
+    if not fp8:
+        return []
+    out = ["", "fp8 KV cache (issue 17; per-tensor scales, dequantized after the gather):", "",
+           "| scenario | bs | variant | model-dtype cache ms | fp8 cache ms | fp8 / model-dtype | fp8 floor ms | fp8 rel err |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in fp8:
+        b = (_get(rows, r["scenario"], r["block_size"], "unified", r["variant"]) or {}).get("ms")
+        out.append(f"| {r.get('title', r['scenario'])} ({r.get('kv_cache_dtype')}) | {r['block_size']} | {r['variant']} "
+                   f"| {_fmt(b)} | {_fmt(r['ms'])} | {_ratio(r['ms'], b)} "
+                   f"| {_fmt(r.get('floor_ms'))} | {_fmt(r.get('rel_err'), 4)} |")
+    return out
 
 
 def _note(row) -> str:

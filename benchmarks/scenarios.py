@@ -105,9 +105,10 @@ def layout(sc: Scenario, block_size: int, seed: int = 0) -> Layout:
 
 
 def floors(sc: Scenario, block_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-           elem_bytes: int = 2) -> dict:
+           elem_bytes: int = 2, kv_elem_bytes: int | None = None) -> dict:
     """The two floors: score+value FLOPs of the pairs the step needs, and the fewest bytes
-    (every live cache block's K and V once, q/k/v/out once)."""
+    (every live cache block's K and V once, at `kv_elem_bytes` each (default `elem_bytes`;
+    1 for an fp8 cache), q/k/v/out once)."""
     pairs = 0
     for q, c in zip(sc.query_lens, sc.context_lens):
         pairs += q * c + q * (q + 1) // 2
@@ -122,6 +123,6 @@ def floors(sc: Scenario, block_size: int, num_qo_heads: int, num_kv_heads: int, 
             elif r == first:
                 seen_prefix.add(first)
     t = sc.num_tokens
-    kv_bytes = 2 * kv_tokens * num_kv_heads * head_dim * elem_bytes
+    kv_bytes = 2 * kv_tokens * num_kv_heads * head_dim * (kv_elem_bytes or elem_bytes)
     io_bytes = t * (2 * num_qo_heads + 2 * num_kv_heads) * head_dim * elem_bytes
     return {"flops": flops, "bytes": kv_bytes + io_bytes, "kv_bytes": kv_bytes}

@@ -12,6 +12,10 @@ baselines in the same process. Variants of our path:
 * `compiled`: `vllm_gaudi_unified.graphs.compiled_attention` (torch.compile per
   bucket), captured in a CUDA graph.
 
+`--fp8 SCENARIOS` times the same step again over an fp8 KV cache (method
+`fp8`: the caches quantized with per-tensor scales, the paths dequantizing the
+blocks they gather), beside the bf16 cache (issue 17).
+
 Run: `python -m benchmarks.suite --out DIR` (or `vllm-gaudi-unified bench`).
 """
 from __future__ import annotations
@@ -100,6 +104,8 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
     prof = [var for (name_bs, var) in profiles if name_bs == (sc.name, bs)]
     _check_and_time(fns, args.variants, dict(base, method="unified"), q, kc, vc, dead, ref, args, device, rows,
                     profile=prof, label=f"{sc.name}:bs{bs}")
+    if _wants(args.fp8, sc.name):
+        _fp8_case(args, sc, bs, q, k, v, kc, vc, batch, blocks, dead, base, scale, device, rows)
     if _wants(args.invariant, sc.name) and bs in args.baseline_block_sizes:
         # Issue 6's cost column: the batch-invariant mode on the same tensors, checked the same way.
         inv_opts = replace(opts, batch_invariant=True)
@@ -162,6 +168,30 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
             torch.cuda.empty_cache()
 
 
+def _fp8_case(args, sc, bs, q, k, v, kc, vc, batch, blocks, dead, base, scale, device, rows) -> None:
+    """The step over an fp8 copy of the caches (per-tensor scales: amax / the format's largest value),
+    checked against the reference over the dequantized cache, every variant timed (method `fp8`)."""
+    from vllm_gaudi_unified.attention import unified_attention
+    from vllm_gaudi_unified.graphs import compiled_attention
+    from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, dequantize, quantize
+
+    fp8 = FP8_DTYPES[args.fp8_dtype]
+    ks, vs = (float(c.abs().amax()) / torch.finfo(fp8).max for c in (kc, vc))
+    kq, vq = quantize(kc, fp8, ks), quantize(vc, fp8, vs)
+    ref = baselines.reference_fp32(q, k, v, dequantize(kq, ks, q.dtype), dequantize(vq, vs, q.dtype),
+                                   list(sc.query_lens), list(sc.context_lens), blocks, scale)
+    fl = sc_mod.floors(sc, bs, args.num_qo_heads, args.num_kv_heads, args.head_dim, torch.finfo(q.dtype).bits // 8,
+                       kv_elem_bytes=1)
+    floor_ms = max(fl["bytes"] / HBM_BYTES_PER_S, fl["flops"] / BF16_FLOPS) * 1e3
+    kw = dict(k_scale=ks, v_scale=vs)
+    fns = {"eager": lambda: unified_attention(q, k, v, kq, vq, batch, scale, **kw),
+           "graph": lambda: unified_attention(q, k, v, kq, vq, batch, scale, **kw),
+           "compiled": lambda: compiled_attention(q, k, v, kq, vq, batch, scale, **kw)}
+    _check_and_time(fns, args.variants, dict(base, method="fp8", kv_cache_dtype=args.fp8_dtype, floor_ms=floor_ms,
+                                             bytes=fl["bytes"]), q, kq, vq, dead, ref, args, device, rows)
+    del kq, vq, ref
+
+
 def _wants(spec: str, name: str) -> bool:
     """A comma-separated scenario list, 'all' or 'none'."""
     return spec == "all" or name in spec.split(",")
@@ -177,8 +207,10 @@ def _check_and_time(fns, variants, base, q, kc, vc, dead, ref, args, device, row
         row = dict(base, variant=var)
         rows.append(row)
         fn = None
+        if kc.dtype.itemsize == 1:  # fp8: poison through the bytes (0x7f is NaN in both formats)
+            kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
         kc_clean, vc_clean = kc[dead].clone(), vc[dead].clone()
-        kc[dead], vc[dead] = float("nan"), float("inf")
+        kc[dead], vc[dead] = (0x7F, 0x7F) if kc.dtype == torch.uint8 else (float("nan"), float("inf"))
         try:
             t0 = time.time()
             if var == "eager":
@@ -251,8 +283,10 @@ def _run_isolated(args, chosen, block_sizes, out_dir, start, env) -> list[dict]:
                            baseline_block_sizes=args.baseline_block_sizes)
             t0 = time.time()
             try:
+                # At most 1e6 s: a larger timeout (the 1e9 defaults) overflows poll() with OverflowError.
                 proc = subprocess.run([sys.executable, "-m", "benchmarks.suite", *argv], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, timeout=min(args.case_timeout, left))
+                                      stderr=subprocess.STDOUT, text=True,
+                                      timeout=min(args.case_timeout, left, 1e6))
                 output, code = proc.stdout, proc.returncode
             except subprocess.TimeoutExpired as exc:
                 output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")

@@ -111,6 +111,21 @@ def test_scenario_floors_match_the_issue():
     assert (shared.block_table[:, :256] == shared.block_table[0, :256]).all()  # 4k common tokens, one copy
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_bench_fp8_decode_column(tmp_path, fmt):
+    """`--fp8`: the decode step again over an fp8 cache (issue 17's bf16 vs fp8 timing), checked against
+    the reference over the dequantized cache (its unreadable slots poisoned through the bytes)."""
+    code, data = _bench(tmp_path, "--scenarios", "decode_256x2k,decode_ragged", "--block-sizes", "16",
+                        "--baselines", "none", "--fp8", "decode_256x2k", "--fp8-dtype", fmt)
+    assert code == 0
+    (row,) = [r for r in data["rows"] if r["method"] == "fp8"]
+    assert row["scenario"] == "decode_256x2k" and row["kv_cache_dtype"] == fmt
+    assert row["ok"] and row["ms"] > 0 and row["rel_err"] < 1e-4
+    (plain,) = [r for r in data["rows"] if r["method"] == "unified" and r["scenario"] == "decode_256x2k"]
+    assert row["bytes"] < plain["bytes"]  # the floor counts one byte per cached element
+    assert f"decode 256 x 2k ({fmt})" in (tmp_path / "results.md").read_text()
+
+
 def test_trace_work_adds_the_dense_column(tmp_path, capsys):
     """`python -m benchmarks.trace_work`: trace-stats plus the dense design; the dense design reads every
     shared block for every token, so it never does less shared or causal work than the step needs."""

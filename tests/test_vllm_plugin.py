@@ -115,7 +115,7 @@ def test_selects_unified_backend_for_a_decoder():
     (dict(use_mla=True), "MLA not supported"),
     (dict(attn_type=AttentionType.ENCODER_ONLY), "ENCODER_ONLY not supported"),
     (dict(attn_type=AttentionType.ENCODER_DECODER), "ENCODER_DECODER not supported"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype not supported"),
+    (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype not supported"),
     (dict(use_sparse=True), "sparse not supported"),
     (dict(head_size=20), "head_size not supported"),
     (dict(block_size=8), "block_size not supported"),

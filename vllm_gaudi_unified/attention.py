@@ -15,6 +15,7 @@ from vllm_gaudi_unified.merge import Partial, merge_all, normalize
 from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
 from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_partial
+from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.paths.unique import fused_unique_applies, fused_unique_partial, unique_partial
@@ -22,7 +23,8 @@ from vllm_gaudi_unified.paths.unique import fused_unique_applies, fused_unique_p
 
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, batch: UnifiedBatch, scale: float, *,
-                      logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                      k_scale=None, v_scale=None) -> torch.Tensor:
     """Attention of every new token of a step; see DESIGN.md for the semantics.
 
     query `[T, Hq, D]`, key/value `[T, Hkv, D]` (T = the step's tokens, or the
@@ -31,20 +33,30 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     (`inf`: no cap, the limit). `sinks`: `[Hq]` one logit per head that joins
     every softmax denominator (`+inf`: the sink takes all the weight, output 0 on
     that head; `-inf`: no sink). Returns `[T, Hq, D]` in query's dtype.
+
+    fp8 KV cache: key_cache/value_cache may be `float8_e4m3fn` or `float8_e5m2`
+    (query/key/value stay in the model dtype); a cached key is `stored *
+    k_scale`, a value `stored * v_scale` (`paths/kv_quant.py`: a float or
+    one-element tensor per tensor, or a `[num_blocks, b, h, d]` tensor per
+    block; None: 1). The paths dequantize only the blocks they gathered. The
+    new tokens come from `key`/`value` as given: pass them as the cache stores
+    them (dequantized) for results that do not depend on how a prompt was
+    chunked (the vLLM plugin does).
     """
     check_inputs(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks)
-    if logits_soft_cap is not None and math.isinf(logits_soft_cap):
-        logits_soft_cap = None  # cap * tanh(s / cap) -> s; computing it would give inf * 0 = NaN
+    check_scale("k_scale", k_scale, key_cache)
+    check_scale("v_scale", v_scale, value_cache)
     t, padded = query.shape[0], batch.bucket.query_len
     if t < padded:
         query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
     return attend_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap=logits_soft_cap,
-                       sinks=sinks)[:t]
+                       sinks=sinks, k_scale=k_scale, v_scale=v_scale)[:t]
 
 
 def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, batch: UnifiedBatch, scale: float, *,
-                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                k_scale=None, v_scale=None) -> torch.Tensor:
     """`unified_attention` as a server's layers call it: no checks, no copies of q/k/v.
 
     The inputs were checked once for the step (`check_inputs` on its first
@@ -52,17 +64,20 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     bucket's `query_len` rows already (views of the runner's padded tensors, or
     `BucketRows`). Returns `[query_len, Hq, D]` in query's dtype.
     """
+    if logits_soft_cap is not None and math.isinf(logits_soft_cap):
+        logits_soft_cap = None  # cap * tanh(s / cap) -> s; computing it would give inf * 0 = NaN
     padded = query.shape[0]
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
-        partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)]
+        partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
+                                      k_scale, v_scale)]
     else:
-        partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)
-                    if p is not None]
+        partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
+                                          k_scale, v_scale) if p is not None]
         if batch.pieces:  # a step split under the gather cap (plan/split.py): each pair is in one piece
             t = batch.num_tokens
             partials = [_first_rows(p, t) for p in partials]
             partials += _piece_partials(query[:t], key[:t], value[:t], key_cache, value_cache, batch.pieces, scale,
-                                        logits_soft_cap)
+                                        logits_soft_cap, k_scale, v_scale)
             padded = t
     if sinks is not None:
         partials.append(_sink_partial(sinks, padded, query.shape[2], compute_dtype(query.dtype)))
@@ -103,19 +118,21 @@ def _first_rows(p: Partial, rows: int) -> Partial:
     return Partial(*(x[:rows] for x in p))
 
 
-def _piece_partials(query, key, value, key_cache, value_cache, pieces, scale, cap) -> list[Partial]:
+def _piece_partials(query, key, value, key_cache, value_cache, pieces, scale, cap, k_scale, v_scale
+                    ) -> list[Partial]:
     """The shared and unique pairs of the further pieces of a split step, each piece at its own bucket
     (the self and causal pairs are all in the first piece, the batch itself)."""
     t, out = query.shape[0], []
     for piece in pieces:
         pad = piece.bucket.query_len - t
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x for x in (query, key, value))
-        paths = _run_paths(q, k, v, key_cache, value_cache, piece, scale, cap, new_tokens=False)
+        paths = _run_paths(q, k, v, key_cache, value_cache, piece, scale, cap, k_scale, v_scale, new_tokens=False)
         out += [_first_rows(p, t) for p in paths if p is not None]
     return out
 
 
-def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, new_tokens: bool = True):
+def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_scale=None, v_scale=None,
+               new_tokens: bool = True):
     """Which paths run, all conditions in one place (`new_tokens=False`: the further pieces of a split
     step, whose self and causal pairs are in the first piece: 1 and 2 do not run):
 
@@ -131,6 +148,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, new
     """
     phase = batch.phase
     flash = kernel_for(batch, query, cap) == "flash"
+    cache_flash = not is_fp8(key_cache.dtype)  # flash reads the cache as stored: fp8 goes through 3 and 4's torch tiles
     if not new_tokens:
         pass
     elif flash and phase[0] == "c":
@@ -140,15 +158,15 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, new
         if phase[0] == "c":
             yield causal_partial(query, key, value, batch, scale, cap)
     if phase[1] == "s":
-        if flash and batch.plan.shared_prefix_visible:
+        if flash and cache_flash and batch.plan.shared_prefix_visible:
             yield fused_shared_partial(query, key_cache, value_cache, batch, scale)
         else:
-            yield shared_partial(query, key_cache, value_cache, batch, scale, cap)
+            yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
     if phase[2] == "u":
-        if flash and fused_unique_applies(batch, key_cache):
+        if flash and cache_flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, batch, scale)
         else:
-            yield unique_partial(query, key_cache, value_cache, batch, scale, cap)
+            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
 
 
 def _sink_partial(sinks: torch.Tensor, rows: int, head_dim: int, dtype: torch.dtype) -> Partial:
@@ -172,7 +190,8 @@ def check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, s
             raise ValueError(f"{name} must be a {dims}-D tensor, got {shape}")
     dtypes = {n: x.dtype for n, x in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
                                       ("value_cache", value_cache))}
-    if len(set(dtypes.values())) != 1:
+    fp8_caches = is_fp8(key_cache.dtype) and key_cache.dtype == value_cache.dtype  # dequantized as read
+    if len({d for n, d in dtypes.items() if not (fp8_caches and n.endswith("_cache"))}) != 1:
         raise ValueError("mixed dtypes: " + ", ".join(f"{n} {str(d).replace('torch.', '')}" for n, d in dtypes.items()))
     if not query.dtype.is_floating_point:
         raise ValueError(f"query dtype must be floating point, got {query.dtype}")

@@ -11,6 +11,17 @@ length: `min(query_len, max_num_seqs)` logits and the full lower triangle of
 causal tiles. Combinations no step can reach are dropped (more unique blocks
 than the requests can hold; more shared slots than the query rows allow).
 
+Speculative decoding (`settings.num_speculative_tokens = k > 0`) widens the
+decodes: each brings up to `1 + k` tokens (its last sampled token and its
+drafts), causal among themselves, over its own context (read by the shared
+path: a block seen by two tokens is shared). Such a step has causal work, but
+only on the diagonal: `1 + k <= causal_tile` tokens of one request meet at
+most two tile rows, so a step of `q` decode tokens needs at most `2 *
+ceil(q / causal_tile) - 1` causal tiles, not the full triangle. The plan adds
+these speculative-decode cells: causal query lengths up to `max_num_seqs *
+(1 + k)` with that many tiles, so drafts pad to buckets of their own size
+instead of the prefill buckets' triangles.
+
 This is the plan the plugin builds at start when no plan file is given, so it is
 serve-time code: it imports nothing offline.
 """
@@ -46,6 +57,15 @@ def max_causal_tiles(query_len: np.ndarray | int, tile: int):
     return n * (n + 1) // 2
 
 
+def speculative_causal_tiles(query_len: np.ndarray | int, tile: int, num_speculative_tokens: int):
+    """Most causal tiles of a step of speculative decodes only (each request at most 1 + k <= tile
+    tokens): a diagonal tile per row tile, plus one below it where a request straddles two row tiles."""
+    n = -(-np.asarray(query_len) // tile)
+    if num_speculative_tokens + 1 > tile:
+        return max_causal_tiles(query_len, tile)
+    return np.minimum(2 * n - 1, n * (n + 1) // 2)
+
+
 def exponential_plan(settings: ServerSettings, model: ModelSpec | None = None, hardware: Hardware | None = None,
                      base: float = 2.0, query_step: int = 1, unique_step: int = 1,
                      cap: GatherCap | None = None) -> BucketPlan:
@@ -58,12 +78,16 @@ def exponential_plan(settings: ServerSettings, model: ModelSpec | None = None, h
     shared_vals = [0] + exp_values(kb, int(lim[S]), base, kb)
     unique_vals = [0] + exp_values(1, int(lim[U]), base, unique_step)
     rows: list[tuple] = []
-    for causal in (False, True):
-        q_hi = int(lim[Q]) if causal else seqs
+    k = settings.num_speculative_tokens
+    cells = [(False, seqs), (True, int(lim[Q]))]  # (causal, largest query) per kind of step
+    if k:
+        cells.append(("speculative", min(seqs * (1 + k), int(lim[Q]))))
+    for causal, q_hi in cells:
         q_vals = exp_values(2 if causal else 1, q_hi, base, query_step)
         for q in q_vals:
             logits = min(q, seqs)
-            tiles = int(max_causal_tiles(q, o.causal_tile)) if causal else 0
+            tiles = 0 if not causal else int(max_causal_tiles(q, o.causal_tile) if causal is True
+                                             else speculative_causal_tiles(q, o.causal_tile, k))
             # What the steps in this query cell can reach at most.
             reqs = min(q, seqs)
             unique_cap = min(reqs * settings.blocks_per_seq, int(lim[U]))
@@ -82,4 +106,5 @@ def exponential_plan(settings: ServerSettings, model: ModelSpec | None = None, h
     sizes[:, U] = np.minimum(sizes[:, U], cap.max_unique_blocks or sizes[:, U].max())
     buckets = sorted({bucket_from_sizes(r) for r in sizes})
     return BucketPlan(buckets, settings, model, hardware, strategy="exponential", gather_cap=cap,
-                      info={"base": base, "query_step": query_step, "unique_step": unique_step})
+                      info={"base": base, "query_step": query_step, "unique_step": unique_step,
+                            **({"num_speculative_tokens": k} if k else {})})

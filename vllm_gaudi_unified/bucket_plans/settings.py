@@ -53,12 +53,18 @@ class ServerSettings:
     num_blocks: int = 6000  #: KV cache blocks (vLLM's num_gpu_blocks, null block included)
     sliding_window: int | None = None
     options: PlanOptions = field(default=BUCKET_OPTIONS)
+    #: Speculative decoding: draft tokens per decode (vLLM's num_speculative_tokens; 0 = none). A decode
+    #: then brings up to 1 + k tokens, causal among themselves (see `exponential.py`).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         check_settings(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                        self.num_blocks)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
 
     @property
     def blocks_per_seq(self) -> int:
@@ -102,6 +108,8 @@ class ServerSettings:
         d = {k: getattr(self, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                              "num_blocks", "sliding_window")}
         d["options"] = options_to_dict(self.options)
+        if self.num_speculative_tokens:  # written only when set: plan files without it read as 0
+            d["num_speculative_tokens"] = self.num_speculative_tokens
         return d
 
     @classmethod

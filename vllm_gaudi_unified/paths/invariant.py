@@ -11,14 +11,16 @@ import torch
 
 from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all
 from vllm_gaudi_unified.paths.causal import self_partial
+from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
 
 
 def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, batch, scale: float, soft_cap: float | None) -> Partial:
+                      value_cache: torch.Tensor, batch, scale: float, soft_cap: float | None,
+                      k_scale=None, v_scale=None) -> Partial:
     """All keys of every token, merged in a fixed order: self, cached blocks, causal tiles."""
     parts = (self_partial(q, k, v, scale, soft_cap, fixed_order=True),
-             _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap),
+             _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale),
              _causal_partial(q, k, v, batch, scale, soft_cap))
     return merge_all([p for p in parts if p is not None])
 
@@ -60,7 +62,7 @@ def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([x, torch.full((n - x.shape[0],) + x.shape[1:], fill, dtype=x.dtype, device=x.device)])
 
 
-def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap) -> Partial | None:
+def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None) -> Partial | None:
     units = batch.unit_rows.shape[0]
     if units == 0:
         return None
@@ -73,7 +75,9 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap) -> Partia
         lo = _pad_to(batch.unit_lo[start:stop], size, 0)
         hi = _pad_to(batch.unit_hi[start:stop], size, 0)
         mask = slot_mask(lo, hi, key_cache.shape[1])  # [size, rs, block_size]
-        part = attend(q[rows.clamp(max=n - 1)], key_cache[blocks], value_cache[blocks], mask, scale, soft_cap)
+        k = read_blocks(key_cache, blocks, k_scale, q.dtype)  # fp8: dequantized after the gather
+        v = read_blocks(value_cache, blocks, v_scale, q.dtype)
+        part = attend(q[rows.clamp(max=n - 1)], k, v, mask, scale, soft_cap)
         slots.write(part, rows, cols, rows < n)
     return slots.fold()
 

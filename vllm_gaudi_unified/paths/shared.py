@@ -20,19 +20,21 @@ import torch
 
 from vllm_gaudi_unified.merge import Partial, scatter_merge
 from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 
 
 def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None) -> Partial | None:
-    """None when the batch has no shared tile."""
+                   soft_cap: float | None, k_scale=None, v_scale=None) -> Partial | None:
+    """None when the batch has no shared tile. An fp8 cache is dequantized per tile, after the gather."""
     if batch.shared_rows.shape[0] == 0:
         return None
     n = q.shape[0]
     tiles, rows_per_tile = batch.shared_rows.shape
     block_size = key_cache.shape[1]
-    k = key_cache[batch.shared_blocks].flatten(1, 2)  # [tiles, blocks_per_tile * block_size, Hkv, D]
-    v = value_cache[batch.shared_blocks].flatten(1, 2)
+    blocks = batch.shared_blocks
+    k = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # [tiles, blocks_per_tile * block_size, Hkv, D]
+    v = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
     mask = slot_mask(batch.shared_lo, batch.shared_hi, block_size).flatten(2)  # [tiles, rows, keys]
     tile_attend = attend
     if fused.kernel_for(batch, q, soft_cap) == "hpu":  # FusedSDPA with statistics on the same tiles

@@ -13,20 +13,21 @@ import torch
 
 from vllm_gaudi_unified.merge import Partial, scatter_merge
 from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None) -> Partial | None:
-    """None when the batch has no unique block."""
+                   soft_cap: float | None, k_scale=None, v_scale=None) -> Partial | None:
+    """None when the batch has no unique block. An fp8 cache is dequantized after the gather (or slice)."""
     slots = batch.unique_rows.shape[0]
     if slots == 0:
         return None
     n = q.shape[0]
-    if batch.unique_blocks is None:
-        k, v = key_cache[:slots], value_cache[:slots]  # views: the slice is read in place
-    else:
-        k, v = key_cache[batch.unique_blocks], value_cache[batch.unique_blocks]
+    # The slice [0, slots) when unique_blocks is None: read in place (views), unless an fp8 cache is converted.
+    ids = slots if batch.unique_blocks is None else batch.unique_blocks
+    k = read_blocks(key_cache, ids, k_scale, q.dtype)
+    v = read_blocks(value_cache, ids, v_scale, q.dtype)
     block_size = key_cache.shape[1]
     mask = slot_mask(batch.unique_lo, batch.unique_hi, block_size)[:, None, :]  # [slots, 1, block_size]
     rows = batch.unique_rows

@@ -16,7 +16,7 @@ from vllm_gaudi_unified.tools.workloads import WORKLOADS
 WORKLOAD_NAMES = tuple(WORKLOADS)
 
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
-                 "sliding_window")
+                 "sliding_window", "num_speculative_tokens")
 #: Batch-invariant PlanOptions with a flag of `buckets generate` (`--batch-invariant`, `--invariant-chunk`, ...).
 INVARIANT_FLAGS = ("batch_invariant", "invariant_rows", "invariant_chunk", "invariant_causal_chunk")
 MODEL_FLAGS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size", "vocab_size")
@@ -138,6 +138,12 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
     p.add_argument("--max-model-len", type=POSITIVE, default=None, help="vLLM max_model_len")
     p.add_argument("--num-blocks", type=POSITIVE, default=None, help="KV cache blocks")
     p.add_argument("--sliding-window", type=POSITIVE, default=None, help="sliding window of the model, if any")
+    p.add_argument("--num-speculative-tokens", type=int_in(0, 64), default=None,
+                   help="speculative decoding: draft tokens per decode (vLLM's num_speculative_tokens; default 0). "
+                        "Decodes then bring up to 1 + k tokens: the exponential plan adds buckets for them and "
+                        "the simulator schedules them")
+    p.add_argument("--draft-acceptance", type=float_in(0.0, 1.0), default=0.7,
+                   help="simulator only: probability that a draft is accepted (each, until the first rejection)")
     if options:  # no 'auto' layout: one bucket would need two graphs (slice and gather)
         add_plan_option_flags(p, layouts=("gather", "slice"), base="the preset's (unique layout: gather)")
         p.add_argument("--invariant-rows", type=TILE["invariant_rows"], default=None,
@@ -249,7 +255,7 @@ def _learning_traces(args, settings):
 
     if args.trace:
         return [(shapes_of_trace(t, settings, jobs=args.jobs, progress=not args.no_progress), t) for t in args.trace]
-    sched = SchedulerConfig.from_settings(settings)
+    sched = SchedulerConfig.from_settings(settings, draft_acceptance=args.draft_acceptance)
     work = workload_from(args.workload)
     out = []
     for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
@@ -360,7 +366,8 @@ def cmd_simulate(args) -> int:
     from vllm_gaudi_unified.bucket_plans.trace import TraceWriter
 
     s = settings_from_args(args)
-    sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching)
+    sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching,
+                                          draft_acceptance=args.draft_acceptance)
     work = workload_from(args.workload, num_requests=args.num_requests, arrival_rate=args.arrival_rate)
     from tqdm import tqdm
 

@@ -27,6 +27,14 @@ their logic, not their code:
    already hit them: this is how `n > 1` children share the prompt).
 6. After a step, every request whose tokens are all computed samples one token;
    it finishes at its output length or at `max_model_len`, and its blocks are freed.
+7. Speculative decoding (`num_speculative_tokens = k > 0`, vLLM's
+   scheduler with `scheduled_spec_decode_tokens`): a decode (a request with
+   an output token already) is scheduled with its `k` drafts, `1 + k` tokens
+   (fewer at `max_model_len` or at the end of the budget); after the step the
+   drafts are accepted one after the other with probability
+   `draft_acceptance` until the first rejection, so the request gains `1 + a`
+   tokens; the rejected drafts' positions are computed again next step (their
+   blocks stay allocated, as in vLLM).
 
 The workload (`workloads.py`): requests arrive by a Poisson process (`arrival_rate` per step, or
 all at once when 0), prompt and output lengths are log-normal, a share of prompts
@@ -60,16 +68,25 @@ class SchedulerConfig:
     num_blocks: int = 6000  #: KV cache blocks, null block included
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0  #: drafts per decode (7. in the module docstring)
+    draft_acceptance: float = 0.7  #: probability that a draft is accepted, given the earlier ones were
 
     @classmethod
     def from_settings(cls, settings, **flags) -> "SchedulerConfig":
-        """The scheduler of a server with these `ServerSettings` (flags: prefix caching, chunked prefill)."""
+        """The scheduler of a server with these `ServerSettings` (flags: prefix caching, chunked prefill,
+        draft acceptance)."""
         return cls(settings.block_size, settings.max_num_seqs, settings.max_num_batched_tokens,
-                   settings.max_model_len, settings.num_blocks, **flags)
+                   settings.max_model_len, settings.num_blocks,
+                   num_speculative_tokens=settings.num_speculative_tokens, **flags)
 
     def __post_init__(self):
         check_settings(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                        self.num_blocks)
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+        if not 0.0 <= self.draft_acceptance <= 1.0:
+            raise ValueError(f"draft_acceptance must be in [0, 1], got {self.draft_acceptance!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill max_num_batched_tokens must be >= max_model_len "
                              f"({self.max_num_batched_tokens} < {self.max_model_len})")
@@ -170,6 +187,7 @@ class Simulator:
         self._children: set[int] = set()  # finished conversations a follow-up may continue
         self._prefix_tokens = [np.random.default_rng([seed, 7, i]).integers(1 << 20, 1 << 30, n)
                                for i, n in enumerate(workload.prefix_lens)]
+        self._drafts_rng = np.random.default_rng([seed, 11])  # its own stream: the workload stays the same
 
     # ---- workload -------------------------------------------------------------------------
     def _make_arrivals(self) -> np.ndarray:
@@ -252,8 +270,10 @@ class Simulator:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed, budget,
-                          self.sched.max_model_len - req.num_computed)
+            remaining = req.num_tokens - req.num_computed
+            if remaining == 1 and req.num_tokens > req.prompt_len:  # a decode: its drafts come with it
+                remaining += self.sched.num_speculative_tokens
+            num_new = min(remaining, budget, self.sched.max_model_len - req.num_computed)
             if num_new <= 0:
                 i += 1
                 continue
@@ -295,16 +315,30 @@ class Simulator:
         return out
 
     def _finish_step(self, scheduled: list[tuple[_Request, int, int]]) -> None:
+        p = self.sched.draft_acceptance
         for req, ctx, num_new in scheduled:
+            drafts = ctx + num_new - req.num_tokens  # > 0: a speculative decode with that many drafts
+            if drafts > 0:
+                accepted = int(np.argmin(np.r_[self._drafts_rng.random(drafts) < p, False]))  # leading successes
+                accepted = min(accepted, req.prompt_len + req.max_tokens - req.num_tokens - 1,
+                               self.sched.max_model_len - req.num_tokens - 1)
+                req.num_computed = req.num_tokens + accepted  # the rejected drafts are rolled back
+                req.num_tokens += accepted + 1  # the accepted drafts and the token sampled after them
+                self._maybe_finish(req)
+                continue
             req.num_computed = ctx + num_new
             if req.num_computed >= req.num_tokens:
                 req.num_tokens += 1  # sampled one token
-                if req.num_tokens - req.prompt_len >= req.max_tokens or req.num_tokens >= self.sched.max_model_len:
-                    self.running.remove(req)
-                    self._free(req)
-                    self.finished.append(req)
-                    if req.rid not in self._children:
-                        self._idle.append(req)
+                self._maybe_finish(req)
+
+    def _maybe_finish(self, req: _Request) -> None:
+        """At its output length or at max_model_len a request finishes and frees its blocks."""
+        if req.num_tokens - req.prompt_len >= req.max_tokens or req.num_tokens >= self.sched.max_model_len:
+            self.running.remove(req)
+            self._free(req)
+            self.finished.append(req)
+            if req.rid not in self._children:
+                self._idle.append(req)
 
     def _admit_arrivals(self) -> None:
         while self._spawned < self.work.num_requests and self._arrivals[self._spawned] <= self.step_index:

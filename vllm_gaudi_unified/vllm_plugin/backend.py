@@ -18,6 +18,13 @@ memory order is the layout the backend declares. We declare LBNHC (memory
 `[num_blocks, block_size, num_kv_heads, K | V]`), so `split_kv_cache` gets the
 core's `[num_blocks, block_size, num_kv_heads, head_size]` key and value caches
 as views, without a copy.
+
+fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2): vLLM allocates the
+cache as bytes; `split_kv_cache` views them in the fp8 format, `forward`
+quantizes the new K/V with the layer's per-tensor scales (`layer._k_scale_float`,
+`_v_scale_float`) the way vLLM's CPU cache-write kernel does (dividing by the
+scale, rounding toward zero: the same bytes), and passes the scales to
+`unified_attention`, whose paths dequantize the blocks they gather.
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm_gaudi_unified import UnifiedBatch, build_unified_batch
 from vllm_gaudi_unified.attention import BucketRows, attend_step, check_inputs
 from vllm_gaudi_unified.batch import StepBuffers
+from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, is_fp8, quantize
 from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
 from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
 
@@ -69,7 +77,8 @@ class GaudiUnifiedAttentionBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = True  # forward writes K/V itself: one call per layer
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]  # the cache holds the model dtype; no fp8 yet
+    #: "auto": the model dtype; fp8 formats with per-tensor scales (what vLLM's CPU attention offers).
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     @staticmethod
     def get_name() -> str:
@@ -114,13 +123,23 @@ class GaudiUnifiedAttentionBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # The planner reads each request's query length from vLLM's host copy
+        # (`query_start_loc_cpu`); adaptive verification trims drafts on the device only.
+        return False
+
+    @classmethod
     def supports_kv_connector(cls) -> bool:
         return False  # a connector moves cache pages in its own layout assumptions; not verified with ours
 
     @staticmethod
-    def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def split_kv_cache(kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str = "auto"
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's per-layer cache view -> (key_cache, value_cache), each
-        `[num_blocks, block_size, num_kv_heads, head_size]`, views of the same memory."""
+        `[num_blocks, block_size, num_kv_heads, head_size]`, views of the same memory
+        (for an fp8 `kv_cache_dtype`, vLLM's bytes viewed in that fp8 format)."""
+        if kv_cache_dtype in FP8_DTYPES and kv_cache.dtype == torch.uint8:
+            kv_cache = kv_cache.view(FP8_DTYPES[kv_cache_dtype])
         blocks = kv_cache.permute(0, 2, 1, 3)  # [num_blocks, block_size, num_kv_heads, head_size + head_size_v]
         return blocks[..., :head_size], blocks[..., head_size:]
 
@@ -150,6 +169,7 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         refuse_unsupported_config(vllm_config)
         self.block_size = kv_cache_spec.block_size
+        self.speculative = vllm_config.speculative_config is not None
         self.sliding_window = _group_sliding_window(vllm_config, layer_names)
         # One group's steps go to the trace: a full-attention group's if the model has one.
         may_record = self.sliding_window is None or not _model_has_full_attention(vllm_config)
@@ -167,7 +187,7 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         cm = common_attn_metadata
         if cm.causal is not True:
             raise NotImplementedError("unified attention runs causal decoder attention only")
-        query_lens, context_lens, block_table = step_lengths(cm)
+        query_lens, context_lens, block_table = step_lengths(cm, exact_seq_lens=self.speculative)
         batch = build_unified_batch(query_lens, context_lens, block_table, self.block_size,
                                     sliding_window=self.sliding_window, options=self.hooks.options,
                                     bucket=self.hooks.bucket_plan, buffers=self.buffers)
@@ -177,18 +197,33 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
                                     num_tokens=num_tokens, rows=self.rows)
 
 
-def step_lengths(cm: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def step_lengths(cm: CommonAttentionMetadata, exact_seq_lens: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(query_lens, context_lens, block_table) of the step's requests, as host arrays.
 
-    Uses the host copies vLLM keeps (`query_start_loc_cpu`, `seq_lens_cpu_upper_bound`,
-    exact without speculative decoding, which the plugin refuses), so on a device
-    only the block table is copied back. Requests with no token this step
-    (padding rows) are left out: they own no rows of the flattened token batch.
+    Query lengths come from vLLM's host copy `query_start_loc_cpu`. With
+    speculative decoding a decode's query is its last sampled token followed by
+    its draft tokens (`1 + k` rows, causal among themselves like any chunk), and
+    the sequence lengths need care, so `exact_seq_lens` must then be set:
+
+    - vLLM's host `seq_lens_cpu_upper_bound` is *optimistic* under speculative
+      decoding: with async scheduling it assumes every draft of the previous step
+      was accepted, and in a drafter's steps after the first it still counts the
+      rejected drafts that `seq_lens` already dropped;
+    - `seq_lens` is exact: rejected drafts are rolled back (their cache slots
+      lie past the new context length and are overwritten by the next step's
+      tokens, never read).
+
+    So with `exact_seq_lens` the lengths are `seq_lens` (free on the CPU, one
+    small device-to-host copy elsewhere); without it the host upper bound,
+    exact when nothing is speculated, so on a device only the block table is
+    copied back. Requests with no token this step (padding rows) are left out:
+    they own no rows of the flattened token batch.
     """
     n = cm.num_reqs
     starts = cm.query_start_loc_cpu[: n + 1].numpy().astype(np.int64)
     query_lens = np.diff(starts)
-    seq_lens = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens
+    seq_lens = cm.seq_lens if exact_seq_lens or cm.seq_lens_cpu_upper_bound is None else cm.seq_lens_cpu_upper_bound
     seq_lens = seq_lens[:n].cpu().numpy().astype(np.int64)
     block_table = cm.block_table_tensor[:n].cpu().numpy()
     live = query_lens > 0
@@ -200,8 +235,6 @@ def step_lengths(cm: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray, n
 def refuse_unsupported_config(vllm_config: VllmConfig) -> None:
     """Start-up errors for engine features the unified backend does not handle (rather than wrong output)."""
     problems = []
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding (its draft tokens and optimistic sequence lengths are not planned)")
     parallel = vllm_config.parallel_config
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
         problems.append("context parallelism")
@@ -243,7 +276,8 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             ("ALiBi", alibi_slopes is not None),
             (f"attention type {attn_type!r} (decoder only)", attn_type != AttentionType.DECODER),
             ("KV cache sharing between layers", kv_sharing_target_layer_name is not None),
-            (f"kv_cache_dtype {kv_cache_dtype!r}", kv_cache_dtype != "auto"),
+            (f"kv_cache_dtype {kv_cache_dtype!r}",
+             kv_cache_dtype not in GaudiUnifiedAttentionBackend.supported_kv_cache_dtypes),
         ) if present]
         if unsupported:
             raise NotImplementedError("The unified attention backend does not support " + ", ".join(unsupported))
@@ -272,8 +306,17 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             return output
         md = attn_metadata
         t, rows = md.num_tokens, md.batch.bucket.query_len
-        key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv_cache, self.head_size)
-        write_kv(key[:t], value[:t], key_cache, value_cache, md.slot_mapping)
+        key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv_cache, self.head_size,
+                                                                             self.kv_cache_dtype)
+        k_scale = v_scale = None
+        if key_cache.dtype != key.dtype:  # fp8: store quantized, attend to the new tokens as stored
+            k_scale, v_scale = float(layer._k_scale_float), float(layer._v_scale_float)
+            key_q = quantize(key[:t], key_cache.dtype, k_scale, rounding="toward_zero")
+            value_q = quantize(value[:t], value_cache.dtype, v_scale, rounding="toward_zero")
+            write_kv(key_q, value_q, key_cache, value_cache, md.slot_mapping)
+            key, value = key_q.to(query.dtype) * k_scale, value_q.to(query.dtype) * v_scale
+        else:
+            write_kv(key[:t], value[:t], key_cache, value_cache, md.slot_mapping)
         # The bucket's rows: views of vLLM's tensors when it padded its batch that far, else the builder's buffers.
         pad = md.rows or BucketRows()
         query, key, value = pad("query", query, rows), pad("key", key, rows), pad("value", value, rows)
@@ -282,7 +325,8 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
                          self.sinks)
             md.checked = True
         output[:t] = attend_step(query, key, value, key_cache, value_cache, md.batch, self.scale,
-                                 logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)[:t]
+                                 logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
+                                 k_scale=k_scale, v_scale=v_scale)[:t]
         return output
 
 
@@ -294,7 +338,17 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
 
     Writing before attending is safe: the planner reads positions below a
     request's context_len from the cache and the new tokens from key/value, so
-    no key is counted twice (the bug of the earlier Gaudi implementation)."""
-    # view(), not flatten(): a silent copy would drop the write; view() raises instead.
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    no key is counted twice (the bug of the earlier Gaudi implementation).
+
+    A slot of -1 (vLLM's `PADDING_SLOT_ID`) means "do not cache this token": a
+    drafter's rows for the drafts the target rejected, positions past
+    max_model_len. Such tokens write into slot 0 of block 0 instead, vLLM's
+    null block, which no request's context ever reads (its content is never
+    used, so colliding writes there do not matter); one fixed-shape write, no
+    host sync, no data-dependent shape."""
+    slots = slot_mapping.clamp(min=0)
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        if is_fp8(cache.dtype):  # stored as bytes: index_copy_ has no fp8 kernel on the CPU
+            new, cache = new.view(torch.uint8), cache.view(torch.uint8)
+        # view(), not flatten(): a silent copy would drop the write; view() raises instead.
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)

@@ -58,13 +58,16 @@ class StepHooks:
             _start_trace(hooks.trace_path, vllm_config, kv_cache_spec, sliding_window)
         return hooks
 
-    def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, num_qo_heads: int) -> None:
-        """Run every bucket of the plan once on the real cache (`[num_blocks, block_size, Hkv, D]`)."""
+    def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, num_qo_heads: int,
+                dtype: torch.dtype | None = None) -> None:
+        """Run every bucket of the plan once on the real cache (`[num_blocks, block_size, Hkv, D]`) with
+        activations in `dtype` (the model's; default: the cache's, which an fp8 cache is not)."""
         if self.bucket_plan is None or not self.warmup_enabled:
             return
         from vllm_gaudi_unified.warmup import warmup
 
-        report = warmup(self.bucket_plan, device=key_cache.device, dtype=key_cache.dtype, num_qo_heads=num_qo_heads,
+        report = warmup(self.bucket_plan, device=key_cache.device, dtype=dtype or key_cache.dtype,
+                        num_qo_heads=num_qo_heads,
                         num_kv_heads=key_cache.shape[2], head_dim=key_cache.shape[3], key_cache=key_cache,
                         value_cache=value_cache, progress=False)
         logger.info("Unified attention: warmed %d buckets in %.1f s (%s)", len(report.buckets),
@@ -124,7 +127,8 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window:
                               max_model_len=model.max_model_len, num_blocks=vllm_config.cache_config.num_gpu_blocks,
                               sliding_window=sliding_window,
                               options=options_for_device(device_kind, replace(BUCKET_OPTIONS,
-                                                                              batch_invariant=options.batch_invariant)))
+                                                                              batch_invariant=options.batch_invariant)),
+                              num_speculative_tokens=_num_speculative_tokens(vllm_config))
     spec = ModelSpec(num_layers=model.get_num_layers(parallel), num_qo_heads=model.get_num_attention_heads(parallel),
                      num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
                      dtype_bytes=kv_cache_spec.dtype.itemsize, hidden_size=model.get_hidden_size(),
@@ -133,6 +137,12 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window:
     # it are split by the planner. Batch-invariant products are chunked already.
     cap = None if options.batch_invariant else gather_cap_for(settings, spec, Hardware())
     return exponential_plan(settings, spec, cap=cap)
+
+
+def _num_speculative_tokens(vllm_config) -> int:
+    """Draft tokens per decode of this server (0 without speculative decoding)."""
+    spec = vllm_config.speculative_config
+    return int(spec.num_speculative_tokens or 0) if spec is not None else 0
 
 
 #: Trace files this process already records to. A model with several KV cache groups (sliding-window
@@ -168,6 +178,7 @@ def _start_trace(path: str, vllm_config, kv_cache_spec, sliding_window: int | No
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
         "enable_chunked_prefill": bool(sched.enable_chunked_prefill),
         "sliding_window": sliding_window,
+        "num_speculative_tokens": _num_speculative_tokens(vllm_config),
     }
     with TraceWriter(path, header=header):
         pass

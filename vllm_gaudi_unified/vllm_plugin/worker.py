@@ -29,8 +29,9 @@ def warm_up_buckets(model_runner) -> None:
         if not isinstance(builder, GaudiUnifiedMetadataBuilder):
             continue
         layer = layers[group.layer_names[0]]
-        key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(layer.kv_cache, layer.impl.head_size)
-        builder.hooks.warm_up(key_cache, value_cache, layer.impl.num_heads)
+        key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(layer.kv_cache, layer.impl.head_size,
+                                                                             layer.impl.kv_cache_dtype)
+        builder.hooks.warm_up(key_cache, value_cache, layer.impl.num_heads, model_runner.model_config.dtype)
 
 
 class RewindableCpuGenerator(torch.Generator):
