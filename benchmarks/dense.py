@@ -68,4 +68,4 @@ def dense_plan(query_lens, context_lens, block_table, block_size: int, num_block
                        unique_layout="slice")
     return replace(base, options=opts, shape=shape, bucket=shape, causal_q_start=causal_q, causal_k_start=causal_k,
                    shared_rows=shared_rows, shared_blocks=shared_blocks, shared_lo=np.zeros_like(shared_hi),
-                   shared_hi=shared_hi)
+                   shared_hi=shared_hi, shared_prefix_visible=False)  # its one tile mixes requests' blocks

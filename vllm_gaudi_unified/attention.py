@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch
 from vllm_gaudi_unified.merge import Partial, merge_all, normalize
-from vllm_gaudi_unified.paths.causal import causal_partial, self_partial
+from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
+from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_partial
-from vllm_gaudi_unified.paths.shared import shared_partial
+from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
-from vllm_gaudi_unified.paths.unique import unique_partial
+from vllm_gaudi_unified.paths.unique import fused_unique_applies, fused_unique_partial, unique_partial
 
 
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -56,29 +57,45 @@ def _piece_partials(query, key, value, key_cache, value_cache, pieces, scale, ca
     for piece in pieces:
         pad = piece.bucket.query_len - t
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x for x in (query, key, value))
-        paths = _run_paths(q, k, v, key_cache, value_cache, piece, scale, cap)
-        next(paths)  # self pairs: already in the first piece
+        paths = _run_paths(q, k, v, key_cache, value_cache, piece, scale, cap, new_tokens=False)
         out += [_first_rows(p, t) for p in paths if p is not None]
     return out
 
 
-def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap):
-    """Which paths run, all conditions in one place:
+def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, new_tokens: bool = True):
+    """Which paths run, all conditions in one place (`new_tokens=False`: the further pieces of a split
+    step, whose self and causal pairs are in the first piece: 1 and 2 do not run):
 
     1. self (each token with its own key): always; it is elementwise.
     2. causal tiles: when the phase has 'c' (some request has two or more new tokens).
-    3. shared tiles: when the phase has 's' (a cached block is seen by several tokens).
-    4. unique blocks: when the phase has 'u' (a cached block is seen by one token).
+       With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call.
+    3. shared tiles: when the phase has 's' (a cached block is seen by several tokens);
+       through flash when the plan's tiles each see one key prefix (`shared_prefix_visible`).
+    4. unique blocks: when the phase has 'u' (a cached block is seen by one token);
+       through flash from the measured block size up (`fused_unique_applies`).
+    On HPU the causal and shared tiles run through FusedSDPA inside their paths (`hpu.py`).
     A path without work returns None, so the phase string and the tensors cannot disagree.
     """
-    yield self_partial(query, key, value, scale, cap)
     phase = batch.phase
-    if phase[0] == "c":
-        yield causal_partial(query, key, value, batch, scale, cap)
+    flash = kernel_for(batch, query, cap) == "flash"
+    if not new_tokens:
+        pass
+    elif flash and phase[0] == "c":
+        yield fused_causal_partial(query, key, value, batch, scale)
+    else:
+        yield self_partial(query, key, value, scale, cap)
+        if phase[0] == "c":
+            yield causal_partial(query, key, value, batch, scale, cap)
     if phase[1] == "s":
-        yield shared_partial(query, key_cache, value_cache, batch, scale, cap)
+        if flash and batch.plan.shared_prefix_visible:
+            yield fused_shared_partial(query, key_cache, value_cache, batch, scale)
+        else:
+            yield shared_partial(query, key_cache, value_cache, batch, scale, cap)
     if phase[2] == "u":
-        yield unique_partial(query, key_cache, value_cache, batch, scale, cap)
+        if flash and fused_unique_applies(batch, key_cache):
+            yield fused_unique_partial(query, key_cache, value_cache, batch, scale)
+        else:
+            yield unique_partial(query, key_cache, value_cache, batch, scale, cap)
 
 
 def _sink_partial(sinks: torch.Tensor, rows: int, head_dim: int, dtype: torch.dtype) -> Partial:

@@ -23,7 +23,7 @@ _COMPILED: dict[tuple, Callable] = {}
 def bucket_key(batch, query: torch.Tensor, key_cache: torch.Tensor, **kwargs) -> tuple:
     """Everything that changes the compiled code: bucket, plan options, layout, dtypes, shapes, device."""
     return (batch.bucket, tuple(p.bucket for p in getattr(batch, "pieces", ())), batch.plan.options,
-            batch.block_size, batch.sliding_window, batch.unique_layout,
+            batch.block_size, batch.sliding_window, batch.unique_layout, batch.plan.shared_prefix_visible,
             query.dtype, tuple(query.shape[1:]), tuple(key_cache.shape), str(query.device),
             tuple(sorted((k, v is None) for k, v in kwargs.items())))
 

@@ -1,11 +1,17 @@
-"""Gaudi dispatch: which implementation of the masked softmax the paths use.
+"""Gaudi dispatch: the Gaudi kernels the paths use, and when.
 
 The three paths are plain torch and run on HPU as they are (the graph compiler
-fuses them per bucket). The one piece Gaudi has a dedicated kernel for is the
-partial softmax of a score tile: `torch.ops.hpu.softmax_fa2` returns the
-probabilities together with the row max and sum that a `Partial` needs.
-FusedSDPA is not used: it returns only the normalised output, so its result
-cannot be merged exactly with the other paths.
+fuses them per bucket). Two pieces have dedicated Gaudi kernels:
+
+* the partial softmax of a score tile: `torch.ops.hpu.softmax_fa2` returns the
+  probabilities together with the row max and sum that a `Partial` needs;
+* a whole masked tile (the causal and shared tiles, bf16/fp16): FusedSDPA's
+  forward with statistics, `torch.ops.hpu.sdpa_recomp_fwd(..., requires_backward=True)`,
+  returns the output with each row's max `m` and inverse sum `linv`, the
+  call vllm-gaudi's sliced FusedSDPA merges its chunks with; as a `Partial`:
+  acc = out / linv, max = m, sum = 1 / linv (`paths/fused.py`: `sdpa_attend`;
+  `select_fused_sdpa` here says when). Plain FusedSDPA returns only the
+  normalised output, which cannot be merged.
 
 `habana_frameworks` is imported lazily, only when a tensor is on an HPU device.
 None of this can run on the project's machines (no Gaudi): the selection logic
@@ -40,6 +46,15 @@ def select_softmax(device_type: str, dtype: torch.dtype, importable: bool | None
     if dtype != torch.bfloat16:
         return "torch"
     return "hpu"
+
+
+def select_fused_sdpa(device_type: str, dtype: torch.dtype, importable: bool | None = None) -> bool:
+    """Whether the causal and shared tiles run through FusedSDPA with statistics (`paths.fused.sdpa_attend`):
+    an HPU tensor, habana_frameworks importable, 16-bit floats (the kernel's inputs). The caller
+    (`paths/fused.py`) has already ruled out a soft cap and `PlanOptions.fused_kernels=False`."""
+    if device_type != "hpu" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return habana_importable() if importable is None else importable
 
 
 def masked_softmax_torch(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

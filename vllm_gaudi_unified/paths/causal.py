@@ -1,6 +1,9 @@
 """Causal path: new tokens against new tokens of the same request.
 
-Two parts. The *self* pair (a token and its own key) is elementwise and always
+With a fused kernel (`fused.py`; CUDA flash) the whole path is one varlen call,
+`fused_causal_partial`: each request's new tokens are one segment, causal,
+the self pair included, and the kernel's LSE makes the rows mergeable. Else
+(and always for the reference checks) it comes in two parts. The *self* pair (a token and its own key) is elementwise and always
 computed, so every real row sees at least one key. The strict-causal pairs come
 in square tiles on the flattened token axis, listed by the planner only where
 some pair is needed; a mask per tile keeps pairs inside one request, in order,
@@ -10,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.paths.tiles import attend, compute_dtype
 from vllm_gaudi_unified.merge import Partial, scatter_merge
+from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.paths.tiles import attend, compute_dtype
 
 
 def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -56,5 +60,24 @@ def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, sca
     mask = (kk >= batch.token_seg_start[rows_in][:, :, None]) & (kk < r) & (r < n)
     if batch.sliding_window is not None:
         mask &= r - kk < batch.sliding_window
-    part = attend(q[rows_in], k[keys_in], v[keys_in], mask, scale, soft_cap)
+    tile_attend = attend
+    if fused.kernel_for(batch, q, soft_cap) == "hpu":  # FusedSDPA with statistics on the same tiles
+        tile_attend = fused.sdpa_attend
+    part = tile_attend(q[rows_in], k[keys_in], v[keys_in], mask, scale, soft_cap)
     return scatter_merge(part, rows.clamp(max=n).reshape(-1), n)
+
+
+def fused_causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float) -> Partial:
+    """Self and strict-causal pairs of every token in one flash varlen call (`fused.flash_varlen`).
+
+    Segments are the requests, read from `logits_indices` (each request's last token;
+    padded requests repeat 0, made empty segments by the running max), plus one segment of
+    the padding tokens, so no row is left unwritten. `max_q` bounds a request's new tokens
+    by what the bucket holds: a request of q tokens has strict-causal pairs in at least
+    ceil((q - 1) / tile) tiles, so q <= num_causal_tiles * causal_tile + 1."""
+    t = q.shape[0]
+    ends = torch.cummax(batch.logits_indices + 1, 0).values
+    cu = torch.cat([ends.new_zeros(1), ends, ends.new_full((1,), t)]).to(torch.int32)
+    b = batch.bucket
+    max_q = max(1, min(t, b.num_causal_tiles * batch.causal_tile + 1))
+    return fused.flash_varlen(q, k, v, cu, cu, max_q, max_q, scale, causal=True, window=batch.sliding_window)

@@ -5,13 +5,22 @@ The planner cut the (token, block) pairs into tiles of `shared_rows` tokens x
 every block of a tile is read once for all its tokens (a prefix common to 64
 decodes, a chunk over its own context) and the tile's slot intervals say which
 slots each token may see.
+
+With CUDA flash (`fused.py`) and a plan whose tiles each see one key prefix
+(`StepPlan.shared_prefix_visible`, true for vLLM's steps: only full blocks are
+shared), `fused_shared_partial` runs every tile as one flash segment: a tile's
+blocks are gathered once for all its rows, its real rows packed together (the
+padding rows of a small group cost nothing), and scores stay on the chip. The
+tile rows can then be large (a group's rows in one tile: its blocks gathered
+once per column chunk, not once per row tile).
 """
 from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 from vllm_gaudi_unified.merge import Partial, scatter_merge
+from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 
 
 def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
@@ -25,5 +34,32 @@ def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     k = key_cache[batch.shared_blocks].flatten(1, 2)  # [tiles, blocks_per_tile * block_size, Hkv, D]
     v = value_cache[batch.shared_blocks].flatten(1, 2)
     mask = slot_mask(batch.shared_lo, batch.shared_hi, block_size).flatten(2)  # [tiles, rows, keys]
-    part = attend(q[batch.shared_rows.clamp(max=n - 1)], k, v, mask, scale, soft_cap)
+    tile_attend = attend
+    if fused.kernel_for(batch, q, soft_cap) == "hpu":  # FusedSDPA with statistics on the same tiles
+        tile_attend = fused.sdpa_attend
+    part = tile_attend(q[batch.shared_rows.clamp(max=n - 1)], k, v, mask, scale, soft_cap)
     return scatter_merge(part, batch.shared_rows.reshape(-1), n)
+
+
+def fused_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
+                         scale: float) -> Partial | None:
+    """Each shared tile as one flash segment: its real rows against the first `max_row(hi).sum()` of its
+    gathered slots (the plan guarantees they are the ones every real row sees). Rows without a token
+    (`n`) are sorted behind the real ones, outside every segment, and dropped by the merge."""
+    if batch.shared_rows.shape[0] == 0:
+        return None
+    n = q.shape[0]
+    tiles, rows_per_tile = batch.shared_rows.shape
+    keys = batch.shared_blocks.shape[1] * key_cache.shape[1]
+    k = key_cache[batch.shared_blocks].flatten(0, 2)  # [tiles * keys, Hkv, D]: each tile's blocks once
+    v = value_cache[batch.shared_blocks].flatten(0, 2)
+    rows = batch.shared_rows.reshape(-1)
+    real = rows < n
+    dest = rows[torch.argsort((~real).to(torch.int8), stable=True)]  # real rows first, tile by tile
+    counts = real.view(tiles, rows_per_tile).sum(1)
+    cu_q = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+    cu_k = torch.arange(0, (tiles + 1) * keys, keys, device=q.device, dtype=torch.int32)
+    used = batch.shared_hi.amax(1).sum(-1).to(torch.int32)
+    part = fused.flash_varlen(q[dest.clamp(max=n - 1)], k, v, cu_q, cu_k, rows_per_tile, keys, scale, causal=False,
+                              seqused_k=used)
+    return scatter_merge(part, dest, n)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 from vllm_gaudi_unified.merge import Partial, scatter_merge
+from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
@@ -32,6 +33,37 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
     return scatter_merge(part, rows, n)
+
+
+def fused_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
+                         scale: float) -> Partial | None:
+    """`unique_partial` through flash, one segment per block (`fused.flash_blocks`), K and V read by one
+    kernel. Flash sees every slot of a block; the few slots a row sees only part of (`_partial_slots`)
+    are computed again on the masked tiles and replace flash's rows before the merge."""
+    slots = batch.unique_rows.shape[0]
+    if slots == 0:
+        return None
+    n = q.shape[0]
+    if batch.unique_blocks is None:
+        k, v = key_cache[:slots], value_cache[:slots]
+    else:
+        k, v = key_cache[batch.unique_blocks], value_cache[batch.unique_blocks]
+    rows = batch.unique_rows
+    qr = q[rows.clamp(max=n - 1)]
+    part = fused.flash_blocks(qr, k, v, scale)
+    bs = key_cache.shape[1]
+    sel = _partial_slots(batch, n, bs)
+    mask = slot_mask(batch.unique_lo[sel], batch.unique_hi[sel], bs)[:, None, :]
+    fix = attend(qr[sel][:, None], k[sel], v[sel], mask, scale, None)
+    part = Partial(*(x.index_copy(0, sel, y.to(x.dtype)) for x, y in zip(part, fix)))
+    return scatter_merge(part, rows, n)
+
+
+def fused_unique_applies(batch, key_cache: torch.Tensor) -> bool:
+    """Flash per block pays off from `FUSED_UNIQUE_MIN_BLOCK_SIZE` (measured), fits the launch grid, and
+    has no sliding window (its first visible block would need a second masked slot per request)."""
+    return (key_cache.shape[1] >= fused.FUSED_UNIQUE_MIN_BLOCK_SIZE and batch.sliding_window is None
+            and batch.unique_rows.shape[0] <= fused.MAX_FLASH_BATCH)
 
 
 def _partial_slots(batch, n: int, block_size: int) -> torch.Tensor:

@@ -82,7 +82,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
         shared_rows=shared[0], shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3],
         unique_rows=unique[0], unique_blocks=unique[1], unique_lo=unique[2], unique_hi=unique[3],
         logits_indices=(starts + q - 1), max_block_id=max_block_id,
-        work_needed=needed)
+        work_needed=needed, shared_prefix_visible=shared[4])
 
 
 def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts, counts):
@@ -119,7 +119,7 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, to
     qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
     if not mask.any():
         z = np.zeros((0, qt, kb), np.int64)
-        return np.zeros((0, qt), np.int64), np.zeros((0, kb), np.int64), z, z
+        return np.zeros((0, qt), np.int64), np.zeros((0, kb), np.int64), z, z, W is None
     s_phys, s_req, s_blk = phys[mask], pair_req[mask], pair_blk[mask]
     # Columns are (block id, position in the request); pairs sorted by column, requests in order within one.
     col_key = s_phys * bt.shape[1] + s_blk
@@ -141,7 +141,9 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, to
     # Group-sorted row list (tokens of the group's requests) and column list.
     rows_flat, _ = ranges(starts[gr_req], q[gr_req])
     rows_per_group = np.bincount(gr_group, weights=q[gr_req], minlength=G).astype(np.int64)
-    col_order = np.argsort(col_group, kind="stable")
+    # Within a group, columns in request order: a request's partly filled last block comes last, so a
+    # tile's visible keys are one prefix (what the fused kernel's per-segment key count can express).
+    col_order = np.lexsort((col_blk, col_group))
     cols_per_group = np.bincount(col_group, minlength=G)
     # Tiles: every (row chunk, column chunk) of each group.
     r_grp, r_first, r_cnt = chunk_groups(rows_per_group, qt)
@@ -164,7 +166,23 @@ def _plan_shared(mask, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, to
     else:
         row_lo = tok_pos[np.minimum(rows, T - 1)] - W + 1  # first visible position of the row
         lo = np.clip(row_lo[:, :, None] - col_pos[:, None, :], 0, hi)
-    return rows, cphys, lo, hi
+    return rows, cphys, lo, hi, W is None and _prefix_visible(row_ctx, row_ok, col_pos, col_ok, bs)
+
+
+def _prefix_visible(row_ctx, row_ok, col_pos, col_ok, bs: int) -> bool:
+    """True when every shared tile's real rows all see the same keys and those keys are a prefix of the
+    tile's slots (full blocks, then at most one partial one, then none): then a tile is one segment of a
+    fused kernel with a key count (`paths/shared.py`). vLLM shares only full blocks, so this holds for
+    its steps; a table that shares a partly filled block falls back to the masked tiles.
+
+    Without a window a cell's `hi` grows with the row's context, so the rows of a tile agree exactly
+    when its shortest and longest real contexts do: [tiles, blocks] work, not [tiles, rows, blocks]."""
+    big = np.iinfo(np.int64).max
+    longest = np.where(row_ok, row_ctx, -1).max(1)[:, None]
+    shortest = np.where(row_ok, row_ctx, big).min(1)[:, None]
+    top = np.clip(longest - col_pos, 0, bs) * col_ok
+    same = (top == np.clip(np.minimum(shortest, longest) - col_pos, 0, bs) * col_ok).all()
+    return bool(same and ((top[:, 1:] == 0) | (top[:, :-1] == bs)).all())
 
 
 def _plan_causal(seg_start, tok_j, T, W, tile):

@@ -105,7 +105,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         shared_rows=rows_kb, shared_blocks=np.zeros((0, 1), np.int32), shared_lo=none3, shared_hi=none3,
         unique_rows=empty, unique_blocks=empty, unique_lo=empty, unique_hi=empty,
         logits_indices=(starts + q - 1).astype(np.int32), max_block_id=max_block_id,
-        work_needed=needed,
+        work_needed=needed, shared_prefix_visible=False,
         unit_rows=units["rows"], unit_block=units["block"], unit_col=units["col"],
         unit_lo=units["lo"], unit_hi=units["hi"], causal_col=causal_col,
         cached_width=pow2(int(nb_ctx.max())), causal_width=causal_width)

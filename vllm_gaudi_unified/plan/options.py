@@ -20,6 +20,7 @@ class PlanOptions:
     shared_tile_keys: int = 512  #: keys of a shared tile, rounded down to whole blocks (at least one)
     unique_layout: str = "auto"  #: 'slice', 'gather', or 'auto' (slice when dense enough)
     slice_min_density: float = 0.5  #: 'auto' reads the slice when live blocks / (max id + 1) >= this
+    fused_kernels: bool = True  #: run paths through the device's fused attention kernel where one applies (paths/fused.py)
     batch_invariant: bool = False  #: same bits for a request whatever its batch (docs/batch_invariance.md)
     invariant_rows: int = 8  #: batch_invariant: query tokens per cached-block unit (the block is read once per unit)
     invariant_chunk: int = 512  #: batch_invariant: cached-block units per product (one shape for every call)

@@ -38,6 +38,9 @@ class StepPlan:
     logits_indices: np.ndarray  #: [num_logits] last new token of each request
     max_block_id: int  #: largest cache block id read (-1: none); checked against the cache
     work_needed: PathWork  #: pairs the step needs
+    #: every shared tile's real rows see one and the same prefix of its slots (no window, whole blocks
+    #: but the last): the shared path may run as one fused-kernel segment per tile (paths/shared.py)
+    shared_prefix_visible: bool
 
     @property
     def unique_layout(self) -> str:

@@ -43,10 +43,14 @@ class StepHooks:
                sliding_window: int | None = None, may_record: bool = True) -> "StepHooks":
         """Hooks of one metadata builder (one KV cache group): `sliding_window` is the group's window,
         `may_record` whether this group's steps are the ones to record (see `_trace_path`)."""
-        options = PlanOptions(batch_invariant=config.batch_invariant)
+        from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
+
+        device = torch.device(device)
+        kind = device_kind(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+        options = options_for_device(kind, PlanOptions(batch_invariant=config.batch_invariant))
         plan = None
         if config.buckets:
-            plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options, sliding_window)
+            plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options, sliding_window, kind)
             options = plan.settings.options
         trace_path = _trace_path(config, vllm_config) if may_record else None
         hooks = cls(options=options, bucket_plan=plan, trace_path=trace_path, warmup_enabled=config.warmup)
@@ -79,12 +83,13 @@ class StepHooks:
             append_step(self.trace_path, query_lens, context_lens, block_table, batch.block_size)
 
 
-def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None):
-    """The plan of `path` (or made now for `auto`), refused at start-up when it was made for other
-    settings than this server's."""
+def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None,
+                      device_kind: str = ""):
+    """The plan of `path` (or made now for `auto`, with the options measured for `device_kind`), refused
+    at start-up when it was made for other settings than this server's."""
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
-    plan = (_auto_plan(vllm_config, kv_cache_spec, options, sliding_window) if path == "auto"
+    plan = (_auto_plan(vllm_config, kv_cache_spec, options, sliding_window, device_kind) if path == "auto"
             else BucketPlan.load(path))
     sched = vllm_config.scheduler_config
     try:
@@ -101,13 +106,15 @@ def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOption
     return plan
 
 
-def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None):
+def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None, device_kind: str = ""):
     """The exponential plan for this server's settings and model (what `buckets generate
-    --strategy exponential --memory-share 0.04` would write for them)."""
+    --strategy exponential --memory-share 0.04` would write for them), with the tile options measured for
+    `device_kind`."""
     from dataclasses import replace
 
     from vllm_gaudi_unified.bucket_plans.bucket_plan import gather_cap_for
     from vllm_gaudi_unified.bucket_plans.cost import Hardware, ModelSpec
+    from vllm_gaudi_unified.bucket_plans.device_options import options_for_device
     from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
     from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS, ServerSettings
 
@@ -116,7 +123,8 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window:
                               max_num_batched_tokens=sched.max_num_batched_tokens,
                               max_model_len=model.max_model_len, num_blocks=vllm_config.cache_config.num_gpu_blocks,
                               sliding_window=sliding_window,
-                              options=replace(BUCKET_OPTIONS, batch_invariant=options.batch_invariant))
+                              options=options_for_device(device_kind, replace(BUCKET_OPTIONS,
+                                                                              batch_invariant=options.batch_invariant)))
     spec = ModelSpec(num_layers=model.get_num_layers(parallel), num_qo_heads=model.get_num_attention_heads(parallel),
                      num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
                      dtype_bytes=kv_cache_spec.dtype.itemsize, hidden_size=model.get_hidden_size(),

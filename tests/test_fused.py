@@ -1,0 +1,214 @@
+"""The fused paths (paths/fused.py, FusedSDPA in hpu.py) against the float64 reference.
+
+On CPU the kernels are replaced by exact stand-ins (tests/fused_standin.py) and the dispatch is
+forced, so everything around the kernel (segments, packing, prefix key counts, the merge, the
+partly seen unique blocks, padding) is checked at 1e-6 on caches whose unreadable slots hold
+NaN/inf. On CUDA the same cases run through the real flash kernel in bf16 (1e-2).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fused_standin
+from conftest import SMALL_TILES, SPECS, Step, assert_matches, run_case
+from vllm_gaudi_unified import Bucket, PlanOptions, attention, build_unified_batch, hpu
+from vllm_gaudi_unified.paths import fused, tiles
+from vllm_gaudi_unified.plan import plan_step
+
+BIG_TILES = PlanOptions(causal_tile=4, shared_rows=256, shared_tile_keys=2048)
+
+
+@pytest.fixture
+def flash_calls(monkeypatch):
+    """Route every path through the flash stand-in (fused unique from block size 1); count calls."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[3] is None)  # True: batched (unique), False: varlen
+        return fused_standin.flash(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "FLASH", counted)
+    monkeypatch.setattr(fused, "FUSED_UNIQUE_MIN_BLOCK_SIZE", 1)
+    monkeypatch.setattr(attention, "kernel_for", lambda batch, q, cap: "flash" if cap is None else None)
+    return calls
+
+
+@pytest.mark.parametrize("options", [SMALL_TILES, BIG_TILES, PlanOptions()], ids=["small", "big", "default"])
+def test_every_spec_through_flash(flash_calls, spec_name, options):
+    out, ref, batch = run_case(SPECS[spec_name], options=options)
+    assert_matches(out, ref)
+    assert len(flash_calls) == sum(p != "-" for p in batch.phase)  # one call per path with work
+    assert batch.plan.shared_prefix_visible
+
+
+def test_shared_tiles_pack_rows_of_small_groups(flash_calls):
+    """Four decodes behind one prefix in a 256-row tile: one segment, four real rows."""
+    out, ref, batch = run_case(SPECS["parallel_sampling"], options=BIG_TILES)
+    assert batch.shared_rows.shape == (1, 256)
+    assert_matches(out, ref)
+
+
+def test_sliding_window_fuses_only_the_causal_path(flash_calls):
+    for name in ("seed", "chunked_prefill", "ragged_partial"):
+        out, ref, batch = run_case(SPECS[name], sliding_window=5)
+        assert_matches(out, ref)
+        assert not batch.plan.shared_prefix_visible or batch.phase[1] == "-"
+        assert not any(flash_calls)  # the unique path keeps its masked tiles under a window
+
+
+def test_soft_cap_keeps_the_matmul_tiles(flash_calls):
+    out, ref, _ = run_case(SPECS["seed"], logits_soft_cap=3.0)
+    assert_matches(out, ref)
+    assert flash_calls == []
+
+
+def test_a_shared_partly_filled_block_falls_back_to_masked_tiles(flash_calls):
+    """Two requests share their partly filled last block (vLLM never does; the API allows it):
+    their rows see different slot counts, so the tile is no key prefix."""
+    step = Step([1, 1], [6, 7], 4)
+    table = np.array([[3, 5], [3, 5]])
+    plan = plan_step(step.query_lens, step.context_lens, table, 4, options=SMALL_TILES)
+    assert plan.bucket.phase[1] == "s" and not plan.shared_prefix_visible
+    from conftest import make_tensors
+    from vllm_gaudi_unified import unified_attention
+    from vllm_gaudi_unified.reference import reference_attention
+
+    q, k, v, kc, vc = make_tensors(step, table, 8)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=SMALL_TILES)
+    out = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    assert_matches(out, reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37))
+    assert flash_calls == []  # self+causal has no work here ('-s-'), shared fell back
+
+
+def test_partial_last_block_comes_last_in_its_tile():
+    """A chunk over its own context: the request's partly filled last block is the tile's last column."""
+    table = np.array([[9, 2, 7, 4]])
+    plan = plan_step([3], [14], table, 4, options=PlanOptions(shared_rows=4, shared_tile_keys=16))
+    assert plan.shared_blocks.tolist() == [[9, 2, 7, 4]]
+    assert plan.shared_hi[0, 0].tolist() == [4, 4, 4, 2] and plan.shared_prefix_visible
+
+
+def test_padding_to_a_larger_bucket_through_flash(flash_calls):
+    step = SPECS["seed"]
+    _, _, batch = run_case(step)
+    s = batch.shape
+    kb = SMALL_TILES.blocks_per_tile(step.block_size)
+    big = Bucket("csu", s.query_len + 9, s.num_shared_blocks + 3 * kb, s.num_unique_blocks + 5, s.num_logits + 3,
+                 s.num_causal_tiles + 4)
+    out, ref, pbatch = run_case(step, bucket=big)
+    assert pbatch.bucket == big
+    assert_matches(out, ref)
+
+
+def test_kernel_selection():
+    bf16, f64 = torch.bfloat16, torch.float64
+    assert fused.fused_kernel("cuda", bf16, 128, None) == "flash"
+    assert fused.fused_kernel("cuda", torch.float16, 64, None) == "flash"
+    assert fused.fused_kernel("cuda", bf16, 128, 30.0) is None  # soft cap
+    assert fused.fused_kernel("cuda", bf16, 128, None, enabled=False) is None  # PlanOptions.fused_kernels
+    assert fused.fused_kernel("cuda", f64, 128, None) is None
+    assert fused.fused_kernel("cuda", torch.float32, 128, None) is None
+    assert fused.fused_kernel("cuda", bf16, 100, None) is None  # head size flash does not take
+    assert fused.fused_kernel("cpu", bf16, 128, None) is None
+    assert hpu.select_fused_sdpa("hpu", bf16, importable=True)
+    assert not hpu.select_fused_sdpa("hpu", bf16, importable=False)
+    assert not hpu.select_fused_sdpa("hpu", torch.float32, importable=True)
+    assert not hpu.select_fused_sdpa("cuda", bf16, importable=True)
+
+
+def test_fused_sdpa_partial_equals_the_matmul_tile():
+    """FusedSDPA's (out, m, linv) as a Partial: same as `attend`, including rows that see no key and
+    poisoned values at masked keys."""
+    g = torch.Generator().manual_seed(3)
+    t, r, kn, hq, hkv, d = 3, 5, 7, 8, 2, 4
+    q = torch.randn(t, r, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(t, kn, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(t, kn, hkv, d, generator=g, dtype=torch.float64)
+    mask = torch.rand(t, r, kn, generator=g) < 0.6
+    mask[0, 2] = False  # a row that sees nothing
+    mask[:, :, 6] = False
+    v[:, 6] = float("nan")  # a key no row sees
+    want = tiles.attend(q, k, v, mask, 0.3, None)
+    got = fused.sdpa_stats_partial(fused_standin.sdpa_recomp_fwd, q, k, v, mask, 0.3)
+    seen = want.sum > 0
+    assert torch.equal(seen, got.sum > 0)
+    assert torch.isfinite(got.acc).all() and (got.max[~seen] == float("-inf")).all()
+    full = lambda p: p.acc / torch.where(p.sum > 0, p.sum, 1.0)[..., None]  # noqa: E731
+    torch.testing.assert_close(full(got), full(want), atol=1e-12, rtol=1e-12)
+    lse = lambda p: p.max[seen] + torch.log(p.sum[seen])  # noqa: E731
+    torch.testing.assert_close(lse(got), lse(want), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the real flash kernel)")
+@pytest.mark.parametrize("options", [SMALL_TILES, BIG_TILES], ids=["small", "big"])
+def test_real_flash_on_cuda(spec_name, options, monkeypatch):
+    """bf16 through flash on the GPU against the float64 reference, NaN/inf in unreadable slots."""
+    from conftest import make_block_table, make_tensors
+    from vllm_gaudi_unified import unified_attention
+    from vllm_gaudi_unified.reference import reference_attention
+
+    monkeypatch.setattr(fused, "FUSED_UNIQUE_MIN_BLOCK_SIZE", 1)
+    step = SPECS[spec_name]
+    step = Step(step.query_lens, step.context_lens, step.block_size, step.prefix_groups, num_heads=8,
+                num_kv_heads=2, head_dim=64)
+    table, nb = make_block_table(step, np.random.default_rng(0))
+    low = make_tensors(step, table, nb, dtype=torch.bfloat16)
+    ref = reference_attention(*low, step.query_lens, step.context_lens, table, 0.37)
+    dev = [x.to("cuda") for x in low]
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, options=options,
+                                device="cuda")
+    assert attention.kernel_for(batch, dev[0], None) == "flash"
+    out = unified_attention(*dev, batch, 0.37)
+    assert_matches(out.cpu(), ref)
+
+
+def _brute_prefix_visible(plan) -> bool:
+    """The flag's definition, cell by cell."""
+    hi, real = plan.shared_hi, plan.shared_rows < plan.num_tokens
+    top = hi.max(1)
+    same = ((hi == top[:, None, :]) | ~real[:, :, None]).all()
+    return plan.sliding_window is None and bool(same and ((top[:, 1:] == 0) | (top[:, :-1] == plan.block_size)).all())
+
+
+def test_prefix_flag_matches_its_definition():
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        r = int(rng.integers(1, 6))
+        bs = int(rng.choice([2, 4, 8]))
+        q = rng.integers(1, 6, r)
+        ctx = rng.integers(0, 30, r)
+        nb = -(-(ctx + q) // bs)
+        table = np.full((r, int(nb.max())), -1, np.int64)
+        free = iter(rng.permutation(np.arange(1, 200)))
+        for i in range(r):
+            for j in range(nb[i]):
+                share = i and rng.random() < 0.5 and j < table.shape[1] and table[0, j] >= 0
+                table[i, j] = table[0, j] if share else next(free)  # may share a partly filled block
+        window = None if trial % 3 else int(rng.integers(1, 12))
+        opts = PlanOptions(shared_rows=int(rng.choice([1, 3, 8])), shared_tile_keys=int(rng.choice([2, 8, 32])))
+        plan = plan_step(q, ctx, table, bs, sliding_window=window, options=opts)
+        assert plan.shared_prefix_visible == _brute_prefix_visible(plan), (q, ctx, table, window, opts)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_split_steps_through_flash(flash_calls, pad):
+    """A step cut into pieces under a gather cap (plan/split.py): each piece's shared and unique tiles
+    through flash, the causal pairs once, in the first piece."""
+    from test_split import CASES, KB, OPTIONS, CappedPlan
+
+    from conftest import make_block_table, make_tensors
+    from vllm_gaudi_unified import unified_attention
+    from vllm_gaudi_unified.plan.split import GatherCap
+    from vllm_gaudi_unified.reference import reference_attention
+
+    for name, step in sorted(CASES.items()):
+        table, num_blocks = make_block_table(step, np.random.default_rng(3))
+        q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float64, seed=3)
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, options=OPTIONS,
+                                    bucket=CappedPlan(GatherCap(KB, 3), pad))
+        assert batch.pieces and all(p.plan.shared_prefix_visible for p in (batch,) + batch.pieces)
+        out = unified_attention(q, k, v, kc, vc, batch, 0.37)
+        assert_matches(out, reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37))
+    assert flash_calls and any(flash_calls) and not all(flash_calls)

@@ -1,0 +1,116 @@
+"""The device's fused attention kernel, where it returns what the merge needs.
+
+A path can only hand its rows to the exact merge if it knows each row's
+log-sum-exp (or max and sum). Two fused kernels give it:
+
+* CUDA: `torch.ops.aten._flash_attention_forward`, flash attention over
+  *varlen* input (flattened rows, int32 cumulative lengths), GQA without
+  repeating K/V, optional causal mask and left window, `seqused_k` (use only
+  the first keys of each segment); it returns the output and the LSE
+  `[Hq, rows]` in fp32. Scores never leave the chip.
+* HPU: FusedSDPA's forward with statistics (`torch.ops.hpu.sdpa_recomp_fwd`,
+  the call vllm-gaudi's sliced FusedSDPA merges chunks with) on the causal and
+  shared tiles, `sdpa_attend` (when: `hpu.select_fused_sdpa`).
+
+`fused_kernel` says which one runs; all conditions live there. Everything else
+(soft cap, float32/float64 inputs, CPU) takes the matmul tiles of `tiles.py`,
+which stay the reference and the fallback. Every caller turns the kernel's
+normalised output into a `Partial` with `lse_partial`: acc = out, max = LSE,
+sum = 1 (so acc / sum = out and the row's weight is e^LSE).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.merge import Partial
+from vllm_gaudi_unified.paths.tiles import compute_dtype
+
+#: The CUDA kernel; a module attribute so CPU tests can put an exact stand-in in its place.
+FLASH = torch.ops.aten._flash_attention_forward
+#: CUDA grid limit on the batch dimension of flash's non-varlen launch (the unique path's one block per segment).
+MAX_FLASH_BATCH = 65535
+#: Unique path through flash (one segment per block) from this block size up: measured on an H100
+#: (benchmarks/NOTES.md run 11): faster than the matmul tiles at block size 128, 3x slower at 16.
+FUSED_UNIQUE_MIN_BLOCK_SIZE = 64
+
+
+def fused_kernel(device_type: str, dtype: torch.dtype, head_dim: int, soft_cap: float | None,
+                 enabled: bool = True) -> str | None:
+    """'flash', 'hpu' or None (the matmul tiles). All conditions in one place:
+
+    1. `PlanOptions.fused_kernels` off, or a soft cap (neither kernel takes one): None.
+    2. Not a 16-bit float (the float64 checks, fp32 runs): None.
+    3. CUDA with a head size flash takes (a multiple of 8, at most 256): 'flash'.
+    4. HPU with habana_frameworks importable: 'hpu' (`hpu.select_fused_sdpa`).
+    5. Otherwise None.
+    """
+    if not enabled or soft_cap is not None or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if device_type == "cuda":
+        return "flash" if head_dim % 8 == 0 and head_dim <= 256 else None
+    if device_type == "hpu":
+        from vllm_gaudi_unified.hpu import select_fused_sdpa
+
+        return "hpu" if select_fused_sdpa(device_type, dtype) else None
+    return None
+
+
+def kernel_for(batch, query: torch.Tensor, soft_cap: float | None) -> str | None:
+    """`fused_kernel` for this batch's options and these inputs."""
+    return fused_kernel(query.device.type, query.dtype, query.shape[-1], soft_cap, batch.plan.options.fused_kernels)
+
+
+def lse_partial(out: torch.Tensor, lse: torch.Tensor) -> Partial:
+    """A fused kernel's normalised rows `[rows, Hq, D]` and LSE `[rows, Hq]` as a `Partial` (sum 1)."""
+    lse = lse.to(compute_dtype(out.dtype))
+    return Partial(out.to(lse.dtype), lse, torch.ones_like(lse))
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, *, causal: bool,
+                 window: int | None = None, seqused_k: torch.Tensor | None = None) -> Partial:
+    """Flash attention over segments: rows `cu_q[i]:cu_q[i+1]` see keys `cu_k[i]:cu_k[i+1]` (their first
+    `seqused_k[i]` when given); causal is bottom-right aligned; `window` keeps the last `window` positions.
+    Rows past `cu_q[-1]` are left unwritten (their partial is garbage: callers drop them)."""
+    out, lse = FLASH(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+                     window_size_left=None if window is None else window - 1,
+                     window_size_right=None if window is None else 0, seqused_k=seqused_k)[:2]
+    return lse_partial(out, lse.t())
+
+
+def flash_blocks(q, k, v, scale: float) -> Partial:
+    """One query row per segment of whole blocks: q `[S, Hq, D]`, k/v `[S, keys, Hkv, D]` -> Partial `[S, Hq, D]`
+    (flash's batched launch; with one query row it packs a KV head's query heads into one tile)."""
+    out, lse = FLASH(q[:, None], k, v, None, None, 1, k.shape[1], 0.0, False, False, scale=scale)[:2]
+    return lse_partial(out[:, 0], lse[:, :, 0])
+
+
+def sdpa_attend(q, k, v, mask, scale, soft_cap=None, masked_tiles=None):  # pragma: no cover - needs a Gaudi
+    """`tiles.attend` through Gaudi's FusedSDPA with statistics: q `[T, R, Hq, D]`, k/v `[T, K, Hkv, D]`,
+    mask `[T, R, K]` -> Partial `[T*R, Hq, D]`. Untested on a Gaudi (none here); `sdpa_stats_partial`
+    is tested on CPU against a stand-in with the op's outputs (tests/test_fused.py)."""
+    import habana_frameworks.torch  # noqa: F401  (registers torch.ops.hpu)
+
+    return sdpa_stats_partial(torch.ops.hpu.sdpa_recomp_fwd, q, k, v, mask, scale)
+
+
+def sdpa_stats_partial(op, q, k, v, mask, scale) -> Partial:
+    """The device-independent part of `sdpa_attend`, with the kernel `op` passed in.
+
+    K/V are expanded to the query heads (a view; no GQA reshape to get wrong), masked keys get a
+    -inf bias and zeroed values (a poisoned slot times a zero weight is still NaN), rows that see
+    no key are set to the empty partial (-inf, 0, 0) whatever the kernel returns for them."""
+    t, r, hq, d = q.shape
+    hkv = k.shape[2]
+    dt = compute_dtype(q.dtype)
+    seen = mask.any(1)  # [T, K]: keys some row sees
+    v = torch.where(seen[:, :, None, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
+    heads = lambda x: x.permute(0, 2, 1, 3)[:, :, None].expand(t, hkv, hq // hkv, -1, d).reshape(t, hq, -1, d)  # noqa: E731
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))[:, None]
+    out, m, linv = op(q.permute(0, 2, 1, 3), heads(k), heads(v), bias, 0.0, scale, False, True, "fast", None,
+                      "right")[:3]
+    rows = lambda x: x.permute(0, 2, 1, *range(3, x.dim())).reshape(t * r, hq, *x.shape[3:]).to(dt)  # noqa: E731
+    out, m, linv = rows(out), rows(m.reshape(t, hq, r)), rows(linv.reshape(t, hq, r))
+    any_key = mask.any(-1).reshape(t * r, 1)
+    total = torch.where(any_key, 1.0 / linv, 0.0)
+    return Partial(torch.where(any_key[..., None], out * total[..., None], 0.0),
+                   torch.where(any_key, m, float("-inf")), total)
