@@ -4,7 +4,8 @@
 - `step_plan`: `StepPlan`, the arrays the device needs;
 - `arrays`: input checks and vectorised range/tiling/padding helpers both planners use;
 - `default`: the default planner (causal / shared / unique tiles);
-- `invariant`: the batch-invariant planner and its `InvariantPlan`.
+- `invariant`: the batch-invariant planner and its `InvariantPlan`;
+- `smallest`: the smallest step of each phase (warmup's step per bucket; the buckets a plan keeps).
 
 `plan_step` and `pad_plan` below pick the planner from `options.batch_invariant`.
 """
