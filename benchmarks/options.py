@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from vllm_gaudi_unified.flags import POSITIVE, SEED, float_in
 from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags
 
 HBM_BYTES_PER_S = 3.35e12  #: H100 SXM HBM3 peak (issue 7's 0.64 ms floor for decode 256 x 2k)
@@ -22,20 +23,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--baselines", default="sdpa_loop,padded_sdpa,flex",
                    help=f"baselines to time, from {','.join(BASELINES)} ('none' for none; flex: CUDA only)")
     p.add_argument("--baseline-block-sizes", default="16", help="block sizes at which baselines run")
-    p.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU runs, tests)")
-    p.add_argument("--num-qo-heads", type=int, default=32, help="query heads")
-    p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=128, help="head size")
+    p.add_argument("--scale", type=float_in(1e-6, 1e3), default=1.0,
+                   help="shrink request counts and lengths (CPU runs, tests)")
+    p.add_argument("--num-qo-heads", type=POSITIVE, default=32, help="query heads")
+    p.add_argument("--num-kv-heads", type=POSITIVE, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=POSITIVE, default=128, help="head size")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    p.add_argument("--tol", type=float, default=1e-2, help="largest accepted |out - ref| / |ref|")
-    p.add_argument("--seed", type=int, default=0, help="seed of block tables and tensors")
+    p.add_argument("--tol", type=float_in(0.0, 1e6), default=1e-2, help="largest accepted |out - ref| / |ref|")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of block tables and tensors")
     add_plan_option_flags(p)
     p.add_argument("--profile", default="", help="comma-separated scenario:block_size:variant to profile")
     p.add_argument("--isolate", action="store_true",
                    help="run each (scenario, block size) in its own process (no memory carried between cases)")
-    p.add_argument("--time-budget", type=float, default=1e9, help="seconds; skip remaining work past this")
-    p.add_argument("--cpu-reps", type=int, default=50, help="timed calls per measurement on CPU (CUDA: do_bench)")
-    p.add_argument("--case-timeout", type=float, default=1e9, help="--isolate: seconds one case may take")
+    p.add_argument("--time-budget", type=float_in(0.0, 1e9), default=1e9, help="seconds; skip remaining work past this")
+    p.add_argument("--cpu-reps", type=POSITIVE, default=50, help="timed calls per measurement on CPU (CUDA: do_bench)")
+    p.add_argument("--case-timeout", type=float_in(0.0, 1e9), default=1e9, help="--isolate: seconds one case may take")
     p.add_argument("--invariant", default="none",
                    help="scenarios ('all', 'none' or comma-separated) where the batch-invariant mode is also "
                         "timed (eager and graph), at the baseline block sizes (issue 6's cost column)")

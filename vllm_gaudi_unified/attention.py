@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,11 +24,14 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     query `[T, Hq, D]`, key/value `[T, Hkv, D]` (T = the step's tokens, or the
     bucket's padded `query_len`), key_cache/value_cache `[num_blocks,
-    block_size, Hkv, D]`. `logits_soft_cap`: scores become `cap * tanh(s / cap)`.
-    `sinks`: `[Hq]` one logit per head that joins every softmax denominator.
-    Returns `[T, Hq, D]` in query's dtype.
+    block_size, Hkv, D]`. `logits_soft_cap`: scores become `cap * tanh(s / cap)`
+    (`inf`: no cap, the limit). `sinks`: `[Hq]` one logit per head that joins
+    every softmax denominator (`+inf`: the sink takes all the weight, output 0 on
+    that head; `-inf`: no sink). Returns `[T, Hq, D]` in query's dtype.
     """
     _check_inputs(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks)
+    if logits_soft_cap is not None and math.isinf(logits_soft_cap):
+        logits_soft_cap = None  # cap * tanh(s / cap) -> s; computing it would give inf * 0 = NaN
     t, padded = query.shape[0], batch.bucket.query_len
     if t < padded:
         query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
@@ -99,8 +103,10 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, new
 
 
 def _sink_partial(sinks: torch.Tensor, rows: int, head_dim: int, dtype: torch.dtype) -> Partial:
-    """A sink is a key with logit `sinks[h]` and a zero value: weight in the denominator only."""
-    m = sinks.to(dtype)[None, :].expand(rows, -1)
+    """A sink is a key with logit `sinks[h]` and a zero value: weight in the denominator only.
+
+    +inf is taken as the largest finite logit: all the weight, and no `inf - inf` in the merge."""
+    m = sinks.to(dtype).clamp(max=torch.finfo(dtype).max)[None, :].expand(rows, -1)
     return Partial(torch.zeros(rows, sinks.shape[0], head_dim, dtype=dtype, device=sinks.device), m,
                    torch.ones_like(m))
 
@@ -121,6 +127,8 @@ def _check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, 
     if not query.dtype.is_floating_point:
         raise ValueError(f"query dtype must be floating point, got {query.dtype}")
     t, hq, d = query.shape
+    if hq == 0 or d == 0:
+        raise ValueError(f"query has {hq} heads and head_dim {d}: both must be >= 1")
     if t not in (batch.num_tokens, batch.bucket.query_len):
         raise ValueError(f"query has {t} tokens but the batch has {batch.num_tokens} "
                          f"(padded: {batch.bucket.query_len})")
@@ -128,7 +136,9 @@ def _check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, 
     for name, x in (("key", key), ("value", value)):
         if tuple(x.shape) != (t, hkv, d):
             raise ValueError(f"{name} shape {tuple(x.shape)} must be {(t, hkv, d)} (tokens, kv heads, head_dim)")
-    if hkv == 0 or hq % hkv:
+    if hkv == 0:
+        raise ValueError(f"key has 0 heads (shape {tuple(key.shape)})")
+    if hq % hkv:
         raise ValueError(f"query heads {hq} must be a multiple of kv heads {hkv}")
     num_blocks = key_cache.shape[0]
     expected = (num_blocks, batch.block_size, hkv, d)
@@ -145,10 +155,20 @@ def _check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, 
     if len(devices) != 1:
         raise ValueError(f"tensors and batch are on different devices: {sorted(map(str, devices))}; "
                          "build the batch with device= or call batch.to(device)")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    if not (_is_real(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
-    if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+    if cap is not None and not (_is_real(cap) and cap > 0):  # inf allowed: no cap
         raise ValueError(f"logits_soft_cap must be None or a positive float, got {cap!r}")
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,)):
-        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"sinks must be a tensor of shape ({hq},) (one logit per query head), got {shape}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a tensor of shape ({hq},) (one logit per query head), got {shape}")
+        if not sinks.dtype.is_floating_point:
+            raise ValueError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+        if sinks.device != query.device:
+            raise ValueError(f"sinks are on {sinks.device} but the query is on {query.device}")
+
+
+def _is_real(x) -> bool:
+    """A Python or numpy real number, not a bool (True is not a scale)."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))

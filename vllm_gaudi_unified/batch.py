@@ -101,6 +101,9 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     miss policy decides whether a miss raises).
     `num_blocks`: the KV cache size; when given, block ids are checked here.
     """
+    if not (bucket is None or isinstance(bucket, Bucket)
+            or (callable(getattr(bucket, "find", None)) and not isinstance(bucket, (str, bytes)))):
+        raise ValueError(f"bucket must be a Bucket, a bucket plan (with .find) or None, got {bucket!r}")
     plan = plan_step(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
                      num_blocks=num_blocks, options=options)
     cap = getattr(bucket, "gather_cap", None)

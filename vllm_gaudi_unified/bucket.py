@@ -40,7 +40,7 @@ class Bucket:
     def __post_init__(self):
         for name in SIZE_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:  # True is not a size
                 raise ValueError(f"Bucket.{name} must be a non-negative int, got {value!r}")
         expected = phase_of(self.num_causal_tiles, self.num_shared_blocks, self.num_unique_blocks)
         if self.phase != expected:

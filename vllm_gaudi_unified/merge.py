@@ -9,8 +9,9 @@ inputs)::
     acc = sum_k e^(s_k - max) v_k
 
 Merging is exact: rescale each side to the larger max and add. A row that saw
-no key has zero weight on every side, so an absent path or a fully masked row
-never produces NaN. `merge_all` is a fold over `merge` in a given order;
+no key contributes exactly zero, whatever its `acc` holds, so an absent path or
+a fully masked row never produces NaN; a row that met a NaN (a bad value it may
+see) keeps it, for its own token alone. `merge_all` is a fold over `merge` in a given order;
 `fold_pairwise` the same over slots in a fixed tree (the batch-invariant mode);
 `scatter_merge` the same merge when many rows (tiles, blocks) feed one destination token.
 """
@@ -27,16 +28,19 @@ class Partial(NamedTuple):
     sum: torch.Tensor  #: [rows, num_qo_heads] sum of e^(score - max) (0: no key seen)
 
 
-def _weight(m: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
-    """e^(m - new_max), and 0 where the side saw no key (m = -inf)."""
-    seen = m > float("-inf")
-    return torch.where(seen, torch.exp(torch.where(seen, m - new_max, 0.0)), 0.0)
+def _scaled(p: Partial, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(acc, sum) of `p` rescaled to `new_max`: times e^(max - new_max), and exactly 0 where `p` saw no
+    key (max = -inf) whatever its acc holds (a NaN there would survive a multiplication by 0).
+    A NaN max counts as seen: a row that met a bad value keeps it (its own token only)."""
+    seen = p.max != float("-inf")
+    w = torch.exp(torch.where(seen, p.max - new_max, 0.0))
+    return (torch.where(seen[..., None], p.acc * w[..., None], 0.0), torch.where(seen, p.sum * w, 0.0))
 
 
 def merge(a: Partial, b: Partial) -> Partial:
     m = torch.maximum(a.max, b.max)
-    wa, wb = _weight(a.max, m), _weight(b.max, m)
-    return Partial(a.acc * wa[..., None] + b.acc * wb[..., None], m, a.sum * wa + b.sum * wb)
+    (acc_a, sum_a), (acc_b, sum_b) = _scaled(a, m), _scaled(b, m)
+    return Partial(acc_a + acc_b, m, sum_a + sum_b)
 
 
 def merge_all(partials: Sequence[Partial]) -> Partial:
@@ -65,10 +69,10 @@ def scatter_merge(rows: Partial, index: torch.Tensor, num_out: int) -> Partial:
     idx = index.reshape(-1, 1).expand(-1, heads)
     new_max = torch.full((num_out + 1, heads), float("-inf"), dtype=rows.max.dtype, device=rows.max.device)
     new_max = new_max.scatter_reduce(0, idx, rows.max, reduce="amax", include_self=True)
-    w = _weight(rows.max, new_max.gather(0, idx))
+    row_acc, row_sum = _scaled(rows, new_max.gather(0, idx))
     acc = torch.zeros((num_out + 1,) + rows.acc.shape[1:], dtype=rows.acc.dtype, device=rows.acc.device)
-    acc = acc.index_add(0, index, rows.acc * w[..., None])
-    total = torch.zeros_like(new_max).index_add(0, index, rows.sum * w)
+    acc = acc.index_add(0, index, row_acc)
+    total = torch.zeros_like(new_max).index_add(0, index, row_sum)
     return Partial(acc[:num_out], new_max[:num_out], total[:num_out])
 
 

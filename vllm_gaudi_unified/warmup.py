@@ -27,6 +27,8 @@ from typing import Callable
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.flags import POSITIVE, float_in
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan.smallest import can_hold_a_step
 
@@ -208,14 +210,14 @@ def register(subparsers) -> None:
     p.add_argument("--mode", choices=MODES, default="auto", help="how each bucket runs (default: auto)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="activation and KV dtype (default: the plan's model dtype)")
-    p.add_argument("--num-qo-heads", type=int, default=None, help="query heads (default: the plan's model)")
-    p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default: the plan's model)")
-    p.add_argument("--head-dim", type=int, default=None, help="head size (default: the plan's model)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: the plan's)")
-    p.add_argument("--limit", type=int, default=None, help="warm only the N cheapest buckets")
-    p.add_argument("--max-cost-us", type=float, default=None,
+    p.add_argument("--num-qo-heads", type=POSITIVE, default=None, help="query heads (default: the plan's model)")
+    p.add_argument("--num-kv-heads", type=POSITIVE, default=None, help="KV heads (default: the plan's model)")
+    p.add_argument("--head-dim", type=POSITIVE, default=None, help="head size (default: the plan's model)")
+    p.add_argument("--num-blocks", type=POSITIVE, default=None, help="KV cache blocks (default: the plan's)")
+    p.add_argument("--limit", type=POSITIVE, default=None, help="warm only the N cheapest buckets")
+    p.add_argument("--max-cost-us", type=float_in(0.0, None), default=None,
                    help="skip buckets whose modelled work exceeds this many µs (e.g. the limits bucket on CPU)")
-    p.add_argument("--json", default=None, help="also write the per-bucket times to this JSON file")
+    p.add_argument("--json", type=output_path, default=None, help="also write the per-bucket times to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_warmup)
 
@@ -253,7 +255,7 @@ def _cmd_warmup(args) -> int:
     if len(todo) < len(plan):
         print(f"({len(plan) - len(todo)} of {len(plan)} buckets skipped by --limit/--max-cost-us)")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+        with atomic_write(args.json) as f:
             json.dump({"plan": args.plan, "mode": report.mode, "device": report.device,
                        "total_seconds": report.total_seconds,
                        "buckets": [{"bucket": str(b), "seconds": s} for b, s in zip(report.buckets, report.seconds)]},

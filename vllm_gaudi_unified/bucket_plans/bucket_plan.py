@@ -27,6 +27,7 @@ import numpy as np
 from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+from vllm_gaudi_unified.files import atomic_write
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes
 
@@ -215,22 +216,29 @@ class BucketPlan:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "plan") -> "BucketPlan":
-        if d.get("format") != FORMAT:
-            raise ValueError(f"{source}: not a bucket plan (format {d.get('format')!r}, expected {FORMAT!r})")
+        """A plan from its JSON form; any problem is a ValueError naming `source` and the key."""
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            found = d.get("format") if isinstance(d, dict) else f"a JSON {type(d).__name__}"
+            raise ValueError(f"{source}: not a bucket plan (format {found!r}, expected {FORMAT!r})")
         if d.get("version") != VERSION:
             raise ValueError(f"{source}: bucket plan version {d.get('version')!r} is not supported ({VERSION})")
+        for key in ("settings", "buckets"):
+            if key not in d:
+                raise ValueError(f"{source}: not a bucket plan: no {key!r}")
         order = d.get("fields", ["phase", *DIMS])
+        if not (isinstance(order, list) and sorted(map(str, order)) == sorted(["phase", *DIMS])):
+            raise ValueError(f"{source}: fields must name phase and {', '.join(DIMS)}, got {order!r}")
         idx = [order.index(f) for f in DIMS]
-        buckets = []
-        for row in d["buckets"]:
-            b = bucket_from_sizes([row[i] for i in idx])
-            if b.phase != row[order.index("phase")]:
-                raise ValueError(f"{source}: bucket {row} has a phase that disagrees with its sizes")
-            buckets.append(b)
-        return cls(buckets=buckets, settings=ServerSettings.from_dict(d["settings"]),
-                   model=ModelSpec(**d.get("model", {})), hardware=Hardware(**d.get("hardware", {})),
-                   strategy=d.get("strategy", ""), miss_policy=d.get("miss_policy", "error"), info=d.get("info", {}),
-                   gather_cap=GatherCap(**d.get("gather_cap", {})))
+        if not isinstance(d["buckets"], list):
+            raise ValueError(f"{source}: buckets must be a list of rows")
+        buckets = [_bucket_row(row, order, idx, f"{source}: buckets[{i}]") for i, row in enumerate(d["buckets"])]
+        settings = _section(source, "settings", lambda: ServerSettings.from_dict(d["settings"]))
+        model = _section(source, "model", lambda: ModelSpec(**d.get("model", {})))
+        hardware = _section(source, "hardware", lambda: Hardware(**d.get("hardware", {})))
+        gather_cap = _section(source, "gather_cap", lambda: GatherCap(**d.get("gather_cap", {})))
+        return _section(source, "plan", lambda: cls(
+            buckets=buckets, settings=settings, model=model, hardware=hardware, strategy=d.get("strategy", ""),
+            miss_policy=d.get("miss_policy", "error"), info=d.get("info", {}), gather_cap=gather_cap))
 
     def save(self, path: str) -> None:
         if os.path.dirname(path):
@@ -239,7 +247,7 @@ class BucketPlan:
         rows = ",\n    ".join(json.dumps(r) for r in d.pop("buckets"))
         text = json.dumps(d, indent=2)
         text = text[:-2] + f',\n  "buckets": [\n    {rows}\n  ]\n}}\n'  # one bucket a line: readable diffs
-        with open(path, "w", encoding="utf-8") as f:
+        with atomic_write(path) as f:  # whole or not at all (files.py)
             f.write(text)
 
     @classmethod
@@ -251,6 +259,33 @@ class BucketPlan:
             raise FileNotFoundError(f"{path}: no such bucket plan") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not a bucket plan (not UTF-8 text: {exc.reason})") from None
         if miss_policy is not None:
             d["miss_policy"] = miss_policy
         return cls.from_dict(d, path)
+
+
+#: Largest size a bucket row may hold (far above any real step; an int64 with room to spare).
+MAX_BUCKET_SIZE = 1 << 40
+
+
+def _bucket_row(row, order: list, idx: list, where: str) -> Bucket:
+    if not (isinstance(row, list) and len(row) == len(order)):
+        raise ValueError(f"{where}: a bucket is a list of {len(order)} values ({', '.join(order)}), got {row!r}")
+    sizes = [row[i] for i in idx]
+    bad = next((v for v in sizes if type(v) is not int or not 0 <= v <= MAX_BUCKET_SIZE), None)
+    if bad is not None or any(type(v) is not int for v in sizes):
+        raise ValueError(f"{where}: sizes must be integers in [0, {MAX_BUCKET_SIZE}], got {bad!r}")
+    b = bucket_from_sizes(sizes)
+    if b.phase != row[order.index("phase")]:
+        raise ValueError(f"{where}: bucket {row} has a phase that disagrees with its sizes")
+    return b
+
+
+def _section(source: str, name: str, make):
+    """`make()`, its errors (unknown keys, bad values) as one ValueError naming the file and the section."""
+    try:
+        return make()
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f"{source}: {name}: {' '.join(str(exc).split())}") from None

@@ -20,10 +20,18 @@ import gzip
 import io
 import json
 import os
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import numpy as np
+
+from vllm_gaudi_unified.files import AtomicFile
+from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE, MAX_POSITION, MAX_STEP_TOKENS
+
+_INT64_MAX = np.iinfo(np.int64).max
+#: Block ids a trace may hold (an id of 2**62 already means a corrupt trace).
+MAX_BLOCK_ID = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -82,20 +90,53 @@ def _open_text(path: str, mode: str):
     return open(path, mode, encoding="utf-8")
 
 
-def step_from_json(obj: dict, where: str = "") -> TraceStep:
-    try:
-        q = np.asarray(obj["query_lens"], dtype=np.int64)
-        c = np.asarray(obj["context_lens"], dtype=np.int64)
-        b = obj["block_ids"]
-        bs = int(obj["block_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TraceError(f"{where}: not a trace step ({exc!r})") from None
+def _int_list(obj: dict, key: str, where: str, lo: int, hi: int) -> np.ndarray:
+    """`obj[key]`, a list of JSON integers (not bools, floats or strings) in [lo, hi]."""
+    values = obj[key]
+    if not isinstance(values, list) or not all(type(x) is int for x in values):
+        raise TraceError(f"{where}: {key} must be a list of integers, got {json.dumps(values)[:80]}")
+    arr = np.array(values, dtype=object if values and max(map(abs, values)) > _INT64_MAX else np.int64)
+    if arr.size and (arr.min() < lo or arr.max() > hi):
+        bad = next(x for x in values if not lo <= x <= hi)
+        raise TraceError(f"{where}: {key} must be >= {lo}, got {bad}" if bad < lo else
+                         f"{where}: {key} must be <= {hi}, got {bad}")
+    return arr.astype(np.int64)
+
+
+def _block_ids(obj: dict, where: str) -> list:
+    """`block_ids`: a list of lists of non-negative integers below 2**62 (one parse for all)."""
+    rows = obj["block_ids"]
+    if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+        raise TraceError(f"{where}: block_ids must be a list of lists of block ids")
+    flat = [x for r in rows for x in r]
+    arr = np.array(flat) if flat else np.zeros(0, np.int64)
+    if arr.dtype.kind != "i":  # floats, strings, bools, ids beyond int64 (object / uint64)
+        bad = next((x for x in flat if type(x) is not int or not 0 <= x < MAX_BLOCK_ID), flat[0] if flat else None)
+        raise TraceError(f"{where}: block_ids holds {json.dumps(bad)}, not a block id (an integer in "
+                         f"[0, {MAX_BLOCK_ID}))")
+    if arr.size and (arr.min() < 0 or arr.max() >= MAX_BLOCK_ID):
+        bad = int(arr[(arr < 0) | (arr >= MAX_BLOCK_ID)][0])
+        raise TraceError(f"{where}: block_ids holds {bad}, not a block id (an integer in [0, {MAX_BLOCK_ID}))")
+    return rows
+
+
+def step_from_json(obj, where: str = "") -> TraceStep:
+    """A step line as a `TraceStep`, or a TraceError naming `where` (file:line), the key and the value."""
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: not a JSON object (a trace line is {{\"block_size\": ..., \"query_lens\": ...}})")
+    missing = [k for k in ("block_size", "query_lens", "context_lens", "block_ids") if k not in obj]
+    if missing:
+        raise TraceError(f"{where}: not a trace step, missing {', '.join(missing)}")
+    bs = obj["block_size"]
+    if type(bs) is not int or not 1 <= bs <= MAX_BLOCK_SIZE:
+        raise TraceError(f"{where}: block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {json.dumps(bs)}")
+    q = _int_list(obj, "query_lens", where, 1, MAX_STEP_TOKENS)
+    c = _int_list(obj, "context_lens", where, 0, MAX_POSITION)
+    b = _block_ids(obj, where)
     if not (len(q) == len(c) == len(b)) or len(q) == 0:
         raise TraceError(f"{where}: query_lens, context_lens and block_ids must have the same non-zero length")
-    if bs <= 0:
-        raise TraceError(f"{where}: block_size must be positive, got {bs}")
-    if (q < 1).any() or (c < 0).any():
-        raise TraceError(f"{where}: query_lens must be >= 1 and context_lens >= 0")
+    if int(q.sum()) > MAX_STEP_TOKENS:
+        raise TraceError(f"{where}: query_lens sum to {int(q.sum())}, more than {MAX_STEP_TOKENS} tokens a step")
     need = -(-(q + c) // bs)
     have = np.fromiter((len(x) for x in b), dtype=np.int64, count=len(b))
     if (have < need).any():
@@ -104,21 +145,52 @@ def step_from_json(obj: dict, where: str = "") -> TraceStep:
     return TraceStep(bs, q, c, b)
 
 
+def _json_line(line: str, where: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+
+
 def iter_trace(path: str) -> Iterator[TraceStep | dict]:
-    """Yield the header dict (if any) first, then each step."""
-    with _open_text(path, "r") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-            if "trace_header" in obj:
-                yield dict(obj["trace_header"])
-            elif "query_lens" in obj:
-                yield step_from_json(obj, f"{path}:{lineno}")
+    """Yield the header dict (if any) first, then each step; TraceError names the file and line."""
+    lineno = 0
+    try:
+        with _open_text(path, "r") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                obj = _json_line(line, f"{path}:{lineno}")
+                if not isinstance(obj, dict):
+                    step_from_json(obj, f"{path}:{lineno}")  # raises: not a JSON object
+                if "trace_header" in obj:
+                    yield dict(obj["trace_header"])
+                elif "query_lens" in obj:
+                    yield step_from_json(obj, f"{path}:{lineno}")
+    except (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}:{lineno + 1}: unreadable (truncated or corrupt gzip, or not text: {exc})") from None
+
+
+def step_lines(path: str) -> tuple[list[str], list[int]]:
+    """The step lines of a trace file, unparsed, and their line numbers (for readers that parse many at
+    once); other lines must be JSON objects (headers).
+    A truncated or corrupt file is a TraceError naming the file and the line."""
+    if not os.path.exists(path):
+        raise TraceError(f"{path}: no such trace file")
+    opener = gzip.open if path.endswith(".gz") else open
+    lines, numbers, lineno = [], [], 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if '"query_lens"' in line:
+                    lines.append(line)
+                    numbers.append(lineno)
+                elif line.strip() and not isinstance(_json_line(line, f"{path}:{lineno}"), dict):
+                    step_from_json(None, f"{path}:{lineno}")  # raises: not a JSON object
+    except (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}:{lineno + 1}: unreadable (truncated or corrupt gzip, or not text: {exc})") from None
+    return lines, numbers
 
 
 def read_trace(path: str, limit: int | None = None) -> Trace:
@@ -153,7 +225,9 @@ class TraceWriter:
         self.path = path
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._f = _open_text(path, "a" if append else "w")
+        # A new trace is written atomically: it appears whole at close(), or not at all (files.py).
+        self._atomic = None if append else AtomicFile(path)
+        self._f = _open_text(path, "a") if append else self._atomic.file
         self.num_steps = 0
         if header:
             self._f.write(json.dumps({"trace_header": header}) + "\n")
@@ -175,13 +249,19 @@ class TraceWriter:
         self.append_step(step.query_lens, step.context_lens, step.block_ids, step.block_size)
 
     def close(self) -> None:
-        self._f.close()
+        if self._atomic is None:
+            self._f.close()
+        else:
+            self._atomic.commit()
 
     def __enter__(self) -> "TraceWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self._atomic is not None:
+            self._atomic.discard()  # a failed or interrupted run leaves the old file, or none
+        else:
+            self.close()
 
 
 def write_trace(path: str, steps: Iterable[TraceStep], header: dict | None = None) -> int:

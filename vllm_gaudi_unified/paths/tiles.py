@@ -9,7 +9,16 @@ Precision and bytes: the two matmuls take the inputs' own dtype (bf16 tensor
 cores, fp32 accumulation inside), so K/V are never copied up to fp32; scores,
 max, sum and the merged accumulators are in the compute dtype (fp32, fp64 for
 fp64 inputs). Probabilities are rounded to the value dtype for `p @ V`, as
-flash attention does.
+flash attention does. fp16 is the exception: its range ends at 65504, so a
+score `q . k` or a sum `p @ V` over many keys can overflow where the float64
+result is small; fp16 operands are taken up to fp32 for both products
+(`product_dtype`). bf16 has fp32's range and keeps its own.
+
+Bad values stay with the rows that see them. A key no row of a tile may see is
+zeroed in V; a key that some rows see and whose value is not finite (NaN, inf:
+an overflow upstream) is zeroed too, and the scores of exactly the rows that
+see it become NaN (`clean_values`, `mask_scores`). Otherwise `0 * NaN` in
+`p @ V` would turn every row of the tile NaN, other requests' rows included.
 
 Tiles of one row (the unique path: one decode token per block) are bound by
 reading K/V, not by arithmetic. There both products run over the block as
@@ -40,19 +49,42 @@ def slot_mask(lo: torch.Tensor, hi: torch.Tensor, block_size: int) -> torch.Tens
     return (slot >= lo[..., None]) & (slot < hi[..., None])
 
 
-def _zero_unseen(v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """v `[T, K, Hkv, D]` with keys no row sees set to 0, as contiguous `[T, Hkv, K, D]` (one pass)."""
+def product_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Operand dtype of the two products: fp16 goes up to fp32 (its range overflows at 65504), others stay."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def clean_values(v: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v `[T, K, Hkv, D]`, seen `[T, K]` (some row of the tile sees the key) ->
+    (v with unseen keys and non-finite values set to 0, as contiguous `[T, Hkv, K, D]`;
+    bad `[T, Hkv, K]`: seen keys whose value is not finite)."""
     t, k, hkv, d = v.shape
+    finite = torch.isfinite(v).all(-1)  # [T, K, Hkv]
+    keep = seen[:, :, None] & finite
     out = torch.empty((t, hkv, k, d), dtype=v.dtype, device=v.device)
-    torch.where(seen[:, None, :, None], v.permute(0, 2, 1, 3), torch.zeros((), dtype=v.dtype, device=v.device),
-                out=out)
-    return out
+    torch.where(keep.permute(0, 2, 1)[..., None], v.permute(0, 2, 1, 3),
+                torch.zeros((), dtype=v.dtype, device=v.device), out=out)
+    return out, (seen[:, :, None] & ~finite).permute(0, 2, 1)
 
 
-def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Partial:
-    """Masked scores `[T, Hkv, G, R, K]` and values `[T, Hkv, K, D]` -> Partial rows `[T*R, Hkv*G, D]`."""
+def mask_scores(scores: torch.Tensor, mask: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """Scores `[T, Hkv, G, R, K]`: -inf where the row may not see the key, NaN where it sees a bad value
+    (`bad` `[T, Hkv, K]` from `clean_values`), so that row alone carries the NaN."""
+    visible = mask[:, None, None]  # [T, 1, 1, R, K]
+    nan = torch.full((), float("nan"), dtype=scores.dtype, device=scores.device)
+    scores = torch.where(visible & bad[:, :, None, None, :], nan, scores)
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      bad: torch.Tensor | None = None) -> Partial:
+    """Scores `[T, Hkv, G, R, K]`, values `[T, Hkv, K, D]` (cleaned, see `clean_values`) and mask
+    -> Partial rows `[T*R, Hkv*G, D]`."""
     t, hkv, g, r, k = scores.shape
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    if bad is None:
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    else:
+        scores = mask_scores(scores, mask, bad)
     p, m, total = masked_softmax_for(scores)(scores)
     acc = torch.matmul(p.to(v.dtype).reshape(t, hkv, g * r, k), v).to(scores.dtype).reshape(t, hkv, g, r, -1)
     as_rows = lambda x: x.permute(0, 3, 1, 2, *range(4, x.dim())).reshape(t * r, hkv * g, *x.shape[4:])
@@ -64,7 +96,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """q `[T, R, Hq, D]`, k/v `[T, K, Hkv, D]`, mask `[T, R, K]` (True = visible) -> Partial `[T*R, Hq, D]`.
 
     Keys no row of a tile may see are zeroed in `v` first: a poisoned cache slot
-    (NaN, inf) times a zero probability would still be NaN. `masked_tiles`
+    (NaN, inf) times a zero probability would still be NaN; a non-finite value
+    some rows see reaches those rows alone (module docstring). `masked_tiles`
     (one-row tiles only): indices of every tile whose row is real and may miss
     some key; then only those tiles are masked, and the others (all keys seen,
     or no row: their partial may hold NaN, for the merge to drop) read V as is.
@@ -73,6 +106,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     nk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     dt = compute_dtype(q.dtype)
+    op = product_dtype(q.dtype)
+    q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16
     if r == 1 and hkv > 1 and k.is_contiguous() and v.is_contiguous():
         return _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles)
     qg = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # [T, Hkv, G*R, D]
@@ -80,7 +115,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = scores.to(dt) * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    return scores_to_partial(scores, _zero_unseen(v, mask.any(1)), mask)
+    v, bad = clean_values(v, mask.any(1))
+    return scores_to_partial(scores, v, mask, bad)
 
 
 def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:

@@ -23,6 +23,8 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
               num_blocks: int | None = None, options: PlanOptions | None = None) -> StepPlan:
     """Plan one scheduler step; arrays are unpadded (`bucket == shape`). See `plan/default.py` for the
     semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`)."""
+    if options is not None and not isinstance(options, PlanOptions):
+        raise ValueError(f"options must be a PlanOptions or None, got {options!r}")
     opts = options or DEFAULT_OPTIONS
     checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
     planner = plan_invariant if opts.batch_invariant else plan_default

@@ -10,12 +10,44 @@ import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket
 
-def int_vector(name: str, values) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+#: Most new tokens one step may schedule: far above any scheduler's token budget, far below what
+#: would make the planner's O(tokens) arrays a MemoryError instead of an error message.
+MAX_STEP_TOKENS = 1 << 24
+#: Largest position (context_len + query_len): positions stay far from int64 overflow.
+MAX_POSITION = 1 << 40
+#: Largest block size: slots per block stay int32 (vLLM's largest are a few hundred).
+MAX_BLOCK_SIZE = 1 << 20
+#: Largest sliding window or cache size given as a number.
+MAX_SCALAR = 1 << 62
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def is_int(x) -> bool:
+    """A Python or numpy integer, not a bool (`True` is not a size)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _as_array(name: str, values, what: str) -> np.ndarray:
+    try:
+        return np.asarray(values)
+    except (ValueError, TypeError):  # ragged rows, mixed types
+        raise ValueError(f"{name} must be {what}, got a ragged or mixed sequence") from None
+
+
+def _check_integers(name: str, arr: np.ndarray) -> None:
+    """Integer dtype, and no uint64 value that int64 would silently turn negative."""
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64_MAX:
+        i = np.unravel_index(int(np.argmax(arr > _INT64_MAX)), arr.shape)
+        raise ValueError(f"{name}[{', '.join(map(str, i))}] = {int(arr[i])} is beyond int64")
+
+
+def int_vector(name: str, values) -> np.ndarray:
+    arr = _as_array(name, values, "a 1-D sequence of integers")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    _check_integers(name, arr)
     return arr.astype(np.int64, copy=False)
 
 
@@ -25,35 +57,73 @@ def first_bad(name: str, mask: np.ndarray, values: np.ndarray, need: str) -> Non
         raise ValueError(f"{name}[{i}] = {int(values[i])} must be {need}")
 
 
+def _check_scalar(name: str, value, optional: bool, limit: int) -> None:
+    if optional and value is None:
+        return
+    if not is_int(value) or value < 1:
+        shown = value.item() if isinstance(value, np.generic) else value  # True, not np.True_
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}an int >= 1, got {shown!r}")
+    if value > limit:
+        raise ValueError(f"{name} = {value} is beyond the largest accepted, {limit}")
+
+
 def validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks):
+    """Checked int64 copies of the step's arrays (and blocks per context), or a ValueError naming the
+    field and the value. A few reductions on the common path; the masks only when something is wrong."""
     q = int_vector("query_lens", query_lens)
     ctx = int_vector("context_lens", context_lens)
     if q.size == 0:
         raise ValueError("query_lens is empty: a step needs at least one request")
     if ctx.size != q.size:
         raise ValueError(f"context_lens has {ctx.size} entries but query_lens has {q.size}")
-    if q.min() < 1:  # one reduction on the common path; the mask only when something is wrong
+    if q.min() < 1:
         first_bad("query_lens", q < 1, q, ">= 1")
     if ctx.min() < 0:
         first_bad("context_lens", ctx < 0, ctx, ">= 0")
-    bt = np.asarray(block_table)
+    q_max = int(q.max())
+    if q_max > MAX_STEP_TOKENS or q_max * q.size > MAX_STEP_TOKENS and int(q.sum()) > MAX_STEP_TOKENS:
+        raise ValueError(f"sum(query_lens) = {sum(int(x) for x in q)} new tokens in one step: the planner "
+                         f"takes at most {MAX_STEP_TOKENS}")
+    if int(ctx.max()) + q_max > MAX_POSITION:
+        r = int(np.argmax(ctx + q > MAX_POSITION))
+        raise ValueError(f"context_lens[{r}] = {int(ctx[r])} with query_lens[{r}] = {int(q[r])}: positions "
+                         f"beyond {MAX_POSITION}")
+    _check_scalar("block_size", block_size, False, MAX_BLOCK_SIZE)
+    _check_scalar("sliding_window", sliding_window, True, MAX_SCALAR)
+    _check_scalar("num_blocks", num_blocks, True, MAX_SCALAR)
+    bt = _as_array("block_table", block_table, "a 2-D table of integers (rows of equal length)")
     if bt.ndim != 2 or bt.shape[0] != q.size:
         raise ValueError(f"block_table must have shape [{q.size}, max_blocks], got {tuple(bt.shape)}")
-    if bt.size and bt.dtype.kind not in "iu":
-        raise ValueError(f"block_table must hold integers, got dtype {bt.dtype}")
-    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1):
-        raise ValueError(f"num_blocks must be None or an int >= 1, got {num_blocks!r}")
-    nb_ctx = (ctx + block_size - 1) // block_size
+    _check_integers("block_table", bt)
+    nb_ctx = -(-ctx // int(block_size))
     if nb_ctx.max() > bt.shape[1]:
         r = int(np.argmax(nb_ctx > bt.shape[1]))
         raise ValueError(
             f"block_table has {bt.shape[1]} columns but request {r} needs {int(nb_ctx[r])} blocks "
             f"for context_lens[{r}] = {int(ctx[r])} (block_size {block_size})")
     return q, ctx, np.ascontiguousarray(bt, dtype=np.int64), nb_ctx
+
+
+#: Most causal tiles of one step (a 2**20-token prompt at causal_tile 1 would need 2**39).
+MAX_CAUSAL_TILES = 1 << 24
+
+
+def check_causal_tiles(count: int, tile: int) -> None:
+    """Refuse a step whose causal tiles would not fit, before they are listed."""
+    if count > MAX_CAUSAL_TILES:
+        raise ValueError(f"the step needs {count} causal tiles of {tile} tokens: more than {MAX_CAUSAL_TILES}; "
+                         "use a larger causal_tile or fewer new tokens per step")
+
+
+def same_id_sum(ids: np.ndarray, largest: int, weights: np.ndarray | None = None) -> np.ndarray:
+    """For each item, how many items (or their summed weights) carry the same id. Memory is bounded by
+    the items, never by the largest id (an id of 2**62 must not allocate 2**62 counters): one bincount
+    when the ids are dense enough (the common case, no sort), else over ids compacted by `np.unique`."""
+    if largest < max(8 * ids.size, 1 << 16):
+        return np.bincount(ids, weights, minlength=largest + 1)[ids]
+    _, inverse = np.unique(ids, return_inverse=True)
+    inverse = inverse.ravel()
+    return np.bincount(inverse, weights)[inverse]
 
 
 def ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -99,11 +169,21 @@ def first_bad_block(phys, pair_req, pair_blk, num_blocks):
                          f"for the context but must be >= 0{limit}")
 
 
+#: Largest bucket a step is padded to, per size: padding allocates these, so a bucket of 2**40 tokens
+#: is an error here, not a MemoryError.
+BUCKET_LIMITS = {"query_len": MAX_STEP_TOKENS, "num_logits": MAX_STEP_TOKENS, "num_causal_tiles": MAX_CAUSAL_TILES,
+                 "num_shared_blocks": 1 << 22, "num_unique_blocks": 1 << 22}
+
+
 def check_covers(bucket: Bucket, shape: Bucket) -> None:
+    """`bucket` holds the step (every size at least the step's) and is small enough to pad to."""
     for f in fields(Bucket)[1:]:
         need, have = getattr(shape, f.name), getattr(bucket, f.name)
         if have < need:
             raise ValueError(f"bucket {bucket} does not cover the step: {f.name} {need} > {have}")
+        if have > BUCKET_LIMITS[f.name]:
+            raise ValueError(f"bucket {bucket}: {f.name} {have} is beyond the largest accepted, "
+                             f"{BUCKET_LIMITS[f.name]}")
 
 
 def step_tokens(q: np.ndarray, ctx: np.ndarray):

@@ -39,10 +39,11 @@ from dataclasses import replace
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_covers, chunk_groups, chunk_index, grow, move_no_row,
-                                            ranges, step_tokens)
+from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, chunk_groups, chunk_index,
+                                            grow, move_no_row, ranges, same_id_sum, step_tokens)
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
-from vllm_gaudi_unified.plan.rules import causal_spans, group_columns, shared_pairs, shared_tiles, unique_reads_slice
+from vllm_gaudi_unified.plan.rules import (MAX_SLICE_BLOCKS, causal_spans, group_columns, shared_pairs, shared_tiles,
+                                           unique_reads_slice)
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 
@@ -63,7 +64,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
         is_shared = shared_pairs(phys, q, counts)
     else:  # token j sees the block's last key k while j <= k - context_len + W - 1
         users = np.clip(pair_blk * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
-        is_shared = np.bincount(phys, weights=users, minlength=max_block_id + 1)[phys] > 1
+        is_shared = same_id_sum(phys, max_block_id, users) > 1 if phys.size else np.zeros(0, bool)
 
     unique = _plan_unique(~is_shared, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T, opts, counts)
     shared = _plan_shared(is_shared, phys, pair_req, pair_blk, q, starts, ctx, bt, tok_req, tok_pos, bs, W, T, opts)
@@ -99,6 +100,9 @@ def _plan_unique(mask, phys, pair_req, pair_blk, pair_hi, starts, ctx, bs, W, T,
         empty = np.zeros(0, np.int64)
         return empty, (empty if opts.unique_layout == "gather" else None), empty, empty
     span = int(ids.max()) + 1
+    if opts.unique_layout == "slice" and span > MAX_SLICE_BLOCKS:
+        raise ValueError(f"unique_layout='slice' would read cache blocks [0, {span}) for block id {span - 1}: "
+                         f"more than {MAX_SLICE_BLOCKS}; use 'gather' or 'auto'")
     if not unique_reads_slice(ids.size, span - 1, opts):
         return rows, ids, lo, hi
     slot_rows = np.full(span, T, np.int64)
@@ -199,6 +203,7 @@ def _plan_causal(seg_start, tok_j, T, W, tile):
         return empty, empty, needed
     first_q, active, first_k, last_k = causal_spans(t // tile, t, klo, needs, tile)
     first_q, first_k, last_k = first_q[active], first_k[active], last_k[active]
+    check_causal_tiles(int((last_k - first_k + 1).sum()), tile)
     k_tiles, owner = ranges(first_k, last_k - first_k + 1)
     return first_q[owner], k_tiles * tile, needed
 

@@ -50,8 +50,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_covers, chunk_groups, chunk_index, grow, move_no_row,
-                                            ranges, step_tokens)
+from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, chunk_groups, chunk_index,
+                                            grow, move_no_row, ranges, step_tokens)
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
@@ -134,14 +134,14 @@ def _plan_units(phys, pair_req, pair_blk, q, starts, ctx, tok_pos, bs, W, T, opt
     idx, ok = chunk_index(first, count, rs)
     n = _round_up(group.size, opts.invariant_chunk)
 
-    def padded(a, fill):
-        out = np.full((n,) + a.shape[1:], fill, np.int32)
+    def padded(a, fill, dtype=np.int32):  # tokens, slots and columns fit int32 (plan/arrays.py limits)
+        out = np.full((n,) + a.shape[1:], fill, dtype)
         out[:a.shape[0]] = a
         return out
 
     return dict(
         rows=padded(np.where(ok, tok[idx] if tok.size else 0, T), T),
-        block=padded(ids[bounds][group] if ids.size else np.zeros(0, np.int64), 0),
+        block=padded(ids[bounds][group] if ids.size else np.zeros(0, np.int64), 0, np.int64),  # ids need 64 bits
         col=padded(np.where(ok, blk[idx] if blk.size else 0, 0), 0),
         lo=padded(np.where(ok, lo[idx] if lo.size else 0, 0), 0),
         hi=padded(np.where(ok, hi[idx] if hi.size else 0, 0), 0))
@@ -154,6 +154,7 @@ def _plan_causal_tiles(q, starts, W, opts):
     n_tiles = np.where(q >= 2, -(-q // c), 0)
     a, a_req = ranges(np.zeros_like(q), n_tiles)
     first_b = np.zeros_like(a) if W is None else np.maximum(a * c - W + 1, 0) // c
+    check_causal_tiles(int((a - first_b + 1).sum()), c)
     b, owner = ranges(first_b, a - first_b + 1)
     req, a = a_req[owner], a[owner]
     width = pow2(int(n_tiles.max()) if n_tiles.size else 1)

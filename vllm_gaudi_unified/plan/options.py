@@ -5,6 +5,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_gaudi_unified.plan.arrays import is_int
+
+#: Largest accepted tile sizes: far above any useful value, low enough that a tile's device mask
+#: (`causal_tile`**2, `invariant_rows` x block) and the planner's arrays stay allocatable.
+TILE_LIMITS = {"causal_tile": 4096, "shared_rows": 1 << 20, "shared_tile_keys": 1 << 24, "invariant_rows": 4096,
+               "invariant_chunk": 1 << 20, "invariant_causal_chunk": 1 << 20}
+
+
 #: Layouts of the unique path: read `[0, max id + 1)` of the cache in place, or gather live blocks.
 UNIQUE_LAYOUTS = ("auto", "slice", "gather")
 
@@ -27,15 +35,18 @@ class PlanOptions:
     invariant_causal_chunk: int = 16  #: batch_invariant: causal tiles per product
 
     def __post_init__(self):
-        for name in ("causal_tile", "shared_rows", "shared_tile_keys", "invariant_rows", "invariant_chunk",
-                     "invariant_causal_chunk"):
+        for name, limit in TILE_LIMITS.items():
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"PlanOptions.{name} must be an int >= 1, got {value!r}")
-        if self.unique_layout not in UNIQUE_LAYOUTS:
+            if not is_int(value) or not 1 <= value <= limit:
+                raise ValueError(f"PlanOptions.{name} must be an int in [1, {limit}], got {value!r}")
+        if not (isinstance(self.unique_layout, str) and self.unique_layout in UNIQUE_LAYOUTS):
             raise ValueError(f"PlanOptions.unique_layout must be one of {UNIQUE_LAYOUTS}, got {self.unique_layout!r}")
-        if not 0.0 <= self.slice_min_density <= 1.0:
-            raise ValueError(f"PlanOptions.slice_min_density must be in [0, 1], got {self.slice_min_density!r}")
+        d = self.slice_min_density
+        if not (isinstance(d, (int, float, np.integer, np.floating)) and not isinstance(d, (bool, np.bool_))
+                and 0.0 <= d <= 1.0):
+            raise ValueError(f"PlanOptions.slice_min_density must be a float in [0, 1], got {d!r}")
+        if not isinstance(self.batch_invariant, (bool, np.bool_)):
+            raise ValueError(f"PlanOptions.batch_invariant must be a bool, got {self.batch_invariant!r}")
 
     def blocks_per_tile(self, block_size: int) -> int:
         """Cache blocks in one shared tile."""

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_gaudi_unified.plan.arrays import mix64
+from vllm_gaudi_unified.plan.arrays import mix64, same_id_sum
 from vllm_gaudi_unified.plan.options import PlanOptions
+
+
+#: Largest cache slice the unique path reads in place (blocks): beyond it 'auto' gathers, 'slice' is refused.
+MAX_SLICE_BLOCKS = 1 << 22
 
 
 def segment_starts(keys: np.ndarray) -> np.ndarray:
@@ -22,8 +26,8 @@ def shared_pairs(block_key: np.ndarray, q: np.ndarray, counts: np.ndarray) -> np
     """Which (request, cached block) pairs go to the shared path, without a sliding window: the block is
     read by more than one query token, because two pairs of its step hold it (`block_key`: the pair's
     block, unique per step) or because its request has several new tokens (`counts`: pairs per request)."""
-    uses = np.bincount(block_key)
-    shared = (uses[block_key] > 1) if uses.size and uses.max() > 1 else np.zeros(block_key.size, bool)
+    # Counted over the ids in use, never an array as long as the largest id (`same_id_sum`).
+    shared = same_id_sum(block_key, int(block_key.max())) > 1 if block_key.size else np.zeros(0, bool)
     multi = q > 1
     if multi.any():
         shared |= np.repeat(multi, counts)
@@ -33,8 +37,8 @@ def shared_pairs(block_key: np.ndarray, q: np.ndarray, counts: np.ndarray) -> np
 def unique_reads_slice(num_ids, max_id, options: PlanOptions):
     """Per step: does the unique path read the cache slice `[0, max id]` in place (True) or gather its
     `num_ids` live blocks? 'auto' reads the slice when at least `slice_min_density` of it is live."""
-    if options.unique_layout == "auto":
-        return num_ids >= options.slice_min_density * (max_id + 1)
+    if options.unique_layout == "auto":  # a slice beyond MAX_SLICE_BLOCKS is never read in place
+        return (num_ids >= options.slice_min_density * (max_id + 1)) & (max_id < MAX_SLICE_BLOCKS)
     return np.full(np.shape(num_ids), options.unique_layout == "slice")
 
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, TILE, comma_ints, float_in, int_in
+from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE, MAX_STEP_TOKENS
 from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
+from vllm_gaudi_unified.tools.workloads import WORKLOADS
+
+WORKLOAD_NAMES = tuple(WORKLOADS)
 
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                  "sliding_window")
@@ -34,41 +39,44 @@ def register(subparsers) -> None:
     _add_model(g)
     g.add_argument("--trace", action="append", default=[], metavar="T",
                    help="scheduler trace (.jsonl or .jsonl.gz) to learn from; repeatable")
-    g.add_argument("--workload", default="chat", help="simulated workload when no --trace is given (chat, mixed)")
-    g.add_argument("--seeds", default="1,2,3", help="simulator seeds when no --trace is given (comma separated)")
-    g.add_argument("--max-graphs", type=int, default=None,
+    g.add_argument("--workload", choices=WORKLOAD_NAMES, default="chat",
+                   help="simulated workload when no --trace is given")
+    g.add_argument("--seeds", type=comma_ints, default="1,2,3",
+                   help="simulator seeds when no --trace is given (comma separated)")
+    g.add_argument("--max-graphs", type=int_in(1, 4096), default=None,
                    help="most buckets in the plan (default: robust 27, trace 32)")
-    g.add_argument("--target-waste", type=float, default=None,
+    g.add_argument("--target-waste", type=float_in(1.0, 1e6), default=None,
                    help="stop at the fewest buckets whose padding waste on the traces is at most this (trace)")
-    g.add_argument("--resolution", type=float, default=3.0,
+    g.add_argument("--resolution", type=float_in(0.5, 8.0), default=3.0,
                    help="grid points per doubling for bucket boundaries (robust, trace; default 3)")
-    g.add_argument("--margin", type=float, default=None,
+    g.add_argument("--margin", type=float_in(0.0, 4.0), default=None,
                    help="grow learned shapes by this share before choosing, for unseen steps "
                         "(default: robust 0.1, trace 0.2)")
-    g.add_argument("--skeleton-ratio", type=float, default=32.0,
+    g.add_argument("--skeleton-ratio", type=float_in(0.0, 1e6), default=32.0,
                    help="robust: cost ratio between neighbouring skeleton buckets (0: no skeleton; default 32)")
     g.add_argument("--load-fractions", default="0.5,0.25,0.0625",
                    help="robust: also learn from each trace with only this share of each step's requests, "
                         "for lower loads (comma separated; empty for none)")
-    g.add_argument("--load-weight", type=float, default=0.3,
+    g.add_argument("--load-weight", type=float_in(0.0, 1e6), default=0.3,
                    help="robust: weight of all load-scaled steps together, against 1 for the traces (default 0.3)")
-    g.add_argument("--worst", type=float, default=None,
+    g.add_argument("--worst", type=float_in(1.0, 1e9), default=None,
                    help="robust: steps padded beyond this ratio (time or score pairs) cost more than any "
                         "other padding (default: off)")
-    g.add_argument("--memory-share", type=float, default=None,
+    g.add_argument("--memory-share", type=float_in(1e-6, 1.0), default=None,
                    help="no bucket gathers more K/V (one layer) than this share of device memory; steps "
                         f"beyond are split by the planner (robust default {DEFAULT_MEMORY_SHARE}; "
                         "exponential and trace: no cap unless given)")
-    g.add_argument("--device-memory-gb", type=float, default=None,
+    g.add_argument("--device-memory-gb", type=float_in(1e-3, 1e6), default=None,
                    help="device memory for --memory-share (default 128, Gaudi 3)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="plan for batch-invariant mode (PlanOptions.batch_invariant; steps replayed through "
                         "plan_step, slower)")
-    g.add_argument("--exp-base", type=float, default=2.0, help="growth factor of exponential ranges (default 2)")
+    g.add_argument("--exp-base", type=float_in(1.4, 16.0), default=2.0,
+                   help="growth factor of exponential ranges, 1.4 to 16 (default 2; 1.4 already makes ~25000 buckets)")
     g.add_argument("--miss-policy", choices=("error", "largest", "unbucketed"), default="error",
                    help="what a step no bucket covers does at serve time (default: error)")
-    g.add_argument("--jobs", type=int, default=None, help="processes for replaying traces (default: all cores)")
-    g.add_argument("-o", "--output", required=True, help="plan file to write (JSON)")
+    g.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying traces (default: all cores)")
+    g.add_argument("-o", "--output", type=output_path, required=True, help="plan file to write (JSON)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.set_defaults(func=cmd_generate, _parser=g)
 
@@ -84,11 +92,11 @@ def register(subparsers) -> None:
                                    "per dimension.")
     e.add_argument("plan", metavar="PLAN", help="bucket plan JSON")
     e.add_argument("--trace", action="append", required=True, metavar="T", help="scheduler trace; repeatable")
-    e.add_argument("--json", default=None, help="also write the results to this JSON file")
+    e.add_argument("--json", type=output_path, default=None, help="also write the results to this JSON file")
     e.add_argument("--upstream", action="store_true",
                    help="also score the earlier Gaudi implementation's plan for the plan's settings (rebuilt "
                         "from its rules: 107 graphs at the 8B setting) on the same traces")
-    e.add_argument("--jobs", type=int, default=None, help="processes for replaying traces")
+    e.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying traces")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_evaluate)
 
@@ -97,21 +105,22 @@ def register(subparsers) -> None:
                                     "slots and causal tiles) and the plan's buckets as boxes.")
     pl.add_argument("plan", metavar="PLAN", help="bucket plan JSON")
     pl.add_argument("--trace", required=True, metavar="T", help="scheduler trace")
-    pl.add_argument("-o", "--output", required=True, help="PNG file to write")
-    pl.add_argument("--jobs", type=int, default=None, help="processes for replaying the trace")
+    pl.add_argument("-o", "--output", type=output_path, required=True, help="PNG file to write")
+    pl.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying the trace")
     pl.set_defaults(func=cmd_plot)
 
     sm = sub.add_parser("simulate", help="make a scheduler trace with the v1-like simulator",
                         description="Simulate a vLLM v1 scheduler serving a generated workload and write "
                                     "its steps as a trace.")
     _add_settings(sm, options=False)
-    sm.add_argument("--workload", default="chat", help="named workload: chat or mixed")
-    sm.add_argument("--seed", type=int, default=0, help="random seed")
-    sm.add_argument("--num-requests", type=int, default=None, help="requests (default: the workload's)")
-    sm.add_argument("--arrival-rate", type=float, default=None, help="new requests per step, 0 = all at once")
-    sm.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    sm.add_argument("--workload", choices=WORKLOAD_NAMES, default="chat", help="named workload")
+    sm.add_argument("--seed", type=SEED, default=0, help="random seed")
+    sm.add_argument("--num-requests", type=POSITIVE, default=None, help="requests (default: the workload's)")
+    sm.add_argument("--arrival-rate", type=float_in(0.0, 1e6), default=None,
+                    help="new requests per step, 0 = all at once")
+    sm.add_argument("--max-steps", type=POSITIVE, default=None, help="stop after this many steps")
     sm.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    sm.add_argument("-o", "--output", required=True, help="trace file to write (.jsonl or .jsonl.gz)")
+    sm.add_argument("-o", "--output", type=output_path, required=True, help="trace file to write (.jsonl or .jsonl.gz)")
     sm.add_argument("--no-progress", action="store_true", help="no progress bar")
     sm.set_defaults(func=cmd_simulate)
 
@@ -121,30 +130,32 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
 
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama8b-gaudi3",
                    help="server settings to start from (default: llama8b-gaudi3); flags below override")
-    p.add_argument("--block-size", type=int, default=None, help="KV cache block size (tokens)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM max_num_seqs")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM max_num_batched_tokens")
-    p.add_argument("--max-model-len", type=int, default=None, help="vLLM max_model_len")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
-    p.add_argument("--sliding-window", type=int, default=None, help="sliding window of the model, if any")
+    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
+                   help="KV cache block size (tokens)")
+    p.add_argument("--max-num-seqs", type=POSITIVE, default=None, help="vLLM max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int_in(1, MAX_STEP_TOKENS), default=None,
+                   help="vLLM max_num_batched_tokens")
+    p.add_argument("--max-model-len", type=POSITIVE, default=None, help="vLLM max_model_len")
+    p.add_argument("--num-blocks", type=POSITIVE, default=None, help="KV cache blocks")
+    p.add_argument("--sliding-window", type=POSITIVE, default=None, help="sliding window of the model, if any")
     if options:  # no 'auto' layout: one bucket would need two graphs (slice and gather)
         add_plan_option_flags(p, layouts=("gather", "slice"), base="the preset's (unique layout: gather)")
-        p.add_argument("--invariant-rows", type=int, default=None,
+        p.add_argument("--invariant-rows", type=TILE["invariant_rows"], default=None,
                        help="planner option, batch-invariant mode: query rows of a unit")
-        p.add_argument("--invariant-chunk", type=int, default=None,
+        p.add_argument("--invariant-chunk", type=TILE["invariant_chunk"], default=None,
                        help="planner option, batch-invariant mode: units per product")
-        p.add_argument("--invariant-causal-chunk", type=int, default=None,
+        p.add_argument("--invariant-causal-chunk", type=TILE["invariant_causal_chunk"], default=None,
                        help="planner option, batch-invariant mode: causal tiles per product")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-layers", type=int, default=None, help="model layers (default 32, Llama-3.1-8B)")
-    p.add_argument("--num-qo-heads", type=int, default=None, help="query heads (default 32)")
-    p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default 8)")
-    p.add_argument("--head-dim", type=int, default=None, help="head size (default 128)")
-    p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per element (default 2, bf16)")
-    p.add_argument("--hidden-size", type=int, default=None, help="hidden size, for the LM head (default 4096)")
-    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary, for the LM head (default 128256)")
+    p.add_argument("--num-layers", type=POSITIVE, default=None, help="model layers (default 32, Llama-3.1-8B)")
+    p.add_argument("--num-qo-heads", type=POSITIVE, default=None, help="query heads (default 32)")
+    p.add_argument("--num-kv-heads", type=POSITIVE, default=None, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=POSITIVE, default=None, help="head size (default 128)")
+    p.add_argument("--dtype-bytes", type=int_in(1, 8), default=None, help="bytes per element (default 2, bf16)")
+    p.add_argument("--hidden-size", type=POSITIVE, default=None, help="hidden size, for the LM head (default 4096)")
+    p.add_argument("--vocab-size", type=POSITIVE, default=None, help="vocabulary, for the LM head (default 128256)")
 
 
 def settings_from_args(args):
@@ -168,19 +179,10 @@ def model_from_args(args):
     return ModelSpec(**{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k, None) is not None})
 
 
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return 2
-
-
 def cmd_generate(args) -> int:
-    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
     t0 = time.perf_counter()
-    try:
-        plan = make_plan_from_args(args)
-    except (ValueError, TraceError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+    plan = make_plan_from_args(args)
     plan.miss_policy = args.miss_policy
     plan.info["command"] = command_line(args)
     plan.save(args.output)
@@ -283,10 +285,7 @@ def command_line(args) -> str:
 def cmd_show(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
-    try:
-        plan = BucketPlan.load(args.plan)
-    except (ValueError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+    plan = BucketPlan.load(args.plan)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
@@ -315,24 +314,20 @@ def format_plan(plan) -> str:
 
 def cmd_evaluate(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
-    from vllm_gaudi_unified.bucket_plans.trace import TraceError
     from vllm_gaudi_unified.tools.evaluate import evaluate
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
     from vllm_gaudi_unified.tools.upstream import evaluate_upstream, upstream_tuples_of_trace
 
-    try:
-        plan = BucketPlan.load(args.plan)
-        if args.upstream and plan.settings.options.batch_invariant:
-            raise ValueError("--upstream compares default-mode plans (the earlier scheme had no invariant mode)")
-        results, upstream = [], []
-        for t in args.trace:
-            shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
-            results.append(evaluate(plan, shapes, os.path.basename(t)))
-            if args.upstream:
-                upstream.append(evaluate_upstream(plan.settings, plan.cost_model, upstream_tuples_of_trace(t, plan.settings),
-                                                  float(shapes.needed.sum()), os.path.basename(t)))
-    except (ValueError, TraceError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+    plan = BucketPlan.load(args.plan)
+    if args.upstream and plan.settings.options.batch_invariant:
+        raise ValueError("--upstream compares default-mode plans (the earlier scheme had no invariant mode)")
+    results, upstream = [], []
+    for t in args.trace:
+        shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
+        results.append(evaluate(plan, shapes, os.path.basename(t)))
+        if args.upstream:
+            upstream.append(evaluate_upstream(plan.settings, plan.cost_model, upstream_tuples_of_trace(t, plan.settings),
+                                              float(shapes.needed.sum()), os.path.basename(t)))
     print(f"plan: {args.plan} ({plan.strategy}, {len(plan)} graphs, gather cap {plan.gather_cap})\n")
     print("\n\n".join(r.table() for r in results))
     for u in upstream:
@@ -341,7 +336,7 @@ def cmd_evaluate(args) -> int:
               f"{u['worst_time']:.2f} / {u['worst_pairs']:.2f}, p99 {u['p99_time']:.2f} / {u['p99_pairs']:.2f}; "
               f"algorithm factor {u['algorithm_factor']:.3f}, with padding {u['total_factor']:.3f}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+        with atomic_write(args.json) as f:
             json.dump({"plan": args.plan, "strategy": plan.strategy, "graphs": len(plan),
                        "results": [r.to_dict() for r in results], "upstream": upstream}, f, indent=1)
     return 0
@@ -351,13 +346,9 @@ def cmd_plot(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
     from vllm_gaudi_unified.tools.plot import plot_plan
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
-    from vllm_gaudi_unified.bucket_plans.trace import TraceError
 
-    try:
-        plan = BucketPlan.load(args.plan)
-        shapes = shapes_of_trace(args.trace, plan.settings, jobs=args.jobs)
-    except (ValueError, TraceError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+    plan = BucketPlan.load(args.plan)
+    shapes = shapes_of_trace(args.trace, plan.settings, jobs=args.jobs)
     plot_plan(plan, shapes, args.output)
     print(f"wrote {args.output}")
     return 0
@@ -368,12 +359,9 @@ def cmd_simulate(args) -> int:
     from vllm_gaudi_unified.tools.workloads import workload_from
     from vllm_gaudi_unified.bucket_plans.trace import TraceWriter
 
-    try:
-        s = settings_from_args(args)
-        sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching)
-        work = workload_from(args.workload, num_requests=args.num_requests, arrival_rate=args.arrival_rate)
-    except ValueError as exc:
-        return _fail(str(exc))
+    s = settings_from_args(args)
+    sched = SchedulerConfig.from_settings(s, enable_prefix_caching=not args.no_prefix_caching)
+    work = workload_from(args.workload, num_requests=args.num_requests, arrival_rate=args.arrival_rate)
     from tqdm import tqdm
 
     sim = Simulator(sched, work, args.seed)

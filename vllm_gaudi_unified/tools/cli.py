@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 #: Modules that add subcommands, in the order `--help` lists them.
@@ -21,9 +22,20 @@ COMMAND_MODULES = (
 )
 
 
+PROG = "vllm-gaudi-unified"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `vllm-gaudi-unified buckets generate: error: argument --margin: ...`
+    (no usage block; `--help` has it). Subcommand parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vllm-gaudi-unified",
+    parser = Parser(
+        prog=PROG,
         description="Unified Attention for vLLM on Intel Gaudi: demo, bucket plans, warmup, benchmarks, serving.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -40,15 +52,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, run the command, and turn every failure into one line on stderr (the one error handler).
+
+    Bad input (a `ValueError`: bad values, files that are not traces or plans; an `OSError`: missing,
+    unreadable or unwritable files) -> `vllm-gaudi-unified: error: ...`, exit 2 (`-v` re-raises, for
+    the traceback). Ctrl-C -> `vllm-gaudi-unified: interrupted`, exit 130. A closed pipe
+    (`... | head`) -> no message, exit 1. Outputs are written atomically (`files.py`), so none of these
+    leaves half a file behind."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"] and argv[1:] not in (["-h"], ["--help"]):
+        args = parser.parse_args(["serve"])  # the rest is vLLM's, flags first included (argparse's
+        args.vllm_args = argv[1:]  # REMAINDER cannot start with a flag)
+    else:
+        args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     from vllm_gaudi_unified.log import setup_cli_logging
 
     setup_cli_logging(args.verbose)
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here, not at exit
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # Python would complain again when flushing at exit
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, EOFError) as exc:
+        if args.verbose:
+            raise
+        print(f"{PROG}: error: {describe(exc)}", file=sys.stderr)
+        return 2
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an error: `path: reason` for OS errors, the message otherwise."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import argparse
 import time
 from dataclasses import dataclass
 
+from vllm_gaudi_unified.flags import POSITIVE, SEED
+
 DEFAULTS = dict(steps=40, seed=0, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, num_blocks=1024,
                 num_qo_heads=8, num_kv_heads=2, head_dim=64)
 
@@ -109,6 +111,9 @@ def _write_new_tokens(key_cache, value_cache, k, v, step, table) -> None:
 
 
 def _run(args) -> int:
+    if args.num_qo_heads % args.num_kv_heads:
+        raise ValueError(f"--num-qo-heads {args.num_qo_heads} must be a multiple of --num-kv-heads "
+                         f"{args.num_kv_heads}")
     cfg = DemoConfig(**{k: getattr(args, k) for k in DEFAULTS}, dtype=args.dtype, check=not args.no_check)
     summary = run_demo(cfg)
     tol = 1e-4 if cfg.dtype == "float32" else 1e-2
@@ -126,7 +131,7 @@ def register(subparsers) -> None:
                  max_num_batched_tokens="token budget of a step", num_blocks="KV cache blocks",
                  num_qo_heads="query heads", num_kv_heads="KV heads", head_dim="head size")
     for name, default in DEFAULTS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+        p.add_argument("--" + name.replace("_", "-"), type=SEED if name == "seed" else POSITIVE, default=default,
                        help=f"{helps[name]} (default: {default})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
                    help="dtype of q/k/v and the cache (default: float32)")

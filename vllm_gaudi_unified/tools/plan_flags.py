@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from vllm_gaudi_unified.flags import TILE
 from vllm_gaudi_unified.plan.options import DEFAULT_OPTIONS, UNIQUE_LAYOUTS, PlanOptions
 
 #: PlanOptions fields that have a flag (`--causal-tile`, ...).
@@ -16,9 +17,9 @@ def add_plan_option_flags(parser: argparse.ArgumentParser, layouts: tuple[str, .
     """`--causal-tile`, `--shared-rows`, `--shared-tile-keys`, `--unique-layout`; each unset flag keeps the
     value of the options the command starts from (`base` says which, for `--help`)."""
     g = parser.add_argument_group("planner options", f"unset: {base}")
-    g.add_argument("--causal-tile", type=int, default=None, help="query rows = key columns of a causal tile")
-    g.add_argument("--shared-rows", type=int, default=None, help="query rows of a shared tile")
-    g.add_argument("--shared-tile-keys", type=int, default=None, help="keys of a shared tile (whole blocks)")
+    g.add_argument("--causal-tile", type=TILE["causal_tile"], default=None, help="query rows = key columns of a causal tile")
+    g.add_argument("--shared-rows", type=TILE["shared_rows"], default=None, help="query rows of a shared tile")
+    g.add_argument("--shared-tile-keys", type=TILE["shared_tile_keys"], default=None, help="keys of a shared tile (whole blocks)")
     g.add_argument("--unique-layout", choices=layouts, default=None,
                    help="unique path: contiguous slice, gathered live blocks" +
                         (", or chosen per step (auto)" if "auto" in layouts else ""))

@@ -1,9 +1,12 @@
 """Pictures of bucket plans: the buckets over a scatter of a trace's steps, and waste-vs-graphs curves."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, SHORT
+from vllm_gaudi_unified.files import atomic_write
 
 #: The three panels of `plot_plan`: (x, y) dimensions.
 PANELS = (("query_len", "num_unique_blocks"), ("query_len", "num_shared_blocks"), ("query_len", "num_causal_tiles"))
@@ -44,7 +47,8 @@ def plot_plan(plan, shapes, path: str, title: str = "") -> None:
     fig.suptitle(title or f"{plan.strategy} plan: {len(plan)} buckets ({len(used)} used by this trace); "
                  "dots: steps, boxes: buckets (bold: used)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_write(path, binary=True) as f:  # whole or not at all
+        fig.savefig(f, dpi=110, format=_format(fig, path))
     plt.close(fig)
 
 
@@ -91,5 +95,12 @@ def plot_curves(curves: dict, path: str, title: str = "", styles: dict | None = 
         ax.grid(alpha=0.3, which="both")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_write(path, binary=True) as f:
+        fig.savefig(f, dpi=100, format=_format(fig, path))
     plt.close(fig)
+
+
+def _format(fig, path: str) -> str:
+    """The image format the file name asks for (its extension), PNG when it names none matplotlib knows."""
+    ext = os.path.splitext(path)[1][1:].lower()
+    return ext if ext in fig.canvas.get_supported_filetypes() else "png"

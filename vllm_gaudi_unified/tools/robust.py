@@ -51,6 +51,7 @@ from vllm_gaudi_unified.bucket import bucket_from_sizes
 from vllm_gaudi_unified.tools.shapes import StepShapes
 from vllm_gaudi_unified.tools.strategies import grid_values, round_up
 from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes
+from vllm_gaudi_unified.bucket_plans.trace import step_lines
 
 Q, S, U, L, C = range(5)
 #: Fractions of a step's requests kept to see it at lower loads.
@@ -270,7 +271,7 @@ def load_scaled_shapes(trace, settings: ServerSettings, fractions=LOAD_FRACTIONS
         return []
     rng = np.random.default_rng(seed)
     if isinstance(trace, str):
-        items, name = sh._read_step_lines(trace), trace
+        items, name = step_lines(trace)[0], trace
     else:
         items, name = list(trace), "steps"
     if len(items) > max_steps:

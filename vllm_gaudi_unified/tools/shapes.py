@@ -20,7 +20,6 @@ Long traces are cut into chunks replayed by worker processes.
 """
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import os
@@ -34,9 +33,9 @@ import numpy as np
 from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes, codes_of
 from vllm_gaudi_unified.bucket_plans.cost import DIMS
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
-from vllm_gaudi_unified.bucket_plans.trace import Trace, TraceError, TraceStep, step_from_json
+from vllm_gaudi_unified.bucket_plans.trace import Trace, TraceError, TraceStep, step_from_json, step_lines
 from vllm_gaudi_unified.plan import plan_step
-from vllm_gaudi_unified.plan.arrays import ranges
+from vllm_gaudi_unified.plan.arrays import MAX_POSITION, MAX_STEP_TOKENS, ranges
 from vllm_gaudi_unified.plan.rules import (causal_spans, group_columns, segment_starts, shared_pairs, shared_tiles,
                                            unique_reads_slice)
 
@@ -145,6 +144,8 @@ def _parse_lines(lines: list[str], block_size: int) -> _Arrays | None:
     row_lens = np.diff(ends, prepend=0)
     if q.min() < 1 or ctx.min() < 0 or (row_lens < -(-(q + ctx) // block_size)).any():
         return None
+    if q.max() > MAX_STEP_TOKENS or ctx.max() > MAX_POSITION or flat.min() < 0 or flat.max() >= 1 << 31:
+        return None  # out of range (`step_from_json` names the line and value) or ids too large to batch
     req_step = np.repeat(np.arange(len(lines)), nreq)
     return _Arrays(block_size, q, ctx, flat, ends - row_lens, req_step, len(lines))
 
@@ -261,8 +262,9 @@ def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return sizes, needed, fallback
 
 
-def _shape_rows(items, settings: ServerSettings, exact: bool, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """Sizes and needed work of steps given as trace lines (str) or TraceSteps."""
+def _shape_rows(items, settings: ServerSettings, exact: bool, where: str,
+                numbers: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Sizes and needed work of steps given as trace lines (str, at line `numbers` of `where`) or TraceSteps."""
     n = len(items)
     sizes = np.zeros((n, len(DIMS)), np.int64)
     needed = np.zeros((n, 3), np.int64)
@@ -282,24 +284,16 @@ def _shape_rows(items, settings: ServerSettings, exact: bool, where: str) -> tup
             sizes[lo:lo + len(part)], needed[lo:lo + len(part)] = s, w
             todo[lo:lo + len(part)] = fb
     for i in np.flatnonzero(todo):
-        item = items[i]
-        step = step_from_json(_json(item, where), where) if isinstance(item, str) else item
-        _check_block_size(step.block_size, settings, where)
+        item, at = items[i], where if numbers is None else f"{where}:{numbers[i]}"
+        step = step_from_json(_json(item, at), at) if isinstance(item, str) else item
+        _check_block_size(step.block_size, settings, at)
         sizes[i], needed[i] = _exact_shape(step, settings)
     return sizes, needed
 
 
 def _plan_lines(args) -> tuple[np.ndarray, np.ndarray]:
-    lines, settings, where, exact = args
-    return _shape_rows(lines, settings, exact, where)
-
-
-def _read_step_lines(path: str) -> list[str]:
-    if not os.path.exists(path):
-        raise TraceError(f"{path}: no such trace file")
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [line for line in f if '"query_lens"' in line]
+    lines, settings, where, exact, numbers = args
+    return _shape_rows(lines, settings, exact, where, numbers)
 
 
 def shapes_of_steps(steps: list[TraceStep], settings: ServerSettings, source: str = "",
@@ -317,11 +311,13 @@ def shapes_of_trace(trace: str | Trace, settings: ServerSettings, jobs: int | No
     """Replay every step of a trace (a path or a read Trace); `exact`: through `plan_step`."""
     if isinstance(trace, Trace):
         return shapes_of_steps(trace.steps, settings, trace.path or "", exact)
-    lines = _read_step_lines(trace)
+    lines, numbers = step_lines(trace)
     if not lines:
         raise TraceError(f"{trace}: the trace holds no scheduler step")
-    _check_block_size(step_from_json(_json(lines[0], trace), trace).block_size, settings, trace)
-    chunks = [(lines[i:i + chunk], settings, trace, exact) for i in range(0, len(lines), chunk)]
+    first = f"{trace}:{numbers[0]}"
+    _check_block_size(step_from_json(_json(lines[0], first), first).block_size, settings, first)
+    chunks = [(lines[i:i + chunk], settings, trace, exact, numbers[i:i + chunk])
+              for i in range(0, len(lines), chunk)]
     jobs = min(jobs or os.cpu_count() or 1, len(chunks))
     bar = _bar(len(lines), f"planning {os.path.basename(trace)}", progress)
     results = []

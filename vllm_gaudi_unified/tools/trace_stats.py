@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.flags import POSITIVE
 from vllm_gaudi_unified.plan import PathWork, PlanOptions, StepPlan, plan_step
 from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
 
@@ -76,7 +78,7 @@ def run(args, measures: dict | None = None) -> int:
           f"unique path gathered live blocks in {work.gathered_steps} steps")
     print(work.table())
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json) as f:
             json.dump({"trace": args.trace, "steps": work.steps, "options": asdict(plan_options_from_args(args)),
                        "needed": asdict(work.needed), "planned": asdict(work.planned),
                        **{k: asdict(w) for k, w in work.measured.items()}}, f, indent=1)
@@ -86,9 +88,9 @@ def run(args, measures: dict | None = None) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="scheduler trace, JSON Lines (.jsonl or .jsonl.gz)")
     add_plan_option_flags(p)
-    p.add_argument("--sliding-window", type=int, default=None, help="model sliding window (default: none)")
-    p.add_argument("--limit", type=int, default=None, help="read only the first N steps")
-    p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("--sliding-window", type=POSITIVE, default=None, help="model sliding window (default: none)")
+    p.add_argument("--limit", type=POSITIVE, default=None, help="read only the first N steps")
+    p.add_argument("--json", type=output_path, default=None, help="also write the numbers to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from vllm_gaudi_unified.bucket_plans.cost import CostModel
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+from vllm_gaudi_unified.bucket_plans.trace import step_lines
 
 CAUSAL_SLICE = 512
 
@@ -140,7 +141,7 @@ def upstream_tuples_of_trace(path: str, settings: ServerSettings) -> np.ndarray:
     """Upstream tuples of every step of a trace file (steps the fast parser cannot read are skipped)."""
     from vllm_gaudi_unified.tools import shapes as sh
 
-    lines = sh._read_step_lines(path)
+    lines = step_lines(path)[0]
     out = []
     for lo in range(0, len(lines), sh._BATCH):
         a = sh._parse_lines(lines[lo:lo + sh._BATCH], settings.block_size)

