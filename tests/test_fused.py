@@ -141,6 +141,29 @@ def test_fused_sdpa_partial_equals_the_matmul_tile():
     torch.testing.assert_close(lse(got), lse(want), atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("where", ["key", "value"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fused_sdpa_contains_a_bad_key_or_value(where, bad):
+    """A non-finite K or V element of a key some rows of the tile see and others do not: only the rows
+    that see it are NaN (the kernel's -inf bias plus NaN, or a zero weight times NaN, would reach the
+    others); every other row is as without it."""
+    g = torch.Generator().manual_seed(3)
+    t, r, kn, hq, hkv, d = 2, 4, 6, 4, 2, 4
+    q = torch.randn(t, r, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(t, kn, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(t, kn, hkv, d, generator=g, dtype=torch.float64)
+    mask = torch.arange(kn)[None, None, :] <= torch.arange(r)[None, :, None] + 1  # causal-like: rows see more
+    mask = mask.expand(t, r, kn).clone()
+    clean = fused.sdpa_stats_partial(fused_standin.sdpa_recomp_fwd, q, k, v, mask, 0.3)
+    (k if where == "key" else v)[0, 3, 1, 2] = bad  # key 3, KV head 1 of tile 0: rows 2, 3 see it
+    got = fused.sdpa_stats_partial(fused_standin.sdpa_recomp_fwd, q, k, v, mask, 0.3)
+    hit = torch.zeros(t * r, hq, dtype=torch.bool)
+    hit[2:4, 2:4] = True  # query heads 2, 3 belong to KV head 1
+    assert torch.isnan(got.max[hit]).all()
+    for a, b in zip(got, clean):
+        torch.testing.assert_close(a[~hit], b[~hit], rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the real flash kernel)")
 @pytest.mark.parametrize("options", [SMALL_TILES, BIG_TILES], ids=["small", "big"])
 def test_real_flash_on_cuda(spec_name, options, monkeypatch):

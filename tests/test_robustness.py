@@ -141,6 +141,49 @@ def test_a_bad_value_reaches_only_the_tokens_that_attend_to_it(case, mode, dtype
     torch.testing.assert_close(poisoned[others], clean[others], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("mode", ["default", "gather"])
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=poisoned_steps())
+def test_a_bad_value_reaches_only_the_tokens_that_attend_to_it_through_flash(case, mode, dtype):
+    """The same property through the fused dispatch (causal, shared and unique flash paths), the
+    kernel replaced by its exact CPU stand-in, which multiplies masked zeros by V as flash does."""
+    import fused_standin
+
+    from vllm_gaudi_unified import attention
+    from vllm_gaudi_unified.paths import fused
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "FLASH", fused_standin.flash)
+        mp.setattr(fused, "FUSED_UNIQUE_MIN_BLOCK_SIZE", 1)
+        mp.setattr(attention, "kernel_for", lambda batch, q, cap: "flash" if cap is None else None)
+        clean, poisoned = run_poisoned(case, MODES[mode], dtype, "cpu")
+    assert torch.isfinite(clean).all()
+    others = torch.from_numpy(~attending_tokens(case))
+    assert torch.isfinite(poisoned[others]).all(), "a bad value leaked into a token that cannot see it"
+    torch.testing.assert_close(poisoned[others], clean[others], rtol=0, atol=0)
+
+
+def test_flash_nan_value_reaches_only_later_rows_of_its_request(monkeypatch):
+    """Four new tokens of one request, NaN in the value of token 1: flash's causal mask gives token 0
+    a zero weight for it, and 0 * NaN in `P @ V` would make token 0 NaN; only tokens 1..3 may be."""
+    import fused_standin
+
+    from vllm_gaudi_unified import attention
+    from vllm_gaudi_unified.paths import fused
+
+    monkeypatch.setattr(fused, "FLASH", fused_standin.flash)
+    monkeypatch.setattr(attention, "kernel_for", lambda batch, q, cap: "flash")
+    for window, want in ((None, [True, False, False, False]), (2, [True, False, False, True])):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(4, h, 8, generator=g).half() for h in (2, 1, 1))
+        kc, vc = torch.zeros(2, 4, 1, 8).half(), torch.zeros(2, 4, 1, 8).half()
+        v[1] = float("nan")
+        batch = build_unified_batch([4], [0], [[1]], 4, sliding_window=window)
+        finite = torch.isfinite(unified_attention(q, k, v, kc, vc, batch, 0.5)).flatten(1).all(1)
+        assert finite.tolist() == want
+
+
 def test_issue_example_nan_value_in_a_shared_causal_tile():
     """issue 16, finding 1: query_lens [1, 3, 1], context_lens [4, 0, 4], NaN in value of token 2:
     only tokens 2 and 3 may see it (tokens 0..3 share one causal tile)."""

@@ -1,4 +1,7 @@
-"""`unified_attention`: check the inputs, run the paths the batch needs, merge."""
+"""`unified_attention`: check the inputs, run the paths the batch needs, merge.
+
+`attend_step` is the same without the checks and the padding, for a server's
+layers (checked once per step, inputs already bucket-sized: `BucketRows`)."""
 from __future__ import annotations
 
 import math
@@ -29,25 +32,71 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     every softmax denominator (`+inf`: the sink takes all the weight, output 0 on
     that head; `-inf`: no sink). Returns `[T, Hq, D]` in query's dtype.
     """
-    _check_inputs(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks)
+    check_inputs(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks)
     if logits_soft_cap is not None and math.isinf(logits_soft_cap):
         logits_soft_cap = None  # cap * tanh(s / cap) -> s; computing it would give inf * 0 = NaN
     t, padded = query.shape[0], batch.bucket.query_len
     if t < padded:
         query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
+    return attend_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap=logits_soft_cap,
+                       sinks=sinks)[:t]
+
+
+def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, batch: UnifiedBatch, scale: float, *,
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`unified_attention` as a server's layers call it: no checks, no copies of q/k/v.
+
+    The inputs were checked once for the step (`check_inputs` on its first
+    layer: every layer of a KV cache group has the same shapes) and have the
+    bucket's `query_len` rows already (views of the runner's padded tensors, or
+    `BucketRows`). Returns `[query_len, Hq, D]` in query's dtype.
+    """
+    padded = query.shape[0]
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
         partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)]
     else:
         partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap)
                     if p is not None]
         if batch.pieces:  # a step split under the gather cap (plan/split.py): each pair is in one piece
+            t = batch.num_tokens
             partials = [_first_rows(p, t) for p in partials]
             partials += _piece_partials(query[:t], key[:t], value[:t], key_cache, value_cache, batch.pieces, scale,
                                         logits_soft_cap)
             padded = t
     if sinks is not None:
         partials.append(_sink_partial(sinks, padded, query.shape[2], compute_dtype(query.dtype)))
-    return normalize(merge_all(partials))[:t].to(query.dtype)
+    out = normalize(merge_all(partials)).to(query.dtype)
+    if out.shape[0] < query.shape[0]:  # a split step: the rows past its tokens are padding
+        out = F.pad(out, (0, 0, 0, 0, 0, query.shape[0] - out.shape[0]))
+    return out
+
+
+class BucketRows:
+    """q/k/v with the bucket's rows, for `attend_step`, without allocating per layer.
+
+    A runner that pads its token batch to the bucket (graphs do) hands at least
+    `rows` rows: the first `rows` are used as views, no copy. A runner that
+    hands only the step's tokens (vLLM on the CPU) gets them copied into
+    buffers kept from layer to layer and step to step, the padding rows zeroed
+    (what `unified_attention`'s pad gives)."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, name: str, x: torch.Tensor, rows: int) -> torch.Tensor:
+        t = x.shape[0]
+        if t >= rows:
+            return x[:rows]
+        key = (name, x.shape[1:], x.dtype, x.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < rows:
+            buf = self._buffers[key] = x.new_zeros((max(rows, 2 * (0 if buf is None else buf.shape[0])),
+                                                    *x.shape[1:]))
+        out = buf[:rows]
+        out[:t].copy_(x)
+        out[t:].zero_()
+        return out
 
 
 def _first_rows(p: Partial, rows: int) -> Partial:
@@ -111,8 +160,9 @@ def _sink_partial(sinks: torch.Tensor, rows: int, head_dim: int, dtype: torch.dt
                    torch.ones_like(m))
 
 
-def _check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, sinks) -> None:
-    """Clear errors naming the field, before any device work; host-side facts only (no sync)."""
+def check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, sinks) -> None:
+    """Clear errors naming the field, before any device work; host-side facts only (no sync).
+    `unified_attention` runs it on every call; a server's layers once per step (see `attend_step`)."""
     if not isinstance(batch, UnifiedBatch):
         raise ValueError(f"batch must be a UnifiedBatch from build_unified_batch, got {type(batch).__name__}")
     for name, x, dims in (("query", query, 3), ("key", key, 3), ("value", value, 3), ("key_cache", key_cache, 4),

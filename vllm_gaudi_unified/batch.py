@@ -9,7 +9,7 @@ import torch
 
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.log import get_logger
-from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanOptions, StepPlan, pad_plan, plan_step
+from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanBuffers, PlanOptions, StepPlan, pad_plan, plan_step
 from vllm_gaudi_unified.plan.split import split_plan
 
 logger = get_logger(__name__)
@@ -88,10 +88,123 @@ class InvariantBatch(UnifiedBatch):
     causal_col: torch.Tensor  #: [num_causal_tiles] key tile index within its request
 
 
+class StepBuffers:
+    """Memory a server keeps from step to step for its batches' index tensors.
+
+    The planner writes each step into host buffers (`plan.PlanBuffers`, pinned
+    when the device can pin), padding in place; the batch's tensors are views of
+    device buffers that one non-blocking copy per array fills. Both are sized by
+    the largest bucket (`reserve_for`), so a step allocates nothing and every
+    step of one bucket hands its graph the same addresses. On the CPU the host
+    buffers are the device tensors (no copy). A batch built into buffers is
+    valid until the next build into them (the device copy of the previous step
+    is waited for before its host memory is written again).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", reserve: dict[str, int] | None = None,
+                 pin: bool | None = None, copy: bool | None = None):
+        """`pin`: page-locked host memory (default: off the CPU). `copy`: device tensors apart from the
+        host buffers, filled by a copy per array (default: off the CPU; on it, the host buffers are the
+        tensors)."""
+        self.device = torch.device(device)
+        self.on_host = not ((self.device.type != "cpu") if copy is None else copy)
+        self.pin = (self.device.type != "cpu") if pin is None else pin
+        self._host_tensors: dict[int, torch.Tensor] = {}  # id of a host buffer -> its torch tensor
+        self._device: dict[str, torch.Tensor] = {}
+        self._copied = None  # event after the last host -> device copies
+        self.host = PlanBuffers(allocate=self._allocate_host)
+        for name, n in (reserve or {}).items():
+            self.host.array(name, n)
+            if not self.on_host:
+                self._device_buffer(name, n)
+
+    @staticmethod
+    def reserve_for(buckets, options: PlanOptions, block_size: int) -> dict[str, int]:
+        """Elements of each array at the largest of `buckets` (field by field)."""
+        kb, qt = options.blocks_per_tile(block_size), options.shared_rows
+        sizes = {}
+        for b in buckets:
+            tiles = b.num_shared_blocks // kb
+            for name, n in (("token_seg_start", b.query_len), ("causal_q_start", b.num_causal_tiles),
+                            ("causal_k_start", b.num_causal_tiles), ("shared_rows", tiles * qt),
+                            ("shared_blocks", tiles * kb), ("shared_lo", tiles * qt * kb),
+                            ("shared_hi", tiles * qt * kb), ("unique_rows", b.num_unique_blocks),
+                            ("unique_blocks", b.num_unique_blocks), ("unique_lo", b.num_unique_blocks),
+                            ("unique_hi", b.num_unique_blocks), ("logits_indices", b.num_logits)):
+                sizes[name] = max(sizes.get(name, 0), n)
+        return sizes
+
+    def _allocate_host(self, n: int, dtype) -> np.ndarray:
+        dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+        try:
+            t = torch.empty(n, dtype=dtype, pin_memory=self.pin)
+        except RuntimeError:  # no pinned memory on this backend: pageable, the copy then waits for itself
+            self.pin = False
+            t = torch.empty(n, dtype=dtype)
+        a = t.numpy()
+        self._host_tensors[id(a)] = t
+        return a
+
+    def _device_buffer(self, name: str, n: int) -> torch.Tensor:
+        buf = self._device.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._device[name] = torch.empty(max(n, 16, 0 if buf is None else 2 * buf.numel()),
+                                                   dtype=torch.int64, device=self.device)
+        return buf
+
+    def wait(self) -> None:
+        """Block until the previous step's host -> device copies are done (its host memory is free)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def batch(self, plan: StepPlan) -> "UnifiedBatch":
+        """The plan's arrays as tensors in these buffers (arrays not yet in the host buffers are copied in)."""
+        cls = InvariantBatch if isinstance(plan, InvariantPlan) else UnifiedBatch
+        values = {}
+        for f in fields(cls):
+            a = getattr(plan, f.name) if f.name not in ("plan", "pieces") else None
+            if a is None:
+                continue
+            if not self.host.holds(f.name, a):  # not planned here (an invariant plan, a shared empty array)
+                a = self.host.keep(f.name, np.ascontiguousarray(a, dtype=np.int64))
+            if self.on_host:
+                values[f.name] = torch.from_numpy(a)
+                continue
+            base = self.host.buffer(f.name)
+            src = self._host_tensors[id(base)][: a.size]
+            dst = self._device_buffer(f.name, a.size)[: a.size]
+            dst.copy_(src, non_blocking=True)
+            values[f.name] = dst.view(a.shape)
+        if not self.on_host:
+            self._copied = _event(self.device)
+        return cls(plan=plan, **{f.name: values.get(f.name) for f in fields(cls) if f.name not in ("plan", "pieces")})
+
+
+def _event(device: torch.device):
+    """An event recorded now on `device`'s current stream (a backend without events: `wait` then
+    synchronizes the device)."""
+    try:
+        event = torch.Event(device=device)
+        event.record()
+        return event
+    except (RuntimeError, AttributeError, TypeError):
+        return _Synchronize(device)
+
+
+class _Synchronize:
+    def __init__(self, device):
+        self.device = device
+
+    def synchronize(self):
+        getattr(torch, self.device.type).synchronize()
+
+
 def build_unified_batch(query_lens, context_lens, block_table, block_size: int, *,
                         sliding_window: int | None = None, num_blocks: int | None = None,
                         options: PlanOptions | None = None, bucket=None,
-                        device: torch.device | str | None = None) -> UnifiedBatch:
+                        device: torch.device | str | None = None,
+                        buffers: StepBuffers | None = None) -> UnifiedBatch:
     """Plan one scheduler step and put it on `device`.
 
     query_lens [R] (>= 1), context_lens [R] (>= 0), block_table [R, M]: the
@@ -100,27 +213,36 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     `.find(shape) -> Bucket | None`; None runs the step unpadded, and the plan's
     miss policy decides whether a miss raises).
     `num_blocks`: the KV cache size; when given, block ids are checked here.
+    `buffers`: `StepBuffers` to plan and pad into (a server's steps; `device` is theirs): the batch
+    is valid until the next build into them.
     """
     if not (bucket is None or isinstance(bucket, Bucket)
             or (callable(getattr(bucket, "find", None)) and not isinstance(bucket, (str, bytes)))):
         raise ValueError(f"bucket must be a Bucket, a bucket plan (with .find) or None, got {bucket!r}")
+    if buffers is not None:
+        if device is not None and torch.device(device) != buffers.device:
+            raise ValueError(f"device {device} differs from the buffers' device {buffers.device}")
+        buffers.wait()
+    host = None if buffers is None else buffers.host
     plan = plan_step(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                     num_blocks=num_blocks, options=options)
+                     num_blocks=num_blocks, options=options, buffers=host)
     cap = getattr(bucket, "gather_cap", None)
-    pieces = split_plan(plan, cap) if cap is not None and cap.exceeded(plan.shape) else [plan]
+    if cap is not None and cap.exceeded(plan.shape):  # rare: several calls, each padded into new arrays
+        pieces = [_pad_to(p, bucket) for p in split_plan(plan, cap)]
+        device = buffers.device if buffers is not None else device
+        rest = tuple(UnifiedBatch.from_plan(p, device) for p in pieces[1:])
+        return replace(UnifiedBatch.from_plan(pieces[0], device), pieces=rest)
     if bucket is not None:
-        pieces = [_pad_to(p, bucket) for p in pieces]
-    plan = pieces[0]
+        plan = _pad_to(plan, bucket, host)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("step %s bucket %s unique=%s work needed=%s planned=%s", plan.shape, plan.bucket,
                      plan.unique_layout, plan.work_needed, plan.work_planned)
-    rest = tuple(UnifiedBatch.from_plan(p, device) for p in pieces[1:])
-    return replace(UnifiedBatch.from_plan(plan, device), pieces=rest) if rest else UnifiedBatch.from_plan(plan, device)
+    return UnifiedBatch.from_plan(plan, device) if buffers is None else buffers.batch(plan)
 
 
-def _pad_to(plan: StepPlan, bucket) -> StepPlan:
+def _pad_to(plan: StepPlan, bucket, host: PlanBuffers | None = None) -> StepPlan:
     target = bucket if isinstance(bucket, Bucket) else bucket.find(plan.shape)
-    return plan if target is None else pad_plan(plan, target)
+    return plan if target is None else pad_plan(plan, target, host)
 
 
-__all__ = ["InvariantBatch", "UnifiedBatch", "build_unified_batch", "PathWork"]
+__all__ = ["InvariantBatch", "StepBuffers", "UnifiedBatch", "build_unified_batch", "PathWork"]

@@ -74,10 +74,16 @@ def fused_causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
     padded requests repeat 0, made empty segments by the running max), plus one segment of
     the padding tokens, so no row is left unwritten. `max_q` bounds a request's new tokens
     by what the bucket holds: a request of q tokens has strict-causal pairs in at least
-    ceil((q - 1) / tile) tiles, so q <= num_causal_tiles * causal_tile + 1."""
+    ceil((q - 1) / tile) tiles, so q <= num_causal_tiles * causal_tile + 1 (a window of 1 has no such
+    pair: then `max_q` is every token).
+
+    Non-finite values are contained (`fused.contain_bad_values`): flash gives masked keys a zero
+    weight, and 0 * NaN in `P @ V` would reach earlier rows of the request and rows outside the window."""
     t = q.shape[0]
     ends = torch.cummax(batch.logits_indices + 1, 0).values
     cu = torch.cat([ends.new_zeros(1), ends, ends.new_full((1,), t)]).to(torch.int32)
     b = batch.bucket
-    max_q = max(1, min(t, b.num_causal_tiles * batch.causal_tile + 1))
-    return fused.flash_varlen(q, k, v, cu, cu, max_q, max_q, scale, causal=True, window=batch.sliding_window)
+    max_q = t if batch.sliding_window == 1 else max(1, min(t, b.num_causal_tiles * batch.causal_tile + 1))
+    v, bad = fused.clean_causal_values(v, batch.token_seg_start, batch.sliding_window)
+    part = fused.flash_varlen(q, k, v, cu, cu, max_q, max_q, scale, causal=True, window=batch.sliding_window)
+    return fused.mark_bad_rows(part, bad)

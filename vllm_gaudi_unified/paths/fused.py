@@ -66,6 +66,37 @@ def lse_partial(out: torch.Tensor, lse: torch.Tensor) -> Partial:
     return Partial(out.to(lse.dtype), lse, torch.ones_like(lse))
 
 
+def clean_causal_values(v: torch.Tensor, seg_start: torch.Tensor,
+                        window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """v `[T, Hkv, D]` with non-finite entries set to 0, and `[T, Hkv]`: the rows (tokens) whose causal
+    keys include a non-finite value, i.e. token j of the same request with j <= i (and i - j < window).
+
+    Flash multiplies masked keys' zero weights by V inside a tile, so a NaN in V of token j would reach
+    earlier rows and rows outside the window; with V zeroed they stay finite, and the rows that may see
+    it are marked afterwards (`mark_bad_rows`). A segmented count: a cumulative sum of bad tokens minus
+    its value before each row's first visible key. K needs nothing: flash masks scores by select."""
+    t = v.shape[0]
+    finite = torch.isfinite(v)
+    bad = (~finite.all(-1)).to(torch.int32)  # [T, Hkv]
+    total = torch.cat([bad.new_zeros(1, bad.shape[1]), torch.cumsum(bad, 0)])  # [T + 1, Hkv]
+    i = torch.arange(t, device=v.device)
+    lo = seg_start[:t].to(i.dtype)
+    if window is not None:
+        lo = torch.maximum(lo, i - (window - 1))
+    seen = total[i + 1] - total[lo]
+    return torch.where(finite, v, torch.zeros((), dtype=v.dtype, device=v.device)), seen > 0
+
+
+def mark_bad_rows(part: Partial, bad: torch.Tensor) -> Partial:
+    """Rows `[rows, Hkv]` that saw a bad value get NaN max, sum and acc, for every query head of the KV
+    head, as a NaN score gives on the tile paths (`tiles.mask_scores`): the merge and `normalize` keep
+    the NaN for those rows alone, even when this is the only partial."""
+    g = part.max.shape[1] // bad.shape[1]
+    bad = bad.repeat_interleave(g, 1)
+    nan = lambda x, b: torch.where(b, float("nan"), x)  # noqa: E731
+    return Partial(nan(part.acc, bad[..., None]), nan(part.max, bad), nan(part.sum, bad))
+
+
 def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, *, causal: bool,
                  window: int | None = None, seqused_k: torch.Tensor | None = None) -> Partial:
     """Flash attention over segments: rows `cu_q[i]:cu_q[i+1]` see keys `cu_k[i]:cu_k[i+1]` (their first
@@ -97,13 +128,18 @@ def sdpa_stats_partial(op, q, k, v, mask, scale) -> Partial:
     """The device-independent part of `sdpa_attend`, with the kernel `op` passed in.
 
     K/V are expanded to the query heads (a view; no GQA reshape to get wrong), masked keys get a
-    -inf bias and zeroed values (a poisoned slot times a zero weight is still NaN), rows that see
-    no key are set to the empty partial (-inf, 0, 0) whatever the kernel returns for them."""
+    -inf bias, rows that see no key are set to the empty partial (-inf, 0, 0) whatever the kernel
+    returns for them. Non-finite K/V entries are zeroed before the call (a bad value times a zero
+    weight, or NaN plus a -inf bias, is still NaN: it would reach rows that never see the key) and
+    the rows that see such a key are marked NaN afterwards (`mark_bad_rows`)."""
     t, r, hq, d = q.shape
     hkv = k.shape[2]
     dt = compute_dtype(q.dtype)
-    seen = mask.any(1)  # [T, K]: keys some row sees
-    v = torch.where(seen[:, :, None, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
+    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    key_bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [T, K, Hkv]
+    row_bad = (mask[:, :, :, None] & key_bad[:, None]).any(2).reshape(t * r, hkv)
+    k = torch.where(torch.isfinite(k), k, zero)
+    v = torch.where(mask.any(1)[:, :, None, None] & torch.isfinite(v), v, zero)
     heads = lambda x: x.permute(0, 2, 1, 3)[:, :, None].expand(t, hkv, hq // hkv, -1, d).reshape(t, hq, -1, d)  # noqa: E731
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))[:, None]
     out, m, linv = op(q.permute(0, 2, 1, 3), heads(k), heads(v), bias, 0.0, scale, False, True, "fast", None,
@@ -112,5 +148,5 @@ def sdpa_stats_partial(op, q, k, v, mask, scale) -> Partial:
     out, m, linv = rows(out), rows(m.reshape(t, hq, r)), rows(linv.reshape(t, hq, r))
     any_key = mask.any(-1).reshape(t * r, 1)
     total = torch.where(any_key, 1.0 / linv, 0.0)
-    return Partial(torch.where(any_key[..., None], out * total[..., None], 0.0),
-                   torch.where(any_key, m, float("-inf")), total)
+    return mark_bad_rows(Partial(torch.where(any_key[..., None], out * total[..., None], 0.0),
+                                 torch.where(any_key, m, float("-inf")), total), row_bad)

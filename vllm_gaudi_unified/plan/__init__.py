@@ -5,6 +5,8 @@
 - `arrays`: input checks and vectorised range/tiling/padding helpers both planners use;
 - `default`: the default planner (causal / shared / unique tiles);
 - `invariant`: the batch-invariant planner and its `InvariantPlan`;
+- `rules`: the default planner's rules (also replayed by the bucketing tools), `shared`: its shared tiles;
+- `buffers`: where a plan's arrays live (new per call, or `PlanBuffers` kept from step to step);
 - `smallest`: the smallest step of each phase (warmup's step per bucket; the buckets a plan keeps).
 
 `plan_step` and `pad_plan` below pick the planner from `options.batch_invariant`.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.plan.arrays import validate
+from vllm_gaudi_unified.plan.buffers import PlanBuffers
 from vllm_gaudi_unified.plan.default import pad_default, plan_default
 from vllm_gaudi_unified.plan.invariant import InvariantPlan, pad_invariant, plan_invariant
 from vllm_gaudi_unified.plan.options import DEFAULT_OPTIONS, UNIQUE_LAYOUTS, PathWork, PlanOptions
@@ -20,25 +23,31 @@ from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 
 def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None = None,
-              num_blocks: int | None = None, options: PlanOptions | None = None) -> StepPlan:
+              num_blocks: int | None = None, options: PlanOptions | None = None,
+              buffers: PlanBuffers | None = None) -> StepPlan:
     """Plan one scheduler step; arrays are unpadded (`bucket == shape`). See `plan/default.py` for the
-    semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`)."""
+    semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`).
+
+    `buffers`: host memory kept from step to step (`plan/buffers.py`; default mode, else ignored): the
+    plan's arrays are views of it, valid until the next plan or padding into the same buffers."""
     if options is not None and not isinstance(options, PlanOptions):
         raise ValueError(f"options must be a PlanOptions or None, got {options!r}")
     opts = options or DEFAULT_OPTIONS
     checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
-    planner = plan_invariant if opts.batch_invariant else plan_default
-    return planner(*checked, int(block_size), sliding_window, num_blocks, opts)
+    if opts.batch_invariant:
+        return plan_invariant(*checked, int(block_size), sliding_window, num_blocks, opts)
+    return plan_default(*checked, int(block_size), sliding_window, num_blocks, opts, buffers)
 
 
-def pad_plan(plan: StepPlan, bucket: Bucket) -> StepPlan:
-    """The same step padded to `bucket`; padding adds only fully masked work."""
+def pad_plan(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = None) -> StepPlan:
+    """The same step padded to `bucket`; padding adds only fully masked work. `buffers`: pad into
+    them (default mode; a plan made into them is padded in place)."""
     if bucket == plan.bucket:
         return plan
     if isinstance(plan, InvariantPlan):
         return pad_invariant(plan, bucket)
-    return pad_default(plan, bucket)
+    return pad_default(plan, bucket, buffers)
 
 
-__all__ = ["DEFAULT_OPTIONS", "InvariantPlan", "PathWork", "PlanOptions", "StepPlan", "UNIQUE_LAYOUTS", "pad_plan",
-           "plan_step"]
+__all__ = ["DEFAULT_OPTIONS", "InvariantPlan", "PathWork", "PlanBuffers", "PlanOptions", "StepPlan", "UNIQUE_LAYOUTS",
+           "pad_plan", "plan_step"]

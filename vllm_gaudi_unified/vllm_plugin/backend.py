@@ -8,7 +8,9 @@ The usual v1 split (see `vllm/v1/attention/backends/cpu_attn.py`):
 - `GaudiUnifiedMetadataBuilder`: vLLM's `CommonAttentionMetadata` of a step ->
   `build_unified_batch`; it runs once per step (per KV cache group), never per layer;
 - `GaudiUnifiedAttentionImpl`: `forward` writes the step's new K/V into the
-  cache, then runs `unified_attention`; nothing else.
+  cache, then runs `attention.attend_step` (no per-layer checks or copies: the
+  step's first layer checks the inputs, q/k/v come at the bucket's rows as views
+  of vLLM's tensors or in buffers the builder keeps).
 
 KV cache layout. vLLM hands each layer its cache as a logical
 `[num_blocks, num_kv_heads, block_size, head_size + head_size_v]` view whose
@@ -38,7 +40,9 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_gaudi_unified import UnifiedBatch, build_unified_batch, unified_attention
+from vllm_gaudi_unified import UnifiedBatch, build_unified_batch
+from vllm_gaudi_unified.attention import BucketRows, attend_step, check_inputs
+from vllm_gaudi_unified.batch import StepBuffers
 from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
 from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
 
@@ -128,6 +132,8 @@ class GaudiUnifiedMetadata:
     batch: UnifiedBatch  #: the plan (padded to its bucket when a bucket plan is active), on the model's device
     slot_mapping: torch.Tensor  #: [num_tokens] int64, cache slot (block * block_size + offset) of each new token
     num_tokens: int  #: real new tokens of the step; vLLM may hand forward() more rows (padding), never fewer
+    rows: BucketRows | None = None  #: q/k/v at the bucket's rows (the builder's, kept from step to step)
+    checked: bool = False  #: the step's inputs were checked (by its first layer)
 
 
 class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]):
@@ -149,6 +155,12 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         may_record = self.sliding_window is None or not _model_has_full_attention(vllm_config)
         self.hooks = StepHooks.create(PluginConfig.from_env(), vllm_config, kv_cache_spec, device,
                                       sliding_window=self.sliding_window, may_record=may_record)
+        # Kept from step to step: the plan's arrays (sized by the largest bucket: a step allocates nothing and
+        # a bucket's graph sees the same addresses every step) and the q/k/v rows of padded steps.
+        plan = self.hooks.bucket_plan
+        reserve = None if plan is None else StepBuffers.reserve_for(plan.buckets, self.hooks.options, self.block_size)
+        self.buffers = StepBuffers(device, reserve=reserve)
+        self.rows = BucketRows()
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GaudiUnifiedMetadata:
@@ -158,11 +170,11 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         query_lens, context_lens, block_table = step_lengths(cm)
         batch = build_unified_batch(query_lens, context_lens, block_table, self.block_size,
                                     sliding_window=self.sliding_window, options=self.hooks.options,
-                                    bucket=self.hooks.bucket_plan, device=self.device)
+                                    bucket=self.hooks.bucket_plan, buffers=self.buffers)
         self.hooks.after_plan(batch, query_lens, context_lens, block_table)
-        num_tokens = int(query_lens.sum())
+        num_tokens = batch.num_tokens
         return GaudiUnifiedMetadata(batch=batch, slot_mapping=cm.slot_mapping[:num_tokens].long(),
-                                    num_tokens=num_tokens)
+                                    num_tokens=num_tokens, rows=self.rows)
 
 
 def step_lengths(cm: CommonAttentionMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -193,6 +205,8 @@ def refuse_unsupported_config(vllm_config: VllmConfig) -> None:
     parallel = vllm_config.parallel_config
     if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
         problems.append("context parallelism")
+    if getattr(parallel, "use_ubatching", False):
+        problems.append("micro-batching (dual batch overlap: two steps' metadata alive at once, one set of buffers)")
     if vllm_config.model_config is not None and vllm_config.model_config.is_mm_prefix_lm:
         problems.append("bidirectional attention over multimodal prefixes")
     if problems:
@@ -218,7 +232,7 @@ def _model_has_full_attention(vllm_config: VllmConfig) -> bool:
 
 
 class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
-    """Per layer: write the new K/V into the cache, then `unified_attention`."""
+    """Per layer: write the new K/V into the cache, then `attend_step` (checked once per step)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
@@ -243,6 +257,9 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
         self.sinks = sinks
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):  # a layer's own: checked here, not per step
+            raise ValueError(f"sinks must have shape ({num_heads},) (one logit per query head), "
+                             f"got {tuple(sinks.shape)}")
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: GaudiUnifiedMetadata | None, output: torch.Tensor,
@@ -253,12 +270,19 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             raise NotImplementedError("fused output quantization is not supported by the unified backend")
         if attn_metadata is None:  # vLLM's profiling / dummy runs carry no metadata
             return output
-        t = attn_metadata.num_tokens
-        query, key, value = query[:t], key[:t], value[:t]
+        md = attn_metadata
+        t, rows = md.num_tokens, md.batch.bucket.query_len
         key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv_cache, self.head_size)
-        write_kv(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
-        output[:t] = unified_attention(query, key, value, key_cache, value_cache, attn_metadata.batch, self.scale,
-                                       logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
+        write_kv(key[:t], value[:t], key_cache, value_cache, md.slot_mapping)
+        # The bucket's rows: views of vLLM's tensors when it padded its batch that far, else the builder's buffers.
+        pad = md.rows or BucketRows()
+        query, key, value = pad("query", query, rows), pad("key", key, rows), pad("value", value, rows)
+        if not md.checked:  # once per step: the group's layers share shapes, cache and plan
+            check_inputs(query, key, value, key_cache, value_cache, md.batch, self.scale, self.logits_soft_cap,
+                         self.sinks)
+            md.checked = True
+        output[:t] = attend_step(query, key, value, key_cache, value_cache, md.batch, self.scale,
+                                 logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)[:t]
         return output
 
 
