@@ -329,13 +329,16 @@ def test_batch_invariant_planning_inside_vllm(mha, tmp_path):
 
 def test_auto_bucket_plan(mha, tmp_path):
     """VLLM_GAUDI_UNIFIED_BUCKETS=auto: the exponential plan for the server's settings, made at start-up
-    (its few hundred buckets are not warmed here: VLLM_GAUDI_UNIFIED_WARMUP=0)."""
+    and warmed (the default with a plan): every bucket of it gets a step of its phase, none is skipped."""
     import re
 
     run = _run_engine(mha["model"], str(tmp_path / "auto.json"), VLLM_GAUDI_UNIFIED="1",
-                      VLLM_GAUDI_UNIFIED_BUCKETS="auto", VLLM_GAUDI_UNIFIED_WARMUP="0", VLLM_LOGGING_LEVEL="DEBUG")
-    assert re.search(r"bucket plan auto, \d+ buckets", run["log"])
-    assert "warmed" not in run["log"]
+                      VLLM_GAUDI_UNIFIED_BUCKETS="auto", VLLM_LOGGING_LEVEL="DEBUG")
+    planned = re.search(r"bucket plan auto, (\d+) buckets", run["log"])
+    assert planned
+    warmed = re.search(r"warmed (\d+) buckets", run["log"])
+    assert warmed and warmed.group(1) == planned.group(1), run["log"][-4000:]
+    assert "warmup skips" not in run["log"]
     logged = re.findall(r"unified attention step: phase \S+, bucket (\S+), step shape (\S+),", run["log"])
     assert logged and any(b != s for b, s in logged), "steps were not padded"
     for case in CASES:

@@ -2,8 +2,10 @@
 
 `warmup(plan, ...)` is what both the `vllm-gaudi-unified warmup PLAN` command
 and the vLLM integration (at start-up) call. For every bucket it makes the
-smallest step of the bucket's phase, plans it padded to the bucket (so the
-batch has exactly the bucket's shapes), and runs it through the chosen mode:
+smallest step of the bucket's phase (`plan/smallest.py`), plans it padded to the
+bucket (so the batch has exactly the bucket's shapes), and runs it through the
+chosen mode (a bucket no step of its phase fits, left in an old plan file, is
+skipped with one warning counting them):
 
 1. `hpu_graphs`: on Gaudi, the attention wrapped in an HPU graph (one graph per
    bucket, captured on this first run);
@@ -28,6 +30,7 @@ from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.files import atomic_write, output_path
 from vllm_gaudi_unified.flags import POSITIVE, float_in
 from vllm_gaudi_unified.log import get_logger
+from vllm_gaudi_unified.plan.smallest import can_hold_a_step
 
 logger = get_logger(__name__)
 
@@ -40,6 +43,7 @@ class WarmupReport:
     device: str
     seconds: list = field(default_factory=list)  #: per bucket, in the order warmed
     buckets: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)  #: buckets no step of their phase fits (not run)
     total_seconds: float = 0.0
 
     def table(self) -> str:
@@ -47,46 +51,33 @@ class WarmupReport:
         for i, (b, s) in enumerate(zip(self.buckets, self.seconds)):
             lines.append(f"{i:>4}  {str(b):<44} {s:>9.3f}")
         lines.append(f"warmed {len(self.buckets)} buckets in {self.total_seconds:.2f} s ({self.mode} on {self.device})")
+        if self.skipped:
+            lines.append(f"skipped {len(self.skipped)} buckets no step of their phase fits (e.g. {self.skipped[0]})")
         return "\n".join(lines)
 
 
-def step_for_bucket(bucket: Bucket, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The smallest step of `bucket`'s phase: (query_lens, context_lens, block_table).
+def step_for_bucket(bucket: Bucket, block_size: int, options=None,
+                    sliding_window: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The smallest step of `bucket`'s phase (`plan.smallest`): (query_lens, context_lens, block_table).
 
-    - causal work: a request with 2 new tokens (over one cached block when the
-      phase also has shared work: its 2 tokens share that block);
-    - shared work without causal: two one-token requests reading the same block;
-    - unique work: a one-token request reading a block of its own;
-    - no path: one token with an empty context.
-    """
-    c, s, u = (p != "-" for p in bucket.phase)
-    q, ctx, blocks = [], [], []
-    if c:
-        q.append(2)
-        ctx.append(block_size if s else 0)
-        blocks.append([1])
-    elif s:
-        q += [1, 1]
-        ctx += [block_size, block_size]
-        blocks += [[1], [1]]
-    if u:
-        q.append(1)
-        ctx.append(block_size)
-        blocks.append([2])
-    if not q:
-        q, ctx, blocks = [1], [0], [[0]]
-    return np.array(q), np.array(ctx), np.array(blocks, dtype=np.int64)
+    Raises ValueError when no step of that phase fits in the bucket (`can_hold_a_step` is False)."""
+    from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
+    from vllm_gaudi_unified.plan.smallest import smallest_steps
+
+    smallest = smallest_steps(block_size, options or DEFAULT_OPTIONS, sliding_window)[bucket.phase]
+    if smallest is None:
+        raise ValueError(f"bucket {bucket}: the planner makes no step of phase {bucket.phase!r} with these options")
+    step, shape = smallest
+    if not bucket.covers(shape):
+        raise ValueError(f"bucket {bucket} cannot hold the smallest step of its phase ({shape})")
+    return step
 
 
 def batch_for_bucket(bucket: Bucket, block_size: int, options, sliding_window=None, device=None):
     """A UnifiedBatch with exactly `bucket`'s shapes (the step of `step_for_bucket`, padded)."""
     from vllm_gaudi_unified.batch import build_unified_batch
-    from vllm_gaudi_unified.plan import plan_step
 
-    q, ctx, table = step_for_bucket(bucket, block_size)
-    shape = plan_step(q, ctx, table, block_size, sliding_window=sliding_window, options=options).shape
-    if shape.phase != bucket.phase or not bucket.covers(shape):
-        raise ValueError(f"bucket {bucket} cannot hold the smallest step of its phase ({shape})")
+    q, ctx, table = step_for_bucket(bucket, block_size, options, sliding_window)
     return build_unified_batch(q, ctx, table, block_size, sliding_window=sliding_window, options=options,
                                bucket=bucket, device=device)
 
@@ -146,6 +137,14 @@ def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: i
     dtype = dtype or (torch.bfloat16 if model.dtype_bytes == 2 else torch.float32)
     hq, hkv, d = num_qo_heads or model.num_qo_heads, num_kv_heads or model.num_kv_heads, head_dim or model.head_dim
     todo = list(plan.buckets if buckets is None else buckets)
+    report = WarmupReport(mode=mode, device=str(device))
+    report.skipped = [b for b in todo if not can_hold_a_step(b, settings.block_size, settings.options,
+                                                             settings.sliding_window)]
+    if report.skipped:  # an old plan file: its generator emitted buckets no step can use
+        logger.warning("warmup skips %d of %d buckets that no step of their phase fits (e.g. %s)",
+                       len(report.skipped), len(todo), report.skipped[0])
+        skip = set(report.skipped)
+        todo = [b for b in todo if b not in skip]
     if run is None:
         if key_cache is None:
             nb = num_blocks or settings.num_blocks
@@ -161,7 +160,6 @@ def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: i
             k = torch.randn(t, hkv, d, dtype=dtype, device=device)
             return attend(q, k, torch.randn_like(k), key_cache, value_cache, batch, scale)
 
-    report = WarmupReport(mode=mode, device=str(device))
     bar = None
     if progress:
         from tqdm import tqdm

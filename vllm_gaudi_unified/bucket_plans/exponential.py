@@ -9,7 +9,9 @@ without causal work: there every request has one token), shared block slots in
 earlier scheme, the number of logits and of causal tiles follow the query
 length: `min(query_len, max_num_seqs)` logits and the full lower triangle of
 causal tiles. Combinations no step can reach are dropped (more unique blocks
-than the requests can hold; more shared slots than the query rows allow).
+than the requests can hold; more shared slots than the query rows allow; fewer
+tokens or logits than the smallest step of the phase has, `plan/smallest.py`:
+e.g. `c-u` needs 3 tokens, and batch-invariant mode has no unique phases).
 
 Speculative decoding (`settings.num_speculative_tokens = k > 0`) widens the
 decodes: each brings up to `1 + k` tokens (its last sampled token and its
@@ -33,6 +35,7 @@ from vllm_gaudi_unified.bucket import Q, S, U, bucket_from_sizes
 from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 from vllm_gaudi_unified.bucket_plans.cost import Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+from vllm_gaudi_unified.plan.smallest import can_hold_a_step
 from vllm_gaudi_unified.plan.split import GatherCap
 
 
@@ -104,7 +107,9 @@ def exponential_plan(settings: ServerSettings, model: ModelSpec | None = None, h
     sizes = np.array(rows, np.int64)
     sizes[:, S] = np.minimum(sizes[:, S], cap.max_shared_blocks or sizes[:, S].max())
     sizes[:, U] = np.minimum(sizes[:, U], cap.max_unique_blocks or sizes[:, U].max())
-    buckets = sorted({bucket_from_sizes(r) for r in sizes})
+    limits = bucket_from_sizes(sizes[-1])
+    buckets = sorted({b for b in map(bucket_from_sizes, sizes[:-1])
+                      if can_hold_a_step(b, settings.block_size, o, settings.sliding_window)} | {limits})
     return BucketPlan(buckets, settings, model, hardware, strategy="exponential", gather_cap=cap,
                       info={"base": base, "query_step": query_step, "unique_step": unique_step,
                             **({"num_speculative_tokens": k} if k else {})})

@@ -6,7 +6,8 @@
 - `default`: the default planner (causal / shared / unique tiles);
 - `invariant`: the batch-invariant planner and its `InvariantPlan`;
 - `rules`: the default planner's rules (also replayed by the bucketing tools), `shared`: its shared tiles;
-- `buffers`: where a plan's arrays live (new per call, or `PlanBuffers` kept from step to step).
+- `buffers`: where a plan's arrays live (new per call, or `PlanBuffers` kept from step to step);
+- `smallest`: the smallest step of each phase (warmup's step per bucket; the buckets a plan keeps).
 
 `plan_step` and `pad_plan` below pick the planner from `options.batch_invariant`.
 """
