@@ -174,7 +174,7 @@ def test_real_flash_on_cuda(spec_name, options, monkeypatch):
 
     monkeypatch.setattr(fused, "FUSED_UNIQUE_MIN_BLOCK_SIZE", 1)
     step = SPECS[spec_name]
-    step = Step(step.query_lens, step.context_lens, step.block_size, step.prefix_groups, num_heads=8,
+    step = Step(step.query_lens, step.context_lens, step.block_size, step.prefix_groups, num_qo_heads=8,
                 num_kv_heads=2, head_dim=64)
     table, nb = make_block_table(step, np.random.default_rng(0))
     low = make_tensors(step, table, nb, dtype=torch.bfloat16)
