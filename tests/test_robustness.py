@@ -138,7 +138,11 @@ def test_a_bad_value_reaches_only_the_tokens_that_attend_to_it(case, mode, dtype
     assert torch.isfinite(clean).all()
     others = torch.from_numpy(~attending_tokens(case))
     assert torch.isfinite(poisoned[others]).all(), "a bad value leaked into a token that cannot see it"
-    torch.testing.assert_close(poisoned[others], clean[others], rtol=0, atol=0)
+    # Bitwise on the CPU. On CUDA, fp32 tiles seen on the H100 differed from the clean run in the last bits
+    # (5.9e-7 relative) though no bad value reached them: the same call is not bit-reproducible there, so the
+    # values are held to the dtype's rounding while finiteness above stays exact.
+    exact = dict(rtol=0, atol=0) if device == "cpu" else {}
+    torch.testing.assert_close(poisoned[others], clean[others], **exact)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
