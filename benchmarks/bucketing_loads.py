@@ -22,15 +22,13 @@ Results go to benchmarks/results/bucketing_loads.json; docs/bucketing.md quotes 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import subprocess
 import sys
 import time
 
-from vllm_gaudi_unified.tools.cli import main as cli
+from benchmarks.bucketing_goals import load, run
 
 TRACES = "bucketing/traces"
 GOALS = {"graphs": 27, "padding": 1.20, "worst": 3.0, "generate_seconds": 10.0}
@@ -46,19 +44,6 @@ LOADS = {
         "train": [(1, None, None), (2, None, None), (3, None, None), (4, 0.1, 200), (5, 0.5, 300)],
         "held_out": [(101, None, None), (102, None, None), (203, 0.2, 250), (204, 1.0, 300)]},
 }
-
-
-def load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def run(argv: list[str]) -> str:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = cli(argv)
-    if rc:
-        raise SystemExit(f"command failed ({rc}): {' '.join(argv)}")
-    return buf.getvalue()
 
 
 def trace_path(preset: str, workload: str, seed: int, rate) -> str:
