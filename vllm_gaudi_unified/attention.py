@@ -18,7 +18,8 @@ from vllm_gaudi_unified.paths.invariant import invariant_partial
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
-from vllm_gaudi_unified.paths.unique import fused_unique_applies, fused_unique_partial, unique_partial
+from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_partial, kernel_unique_applies,
+                                             kernel_unique_partial, unique_partial)
 
 
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -142,13 +143,16 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     3. shared tiles: when the phase has 's' (a cached block is seen by several tokens);
        through flash when the plan's tiles each see one key prefix (`shared_prefix_visible`).
     4. unique blocks: when the phase has 'u' (a cached block is seen by one token);
-       through flash from the measured block size up (`fused_unique_applies`).
+       with CUDA flash and an fp8 cache, through the Triton kernel that reads fp8 as stored
+       (`kernel_unique_applies`: Triton importable); else through flash from the measured
+       block size up (`fused_unique_applies`); else the matmul tiles.
     On HPU the causal and shared tiles run through FusedSDPA inside their paths (`hpu.py`).
-    A path without work returns None, so the phase string and the tensors cannot disagree.
+    fp8 caches are dequantized after each path's gather or slice (`read_blocks`), or inside
+    the kernel of 4. A path without work returns None, so the phase string and the tensors
+    cannot disagree.
     """
     phase = batch.phase
     flash = kernel_for(batch, query, cap) == "flash"
-    cache_flash = not is_fp8(key_cache.dtype)  # flash reads the cache as stored: fp8 goes through 3 and 4's torch tiles
     if not new_tokens:
         pass
     elif flash and phase[0] == "c":
@@ -158,13 +162,15 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         if phase[0] == "c":
             yield causal_partial(query, key, value, batch, scale, cap)
     if phase[1] == "s":
-        if flash and cache_flash and batch.plan.shared_prefix_visible:
-            yield fused_shared_partial(query, key_cache, value_cache, batch, scale)
+        if flash and batch.plan.shared_prefix_visible:
+            yield fused_shared_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         else:
             yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
     if phase[2] == "u":
-        if flash and cache_flash and fused_unique_applies(batch, key_cache):
-            yield fused_unique_partial(query, key_cache, value_cache, batch, scale)
+        if flash and kernel_unique_applies(key_cache, value_cache):
+            yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
+        elif flash and fused_unique_applies(batch, key_cache):
+            yield fused_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         else:
             yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
 

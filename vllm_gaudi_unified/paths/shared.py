@@ -44,17 +44,18 @@ def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
 
 
 def fused_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
-                         scale: float) -> Partial | None:
+                         scale: float, k_scale=None, v_scale=None) -> Partial | None:
     """Each shared tile as one flash segment: its real rows against the first `max_row(hi).sum()` of its
     gathered slots (the plan guarantees they are the ones every real row sees). Rows without a token
-    (`n`) are sorted behind the real ones, outside every segment, and dropped by the merge."""
+    (`n`) are sorted behind the real ones, outside every segment, and dropped by the merge. An fp8
+    cache is dequantized after the gather (`read_blocks`), as on the tiles."""
     if batch.shared_rows.shape[0] == 0:
         return None
     n = q.shape[0]
     tiles, rows_per_tile = batch.shared_rows.shape
     keys = batch.shared_blocks.shape[1] * key_cache.shape[1]
-    k = key_cache[batch.shared_blocks].flatten(0, 2)  # [tiles * keys, Hkv, D]: each tile's blocks once
-    v = value_cache[batch.shared_blocks].flatten(0, 2)
+    k = read_blocks(key_cache, batch.shared_blocks, k_scale, q.dtype).flatten(0, 2)  # [tiles * keys, Hkv, D]
+    v = read_blocks(value_cache, batch.shared_blocks, v_scale, q.dtype).flatten(0, 2)  # (each tile's blocks once)
     rows = batch.shared_rows.reshape(-1)
     real = rows < n
     dest = rows[torch.argsort((~real).to(torch.int8), stable=True)]  # real rows first, tile by tile

@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, scatter_merge
+import functools
+import importlib.util
+import math
+
+from vllm_gaudi_unified.merge import Partial, fold_pairwise, scatter_merge
 from vllm_gaudi_unified.paths import fused
-from vllm_gaudi_unified.paths.kv_quant import read_blocks
-from vllm_gaudi_unified.paths.tiles import attend, slot_mask
+from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
+from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
+
+#: Keys per loop step of the kernel, and the keys a split aims at (a token's blocks are cut into
+#: power-of-two splits of about this many keys, so long contexts still fill the GPU).
+KERNEL_KEYS = 64
+KERNEL_SPLIT_KEYS = 512
+KERNEL_MAX_SPLITS = 32
+KERNEL_WARPS = 4
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
@@ -37,18 +48,16 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
 
 
 def fused_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
-                         scale: float) -> Partial | None:
+                         scale: float, k_scale=None, v_scale=None) -> Partial | None:
     """`unique_partial` through flash, one segment per block (`fused.flash_blocks`), K and V read by one
-    kernel. Flash sees every slot of a block; the few slots a row sees only part of (`_partial_slots`)
+    kernel (an fp8 cache dequantized after the slice or gather, `read_blocks`). Flash sees every slot of a block; the few slots a row sees only part of (`_partial_slots`)
     are computed again on the masked tiles and replace flash's rows before the merge."""
     slots = batch.unique_rows.shape[0]
     if slots == 0:
         return None
     n = q.shape[0]
-    if batch.unique_blocks is None:
-        k, v = key_cache[:slots], value_cache[:slots]
-    else:
-        k, v = key_cache[batch.unique_blocks], value_cache[batch.unique_blocks]
+    ids = slots if batch.unique_blocks is None else batch.unique_blocks
+    k, v = read_blocks(key_cache, ids, k_scale, q.dtype), read_blocks(value_cache, ids, v_scale, q.dtype)
     rows = batch.unique_rows
     qr = q[rows.clamp(max=n - 1)]
     part = fused.flash_blocks(qr, k, v, scale)
@@ -80,3 +89,70 @@ def _partial_slots(batch, n: int, block_size: int) -> torch.Tensor:
     count = min(slots, per_request * batch.bucket.num_logits)
     partial = (batch.unique_rows < n) & ((batch.unique_lo > 0) | (batch.unique_hi < block_size))
     return torch.topk(partial.to(torch.int32), count, sorted=False).indices
+
+
+@functools.cache
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernel_unique_applies(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """The Triton kernel (`unique_kernel.py`) for fp8 caches, where Triton is: it reads one byte per
+    element where the other paths first copy the gathered blocks to the query's dtype. It indexes a
+    head's channels as consecutive elements."""
+    return (is_fp8(key_cache.dtype) and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+            and triton_importable())
+
+
+def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
+                          scale: float, k_scale=None, v_scale=None) -> Partial | None:
+    """`unique_partial` through the Triton kernel: one Partial row per token (its blocks merged in the
+    kernel, in splits merged by `fold_pairwise`). Slots are sorted by token on the device (no sync);
+    the split count comes from the bucket (host numbers), so a bucket's graph is fixed.
+    On CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1: tests)."""
+    from vllm_gaudi_unified.paths import unique_kernel
+
+    slots = batch.unique_rows.shape[0]
+    if slots == 0:
+        return None
+    n, hq, d = q.shape
+    nb, bs, hkv, _ = key_cache.shape
+    g = hq // hkv
+    rows = batch.unique_rows
+    order = torch.argsort(rows, stable=True)
+    starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=q.device, dtype=rows.dtype))
+    ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
+    keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
+    splits = min(KERNEL_MAX_SPLITS, _pow2(math.ceil(keys_per_token / KERNEL_SPLIT_KEYS)))
+    dt = compute_dtype(q.dtype)
+    acc = torch.empty((n, splits, hq, d), dtype=dt, device=q.device)
+    m, total = torch.empty((n, splits, hq), dtype=dt, device=q.device), torch.empty((n, splits, hq), dtype=dt,
+                                                                                     device=q.device)
+    ks, ks_strides, k_factor = _scale_args(k_scale)
+    vs, vs_strides, v_factor = _scale_args(v_scale)
+    kc, vc = key_cache, value_cache
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    unique_kernel.unique_kernel[(n, hkv, splits)](
+        q, kc, vc, kc if ks is None else ks, vc if vs is None else vs, order, starts, ids, batch.unique_lo,
+        batch.unique_hi, acc, m, total, scale * k_factor, v_factor, q.stride(0), q.stride(1), *kc.stride()[:3], *vc.stride()[:3],
+        *ks_strides, *vs_strides,
+        HQ=hq, G=g, G_PAD=max(16, _pow2(g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
+        SPLITS=splits, SLICE=batch.unique_blocks is None, K_SCALES=ks is not None, V_SCALES=vs is not None,
+        num_warps=KERNEL_WARPS)
+    part = Partial(acc, m, total)
+    return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _scale_args(scale) -> tuple[torch.Tensor | None, tuple[int, int, int, int], float]:
+    """(tensor the kernel loads per key, or None; its strides over [block, slot, kv head, channel], 0
+    where it broadcasts; the float folded into the scores or the output): a float is folded, a tensor
+    (one element or per block) is loaded beside the blocks, on the device, without a sync."""
+    if not isinstance(scale, torch.Tensor):
+        return None, (0, 0, 0, 0), 1.0 if scale is None else float(scale)
+    if scale.numel() == 1:
+        return scale.reshape(1), (0, 0, 0, 0), 1.0
+    return scale, tuple(0 if n == 1 else st for n, st in zip(scale.shape, scale.stride())), 1.0

@@ -1,0 +1,97 @@
+"""The unique path as one Triton kernel: K/V read as stored, a token's blocks merged on the chip.
+
+Why: the torch unique path writes one `Partial` per block slot (at block size
+16 that is half as many bytes as the block itself, in fp32) and merges them
+afterwards, and an fp8 cache has to be dequantized into a copy first. Here one
+program takes one (token, KV head, split): it walks the token's slots (sorted
+by token beforehand), loads K/V in the cache's own dtype (fp8 included),
+dequantizes in registers (per-tensor scale folded into the score scale and
+the output; per-block scales loaded beside the block), runs an online softmax
+and writes one `Partial` row per (token, split). The splits (a power of two)
+are merged by `merge.fold_pairwise`, so the merge stays the one exact merge.
+
+Only the slots a row may see are loaded (`lo <= slot < hi`): a NaN or inf in
+an unreadable slot is never read; a bad value in a readable one reaches that
+token alone (its scores or its sum become NaN).
+
+Imported only where Triton is (CUDA); `attention._run_paths` chooses when.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr,
+                 acc_ptr, m_ptr, l_ptr, score_scale, v_scale,
+                 sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
+                 sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d,
+                 HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                 BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
+                 K_SCALES: tl.constexpr, V_SCALES: tl.constexpr):
+    """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
+    stride 1), per-block scales (`K_SCALES`/`V_SCALES`) by strides (0 on broadcast axes), `order`: slot
+    ids sorted by token, `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless
+    `SLICE`: slot = block id). Out: acc `[n, SPLITS, HQ, D]`, m/l `[n, SPLITS, HQ]` in acc's dtype."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    first = tl.load(starts_ptr + t)
+    n_keys = (tl.load(starts_ptr + t + 1) - first) * BS
+    per_split = tl.cdiv(n_keys, SPLITS * KEYS) * KEYS
+    k_begin = sp * per_split
+    k_end = tl.minimum(n_keys, k_begin + per_split)
+
+    acc_dtype = acc_ptr.dtype.element_ty
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    heads = h * G + offs_g
+    q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    op_dtype = q.dtype
+    m_i = tl.full([G_PAD], float("-inf"), acc_dtype)
+    l_i = tl.zeros([G_PAD], acc_dtype)
+    acc = tl.zeros([G_PAD, D_PAD], acc_dtype)
+    for start in range(k_begin, k_end, KEYS):
+        kk = start + tl.arange(0, KEYS)
+        key_ok = kk < k_end
+        slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
+        if SLICE:
+            blk = slot
+        else:
+            blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
+        j = kk % BS
+        lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
+        hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
+        vis = key_ok & (j >= lo) & (j < hi)
+        vis2 = vis[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (blk * sk_b + j * sk_s + h * sk_h)[:, None] + offs_d[None, :], mask=vis2, other=0.0)
+        k = k.to(tl.float32).to(acc_dtype)  # fp8 -> fp32 is exact (and the conversion Hopper has)
+        if K_SCALES:
+            k = k * tl.load(ks_ptr + (blk * sks_b + j * sks_s + h * sks_h)[:, None] + offs_d[None, :] * sks_d,
+                            mask=vis2, other=0.0).to(acc_dtype)
+        s = tl.dot(q, tl.trans(k.to(op_dtype))).to(acc_dtype) * score_scale  # [G_PAD, KEYS]
+        s = tl.where(vis[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        v = tl.load(v_ptr + (blk * sv_b + j * sv_s + h * sv_h)[:, None] + offs_d[None, :], mask=vis2, other=0.0)
+        v = v.to(tl.float32).to(acc_dtype)
+        if V_SCALES:
+            v = v * tl.load(vs_ptr + (blk * svs_b + j * svs_s + h * svs_h)[:, None] + offs_d[None, :] * svs_d,
+                            mask=vis2, other=0.0).to(acc_dtype)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), v.to(op_dtype)).to(acc_dtype)
+        m_i = m_new
+    row = (t * SPLITS + sp) * HQ + heads
+    tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc * v_scale, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(m_ptr + row, m_i, mask=g_ok)
+    tl.store(l_ptr + row, l_i, mask=g_ok)
+
+
+#: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter instead
+#: (numpy on the CPU: how tests run it without a GPU, in a process of their own).
+unique_kernel = triton.jit(_unique_body)
