@@ -68,7 +68,9 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         vis = key_ok & (j >= lo) & (j < hi)
         vis2 = vis[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (blk * sk_b + j * sk_s + h * sk_h)[:, None] + offs_d[None, :], mask=vis2, other=0.0)
-        k = k.to(tl.float32).to(acc_dtype)  # fp8 -> fp32 is exact (and the conversion Hopper has)
+        if k.dtype.is_fp8():
+            k = k.to(tl.float32)  # exact; the conversion Hopper has (and the interpreter's fp8 -> fp64 fails)
+        k = k.to(acc_dtype)
         if K_SCALES:
             k = k * tl.load(ks_ptr + (blk * sks_b + j * sks_s + h * sks_h)[:, None] + offs_d[None, :] * sks_d,
                             mask=vis2, other=0.0).to(acc_dtype)
@@ -79,7 +81,9 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         v = tl.load(v_ptr + (blk * sv_b + j * sv_s + h * sv_h)[:, None] + offs_d[None, :], mask=vis2, other=0.0)
-        v = v.to(tl.float32).to(acc_dtype)
+        if v.dtype.is_fp8():
+            v = v.to(tl.float32)
+        v = v.to(acc_dtype)
         if V_SCALES:
             v = v * tl.load(vs_ptr + (blk * svs_b + j * svs_s + h * svs_h)[:, None] + offs_d[None, :] * svs_d,
                             mask=vis2, other=0.0).to(acc_dtype)

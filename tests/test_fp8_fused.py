@@ -1,0 +1,125 @@
+"""fp8 KV caches on the fused routes (CUDA's): flash over `read_blocks`' gathers, and the Triton kernel.
+
+Off CUDA, flash is the exact stand-in (tests/fused_standin.py) and the kernel runs under Triton's
+interpreter in a process of its own (tests/unique_kernel_cases.py); queries are float64, so every
+case is held to 1e-6 against the float64 reference over the dequantized cache. On CUDA the same
+kernel cases run compiled, in bf16 (1e-2).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fused_standin
+from conftest import SMALL_TILES, SPECS, assert_matches, make_block_table, make_tensors
+from test_fp8_kv_cache import FP8, SCALE_FORMS, _Conversions, _fp8_case
+from vllm_gaudi_unified import PlanOptions, attention, build_unified_batch, unified_attention
+from vllm_gaudi_unified.paths import fused, unique
+from vllm_gaudi_unified.paths.kv_quant import quantize
+from vllm_gaudi_unified.reference import reference_attention
+
+TESTS = Path(__file__).resolve().parent
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """Flash (the stand-in) wherever it applies, fused unique from block size 1, the kernel route off
+    unless a test turns it on; records which unique route ran."""
+    seen = []
+    monkeypatch.setattr(fused, "FLASH", lambda *a, **kw: seen.append("flash") or fused_standin.flash(*a, **kw))
+    monkeypatch.setattr(fused, "FUSED_UNIQUE_MIN_BLOCK_SIZE", 1)
+    monkeypatch.setattr(attention, "kernel_for", lambda batch, q, cap: "flash" if cap is None else None)
+    monkeypatch.setattr(attention, "kernel_unique_applies", lambda kc, vc: False)
+    for name in ("kernel_unique_partial", "fused_unique_partial", "unique_partial"):
+        inner = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _n=name, _f=inner, **kw: seen.append(_n) or _f(*a, **kw))
+    return seen
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8))
+@pytest.mark.parametrize("spec_name", ["seed", "decode", "chunked_prefill", "prefix_caching", "parallel_sampling",
+                                       "ragged_partial", "gqa", "mqa"])
+def test_flash_paths_read_fp8_through_read_blocks(routes, fmt, spec_name):
+    """Shared and unique flash paths over fp8 blocks dequantized after the gather (or slice)."""
+    step = SPECS[spec_name]
+    for i, (k_form, layout) in enumerate([("per_slot_head", "gather"), ("float", "slice"), ("per_channel", "gather")]):
+        v_form = SCALE_FORMS[(SCALE_FORMS.index(k_form) + 2) % len(SCALE_FORMS)]
+        q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8[fmt], k_form, v_form, seed=i)
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
+                                    options=replace(SMALL_TILES, unique_layout=layout))
+        assert batch.plan.shared_prefix_visible or batch.phase[1] == "-"
+        out = unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
+        assert_matches(out, reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37))
+        assert "fused_unique_partial" in routes if batch.phase[2] == "u" else "unique_partial" not in routes
+        assert routes.count("flash") == sum(p != "-" for p in batch.phase)  # shared and unique through flash
+        routes.clear()
+
+
+@pytest.mark.parametrize("layout", ["slice", "gather"])
+def test_flash_routes_make_no_full_cache_copy(routes, layout):
+    """As test_fp8_kv_cache's probe, on the flash routes: every fp8 conversion is of gathered blocks."""
+    step = SPECS["seed"]
+    table, nb = make_block_table(step, np.random.default_rng(0))
+    big = 4096
+    q, k, v, kc, vc = make_tensors(step, table, nb, torch.float64)
+    kq = torch.zeros(big, *kc.shape[1:], dtype=torch.float8_e4m3fn)
+    vq = torch.zeros_like(kq)
+    kq[:nb], vq[:nb] = quantize(torch.nan_to_num(kc), kq.dtype), quantize(torch.nan_to_num(vc), vq.dtype)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=big,
+                                options=PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8,
+                                                    unique_layout=layout))
+    with _Conversions() as seen:
+        unified_attention(q, k, v, kq, vq, batch, 0.5, k_scale=0.5, v_scale=2.0)
+    assert [r for r in routes if r != "flash"] == ["fused_unique_partial"] and seen.numels
+    assert max(seen.numels) <= kq[0].numel() * max(nb, batch.bucket.num_shared_blocks), seen.numels
+
+
+def test_unique_route_choice(routes, monkeypatch):
+    """4 of `_run_paths`: the kernel for fp8 with flash and Triton; flash's unique path (over
+    read_blocks) for fp8 without Triton and for bf16; the tiles without flash."""
+    step = SPECS["decode"]
+    q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8["e4m3"], "float", "float")
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb)
+    monkeypatch.setattr(attention, "kernel_unique_applies", unique.kernel_unique_applies)
+    # The route is what is checked here, not the kernel (tests below): record it, return no partial.
+    monkeypatch.setattr(attention, "kernel_unique_partial", lambda *a, **kw: routes.append("kernel"))
+    for triton_there in (True, False):
+        monkeypatch.setattr(unique, "triton_importable", lambda t=triton_there: t)
+        unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
+    assert not unique.kernel_unique_applies(kq[..., ::2], vq[..., ::2])  # channels not consecutive
+    monkeypatch.setattr(unique, "triton_importable", lambda: True)
+    unified_attention(q, k, v, kd, vd, batch, 0.37)  # an unquantized cache keeps flash
+    monkeypatch.setattr(attention, "kernel_for", lambda batch, q, cap: None)
+    unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
+    assert [r for r in routes if r != "flash"] == ["kernel", "fused_unique_partial", "fused_unique_partial",
+                                                   "unique_partial"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its interpreter runs the kernel on the CPU)")
+def test_unique_kernel_interpreted():
+    """The Triton kernel's body under the interpreter, float64, every case of unique_kernel_cases.py."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(TESTS / "unique_kernel_cases.py")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import unique_kernel_cases
+
+    assert run.stdout.split() == ["ok", str(len(unique_kernel_cases.CASES) + 2)]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
+def test_unique_kernel_on_cuda(monkeypatch):
+    """The compiled kernel, bf16 queries over fp8 (and bf16) caches, the same cases (1e-2)."""
+    import unique_kernel_cases
+
+    assert unique_kernel_cases.check("cuda", torch.bfloat16, monkeypatch.setattr) == len(unique_kernel_cases.CASES) + 2

@@ -1,0 +1,113 @@
+"""Cases for the unique path's Triton kernel (paths/unique_kernel.py), shared by two tests.
+
+On CPU `test_fp8_fused.py` runs this file in a process of its own with TRITON_INTERPRET=1 (Triton
+reads it when it is first imported, so the interpreter cannot be switched on inside the test
+process), float64 queries, against the float64 reference over the dequantized cache at 1e-6. On
+CUDA the same cases run in bf16 through the compiled kernel (1e-2). Every case routes the unique
+path through the kernel (and the others through flash: the exact stand-in on CPU), on a shuffled
+block table whose unreadable slots hold NaN/inf bytes (and NaN per-block scales).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fused_standin  # noqa: E402
+from conftest import SMALL_TILES, SPECS, Step, assert_matches  # noqa: E402
+from test_fp8_kv_cache import FP8, SCALE_FORMS, _fp8_case  # noqa: E402
+
+from vllm_gaudi_unified import Bucket, PlanOptions, attention, build_unified_batch, unified_attention  # noqa: E402
+from vllm_gaudi_unified.paths import fused, unique  # noqa: E402
+from vllm_gaudi_unified.paths.kv_quant import quantize  # noqa: E402
+from vllm_gaudi_unified.reference import reference_attention  # noqa: E402
+
+#: (spec, fmt, k scale form, layout, window, kernel constants). Block sizes 4 and 8 with 16 keys a
+#: step: several blocks per step; a block size of 32: one block over two steps; split keys 8: many
+#: splits per token, most of them empty for short contexts.
+CASES = [
+    ("decode", "e4m3", "float", "slice", None, {}),
+    ("decode", "e5m2", "per_slot_head", "gather", None, {"KERNEL_SPLIT_KEYS": 8}),
+    ("decode", "e4m3", "per_channel", "gather", 5, {}),
+    ("seed", "e5m2", "tensor", "gather", None, {}),
+    ("seed", "e4m3", "per_block", "slice", None, {"KERNEL_SPLIT_KEYS": 8}),
+    ("gqa", "e4m3", "none", "gather", None, {}),
+    ("mqa", "e5m2", "per_slot_head", "gather", None, {}),
+    ("prefix_caching", "e4m3", "per_channel", "gather", None, {"KERNEL_SPLIT_KEYS": 16}),
+    ("parallel_sampling", "e5m2", "float", "slice", None, {}),
+    ("ragged_partial", "e4m3", "per_slot_head", "gather", 6, {"KERNEL_SPLIT_KEYS": 8}),
+    ("long_blocks", "e4m3", "per_block", "gather", None, {"KERNEL_SPLIT_KEYS": 32}),
+]
+SPECS_HERE = dict(SPECS, long_blocks=Step([1, 1, 2], [70, 33, 64], 32, num_qo_heads=8, num_kv_heads=2))
+
+
+def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
+    """Every case, then an unquantized cache through the kernel, then a padded bucket; returns the count.
+    Flash (the exact stand-in off CUDA) on every path that takes it, the kernel on the unique path;
+    `set_attr`: pytest's `monkeypatch.setattr` inside a test process."""
+    set_attr(attention, "kernel_for", lambda batch, q, cap: "flash" if cap is None else None)
+    set_attr(attention, "kernel_unique_applies", lambda kc, vc: True)
+    if device == "cpu":
+        set_attr(fused, "FLASH", fused_standin.flash)
+    set_attr(unique, "KERNEL_KEYS", 16)
+    calls = []
+    inner = unique.kernel_unique_partial
+    set_attr(attention, "kernel_unique_partial", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
+    defaults = {k: getattr(unique, k) for k in ("KERNEL_SPLIT_KEYS",)}
+    done = 0
+    for i, (name, fmt, k_form, layout, window, consts) in enumerate(CASES):
+        for k, v in {**defaults, **consts}.items():
+            set_attr(unique, k, v)
+        v_form = SCALE_FORMS[(SCALE_FORMS.index(k_form) + 1) % len(SCALE_FORMS)]
+        step = SPECS_HERE[name]
+        q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8[fmt], k_form, v_form, seed=i,
+                                                               query_dtype=query_dtype)
+        opts = replace(SMALL_TILES, unique_layout=layout)
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
+                                    options=opts, sliding_window=window, device=device)
+        assert batch.phase[2] == "u", (name, batch.phase)
+        dev = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        before = len(calls)
+        out = unified_attention(*map(dev, (q, k, v, kq, vq)), batch, 0.37, k_scale=dev(ks), v_scale=dev(vs))
+        assert len(calls) > before, name
+        ref = reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37,
+                                  sliding_window=window)
+        assert_matches(out.cpu(), ref)
+        done += 1
+    for k, v in defaults.items():
+        set_attr(unique, k, v)
+    # An unquantized cache through the kernel (the route applies to fp8 only; the kernel takes any dtype),
+    # and a bucket with padding slots (rows past the tokens sort last and are never read).
+    from conftest import make_block_table, make_tensors
+
+    step = SPECS["ragged_partial"]
+    table, nb = make_block_table(step, np.random.default_rng(9))
+    q, k, v, kc, vc = make_tensors(step, table, nb, torch.float64, seed=9)
+    plain = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
+                                options=SMALL_TILES)
+    s = plain.shape
+    big = Bucket("csu", s.query_len + 5, s.num_shared_blocks + 2 * SMALL_TILES.blocks_per_tile(step.block_size),
+                 s.num_unique_blocks + 7, s.num_logits + 2, s.num_causal_tiles + 3)
+    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+    for cache_dtype, bucket in ((query_dtype, None), (torch.float8_e4m3fn, big)):
+        kx, vx = (c.to(query_dtype) if cache_dtype == query_dtype else quantize(c, cache_dtype) for c in (kc, vc))
+        if cache_dtype != query_dtype:  # the reference over the dequantized cache
+            ref = reference_attention(q, k, v, kx.double(), vx.double(), step.query_lens, step.context_lens, table, 0.37)
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
+                                    options=SMALL_TILES, bucket=bucket, device=device)
+        before = len(calls)
+        out = unified_attention(*(x.to(query_dtype).to(device) for x in (q, k, v)), kx.to(device), vx.to(device),
+                                batch, 0.37)
+        assert len(calls) > before and (bucket is None or batch.bucket == big)
+        assert_matches(out.cpu(), ref)
+        done += 1
+    return done
+
+
+if __name__ == "__main__":
+    print("ok", check("cpu", torch.float64))
