@@ -125,7 +125,18 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", action="store_true", help="also time the kernel at every constant in SWEEP")
     args = p.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    run(args)
+    print("\n".join(table(run(args))))
+
+
+def table(rows) -> list[str]:
+    """One line per row: case, route, constants, ms, relative error."""
+    out = ["scenario bs cache scales route keys warps split_keys ms rel_err"]
+    for r in rows:
+        case = " ".join(str(r.get(k, "-")) for k in ("scenario", "block_size", "cache", "scales", "route",
+                                                    "kernel_keys", "kernel_warps", "kernel_split_keys"))
+        out.append(case + (f" {r['ms']:.3f} {r['rel_err']:.4f}" if r.get("ms")
+                           else f" failed: {r.get('error', r.get('rel_err'))}"))
+    return out
 
 
 if __name__ == "__main__":
