@@ -32,7 +32,8 @@ from vllm_gaudi_unified import attention, build_unified_batch, unified_attention
 from vllm_gaudi_unified.paths import unique
 from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, dequantize, quantize
 
-SWEEP = {"KERNEL_KEYS": (32, 64, 128), "KERNEL_WARPS": (4, 8), "KERNEL_SPLIT_KEYS": (256, 512, 2048)}
+#: Run 1 (2026-11-23) swept keys 32/64/128 x warps 4/8 x split keys 256/512/2048: 128, 4, 2048 won everywhere.
+SWEEP = {"KERNEL_KEYS": (128, 256), "KERNEL_WARPS": (4, 8), "KERNEL_SPLIT_KEYS": (2048, 8192), "KERNEL_STAGES": (2, 3, 4)}
 
 
 def _route(name: str):
@@ -130,10 +131,11 @@ def main(argv=None) -> None:
 
 def table(rows) -> list[str]:
     """One line per row: case, route, constants, ms, relative error."""
-    out = ["scenario bs cache scales route keys warps split_keys ms rel_err"]
+    out = ["scenario bs cache scales route keys warps split_keys stages ms rel_err"]
     for r in rows:
         case = " ".join(str(r.get(k, "-")) for k in ("scenario", "block_size", "cache", "scales", "route",
-                                                    "kernel_keys", "kernel_warps", "kernel_split_keys"))
+                                                    "kernel_keys", "kernel_warps", "kernel_split_keys",
+                                                    "kernel_stages"))
         out.append(case + (f" {r['ms']:.3f} {r['rel_err']:.4f}" if r.get("ms")
                            else f" failed: {r.get('error', r.get('rel_err'))}"))
     return out

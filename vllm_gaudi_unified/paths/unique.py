@@ -9,11 +9,11 @@ when block ids are scattered over a large cache); the planner picks per step.
 """
 from __future__ import annotations
 
-import torch
-
 import functools
 import importlib.util
 import math
+
+import torch
 
 from vllm_gaudi_unified.merge import Partial, fold_pairwise, scatter_merge
 from vllm_gaudi_unified.paths import fused
@@ -22,10 +22,12 @@ from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
 
 #: Keys per loop step of the kernel, and the keys a split aims at (a token's blocks are cut into
 #: power-of-two splits of about this many keys, so long contexts still fill the GPU).
-KERNEL_KEYS = 64
-KERNEL_SPLIT_KEYS = 512
+#: Measured on an H100 (benchmarks/unique_kernel_sweep.py; docs/benchmarks.md, fp8 section).
+KERNEL_KEYS = 128
+KERNEL_SPLIT_KEYS = 2048
 KERNEL_MAX_SPLITS = 32
 KERNEL_WARPS = 4
+KERNEL_STAGES = 3  #: Triton's own default on CUDA
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
@@ -137,14 +139,19 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         batch.unique_hi, acc, m, total, scale * k_factor, v_factor, q.stride(0), q.stride(1), *kc.stride()[:3], *vc.stride()[:3],
         *ks_strides, *vs_strides,
         HQ=hq, G=g, G_PAD=max(16, _pow2(g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
-        SPLITS=splits, SLICE=batch.unique_blocks is None, K_SCALES=ks is not None, V_SCALES=vs is not None,
-        num_warps=KERNEL_WARPS)
+        SPLITS=splits, SLICE=batch.unique_blocks is None, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
+        num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     part = Partial(acc, m, total)
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
 def _pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
+
+
+def _scale_mode(scale: torch.Tensor | None) -> int:
+    """The kernel's scale modes: 0 none (folded), 1 one per key (channels broadcast), 2 per key and channel."""
+    return 0 if scale is None else 2 if scale.dim() == 4 and scale.shape[3] > 1 else 1
 
 
 def _scale_args(scale) -> tuple[torch.Tensor | None, tuple[int, int, int, int], float]:

@@ -6,7 +6,8 @@ afterwards, and an fp8 cache has to be dequantized into a copy first. Here one
 program takes one (token, KV head, split): it walks the token's slots (sorted
 by token beforehand), loads K/V in the cache's own dtype (fp8 included),
 dequantizes in registers (per-tensor scale folded into the score scale and
-the output; per-block scales loaded beside the block), runs an online softmax
+the output; per-block scales loaded beside the block, applied to the scores
+and probabilities when they do not vary over channels), runs an online softmax
 and writes one `Partial` row per (token, split). The splits (a power of two)
 are merged by `merge.fold_pairwise`, so the merge stays the one exact merge.
 
@@ -30,7 +31,8 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                  BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
                  K_SCALES: tl.constexpr, V_SCALES: tl.constexpr):
     """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
-    stride 1), per-block scales (`K_SCALES`/`V_SCALES`) by strides (0 on broadcast axes), `order`: slot
+    stride 1), scale tensors by strides (0 on broadcast axes; `K_SCALES`/`V_SCALES`: 0 none (a float
+    folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
     ids sorted by token, `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless
     `SLICE`: slot = block id). Out: acc `[n, SPLITS, HQ, D]`, m/l `[n, SPLITS, HQ]` in acc's dtype."""
     t = tl.program_id(0)
@@ -71,10 +73,12 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         if k.dtype.is_fp8():
             k = k.to(tl.float32)  # exact; the conversion Hopper has (and the interpreter's fp8 -> fp64 fails)
         k = k.to(acc_dtype)
-        if K_SCALES:
+        if K_SCALES == 2:  # per channel: on K itself
             k = k * tl.load(ks_ptr + (blk * sks_b + j * sks_s + h * sks_h)[:, None] + offs_d[None, :] * sks_d,
                             mask=vis2, other=0.0).to(acc_dtype)
         s = tl.dot(q, tl.trans(k.to(op_dtype))).to(acc_dtype) * score_scale  # [G_PAD, KEYS]
+        if K_SCALES == 1:  # one per key: on its scores
+            s = s * tl.load(ks_ptr + blk * sks_b + j * sks_s + h * sks_h, mask=vis, other=0.0).to(acc_dtype)[None, :]
         s = tl.where(vis[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -84,10 +88,12 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         if v.dtype.is_fp8():
             v = v.to(tl.float32)
         v = v.to(acc_dtype)
-        if V_SCALES:
+        if V_SCALES == 2:
             v = v * tl.load(vs_ptr + (blk * svs_b + j * svs_s + h * svs_h)[:, None] + offs_d[None, :] * svs_d,
                             mask=vis2, other=0.0).to(acc_dtype)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if V_SCALES == 1:  # one per key: on its probabilities (after the sum, which they do not change)
+            p = p * tl.load(vs_ptr + blk * svs_b + j * svs_s + h * svs_h, mask=vis, other=0.0).to(acc_dtype)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), v.to(op_dtype)).to(acc_dtype)
         m_i = m_new
     row = (t * SPLITS + sp) * HQ + heads
