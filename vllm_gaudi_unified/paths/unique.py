@@ -24,10 +24,10 @@ from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
 #: power-of-two splits of about this many keys, so long contexts still fill the GPU).
 #: Measured on an H100 (benchmarks/unique_kernel_sweep.py; docs/benchmarks.md, fp8 section).
 KERNEL_KEYS = 128
-KERNEL_SPLIT_KEYS = 2048
+KERNEL_SPLIT_KEYS = 8192
 KERNEL_MAX_SPLITS = 32
 KERNEL_WARPS = 4
-KERNEL_STAGES = 3  #: Triton's own default on CUDA
+KERNEL_STAGES = 2
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
