@@ -13,8 +13,9 @@ baselines in the same process. Variants of our path:
   bucket), captured in a CUDA graph.
 
 `--fp8 SCENARIOS` times the same step again over an fp8 KV cache (method
-`fp8`: the caches quantized with per-tensor scales, the paths dequantizing the
-blocks they gather), beside the bf16 cache (issue 17).
+`fp8`: the caches quantized with per-tensor scales; the unique path reads them
+in its Triton kernel where there is one, the other paths dequantize the blocks
+they gather), beside the bf16 cache (issue 17).
 
 Run: `python -m benchmarks.suite --out DIR` (or `vllm-gaudi-unified bench`).
 """
