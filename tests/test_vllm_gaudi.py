@@ -8,7 +8,8 @@ vllm-gaudi (the snapshot in `../shared/third_party/`, installed by scripts/test.
   `Attention.forward` in place, and the start-up errors when the plugin cannot take over;
 - b. the impl driven through vllm-gaudi's own replaced `Attention.forward`, with vllm-gaudi's
   shapes (`[1, T, heads * head_dim]`) and 4-tuple cache of `[(num_blocks + 1) * block_size, Hkv, D]`,
-  against the dense reference (fp32, 1e-5);
+  against the dense reference (fp32, 1e-5), also over vllm-gaudi's fp8 caches (per-tensor scales, and the
+  per-token scale tensors of its dynamic KV quantization) against the reference over the dequantized cache;
 - c. step planning by the runner subclass from a real `HPUInputBatch` filled by vllm-gaudi's own
   `_update_states` from `SchedulerOutput`s of vLLM's scheduler, against the CPU path's plan;
 - d. a whole generation through the runner subclass (see `test_generation_*`).
@@ -286,7 +287,93 @@ def test_impl_sliding_window(gaudi):
     assert (full - out).abs().max() > 1e-2, "the window made no difference: not applied"
 
 
-def test_impl_refuses_fp8_scales_and_foreign_metadata(gaudi):
+FP8_STEPS = ("gqa_mixed", "chunk_over_context", "shared_prefix", "decodes")
+
+
+def _fp8_impl_case(step: Step, per_token: bool, name: str, seed: int = 0):
+    """Case b over an fp8 e4m3 cache as vllm-gaudi allocates it: `kv_cache_dtype` fp8 / fp8_inc (no scale
+    tensors; the layer's per-tensor scales) or its dynamic KV quantization (`k_scales` `[slots, Hkv, 1]` and
+    `v_scales = (per slot, per block and channel)`, bf16). -> (output, reference over the dequantized cache
+    as it is after the forward, new K as given, new K as stored)."""
+    from vllm.forward_context import set_forward_context
+    from vllm_gaudi.extension.ops import FP8_MAX
+
+    from vllm_gaudi_unified.paths.kv_quant import per_token_scales, quantize
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
+
+    rng = np.random.default_rng(seed)
+    table, num_blocks = make_block_table(step, rng)
+    table = np.where(table < 0, 0, table)
+    hq, hkv, d, bs = step.num_qo_heads, step.num_kv_heads, step.head_dim, step.block_size
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float32, seed)  # unread slots: NaN / inf
+    fp8, slots_total, used = torch.float8_e4m3fn, (num_blocks + 1) * bs, num_blocks * bs
+    layer, config = _attention_layer(name, hq, hkv, d, d ** -0.5)
+    caches, scales = [], []
+    for x in (kc, vc):
+        x = x.reshape(-1, hkv, d)
+        cache = torch.full((slots_total, hkv, d), float("nan")).to(fp8)
+        if per_token:
+            s = torch.full((slots_total, hkv, 1), torch.finfo(torch.bfloat16).tiny, dtype=torch.bfloat16)
+            s[:used] = per_token_scales(x, FP8_MAX).to(torch.bfloat16)
+            cache[:used] = quantize(x, fp8, s[:used].float(), saturate_at=FP8_MAX)
+        else:
+            s = 0.01  # |x| up to ~4.5 in 448 steps of the format
+            cache[:used] = quantize(x, fp8, s, saturate_at=FP8_MAX)
+        caches.append(cache)
+        scales.append(s)
+    if per_token:
+        hidden = torch.full((num_blocks + 1, hkv, d), torch.finfo(torch.bfloat16).tiny, dtype=torch.bfloat16)
+        layer.kv_cache = (caches[0], caches[1], scales[0], (scales[1], hidden))
+    else:
+        layer._k_scale_float, layer._v_scale_float = scales
+        layer.kv_cache = (caches[0], caches[1], None, None)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, bs,
+                                options=PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=16))
+    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+    starts = np.cumsum(step.query_lens) - step.query_lens
+    pos = np.asarray(step.context_lens)[req] + np.arange(len(req)) - starts[req]
+    slots = torch.from_numpy(table[req, pos // bs] * bs + pos % bs)
+    t = q.shape[0]
+    with set_forward_context({layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=slots)}, config):
+        out = layer(q.reshape(1, t, hq * d), k.reshape(1, t, hkv * d), v.reshape(1, t, hkv * d))
+    deq = [c.double() * (s.double() if per_token else s) for c, s in zip(caches, scales)]  # after the forward
+    blocks = [x.reshape(num_blocks + 1, bs, hkv, d) for x in deq]
+    ref = reference_attention(q.double(), deq[0][slots], deq[1][slots], *blocks, step.query_lens,
+                              step.context_lens, table, d ** -0.5)
+    return out.reshape(t, hq, d), ref, k, deq[0][slots]
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_tensor", "per_token"])
+@pytest.mark.parametrize("name", FP8_STEPS)
+def test_impl_fp8_kv_cache(gaudi, name, per_token):
+    """vllm-gaudi's fp8 caches through its `Attention.forward`: the new K/V are written quantized (round to
+    nearest, saturating; per-token scales stored beside the cache), and the output equals the dense
+    reference over the cache dequantized as it is afterwards, new tokens as stored (fp32, 1e-5)."""
+    out, ref, k_new, k_stored = _fp8_impl_case(IMPL_STEPS[name], per_token, name=f"b.fp8.{name}.{per_token}")
+    assert torch.isfinite(out).all(), "a poisoned cache slot was read"
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # The new tokens are stored as themselves, to e4m3's precision (3 mantissa bits: relative 2^-4).
+    err = (k_stored - k_new.double()).abs()
+    bound = k_new.double().abs() * 2.0 ** -4 + (0.01 * 2.0 ** -9 if not per_token else 1e-6)
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+def test_impl_fp8_saturates(gaudi, monkeypatch):
+    """A key past the device's fp8 range is stored at its largest value, as the HPU cast does: on Gaudi2
+    (vllm-gaudi's FP8_MAX 240) that is 240, though torch's e4m3 goes up to 448."""
+    import vllm_gaudi.extension.ops as gaudi_ops
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionImpl
+
+    monkeypatch.setattr(gaudi_ops, "FP8_MAX", 240.0)
+    x = torch.tensor([1e6, -1e6, 300.0, 3.0]).repeat_interleave(4).reshape(1, 1, 16)
+    cache = torch.zeros(1, 16, 1, 16, dtype=torch.float8_e4m3fn)
+    (k_q, _, _), _ = UnifiedHpuAttentionImpl._quantize_new_kv(None, x, x, cache, None, None,
+                                                               torch.zeros(1, dtype=torch.int64), 16)
+    assert k_q.float().flatten()[::4].tolist() == [240.0, -240.0, 240.0, 3.0]
+
+
+def test_impl_refuses_foreign_metadata(gaudi):
     from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionImpl, UnifiedHpuMetadata
 
     impl = UnifiedHpuAttentionImpl(2, 16, 0.25, 2)
@@ -294,8 +381,9 @@ def test_impl_refuses_fp8_scales_and_foreign_metadata(gaudi):
     cache = torch.zeros(2 * 16, 2, 16)
     batch = build_unified_batch([3], [0], np.array([[0]]), 16)
     md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.arange(3))
-    with pytest.raises(NotImplementedError, match="fp8"):
-        impl.forward(None, x, x, x, (cache, cache, torch.ones(32, 2, 1), None), md)
+    fp8_cache = cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scales for only one of key and value"):
+        impl.forward(None, x, x, x, (fp8_cache, fp8_cache, torch.ones(32, 2, 1), None), md)
     with pytest.raises(TypeError, match="HPUAttentionMetadataV1"):
         impl.forward(None, x, x, x, (cache, cache, None, None), object())
     # vllm-gaudi's profiling forwards carry no cache: zeros of the query's shape, as its own impl.

@@ -8,8 +8,9 @@ tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
 speculative decoding (vllm-gaudi's drafting runs on its own decode batches),
-fp8 KV caches (issue 17), a vllm-gaudi whose overridden methods differ from the
-ones checked (`check_vllm_gaudi_hooks`). Async scheduling is switched off: the
+a vllm-gaudi whose overridden methods differ from the ones checked
+(`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
+are the backend's to accept (`hpu_backend.py`). Async scheduling is switched off: the
 runner reads the last sampled tokens from the host input batch.
 """
 from __future__ import annotations
