@@ -647,3 +647,87 @@ def test_generation_through_the_unified_runner(generations, run):
             common = first_a.keys() & first_b.keys()
             assert len(common) >= 2, (case, first_a, first_b)
             assert max(abs(first_a[t] - first_b[t]) for t in common) <= LOGPROB_ATOL, case
+
+
+# ---------------------------------------------------------------------------------------- e. ngram and fp8
+
+SPEC_HELPER = os.path.join(TESTS, "vllm_spec_helpers.py")
+
+
+def _spec_engine(model: str, out: str, gaudi: bool, method: str | None = None, k: int = 0,
+                 kv_cache_dtype: str = "auto", **env) -> dict:
+    """One engine on `vllm_spec_helpers`' scenario (repeated patterns, a chunked prompt, a shared prefix)."""
+    args = [sys.executable, SPEC_HELPER, "run", "--model", model, "--out", out, "--k", str(k),
+            "--kv-cache-dtype", kv_cache_dtype] + (["--method", method] if method else [])
+    extra = dict(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1") if gaudi else {}
+    proc = subprocess.run(args + (["--gaudi-standin"] if gaudi else []), env=_env(**extra, **env),
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    log = proc.stdout + proc.stderr
+    assert os.path.exists(out), f"engine run failed ({proc.returncode}):\n{log[-8000:]}"
+    with open(out) as f:
+        result = json.load(f)
+    result["log"] = log
+    return result
+
+
+@pytest.fixture(scope="module")
+def spec_runs(tmp_path_factory):
+    import vllm_spec_helpers as S  # noqa: F401  (the scenario the runs share)
+
+    root = tmp_path_factory.mktemp("e")
+    model = H.make_tiny_llama(str(root / "model"), **H.MODELS["mha"])
+    trace = str(root / "trace.jsonl")
+    runs = {
+        "ref_ngram": _spec_engine(model, str(root / "ref_ngram.json"), False, "ngram", 3),
+        "ngram": _spec_engine(model, str(root / "ngram.json"), True, "ngram", 3,
+                              VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace),
+        "auto": _spec_engine(model, str(root / "auto.json"), True),
+        "fp8": _spec_engine(model, str(root / "fp8.json"), True, kv_cache_dtype="fp8_inc"),
+        "fp8_ngram": _spec_engine(model, str(root / "fp8_ngram.json"), True, "ngram", 3, kv_cache_dtype="fp8_inc"),
+    }
+    with open(trace) as f:
+        runs["ngram_steps"] = [json.loads(line) for line in f if '"query_lens"' in line]
+    return runs
+
+
+def _tokens(run: dict) -> dict:
+    return {case: [s["tokens"] for s in r["samples"]] for case, r in run["results"].items()}
+
+
+@pytest.mark.slow
+def test_ngram_through_the_unified_runner(spec_runs):
+    """ngram (k = 3) through vllm-gaudi's platform, runner and sampling with one unified forward per step:
+    the same tokens and the same spec-decode counters (drafts, accepted per position) as vLLM's CPU attention
+    with the same config; steps verified drafts beside prompt chunks and over a shared prefix, and rolled
+    rejected drafts back. Logprobs: vllm-gaudi's decode branch returns none for the tokens it verifies (its
+    own attention the same), so a request's list is shorter and only its first entry, the token its prompt
+    sampled, is aligned with vLLM's: those are compared (1e-4)."""
+    from test_vllm_spec_e2e import _assert_same_metrics, _assert_speculative_steps
+
+    ref, got = spec_runs["ref_ngram"], spec_runs["ngram"]
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
+    assert _tokens(got) == _tokens(ref)
+    _assert_same_metrics(got, ref)
+    _assert_speculative_steps(spec_runs["ngram_steps"], 3)
+    for case, r in ref["results"].items():
+        for a, b in zip(got["results"][case]["samples"], r["samples"]):
+            first_a, first_b = a["logprobs"][0], b["logprobs"][0]
+            assert first_a.keys() == first_b.keys(), case
+            assert max(abs(first_a[t] - first_b[t]) for t in first_a) <= LOGPROB_ATOL, case
+
+
+@pytest.mark.slow
+def test_fp8_cache_through_the_unified_runner(spec_runs):
+    """kv_cache_dtype fp8_inc (vllm-gaudi's e4m3 cache) through the unified runner. Exactness per layer is
+    case b's (`test_impl_fp8_kv_cache`); end to end: the run really quantized (its logprobs moved away from
+    the unquantized run's by more than rounding), and speculation does not change a greedy fp8 run (drafts
+    verified and rolled back over fp8 blocks give the tokens of one-by-one decoding). vLLM's CPU attention
+    is no token-level reference here: it truncates where the HPU cast rounds to nearest (docs/usage.md)."""
+    fp8, auto, fp8_ngram = spec_runs["fp8"], spec_runs["auto"], spec_runs["fp8_ngram"]
+    assert "kv_cache_dtype=fp8_inc" in fp8["log"]
+    diffs = [abs(x[t] - y[t]) for case in fp8["results"]
+             for x, y in zip(fp8["results"][case]["samples"][0]["logprobs"], auto["results"][case]["samples"][0]["logprobs"])
+             for t in x.keys() & y.keys()]
+    assert max(diffs) > 1e-3, "the fp8 run equals the unquantized one: the cache was not quantized"
+    assert _tokens(fp8_ngram) == _tokens(fp8)
+    assert fp8_ngram["metrics"]["num_accepted_tokens"] > 0
