@@ -81,7 +81,18 @@ config = EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, m
 worker = resolve_obj_by_qualname(config.parallel_config.worker_cls)
 with set_current_vllm_config(config):
     backend = get_attn_backend(32, config.model_config.dtype, "auto")
+spec = {}
+for method in ("ngram", "draft_model"):
+    try:
+        EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=256, block_size=32,
+                   speculative_config={"method": method, "num_speculative_tokens": 2,
+                                       **({"model": model} if method == "draft_model" else {})}
+                   ).create_engine_config()
+        spec[method] = None
+    except Exception as e:
+        spec[method] = f"{type(e).__name__}: {e}"
 print(json.dumps({
+    "spec": spec,
     "platform": type(current_platform).__module__ + "." + type(current_platform).__name__,
     "platform_bases": [c.__module__ + "." + c.__name__ for c in type(current_platform).__mro__[1:3]],
     "worker": worker.__module__ + "." + worker.__name__,
@@ -116,6 +127,9 @@ def test_wiring_as_vllm_resolves_it(tmp_path):
     assert got["dtype"] == "torch.bfloat16"  # vllm-gaudi's platform turns float32 into bfloat16
     assert got["async_scheduling"] is False
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in out.stdout + out.stderr
+    # Speculative decoding: ngram is accepted, model-based drafters are refused with the reason.
+    assert got["spec"]["ngram"] is None, got["spec"]["ngram"]
+    assert "NotImplementedError: speculative decoding method 'draft_model' is not supported" in got["spec"]["draft_model"]
 
 
 @pytest.mark.parametrize("plugins, enable, platform, error", [
