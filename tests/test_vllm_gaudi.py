@@ -8,7 +8,8 @@ vllm-gaudi (the snapshot in `../shared/third_party/`, installed by scripts/test.
   `Attention.forward` in place, and the start-up errors when the plugin cannot take over;
 - b. the impl driven through vllm-gaudi's own replaced `Attention.forward`, with vllm-gaudi's
   shapes (`[1, T, heads * head_dim]`) and 4-tuple cache of `[(num_blocks + 1) * block_size, Hkv, D]`,
-  against the dense reference (fp32, 1e-5);
+  against the dense reference (fp32, 1e-5), also over vllm-gaudi's fp8 caches (per-tensor scales, and the
+  per-token scale tensors of its dynamic KV quantization) against the reference over the dequantized cache;
 - c. step planning by the runner subclass from a real `HPUInputBatch` filled by vllm-gaudi's own
   `_update_states` from `SchedulerOutput`s of vLLM's scheduler, against the CPU path's plan;
 - d. a whole generation through the runner subclass (see `test_generation_*`).
@@ -80,7 +81,18 @@ config = EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, m
 worker = resolve_obj_by_qualname(config.parallel_config.worker_cls)
 with set_current_vllm_config(config):
     backend = get_attn_backend(32, config.model_config.dtype, "auto")
+spec = {}
+for method in ("ngram", "draft_model"):
+    try:
+        EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=256, block_size=32,
+                   speculative_config={"method": method, "num_speculative_tokens": 2,
+                                       **({"model": model} if method == "draft_model" else {})}
+                   ).create_engine_config()
+        spec[method] = None
+    except Exception as e:
+        spec[method] = f"{type(e).__name__}: {e}"
 print(json.dumps({
+    "spec": spec,
     "platform": type(current_platform).__module__ + "." + type(current_platform).__name__,
     "platform_bases": [c.__module__ + "." + c.__name__ for c in type(current_platform).__mro__[1:3]],
     "worker": worker.__module__ + "." + worker.__name__,
@@ -115,6 +127,9 @@ def test_wiring_as_vllm_resolves_it(tmp_path):
     assert got["dtype"] == "torch.bfloat16"  # vllm-gaudi's platform turns float32 into bfloat16
     assert got["async_scheduling"] is False
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in out.stdout + out.stderr
+    # Speculative decoding: ngram is accepted, model-based drafters are refused with the reason.
+    assert got["spec"]["ngram"] is None, got["spec"]["ngram"]
+    assert "NotImplementedError: speculative decoding method 'draft_model' is not supported" in got["spec"]["draft_model"]
 
 
 @pytest.mark.parametrize("plugins, enable, platform, error", [
@@ -286,7 +301,93 @@ def test_impl_sliding_window(gaudi):
     assert (full - out).abs().max() > 1e-2, "the window made no difference: not applied"
 
 
-def test_impl_refuses_fp8_scales_and_foreign_metadata(gaudi):
+FP8_STEPS = ("gqa_mixed", "chunk_over_context", "shared_prefix", "decodes")
+
+
+def _fp8_impl_case(step: Step, per_token: bool, name: str, seed: int = 0):
+    """Case b over an fp8 e4m3 cache as vllm-gaudi allocates it: `kv_cache_dtype` fp8 / fp8_inc (no scale
+    tensors; the layer's per-tensor scales) or its dynamic KV quantization (`k_scales` `[slots, Hkv, 1]` and
+    `v_scales = (per slot, per block and channel)`, bf16). -> (output, reference over the dequantized cache
+    as it is after the forward, new K as given, new K as stored)."""
+    from vllm.forward_context import set_forward_context
+    from vllm_gaudi.extension.ops import FP8_MAX
+
+    from vllm_gaudi_unified.paths.kv_quant import per_token_scales, quantize
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
+
+    rng = np.random.default_rng(seed)
+    table, num_blocks = make_block_table(step, rng)
+    table = np.where(table < 0, 0, table)
+    hq, hkv, d, bs = step.num_qo_heads, step.num_kv_heads, step.head_dim, step.block_size
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float32, seed)  # unread slots: NaN / inf
+    fp8, slots_total, used = torch.float8_e4m3fn, (num_blocks + 1) * bs, num_blocks * bs
+    layer, config = _attention_layer(name, hq, hkv, d, d ** -0.5)
+    caches, scales = [], []
+    for x in (kc, vc):
+        x = x.reshape(-1, hkv, d)
+        cache = torch.full((slots_total, hkv, d), float("nan")).to(fp8)
+        if per_token:
+            s = torch.full((slots_total, hkv, 1), torch.finfo(torch.bfloat16).tiny, dtype=torch.bfloat16)
+            s[:used] = per_token_scales(x, FP8_MAX).to(torch.bfloat16)
+            cache[:used] = quantize(x, fp8, s[:used].float(), saturate_at=FP8_MAX)
+        else:
+            s = 0.01  # |x| up to ~4.5 in 448 steps of the format
+            cache[:used] = quantize(x, fp8, s, saturate_at=FP8_MAX)
+        caches.append(cache)
+        scales.append(s)
+    if per_token:
+        hidden = torch.full((num_blocks + 1, hkv, d), torch.finfo(torch.bfloat16).tiny, dtype=torch.bfloat16)
+        layer.kv_cache = (caches[0], caches[1], scales[0], (scales[1], hidden))
+    else:
+        layer._k_scale_float, layer._v_scale_float = scales
+        layer.kv_cache = (caches[0], caches[1], None, None)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, bs,
+                                options=PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=16))
+    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+    starts = np.cumsum(step.query_lens) - step.query_lens
+    pos = np.asarray(step.context_lens)[req] + np.arange(len(req)) - starts[req]
+    slots = torch.from_numpy(table[req, pos // bs] * bs + pos % bs)
+    t = q.shape[0]
+    with set_forward_context({layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=slots)}, config):
+        out = layer(q.reshape(1, t, hq * d), k.reshape(1, t, hkv * d), v.reshape(1, t, hkv * d))
+    deq = [c.double() * (s.double() if per_token else s) for c, s in zip(caches, scales)]  # after the forward
+    blocks = [x.reshape(num_blocks + 1, bs, hkv, d) for x in deq]
+    ref = reference_attention(q.double(), deq[0][slots], deq[1][slots], *blocks, step.query_lens,
+                              step.context_lens, table, d ** -0.5)
+    return out.reshape(t, hq, d), ref, k, deq[0][slots]
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_tensor", "per_token"])
+@pytest.mark.parametrize("name", FP8_STEPS)
+def test_impl_fp8_kv_cache(gaudi, name, per_token):
+    """vllm-gaudi's fp8 caches through its `Attention.forward`: the new K/V are written quantized (round to
+    nearest, saturating; per-token scales stored beside the cache), and the output equals the dense
+    reference over the cache dequantized as it is afterwards, new tokens as stored (fp32, 1e-5)."""
+    out, ref, k_new, k_stored = _fp8_impl_case(IMPL_STEPS[name], per_token, name=f"b.fp8.{name}.{per_token}")
+    assert torch.isfinite(out).all(), "a poisoned cache slot was read"
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # The new tokens are stored as themselves, to e4m3's precision (3 mantissa bits: relative 2^-4).
+    err = (k_stored - k_new.double()).abs()
+    bound = k_new.double().abs() * 2.0 ** -4 + (0.01 * 2.0 ** -9 if not per_token else 1e-6)
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+def test_impl_fp8_saturates(gaudi, monkeypatch):
+    """A key past the device's fp8 range is stored at its largest value, as the HPU cast does: on Gaudi2
+    (vllm-gaudi's FP8_MAX 240) that is 240, though torch's e4m3 goes up to 448."""
+    import vllm_gaudi.extension.ops as gaudi_ops
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionImpl
+
+    monkeypatch.setattr(gaudi_ops, "FP8_MAX", 240.0)
+    x = torch.tensor([1e6, -1e6, 300.0, 3.0]).repeat_interleave(4).reshape(1, 1, 16)
+    cache = torch.zeros(1, 16, 1, 16, dtype=torch.float8_e4m3fn)
+    (k_q, _, _), _ = UnifiedHpuAttentionImpl._quantize_new_kv(None, x, x, cache, None, None,
+                                                               torch.zeros(1, dtype=torch.int64), 16)
+    assert k_q.float().flatten()[::4].tolist() == [240.0, -240.0, 240.0, 3.0]
+
+
+def test_impl_refuses_foreign_metadata(gaudi):
     from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionImpl, UnifiedHpuMetadata
 
     impl = UnifiedHpuAttentionImpl(2, 16, 0.25, 2)
@@ -294,8 +395,9 @@ def test_impl_refuses_fp8_scales_and_foreign_metadata(gaudi):
     cache = torch.zeros(2 * 16, 2, 16)
     batch = build_unified_batch([3], [0], np.array([[0]]), 16)
     md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.arange(3))
-    with pytest.raises(NotImplementedError, match="fp8"):
-        impl.forward(None, x, x, x, (cache, cache, torch.ones(32, 2, 1), None), md)
+    fp8_cache = cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scales for only one of key and value"):
+        impl.forward(None, x, x, x, (fp8_cache, fp8_cache, torch.ones(32, 2, 1), None), md)
     with pytest.raises(TypeError, match="HPUAttentionMetadataV1"):
         impl.forward(None, x, x, x, (cache, cache, None, None), object())
     # vllm-gaudi's profiling forwards carry no cache: zeros of the query's shape, as its own impl.
@@ -559,3 +661,87 @@ def test_generation_through_the_unified_runner(generations, run):
             common = first_a.keys() & first_b.keys()
             assert len(common) >= 2, (case, first_a, first_b)
             assert max(abs(first_a[t] - first_b[t]) for t in common) <= LOGPROB_ATOL, case
+
+
+# ---------------------------------------------------------------------------------------- e. ngram and fp8
+
+SPEC_HELPER = os.path.join(TESTS, "vllm_spec_helpers.py")
+
+
+def _spec_engine(model: str, out: str, gaudi: bool, method: str | None = None, k: int = 0,
+                 kv_cache_dtype: str = "auto", **env) -> dict:
+    """One engine on `vllm_spec_helpers`' scenario (repeated patterns, a chunked prompt, a shared prefix)."""
+    args = [sys.executable, SPEC_HELPER, "run", "--model", model, "--out", out, "--k", str(k),
+            "--kv-cache-dtype", kv_cache_dtype] + (["--method", method] if method else [])
+    extra = dict(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1") if gaudi else {}
+    proc = subprocess.run(args + (["--gaudi-standin"] if gaudi else []), env=_env(**extra, **env),
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    log = proc.stdout + proc.stderr
+    assert os.path.exists(out), f"engine run failed ({proc.returncode}):\n{log[-8000:]}"
+    with open(out) as f:
+        result = json.load(f)
+    result["log"] = log
+    return result
+
+
+@pytest.fixture(scope="module")
+def spec_runs(tmp_path_factory):
+    import vllm_spec_helpers as S  # noqa: F401  (the scenario the runs share)
+
+    root = tmp_path_factory.mktemp("e")
+    model = H.make_tiny_llama(str(root / "model"), **H.MODELS["mha"])
+    trace = str(root / "trace.jsonl")
+    runs = {
+        "ref_ngram": _spec_engine(model, str(root / "ref_ngram.json"), False, "ngram", 3),
+        "ngram": _spec_engine(model, str(root / "ngram.json"), True, "ngram", 3,
+                              VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace),
+        "auto": _spec_engine(model, str(root / "auto.json"), True),
+        "fp8": _spec_engine(model, str(root / "fp8.json"), True, kv_cache_dtype="fp8_inc"),
+        "fp8_ngram": _spec_engine(model, str(root / "fp8_ngram.json"), True, "ngram", 3, kv_cache_dtype="fp8_inc"),
+    }
+    with open(trace) as f:
+        runs["ngram_steps"] = [json.loads(line) for line in f if '"query_lens"' in line]
+    return runs
+
+
+def _tokens(run: dict) -> dict:
+    return {case: [s["tokens"] for s in r["samples"]] for case, r in run["results"].items()}
+
+
+@pytest.mark.slow
+def test_ngram_through_the_unified_runner(spec_runs):
+    """ngram (k = 3) through vllm-gaudi's platform, runner and sampling with one unified forward per step:
+    the same tokens and the same spec-decode counters (drafts, accepted per position) as vLLM's CPU attention
+    with the same config; steps verified drafts beside prompt chunks and over a shared prefix, and rolled
+    rejected drafts back. Logprobs: vllm-gaudi's decode branch returns none for the tokens it verifies (its
+    own attention the same), so a request's list is shorter and only its first entry, the token its prompt
+    sampled, is aligned with vLLM's: those are compared (1e-4)."""
+    from test_vllm_spec_e2e import _assert_same_metrics, _assert_speculative_steps
+
+    ref, got = spec_runs["ref_ngram"], spec_runs["ngram"]
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
+    assert _tokens(got) == _tokens(ref)
+    _assert_same_metrics(got, ref)
+    _assert_speculative_steps(spec_runs["ngram_steps"], 3)
+    for case, r in ref["results"].items():
+        for a, b in zip(got["results"][case]["samples"], r["samples"]):
+            first_a, first_b = a["logprobs"][0], b["logprobs"][0]
+            assert first_a.keys() == first_b.keys(), case
+            assert max(abs(first_a[t] - first_b[t]) for t in first_a) <= LOGPROB_ATOL, case
+
+
+@pytest.mark.slow
+def test_fp8_cache_through_the_unified_runner(spec_runs):
+    """kv_cache_dtype fp8_inc (vllm-gaudi's e4m3 cache) through the unified runner. Exactness per layer is
+    case b's (`test_impl_fp8_kv_cache`); end to end: the run really quantized (its logprobs moved away from
+    the unquantized run's by more than rounding), and speculation does not change a greedy fp8 run (drafts
+    verified and rolled back over fp8 blocks give the tokens of one-by-one decoding). vLLM's CPU attention
+    is no token-level reference here: it truncates where the HPU cast rounds to nearest (docs/usage.md)."""
+    fp8, auto, fp8_ngram = spec_runs["fp8"], spec_runs["auto"], spec_runs["fp8_ngram"]
+    assert "kv_cache_dtype=fp8_inc" in fp8["log"]
+    diffs = [abs(x[t] - y[t]) for case in fp8["results"]
+             for x, y in zip(fp8["results"][case]["samples"][0]["logprobs"], auto["results"][case]["samples"][0]["logprobs"])
+             for t in x.keys() & y.keys()]
+    assert max(diffs) > 1e-3, "the fp8 run equals the unquantized one: the cache was not quantized"
+    assert _tokens(fp8_ngram) == _tokens(fp8)
+    assert fp8_ngram["metrics"]["num_accepted_tokens"] > 0

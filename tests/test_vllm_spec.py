@@ -148,3 +148,67 @@ def test_fp8_forward_writes_vllm_bytes_and_matches_the_dequantized_reference(kv_
     k_new, v_new = kd.view(-1, hkv, d)[new_slots], vd.view(-1, hkv, d)[new_slots]  # the new tokens as stored
     ref = reference_attention(q.double(), k_new, v_new, kd, vd, query_lens, context_lens, table, 0.3)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ Gaudi path: verification in vLLM's compact layout
+
+def _verify_by_hand(drafts: list[list[int]], targets: list[list[int]], bonus: list[int]) -> list[list[int]]:
+    """Greedy verification, one request at a time: accept drafts while they equal the target's token;
+    the first mismatch emits the target's token and stops; all accepted: then the bonus token."""
+    out = []
+    for d, t, b in zip(drafts, targets, bonus):
+        row = []
+        for dj, tj in zip(d, t):
+            row.append(tj)
+            if dj != tj:
+                break
+        else:
+            row.append(b)
+        out.append(row)
+    return out
+
+
+def test_spec_decode_metadata_compact_layout():
+    """Three decodes with 2, 0 and 3 drafts in the step's first 1 + 2, 1, 1 + 3 rows."""
+    from vllm_gaudi_unified.vllm_plugin.hpu_spec import spec_decode_metadata
+
+    tokens = np.array([10, 11, 12, 20, 30, 31, 32, 33, 99])  # rows of the step (99: a prompt after the decodes)
+    md = spec_decode_metadata(np.array([3, 1, 4]), tokens, "cpu")
+    assert md.num_draft_tokens == [2, 0, 3]
+    assert md.draft_token_ids.tolist() == [11, 12, 31, 32, 33]
+    assert md.target_logits_indices.tolist() == [0, 1, 4, 5, 6]
+    assert md.bonus_logits_indices.tolist() == [2, 3, 7]
+    assert md.cu_num_draft_tokens.tolist() == [2, 2, 5] and md.cu_num_sampled_tokens.tolist() == [3, 4, 8]
+    assert md.logits_indices.tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_verify_matches_verification_by_hand(seed):
+    """Random ragged drafts (0..4 per request, some all accepted, some rejected at each position)."""
+    from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_spec import greedy_verify
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 7))
+    counts = rng.integers(0, 5, n).tolist()
+    drafts = [rng.integers(0, 4, c).tolist() for c in counts]  # a 4-token vocabulary: frequent matches
+    targets = [[x if rng.random() < 0.7 else int(rng.integers(0, 4)) for x in d] for d in drafts]
+    bonus = rng.integers(0, 4, n).tolist()
+    flat = lambda lists: torch.tensor([x for lst in lists for x in lst], dtype=torch.int64)
+    out = greedy_verify(flat(drafts).int(), flat(targets), torch.tensor(bonus).view(-1, 1), counts)
+    assert out.shape == (n, max(counts) + 1) and out.dtype == torch.int32
+    parsed, _ = RejectionSampler.parse_output(out, vocab_size=4)
+    assert parsed == _verify_by_hand(drafts, targets, bonus)
+    assert (out[out < 0] == PLACEHOLDER_TOKEN_ID).all()
+
+
+def test_greedy_rejection_sampler_refuses_random_sampling():
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler
+
+    with pytest.raises(NotImplementedError, match="greedily only"):
+        GreedyRejectionSampler(Sampler())(None, None, torch.zeros(2, 4), SimpleNamespace(all_greedy=False))

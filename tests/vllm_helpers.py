@@ -125,21 +125,25 @@ def run_scenario(model: str, out: str, dtype: str = "float32", gaudi_standin: bo
     it already steps, and the batches, hence the random draws of n > 1, differ).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    device_context = contextlib.nullcontext()
-    if gaudi_standin:  # vllm-gaudi's platform, worker and runner on the CPU (tests/habana_standin.py)
-        import habana_standin
-
-        habana_standin.install(memory_bytes=128 << 20)  # vllm-gaudi sizes the KV cache from the "device" memory
-        habana_standin.stub_vision_only_vllm_models()
-        if dtype == "float32":
-            habana_standin.keep_float32()
-        device_context = habana_standin.hpu_device_as_cpu()
+    device_context = gaudi_standin_context(dtype) if gaudi_standin else contextlib.nullcontext()
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
     import_s = time.perf_counter() - t0
     with device_context:
         _run_waves(LLM, SamplingParams, model, out, dtype, import_s)
+
+
+def gaudi_standin_context(dtype: str):
+    """vllm-gaudi's platform, worker and runner on the CPU (tests/habana_standin.py), before vLLM is
+    imported; returns the context the engine must run in (the "hpu" device as the CPU)."""
+    import habana_standin
+
+    habana_standin.install(memory_bytes=128 << 20)  # vllm-gaudi sizes the KV cache from the "device" memory
+    habana_standin.stub_vision_only_vllm_models()
+    if dtype == "float32":
+        habana_standin.keep_float32()
+    return habana_standin.hpu_device_as_cpu()
 
 
 def _run_waves(LLM, SamplingParams, model: str, out: str, dtype: str, import_s: float) -> None:

@@ -13,6 +13,7 @@ others: both the accepted and the rolled-back drafts happen inside vLLM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -85,10 +86,16 @@ def _metrics(llm) -> dict:
 
 
 def run(model: str, out: str, method: str | None, k: int, draft: str | None, kv_cache_dtype: str,
-        k_scale: float | None = None) -> None:
+        gaudi_standin: bool = False) -> None:
     """Generate the scenario greedily with one engine (in this process, so every request is queued before
-    the first step) and write tokens, logprobs, spec-decode metrics and timings to `out`."""
+    the first step) and write tokens, logprobs, spec-decode metrics and timings to `out`. `gaudi_standin`:
+    through vllm-gaudi's platform, worker and runner on the CPU (`vllm_helpers.gaudi_standin_context`)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    with H.gaudi_standin_context("float32") if gaudi_standin else contextlib.nullcontext():
+        _run(model, out, method, k, draft, kv_cache_dtype)
+
+
+def _run(model: str, out: str, method: str | None, k: int, draft: str | None, kv_cache_dtype: str) -> None:
     from vllm import LLM, SamplingParams
 
     spec = None
@@ -128,8 +135,13 @@ def main(argv=None) -> int:
     r.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     r.add_argument("--draft", default=None, help="draft model directory (draft_model / eagle methods)")
     r.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
+    r.add_argument("--gaudi-standin", action="store_true",
+                   help="run vllm-gaudi's platform on the CPU with tests/habana_standin.py (set VLLM_PLUGINS and "
+                        "VLLM_GAUDI_UNIFIED for the unified runner)")
     args = parser.parse_args(argv)
-    run(args.model, args.out, args.method, args.k, args.draft, args.kv_cache_dtype)
+    if not args.gaudi_standin:
+        H.keep_vllm_gaudi_out()
+    run(args.model, args.out, args.method, args.k, args.draft, args.kv_cache_dtype, args.gaudi_standin)
     return 0
 
 

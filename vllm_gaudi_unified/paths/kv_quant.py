@@ -87,20 +87,36 @@ def dequantize(cache: torch.Tensor, scale, dtype: torch.dtype = torch.float64) -
     return read_blocks(cache, cache.shape[0], scale, dtype)
 
 
-def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale=1.0, rounding: str = "nearest") -> torch.Tensor:
+def quantize(x: torch.Tensor, fp8_dtype: torch.dtype, scale=1.0, rounding: str = "nearest",
+             saturate_at: float | None = None) -> torch.Tensor:
     """`x / scale` in `fp8_dtype`; `scale` a float or a tensor broadcasting against `x`.
 
     `rounding="toward_zero"` truncates like vLLM's CPU cache write (its bytes,
     except that -0 is written as +0): torch's nearest cast, then one step back
     toward zero wherever that rounded away from zero (in fp8's sign-magnitude
-    bits, one less in the byte is one step smaller in magnitude)."""
+    bits, one less in the byte is one step smaller in magnitude).
+
+    `saturate_at`: clamp `x / scale` to +-this first, as the HPU's cast does
+    (Gaudi2's e4m3 saturates at 240, Gaudi3's at 448). Without it torch's cast
+    decides: e4m3 saturates at 448, e5m2 overflows to inf."""
     if not is_fp8(fp8_dtype):
         raise ValueError(f"fp8_dtype must be one of {sorted({str(d) for d in FP8_DTYPES.values()})}, got {fp8_dtype}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     y = (x.float() / scale) if not (isinstance(scale, float) and scale == 1.0) else x.float()
+    if saturate_at is not None:
+        y = y.clamp(-saturate_at, saturate_at)
     q = y.to(fp8_dtype)
     if rounding == "nearest":
         return q
     away = q.float().abs() > y.abs()
     return (q.view(torch.uint8) - away.to(torch.uint8)).view(fp8_dtype)
+
+
+def per_token_scales(x: torch.Tensor, max_value: float) -> torch.Tensor:
+    """Scales for storing `x` `[tokens, heads, head_dim]` with one scale per token and head: the
+    largest magnitude maps to `max_value` (vllm-gaudi's dynamic KV quantization stores such
+    `[slots, heads, 1]` scales beside its cache). An all-zero row gets the smallest normal float,
+    never 0, so dequantizing never divides by or multiplies with a zero scale."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    return (amax / max_value).clamp(min=torch.finfo(torch.float32).tiny)

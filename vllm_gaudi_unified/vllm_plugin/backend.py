@@ -267,6 +267,8 @@ def _model_has_full_attention(vllm_config: VllmConfig) -> bool:
 class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
     """Per layer: write the new K/V into the cache, then `attend_step` (checked once per step)."""
 
+    backend: ClassVar[type[AttentionBackend]] = GaudiUnifiedAttentionBackend  #: whose declarations __init__ checks
+
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
@@ -276,8 +278,7 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             ("ALiBi", alibi_slopes is not None),
             (f"attention type {attn_type!r} (decoder only)", attn_type != AttentionType.DECODER),
             ("KV cache sharing between layers", kv_sharing_target_layer_name is not None),
-            (f"kv_cache_dtype {kv_cache_dtype!r}",
-             kv_cache_dtype not in GaudiUnifiedAttentionBackend.supported_kv_cache_dtypes),
+            (f"kv_cache_dtype {kv_cache_dtype!r}", kv_cache_dtype not in self.backend.supported_kv_cache_dtypes),
         ) if present]
         if unsupported:
             raise NotImplementedError("The unified attention backend does not support " + ", ".join(unsupported))

@@ -15,7 +15,11 @@ vllm-gaudi's own shapes. So on Gaudi the pieces differ from the CPU path
 - `UnifiedHpuAttentionImpl.forward` takes vllm-gaudi's calling convention as it is: query
   `[batch, seq, num_heads * head_size]` (the runner sends one flattened batch, `[1, T, ...]`),
   the cache 4-tuple `(k_cache, v_cache, k_scales, v_scales)`, viewed (never copied) as the
-  core's `[num_blocks + 1, block_size, num_kv_heads, head_size]`.
+  core's `[num_blocks + 1, block_size, num_kv_heads, head_size]`. An fp8 (e4m3) cache gets the
+  new K/V quantized the HPU cast's way (round to nearest, saturating at vllm-gaudi's `FP8_MAX`)
+  with the layer's per-tensor scales, or with per-token scales stored in `k_scales` / `v_scales[0]`
+  when vllm-gaudi allocated them (its dynamic KV quantization); the paths dequantize what they
+  gather with the same scales (`paths/kv_quant.py`).
 - `UnifiedMetadataProcessor`: vllm-gaudi's model adapter post-processes the metadata of every
   forward (biases, block mappings for its own kernels); ours passes through unchanged.
 """
@@ -30,6 +34,7 @@ from vllm_gaudi.attention.backends.hpu_attn import HPUAttentionBackend
 from vllm_gaudi.v1.worker.hpu_model_runner import HPUAttentionMetadataProcessor
 
 from vllm_gaudi_unified import UnifiedBatch, unified_attention
+from vllm_gaudi_unified.paths.kv_quant import is_fp8, per_token_scales, quantize
 from vllm_gaudi_unified.vllm_plugin.backend import (
     GaudiUnifiedAttentionBackend,
     GaudiUnifiedAttentionImpl,
@@ -55,8 +60,9 @@ class UnifiedHpuAttentionBackend(HPUAttentionBackend):
     forward_includes_kv_cache_update: bool = True  # vllm-gaudi's Attention.forward asserts it
     supported_dtypes: ClassVar[list[torch.dtype]] = GaudiUnifiedAttentionBackend.supported_dtypes
     # vllm-gaudi's runner names an unquantized cache by its dtype ("bfloat16"), vLLM's config by "auto";
-    # quantized caches (fp8_inc) are refused here, at start-up (issue 17).
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32"]
+    # fp8 is e4m3 only ("fp8_inc" is vllm-gaudi's name for it): vllm-gaudi's runner has no e5m2 cache.
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
+                                                 "fp8_inc"]
 
     @staticmethod
     def get_name() -> str:
@@ -134,6 +140,8 @@ def is_unified_metadata(attn_metadata) -> bool:
 class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
     """The unified impl under vllm-gaudi's calling convention (no `output` argument; returns the output)."""
 
+    backend = UnifiedHpuAttentionBackend
+
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: tuple | None, attn_metadata: UnifiedHpuMetadata | None,
                 output: torch.Tensor | None = None, output_scale=None, output_block_scale=None) -> torch.Tensor:
@@ -153,21 +161,60 @@ class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
         k = key.reshape(-1, self.num_kv_heads, self.head_size)
         v = value.reshape(-1, self.num_kv_heads, self.head_size)
         key_cache, value_cache, k_scales, v_scales = kv_cache
-        # fp8 KV caches (issue 17): the scales of a quantized cache would be handed to the core here,
-        # the one place that sees them; refused at start-up (the backend accepts kv_cache_dtype "auto" only).
-        if k_scales is not None or v_scales is not None:
-            raise NotImplementedError("quantized (fp8) KV caches with scales are not supported by the unified "
-                                      "backend yet; start without --kv-cache-dtype")
         bs = attn_metadata.batch.block_size
         key_cache = UnifiedHpuAttentionBackend.block_view(key_cache, bs)
         value_cache = UnifiedHpuAttentionBackend.block_view(value_cache, bs)
-        if k.dtype != key_cache.dtype:  # vllm-gaudi's impl does the same for float32 activations
-            q, k, v = q.to(key_cache.dtype), k.to(key_cache.dtype), v.to(key_cache.dtype)
         t = attn_metadata.slot_mapping.shape[0]
         if q.shape[0] != t:
             raise ValueError(f"query rows {q.shape[0]} != planned rows {t} (slot_mapping): the runner's model "
                              "inputs and its plan disagree")
-        write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        k_scale = v_scale = None
+        if is_fp8(key_cache.dtype):
+            (k_q, k_rows, k_scale), (v_q, v_rows, v_scale) = self._quantize_new_kv(
+                layer, k, v, key_cache, k_scales, v_scales, attn_metadata.slot_mapping, bs)
+            write_kv(k_q, v_q, key_cache, value_cache, attn_metadata.slot_mapping)
+            # The new tokens attend to each other as stored, as they will once cached.
+            k, v = k_q.to(q.dtype) * k_rows, v_q.to(q.dtype) * v_rows
+        else:
+            if k.dtype != key_cache.dtype:  # vllm-gaudi's impl does the same for float32 activations
+                q, k, v = q.to(key_cache.dtype), k.to(key_cache.dtype), v.to(key_cache.dtype)
+            write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
         out = unified_attention(q, k, v, key_cache, value_cache, attn_metadata.batch, self.scale,
-                                logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
+                                logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
+                                k_scale=k_scale, v_scale=v_scale)
         return out.reshape(shape).to(query.dtype)
+
+    @staticmethod
+    def _quantize_new_kv(layer, k, v, key_cache, k_scales, v_scales, slot_mapping, block_size):
+        """Per key and value: (the new rows in the cache's fp8 format, their scales, the cache's scales
+        for the paths).
+
+        - No scale tensors (vllm-gaudi's static fp8 cache, `kv_cache_dtype` fp8 / fp8_inc): one scale
+          per tensor, the layer's (`_k_scale_float`, 1.0 unless the checkpoint carries KV scales; vllm-gaudi's
+          own static cache uses 1.0 as well).
+        - Scale tensors (vllm-gaudi's dynamic KV quantization, QUANT_CONFIG with VLLM_DYNAMIC_KV_QUANT):
+          one scale per token and KV head, computed here from the new rows and stored in `k_scales` and
+          `v_scales[0]` (`[slots, Hkv, 1]`, bf16) at the tokens' slots; the paths read them per block.
+          `v_scales[1]` (per block and channel, for vllm-gaudi's own kernels) is not used.
+        Both round to nearest and saturate at the format's largest value on this device (the HPU cast's way).
+        """
+        from vllm_gaudi.extension.ops import FP8_MAX  # 240 on Gaudi2 (e4m3 with that range), else 448
+
+        fp8 = key_cache.dtype
+        if (k_scales is None) != (v_scales is None):
+            raise ValueError("the KV cache tuple has scales for only one of key and value "
+                             f"(k_scales {'absent' if k_scales is None else 'present'}, "
+                             f"v_scales {'absent' if v_scales is None else 'present'})")
+        if k_scales is None:
+            scales = (float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
+            return tuple((quantize(x, fp8, s, saturate_at=FP8_MAX), s, s) for x, s in zip((k, v), scales))
+        v_slot_scales = v_scales[0] if isinstance(v_scales, (tuple, list)) else v_scales
+        slots = slot_mapping.clamp(min=0)  # padding rows (-1) write the null block, as write_kv does
+        out = []
+        for x, store in ((k, k_scales), (v, v_slot_scales)):
+            s = per_token_scales(x, FP8_MAX).to(store.dtype)  # rounded to the stored dtype before use
+            store.index_copy_(0, slots, s)
+            rows = s.to(x.dtype)
+            out.append((quantize(x, fp8, s.float(), saturate_at=FP8_MAX), rows,
+                        store.unflatten(0, (-1, block_size))))  # [blocks, block_size, Hkv, 1]: read per block
+        return tuple(out)

@@ -7,9 +7,10 @@ is vllm-gaudi's. `entry.platform_plugin` names it only where an HPU (or the
 tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
-speculative decoding (vllm-gaudi's drafting runs on its own decode batches),
-fp8 KV caches (issue 17), a vllm-gaudi whose overridden methods differ from the
-ones checked (`check_vllm_gaudi_hooks`). Async scheduling is switched off: the
+speculative decoding other than ngram (vllm-gaudi's EAGLE drafter runs its own
+forwards with its own metadata), a vllm-gaudi whose overridden methods differ from the ones checked
+(`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
+are the backend's to accept (`hpu_backend.py`). Async scheduling is switched off: the
 runner reads the last sampled tokens from the host input batch.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ VLLM_GAUDI_HOOKS = {
                                    "model_mm_kwargs"],
         "sample_tokens": ["grammar_output"],
         "_run_sampling": ["batch_changed", "logits_device", "request_ids", "pad_to", "logits_requests"],
+        "propose_ngram_draft_token_ids": ["sampled_token_ids"],
     },
     "vllm_gaudi.v1.worker.hpu_model_runner.HPUAttentionMetadataProcessor": {
         "process_metadata": ["attn_metadata", "batch_size", "seq_len", "device", "dtype",
@@ -53,6 +55,10 @@ VLLM_GAUDI_HOOKS = {
     "vllm_gaudi.v1.worker.hpu_model_runner.PrefillInputData": {
         "__init__": ["request_ids", "prompt_lens", "token_ids", "position_ids", "attn_metadata", "logits_indices",
                      "logits_requests"],
+    },
+    "vllm_gaudi.v1.worker.hpu_model_runner.DecodeInputData": {
+        "__init__": ["num_decodes", "token_ids", "position_ids", "attn_metadata", "logits_indices",
+                     "spec_decode_metadata"],
     },
     "vllm_gaudi.v1.worker.hpu_model_runner.PromptDecodeInfo": {
         "__init__": ["prompt_req_ids", "decode_req_ids", "prompt_scheduled_tokens"],
@@ -103,11 +109,12 @@ class UnifiedHpuPlatform(HpuPlatform):
         elif parallel.worker_cls != UNIFIED_HPU_WORKER:
             raise ValueError(f"worker_cls={parallel.worker_cls!r}: unified attention on Gaudi needs its own worker "
                              f"({UNIFIED_HPU_WORKER}); leave worker_cls unset")
-        if vllm_config.speculative_config is not None:
-            raise NotImplementedError("speculative decoding is not supported with unified attention on Gaudi: "
-                                      "vllm-gaudi drafts and verifies on its own decode batches, which the unified "
-                                      "runner does not build. Unset VLLM_GAUDI_UNIFIED (or set it to 0) to use "
-                                      "vllm-gaudi's own attention.")
+        spec = vllm_config.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise NotImplementedError(f"speculative decoding method {spec.method!r} is not supported with unified "
+                                      "attention on Gaudi (ngram is): vllm-gaudi's model-based drafters (EAGLE) run "
+                                      "their own forwards with its own attention metadata. Use method 'ngram', or "
+                                      "unset VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")
         sched = vllm_config.scheduler_config
         if sched.async_scheduling:
             sched.async_scheduling = False

@@ -32,6 +32,7 @@ import torch
 from vllm_gaudi.extension.defragmentation import OnlineDefragmenter
 from vllm_gaudi.extension.ops import LoraMask
 from vllm_gaudi.v1.worker.hpu_model_runner import (
+    DecodeInputData,
     HpuModelAdapter,
     HPUModelRunner,
     PrefillInputData,
@@ -51,6 +52,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
     UnifiedMetadataProcessor,
     is_unified_metadata,
 )
+from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
 from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
 
 logger = get_logger("vllm.gaudi_unified.hpu_runner")
@@ -112,12 +114,13 @@ def token_positions(step: HpuStep, padded_len: int) -> tuple[np.ndarray, np.ndar
 
 class PerRequestRows:
     """The hidden states of one flattened step, indexed by request like vllm-gaudi's per-request
-    prefill batches (`rows[i]` is request i's `[query_len, hidden]`): its prompt-logprobs code reads them so."""
+    prefill batches (`rows[i]` is request `first + i`'s `[query_len, hidden]`; `first`: the decodes
+    that vllm-gaudi's sampling lists apart under speculative decoding): its prompt-logprobs code reads them so."""
 
-    def __init__(self, hidden: torch.Tensor, query_lens: np.ndarray):
+    def __init__(self, hidden: torch.Tensor, query_lens: np.ndarray, first: int = 0):
         self.hidden = hidden
-        self.starts = (np.cumsum(query_lens) - query_lens).tolist()
-        self.lens = query_lens.tolist()
+        self.starts = (np.cumsum(query_lens) - query_lens).tolist()[first:]
+        self.lens = query_lens.tolist()[first:]
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.hidden[self.starts[i]:self.starts[i] + self.lens[i]]
@@ -136,6 +139,10 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         self.unified_windows: list[int | None] = []  #: per KV cache group
         self.unified_warmed: set = set()  #: buckets run through the whole model at warmup
         self.last_step: HpuStep | None = None  #: the last step planned (tests, debugging)
+        self.num_listed_decodes = 0  #: the step's first requests, which vllm-gaudi's sampling treats as decodes
+        self._step_forward = None  #: (metadata, hidden, aux) of the step's one forward, for its second reader
+        if self.speculative_config is not None:  # drafts verified in vLLM's compact layout (hpu_spec.py)
+            self.rejection_sampler = GreedyRejectionSampler(self.sampler)
 
     # ------------------------------------------------------------------ set-up
 
@@ -181,7 +188,13 @@ class UnifiedHpuModelRunner(HPUModelRunner):
     # ------------------------------------------------------------------ one step
 
     def _get_prompts_and_decodes(self, scheduler_output) -> PromptDecodeInfo:
-        """Every scheduled request in one batch, in input-batch order (as vllm-gaudi's prompt list)."""
+        """Every scheduled request in one batch, in input-batch order (as vllm-gaudi's prompt list).
+
+        Under speculative decoding vllm-gaudi verifies drafts (rejection sampling) in its decode
+        branch only, so its own prompt/decode lists are kept for sampling (decodes first: it has
+        ordered the input batch so); the forward stays one unified batch (`_prepare_inputs`)."""
+        if self.speculative_config is not None:
+            return super()._get_prompts_and_decodes(scheduler_output)
         n = self.input_batch.num_reqs
         req_ids = list(self.input_batch.req_ids[:n])
         return PromptDecodeInfo(prompt_req_ids=req_ids, decode_req_ids=[],
@@ -226,10 +239,15 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         return metadata
 
     def _prepare_inputs(self, scheduler_output, num_prefills, num_decodes, warmup=False):
-        """The step as vllm-gaudi's sampling code expects it: one prefill batch, no decode batch."""
+        """The step as vllm-gaudi's sampling code expects it: one prefill batch over every request.
+
+        Under speculative decoding the step's first `num_decodes` requests (vllm-gaudi's decode list)
+        sample in its decode branch instead, from the logits of all their rows (`spec_decode_metadata`),
+        and the prefill batch samples the others. Both carry the same planned step: the model runs it
+        once (`_execute_model_generic`)."""
         step = step_from_input_batch(self.input_batch, scheduler_output.num_scheduled_tokens,
                                      resolve_blocks=None if warmup else self._resolve_block_table)
-        self.last_step = step
+        self.last_step, self._step_forward = step, None
         metadata = self.plan_step(step)
         first = next(iter(metadata.values()))
         padded = first.batch.bucket.query_len
@@ -237,23 +255,37 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         width = self.input_batch.token_ids_cpu.shape[1]
         token_ids = self.input_batch.token_ids_cpu.reshape(-1)[req_index * width + positions]
         token_ids[step.num_tokens:] = 0
+        token_ids = token_ids.astype(np.int64)
+        tokens_device = torch.from_numpy(token_ids).view(1, -1).to(self.device)
+        positions_device = torch.from_numpy(positions).view(1, -1).to(self.device)
         # Which requests sample this step: vLLM's rule (the GPU runner's discard mask): a request
         # whose scheduled tokens reach the end of its known tokens; a prompt chunk short of it does not.
         n = len(step.req_ids)
+        d = num_decodes if self.speculative_config is not None else 0
+        self.num_listed_decodes = d
         ends = step.context_lens + step.query_lens
         samples = ends >= self.input_batch.num_tokens_no_spec[:n]
+        samples[:d] = False  # sampled in the decode branch
         last_rows = first.batch.plan.logits_indices[:n]
         logits_indices = torch.from_numpy(np.ascontiguousarray(last_rows[samples], dtype=np.int64))
-        data = PrefillInputData(
-            request_ids=[step.req_ids],
-            prompt_lens=[step.query_lens.tolist()],
-            token_ids=[torch.from_numpy(token_ids.astype(np.int64)).view(1, -1).to(self.device)],
-            position_ids=[torch.from_numpy(positions).view(1, -1).to(self.device)],
-            attn_metadata=[metadata],
-            logits_indices=[logits_indices.to(self.device)],
-            logits_requests=[[r for r, s in zip(step.req_ids, samples) if s]],
-        )
-        return (data, None), (None, None)
+        data = PrefillInputData()
+        if d < n:
+            data = PrefillInputData(
+                request_ids=[step.req_ids[d:]],
+                prompt_lens=[step.query_lens[d:].tolist()],
+                token_ids=[tokens_device],
+                position_ids=[positions_device],
+                attn_metadata=[metadata],
+                logits_indices=[logits_indices.to(self.device)],
+                logits_requests=[[r for r, s in zip(step.req_ids, samples) if s]],
+            )
+        decode = None
+        if d:
+            spec = spec_decode_metadata(step.query_lens[:d], token_ids, self.device)
+            decode = DecodeInputData(num_decodes=d, token_ids=tokens_device, position_ids=positions_device,
+                                     attn_metadata=metadata, logits_indices=spec.logits_indices.long(),
+                                     spec_decode_metadata=spec)
+        return (data, None), (decode, None)
 
     def _execute_model_generic(self, token_ids, position_ids, attn_metadata, logits_indices, kv_caches,
                                lora_logits_mask, lora_mask, warmup_mode=False, inputs_embeds=None,
@@ -263,22 +295,41 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         if not is_unified_metadata(attn_metadata):
             raise TypeError(f"the unified runner got {type(attn_metadata).__name__} metadata: a vllm-gaudi path "
                             "that plans its own batches (e.g. pooling, multimodal warmup) is not supported")
+        if self._step_forward is not None and self._step_forward[0] is attn_metadata:
+            # The step's second reader (speculative decoding: vllm-gaudi's decode branch after its
+            # prefill branch): the same planned step, already run.
+            hidden, aux = self._step_forward[1:]
+        else:
+            hidden, aux = self._forward(token_ids, position_ids, attn_metadata, kv_caches, lora_mask,
+                                        inputs_embeds, model_mm_kwargs)
+            if self.speculative_config is not None and not warmup_mode:
+                self._step_forward = (attn_metadata, hidden, aux)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        sample_hidden = flat[logits_indices]
+        LoraMask.setLoraMask(lora_logits_mask)
+        logits = self.model.compute_logits(sample_hidden)
+        step = self.last_step
+        rows = PerRequestRows(flat, step.query_lens, self.num_listed_decodes) if step is not None else flat
+        return rows, aux, sample_hidden, logits
+
+    def _forward(self, token_ids, position_ids, attn_metadata, kv_caches, lora_mask, inputs_embeds,
+                 model_mm_kwargs):
+        """vllm-gaudi's model adapter over the planned step -> (hidden states, aux hidden states or None)."""
         extra = {}
         if htorch.utils.internal.is_lazy():  # vllm-gaudi wraps its model adapter in an HPU graph only then
             extra["bypass_hpu_graphs"] = not self._use_unified_graphs(attn_metadata)
         hidden = self.model.forward(input_ids=token_ids, positions=position_ids, attn_metadata=attn_metadata,
                                     kv_caches=kv_caches, inputs_embeds=inputs_embeds,
                                     model_mm_kwargs=model_mm_kwargs, lora_mask=lora_mask, **extra)
-        aux = None
         if self.use_aux_hidden_state_outputs:
-            hidden, aux = hidden
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        sample_hidden = flat[logits_indices]
-        LoraMask.setLoraMask(lora_logits_mask)
-        logits = self.model.compute_logits(sample_hidden)
-        step = self.last_step
-        rows = PerRequestRows(flat, step.query_lens) if step is not None else flat
-        return rows, aux, sample_hidden, logits
+            return hidden
+        return hidden, None
+
+    def propose_ngram_draft_token_ids(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """vLLM's ngram proposer as it is: no proposal is an empty list. (vllm-gaudi writes [-1] there, a
+        token id vLLM 0.32's scheduler would schedule as a draft.)"""
+        return self.drafter.propose(self.speculative_config.num_speculative_tokens, sampled_token_ids,
+                                    self.input_batch.num_tokens_no_spec, self.input_batch.token_ids_cpu)
 
     def _use_unified_graphs(self, attn_metadata) -> bool:
         """HPU graphs only for buckets warmed at start-up: an unpadded step has a shape of its own,
