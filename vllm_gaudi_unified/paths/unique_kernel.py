@@ -35,7 +35,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
     ids sorted by token, `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless
     `SLICE`: slot = block id). Out: acc `[n, SPLITS, HQ, D]`, m/l `[n, SPLITS, HQ]` in acc's dtype."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # output offsets (t * SPLITS * HQ * D) may pass 2**31
     h = tl.program_id(1)
     sp = tl.program_id(2)
     first = tl.load(starts_ptr + t)
