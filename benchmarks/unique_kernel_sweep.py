@@ -33,7 +33,8 @@ from vllm_gaudi_unified.paths import unique
 from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, dequantize, quantize
 
 #: Run 1 (2026-11-23) swept keys 32/64/128 x warps 4/8 x split keys 256/512/2048: 128, 4, 2048 won everywhere.
-SWEEP = {"KERNEL_KEYS": (128, 256), "KERNEL_WARPS": (4, 8), "KERNEL_SPLIT_KEYS": (2048, 8192), "KERNEL_STAGES": (2, 3, 4)}
+SWEEP = {"KERNEL_KEYS": (128, 256), "KERNEL_WARPS": (4, 8), "KERNEL_SPLIT_KEYS": (2048, 8192),
+         "KERNEL_STAGES": (2, 3, 4)}
 
 
 def _route(name: str):
@@ -64,11 +65,13 @@ def run(args) -> list[dict]:
             cases += [(f, "tensor", route, {}) for f in ("fp8_e4m3", "fp8_e5m2") for route in ("default", "dequantize")]
             cases += [("fp8_e4m3", "per_slot_head", "default", {})]
             if args.sweep:
-                cases += [("fp8_e4m3", "tensor", "kernel", dict(zip(SWEEP, c))) for c in itertools.product(*SWEEP.values())]
+                cases += [("fp8_e4m3", "tensor", "kernel", dict(zip(SWEEP, c)))
+                          for c in itertools.product(*SWEEP.values())]
             caches = {}
             for cache_dtype, scales, route, consts in cases:
                 row = dict(scenario=sc.name, block_size=bs, cache=cache_dtype, scales=scales, route=route,
-                           phase=batch.phase, unique_layout=batch.unique_layout, **{k.lower(): v for k, v in consts.items()})
+                           phase=batch.phase, unique_layout=batch.unique_layout,
+                           **{k.lower(): v for k, v in consts.items()})
                 rows.append(row)
                 try:
                     key = (cache_dtype, scales)

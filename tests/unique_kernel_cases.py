@@ -97,7 +97,8 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
     for cache_dtype, bucket in ((query_dtype, None), (torch.float8_e4m3fn, big)):
         kx, vx = (c.to(query_dtype) if cache_dtype == query_dtype else quantize(c, cache_dtype) for c in (kc, vc))
         if cache_dtype != query_dtype:  # the reference over the dequantized cache
-            ref = reference_attention(q, k, v, kx.double(), vx.double(), step.query_lens, step.context_lens, table, 0.37)
+            ref = reference_attention(q, k, v, kx.double(), vx.double(), step.query_lens, step.context_lens, table,
+                                      0.37)
         batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
                                     options=SMALL_TILES, bucket=bucket, device=device)
         before = len(calls)

@@ -52,8 +52,9 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
 def fused_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
                          scale: float, k_scale=None, v_scale=None) -> Partial | None:
     """`unique_partial` through flash, one segment per block (`fused.flash_blocks`), K and V read by one
-    kernel (an fp8 cache dequantized after the slice or gather, `read_blocks`). Flash sees every slot of a block; the few slots a row sees only part of (`_partial_slots`)
-    are computed again on the masked tiles and replace flash's rows before the merge."""
+    kernel (an fp8 cache dequantized after the slice or gather, `read_blocks`). Flash sees every slot
+    of a block; the few slots a row sees only part of (`_partial_slots`) are computed again on the
+    masked tiles and replace flash's rows before the merge."""
     slots = batch.unique_rows.shape[0]
     if slots == 0:
         return None
@@ -118,7 +119,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     if slots == 0:
         return None
     n, hq, d = q.shape
-    nb, bs, hkv, _ = key_cache.shape
+    _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
     rows = batch.unique_rows
     order = torch.argsort(rows, stable=True)
@@ -128,16 +129,15 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     splits = min(KERNEL_MAX_SPLITS, _pow2(math.ceil(keys_per_token / KERNEL_SPLIT_KEYS)))
     dt = compute_dtype(q.dtype)
     acc = torch.empty((n, splits, hq, d), dtype=dt, device=q.device)
-    m, total = torch.empty((n, splits, hq), dtype=dt, device=q.device), torch.empty((n, splits, hq), dtype=dt,
-                                                                                     device=q.device)
+    m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
+    total = torch.empty_like(m)
     ks, ks_strides, k_factor = _scale_args(k_scale)
     vs, vs_strides, v_factor = _scale_args(v_scale)
-    kc, vc = key_cache, value_cache
     q = q if q.stride(-1) == 1 else q.contiguous()
     unique_kernel.unique_kernel[(n, hkv, splits)](
-        q, kc, vc, kc if ks is None else ks, vc if vs is None else vs, order, starts, ids, batch.unique_lo,
-        batch.unique_hi, acc, m, total, scale * k_factor, v_factor, q.stride(0), q.stride(1), *kc.stride()[:3], *vc.stride()[:3],
-        *ks_strides, *vs_strides,
+        q, key_cache, value_cache, key_cache if ks is None else ks, value_cache if vs is None else vs,  # (unused)
+        order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale * k_factor, v_factor,
+        q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
         HQ=hq, G=g, G_PAD=max(16, _pow2(g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=batch.unique_blocks is None, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
         num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
