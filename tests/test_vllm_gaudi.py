@@ -590,7 +590,13 @@ LOGPROB_ATOL = 1e-4  # the CPU e2e tests' bound (tests/test_vllm_e2e.py explains
 
 
 def _engine(model: str, out: str, gaudi: bool, **env) -> dict:
-    args = [sys.executable, HELPER, "run", "--model", model, "--out", out, "--dtype", "float32"]
+    return _run_engine([sys.executable, HELPER, "run", "--model", model, "--out", out, "--dtype", "float32"], out,
+                       gaudi, **env)
+
+
+def _run_engine(args: list[str], out: str, gaudi: bool, **env) -> dict:
+    """One engine subprocess (`args`), through vllm-gaudi's runner on the stand-in when `gaudi`; its JSON
+    result with the log."""
     extra = dict(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1") if gaudi else {}
     proc = subprocess.run(args + (["--gaudi-standin"] if gaudi else []), env=_env(**extra, **env),
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -674,15 +680,7 @@ def _spec_engine(model: str, out: str, gaudi: bool, method: str | None = None, k
     """One engine on `vllm_spec_helpers`' scenario (repeated patterns, a chunked prompt, a shared prefix)."""
     args = [sys.executable, SPEC_HELPER, "run", "--model", model, "--out", out, "--k", str(k),
             "--kv-cache-dtype", kv_cache_dtype] + (["--method", method] if method else [])
-    extra = dict(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1") if gaudi else {}
-    proc = subprocess.run(args + (["--gaudi-standin"] if gaudi else []), env=_env(**extra, **env),
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    log = proc.stdout + proc.stderr
-    assert os.path.exists(out), f"engine run failed ({proc.returncode}):\n{log[-8000:]}"
-    with open(out) as f:
-        result = json.load(f)
-    result["log"] = log
-    return result
+    return _run_engine(args, out, gaudi, **env)
 
 
 @pytest.fixture(scope="module")
