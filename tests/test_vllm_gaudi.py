@@ -590,7 +590,13 @@ LOGPROB_ATOL = 1e-4  # the CPU e2e tests' bound (tests/test_vllm_e2e.py explains
 
 
 def _engine(model: str, out: str, gaudi: bool, **env) -> dict:
-    args = [sys.executable, HELPER, "run", "--model", model, "--out", out, "--dtype", "float32"]
+    return _run_engine([sys.executable, HELPER, "run", "--model", model, "--out", out, "--dtype", "float32"], out,
+                       gaudi, **env)
+
+
+def _run_engine(args: list[str], out: str, gaudi: bool, **env) -> dict:
+    """One engine subprocess (`args`), through vllm-gaudi's runner on the stand-in when `gaudi`; its JSON
+    result with the log."""
     extra = dict(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1") if gaudi else {}
     proc = subprocess.run(args + (["--gaudi-standin"] if gaudi else []), env=_env(**extra, **env),
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -602,15 +608,16 @@ def _engine(model: str, out: str, gaudi: bool, **env) -> dict:
     return result
 
 
-def _warmable_plan(path: str) -> int:
+def _warmable_plan(path: str, max_num_seqs: int = H.MAX_NUM_SEQS,
+                   max_num_batched_tokens: int = H.MAX_NUM_BATCHED_TOKENS, num_speculative_tokens: int = 0) -> int:
     """The exponential plan for the scenario's server settings, saved to `path` (every bucket of it gets a
     step of its phase: `plan/smallest.py`). Returns its bucket count."""
     from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
     from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
 
-    settings = ServerSettings(block_size=H.BLOCK_SIZE, max_num_seqs=H.MAX_NUM_SEQS,
-                              max_num_batched_tokens=H.MAX_NUM_BATCHED_TOKENS, max_model_len=H.MAX_MODEL_LEN,
-                              num_blocks=256)
+    settings = ServerSettings(block_size=H.BLOCK_SIZE, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=H.MAX_MODEL_LEN,
+                              num_blocks=256, num_speculative_tokens=num_speculative_tokens)
     plan = exponential_plan(settings, base=8.0)  # few buckets: each is a model forward at start-up
     plan.save(path)
     return len(plan)
@@ -673,25 +680,21 @@ def _spec_engine(model: str, out: str, gaudi: bool, method: str | None = None, k
     """One engine on `vllm_spec_helpers`' scenario (repeated patterns, a chunked prompt, a shared prefix)."""
     args = [sys.executable, SPEC_HELPER, "run", "--model", model, "--out", out, "--k", str(k),
             "--kv-cache-dtype", kv_cache_dtype] + (["--method", method] if method else [])
-    extra = dict(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1") if gaudi else {}
-    proc = subprocess.run(args + (["--gaudi-standin"] if gaudi else []), env=_env(**extra, **env),
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    log = proc.stdout + proc.stderr
-    assert os.path.exists(out), f"engine run failed ({proc.returncode}):\n{log[-8000:]}"
-    with open(out) as f:
-        result = json.load(f)
-    result["log"] = log
-    return result
+    return _run_engine(args, out, gaudi, **env)
 
 
 @pytest.fixture(scope="module")
 def spec_runs(tmp_path_factory):
-    import vllm_spec_helpers as S  # noqa: F401  (the scenario the runs share)
+    import vllm_spec_helpers as S  # the scenario the runs share
 
     root = tmp_path_factory.mktemp("e")
     model = H.make_tiny_llama(str(root / "model"), **H.MODELS["mha"])
     trace = str(root / "trace.jsonl")
+    plan = str(root / "plan.json")
+    num_buckets = _warmable_plan(plan, S.MAX_NUM_SEQS, S.MAX_NUM_BATCHED_TOKENS, num_speculative_tokens=3)
     runs = {
+        "ngram_buckets": dict(_spec_engine(model, str(root / "ngram_buckets.json"), True, "ngram", 3,
+                                           VLLM_GAUDI_UNIFIED_BUCKETS=plan), num_buckets=num_buckets),
         "ref_ngram": _spec_engine(model, str(root / "ref_ngram.json"), False, "ngram", 3),
         "ngram": _spec_engine(model, str(root / "ngram.json"), True, "ngram", 3,
                               VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace),
@@ -712,16 +715,21 @@ def _tokens(run: dict) -> dict:
 def test_ngram_through_the_unified_runner(spec_runs):
     """ngram (k = 3) through vllm-gaudi's platform, runner and sampling with one unified forward per step:
     the same tokens and the same spec-decode counters (drafts, accepted per position) as vLLM's CPU attention
-    with the same config; steps verified drafts beside prompt chunks and over a shared prefix, and rolled
-    rejected drafts back. Logprobs: vllm-gaudi's decode branch returns none for the tokens it verifies (its
+    with the same config, also with a warmed bucket plan; steps verified drafts beside prompt chunks and over a
+    shared prefix, and rolled rejected drafts back. Logprobs: vllm-gaudi's decode branch returns none for the tokens it verifies (its
     own attention the same), so a request's list is shorter and only its first entry, the token its prompt
     sampled, is aligned with vLLM's: those are compared (1e-4)."""
     from test_vllm_spec_e2e import _assert_same_metrics, _assert_speculative_steps
 
-    ref, got = spec_runs["ref_ngram"], spec_runs["ngram"]
+    ref, got, padded = spec_runs["ref_ngram"], spec_runs["ngram"], spec_runs["ngram_buckets"]
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
     assert _tokens(got) == _tokens(ref)
     _assert_same_metrics(got, ref)
+    # With a bucket plan made for 3 drafts: every bucket through the whole model at start-up, every step
+    # (drafts included) padded to one of them.
+    assert f"warmed {padded['num_buckets']} buckets through the model" in padded["log"]
+    assert _tokens(padded) == _tokens(ref)
+    _assert_same_metrics(padded, ref)
     _assert_speculative_steps(spec_runs["ngram_steps"], 3)
     for case, r in ref["results"].items():
         for a, b in zip(got["results"][case]["samples"], r["samples"]):

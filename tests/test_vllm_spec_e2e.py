@@ -118,6 +118,19 @@ def test_draft_model(models, tmp_path):
 
 
 
+def test_ngram_with_the_auto_bucket_plan(models, tmp_path):
+    """The plan serving users get (`VLLM_GAUDI_UNIFIED_BUCKETS=auto`, made for this server's settings and
+    its draft count; warm-up off to keep the test short): every step padded to one of its buckets, drafts
+    included, gives vLLM's tokens and spec-decode counters."""
+    ref = _run(models, str(tmp_path / "ref.json"), "ngram", 3)
+    plugin = _run(models, str(tmp_path / "plugin.json"), "ngram", 3, VLLM_GAUDI_UNIFIED="1",
+                  VLLM_GAUDI_UNIFIED_BUCKETS="auto", VLLM_GAUDI_UNIFIED_WARMUP="0")
+    assert "Unified attention: bucket plan auto," in plugin["log"]
+    for case in CASES:
+        assert_same_results(plugin, ref, case)
+    _assert_same_metrics(plugin, ref)
+
+
 @pytest.fixture(scope="module")
 def fp8_runs(models, tmp_path_factory):
     """vLLM's CPU attention and the plugin with each fp8 KV cache format, no speculation."""
