@@ -45,6 +45,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="scenarios ('all', 'none' or comma-separated) also timed over an fp8 KV cache (every "
                         "variant; per-tensor scales; checked against the reference over the dequantized cache; "
                         "issue 17's bf16 vs fp8 column)")
+    p.add_argument("--unique-routes", default="none",
+                   help="unique-path routes ('kernel', 'torch', comma-separated, or 'none') also timed on every "
+                        "scenario, every variant (method `route`): the step again with the unique path forced "
+                        "through the Triton kernel, or through flash per block / the matmul tiles, beside the "
+                        "default's own choice")
     p.add_argument("--fp8-dtype", default="fp8_e4m3", choices=("fp8_e4m3", "fp8_e5m2"),
                    help="fp8 format of the --fp8 runs (vLLM's kv_cache_dtype names)")
     return p

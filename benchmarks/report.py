@@ -143,6 +143,7 @@ def markdown(env: dict, rows) -> str:
                          f"| {rat(s['invariant_eager_ms'], s['eager_ms'])} | {_fmt(s['graph_ms'])} "
                          f"| {_fmt(s['invariant_graph_ms'])} | {rat(s['invariant_graph_ms'], s['graph_ms'])} |")
     lines += fp8_lines(rows)
+    lines += route_lines(rows)
     base_rows = [r for r in rows if r.get("method") in BASELINE_NAMES]
     if base_rows:
         lines += ["", "| scenario | baseline | variant | ms | peak MB | rel err | note |", "|---|---|---|---|---|---|---|"]
@@ -150,9 +151,10 @@ def markdown(env: dict, rows) -> str:
             lines.append(f"| {r.get('title', r['scenario'])} | {BASELINE_NAMES[r['method']]} | {r.get('variant')} "
                          f"| {_fmt(r.get('ms'))} | {_fmt(r.get('peak_mb'), 0)} | {_fmt(r.get('rel_err'), 4)} "
                          f"| {_note(r)} |")
-    bad = [r for r in rows if r.get("method") in ("unified", "invariant", "fp8") and r.get("ok") is False]
+    bad = [r for r in rows if r.get("method") in ("unified", "invariant", "fp8", "route") and r.get("ok") is False]
     for r in bad:
-        lines.append(f"\nFAILED: {r['scenario']} bs {r['block_size']} {r['method']} {r['variant']}: "
+        route = f" ({r['unique_route']})" if r.get("unique_route") else ""
+        lines.append(f"\nFAILED: {r['scenario']} bs {r['block_size']} {r['method']}{route} {r['variant']}: "
                      f"{r.get('error') or 'rel err %s' % r.get('rel_err')}")
     skipped = [r for r in rows if r.get("method") == "skipped"]
     for r in skipped:
@@ -179,6 +181,27 @@ def fp8_lines(rows) -> list[str]:
         out.append(f"| {r.get('title', r['scenario'])} ({r.get('kv_cache_dtype')}) | {r['block_size']} | {r['variant']} "
                    f"| {_fmt(b)} | {_fmt(r['ms'])} | {_ratio(r['ms'], b)} "
                    f"| {_fmt(r.get('floor_ms'))} | {_fmt(r.get('rel_err'), 4)} |")
+    return out
+
+
+def route_lines(rows) -> list[str]:
+    """`--unique-routes`: per (scenario, block size, variant) the default step and the step with its unique
+    path forced through each route, and each route over the default."""
+    routed = [r for r in rows if r.get("method") == "route"]
+    routes = list(dict.fromkeys(r["unique_route"] for r in routed))
+    if not routes:
+        return []
+    out = ["", "Unique-path routes (the same step with the unique path forced through each route; kernel: "
+           "paths/unique_kernel.py, torch: flash per block / the matmul tiles):", "",
+           "| scenario | bs | variant | phase | default ms | " + " | ".join(f"{n} ms | {n} / default" for n in routes)
+           + " |", "|" + "---|" * (4 + 1 + 2 * len(routes))]
+    for d in (r for r in rows if r.get("method") == "unified"):
+        same = {r["unique_route"]: r for r in routed if (r["scenario"], r["block_size"], r["variant"])
+                == (d["scenario"], d["block_size"], d["variant"])}
+        cells = [f"{_fmt(same.get(n, {}).get('ms'))} | {_ratio(same.get(n, {}).get('ms'), d.get('ms'))}"
+                 for n in routes]
+        out.append(f"| {d.get('title', d['scenario'])} | {d['block_size']} | {d['variant']} | {d.get('phase', '-')} "
+                   f"| {_fmt(d.get('ms'))} | " + " | ".join(cells) + " |")
     return out
 
 

@@ -12,6 +12,11 @@ baselines in the same process. Variants of our path:
 * `compiled`: `vllm_gaudi_unified.graphs.compiled_attention` (torch.compile per
   bucket), captured in a CUDA graph.
 
+`--unique-routes kernel,torch` times the same step again with the unique path
+forced through each route (method `route`): the Triton kernel
+(`paths/unique_kernel.py`), or flash per block / the matmul tiles; what the
+default routing picks is measured against the alternatives in one process.
+
 `--fp8 SCENARIOS` times the same step again over an fp8 KV cache (method
 `fp8`: the caches quantized with per-tensor scales; the unique path reads them
 in its Triton kernel where there is one, the other paths dequantize the blocks
@@ -21,6 +26,7 @@ Run: `python -m benchmarks.suite --out DIR` (or `vllm-gaudi-unified bench`).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -92,7 +98,7 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
     fl = sc_mod.floors(sc, bs, hq, hkv, d, torch.finfo(dtype).bits // 8)
     floor_ms = max(fl["bytes"] / HBM_BYTES_PER_S, fl["flops"] / BF16_FLOPS) * 1e3
     base = dict(scenario=sc.name, options=str(opts), title=sc.title, block_size=bs, plan_ms=plan_t, h2d_ms=h2d_t,
-                unique_layout=plan.unique_layout, bucket=str(plan.bucket), work_needed=plan.work_needed.total,
+                unique_layout=plan.unique_layout, phase=batch.phase, bucket=str(plan.bucket), work_needed=plan.work_needed.total,
                 work_planned=plan.work_planned.total, floor_ms=floor_ms, flops=fl["flops"], bytes=fl["bytes"],
                 target_ms=sc.target_ms if bs == 16 else None, triton_ms=sc.triton_ms if bs == 16 else None,
                 num_blocks=lay.num_blocks, max_block_id=plan.max_block_id)
@@ -105,6 +111,10 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
     prof = [var for (name_bs, var) in profiles if name_bs == (sc.name, bs)]
     _check_and_time(fns, args.variants, dict(base, method="unified"), q, kc, vc, dead, ref, args, device, rows,
                     profile=prof, label=f"{sc.name}:bs{bs}")
+    for route in _routes(args.unique_routes):
+        with unique_route(route):
+            _check_and_time(fns, args.variants, dict(base, method="route", unique_route=route), q, kc, vc, dead, ref,
+                            args, device, rows)
     if _wants(args.fp8, sc.name):
         _fp8_case(args, sc, bs, q, k, v, kc, vc, batch, blocks, dead, base, scale, device, rows)
     if _wants(args.invariant, sc.name) and bs in args.baseline_block_sizes:
@@ -191,6 +201,35 @@ def _fp8_case(args, sc, bs, q, k, v, kc, vc, batch, blocks, dead, base, scale, d
     _check_and_time(fns, args.variants, dict(base, method="fp8", kv_cache_dtype=args.fp8_dtype, floor_ms=floor_ms,
                                              bytes=fl["bytes"]), q, kq, vq, dead, ref, args, device, rows)
     del kq, vq, ref
+
+
+#: `--unique-routes`: `kernel_unique_applies` as each route forces it (4. of `attention._run_paths`; the
+#: kernel needs flash's conditions too: CUDA, a 16-bit query, no soft cap). `default`: the routing's own.
+UNIQUE_ROUTES = {"kernel": lambda kc, vc: True, "torch": lambda kc, vc: False}
+
+
+def _routes(spec: str) -> list[str]:
+    routes = [r for r in spec.split(",") if r and r != "none"]
+    unknown = sorted(set(routes) - set(UNIQUE_ROUTES))
+    if unknown:
+        raise SystemExit(f"unknown --unique-routes {unknown}; known: {sorted(UNIQUE_ROUTES)}")
+    return routes
+
+
+@contextlib.contextmanager
+def unique_route(name: str):
+    """The unique path forced through route `name` ('default': unchanged) while the block runs. Compiled
+    buckets are cleared on the way out (`_check_and_time` does after each variant), so none keeps a route."""
+    from vllm_gaudi_unified import attention
+
+    saved = attention.kernel_unique_applies
+    if name != "default":
+        attention.kernel_unique_applies = UNIQUE_ROUTES[name]
+    try:
+        yield
+    finally:
+        attention.kernel_unique_applies = saved
+        graphs.clear()
 
 
 def _wants(spec: str, name: str) -> bool:
@@ -330,6 +369,7 @@ def main(argv=None, args=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype)
     args.variants = [v for v in args.variants.split(",") if v]
+    _routes(args.unique_routes)  # an unknown route stops here, before any device work
     args.baselines = [] if args.baselines in ("", "none") else args.baselines.split(",")
     args.baseline_block_sizes = [int(x) for x in args.baseline_block_sizes.split(",") if x]
     block_sizes = [int(x) for x in args.block_sizes.split(",")]
@@ -365,7 +405,7 @@ def main(argv=None, args=None) -> int:
         rows = _run_isolated(args, chosen, block_sizes, out_dir, start, env)
     report.write_all(out_dir, env, vars(args), rows, plot=True)
     print(report.markdown(env, rows), flush=True)
-    failed = [r for r in rows if r.get("method") == "unified" and r.get("ok") is False]
+    failed = [r for r in rows if r.get("method") in ("unified", "route") and r.get("ok") is False]
     return 1 if failed else 0
 
 

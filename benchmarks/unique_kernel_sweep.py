@@ -6,7 +6,8 @@
 Per decode scenario and block size, on the same random q/k/v and bf16 caches, a step timed as a
 replayed CUDA graph (`unified_attention`, default plan options) over:
 
-* the bf16 cache by its default route (`route=default`) and through the kernel (`route=kernel`);
+* the bf16 cache by its default route (`route=default`: the routing's own choice) and through the kernel
+  (`route=kernel`);
 * fp8 e4m3 and e5m2 copies (per-tensor scales) by the default route (the kernel) and by the route
   without it (`route=dequantize`: flash or the tiles over `read_blocks`' dequantized gathers);
 * e4m3 with per-(slot, KV head) scales as vllm-gaudi stores them (`scales=per_slot_head`);
@@ -26,9 +27,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import baselines, scenarios as sc_mod
-from benchmarks.suite import _rel_err, environment
+from benchmarks.suite import _rel_err, environment, unique_route
 from benchmarks.timing import capture, time_ms
-from vllm_gaudi_unified import attention, build_unified_batch, unified_attention
+from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.paths import unique
 from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, dequantize, quantize
 
@@ -37,10 +38,8 @@ SWEEP = {"KERNEL_KEYS": (128, 256), "KERNEL_WARPS": (4, 8), "KERNEL_SPLIT_KEYS":
          "KERNEL_STAGES": (2, 3, 4)}
 
 
-def _route(name: str):
-    """`kernel_unique_applies` for a route: the default's own, always, or never."""
-    default = unique.kernel_unique_applies
-    return {"default": default, "kernel": lambda kc, vc: True, "dequantize": lambda kc, vc: False}[name]
+#: This script's route names -> `suite.unique_route`'s ('dequantize': an fp8 cache without the kernel).
+ROUTES = {"default": "default", "kernel": "kernel", "dequantize": "torch"}
 
 
 def run(args) -> list[dict]:
@@ -81,9 +80,9 @@ def run(args) -> list[dict]:
                     kq, vq, kw, ref = caches[key]
                     for name, value in defaults.items():
                         setattr(unique, name, consts.get(name, value))
-                    attention.kernel_unique_applies = _route(route)
                     fn = lambda: unified_attention(q, k, v, kq, vq, batch, d ** -0.5, **kw)  # noqa: E731
-                    replay, out = capture(fn, device)
+                    with unique_route(ROUTES[route]):
+                        replay, out = capture(fn, device)
                     out.fill_(float("nan"))
                     replay()
                     row["rel_err"] = _rel_err(out, ref)
@@ -95,7 +94,6 @@ def run(args) -> list[dict]:
                     row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
                     traceback.print_exc()
                 finally:
-                    attention.kernel_unique_applies = _route("default")
                     for name, value in defaults.items():
                         setattr(unique, name, value)
                 print(json.dumps(row), flush=True)

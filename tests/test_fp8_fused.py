@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fused_standin
-from conftest import SMALL_TILES, SPECS, assert_matches, make_block_table, make_tensors
+from conftest import SMALL_TILES, SPECS, Step, assert_matches, make_block_table, make_tensors
 from test_fp8_kv_cache import FP8, SCALE_FORMS, _Conversions, _fp8_case
 from vllm_gaudi_unified import PlanOptions, attention, build_unified_batch, unified_attention
 from vllm_gaudi_unified.paths import fused, unique
@@ -133,3 +133,31 @@ def test_unique_kernel_on_cuda(monkeypatch):
     import unique_kernel_cases
 
     assert unique_kernel_cases.check("cuda", torch.bfloat16, monkeypatch.setattr) == len(unique_kernel_cases.CASES) + 2
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("cache", ["bfloat16", "float16", "e4m3"])
+def test_default_route_compiled_on_cuda(cache):
+    """The default route of a 16-bit or fp8 cache on CUDA is the kernel, eager and under torch.compile
+    (`graphs.compiled_attention`, what the benchmarks' `compiled` variant runs): both match the reference
+    over the (dequantized) cache, unreadable slots poisoned; a step with every path (csu)."""
+    from vllm_gaudi_unified.graphs import clear, compiled_attention
+
+    step = Step(*(getattr(SPECS["prefix_caching"], f) for f in ("query_lens", "context_lens", "block_size",
+                                                         "prefix_groups")), num_qo_heads=8, num_kv_heads=2,
+                head_dim=64)
+    dtype = torch.float16 if cache == "float16" else torch.bfloat16
+    q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8.get(cache, torch.float8_e4m3fn), "float",
+                                                           "float", query_dtype=dtype)
+    kx, vx, kw = (kq, vq, dict(k_scale=ks, v_scale=vs)) if cache in FP8 else (kd.to(dtype), vd.to(dtype), {})
+    ref = reference_attention(q.double(), k.double(), v.double(), kx.double() if cache not in FP8 else kd,
+                              vx.double() if cache not in FP8 else vd, step.query_lens, step.context_lens, table, 0.37)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
+                                device="cuda")
+    dev = [x.cuda() for x in (q, k, v, kx, vx)]
+    assert batch.phase[2] == "u" and unique.kernel_unique_applies(dev[3], dev[4])
+    assert attention.kernel_for(batch, dev[0], None) == "flash"
+    clear()
+    for fn in (unified_attention, compiled_attention):
+        assert_matches(fn(*dev, batch, 0.37, **kw).cpu(), ref)
+    clear()

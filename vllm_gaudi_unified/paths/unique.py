@@ -99,12 +99,20 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+#: Cache dtypes the kernel reads: fp8 (dequantized in registers) and the 16-bit floats, whose products it
+#: runs in their own dtype with fp32 statistics, as flash does. Not fp32/fp64: Triton's dot would round
+#: them to tf32 (the matmul tiles stay exact there; flash does not take them either).
+KERNEL_CACHE_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def kernel_unique_applies(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """The Triton kernel (`unique_kernel.py`) for fp8 caches, where Triton is: it reads one byte per
-    element where the other paths first copy the gathered blocks to the query's dtype. It indexes a
+    """The Triton kernel (`unique_kernel.py`) where Triton is, for fp8 and 16-bit caches: one kernel reads
+    each live block once and merges a token's blocks on the chip, where the other paths write a partial
+    per block (and first copy an fp8 cache's gathered blocks to the query's dtype). Measured faster than
+    flash per block and the matmul tiles at block sizes 16 and 128 (docs/benchmarks.md). It indexes a
     head's channels as consecutive elements."""
-    return (is_fp8(key_cache.dtype) and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-            and triton_importable())
+    return ((is_fp8(key_cache.dtype) or key_cache.dtype in KERNEL_CACHE_DTYPES)
+            and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1 and triton_importable())
 
 
 def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
