@@ -76,7 +76,9 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         if K_SCALES == 2:  # per channel: on K itself
             k = k * tl.load(ks_ptr + (blk * sks_b + j * sks_s + h * sks_h)[:, None] + offs_d[None, :] * sks_d,
                             mask=vis2, other=0.0).to(acc_dtype)
-        s = tl.dot(q, tl.trans(k.to(op_dtype))).to(acc_dtype) * score_scale  # [G_PAD, KEYS]
+        # Scaled before the cast: under torch.compile a float argument is fp64, which would promote s (and
+        # the loop-carried m_i) to fp64 where a plain launch passes fp32.
+        s = (tl.dot(q, tl.trans(k.to(op_dtype))) * score_scale).to(acc_dtype)  # [G_PAD, KEYS]
         if K_SCALES == 1:  # one per key: on its scores
             s = s * tl.load(ks_ptr + blk * sks_b + j * sks_s + h * sks_h, mask=vis, other=0.0).to(acc_dtype)[None, :]
         s = tl.where(vis[None, :], s, float("-inf"))
@@ -97,7 +99,8 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), v.to(op_dtype)).to(acc_dtype)
         m_i = m_new
     row = (t * SPLITS + sp) * HQ + heads
-    tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc * v_scale, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], (acc * v_scale).to(acc_dtype),
+             mask=g_ok[:, None] & d_ok[None, :])
     tl.store(m_ptr + row, m_i, mask=g_ok)
     tl.store(l_ptr + row, l_i, mask=g_ok)
 
