@@ -84,8 +84,9 @@ def test_flash_routes_make_no_full_cache_copy(routes, layout):
 
 
 def test_unique_route_choice(routes, monkeypatch):
-    """4 of `_run_paths`: the kernel for fp8 with flash and Triton; flash's unique path (over
-    read_blocks) for fp8 without Triton and for bf16; the tiles without flash."""
+    """4 of `_run_paths`: the kernel for fp8, bf16 and fp16 caches with flash and Triton; flash's unique
+    path (over read_blocks) without Triton, and for fp32/fp64 caches (the kernel's dot would be tf32); the
+    tiles without flash."""
     step = SPECS["decode"]
     q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8["e4m3"], "float", "float")
     batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb)
@@ -95,13 +96,17 @@ def test_unique_route_choice(routes, monkeypatch):
     for triton_there in (True, False):
         monkeypatch.setattr(unique, "triton_importable", lambda t=triton_there: t)
         unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
+        unified_attention(*(x.to(torch.bfloat16) for x in (q, k, v, kd, vd)), batch, 0.37)
     assert not unique.kernel_unique_applies(kq[..., ::2], vq[..., ::2])  # channels not consecutive
     monkeypatch.setattr(unique, "triton_importable", lambda: True)
-    unified_attention(q, k, v, kd, vd, batch, 0.37)  # an unquantized cache keeps flash
+    for dtype in (torch.float16, torch.float32, torch.float64):  # the fixture's kernel_for: flash for any dtype
+        unified_attention(*(x.to(dtype) for x in (q, k, v, kd, vd)), batch, 0.37)
     monkeypatch.setattr(attention, "kernel_for", lambda batch, q, cap: None)
     unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
-    assert [r for r in routes if r != "flash"] == ["kernel", "fused_unique_partial", "fused_unique_partial",
-                                                   "unique_partial"]
+    unified_attention(*(x.to(torch.bfloat16) for x in (q, k, v, kd, vd)), batch, 0.37)
+    assert [r for r in routes if r != "flash"] == ["kernel", "kernel", "fused_unique_partial", "fused_unique_partial",
+                                                   "kernel", "fused_unique_partial", "fused_unique_partial",
+                                                   "unique_partial", "unique_partial"]
 
 
 def _interpreter_indexes_loop_bounds() -> bool:
@@ -124,7 +129,7 @@ def test_unique_kernel_interpreted():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     import unique_kernel_cases
 
-    assert run.stdout.split() == ["ok", str(len(unique_kernel_cases.CASES) + 2)]
+    assert run.stdout.split() == ["ok", str(len(unique_kernel_cases.CASES) + 3)]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
@@ -132,7 +137,7 @@ def test_unique_kernel_on_cuda(monkeypatch):
     """The compiled kernel, bf16 queries over fp8 (and bf16) caches, the same cases (1e-2)."""
     import unique_kernel_cases
 
-    assert unique_kernel_cases.check("cuda", torch.bfloat16, monkeypatch.setattr) == len(unique_kernel_cases.CASES) + 2
+    assert unique_kernel_cases.check("cuda", torch.bfloat16, monkeypatch.setattr) == len(unique_kernel_cases.CASES) + 4
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
@@ -161,3 +166,38 @@ def test_default_route_compiled_on_cuda(cache):
     for fn in (unified_attention, compiled_attention):
         assert_matches(fn(*dev, batch, 0.37, **kw).cpu(), ref)
     clear()
+
+
+def _hopper_backend() -> bool:
+    """Triton with its CUDA backend (ptxas included): the kernel compiles for sm_90 without a GPU."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception:  # noqa: BLE001 - no Triton, or a build without the CUDA backend
+        return False
+    return True
+
+
+@pytest.mark.skipif(not (HAS_TRITON and _hopper_backend()), reason="needs Triton's CUDA backend")
+@pytest.mark.parametrize("cache, k_scales", [("bf16", 0), ("fp8e4nv", 1), ("fp8e5", 2)])
+def test_unique_kernel_compiles_as_torch_compile_launches_it(cache, k_scales):
+    """Compiled for Hopper on the CPU, with the float arguments typed fp64 as Inductor passes them
+    (`graphs.compiled_attention`) and fp32 as a plain launch does: the loop-carried statistics keep the
+    accumulator's dtype in both (fp64 scores once made Triton refuse the kernel under torch.compile)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_gaudi_unified.paths.unique_kernel import unique_kernel
+
+    names = list(inspect.signature(unique_kernel.fn).parameters)
+    const = dict(HQ=32, G=4, G_PAD=16, D=128, D_PAD=128, BS=16, KEYS=128, SPLITS=2, SLICE=False,
+                 K_SCALES=k_scales, V_SCALES=0)
+    for scalar in ("fp64", "fp32"):
+        types = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", ks_ptr="*fp32", vs_ptr="*fp32",
+                     order_ptr="*i64", starts_ptr="*i64", ids_ptr="*i64", lo_ptr="*i64", hi_ptr="*i64",
+                     acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", score_scale=scalar, v_scale=scalar)
+        sig = {n: types.get(n, "constexpr" if n in const else "i32") for n in names}
+        src = ASTSource(fn=unique_kernel, signature=sig, constexprs={(names.index(n),): x for n, x in const.items()})
+        assert "mma" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
