@@ -126,6 +126,31 @@ def test_bench_fp8_decode_column(tmp_path, fmt):
     assert f"decode 256 x 2k ({fmt})" in (tmp_path / "results.md").read_text()
 
 
+def test_bench_unique_routes(tmp_path):
+    """`--unique-routes`: the step again with the unique path forced through each route (method `route`),
+    checked like the default; the routing is restored after each; an unknown route stops before any work."""
+    from benchmarks.suite import UNIQUE_ROUTES, unique_route
+    from vllm_gaudi_unified import attention
+
+    real = attention.kernel_unique_applies
+    with unique_route("kernel"):
+        assert attention.kernel_unique_applies is UNIQUE_ROUTES["kernel"]
+    with unique_route("default"):
+        assert attention.kernel_unique_applies is real
+    assert attention.kernel_unique_applies is real
+    code, data = _bench(tmp_path, "--scenarios", "decode_256x2k,mixed", "--block-sizes", "16", "--baselines", "none",
+                        "--unique-routes", "kernel,torch")
+    assert code == 0 and attention.kernel_unique_applies is real
+    routed = [r for r in data["rows"] if r["method"] == "route"]
+    assert sorted((r["scenario"], r["unique_route"]) for r in routed) == [
+        ("decode_256x2k", "kernel"), ("decode_256x2k", "torch"), ("mixed", "kernel"), ("mixed", "torch")]
+    assert all(r["ok"] and r["ms"] > 0 and r["rel_err"] < 1e-4 for r in routed)
+    md = (tmp_path / "results.md").read_text()
+    assert "Unique-path routes" in md and "| kernel ms | kernel / default |" in md
+    with pytest.raises(SystemExit, match="unknown --unique-routes"):
+        _bench(tmp_path, "--scenarios", "decode_256x2k", "--unique-routes", "flash")
+
+
 def test_trace_work_adds_the_dense_column(tmp_path, capsys):
     """`python -m benchmarks.trace_work`: trace-stats plus the dense design; the dense design reads every
     shared block for every token, so it never does less shared or causal work than the step needs."""
