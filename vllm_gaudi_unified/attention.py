@@ -143,9 +143,10 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     3. shared tiles: when the phase has 's' (a cached block is seen by several tokens);
        through flash when the plan's tiles each see one key prefix (`shared_prefix_visible`).
     4. unique blocks: when the phase has 'u' (a cached block is seen by one token);
-       with CUDA flash and an fp8 cache, through the Triton kernel that reads fp8 as stored
-       (`kernel_unique_applies`: Triton importable); else through flash from the measured
-       block size up (`fused_unique_applies`); else the matmul tiles.
+       with CUDA flash and a bf16, fp16 or fp8 cache, through the Triton kernel that reads
+       the blocks as stored (`kernel_unique_applies`: Triton importable; measured faster at
+       every block size); else through flash from the measured block size up
+       (`fused_unique_applies`); else the matmul tiles.
     On HPU the causal and shared tiles run through FusedSDPA inside their paths (`hpu.py`).
     fp8 caches are dequantized after each path's gather or slice (`read_blocks`), or inside
     the kernel of 4. A path without work returns None, so the phase string and the tensors
