@@ -166,13 +166,17 @@ def test_fused_sdpa_contains_a_bad_key_or_value(where, bad):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the real flash kernel)")
 @pytest.mark.parametrize("options", [SMALL_TILES, BIG_TILES], ids=["small", "big"])
-def test_real_flash_on_cuda(spec_name, options, monkeypatch):
-    """bf16 through flash on the GPU against the float64 reference, NaN/inf in unreadable slots."""
+@pytest.mark.parametrize("unique_route", ["default", "flash"])
+def test_real_flash_on_cuda(spec_name, options, unique_route, monkeypatch):
+    """bf16 through flash on the GPU against the float64 reference, NaN/inf in unreadable slots; the unique
+    path by its default route (the Triton kernel where Triton is) and through flash per block."""
     from conftest import make_block_table, make_tensors
     from vllm_gaudi_unified import unified_attention
     from vllm_gaudi_unified.reference import reference_attention
 
     monkeypatch.setattr(fused, "FUSED_UNIQUE_MIN_BLOCK_SIZE", 1)
+    if unique_route == "flash":
+        monkeypatch.setattr(attention, "kernel_unique_applies", lambda kc, vc: False)
     step = SPECS[spec_name]
     step = Step(step.query_lens, step.context_lens, step.block_size, step.prefix_groups, num_qo_heads=8,
                 num_kv_heads=2, head_dim=64)
