@@ -151,7 +151,9 @@ def test_a_bad_value_reaches_only_the_tokens_that_attend_to_it(case, mode, dtype
 @given(case=poisoned_steps())
 def test_a_bad_value_reaches_only_the_tokens_that_attend_to_it_through_flash(case, mode, dtype):
     """The same property through the fused dispatch (causal, shared and unique flash paths), the
-    kernel replaced by its exact CPU stand-in, which multiplies masked zeros by V as flash does."""
+    kernel replaced by its exact CPU stand-in, which multiplies masked zeros by V as flash does (the
+    unique path's Triton kernel off: it runs on CUDA or under the interpreter, tests/unique_kernel_cases.py,
+    whose caches are poisoned the same way)."""
     import fused_standin
 
     from vllm_gaudi_unified import attention
@@ -161,6 +163,7 @@ def test_a_bad_value_reaches_only_the_tokens_that_attend_to_it_through_flash(cas
         mp.setattr(fused, "FLASH", fused_standin.flash)
         mp.setattr(fused, "FUSED_UNIQUE_MIN_BLOCK_SIZE", 1)
         mp.setattr(attention, "kernel_for", lambda batch, q, cap: "flash" if cap is None else None)
+        mp.setattr(attention, "kernel_unique_applies", lambda kc, vc: False)
         clean, poisoned = run_poisoned(case, MODES[mode], dtype, "cpu")
     assert torch.isfinite(clean).all()
     others = torch.from_numpy(~attending_tokens(case))
