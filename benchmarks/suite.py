@@ -99,7 +99,8 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
     floor_ms = max(fl["bytes"] / HBM_BYTES_PER_S, fl["flops"] / BF16_FLOPS) * 1e3
     base = dict(scenario=sc.name, options=str(opts), title=sc.title, block_size=bs, plan_ms=plan_t, h2d_ms=h2d_t,
                 unique_layout=plan.unique_layout, phase=batch.phase, bucket=str(plan.bucket),
-                work_needed=plan.work_needed.total, work_planned=plan.work_planned.total, floor_ms=floor_ms, flops=fl["flops"], bytes=fl["bytes"],
+                work_needed=plan.work_needed.total, work_planned=plan.work_planned.total, floor_ms=floor_ms,
+                flops=fl["flops"], bytes=fl["bytes"],
                 target_ms=sc.target_ms if bs == 16 else None, triton_ms=sc.triton_ms if bs == 16 else None,
                 num_blocks=lay.num_blocks, max_block_id=plan.max_block_id)
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
