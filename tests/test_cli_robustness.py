@@ -302,8 +302,10 @@ def test_a_killed_simulate_leaves_the_old_trace_or_a_whole_new_one(files, tmp_pa
 
 
 def test_ctrl_c_is_one_line(files, tmp_path):
+    # A million requests: minutes of work, so the interrupt always lands mid-run (5000 once finished
+    # within the 4 s on an idle machine and exited 0).
     proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "simulate", "--num-requests",
-                             "5000", "-o", str(tmp_path / "t.jsonl.gz"), "--no-progress"],
+                             "1000000", "-o", str(tmp_path / "t.jsonl.gz"), "--no-progress"],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     time.sleep(4)
