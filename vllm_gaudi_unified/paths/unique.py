@@ -94,9 +94,13 @@ def _partial_slots(batch, n: int, block_size: int) -> torch.Tensor:
     return torch.topk(partial.to(torch.int32), count, sorted=False).indices
 
 
-@functools.cache
+#: Looked up once, at import: a plain constant is what torch.compile traces without a warning (it
+#: traces through a functools.cache wrapper and says so).
+TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
+
+
 def triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return TRITON_IMPORTABLE
 
 
 #: Cache dtypes the kernel reads: fp8 (dequantized in registers) and the 16-bit floats, whose products it
