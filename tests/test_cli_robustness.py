@@ -302,13 +302,18 @@ def test_a_killed_simulate_leaves_the_old_trace_or_a_whole_new_one(files, tmp_pa
 
 
 def test_ctrl_c_is_one_line(files, tmp_path):
-    # A million requests: minutes of work, so the interrupt always lands mid-run (5000 once finished
-    # within the 4 s on an idle machine and exited 0).
+    """Ctrl-C in the middle of the work. The interrupt is sent once the output's temporary file exists
+    (the simulation loop has started; a fixed sleep landed after the end on an idle machine and, under
+    CI's load, before the imports were done), into a run of a million requests (minutes of work)."""
     proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "simulate", "--num-requests",
                              "1000000", "-o", str(tmp_path / "t.jsonl.gz"), "--no-progress"],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(4)
+    deadline = time.monotonic() + 300
+    while not any(tmp_path.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "simulate ended before the interrupt"
+    time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err
