@@ -304,7 +304,7 @@ def test_a_killed_simulate_leaves_the_old_trace_or_a_whole_new_one(files, tmp_pa
 def test_ctrl_c_is_one_line(files, tmp_path):
     """Ctrl-C in the middle of the work. The interrupt is sent once the output's temporary file exists
     (the simulation loop has started; a fixed sleep landed after the end on an idle machine and, under
-    CI's load, before the imports were done), into a run of a million requests (minutes of work)."""
+    CI's load, probably before the imports were done), into a run of a million requests (minutes of work)."""
     proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "simulate", "--num-requests",
                              "1000000", "-o", str(tmp_path / "t.jsonl.gz"), "--no-progress"],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
