@@ -301,21 +301,30 @@ def test_a_killed_simulate_leaves_the_old_trace_or_a_whole_new_one(files, tmp_pa
     assert lines and all(json.loads(line) for line in lines)
 
 
+def _with_default_sigint():
+    """In the child, before exec: SIGINT back to its default. A process started in the background by a
+    non-interactive shell (a CI job under `nohup ... &`) inherits SIGINT ignored, and Python then never
+    turns it into KeyboardInterrupt: the interrupted command would just go on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_is_one_line(files, tmp_path):
-    """Ctrl-C in the middle of the work. The interrupt is sent once the output's temporary file exists
-    (the simulation loop has started; a fixed sleep landed after the end on an idle machine and, under
-    CI's load, probably before the imports were done), into a run of a million requests (minutes of work)."""
+    """Ctrl-C in the middle of the work: sent once the output's temporary file exists (the simulation
+    loop has started), into a run of a million requests (minutes of work)."""
     proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "simulate", "--num-requests",
                              "1000000", "-o", str(tmp_path / "t.jsonl.gz"), "--no-progress"],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not any(tmp_path.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, "simulate ended before the interrupt"
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_with_default_sigint)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(tmp_path.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "simulate ended before the interrupt"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # never left running (a million requests hold gigabytes)
     assert proc.returncode == 130 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "vllm-gaudi-unified: interrupted"
     assert list(tmp_path.iterdir()) == []
