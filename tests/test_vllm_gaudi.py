@@ -81,6 +81,14 @@ config = EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, m
 worker = resolve_obj_by_qualname(config.parallel_config.worker_cls)
 with set_current_vllm_config(config):
     backend = get_attn_backend(32, config.model_config.dtype, "auto")
+kv_dtypes = {}
+for kv_dtype in ("fp8_inc", "fp8", "fp8_e5m2"):
+    try:
+        with set_current_vllm_config(config):
+            get_attn_backend(32, config.model_config.dtype, kv_dtype)
+        kv_dtypes[kv_dtype] = None
+    except Exception as e:
+        kv_dtypes[kv_dtype] = f"{type(e).__name__}: {e}"
 spec = {}
 for method in ("ngram", "draft_model"):
     try:
@@ -92,7 +100,7 @@ for method in ("ngram", "draft_model"):
     except Exception as e:
         spec[method] = f"{type(e).__name__}: {e}"
 print(json.dumps({
-    "spec": spec,
+    "spec": spec, "kv_dtypes": kv_dtypes,
     "platform": type(current_platform).__module__ + "." + type(current_platform).__name__,
     "platform_bases": [c.__module__ + "." + c.__name__ for c in type(current_platform).__mro__[1:3]],
     "worker": worker.__module__ + "." + worker.__name__,
@@ -127,6 +135,9 @@ def test_wiring_as_vllm_resolves_it(tmp_path):
     assert got["dtype"] == "torch.bfloat16"  # vllm-gaudi's platform turns float32 into bfloat16
     assert got["async_scheduling"] is False
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in out.stdout + out.stderr
+    # fp8 caches: e4m3 under vLLM's and vllm-gaudi's names; e5m2 (vllm-gaudi's runner has no such cache) refused.
+    assert got["kv_dtypes"]["fp8_inc"] is None and got["kv_dtypes"]["fp8"] is None, got["kv_dtypes"]
+    assert "kv_cache_dtype not supported" in got["kv_dtypes"]["fp8_e5m2"], got["kv_dtypes"]["fp8_e5m2"]
     # Speculative decoding: ngram is accepted, model-based drafters are refused with the reason.
     assert got["spec"]["ngram"] is None, got["spec"]["ngram"]
     assert "NotImplementedError: speculative decoding method 'draft_model' is not supported" in got["spec"]["draft_model"]
