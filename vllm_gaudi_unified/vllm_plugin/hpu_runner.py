@@ -7,7 +7,9 @@ state, input batch, sampling, logprobs, outputs, KV cache allocation,
 defragmenter) and replaces the step's forward plan:
 
 - `_get_prompts_and_decodes`: every scheduled request goes in the one batch (the
-  "prompt" list of vllm-gaudi's sampling code; no separate decode forward);
+  "prompt" list of vllm-gaudi's sampling code; no separate decode forward). Under
+  speculative decoding (ngram) vllm-gaudi's own decode list is kept for sampling, since
+  it verifies drafts there (`hpu_spec.py`); the forward is still the one batch;
 - `_prepare_inputs`: the step from the runner's own input batch (computed tokens,
   scheduled tokens, block table per KV cache group) -> `build_unified_batch` with the
   bucket plan, exactly as the CPU path's metadata builder plans it
