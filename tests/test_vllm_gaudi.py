@@ -143,6 +143,34 @@ def test_wiring_as_vllm_resolves_it(tmp_path):
     assert "NotImplementedError: speculative decoding method 'draft_model' is not supported" in got["spec"]["draft_model"]
 
 
+_KERNELS = r"""
+import json
+import habana_standin
+habana_standin.install()
+import cpu_features
+from vllm.platforms import current_platform
+import vllm._custom_ops  # imports the platform's kernels, as every engine does
+print(json.dumps({"platform": type(current_platform).__name__, "expected": cpu_features.vllm_kernel_library(),
+                  "loaded": cpu_features.loaded_vllm_libraries()}))
+"""
+
+
+@pytest.mark.parametrize("cpu", ["native", "avx2"])
+def test_standin_loads_the_kernel_library_this_cpu_runs(cpu):
+    """vllm-gaudi's platform keeps `Platform.import_kernels` (`import vllm._C`, AVX-512 BF16 only: an illegal
+    instruction on other CPUs); the stand-in loads the build vLLM's CPU platform picks for this CPU, on this
+    machine as it is and as a CPU without AVX-512 (`UNIFIED_TEST_CPU=avx2`: tests/cpu_features.py)."""
+    out = subprocess.run([sys.executable, "-c", _KERNELS], env=_env(
+        VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1", UNIFIED_TEST_CPU=cpu), capture_output=True, text=True,
+        timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-6000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["platform"] == "UnifiedHpuPlatform"
+    if cpu == "avx2":
+        assert got["expected"] == "vllm._C_AVX2"
+    assert got["loaded"] == [got["expected"].split(".")[1] + ".abi3.so"], got
+
+
 @pytest.mark.parametrize("plugins, enable, platform, error", [
     (GAUDI_PLUGINS, "1", "UnifiedHpuPlatform", None),
     (GAUDI_PLUGINS, None, "UnifiedHpuPlatform", None),  # unset on Gaudi: works
