@@ -255,7 +255,7 @@ def test_invariant_mode_random_batches(sharing, dtype, device):
 def test_invariant_plan_does_not_depend_on_the_batch():
     """Every visible (token, block) pair is one Triton slot of a one-token request, once; every
     (token, chunk) one tile row, once, a decode's tile has one row; the context of a request with
-    several tokens is one flash segment, its strict-causal pairs another."""
+    several tokens is one flash segment; each request's new tokens one causal segment."""
     world = SCENARIOS["shared_prefix_prefill"]
     world = replace(world, others=world.others + (Req(1, 61, 2), Req(1, 30)))
     table, _ = _block_table(world, np.random.default_rng(0))
@@ -282,7 +282,7 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     several = [r for r, q in enumerate(ql) if q > 1 and cl[r] > 0]
     assert plan.ctx_rows.tolist() == [starts[r] + j for r in several for j in range(ql[r])]
     assert plan.ctx_used.tolist() == [cl[r] for r in several]
-    assert plan.strict_q.tolist() == [starts[r] + j for r, q in enumerate(ql) for j in range(1, q)]
+    assert plan.seg_cu.tolist() == [0] + np.cumsum(ql).tolist() and plan.seg_max == max(ql)
     assert plan.cached_width == 8  # 61 tokens of context / 4 -> 16 blocks -> 8 chunks of 2
 
 

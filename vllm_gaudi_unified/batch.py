@@ -100,9 +100,7 @@ class InvariantBatch(UnifiedBatch):
     ctx_blocks: torch.Tensor  #: [blocks]
     ctx_cu_k: torch.Tensor  #: [segments + 1]
     ctx_used: torch.Tensor  #: [segments]
-    strict_q: torch.Tensor  #: [rows] fast route: strict-causal query tokens
-    strict_k: torch.Tensor  #: [rows] and their keys
-    strict_cu: torch.Tensor  #: [segments + 1]
+    seg_cu: torch.Tensor  #: [requests + 1] fast route: each request's new tokens, one causal flash segment
 
 
 class StepBuffers:

@@ -5,8 +5,8 @@ Two routes, chosen per step by the step's dtype, soft cap, options and device
 and the Triton kernel apply, else the tile route here (torch products: Gaudi,
 CPU, fp32, soft cap). Both merge self, cached and causal partials in that order.
 
-Tile route: every product has one shape (`tiles_per_call` tiles per call, the
-last call padded); each (token, chunk) or (token, key tile) partial is written
+Tile route: every product has one shape per tile kind (`tiles_per_call` tiles
+per call, the last call padded); each (token, chunk) or (token, key tile) partial is written
 to its own slot and the slots are folded by a fixed pairwise tree.
 """
 from __future__ import annotations
@@ -78,10 +78,10 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     if all(kind[0].shape[0] == 0 for kind in kinds):
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
-    size = max(tiles_per_call(k[0].shape[1], opts) * k[0].shape[1] for k in kinds)
+    per_call = tiles_per_call(opts)
+    size = per_call * max(kind[0].shape[1] for kind in kinds)
     slots = _Slots(q, batch.plan.cached_width, size)
     for all_rows, all_blocks, all_lo, all_hi, all_cols in kinds:
-        per_call = tiles_per_call(all_rows.shape[1], opts)
         for start, stop in _chunks(all_rows.shape[0], per_call):
             rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
             blocks = _pad_to(all_blocks[start:stop], per_call, 0)

@@ -2,7 +2,13 @@
 
 Why each part is invariant (a token's result depends on its own request only):
 
-* **self**: `self_partial(fixed_order=True)`, elementwise, a fixed tree over `head_dim`.
+* **self and causal**: one causal flash varlen call, each request's new tokens
+  one segment (every request, a decode too: its one row against its own key),
+  the padding rows one more. Flash's row tiles and key blocks are counted from
+  the segment's start, a row's result depends on its own q and its segment's
+  keys only (the other rows of a tile have their own softmax rows), and
+  `max_q >= 2` keeps flash off its one-row-query path (which reorders heads
+  and may split the keys by the batch's size).
 * **cached, Triton** (requests with one new token; every request under a
   sliding window): one program per (token, KV head, split) walks the token's
   own slots in position order, `KEYS` keys a step; split `sp` is the keys
@@ -13,16 +19,10 @@ Why each part is invariant (a token's result depends on its own request only):
   width whose padding merges exactly (`x` with an empty partial is `x`).
 * **cached, flash** (requests with two or more new tokens, no window): one
   varlen segment per request, its rows against its own gathered context,
-  `seqused_k` its context length. Flash's row tiles and key blocks are counted
-  from the segment's start, a row's result depends on its own q and the
-  segment's keys only, and `max_q >= 2` keeps flash off its one-row-query
-  path (which may reorder heads and split the keys by the batch's size).
-* **strict causal** (requests with two or more new tokens): one flash segment
-  per request, rows 1.. against keys ..-1 (causal), so the self pair stays in
-  the elementwise self partial for every token, decodes included, and a
-  request's route does not depend on what else runs.
+  `seqused_k` its context length, non-causal, `max_q >= 2` as above.
 * each token gets its cached partial from exactly one kernel (written, not
-  added), then self, cached and causal are merged in that order.
+  added), and the causal and cached partials are merged in that order. Which
+  kernel a request's pairs take depends on its own new-token count alone.
 No product here takes its shape from cuBLAS's choice for the batch: the
 kernels' tiles are compile-time constants.
 """
@@ -32,7 +32,6 @@ import torch
 
 from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all
 from vllm_gaudi_unified.paths import fused
-from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.plan import invariant as plan_invariant
@@ -46,7 +45,8 @@ def applies(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
 
 
 def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None, v_scale=None) -> Partial:
-    """Self, cached (Triton slots or the request's flash segment), strict causal; merged in that order."""
+    """Self and causal (flash per request), cached (Triton slots or the request's flash segment); merged
+    in that order."""
     n = q.shape[0]
     cached = _slots_partial(q, key_cache, value_cache, batch, scale, k_scale, v_scale)
     if batch.ctx_rows.shape[0]:
@@ -57,15 +57,20 @@ def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=N
                                   batch.ctx_cu_k.to(torch.int32), max_q, max_k, scale, causal=False,
                                   seqused_k=batch.ctx_used.to(torch.int32))
         cached = _placed(part, batch.ctx_rows, n, cached)
-    parts = [self_partial(q, k, v, scale, None, fixed_order=True), cached]
-    if batch.strict_q.shape[0]:
-        w = batch.sliding_window
-        v_clean, bad = fused.clean_causal_values(v, batch.token_seg_start, w)
-        sq, sk, cu, mq = batch.strict_q, batch.strict_k, batch.strict_cu.to(torch.int32), batch.plan.strict_max
-        part = fused.flash_varlen(q[sq], k[sk], v_clean[sk], cu, cu, mq, mq, scale, causal=True,
-                                  window=None if w is None else w - 1)
-        parts.append(fused.mark_bad_rows(_placed(part, sq, n), bad))
-    return merge_all([p for p in parts if p is not None])
+    return merge_all([p for p in (_causal_partial(q, k, v, batch, scale), cached) if p is not None])
+
+
+def _causal_partial(q, k, v, batch, scale: float) -> Partial:
+    """Every token's self and causal pairs: one flash segment per request, one for the padding rows (so no
+    row is left unwritten). Non-finite values contained as on the default path (`fused.clean_causal_values`)."""
+    n, real = q.shape[0], batch.num_tokens
+    cu, max_q = batch.seg_cu.to(torch.int32), batch.plan.seg_max
+    if n > real:
+        cu = torch.cat([cu, cu.new_full((1,), n)])
+        max_q = max(max_q, n - real)
+    w = batch.sliding_window
+    v, bad = fused.clean_causal_values(v, batch.token_seg_start, w)
+    return fused.mark_bad_rows(fused.flash_varlen(q, k, v, cu, cu, max_q, max_q, scale, causal=True, window=w), bad)
 
 
 def _placed(part: Partial, rows: torch.Tensor, n: int, into: Partial | None = None) -> Partial:

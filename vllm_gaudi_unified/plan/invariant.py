@@ -28,15 +28,14 @@ planner lists two routes' arrays (the device picks one per step,
   blocks as *slots* (one per (token, block), sorted by token then position),
   which the Triton kernel walks in splits of `SPLIT_KEYS` keys counted from the
   token's first slot; a request with several new tokens has its context as one
-  flash segment (its rows against its gathered blocks, no split-KV); the
-  strict-causal pairs of each request are one flash segment too (rows 1.. of
-  the request against keys ..-1);
+  flash segment (its rows against its gathered blocks, no split-KV); the new
+  tokens of each request, self pair included, are one causal flash segment;
 * **tile route** (torch products: the Gaudi route, fp32, soft cap): a
   request's context is cut into *chunks* of `blocks_per_tile` logical blocks
   (counted from block 0), a tile is one chunk and the rows of one request that
   read it: one row for a one-token request (a decode is one row), up to
   `invariant_rows` rows otherwise; tiles go through products of one fixed shape
-  (`invariant_chunk` rows per call, the last call padded), each (token, chunk)
+  per kind (`invariant_chunk` tiles per call, the last call padded), each (token, chunk)
   partial is written to slot `[token, chunk]` and the slots are folded by a
   fixed pairwise tree. Causal pairs: tiles of `causal_tile` x `causal_tile`
   counted from each request's first token, the same write-then-fold.
@@ -67,7 +66,7 @@ class InvariantPlan(StepPlan):
 
     Tile route: `dec_*` one-row tiles (requests with one new token), `pre_*` tiles of
     `invariant_rows` rows (the others), each one chunk of `blocks_per_tile` logical blocks; causal
-    tiles counted from each request's first token. Fast route: `slot_*`, `ctx_*`, `strict_*`."""
+    tiles counted from each request's first token. Fast route: `slot_*`, `ctx_*`, `seg_*`."""
 
     dec_rows: np.ndarray  #: [dec tiles, 1] the tile's token (query_len: none)
     dec_blocks: np.ndarray  #: [dec tiles, blocks_per_tile] physical blocks of the chunk (0 where unseen)
@@ -93,10 +92,8 @@ class InvariantPlan(StepPlan):
     ctx_cu_k: np.ndarray  #: [segments + 1] cumulative keys (whole blocks)
     ctx_used: np.ndarray  #: [segments] the context length (keys used of the segment)
     ctx_max: tuple  #: (max rows, max keys) of a segment
-    strict_q: np.ndarray  #: [rows] tokens 1.. of each request with two or more new tokens
-    strict_k: np.ndarray  #: [rows] tokens ..-1 of the same requests (the keys)
-    strict_cu: np.ndarray  #: [segments + 1]
-    strict_max: int  #: max rows of a strict segment
+    seg_cu: np.ndarray  #: [requests + 1] cumulative new tokens: each request one causal flash segment
+    seg_max: int  #: the most new tokens of a request, at least 2 (flash's one-row path never runs)
 
     @property
     def work_planned(self) -> PathWork:
@@ -115,9 +112,9 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def tiles_per_call(rows: int, opts: PlanOptions) -> int:
-    """Tiles of `rows` rows per product of the tile route: `invariant_chunk` query rows per call."""
-    return max(1, opts.invariant_chunk // rows)
+def tiles_per_call(opts: PlanOptions) -> int:
+    """Tiles per product of the tile route (either kind): one shape per kind, whatever the batch."""
+    return opts.invariant_chunk
 
 
 def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | None,
@@ -135,7 +132,6 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     slots = _plan_slots(pair_req, pair_blk, phys, one | (W is not None), q, starts, ctx, tok_pos, bs, W)
     flash_ctx = _plan_ctx_segments(np.flatnonzero(~one & (ctx > 0)) if W is None else np.zeros(0, np.int64),
                                    q, starts, ctx, nb_ctx, bt, bs)
-    strict = _plan_strict(q, starts, W)
     n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0]
     shape = Bucket(phase=phase_of(causal_q.size, n_tiles, 0), query_len=T, num_shared_blocks=n_tiles,
                    num_unique_blocks=0, num_logits=R, num_causal_tiles=causal_q.size)
@@ -155,7 +151,8 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         **{f"dec_{k}": v for k, v in dec.items()}, **{f"pre_{k}": v for k, v in pre.items()},
         causal_col=causal_col, cached_width=pow2(int(chunks.max()) if chunks.size else 1),
         causal_width=causal_width, **{f"slot_{k}": v for k, v in slots.items()},
-        **{f"ctx_{k}": v for k, v in flash_ctx.items()}, **{f"strict_{k}": v for k, v in strict.items()})
+        **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_cu=np.concatenate([[0], np.cumsum(q)]).astype(np.int32),
+        seg_max=max(2, int(q.max()) if q.size else 0))
 
 
 def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts):
@@ -181,7 +178,7 @@ def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, to
     sees = (hi > lo).any(-1)
     tok = np.where(sees, tok, T)
     keep = sees.any(-1)
-    n = _round_up(int(keep.sum()), tiles_per_call(rows, opts))
+    n = _round_up(int(keep.sum()), tiles_per_call(opts))
 
     def padded(a, fill, dtype=np.int32):  # tokens, slots and columns fit int32 (plan/arrays.py limits)
         out = np.full((n,) + a.shape[1:], fill, dtype)
@@ -219,16 +216,6 @@ def _plan_ctx_segments(reqs, q, starts, ctx, nb_ctx, bt, bs):
     most = lambda n: int(n.max()) if n.size else 0  # noqa: E731
     return dict(rows=rows.astype(np.int32), cu_q=cu(q[reqs]), blocks=blocks, cu_k=cu(nb_ctx[reqs] * bs),
                 used=ctx[reqs].astype(np.int32), max=(max(2, most(q[reqs])), most(nb_ctx[reqs]) * bs))
-
-
-def _plan_strict(q, starts, W):
-    """Strict-causal pairs as flash segments: tokens 1.. of a request against its tokens ..-1 (causal),
-    so the self pair stays with the elementwise self partial of every token."""
-    reqs = np.flatnonzero((q >= 2) & (W is None or W >= 2))
-    rows, _ = ranges(starts[reqs] + 1, q[reqs] - 1)
-    cu = np.concatenate([[0], np.cumsum(q[reqs] - 1)]).astype(np.int32)
-    return dict(q=rows.astype(np.int32), k=(rows - 1).astype(np.int32), cu=cu,
-                max=max(2, int(q[reqs].max()) - 1 if reqs.size else 0))
 
 
 def _plan_causal_tiles(q, starts, W, opts):
