@@ -136,7 +136,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     shape = Bucket(phase=phase_of(causal_q.size, n_tiles, 0), query_len=T, num_shared_blocks=n_tiles,
                    num_unique_blocks=0, num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=int(np.minimum(tok_j + 1, W if W is not None else T + 1).sum()),
-                      shared=int((slots["hi"] - slots["lo"]).sum()))
+                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec, pre))))
     rows_kb = np.zeros((0, opts.shared_rows), np.int32)
     none3 = np.zeros((0, opts.shared_rows, 1), np.int32)
     empty = np.zeros(0, np.int32)
