@@ -80,12 +80,27 @@ class UnifiedBatch:
 class InvariantBatch(UnifiedBatch):
     """A batch-invariant step (`plan.invariant.InvariantPlan`) on one device: its units and causal columns."""
 
-    unit_rows: torch.Tensor  #: [units, invariant_rows] query token per unit row
-    unit_block: torch.Tensor  #: [units] cache block of each unit
-    unit_col: torch.Tensor  #: [units, invariant_rows] logical block index in the row's request
-    unit_lo: torch.Tensor  #: [units, invariant_rows] first visible slot
-    unit_hi: torch.Tensor  #: [units, invariant_rows] end of visible slots
+    dec_rows: torch.Tensor  #: [dec tiles, 1] tile route: the token of each one-row tile
+    dec_blocks: torch.Tensor  #: [dec tiles, blocks_per_tile] the chunk's blocks
+    dec_lo: torch.Tensor  #: [dec tiles, 1, blocks_per_tile]
+    dec_hi: torch.Tensor  #: [dec tiles, 1, blocks_per_tile]
+    dec_col: torch.Tensor  #: [dec tiles] chunk index in the request's context
+    pre_rows: torch.Tensor  #: [pre tiles, invariant_rows] tile route: tokens of one request
+    pre_blocks: torch.Tensor  #: [pre tiles, blocks_per_tile]
+    pre_lo: torch.Tensor  #: [pre tiles, invariant_rows, blocks_per_tile]
+    pre_hi: torch.Tensor  #: [pre tiles, invariant_rows, blocks_per_tile]
+    pre_col: torch.Tensor  #: [pre tiles]
     causal_col: torch.Tensor  #: [num_causal_tiles] key tile index within its request
+    slot_rows: torch.Tensor  #: [slots] fast route: token per (token, block) slot, by token then position
+    slot_blocks: torch.Tensor  #: [slots]
+    slot_lo: torch.Tensor  #: [slots]
+    slot_hi: torch.Tensor  #: [slots]
+    ctx_rows: torch.Tensor  #: [rows] fast route: tokens whose context is one flash segment per request
+    ctx_cu_q: torch.Tensor  #: [segments + 1]
+    ctx_blocks: torch.Tensor  #: [blocks]
+    ctx_cu_k: torch.Tensor  #: [segments + 1]
+    ctx_used: torch.Tensor  #: [segments]
+    seg_cu: torch.Tensor  #: [requests + 1] fast route: each request's new tokens, one causal flash segment
 
 
 class StepBuffers:
