@@ -17,7 +17,6 @@ COMMAND_MODULES = (
     "vllm_gaudi_unified.tools.buckets",
     "vllm_gaudi_unified.warmup",
     "vllm_gaudi_unified.tools.trace_stats",
-    "vllm_gaudi_unified.tools.bench",
     "vllm_gaudi_unified.vllm_plugin.serve",
 )
 
