@@ -14,6 +14,7 @@ from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_opti
 from vllm_gaudi_unified.tools.workloads import WORKLOADS
 
 WORKLOAD_NAMES = tuple(WORKLOADS)
+DEFAULT_PRESET = "llama8b-gaudi3"
 
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                  "sliding_window", "num_speculative_tokens")
@@ -128,8 +129,10 @@ def register(subparsers) -> None:
 def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
     from vllm_gaudi_unified.bucket_plans.settings import PRESETS
 
-    p.add_argument("--preset", choices=sorted(PRESETS), default="llama8b-gaudi3",
-                   help="server settings to start from (default: llama8b-gaudi3); flags below override")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="server settings to start from; flags below override. " + "; ".join(
+                       f"{name}: {describe_settings(s)}" for name, s in sorted(PRESETS.items())) +
+                   f". Default: {DEFAULT_PRESET}, or with --trace the settings in the trace's header")
     p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
                    help="KV cache block size (tokens)")
     p.add_argument("--max-num-seqs", type=POSITIVE, default=None, help="vLLM max_num_seqs")
@@ -154,6 +157,10 @@ def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
                        help="planner option, batch-invariant mode: causal tiles per product")
 
 
+def describe_settings(s) -> str:
+    return ", ".join(f"{k} {getattr(s, k)}" for k in SETTING_FLAGS if getattr(s, k) not in (None, 0) or k == "block_size")
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-layers", type=POSITIVE, default=None, help="model layers (default 32, Llama-3.1-8B)")
     p.add_argument("--num-qo-heads", type=POSITIVE, default=None, help="query heads (default 32)")
@@ -165,11 +172,14 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args):
+    """The preset (default: DEFAULT_PRESET, or the settings in the --trace headers), then the flags given."""
     from dataclasses import replace
 
     from vllm_gaudi_unified.bucket_plans.settings import PRESETS
 
-    s = PRESETS[args.preset]
+    s = PRESETS[args.preset or DEFAULT_PRESET]
+    if args.preset is None and getattr(args, "trace", None):  # the settings the traces were recorded under
+        s = replace(s, **traces_settings(args.trace))
     over = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
     options = plan_options_from_args(args, s.options)
     invariant = {k: getattr(args, k) for k in INVARIANT_FLAGS if getattr(args, k, None) not in (None, False)}
@@ -177,6 +187,32 @@ def settings_from_args(args):
     if options != s.options:
         over["options"] = options
     return replace(s, **over) if over else s
+
+
+def traces_settings(paths: list[str]) -> dict:
+    """The server settings in the traces' headers (the plugin writes them at the top level, the simulator under
+    `scheduler`; a trace without one gives its steps' block size); traces recorded under different settings
+    are refused, naming both."""
+    from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+    from vllm_gaudi_unified.bucket_plans.trace import iter_trace, read_header
+
+    found, first = {}, None
+    for path in paths:
+        header = read_header(path)
+        merged = {**header.get("scheduler", {}), **header} if isinstance(header.get("scheduler"), dict) else header
+        got = {k: merged[k] for k in SETTING_FLAGS if merged.get(k) is not None}
+        if "block_size" not in got:  # a trace without a header: its steps say the block size
+            got["block_size"] = next((x.block_size for x in iter_trace(path) if not isinstance(x, dict)), None)
+            got = {k: v for k, v in got.items() if v is not None}
+        try:
+            ServerSettings(**got)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: trace header: {exc}") from None
+        if first is not None and got != found:
+            raise ValueError(f"{path}: trace header settings {got} differ from {first}'s {found}: give the settings "
+                             "as flags (or --preset)")
+        found, first = (got, path) if first is None else (found, first)
+    return found
 
 
 def model_from_args(args):
@@ -258,8 +294,16 @@ def _learning_traces(args, settings):
     sched = SchedulerConfig.from_settings(settings, draft_acceptance=args.draft_acceptance)
     work = workload_from(args.workload)
     out = []
+    from tqdm import tqdm
+
     for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
-        steps = list(Simulator(sched, work, seed).steps())
+        # The step count is not known ahead (requests arrive and finish): a counting bar per seed.
+        with tqdm(desc=f"simulating {args.workload} seed {seed}", unit="step", disable=args.no_progress,
+                  leave=False) as bar:
+            steps = []
+            for step in Simulator(sched, work, seed).steps():
+                steps.append(step)
+                bar.update(1)
         out.append((shapes_of_steps(steps, settings, f"simulated:{args.workload}:seed{seed}"), steps))
     return out
 
