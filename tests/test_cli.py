@@ -63,7 +63,7 @@ def test_demo_runs_and_checks_against_reference(capsys):
 
 def test_trace_stats(tmp_path, capsys):
     out_json = tmp_path / "work.json"
-    assert main(["trace-stats", str(TRACE), "--limit", "40", "--quiet", "--json", str(out_json)]) == 0
+    assert main(["trace-stats", str(TRACE), "--limit", "40", "--no-progress", "--json", str(out_json)]) == 0
     table = capsys.readouterr().out
     assert "| all |" in table
     data = json.loads(out_json.read_text())

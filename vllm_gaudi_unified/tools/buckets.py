@@ -108,6 +108,7 @@ def register(subparsers) -> None:
     pl.add_argument("--trace", required=True, metavar="T", help="scheduler trace")
     pl.add_argument("-o", "--output", type=output_path, required=True, help="PNG file to write")
     pl.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying the trace")
+    pl.add_argument("--no-progress", action="store_true", help="no progress bar")
     pl.set_defaults(func=cmd_plot)
 
     sm = sub.add_parser("simulate", help="make a scheduler trace with the v1-like simulator",
@@ -398,7 +399,7 @@ def cmd_plot(args) -> int:
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
 
     plan = BucketPlan.load(args.plan)
-    shapes = shapes_of_trace(args.trace, plan.settings, jobs=args.jobs)
+    shapes = shapes_of_trace(args.trace, plan.settings, jobs=args.jobs, progress=not args.no_progress)
     plot_plan(plan, shapes, args.output)
     print(f"wrote {args.output}")
     return 0

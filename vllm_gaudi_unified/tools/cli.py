@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     leaves half a file behind."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"] and argv[1:] not in (["-h"], ["--help"]):
-        args = parser.parse_args(["serve"])  # the rest is vLLM's, flags first included (argparse's
+    if argv[:1] in (["serve"], ["vllm"]) and argv[1:] not in (["-h"], ["--help"]):
+        args = parser.parse_args(argv[:1])  # the rest is vLLM's, flags first included (argparse's
         args.vllm_args = argv[1:]  # REMAINDER cannot start with a flag)
     else:
         args = parser.parse_args(argv)
