@@ -430,7 +430,9 @@ def test_ctrl_c_during_the_imports_is_one_line(during, files):
     finally:
         proc.kill()
     lines = [x for x in other + rest.splitlines(True) if not x.startswith("import time:")]
-    assert proc.returncode == 130, "".join(lines)
+    # 130, or (rarely, when the interrupt lands inside an import's C code and Python then ends itself with the
+    # signal, as it does after a KeyboardInterrupt) death by SIGINT, which a shell also shows as $? = 130
+    assert proc.returncode in (130, -signal.SIGINT), "".join(lines)
     assert [x.strip() for x in lines] == ["vllm-gaudi-unified: interrupted"]
 
 
