@@ -32,7 +32,7 @@ def check_settings(block_size: int, max_num_seqs: int, max_num_batched_tokens: i
                    num_blocks: int) -> None:
     """Clear errors for settings no server could run with: block_size and num_blocks by `plan_step`'s own
     rules (`check_scalars`), the scheduler's limits positive integers."""
-    check_scalars(block_size, None, num_blocks)
+    check_scalars(block_size, None, num_blocks, num_blocks_given=True)
     for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len)):
         if not is_int(value) or value <= 0:
@@ -62,7 +62,8 @@ class ServerSettings:
     def __post_init__(self):
         check_settings(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                        self.num_blocks)
-        check_scalars(self.block_size, self.sliding_window, self.num_blocks)  # plan_step's rules
+        # block size, sliding window, num_blocks: plan_step's own rules (a plan file cannot hold what it refuses)
+        check_scalars(self.block_size, self.sliding_window, self.num_blocks, num_blocks_given=True)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")

@@ -67,12 +67,13 @@ def _check_scalar(name: str, value, optional: bool, limit: int) -> None:
         raise ValueError(f"{name} = {value} is beyond the largest accepted, {limit}")
 
 
-def check_scalars(block_size, sliding_window=None, num_blocks=None) -> None:
+def check_scalars(block_size, sliding_window=None, num_blocks=None, *, num_blocks_given: bool = False) -> None:
     """`plan_step`'s rules for its scalar arguments, the one check of them: also for settings read before
-    any step (bucket plan files, `ServerSettings`), so a file cannot hold a value `plan_step` refuses."""
+    any step (bucket plan files, `ServerSettings`, which always have `num_blocks_given`), so a file cannot
+    hold a value `plan_step` refuses."""
     _check_scalar("block_size", block_size, False, MAX_BLOCK_SIZE)
     _check_scalar("sliding_window", sliding_window, True, MAX_SCALAR)
-    _check_scalar("num_blocks", num_blocks, True, MAX_SCALAR)
+    _check_scalar("num_blocks", num_blocks, not num_blocks_given, MAX_SCALAR)
 
 
 def validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks):
