@@ -470,3 +470,24 @@ def test_vllm_subcommands_run_through_the_project_entry():
     r = _run(["vllm", "bench", "serve", "--help"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "usage: vllm bench serve" in r.stdout and "PackageNotFoundError" not in r.stderr
+
+
+def test_vllm_plugins_default_where_vllm_gaudi_cannot_load(monkeypatch):
+    """vllm-gaudi installed without Gaudi software: its general plugins import habana_frameworks and stop every
+    vLLM command, so `serve` and `vllm` name this plugin alone in VLLM_PLUGINS; a value already set is kept."""
+    import importlib.util
+
+    from vllm_gaudi_unified.vllm_plugin import serve
+
+    present = {"vllm_gaudi"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in present else None)
+    env = {}
+    serve.keep_vllm_gaudi_out(env)
+    assert env == {"VLLM_PLUGINS": "unified_attention"}
+    env = {"VLLM_PLUGINS": "mine"}
+    serve.keep_vllm_gaudi_out(env)
+    assert env == {"VLLM_PLUGINS": "mine"}
+    present.add("habana_frameworks")  # Gaudi software present: vllm-gaudi's plugins load, nothing set
+    env = {}
+    serve.keep_vllm_gaudi_out(env)
+    assert env == {}
