@@ -42,6 +42,14 @@ def output_path(path: str) -> str:
 
 
 def _umask() -> int:
+    """The process's umask: read from /proc where it can be (setting it to read it back is not thread-safe)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
