@@ -491,3 +491,50 @@ def test_vllm_plugins_default_where_vllm_gaudi_cannot_load(monkeypatch):
     env = {}
     serve.keep_vllm_gaudi_out(env)
     assert env == {}
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        return open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return []
+
+
+def _ignores_sigint(pid: str) -> bool:
+    """Whether process `pid` ignores SIGINT (its SigIgn mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
+def test_ctrl_c_reaching_the_worker_processes_is_still_one_line(tmp_path):
+    """A terminal's Ctrl-C goes to the whole process group: with --jobs 2 the replay's workers printed a
+    KeyboardInterrupt traceback each. They ignore SIGINT now; the command says it, once."""
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        pytest.skip("needs /proc/PID/task/PID/children")
+    plan = str(tmp_path / "plan.json")
+    assert main(["buckets", "generate", "--strategy", "exponential", "-o", plan, "--no-progress"]) == 0
+    traces = sorted((ROOT / "bucketing" / "traces").glob("sim_llama8b-gaudi3_*.jsonl.gz"))
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "evaluate", plan,
+                             *[a for t in traces for a in ("--trace", str(t))], "--jobs", "2", "--no-progress"],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_children(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # the pool's workers exist: the replay runs
+        assert proc.poll() is None, "evaluate ended before the interrupt"
+        time.sleep(0.3)
+        ignored = [_ignores_sigint(c) for c in _children(proc.pid)]
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        print("DEBUG", proc.returncode, repr(err[-600:]))
+    finally:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode in (130, -signal.SIGINT), err
+    assert err.strip().splitlines() == ["vllm-gaudi-unified: interrupted"]
+    assert ignored and all(ignored), ignored  # the workers' own disposition (a traceback each, else)
