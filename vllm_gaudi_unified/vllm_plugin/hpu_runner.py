@@ -367,7 +367,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
 
         hooks = self.unified_hooks[0]
         device = torch.device(self.device)
-        report = warmup(hooks.bucket_plan, device=device, mode="eager", run=self._warm_bucket, progress=False)
+        report = warmup(hooks.bucket_plan, device=device, mode="eager", run=self._warm_bucket, log=logger)
         self.unified_warmed.update(report.buckets)
         logger.info("Unified attention: warmed %d buckets through the model in %.1f s", len(report.buckets),
                     report.total_seconds)
