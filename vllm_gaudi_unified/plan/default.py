@@ -176,8 +176,8 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     s_idx = np.flatnonzero(shared)
     s_req = req[s_idx]
     s_blk = s_idx - (ends - nb_ctx)[s_req]
-    shared_tiles, shared_needed = plan_shared(np.ones(s_idx.size, bool), phys[s_idx], s_req, s_blk, pair_hi[s_idx],
-                                              bt.shape[1], q, np.arange(R), ctx, bs, None, R, opts, out)
+    shared_tiles, shared_needed = plan_shared(None, phys[s_idx], s_req, s_blk, pair_hi[s_idx], bt.shape[1], q,
+                                              np.arange(R), ctx, bs, None, R, opts, out)
     u_mask = ~shared
     unique, unique_needed = _plan_unique(req[u_mask], phys[u_mask], None, pair_hi[u_mask], R, opts, out)
     return _decode_plan(bs, opts, out, ctx, max_id, shared_tiles, unique, PathWork(R, shared_needed, unique_needed))
