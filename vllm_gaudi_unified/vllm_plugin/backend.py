@@ -327,7 +327,7 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             md.checked = True
         output[:t] = attend_step(query, key, value, key_cache, value_cache, md.batch, self.scale,
                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
-                                 k_scale=k_scale, v_scale=v_scale)[:t]
+                                 k_scale=k_scale, v_scale=v_scale, dense_decodes=True)[:t]
         return output
 
 
