@@ -13,7 +13,7 @@ time (those are the same for both backends; this measures what the backends chan
 Each backend runs in its own subprocess (vLLM keeps global state per process), alternating
 `--rounds` times, so both see the same load; the table gives medians over rounds.
 
-    python -m benchmarks.serving_cpu [--rounds 2] [--json out.json] [--profile out.prof]
+    python -m benchmarks.serving_cpu [--rounds 2] [--json out.json] [--profile out.prof] [--compare DIR]
 """
 from __future__ import annotations
 
@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--only", choices=["vllm", "plugin"], default=None, help="run one backend only")
     ap.add_argument("--profile", default=None, help="cProfile the plugin's timed pass into this file")
+    ap.add_argument("--compare", default=None, metavar="DIR",
+                    help="also run the plugin of another checkout (e.g. the commit before a change)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -119,16 +121,19 @@ def main(argv=None) -> int:
         from vllm_helpers import MODELS, make_tiny_llama
 
         model = make_tiny_llama(os.path.join(work, "model"), **MODELS["gqa"])
-    sides = {k: v for k, v in SIDES.items() if args.only is None or ("plugin" in k) == (args.only == "plugin")}
+    sides = {k: dict(v, PYTHONPATH=str(ROOT)) for k, v in SIDES.items()
+             if args.only is None or ("plugin" in k) == (args.only == "plugin")}
+    if args.compare:
+        sides[f"plugin at {args.compare}"] = {"VLLM_GAUDI_UNIFIED": "1", "PYTHONPATH": str(Path(args.compare).resolve())}
     runs = {k: [] for k in sides}
     for i in range(args.rounds):
         for side, env in sides.items():
-            out = os.path.join(work, f"{i}_{len(runs[side])}_{'plugin' if env else 'vllm'}.json")
+            out = os.path.join(work, f"{i}_{list(sides).index(side)}.json")
             cmd = [sys.executable, __file__, "--worker", out, "--model", model, "--dtype", args.dtype]
-            if args.profile and env:
+            if args.profile and env.get("PYTHONPATH") == str(ROOT) and "VLLM_GAUDI_UNIFIED" in env:
                 cmd += ["--profile", args.profile]
             environ = {k: v for k, v in os.environ.items() if k != "VLLM_GAUDI_UNIFIED"}
-            environ.update(env, PYTHONPATH=str(ROOT))
+            environ.update(env)
             subprocess.run(cmd, env=environ, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             runs[side].append(json.loads(Path(out).read_text()))
             print(f"round {i} {side}: {_summary(runs[side][-1])}", flush=True)
@@ -140,9 +145,11 @@ def main(argv=None) -> int:
     for side, t in table.items():
         print(f"| {side} | {t['tpot_p50_ms']:.2f} | {t['tpot_p90_ms']:.2f} | {t['decode_step_p50_ms']:.2f} | "
               f"{t['ttft_p50_ms']:.0f} | {t['req_per_s']:.1f} |")
-    if len(table) == 2:
-        a, b = table.values()
-        print(f"plugin / vLLM TPOT p50: {b['tpot_p50_ms'] / a['tpot_p50_ms']:.2f}x")
+    base = table.get("vLLM CPU attention")
+    for side, t in table.items():
+        if base and side != "vLLM CPU attention":
+            print(f"{side} / vLLM CPU attention, TPOT p50: {t['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x, "
+                  f"decode step p50: {t['decode_step_p50_ms'] / base['decode_step_p50_ms']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "runs": runs, "dtype": args.dtype,
                                                "load_average": os.getloadavg()}, indent=1))
