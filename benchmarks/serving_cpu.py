@@ -10,8 +10,10 @@ time (those are the same for both backends; this measures what the backends chan
 `vllm bench serve` defines them: TTFT (queued to first token), TPOT ((last token - first token) /
 (tokens - 1)); per step, the wall time of `LLMEngine.step`, and of the decode-only steps.
 
-Each backend runs in its own subprocess (vLLM keeps global state per process), alternating
-`--rounds` times, so both see the same load; the table gives medians over rounds.
+Each backend runs in its own engine process (vLLM keeps global state per process), all started
+first; then their timed passes alternate, `--rounds` each, so all see the same load (this host is
+shared); the table gives medians over rounds. The decode-step p50 is the steadiest number on a
+shared host; TPOT (a mean over a request's steps) takes every stall of the host with it.
 
     python -m benchmarks.serving_cpu [--rounds 2] [--json out.json] [--profile out.prof] [--compare DIR]
 """
@@ -72,24 +74,30 @@ def run_engine(model: str, dtype: str, profile: str | None) -> dict:
         return queued, first, last, count, steps
 
     one_pass(CONCURRENCY, "warm")  # first steps allocate and compile nothing after this
-    prof = None
-    if profile:
-        import cProfile
+    for n, line in enumerate(sys.stdin):  # one timed pass per path the parent sends; an empty line ends
+        path = line.strip()
+        if not path:
+            break
+        prof = None
+        if profile and n == 0:
+            import cProfile
 
-        prof = cProfile.Profile()
-        prof.enable()
-    t0 = time.perf_counter()
-    queued, first, last, count, steps = one_pass(NUM_PROMPTS, "r")
-    total = time.perf_counter() - t0
-    if prof is not None:
-        prof.disable()
-        prof.dump_stats(profile)
-    ttft = [first[r] - queued[r] for r in queued]
-    tpot = [(last[r] - first[r]) / (count[r] - 1) for r in queued if count[r] > 1]
-    decode_steps = [s for s, new in steps if new == 0]
-    return {"total_s": total, "req_per_s": NUM_PROMPTS / total, "tpot_ms": [1e3 * x for x in tpot],
-            "ttft_ms": [1e3 * x for x in ttft], "step_ms": [1e3 * s for s, _ in steps],
-            "decode_step_ms": [1e3 * s for s in decode_steps]}
+            prof = cProfile.Profile()
+            prof.enable()
+        t0 = time.perf_counter()
+        queued, first, last, count, steps = one_pass(NUM_PROMPTS, f"r{n}_")
+        total = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(profile)
+        ttft = [first[r] - queued[r] for r in queued]
+        tpot = [(last[r] - first[r]) / (count[r] - 1) for r in queued if count[r] > 1]
+        decode_steps = [s for s, new in steps if new == 0]
+        result = {"total_s": total, "req_per_s": NUM_PROMPTS / total, "tpot_ms": [1e3 * x for x in tpot],
+                  "ttft_ms": [1e3 * x for x in ttft], "step_ms": [1e3 * s for s, _ in steps],
+                  "decode_step_ms": [1e3 * s for s in decode_steps], "load_average": os.getloadavg()[0]}
+        Path(path + ".tmp").write_text(json.dumps(result))
+        os.replace(path + ".tmp", path)
 
 
 def _summary(r: dict) -> dict:
@@ -111,8 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        out = run_engine(args.model, args.dtype, args.profile)
-        Path(args.worker).write_text(json.dumps(out))
+        run_engine(args.model, args.dtype, args.profile)
         return 0
     work = tempfile.mkdtemp(prefix="serving_cpu_")
     model = args.model
@@ -126,17 +133,34 @@ def main(argv=None) -> int:
     if args.compare:
         sides[f"plugin at {args.compare}"] = {"VLLM_GAUDI_UNIFIED": "1", "PYTHONPATH": str(Path(args.compare).resolve())}
     runs = {k: [] for k in sides}
-    for i in range(args.rounds):
-        for side, env in sides.items():
-            out = os.path.join(work, f"{i}_{list(sides).index(side)}.json")
-            cmd = [sys.executable, __file__, "--worker", out, "--model", model, "--dtype", args.dtype]
-            if args.profile and env.get("PYTHONPATH") == str(ROOT) and "VLLM_GAUDI_UNIFIED" in env:
-                cmd += ["--profile", args.profile]
-            environ = {k: v for k, v in os.environ.items() if k != "VLLM_GAUDI_UNIFIED"}
-            environ.update(env)
-            subprocess.run(cmd, env=environ, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            runs[side].append(json.loads(Path(out).read_text()))
-            print(f"round {i} {side}: {_summary(runs[side][-1])}", flush=True)
+    workers = {}
+    for side, env in sides.items():  # every engine up at once; then their passes alternate
+        cmd = [sys.executable, __file__, "--worker", "1", "--model", model, "--dtype", args.dtype]
+        if args.profile and env.get("PYTHONPATH") == str(ROOT) and "VLLM_GAUDI_UNIFIED" in env:
+            cmd += ["--profile", args.profile]
+        environ = {k: v for k, v in os.environ.items() if k != "VLLM_GAUDI_UNIFIED"}
+        environ.update(env)
+        log = open(os.path.join(work, f"worker{len(workers)}.log"), "w")
+        workers[side] = subprocess.Popen(cmd, env=environ, stdin=subprocess.PIPE, stdout=log, stderr=log, text=True)
+    try:
+        for i in range(args.rounds):
+            for side, proc in workers.items():
+                out = os.path.join(work, f"{i}_{list(sides).index(side)}.json")
+                proc.stdin.write(out + "\n")
+                proc.stdin.flush()
+                while not os.path.exists(out):
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{side}: the engine exited with {proc.returncode} (log: {work})")
+                    time.sleep(0.2)
+                runs[side].append(json.loads(Path(out).read_text()))
+                print(f"round {i} {side}: {_summary(runs[side][-1])}", flush=True)
+    finally:
+        for proc in workers.values():
+            if proc.poll() is None:
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+        for proc in workers.values():
+            proc.wait(timeout=120)
     table = {side: {k: float(np.median([_summary(r)[k] for r in rs])) for k in _summary(rs[0])}
              for side, rs in runs.items()}
     print(f"load average {os.getloadavg()[0]:.2f}; medians over {args.rounds} rounds")

@@ -91,3 +91,21 @@ def test_a_layout_too_padded_for_the_route_runs_the_paths(monkeypatch):
     out, ref, batch = _attend(_step(np.random.default_rng(1), 6, 4, 4, 2), torch.float64, PlanOptions(), 1)
     assert decodes.decode_layout(batch) is None
     assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_new_tokens_read_from_the_cache_slots_they_were_written_to(seed):
+    """`self_slots` (a server writes the new K/V before attending): the same attention, every key in one
+    gather."""
+    rng = np.random.default_rng(seed)
+    step = _step(rng, int(rng.integers(1, 10)), 8, 8, 2, empty_rows=seed % 2 == 1)
+    table, num_blocks = make_block_table(step, rng)
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float64, seed)
+    ctx = np.array(step.context_lens)
+    slots = torch.from_numpy(table[np.arange(ctx.size), ctx // 8] * 8 + ctx % 8)
+    kc.view(-1, *kc.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots] = k, v
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 8, num_blocks=num_blocks,
+                                options=LAYOUTS[seed % 3])
+    out = attend_step(q, k, v, kc, vc, batch, 0.37, dense_decodes=True, self_slots=slots)
+    assert decodes.decode_layout(batch) is not None
+    assert_matches(out, reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37))

@@ -59,7 +59,8 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, batch: UnifiedBatch, scale: float, *,
                 logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                k_scale=None, v_scale=None, dense_decodes: bool = False) -> torch.Tensor:
+                k_scale=None, v_scale=None, dense_decodes: bool = False,
+                self_slots: torch.Tensor | None = None) -> torch.Tensor:
     """`unified_attention` as a server's layers call it: no checks, no copies of q/k/v.
 
     The inputs were checked once for the step (`check_inputs` on its first
@@ -68,13 +69,14 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     `BucketRows`). Returns `[query_len, Hq, D]` in query's dtype.
 
     `dense_decodes`: a step of decodes only on the CPU runs as one masked SDPA over a padded
-    block table (`paths/decodes.py`: eager CPU steps pay per op; vLLM's CPU platform sets it).
+    block table (`paths/decodes.py`: eager CPU steps pay per op; vLLM's CPU platform sets it);
+    `self_slots`: there, the cache slots the new tokens' K/V were written to (`[requests]`, all >= 0).
     """
     if logits_soft_cap is not None and math.isinf(logits_soft_cap):
         logits_soft_cap = None  # cap * tanh(s / cap) -> s; computing it would give inf * 0 = NaN
     if (dense_decodes and not isinstance(batch, InvariantBatch)
             and dense_decodes_apply(batch, query, key_cache, logits_soft_cap, sinks, k_scale)):
-        return dense_decodes_attention(query, key, value, key_cache, value_cache, batch, scale)
+        return dense_decodes_attention(query, key, value, key_cache, value_cache, batch, scale, self_slots)
     padded = query.shape[0]
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
         partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,

@@ -80,18 +80,28 @@ def decode_layout(batch):
 
 
 def dense_decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
-    """Attention of a decode step (`dense_decodes_apply`); `[query rows, Hq, D]`, padding rows 0."""
+                  value_cache: torch.Tensor, batch, scale: float, self_slots: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Attention of a decode step (`dense_decodes_apply`); `[query rows, Hq, D]`, padding rows 0.
+
+    `self_slots`: `[requests]` flat cache slots where the new tokens' K/V already are (a server writes
+    them before attending): each layer then gathers every key in one index, instead of gathering the
+    cached ones and copying the new ones after them."""
     table, visible, unread_rows = decode_layout(batch)
     R = batch.num_requests
     hq, d = query.shape[1:]
+    if self_slots is not None:
+        table = torch.cat([table, self_slots[:R, None]], dim=1)
     kv = []
     for new, cache in ((key, key_cache), (value, value_cache)):
-        x = new[:R, None]
-        if table.shape[1]:
-            x = torch.cat([cache.view(-1, *cache.shape[2:])[table], x], dim=1)  # [R, L + 1, Hkv, D]
-            if unread_rows:  # a row with no cached key read some other slot: zero what it may not see
-                x = torch.where(visible[:, :, None, None], x, 0.0)
+        if self_slots is not None:
+            x = cache.view(-1, *cache.shape[2:])[table]  # [R, L + 1, Hkv, D]
+        elif table.shape[1]:
+            x = torch.cat([cache.view(-1, *cache.shape[2:])[table], new[:R, None]], dim=1)
+        else:
+            x = new[:R, None]
+        if unread_rows:  # a row with no cached key read some other slot: zero what it may not see
+            x = torch.where(visible[:, :, None, None], x, 0.0)
         kv.append(x.transpose(1, 2))  # [R, Hkv, L + 1, D]
     out = F.scaled_dot_product_attention(query[:R, :, None], kv[0], kv[1], attn_mask=visible[:, None, None, :],
                                          scale=scale, enable_gqa=True)  # [R, Hq, 1, D]
