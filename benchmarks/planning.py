@@ -17,7 +17,7 @@ builder does). Wall time is what a step pays; the load average is printed with
 the table, since other jobs on a shared host inflate it.
 
 `--compare DIR` times the same steps with the package of another checkout
-(e.g. `git worktree add /tmp/before <commit>`) in alternating subprocess rounds,
+(e.g. `git worktree add ../before <commit>`) in alternating subprocess rounds,
 so both sides see the same load; each cell is then the median over rounds.
 
     python -m benchmarks.planning [--repeat 300] [--json out.json] [--compare DIR --rounds 4]

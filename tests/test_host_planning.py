@@ -10,7 +10,7 @@
 """
 import hashlib
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -77,11 +77,18 @@ def golden_steps():
             yield f"bench:{name}:{i}", (q, ctx, bt, 128), dict(options=opts, num_blocks=16000)
 
 
+#: The batch-invariant knobs at the values the digests were written with (issue 27 changed their
+#: defaults); they do not reach a plan of the default mode, so its digest hashes these values.
+_INVARIANT_KNOBS_THEN = dict(invariant_chunk=512, invariant_causal_chunk=16)
+
+
 def digest(plan: StepPlan) -> str:
     """sha1 over every field of the plan: array dtypes, shapes and bytes, the rest by value."""
     h = hashlib.sha1()
     for f in fields(StepPlan):
         v = getattr(plan, f.name)
+        if f.name == "options" and not v.batch_invariant:
+            v = replace(v, **_INVARIANT_KNOBS_THEN)
         if isinstance(v, np.ndarray):
             h.update(f"{f.name}:{v.dtype}:{v.shape}:".encode())
             h.update(np.ascontiguousarray(v).tobytes())
