@@ -19,7 +19,7 @@ defragmenter) and replaces the step's forward plan:
   `load_model`), and computes the logits of the requests that sample;
 - `warmup_model`: the bucket plan's buckets through the whole model on the real KV
   caches (HPU graphs in lazy mode), instead of vllm-gaudi's prompt/decode buckets;
-- `initialize_kv_cache`: one `StepHooks` (bucket plan, trace, debug log) per KV cache group.
+- `initialize_kv_cache`: one `StepHooks` per KV cache group, its layers by attention kind (`hpu_kinds.py`).
 
 vllm-gaudi's `sample_tokens` then samples and returns outputs as it always does:
 the unified batch is its single prefill batch.
@@ -42,11 +42,7 @@ from vllm_gaudi.v1.worker.hpu_model_runner import (
 )
 
 from vllm_gaudi_unified.log import get_logger
-from vllm_gaudi_unified.vllm_plugin.backend import (
-    _group_sliding_window,
-    _model_has_full_attention,
-    refuse_unsupported_config,
-)
+from vllm_gaudi_unified.vllm_plugin.backend import refuse_unsupported_config
 from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
     UnifiedHpuAttentionBackend,
@@ -54,6 +50,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
     UnifiedMetadataProcessor,
     is_unified_metadata,
 )
+from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_kinds
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
 from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
 
@@ -138,7 +135,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         refuse_unsupported_config(vllm_config)
         super().__init__(vllm_config, device=device, is_driver_worker=is_driver_worker)
         self.unified_hooks: list[StepHooks] = []  #: per KV cache group (made in initialize_kv_cache)
-        self.unified_windows: list[int | None] = []  #: per KV cache group
+        self.unified_kinds: list[dict] = []  #: per KV cache group: its layers by AttentionKind (hpu_kinds.py)
         self.unified_warmed: set = set()  #: buckets run through the whole model at warmup
         self.last_step: HpuStep | None = None  #: the last step planned (tests, debugging)
         self.num_listed_decodes = 0  #: the step's first requests, which vllm-gaudi's sampling treats as decodes
@@ -169,7 +166,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         self.make_unified_hooks()
 
     def make_unified_hooks(self) -> None:
-        """Bucket plan, trace and debug log per KV cache group of `self.kv_cache_config`."""
+        """Bucket plan, trace and debug log per KV cache group of `self.kv_cache_config`; the group's
+        layers by attention kind (vllm-gaudi puts sliding-window, chunked and full layers in one group)."""
         config = PluginConfig.from_env()
         groups = self.kv_cache_config.kv_cache_groups
         tables = len(self.input_batch.block_table.block_tables)
@@ -178,14 +176,19 @@ class UnifiedHpuModelRunner(HPUModelRunner):
             raise NotImplementedError(f"{len(groups)} KV cache groups (e.g. sliding-window beside full attention "
                                       f"layers) but vllm-gaudi's input batch keeps {tables} block table(s): not "
                                       "supported by the unified runner yet")
-        windows = [_group_sliding_window(self.vllm_config, g.layer_names) for g in groups]
-        has_full = _model_has_full_attention(self.vllm_config)
-        recorder = next((i for i, w in enumerate(windows) if w is None), 0) if has_full else 0
-        self.unified_windows = windows
+        self.unified_kinds = [group_kinds(self.vllm_config, g.layer_names) for g in groups]
+        # A group of one plain kind gets that window's bucket plan; several kinds share the full one.
+        windows = [next(iter(k)).window if len(k) == 1 and not next(iter(k)).chunk_size else None
+                   for k in self.unified_kinds]
+        recorder = next((i for i, k in enumerate(self.unified_kinds) if FULL in k), 0)
         self.unified_hooks = [
             StepHooks.create(config, self.vllm_config, g.kv_cache_spec, torch.device(self.device),
                              sliding_window=w, may_record=(i == recorder))
             for i, (g, w) in enumerate(zip(groups, windows))]
+        for kinds in self.unified_kinds:
+            if len(kinds) > 1:
+                logger.info("Unified attention: one KV cache group, one plan per attention kind per step (%s), "
+                            "all padded to one bucket", ", ".join(f"{k}: {len(v)} layers" for k, v in kinds.items()))
 
     # ------------------------------------------------------------------ one step
 
@@ -211,23 +214,20 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         return np.where(inside, mapping[np.where(inside, table, 0)], table)
 
     def plan_step(self, step: HpuStep, bucket_override=None) -> dict[str, UnifiedHpuMetadata]:
-        """The step planned per KV cache group, as `{layer_name: UnifiedHpuMetadata}`.
+        """The step planned per KV cache group and attention kind, as `{layer_name: UnifiedHpuMetadata}`.
 
-        Each group plans like the CPU path's builder: `build_unified_batch(query_lens,
-        context_lens, block_table, block_size, sliding_window, options, bucket)`.
-        Model rows are padded to the first group's bucket; every group pads to the same rows.
+        A group of one kind plans like the CPU path's builder: `build_unified_batch(query_lens,
+        context_lens, block_table, block_size, sliding_window, options, bucket)`; several kinds
+        pad to one bucket (`hpu_kinds.plan_kinds`). Every group pads to the same rows.
         """
-        from vllm_gaudi_unified import build_unified_batch
-
         metadata, padded = {}, None
-        for gid, (group, hooks, window) in enumerate(zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
-                                                         self.unified_windows)):
+        for gid, (group, hooks, kinds) in enumerate(zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
+                                                        self.unified_kinds)):
             bs = group.kv_cache_spec.block_size
             table = step.block_tables[gid]
-            batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, sliding_window=window,
-                                        options=hooks.options,
-                                        bucket=bucket_override if bucket_override is not None else hooks.bucket_plan,
-                                        device=self.device)
+            batches = plan_kinds(step.query_lens, step.context_lens, table, bs, kinds, hooks.options,
+                                 bucket_override if bucket_override is not None else hooks.bucket_plan, self.device)
+            batch = next(iter(batches.values()))
             hooks.after_plan(batch, step.query_lens, step.context_lens, table)
             rows = batch.bucket.query_len
             if padded is None:
@@ -235,9 +235,10 @@ class UnifiedHpuModelRunner(HPUModelRunner):
             elif rows != padded:
                 raise ValueError(f"KV cache group {gid} padded the step to {rows} rows, group 0 to {padded}: "
                                  "the groups' bucket plans must agree on query lengths")
-            slots = slot_mapping(step, table, bs, rows, self._PAD_SLOT_ID)
-            md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.from_numpy(slots).to(self.device))
-            metadata.update({name: md for name in group.layer_names})
+            slots = torch.from_numpy(slot_mapping(step, table, bs, rows, self._PAD_SLOT_ID)).to(self.device)
+            for kind, names in kinds.items():
+                md = UnifiedHpuMetadata(batch=batches[kind], slot_mapping=slots)
+                metadata.update({name: md for name in names})
         return metadata
 
     def _prepare_inputs(self, scheduler_output, num_prefills, num_decodes, warmup=False):
@@ -377,10 +378,10 @@ class UnifiedHpuModelRunner(HPUModelRunner):
 
         metadata = {}
         pad = torch.full((bucket.query_len,), self._PAD_SLOT_ID, dtype=torch.int64, device=self.device)
-        for group, hooks, window in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
-                                        self.unified_windows):
-            b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.options, window, self.device)
-            metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in group.layer_names})
+        for group, hooks, kinds in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks, self.unified_kinds):
+            for kind, names in kinds.items():
+                b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.options, kind.window, self.device)
+                metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in names})
         tokens = torch.zeros((1, bucket.query_len), dtype=torch.int64, device=self.device)
         self.unified_warmed.add(bucket)  # the forward below captures its graph (lazy mode)
         _, _, _, logits = self._execute_model_generic(tokens, tokens.clone(), metadata,
