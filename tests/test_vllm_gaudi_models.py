@@ -1,0 +1,94 @@
+"""Models with several attention kinds through vllm-gaudi's runner with unified attention, on the CPU.
+
+vllm-gaudi puts every decoder layer in one KV cache group (one block table) and narrows the blocks
+per layer; the unified runner plans the step once per attention kind (`hpu_kinds.py`). Each tiny
+model of `vllm_models.py` (Gemma 2 and 3: interleaved window 16 / full, Gemma 2's soft-caps;
+gpt-oss-like: sinks + alternating window 16, dense MLP; Llama-4-like: chunked local attention in
+chunks of 32 + a global NoPE layer, dense MLP) runs the e2e scenario (`vllm_helpers.run_scenario`:
+chunked prefill, prefix caching, mixed steps, prompt logprobs, n > 1) through vllm-gaudi's platform,
+worker, model adapter and sampling on the habana stand-in, against vLLM's own CPU attention (which
+serves the same models with its hybrid KV cache manager: one group per window, virtual batches for
+the chunks). The same weights with every layer full attention show that the window / the chunking
+change the result.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from test_vllm_gaudi import LOGPROB_ATOL, _engine, _warmable_plan  # noqa: I001 (also: the module's skips)
+import vllm_helpers as H
+import vllm_models as M
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def model_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kinds")
+    plan = str(root / "plan.json")
+    num_buckets = _warmable_plan(plan)
+    runs = {}
+    for name in M.MODELS:
+        local = M.make_model(name, str(root / name))
+        full = M.make_model(name, str(root / (name + "_full")), local=False)
+        runs[name] = {
+            "ref": _engine(local, str(root / f"{name}_ref.json"), gaudi=False),
+            "unified": _engine(local, str(root / f"{name}_unified.json"), gaudi=True),
+            "full_ref": _engine(full, str(root / f"{name}_full_ref.json"), gaudi=False),
+        }
+    runs["llama4_like"]["buckets"] = dict(_engine(str(root / "llama4_like"), str(root / "llama4_buckets.json"),
+                                                  gaudi=True, VLLM_GAUDI_UNIFIED_BUCKETS=plan), num_buckets=num_buckets)
+    return runs
+
+
+RANDOM_CASES = {r["name"] for wave in H.scenario_prompts() for r in wave if r.get("n", 1) > 1}
+KINDS_LOG = {"gemma2": "full: 2 layers, sliding window 16: 2 layers", "gemma3": "full: 2 layers, sliding window 16: 2 layers",
+             "gptoss_like": "full: 2 layers, sliding window 16: 2 layers",
+             "llama4_like": "full: 1 layers, chunked local (32): 3 layers"}
+
+
+def assert_same_as_reference(got: dict, ref: dict) -> float:
+    """Greedy cases: identical tokens, logprobs within 1e-4; n > 1 (random draws in vllm-gaudi's batch order,
+    see test_vllm_gaudi.test_generation_through_the_unified_runner): the first token's top logprobs.
+    Returns the largest |logprob difference|."""
+    worst = 0.0
+    for case, r in H.compare_results(got, ref).items():
+        if case in RANDOM_CASES:
+            for a, b in zip(got["results"][case]["samples"], ref["results"][case]["samples"]):
+                common = a["logprobs"][0].keys() & b["logprobs"][0].keys()
+                assert len(common) >= 2, case
+                diff = max(abs(a["logprobs"][0][t] - b["logprobs"][0][t]) for t in common)
+                assert diff <= LOGPROB_ATOL, (case, diff)
+                worst = max(worst, diff)
+            continue
+        assert r["tokens_identical"], (case, r)
+        assert r["max_abs_logprob_diff"] <= LOGPROB_ATOL, (case, r)
+        worst = max(worst, r["max_abs_logprob_diff"])
+    return worst
+
+
+def _tokens(run: dict, case: str) -> list:
+    return [s["tokens"] for s in run["results"][case]["samples"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", M.MODELS)
+def test_attention_kinds_through_the_unified_runner(model_runs, name):
+    runs = model_runs[name]
+    got, ref = runs["unified"], runs["ref"]
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
+    assert f"one plan per attention kind per step ({KINDS_LOG[name]})" in got["log"]
+    worst = assert_same_as_reference(got, ref)
+    # The window / the chunking matter: the same weights with full attention everywhere generate other
+    # tokens in some greedy case (their top logprobs may not even share a token, so no difference is taken).
+    greedy = [c for c in ref["results"] if c not in RANDOM_CASES]
+    changed = [c for c in greedy if _tokens(runs["full_ref"], c) != _tokens(ref, c)]
+    assert changed, "the same weights without the window / the chunking give the same tokens"
+    if "buckets" in runs:  # every step of every kind padded to one bucket of a plan warmed through the model
+        # (one model: each bucketed run warms every bucket through the whole model, minutes here)
+        padded = runs["buckets"]
+        assert f"warmed {padded['num_buckets']} buckets through the model" in padded["log"]
+        assert_same_as_reference(padded, ref)
+    print(name, "max |dlogprob| vs vLLM CPU attention", worst)
