@@ -92,3 +92,39 @@ def test_attention_kinds_through_the_unified_runner(model_runs, name):
         assert f"warmed {padded['num_buckets']} buckets through the model" in padded["log"]
         assert_same_as_reference(padded, ref)
     print(name, "max |dlogprob| vs vLLM CPU attention", worst)
+
+
+# ---------------------------------------------------------------------------------------- pooling
+
+MODELS_HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_models.py")
+
+
+@pytest.mark.slow
+def test_embeddings_through_the_unified_runner(tmp_path):
+    """A tiny Llama as an embedding model (`runner="pooling"`: last-token pooling, normalized): vllm-gaudi
+    runs pooling models one request at a time with its own metadata; through the unified runner each
+    step is one unified batch (several prompts, prompts longer than the 64-token budget in chunks over
+    their cached context) and the pooler reads the rows. Same vectors as vLLM's CPU attention (1e-5)."""
+    import json
+    import sys
+
+    import numpy as np
+    from test_vllm_gaudi import _run_engine
+
+    model = H.make_tiny_llama(str(tmp_path / "model"), **H.MODELS["gqa"])
+    trace = str(tmp_path / "trace.jsonl")
+    runs = {}
+    for name, gaudi in (("ref", False), ("unified", True)):
+        out = str(tmp_path / f"{name}.json")
+        env = dict(VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace) if gaudi else {}
+        runs[name] = _run_engine([sys.executable, MODELS_HELPER, "embed", model, out], out, gaudi, **env)
+    got, ref = runs["unified"], runs["ref"]
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
+    assert "seq_pooling_type='LAST'" in ref["pooler_config"]
+    diffs = [float(np.abs(np.subtract(a, b)).max()) for a, b in zip(got["embeddings"], ref["embeddings"])]
+    assert len(diffs) == 8 and max(diffs) <= 1e-5, diffs
+    with open(trace) as f:
+        steps = [json.loads(line) for line in f if '"query_lens"' in line]
+    assert any(len(s["query_lens"]) > 1 for s in steps)  # several prompts in one step
+    assert any(c > 0 for s in steps for c in s["context_lens"])  # a prompt chunk over its cached context
+    print("embeddings: max |d| vs vLLM CPU attention", max(diffs))

@@ -87,3 +87,59 @@ def _add_sinks_and_windows(path: str, local: bool, seed: int) -> None:
     for i in range(LAYERS):
         weights[f"model.layers.{i}.self_attn.sinks"] = torch.randn(4, generator=g) * 2
     save_file(weights, file, metadata={"format": "pt"})
+
+
+def run_embeddings(model: str, out: str, gaudi_standin: bool = False) -> None:
+    """Embed `EMBED_PROMPTS` with one engine (`runner="pooling"`: the tiny Llama's last-token hidden
+    state, normalized, vLLM's default pooler for a causal LM turned into an embedding model); write
+    the vectors to `out` (JSON), with the engine's pooling config. In this process, as `run_scenario`."""
+    import contextlib
+    import random
+
+    import vllm_helpers as H
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    device = H.gaudi_standin_context("float32") if gaudi_standin else contextlib.nullcontext()
+    from vllm import LLM
+
+    _add_tokenizer(model)
+    rng = random.Random(7)
+    # Lengths around the 64-token budget and the 32-token blocks: some prompts arrive in several steps.
+    prompts = [[rng.randrange(3, H.VOCAB) for _ in range(n)] for n in (5, 31, 32, 47, 64, 90, 150, 3)]
+    with device:
+        llm = LLM(model=model, runner="pooling", enforce_eager=True, dtype="float32",
+                  seed=0, max_model_len=H.MAX_MODEL_LEN, block_size=H.BLOCK_SIZE, max_num_seqs=H.MAX_NUM_SEQS,
+                  max_num_batched_tokens=H.MAX_NUM_BATCHED_TOKENS, kv_cache_memory_bytes=64 << 20)
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        pooler = llm.llm_engine.vllm_config.model_config.pooler_config
+    with open(out, "w") as f:
+        json.dump({"embeddings": [list(map(float, o.outputs.embedding)) for o in outs],
+                   "pooler_config": str(pooler)}, f)
+
+
+def _add_tokenizer(path: str) -> None:
+    """A word-level tokenizer over the model's vocabulary (`t3` .. `t511`), saved next to it: vLLM's
+    embedding entry point builds its scoring processor from a tokenizer (prompts are token ids here)."""
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import vllm_helpers as H
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, H.VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<pad>").save_pretrained(path)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--gaudi-standin" not in sys.argv:
+        import vllm_helpers
+
+        vllm_helpers.keep_vllm_gaudi_out()
+    # python tests/vllm_models.py embed MODEL OUT [--gaudi-standin]
+    run_embeddings(sys.argv[2], sys.argv[3], "--gaudi-standin" in sys.argv)

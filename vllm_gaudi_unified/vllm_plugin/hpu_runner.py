@@ -26,8 +26,6 @@ the unified batch is its single prefill batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import habana_frameworks.torch as htorch
 import numpy as np
 import torch
@@ -52,80 +50,16 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
 )
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_kinds
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
+from vllm_gaudi_unified.vllm_plugin.hpu_step import (
+    HpuStep,
+    PerRequestRows,
+    slot_mapping,
+    step_from_input_batch,
+    token_positions,
+)
 from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
 
 logger = get_logger("vllm.gaudi_unified.hpu_runner")
-
-
-@dataclass
-class HpuStep:
-    """A scheduler step as the runner's input batch holds it, requests in input-batch order::
-
-        |---- context_len (num_computed_tokens) ----|-- query_len (scheduled) --|
-    """
-
-    req_ids: list[str]
-    query_lens: np.ndarray  #: [R] int64 tokens scheduled this step
-    context_lens: np.ndarray  #: [R] int64 tokens already in the KV cache
-    block_tables: list[np.ndarray]  #: per KV cache group, [R, max_blocks] int64 physical block ids
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_lens.sum())
-
-
-def step_from_input_batch(input_batch, num_scheduled_tokens, resolve_blocks=None) -> HpuStep:
-    """The step of `input_batch` (vllm-gaudi's `HPUInputBatch`) for the scheduler's
-    `num_scheduled_tokens` (request id -> tokens). `resolve_blocks(table)` maps block ids
-    through vllm-gaudi's defragmenter when it is on."""
-    n = input_batch.num_reqs
-    req_ids = list(input_batch.req_ids[:n])
-    query_lens = np.fromiter((num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
-    context_lens = input_batch.num_computed_tokens_cpu[:n].astype(np.int64)
-    tables = []
-    for table in input_batch.block_table.block_tables:
-        bt = table.get_numpy_array()[:n].astype(np.int64)
-        tables.append(bt if resolve_blocks is None else resolve_blocks(bt))
-    return HpuStep(req_ids, query_lens, context_lens, tables)
-
-
-def slot_mapping(step: HpuStep, block_table: np.ndarray, block_size: int, padded_len: int,
-                 pad_slot: int) -> np.ndarray:
-    """[padded_len] cache slot of every new token (requests in order), then `pad_slot` for padding rows."""
-    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
-    starts = np.cumsum(step.query_lens) - step.query_lens
-    pos = step.context_lens[req] + np.arange(len(req)) - starts[req]
-    slots = np.full(padded_len, pad_slot, dtype=np.int64)
-    slots[:len(req)] = block_table[req, pos // block_size] * block_size + pos % block_size
-    return slots
-
-
-def token_positions(step: HpuStep, padded_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(request index, position) of every new token; padding rows: request 0, position 0."""
-    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
-    starts = np.cumsum(step.query_lens) - step.query_lens
-    pos = np.zeros(padded_len, dtype=np.int64)
-    pos[:len(req)] = step.context_lens[req] + np.arange(len(req)) - starts[req]
-    index = np.zeros(padded_len, dtype=np.int64)
-    index[:len(req)] = req
-    return index, pos
-
-
-class PerRequestRows:
-    """The hidden states of one flattened step, indexed by request like vllm-gaudi's per-request
-    prefill batches (`rows[i]` is request `first + i`'s `[query_len, hidden]`; `first`: the decodes
-    that vllm-gaudi's sampling lists apart under speculative decoding): its prompt-logprobs code reads them so."""
-
-    def __init__(self, hidden: torch.Tensor, query_lens: np.ndarray, first: int = 0):
-        self.hidden = hidden
-        self.starts = (np.cumsum(query_lens) - query_lens).tolist()[first:]
-        self.lens = query_lens.tolist()[first:]
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.hidden[self.starts[i]:self.starts[i] + self.lens[i]]
-
-    def __len__(self) -> int:
-        return len(self.lens)
 
 
 class UnifiedHpuModelRunner(HPUModelRunner):
@@ -147,7 +81,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
 
     def load_model(self) -> None:
         super().load_model()
-        self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
+        if not self.is_pooling_model:  # vllm-gaudi runs a pooling model bare, without its model adapter
+            self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
         logger.info("Unified attention: vllm-gaudi's model runner plans every step as one unified batch "
                     "(backend %s).", UnifiedHpuAttentionBackend.get_name())
 
@@ -191,6 +126,21 @@ class UnifiedHpuModelRunner(HPUModelRunner):
                             "all padded to one bucket", ", ".join(f"{k}: {len(v)} layers" for k, v in kinds.items()))
 
     # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output, warmup_mode: bool = False):
+        """vllm-gaudi's, except for pooling models, whose steps run as one unified batch too (`hpu_pooling.py`)."""
+        if not self.is_pooling_model:
+            return super().execute_model(scheduler_output, warmup_mode)
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+        from vllm_gaudi_unified.vllm_plugin.hpu_pooling import pool_step
+
+        self.run_defragmenter(scheduler_output, warmup_mode)
+        self._update_states(scheduler_output)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        return pool_step(self, scheduler_output)
 
     def _get_prompts_and_decodes(self, scheduler_output) -> PromptDecodeInfo:
         """Every scheduled request in one batch, in input-batch order (as vllm-gaudi's prompt list).
@@ -253,14 +203,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         self.last_step, self._step_forward = step, None
         metadata = self.plan_step(step)
         first = next(iter(metadata.values()))
-        padded = first.batch.bucket.query_len
-        req_index, positions = token_positions(step, padded)
-        width = self.input_batch.token_ids_cpu.shape[1]
-        token_ids = self.input_batch.token_ids_cpu.reshape(-1)[req_index * width + positions]
-        token_ids[step.num_tokens:] = 0
-        token_ids = token_ids.astype(np.int64)
-        tokens_device = torch.from_numpy(token_ids).view(1, -1).to(self.device)
-        positions_device = torch.from_numpy(positions).view(1, -1).to(self.device)
+        token_ids, tokens_device, positions_device = self.step_inputs(step, first.batch.bucket.query_len)
         # Which requests sample this step: vLLM's rule (the GPU runner's discard mask): a request
         # whose scheduled tokens reach the end of its known tokens; a prompt chunk short of it does not.
         n = len(step.req_ids)
@@ -289,6 +232,17 @@ class UnifiedHpuModelRunner(HPUModelRunner):
                                      attn_metadata=metadata, logits_indices=spec.logits_indices.long(),
                                      spec_decode_metadata=spec)
         return (data, None), (decode, None)
+
+    def step_inputs(self, step: HpuStep, padded: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """The step's token ids ([padded] int64, host; padding rows 0) read from the input batch, and the
+        model's `[1, padded]` token and position tensors on the device."""
+        req_index, positions = token_positions(step, padded)
+        width = self.input_batch.token_ids_cpu.shape[1]
+        token_ids = self.input_batch.token_ids_cpu.reshape(-1)[req_index * width + positions]
+        token_ids[step.num_tokens:] = 0
+        token_ids = token_ids.astype(np.int64)
+        return (token_ids, torch.from_numpy(token_ids).view(1, -1).to(self.device),
+                torch.from_numpy(positions).view(1, -1).to(self.device))
 
     def _execute_model_generic(self, token_ids, position_ids, attn_metadata, logits_indices, kv_caches,
                                lora_logits_mask, lora_mask, warmup_mode=False, inputs_embeds=None,
@@ -384,6 +338,10 @@ class UnifiedHpuModelRunner(HPUModelRunner):
                 metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in names})
         tokens = torch.zeros((1, bucket.query_len), dtype=torch.int64, device=self.device)
         self.unified_warmed.add(bucket)  # the forward below captures its graph (lazy mode)
+        if self.is_pooling_model:  # no logits; its pooler runs after the forward
+            from vllm_gaudi_unified.vllm_plugin.hpu_pooling import pooling_forward
+
+            return pooling_forward(self, tokens, tokens.clone(), metadata)
         _, _, _, logits = self._execute_model_generic(tokens, tokens.clone(), metadata,
                                                       torch.zeros(1, dtype=torch.int64, device=self.device),
                                                       self.kv_caches, None, None, warmup_mode=True)
