@@ -117,6 +117,33 @@ def run_embeddings(model: str, out: str, gaudi_standin: bool = False) -> None:
                    "pooler_config": str(pooler)}, f)
 
 
+def run_scenario_async(model: str, out: str, async_scheduling: bool, gaudi_standin: bool = False) -> None:
+    """`vllm_helpers.run_scenario` with async scheduling set on or off (vLLM 0.32's default is on); the
+    result also says what the engine ran with (`async_scheduling`)."""
+    import contextlib
+    import time
+
+    import vllm_helpers as H
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    device = H.gaudi_standin_context("float32") if gaudi_standin else contextlib.nullcontext()
+    from vllm import LLM, SamplingParams
+
+    engines = []
+
+    def make(*args, **kwargs):
+        engines.append(LLM(*args, async_scheduling=async_scheduling, **kwargs))
+        return engines[-1]
+
+    with device:
+        H._run_waves(make, SamplingParams, model, out, "float32", time.perf_counter())
+    with open(out) as f:
+        result = json.load(f)
+    result["async_scheduling"] = bool(engines[0].llm_engine.vllm_config.scheduler_config.async_scheduling)
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
 def _add_tokenizer(path: str) -> None:
     """A word-level tokenizer over the model's vocabulary (`t3` .. `t511`), saved next to it: vLLM's
     embedding entry point builds its scoring processor from a tokenizer (prompts are token ids here)."""
@@ -142,4 +169,8 @@ if __name__ == "__main__":
 
         vllm_helpers.keep_vllm_gaudi_out()
     # python tests/vllm_models.py embed MODEL OUT [--gaudi-standin]
-    run_embeddings(sys.argv[2], sys.argv[3], "--gaudi-standin" in sys.argv)
+    # python tests/vllm_models.py async-on|async-off MODEL OUT [--gaudi-standin]
+    if sys.argv[1] == "embed":
+        run_embeddings(sys.argv[2], sys.argv[3], "--gaudi-standin" in sys.argv)
+    else:
+        run_scenario_async(sys.argv[2], sys.argv[3], sys.argv[1] == "async-on", "--gaudi-standin" in sys.argv)

@@ -10,8 +10,9 @@ Start-up refuses, with the reason, what the unified runner does not do:
 speculative decoding other than ngram (vllm-gaudi's EAGLE drafter runs its own
 forwards with its own metadata), a vllm-gaudi whose overridden methods differ from the ones checked
 (`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
-are the backend's to accept (`hpu_backend.py`). Async scheduling is switched off: the
-runner reads the last sampled tokens from the host input batch.
+are the backend's to accept (`hpu_backend.py`). Async scheduling runs as vllm-gaudi
+runs it (the runner takes the previous step's samples on the device), except under
+speculative decoding, which vllm-gaudi's runner does not combine with it.
 """
 from __future__ import annotations
 
@@ -119,10 +120,10 @@ class UnifiedHpuPlatform(HpuPlatform):
                                       "their own forwards with its own attention metadata. Use method 'ngram', or "
                                       "unset VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")
         sched = vllm_config.scheduler_config
-        if sched.async_scheduling:
-            sched.async_scheduling = False
-            logger.info("Unified attention: async scheduling off (the unified runner reads the last sampled "
-                        "tokens from the host input batch)")
+        if sched.async_scheduling and spec is not None:
+            sched.async_scheduling = False  # vllm-gaudi's runner asserts it (its ngram path samples on the host)
+            logger.info("Unified attention: async scheduling off under speculative decoding (vllm-gaudi's runner "
+                        "does not combine them)")
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):

@@ -212,6 +212,13 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         ends = step.context_lens + step.query_lens
         samples = ends >= self.input_batch.num_tokens_no_spec[:n]
         samples[:d] = False  # sampled in the decode branch
+        if self.use_async_scheduling:
+            # vllm-gaudi's rule: every request samples (its sampled rows are the input batch's, in order, for
+            # the next step to read on the device); a prompt chunk short of its end is discarded.
+            discarded = np.flatnonzero(~samples).tolist()
+            self.invalid_req_indices = getattr(self, "invalid_req_indices", []) + discarded  # reset by sample_tokens
+            samples[:] = True
+            self._last_sampled_on_device(step, tokens_device)
         last_rows = first.batch.plan.logits_indices[:n]
         logits_indices = torch.from_numpy(np.ascontiguousarray(last_rows[samples], dtype=np.int64))
         data = PrefillInputData()
@@ -243,6 +250,21 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         token_ids = token_ids.astype(np.int64)
         return (token_ids, torch.from_numpy(token_ids).view(1, -1).to(self.device),
                 torch.from_numpy(positions).view(1, -1).to(self.device))
+
+    def _last_sampled_on_device(self, step: HpuStep, tokens_device: torch.Tensor) -> None:
+        """Async scheduling: a request of the previous step that sampled there brings that token as its last
+        scheduled token now, and the host does not have it yet (vllm-gaudi keeps the previous step's samples on
+        the device, `prev_sampled_token_ids`, in its input-batch order): copied device to device, never read
+        from the host."""
+        prev = self.input_batch.prev_sampled_token_ids
+        if prev is None:
+            return
+        prev_index = self.input_batch.prev_req_id_to_index or {}  # without the previous step's discarded samples
+        last = np.cumsum(step.query_lens) - 1
+        pairs = [(last[i], j) for i, r in enumerate(step.req_ids) if (j := prev_index.get(r)) is not None]
+        if pairs:
+            rows, src = (torch.tensor(x, dtype=torch.int64) for x in zip(*pairs))
+            tokens_device[0, rows.to(tokens_device.device)] = prev[src.to(prev.device)].to(tokens_device.dtype)
 
     def _execute_model_generic(self, token_ids, position_ids, attn_metadata, logits_indices, kv_caches,
                                lora_logits_mask, lora_mask, warmup_mode=False, inputs_embeds=None,
