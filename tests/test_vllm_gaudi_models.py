@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from test_vllm_gaudi import LOGPROB_ATOL, _engine, _warmable_plan  # noqa: I001 (also: the module's skips)
+from test_vllm_gaudi import LOGPROB_ATOL, _engine, _warmable_plan, gaudi  # noqa: F401, I001 (also: the module's skips)
 import vllm_helpers as H
 import vllm_models as M
 
@@ -154,3 +154,24 @@ def test_async_scheduling_through_the_unified_runner(tmp_path):
         print("async", name, "max |dlogprob| vs vLLM CPU attention", worst)
     greedy = [c for c in runs["ref"]["results"] if c not in RANDOM_CASES]
     assert all(_tokens(runs["on"], c) == _tokens(runs["off"], c) for c in greedy)
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+def test_unserved_models_are_refused_at_start_up(gaudi):  # noqa: F811
+    """What vllm-gaudi serves and the unified runner does not: a start-up error naming the model feature
+    and the reason (the platform's `check_and_update_config` calls it before any model is loaded)."""
+    from types import SimpleNamespace as NS
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_platform import refuse_unserved_models
+
+    def config(mm: bool, lora) -> NS:
+        return NS(model_config=NS(is_multimodal_model=mm, architecture="Qwen2_5_VLForConditionalGeneration"),
+                  lora_config=lora)
+
+    refuse_unserved_models(config(False, None))
+    with pytest.raises(NotImplementedError, match=r"multimodal inputs \(Qwen2_5_VLForConditionalGeneration: .*"
+                                                  r"inputs_embeds.*VLLM_GAUDI_UNIFIED"):
+        refuse_unserved_models(config(True, None))
+    with pytest.raises(NotImplementedError, match=r"LoRA adapters \(vllm-gaudi maps adapters to tokens"):
+        refuse_unserved_models(config(False, object()))

@@ -7,7 +7,7 @@ is vllm-gaudi's. `entry.platform_plugin` names it only where an HPU (or the
 tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
-speculative decoding other than ngram (vllm-gaudi's EAGLE drafter runs its own
+multimodal models and LoRA adapters (`refuse_unserved_models`), speculative decoding other than ngram (vllm-gaudi's EAGLE drafter runs its own
 forwards with its own metadata), a vllm-gaudi whose overridden methods differ from the ones checked
 (`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
 are the backend's to accept (`hpu_backend.py`). Async scheduling runs as vllm-gaudi
@@ -100,6 +100,22 @@ def check_vllm_gaudi_hooks() -> None:
                            "VLLM_GAUDI_UNIFIED=0 to run vllm-gaudi's own attention.")
 
 
+def refuse_unserved_models(vllm_config) -> None:
+    """Start-up errors, naming the model feature, for what vllm-gaudi serves and the unified runner not yet."""
+    model = vllm_config.model_config
+    problems = []
+    if model is not None and model.is_multimodal_model:
+        problems.append(f"multimodal inputs ({model.architecture}: vllm-gaudi runs the vision encoder and builds "
+                        "inputs_embeds / multimodal kwargs / M-RoPE positions inside its own prefill batching, "
+                        "which the unified runner replaces)")
+    if vllm_config.lora_config is not None:
+        problems.append("LoRA adapters (vllm-gaudi maps adapters to tokens per padded prompt of its own batches, "
+                        "[batch, seq]; the unified step is one flat [1, tokens] batch: the mapping would be wrong)")
+    if problems:
+        raise NotImplementedError("Unified attention on Gaudi does not serve " + "; ".join(problems) + ". Unset "
+                                  "VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")
+
+
 class UnifiedHpuPlatform(HpuPlatform):
     """vllm-gaudi's `HpuPlatform` with the unified worker (and so model runner) and attention backend."""
 
@@ -119,6 +135,7 @@ class UnifiedHpuPlatform(HpuPlatform):
                                       "attention on Gaudi (ngram is): vllm-gaudi's model-based drafters (EAGLE) run "
                                       "their own forwards with its own attention metadata. Use method 'ngram', or "
                                       "unset VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")
+        refuse_unserved_models(vllm_config)
         sched = vllm_config.scheduler_config
         if sched.async_scheduling and spec is not None:
             sched.async_scheduling = False  # vllm-gaudi's runner asserts it (its ngram path samples on the host)

@@ -273,7 +273,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         to a namedtuple here; the unified plan passes whole), then the logits of the sampling rows."""
         if not is_unified_metadata(attn_metadata):
             raise TypeError(f"the unified runner got {type(attn_metadata).__name__} metadata: a vllm-gaudi path "
-                            "that plans its own batches (e.g. pooling, multimodal warmup) is not supported")
+                            "that plans its own batches (e.g. its multimodal warmup) is not supported")
         if self._step_forward is not None and self._step_forward[0] is attn_metadata:
             # The step's second reader (speculative decoding: vllm-gaudi's decode branch after its
             # prefill branch): the same planned step, already run.
