@@ -59,10 +59,11 @@ def group_kinds(vllm_config, layer_names) -> dict[AttentionKind, list[str]]:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
     kinds: dict[AttentionKind, list[str]] = {}
-    for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
-        kinds.setdefault(layer_kind(layer), []).append(name)
-    return dict(sorted(kinds.items())) or {FULL: list(layer_names)}
+    for name in layer_names:  # a layer that is no `Attention` (e.g. MLA's) attends to everything: full
+        kinds.setdefault(layer_kind(layers[name]) if name in layers else FULL, []).append(name)
+    return dict(sorted(kinds.items()))
 
 
 def plan_kinds(query_lens, context_lens, block_table, block_size: int, kinds, options, bucket,
