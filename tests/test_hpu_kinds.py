@@ -139,3 +139,18 @@ def test_kinds_pad_to_one_bucket():
     # A bucket smaller than one kind's shape is refused, naming it.
     with pytest.raises(ValueError, match="does not cover"):
         plan_kinds(step.query_lens, step.context_lens, table, 4, kinds, SMALL_TILES, own[kinds[1]].shape, "cpu")
+
+
+def test_layer_kinds():
+    """A layer's kind: its impl's window, or a `ChunkedLocalAttention`'s chunk; both at once is refused."""
+    from types import SimpleNamespace as NS
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_kinds import layer_kind
+
+    assert layer_kind(NS(impl=NS(sliding_window=None))) == FULL
+    assert layer_kind(NS(impl=NS(sliding_window=128))) == AttentionKind(128)
+    assert layer_kind(NS(impl=NS(sliding_window=None), attention_chunk_size=8192)) == AttentionKind(0, 8192)
+    assert [str(k) for k in sorted([AttentionKind(0, 32), AttentionKind(16), FULL])] == [
+        "full", "chunked local (32)", "sliding window 16"]
+    with pytest.raises(NotImplementedError, match="layer l3: a sliding window .* and chunked local attention"):
+        layer_kind(NS(layer_name="l3", impl=NS(sliding_window=16), attention_chunk_size=32))
