@@ -133,7 +133,7 @@ def test_wiring_as_vllm_resolves_it(tmp_path):
     assert got["kv_cache_shape"] == [8 * 32, 2, 32]
     assert got["attention_forward"] == "patched_attention_forward", "vllm-gaudi's Attention.forward is not in place"
     assert got["dtype"] == "torch.bfloat16"  # vllm-gaudi's platform turns float32 into bfloat16
-    assert got["async_scheduling"] is False
+    assert got["async_scheduling"] is True  # vLLM 0.32's default; the unified runner runs it as vllm-gaudi does
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in out.stdout + out.stderr
     # fp8 caches: e4m3 under vLLM's and vllm-gaudi's names; e5m2 (vllm-gaudi's runner has no such cache) refused.
     assert got["kv_dtypes"]["fp8_inc"] is None and got["kv_dtypes"]["fp8"] is None, got["kv_dtypes"]
