@@ -139,7 +139,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
 
     1. self (each token with its own key): always; it is elementwise.
     2. causal tiles: when the phase has 'c' (some request has two or more new tokens).
-       With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call.
+       With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (causal steps).
     3. shared tiles: when the phase has 's' (a cached block is seen by several tokens);
        through flash when the plan's tiles each see one key prefix (`shared_prefix_visible`).
     4. unique blocks: when the phase has 'u' (a cached block is seen by one token);
@@ -156,7 +156,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     flash = kernel_for(batch, query, cap) == "flash"
     if not new_tokens:
         pass
-    elif flash and phase[0] == "c":
+    elif flash and phase[0] == "c" and not batch.plan.bidirectional:
         yield fused_causal_partial(query, key, value, batch, scale)
     else:
         yield self_partial(query, key, value, scale, cap)

@@ -7,7 +7,8 @@ the self pair included, and the kernel's LSE makes the rows mergeable. Else
 computed, so every real row sees at least one key. The strict-causal pairs come
 in square tiles on the flattened token axis, listed by the planner only where
 some pair is needed; a mask per tile keeps pairs inside one request, in order,
-and inside the sliding window.
+and inside the sliding window; in an encoder-only step (`plan/bidirectional.py`) inside one request,
+in any order.
 """
 from __future__ import annotations
 
@@ -57,7 +58,11 @@ def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, sca
     keys = batch.causal_k_start[:, None] + offsets  # [tiles, tile]
     rows_in, keys_in = rows.clamp(max=n - 1), keys.clamp(max=n - 1)
     r, kk = rows[:, :, None], keys[:, None, :]
-    mask = (kk >= batch.token_seg_start[rows_in][:, :, None]) & (kk < r) & (r < n)
+    seg = batch.token_seg_start[rows_in][:, :, None]
+    if batch.plan.bidirectional:  # encoder-only: every other token of the request (same request start)
+        mask = (batch.token_seg_start[keys_in][:, None, :] == seg) & (kk != r) & (kk < n) & (r < n)
+    else:
+        mask = (kk >= seg) & (kk < r) & (r < n)
     if batch.sliding_window is not None:
         mask &= r - kk < batch.sliding_window
     tile_attend = attend
