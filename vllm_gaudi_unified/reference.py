@@ -42,3 +42,25 @@ def reference_attention(query, key, value, key_cache, value_cache, query_lens, c
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", p, v)
         start += q_len
     return out
+
+
+def reference_mla(q_nope, q_pe, latent, latent_cache, w_uk, w_uv, query_lens, context_lens, block_table,
+                  scale: float, kv_lora_rank: int, **kwargs) -> torch.Tensor:
+    """Dense MLA in its expanded form, float64: per-head keys `(W_UK_h c, k_pe)` and values `c W_UV_h`
+    up-projected from every latent (new tokens `[T, L + R]`, cache `[num_blocks, block_size, L + R]`),
+    then `reference_attention` per head. q_nope `[T, H, P]`, q_pe `[T, H, R]`, W_UK `[H, P, L]`,
+    W_UV `[H, L, V]` -> `[T, H, V]`. What `mla.py`'s latent form must equal."""
+    w_uk, w_uv = w_uk.double(), w_uv.double()
+    heads = w_uk.shape[0]
+
+    def expand(lat):
+        c, pe = lat[..., :kv_lora_rank].double(), lat[..., kv_lora_rank:].double()
+        k_nope = torch.einsum("...l,hpl->...hp", c, w_uk)
+        k = torch.cat([k_nope, pe.unsqueeze(-2).expand(*pe.shape[:-1], heads, pe.shape[-1])], dim=-1)
+        return k, torch.einsum("...l,hlv->...hv", c, w_uv)
+
+    key, value = expand(latent.cpu())
+    key_cache, value_cache = expand(latent_cache.cpu())
+    query = torch.cat([q_nope, q_pe], dim=-1).cpu().double()
+    return reference_attention(query, key, value, key_cache, value_cache, query_lens, context_lens, block_table,
+                               scale, **kwargs)

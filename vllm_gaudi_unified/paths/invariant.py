@@ -29,8 +29,8 @@ class _Slots:
     """A `[tokens, width]` array of partials plus one dump slot per row of a call; each real
     (token, slot) is written once, never added to, so no order of writes matters."""
 
-    def __init__(self, q: torch.Tensor, width: int, call_rows: int):
-        tokens, hq, d = q.shape
+    def __init__(self, q: torch.Tensor, width: int, call_rows: int, value_dim: int):
+        tokens, hq, d = *q.shape[:2], value_dim  # the values' head dim (MLA: smaller than the keys')
         dtype, device = compute_dtype(q.dtype), q.device
         self.tokens, self.width, self.call_rows = tokens, width, call_rows
         size = tokens * width + call_rows
@@ -67,7 +67,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     if units == 0:
         return None
     n, (rs, size) = q.shape[0], (batch.unit_rows.shape[1], batch.plan.options.invariant_chunk)
-    slots = _Slots(q, batch.plan.cached_width, size * rs)
+    slots = _Slots(q, batch.plan.cached_width, size * rs, value_cache.shape[-1])
     for start, stop in _chunks(units, size):
         rows = _pad_to(batch.unit_rows[start:stop], size, n)  # [size, rs]
         blocks = _pad_to(batch.unit_block[start:stop], size, 0)
@@ -88,7 +88,7 @@ def _causal_partial(q, k, v, batch, scale, soft_cap) -> Partial | None:
         return None
     n, opts = q.shape[0], batch.plan.options
     c, size = opts.causal_tile, opts.invariant_causal_chunk
-    slots = _Slots(q, batch.plan.causal_width, size * c)
+    slots = _Slots(q, batch.plan.causal_width, size * c, v.shape[-1])
     offsets = torch.arange(c, device=q.device)
     seg = batch.token_seg_start
     for start, stop in _chunks(tiles, size):
