@@ -112,8 +112,17 @@ def test_selects_unified_backend_for_a_decoder():
     assert select_unified_backend(_selector(attn_type=AttentionType.ENCODER_ONLY)) == path  # no cache, bidirectional
 
 
+def test_cpu_platform_selects_the_mla_backend_for_mla_layers():
+    from vllm_gaudi_unified.vllm_plugin.platform import UnifiedCpuPlatform
+
+    path = UnifiedCpuPlatform.get_attn_backend_cls(None, _selector(use_mla=True, head_size=576, block_size=16))
+    assert path == "vllm_gaudi_unified.vllm_plugin.mla_backend.GaudiUnifiedMLABackend"
+    with pytest.raises(ValueError, match="head_size not supported"):
+        UnifiedCpuPlatform.get_attn_backend_cls(None, _selector(use_mla=True, head_size=20, block_size=16))
+
+
 @pytest.mark.parametrize("kw, reason", [
-    (dict(use_mla=True), "MLA not supported"),
+    (dict(use_mla=True), "MLA not supported"),  # the decoder backend (MLA layers get GaudiUnifiedMLABackend)
     (dict(attn_type=AttentionType.ENCODER_DECODER), "ENCODER_DECODER not supported"),
     (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype not supported"),
     (dict(use_sparse=True), "sparse not supported"),
