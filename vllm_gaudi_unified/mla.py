@@ -22,8 +22,10 @@ where the expanded form (per-head keys `P + R`, values `V`) needs
 up-project every context token it reads (`L * H * (P + V)` per token). For
 decodes latent wins by far (a context token costs ~`H * (2L + R)` here, ~`L * H
 * (P + V)` expanded: 115x more at DeepSeek's shapes); for a prompt of n tokens
-over no context the expanded form does fewer FLOPs once n exceeds a few hundred
-(docs/usage.md, MLA: what was measured and why latent stays).
+over no context the expanded form does fewer FLOPs once n exceeds a few hundred,
+and it runs in fused kernels: measured on an H100, 0.7 ms expanded against 78 ms
+latent for a 2048-token prompt (docs/benchmarks.md, MLA). Latent everywhere is the
+simple, verified form; prompts expanded beside latent decodes is the next step.
 """
 from __future__ import annotations
 
