@@ -93,7 +93,8 @@ def make_tiny_deepseek(path: str, hidden: int = 256, layers: int = 2, heads: int
                               moe_intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                               num_key_value_heads=heads, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
                               qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=layers, n_routed_experts=4,
-                              num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=vllm_helpers.MAX_MODEL_LEN,
+                              num_experts_per_tok=2, n_shared_experts=1,
+                              max_position_embeddings=vllm_helpers.MAX_MODEL_LEN,
                               initializer_range=0.05, torch_dtype="float32", architectures=["DeepseekV2ForCausalLM"],
                               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
@@ -133,7 +134,9 @@ def run_mla(model: str, out: str, ngram: int = 0) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    spec = dict(method="ngram", num_speculative_tokens=ngram, prompt_lookup_min=2, prompt_lookup_max=4) if ngram else None
+    spec = None
+    if ngram:
+        spec = dict(method="ngram", num_speculative_tokens=ngram, prompt_lookup_min=2, prompt_lookup_max=4)
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
               max_model_len=vllm_helpers.MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64,
               enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
