@@ -83,12 +83,16 @@ _INVARIANT_KNOBS_THEN = dict(invariant_chunk=512, invariant_causal_chunk=16)
 
 
 def digest(plan: StepPlan) -> str:
-    """sha1 over every field of the plan: array dtypes, shapes and bytes, the rest by value."""
+    """sha1 over every field of the plan: array dtypes, shapes and bytes, the rest by value. Fields
+    added since the digests were written count only where they differ from their default (a causal
+    step's `bidirectional=False` leaves its digest as it was)."""
     h = hashlib.sha1()
     for f in fields(StepPlan):
         v = getattr(plan, f.name)
         if f.name == "options" and not v.batch_invariant:
             v = replace(v, **_INVARIANT_KNOBS_THEN)
+        if f.name == "bidirectional" and v is False:
+            continue
         if isinstance(v, np.ndarray):
             h.update(f"{f.name}:{v.dtype}:{v.shape}:".encode())
             h.update(np.ascontiguousarray(v).tobytes())

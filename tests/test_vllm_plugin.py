@@ -109,11 +109,20 @@ def test_selects_unified_backend_for_a_decoder():
     assert path == "vllm_gaudi_unified.vllm_plugin.backend.GaudiUnifiedAttentionBackend"
     assert select_unified_backend(_selector(has_sliding_window=True, has_sink=True, dtype=torch.bfloat16))
     assert select_unified_backend(_selector(use_batch_invariant=True))  # vLLM's VLLM_BATCH_INVARIANT=1
+    assert select_unified_backend(_selector(attn_type=AttentionType.ENCODER_ONLY)) == path  # no cache, bidirectional
+
+
+def test_cpu_platform_selects_the_mla_backend_for_mla_layers():
+    from vllm_gaudi_unified.vllm_plugin.platform import UnifiedCpuPlatform
+
+    path = UnifiedCpuPlatform.get_attn_backend_cls(None, _selector(use_mla=True, head_size=576, block_size=16))
+    assert path == "vllm_gaudi_unified.vllm_plugin.mla_backend.GaudiUnifiedMLABackend"
+    with pytest.raises(ValueError, match="head_size not supported"):
+        UnifiedCpuPlatform.get_attn_backend_cls(None, _selector(use_mla=True, head_size=20, block_size=16))
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(use_mla=True), "MLA not supported"),
-    (dict(attn_type=AttentionType.ENCODER_ONLY), "ENCODER_ONLY not supported"),
+    (dict(use_mla=True), "MLA not supported"),  # the decoder backend (MLA layers get GaudiUnifiedMLABackend)
     (dict(attn_type=AttentionType.ENCODER_DECODER), "ENCODER_DECODER not supported"),
     (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype not supported"),
     (dict(use_sparse=True), "sparse not supported"),
@@ -128,7 +137,9 @@ def test_unsupported_features_fail_at_selection(kw, reason):
 
 @pytest.mark.parametrize("kw, reason", [
     (dict(alibi_slopes=[1.0, 0.5]), "ALiBi"),
-    (dict(attn_type=AttentionType.ENCODER), "decoder only"),
+    (dict(attn_type=AttentionType.ENCODER), "decoder and encoder-only only: cross-attention"),
+    (dict(attn_type=AttentionType.ENCODER_DECODER), "decoder and encoder-only only: cross-attention"),
+    (dict(attn_type=AttentionType.ENCODER_ONLY, sliding_window=8), "sliding window in an encoder-only layer"),
     (dict(kv_sharing_target_layer_name="model.layers.0.self_attn.attn"), "KV cache sharing"),
 ])
 def test_unsupported_layer_arguments_fail_at_construction(kw, reason):

@@ -32,10 +32,12 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     query `[T, Hq, D]`, key/value `[T, Hkv, D]` (T = the step's tokens, or the
     bucket's padded `query_len`), key_cache/value_cache `[num_blocks,
-    block_size, Hkv, D]`. `logits_soft_cap`: scores become `cap * tanh(s / cap)`
+    block_size, Hkv, D]`. Values may have a head dim of their own, `Dv` (MLA,
+    `mla.py`: keys the whole latent, values its first dims, views of one cache);
+    the output then has `Dv`. `logits_soft_cap`: scores become `cap * tanh(s / cap)`
     (`inf`: no cap, the limit). `sinks`: `[Hq]` one logit per head that joins
     every softmax denominator (`+inf`: the sink takes all the weight, output 0 on
-    that head; `-inf`: no sink). Returns `[T, Hq, D]` in query's dtype.
+    that head; `-inf`: no sink). Returns `[T, Hq, Dv]` in query's dtype.
 
     fp8 KV cache: key_cache/value_cache may be `float8_e4m3fn` or `float8_e5m2`
     (query/key/value stay in the model dtype); a cached key is `stored *
@@ -66,7 +68,7 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     The inputs were checked once for the step (`check_inputs` on its first
     layer: every layer of a KV cache group has the same shapes) and have the
     bucket's `query_len` rows already (views of the runner's padded tensors, or
-    `BucketRows`). Returns `[query_len, Hq, D]` in query's dtype.
+    `BucketRows`). Returns `[query_len, Hq, Dv]` in query's dtype.
 
     `dense_decodes`: a step of decodes only on the CPU runs as one masked SDPA over a padded
     block table (`paths/decodes.py`: eager CPU steps pay per op; vLLM's CPU platform sets it);
@@ -91,7 +93,7 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
                                         logits_soft_cap, k_scale, v_scale)
             padded = t
     if sinks is not None:
-        partials.append(_sink_partial(sinks, padded, query.shape[2], compute_dtype(query.dtype)))
+        partials.append(_sink_partial(sinks, padded, value.shape[2], compute_dtype(query.dtype)))
     out = normalize(merge_all(partials)).to(query.dtype)
     if out.shape[0] < query.shape[0]:  # a split step: the rows past its tokens are padding
         out = F.pad(out, (0, 0, 0, 0, 0, query.shape[0] - out.shape[0]))
@@ -149,7 +151,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
 
     1. self (each token with its own key): always; it is elementwise.
     2. causal tiles: when the phase has 'c' (some request has two or more new tokens).
-       With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call.
+       With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (causal steps).
     3. shared tiles: when the phase has 's' (a cached block is seen by several tokens);
        through flash when the plan's tiles each see one key prefix (`shared_prefix_visible`).
     4. unique blocks: when the phase has 'u' (a cached block is seen by one token);
@@ -163,10 +165,11 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     cannot disagree.
     """
     phase = batch.phase
-    flash = kernel_for(batch, query, cap) == "flash"
+    # flash takes one head dim: MLA's latent (values narrower than keys) runs the tiles and the unique kernel
+    flash = value.shape[-1] == query.shape[-1] and kernel_for(batch, query, cap) == "flash"
     if not new_tokens:
         pass
-    elif flash and phase[0] == "c":
+    elif flash and phase[0] == "c" and not batch.plan.bidirectional:
         yield fused_causal_partial(query, key, value, batch, scale)
     else:
         yield self_partial(query, key, value, scale, cap)
@@ -218,17 +221,19 @@ def check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, s
     if t not in (batch.num_tokens, batch.bucket.query_len):
         raise ValueError(f"query has {t} tokens but the batch has {batch.num_tokens} "
                          f"(padded: {batch.bucket.query_len})")
-    hkv = key.shape[1]
-    for name, x in (("key", key), ("value", value)):
-        if tuple(x.shape) != (t, hkv, d):
-            raise ValueError(f"{name} shape {tuple(x.shape)} must be {(t, hkv, d)} (tokens, kv heads, head_dim)")
+    hkv, dv = key.shape[1], value.shape[-1]
+    for name, x, dim in (("key", key, d), ("value", value, dv)):
+        if tuple(x.shape) != (t, hkv, dim):
+            raise ValueError(f"{name} shape {tuple(x.shape)} must be {(t, hkv, dim)} (tokens, kv heads, head_dim)")
+    if not 1 <= dv <= d:
+        raise ValueError(f"value head_dim {dv} must be in [1, {d}] (the query/key head_dim; smaller for MLA)")
     if hkv == 0:
         raise ValueError(f"key has 0 heads (shape {tuple(key.shape)})")
     if hq % hkv:
         raise ValueError(f"query heads {hq} must be a multiple of kv heads {hkv}")
     num_blocks = key_cache.shape[0]
-    expected = (num_blocks, batch.block_size, hkv, d)
-    for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
+    for name, x, dim in (("key_cache", key_cache, d), ("value_cache", value_cache, dv)):
+        expected = (num_blocks, batch.block_size, hkv, dim)
         if tuple(x.shape) != expected:
             raise ValueError(f"{name} shape {tuple(x.shape)} must be {expected} "
                              "(num_blocks, block_size, kv heads, head_dim)")

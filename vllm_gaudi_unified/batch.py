@@ -245,7 +245,7 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
                         sliding_window: int | None = None, num_blocks: int | None = None,
                         options: PlanOptions | None = None, bucket=None,
                         device: torch.device | str | None = None,
-                        buffers: StepBuffers | None = None) -> UnifiedBatch:
+                        buffers: StepBuffers | None = None, causal: bool = True) -> UnifiedBatch:
     """Plan one scheduler step and put it on `device`.
 
     query_lens [R] (>= 1), context_lens [R] (>= 0), block_table [R, M]: the
@@ -256,6 +256,7 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     `num_blocks`: the KV cache size; when given, block ids are checked here.
     `buffers`: `StepBuffers` to plan and pad into (a server's steps; `device` is theirs): the batch
     is valid until the next build into them.
+    `causal=False`: an encoder-only step, every token sees its whole request (no cache; `plan_step`).
     """
     if not (bucket is None or isinstance(bucket, Bucket)
             or (callable(getattr(bucket, "find", None)) and not isinstance(bucket, (str, bytes)))):
@@ -266,7 +267,7 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
         buffers.wait()
     host = None if buffers is None else buffers.host
     plan = plan_step(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                     num_blocks=num_blocks, options=options, buffers=host)
+                     num_blocks=num_blocks, options=options, buffers=host, causal=causal)
     cap = getattr(bucket, "gather_cap", None)
     if cap is not None and cap.exceeded(plan.shape):  # rare: several calls, each padded into new arrays
         pieces = [_pad_to(p, bucket) for p in split_plan(plan, cap)]

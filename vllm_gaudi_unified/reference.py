@@ -11,11 +11,14 @@ import torch
 
 def reference_attention(query, key, value, key_cache, value_cache, query_lens, context_lens, block_table,
                         scale: float, *, sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `unified_attention`, computed in float64 one request at a time (on the CPU)."""
+                        sinks: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+    """Same contract as `unified_attention`, computed in float64 one request at a time (on the CPU).
+
+    `causal=False`: encoder-only, every token sees its whole request. Values may have a head dim of
+    their own (MLA: keys are the whole latent, values its first dims); the output has the values'."""
     bs = key_cache.shape[1]
     group = query.shape[1] // key.shape[1]
-    out = torch.zeros(query.shape, dtype=torch.float64)
+    out = torch.zeros((*query.shape[:2], value.shape[-1]), dtype=torch.float64)
     start = 0
     for r, (q_len, ctx) in enumerate(zip(map(int, query_lens), map(int, context_lens))):
         blocks = torch.as_tensor([int(b) for b in block_table[r][: -(-ctx // bs)]], dtype=torch.long)
@@ -29,7 +32,7 @@ def reference_attention(query, key, value, key_cache, value_cache, query_lens, c
             s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
         pos_q = ctx + torch.arange(q_len)[:, None]
         pos_k = torch.arange(ctx + q_len)[None, :]
-        visible = pos_k <= pos_q
+        visible = pos_k <= pos_q if causal else torch.ones(q_len, ctx + q_len, dtype=torch.bool)
         if sliding_window is not None:
             visible &= pos_k > pos_q - sliding_window
         s = s.masked_fill(~visible, float("-inf"))
@@ -39,3 +42,25 @@ def reference_attention(query, key, value, key_cache, value_cache, query_lens, c
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", p, v)
         start += q_len
     return out
+
+
+def reference_mla(q_nope, q_pe, latent, latent_cache, w_uk, w_uv, query_lens, context_lens, block_table,
+                  scale: float, kv_lora_rank: int, **kwargs) -> torch.Tensor:
+    """Dense MLA in its expanded form, float64: per-head keys `(W_UK_h c, k_pe)` and values `c W_UV_h`
+    up-projected from every latent (new tokens `[T, L + R]`, cache `[num_blocks, block_size, L + R]`),
+    then `reference_attention` per head. q_nope `[T, H, P]`, q_pe `[T, H, R]`, W_UK `[H, P, L]`,
+    W_UV `[H, L, V]` -> `[T, H, V]`. What `mla.py`'s latent form must equal."""
+    w_uk, w_uv = w_uk.double(), w_uv.double()
+    heads = w_uk.shape[0]
+
+    def expand(lat):
+        c, pe = lat[..., :kv_lora_rank].double(), lat[..., kv_lora_rank:].double()
+        k_nope = torch.einsum("...l,hpl->...hp", c, w_uk)
+        k = torch.cat([k_nope, pe.unsqueeze(-2).expand(*pe.shape[:-1], heads, pe.shape[-1])], dim=-1)
+        return k, torch.einsum("...l,hlv->...hv", c, w_uv)
+
+    key, value = expand(latent.cpu())
+    key_cache, value_cache = expand(latent_cache.cpu())
+    query = torch.cat([q_nope, q_pe], dim=-1).cpu().double()
+    return reference_attention(query, key, value, key_cache, value_cache, query_lens, context_lens, block_table,
+                               scale, **kwargs)

@@ -7,7 +7,8 @@ the self pair included, and the kernel's LSE makes the rows mergeable. Else
 computed, so every real row sees at least one key. The strict-causal pairs come
 in square tiles on the flattened token axis, listed by the planner only where
 some pair is needed; a mask per tile keeps pairs inside one request, in order,
-and inside the sliding window.
+and inside the sliding window; in an encoder-only step (`plan/bidirectional.py`) inside one request,
+in any order.
 """
 from __future__ import annotations
 
@@ -25,13 +26,13 @@ def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     `fixed_order` (the batch-invariant mode): the dot products are summed by a fixed
     pairwise tree over `head_dim` (elementwise adds), whatever kernel `sum` would pick."""
     t, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv = k.shape[1], v.shape[-1]
     dt = compute_dtype(q.dtype)
     products = q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)
     s = (_tree_sum(products) if fixed_order else products.sum(-1)).reshape(t, hq) * scale
     if soft_cap is not None:
         s = soft_cap * torch.tanh(s / soft_cap)
-    acc = v.to(dt)[:, :, None, :].expand(t, hkv, hq // hkv, d).reshape(t, hq, d)
+    acc = v.to(dt)[:, :, None, :].expand(t, hkv, hq // hkv, dv).reshape(t, hq, dv)
     return Partial(acc, s, torch.ones_like(s))
 
 
@@ -57,11 +58,15 @@ def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, sca
     keys = batch.causal_k_start[:, None] + offsets  # [tiles, tile]
     rows_in, keys_in = rows.clamp(max=n - 1), keys.clamp(max=n - 1)
     r, kk = rows[:, :, None], keys[:, None, :]
-    mask = (kk >= batch.token_seg_start[rows_in][:, :, None]) & (kk < r) & (r < n)
+    seg = batch.token_seg_start[rows_in][:, :, None]
+    if batch.plan.bidirectional:  # encoder-only: every other token of the request (same request start)
+        mask = (batch.token_seg_start[keys_in][:, None, :] == seg) & (kk != r) & (kk < n) & (r < n)
+    else:
+        mask = (kk >= seg) & (kk < r) & (r < n)
     if batch.sliding_window is not None:
         mask &= r - kk < batch.sliding_window
     tile_attend = attend
-    if fused.kernel_for(batch, q, soft_cap) == "hpu":  # FusedSDPA with statistics on the same tiles
+    if fused.kernel_for(batch, q, soft_cap, v.shape[-1]) == "hpu":  # FusedSDPA with statistics on the same tiles
         tile_attend = fused.sdpa_attend
     part = tile_attend(q[rows_in], k[keys_in], v[keys_in], mask, scale, soft_cap)
     return scatter_merge(part, rows.clamp(max=n).reshape(-1), n)

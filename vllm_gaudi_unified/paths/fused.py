@@ -55,8 +55,11 @@ def fused_kernel(device_type: str, dtype: torch.dtype, head_dim: int, soft_cap: 
     return None
 
 
-def kernel_for(batch, query: torch.Tensor, soft_cap: float | None) -> str | None:
-    """`fused_kernel` for this batch's options and these inputs."""
+def kernel_for(batch, query: torch.Tensor, soft_cap: float | None, value_dim: int | None = None) -> str | None:
+    """`fused_kernel` for this batch's options and these inputs; None when the values' head dim
+    (`value_dim`) differs from the keys' (MLA's latent: flash and FusedSDPA take one head dim)."""
+    if value_dim is not None and value_dim != query.shape[-1]:
+        return None
     return fused_kernel(query.device.type, query.dtype, query.shape[-1], soft_cap, batch.plan.options.fused_kernels)
 
 

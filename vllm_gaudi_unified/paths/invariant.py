@@ -38,8 +38,8 @@ class _Slots:
     """A `[tokens, width]` array of partials plus one dump slot per row of a call; each real
     (token, slot) is written once, never added to, so no order of writes matters."""
 
-    def __init__(self, q: torch.Tensor, width: int, call_rows: int):
-        tokens, hq, d = q.shape
+    def __init__(self, q: torch.Tensor, width: int, call_rows: int, value_dim: int):
+        tokens, hq, d = *q.shape[:2], value_dim  # the values' head dim (MLA: smaller than the keys')
         dtype, device = compute_dtype(q.dtype), q.device
         self.tokens, self.width, self.call_rows = tokens, width, call_rows
         size = tokens * width + call_rows
@@ -80,7 +80,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
     per_call = tiles_per_call(opts)
     size = per_call * max(kind[0].shape[1] for kind in kinds)
-    slots = _Slots(q, batch.plan.cached_width, size)
+    slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
     for all_rows, all_blocks, all_lo, all_hi, all_cols in kinds:
         for start, stop in _chunks(all_rows.shape[0], per_call):
             rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
@@ -101,7 +101,7 @@ def _causal_partial(q, k, v, batch, scale, soft_cap) -> Partial | None:
         return None
     n, opts = q.shape[0], batch.plan.options
     c, size = opts.causal_tile, opts.invariant_causal_chunk
-    slots = _Slots(q, batch.plan.causal_width, size * c)
+    slots = _Slots(q, batch.plan.causal_width, size * c, v.shape[-1])
     offsets = torch.arange(c, device=q.device)
     seg = batch.token_seg_start
     for start, stop in _chunks(tiles, size):

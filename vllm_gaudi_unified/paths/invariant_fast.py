@@ -41,7 +41,8 @@ def applies(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     """CUDA flash for these inputs and the Triton kernel for this cache (`unique.kernel_unique_applies`)."""
     from vllm_gaudi_unified.paths.unique import kernel_unique_applies
 
-    return fused.kernel_for(batch, q, soft_cap) == "flash" and kernel_unique_applies(key_cache, value_cache)
+    return (fused.kernel_for(batch, q, soft_cap, value_cache.shape[-1]) == "flash"
+            and kernel_unique_applies(key_cache, value_cache))
 
 
 def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None, v_scale=None) -> Partial:

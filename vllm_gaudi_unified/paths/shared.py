@@ -37,7 +37,8 @@ def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     v = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
     mask = slot_mask(batch.shared_lo, batch.shared_hi, block_size).flatten(2)  # [tiles, rows, keys]
     tile_attend = attend
-    if fused.kernel_for(batch, q, soft_cap) == "hpu":  # FusedSDPA with statistics on the same tiles
+    # FusedSDPA with statistics on the same tiles (one head dim: not for MLA's latent)
+    if fused.kernel_for(batch, q, soft_cap, value_cache.shape[-1]) == "hpu":
         tile_attend = fused.sdpa_attend
     part = tile_attend(q[batch.shared_rows.clamp(max=n - 1)], k, v, mask, scale, soft_cap)
     return scatter_merge(part, batch.shared_rows.reshape(-1), n)

@@ -93,7 +93,8 @@ def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
            soft_cap: float | None, masked_tiles: torch.Tensor | None = None) -> Partial:
-    """q `[T, R, Hq, D]`, k/v `[T, K, Hkv, D]`, mask `[T, R, K]` (True = visible) -> Partial `[T*R, Hq, D]`.
+    """q `[T, R, Hq, D]`, k `[T, K, Hkv, D]`, v `[T, K, Hkv, Dv]` (MLA: Dv < D), mask `[T, R, K]`
+    (True = visible) -> Partial `[T*R, Hq, Dv]`.
 
     Keys no row of a tile may see are zeroed in `v` first: a poisoned cache slot
     (NaN, inf) times a zero probability would still be NaN; a non-finite value
@@ -122,7 +123,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
     """`attend` for one-row tiles, K/V as stored `[T, K, Hkv, D]` (see the module docstring)."""
     t, _, hq, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
+    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
     dt = compute_dtype(q.dtype)
     every = torch.matmul(q.reshape(t, hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, Hq, K*Hkv]
@@ -138,12 +139,12 @@ def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partia
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     if masked_tiles is None:
         vz = torch.where(visible[:, :, None, None], v, zero)
-        acc = torch.matmul(p_every.view(t, hq, nk * hkv), vz.view(t, nk * hkv, d)).to(dt)  # [T, Hq, D]
+        acc = torch.matmul(p_every.view(t, hq, nk * hkv), vz.view(t, nk * hkv, dv)).to(dt)  # [T, Hq, Dv]
     else:  # V as stored, then the few tiles that miss a key again on masked V (one pass less over V)
-        acc = torch.matmul(p_every.view(t, hq, nk * hkv), v.view(t, nk * hkv, d))
+        acc = torch.matmul(p_every.view(t, hq, nk * hkv), v.view(t, nk * hkv, dv))
         sel = masked_tiles
         vz = torch.where(visible[sel][:, :, None, None], v[sel], zero)
         # Fixed in the product's own dtype, so the cast to fp32 stays fused into the merge that reads it.
-        acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nk * hkv), vz.view(-1, nk * hkv, d)))
+        acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nk * hkv), vz.view(-1, nk * hkv, dv)))
         acc = acc.to(dt)
     return Partial(acc, m.reshape(t, hq), total.reshape(t, hq))

@@ -116,6 +116,7 @@ def kernel_unique_applies(key_cache: torch.Tensor, value_cache: torch.Tensor) ->
     flash per block and the matmul tiles at block sizes 16 and 128 (docs/benchmarks.md). It indexes a
     head's channels as consecutive elements."""
     return ((is_fp8(key_cache.dtype) or key_cache.dtype in KERNEL_CACHE_DTYPES)
+            and key_cache.shape[-1] == value_cache.shape[-1]  # one head dim (not MLA's latent)
             and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1 and triton_importable())
 
 

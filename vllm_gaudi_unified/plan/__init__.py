@@ -7,6 +7,7 @@
 - `invariant`: the batch-invariant planner and its `InvariantPlan`;
 - `rules`: the default planner's rules (also replayed by the bucketing tools), `shared`: its shared tiles;
 - `buffers`: where a plan's arrays live (new per call, or `PlanBuffers` kept from step to step);
+- `bidirectional`: the planner of encoder-only steps (no cache, whole-request causal tiles);
 - `smallest`: the smallest step of each phase (warmup's step per bucket; the buckets a plan keeps).
 
 `plan_step` and `pad_plan` below pick the planner from `options.batch_invariant`.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.plan.arrays import validate
+from vllm_gaudi_unified.plan.bidirectional import plan_bidirectional
 from vllm_gaudi_unified.plan.buffers import PlanBuffers
 from vllm_gaudi_unified.plan.default import pad_default, plan_default
 from vllm_gaudi_unified.plan.invariant import InvariantPlan, pad_invariant, plan_invariant
@@ -24,16 +26,21 @@ from vllm_gaudi_unified.plan.step_plan import StepPlan
 
 def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding_window: int | None = None,
               num_blocks: int | None = None, options: PlanOptions | None = None,
-              buffers: PlanBuffers | None = None) -> StepPlan:
+              buffers: PlanBuffers | None = None, causal: bool = True) -> StepPlan:
     """Plan one scheduler step; arrays are unpadded (`bucket == shape`). See `plan/default.py` for the
     semantics; `options.batch_invariant` selects `plan/invariant.py` (returns an `InvariantPlan`).
 
     `buffers`: host memory kept from step to step (`plan/buffers.py`; default mode, else ignored): the
-    plan's arrays are views of it, valid until the next plan or padding into the same buffers."""
+    plan's arrays are views of it, valid until the next plan or padding into the same buffers.
+
+    `causal=False`: an encoder-only step (`plan/bidirectional.py`): every token sees its whole request,
+    no cache (context_lens all 0), no window."""
     if options is not None and not isinstance(options, PlanOptions):
         raise ValueError(f"options must be a PlanOptions or None, got {options!r}")
     opts = options or DEFAULT_OPTIONS
     checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
+    if not causal:
+        return plan_bidirectional(checked[0], checked[1], int(block_size), sliding_window, opts)
     if opts.batch_invariant:
         return plan_invariant(*checked, int(block_size), sliding_window, num_blocks, opts)
     return plan_default(*checked, int(block_size), sliding_window, num_blocks, opts, buffers)

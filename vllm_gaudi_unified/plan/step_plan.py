@@ -1,7 +1,7 @@
 """`StepPlan`: what the host hands the device for one step, as numpy arrays."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,6 +41,8 @@ class StepPlan:
     #: every shared tile's real rows see one and the same prefix of its slots (no window, whole blocks
     #: but the last): the shared path may run as one fused-kernel segment per tile (paths/shared.py)
     shared_prefix_visible: bool
+    #: an encoder-only step (`plan/bidirectional.py`): every new token sees every new token of its request
+    bidirectional: bool = field(default=False, kw_only=True)
 
     @property
     def unique_layout(self) -> str:

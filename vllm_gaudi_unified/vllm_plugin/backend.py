@@ -19,6 +19,13 @@ memory order is the layout the backend declares. We declare LBNHC (memory
 core's `[num_blocks, block_size, num_kv_heads, head_size]` key and value caches
 as views, without a copy.
 
+Encoder-only layers (BERT-style embedders, `AttentionType.ENCODER_ONLY`) keep no
+cache: vLLM gives them a KV cache group of their own (`EncoderOnlyAttentionSpec`)
+whose builder sees `causal=False`; the step is planned bidirectional
+(`build_unified_batch(causal=False)`: every token sees its whole request) and
+`forward` attends the new tokens alone, writing nothing. Cross-attention and
+encoder-decoder layers read another sequence's cache and stay refused.
+
 fp8 KV cache (`kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2): vLLM allocates the
 cache as bytes; `split_kv_cache` views them in the fp8 format, `forward`
 quantizes the new K/V with the layer's per-tensor scales (`layer._k_scale_float`,
@@ -44,10 +51,11 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, EncoderOnlyAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_gaudi_unified import UnifiedBatch, build_unified_batch
+from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
 from vllm_gaudi_unified.attention import BucketRows, attend_step, check_inputs
 from vllm_gaudi_unified.batch import StepBuffers
 from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, is_fp8, quantize
@@ -107,6 +115,12 @@ class GaudiUnifiedAttentionBackend(AttentionBackend):
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         return (KVCacheLayout.LBNHC,)  # memory [num_blocks, block_size, num_kv_heads, K|V]; see the module doc
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        # Decoders, and encoder-only layers (no cache; see the module doc). Not ENCODER / ENCODER_DECODER:
+        # cross-attention reads the encoder's output as a second sequence the planner does not model.
+        return attn_type in (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -172,12 +186,17 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         refuse_unsupported_config(vllm_config)
         self.block_size = kv_cache_spec.block_size
+        #: an encoder-only group: no cache, steps planned bidirectional, unpadded, not traced
+        self.encoder_only = isinstance(kv_cache_spec, EncoderOnlyAttentionSpec)
         self.speculative = vllm_config.speculative_config is not None
         self.sliding_window = _group_sliding_window(vllm_config, layer_names)
         # One group's steps go to the trace: a full-attention group's if the model has one.
         may_record = self.sliding_window is None or not _model_has_full_attention(vllm_config)
-        self.hooks = StepHooks.create(PluginConfig.from_env(), vllm_config, kv_cache_spec, device,
-                                      sliding_window=self.sliding_window, may_record=may_record)
+        if self.encoder_only:  # the bucket plans and traces describe cached (decoder) steps
+            self.hooks = StepHooks(options=DEFAULT_OPTIONS)
+        else:
+            self.hooks = StepHooks.create(PluginConfig.from_env(), vllm_config, kv_cache_spec, device,
+                                          sliding_window=self.sliding_window, may_record=may_record)
         # Kept from step to step: the plan's arrays (sized by the largest bucket: a step allocates nothing and
         # a bucket's graph sees the same addresses every step) and the q/k/v rows of padded steps.
         plan = self.hooks.bucket_plan
@@ -188,13 +207,16 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GaudiUnifiedMetadata:
         cm = common_attn_metadata
-        if cm.causal is not True:
-            raise NotImplementedError("unified attention runs causal decoder attention only")
+        if cm.causal is not (not self.encoder_only):
+            raise NotImplementedError(f"unified attention got causal={cm.causal!r} in a "
+                                      f"{'encoder-only' if self.encoder_only else 'decoder'} KV cache group: it "
+                                      "runs causal decoder groups and bidirectional encoder-only groups")
         query_lens, context_lens, block_table = step_lengths(cm, exact_seq_lens=self.speculative)
         batch = build_unified_batch(query_lens, context_lens, block_table, self.block_size,
                                     sliding_window=self.sliding_window, options=self.hooks.options,
-                                    bucket=self.hooks.bucket_plan, buffers=self.buffers)
-        self.hooks.after_plan(batch, query_lens, context_lens, block_table)
+                                    bucket=self.hooks.bucket_plan, buffers=self.buffers, causal=not self.encoder_only)
+        if not self.encoder_only:
+            self.hooks.after_plan(batch, query_lens, context_lens, block_table)
         num_tokens = batch.num_tokens
         slots = cm.slot_mapping[:num_tokens].long()
         cached = slots.device.type == "cpu" and num_tokens == batch.num_requests and bool((slots >= 0).all())
@@ -281,7 +303,11 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
                  sinks: torch.Tensor | None = None) -> None:
         unsupported = [what for what, present in (
             ("ALiBi", alibi_slopes is not None),
-            (f"attention type {attn_type!r} (decoder only)", attn_type != AttentionType.DECODER),
+            (f"attention type {attn_type!r} (decoder and encoder-only only: cross-attention reads another "
+             "sequence's cache, which the planner does not model)",
+             attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY)),
+            ("a sliding window in an encoder-only layer",
+             attn_type == AttentionType.ENCODER_ONLY and sliding_window is not None),
             ("KV cache sharing between layers", kv_sharing_target_layer_name is not None),
             (f"kv_cache_dtype {kv_cache_dtype!r}", kv_cache_dtype not in self.backend.supported_kv_cache_dtypes),
         ) if present]
@@ -312,10 +338,15 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             return output
         md = attn_metadata
         t, rows = md.num_tokens, md.batch.bucket.query_len
-        key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv_cache, self.head_size,
-                                                                             self.kv_cache_dtype)
         k_scale = v_scale = None
-        if key_cache.dtype != key.dtype:  # fp8: store quantized, attend to the new tokens as stored
+        if self.attn_type == AttentionType.ENCODER_ONLY:  # no cache: an empty one, the new tokens alone
+            key_cache = value_cache = key.new_empty((0, md.batch.block_size, *key.shape[1:]))
+        else:
+            key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv_cache, self.head_size,
+                                                                                 self.kv_cache_dtype)
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            pass
+        elif key_cache.dtype != key.dtype:  # fp8: store quantized, attend to the new tokens as stored
             k_scale, v_scale = float(layer._k_scale_float), float(layer._v_scale_float)
             key_q = quantize(key[:t], key_cache.dtype, k_scale, rounding="toward_zero")
             value_q = quantize(value[:t], value_cache.dtype, v_scale, rounding="toward_zero")

@@ -51,7 +51,14 @@ class UnifiedCpuPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
+        # vLLM's CPU platform turns chunked prefill and prefix caching off for MLA models (its reference
+        # CPU_MLA prefill cannot read cached context); the unified MLA backend reads it like any other step.
+        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        kept = (sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
         super().check_and_update_config(vllm_config)
+        model = vllm_config.model_config
+        if model is not None and model.use_mla and vllm_config.attention_config.backend is None:
+            sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens = kept
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker":
             parallel.worker_cls = "vllm_gaudi_unified.vllm_plugin.worker.UnifiedCpuWorker"
@@ -64,4 +71,9 @@ class UnifiedCpuPlatform(CpuPlatform):
         if selected_backend is not None and selected_backend.name != BACKEND_NAME:
             # `--attention-backend X` given explicitly: vLLM's own choice for X.
             return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+        if attn_selector_config.use_mla:  # latent caches: the MLA backend (vllm_plugin/mla_backend.py)
+            from vllm_gaudi_unified.vllm_plugin.mla_backend import GaudiUnifiedMLABackend, register_mla_backend
+
+            register_mla_backend()
+            return select_unified_backend(attn_selector_config, GaudiUnifiedMLABackend)
         return select_unified_backend(attn_selector_config)

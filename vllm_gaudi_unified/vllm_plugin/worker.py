@@ -26,9 +26,11 @@ def warm_up_buckets(model_runner) -> None:
     layers = model_runner.compilation_config.static_forward_context
     for group in (g for groups in model_runner.attn_groups for g in groups):
         builder = group.get_metadata_builder()
-        if not isinstance(builder, GaudiUnifiedMetadataBuilder):
-            continue
+        if not isinstance(builder, GaudiUnifiedMetadataBuilder) or builder.hooks.bucket_plan is None:
+            continue  # not ours, or nothing to warm (no plan; an encoder-only group, which has no cache)
         layer = layers[group.layer_names[0]]
+        if layer.kv_cache.dim() != 4:  # an MLA latent cache [blocks, block_size, latent]: warmed by its first steps
+            continue
         key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(layer.kv_cache, layer.impl.head_size,
                                                                              layer.impl.kv_cache_dtype)
         builder.hooks.warm_up(key_cache, value_cache, layer.impl.num_heads, model_runner.model_config.dtype)

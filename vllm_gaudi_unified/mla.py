@@ -1,0 +1,69 @@
+"""MLA (multi-head latent attention: DeepSeek-V2/V3/R1, Kimi K2) through the unified pipeline, in latent space.
+
+The cache holds one latent per token: `kv_lora_rank` values (the normalised
+compressed KV, `c`) followed by `rope` dims (the rotated shared key, `k_pe`),
+576 for DeepSeek. Attention per head h, with `W_UK_h` `[P, L]` and `W_UV_h`
+`[V, L]` the up-projections of the model's `kv_b_proj`::
+
+    score = q_nope_h . (W_UK_h c) + q_pe_h . k_pe = (W_UK_h^T q_nope_h, q_pe_h) . (c, k_pe)
+    out_h = W_UV_h sum_k p_k c_k
+
+So with the query *absorbed* (`absorb_query`: `[T, H, L + R]`) every head
+attends to the same latent: one KV head (MQA) whose keys are the whole latent
+and whose values are its first `L` dims, and the output `[T, H, L]` leaves
+latent space through `W_UV` (`expand_output`). That is what vLLM's MLA
+backends do for decodes, and here for every token of a step, prompts included:
+the planner, the buckets and the three paths stay as they are (a block is a
+block; only the head dims differ), the cache is read in place (keys and values
+are views of it, no copy, no per-head expansion of the context), and a mixed
+step stays one call. The cost: per (query, key) pair `H * (2L + R)` products
+where the expanded form (per-head keys `P + R`, values `V`) needs
+`H * (P + R + V)`, about 3.4x fewer at DeepSeek's shapes, but it must first
+up-project every context token it reads (`L * H * (P + V)` per token). For
+decodes latent wins by far (a context token costs ~`H * (2L + R)` here, ~`L * H
+* (P + V)` expanded: 115x more at DeepSeek's shapes); for a prompt of n tokens
+over no context the expanded form does fewer FLOPs once n exceeds a few hundred,
+and it runs in fused kernels: measured on an H100, 0.7 ms expanded against 78 ms
+latent for a 2048-token prompt (docs/benchmarks.md, MLA). Latent everywhere is the
+simple, verified form; prompts expanded beside latent decodes is the next step.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.attention import attend_step, unified_attention
+
+
+def latent_views(latent: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[..., L + R]` latents (new tokens `[T, L + R]` or a cache `[num_blocks, block_size, L + R]`) ->
+    (keys, values) with one KV head, `[..., 1, L + R]` and `[..., 1, L]`: views of the same memory."""
+    if latent.shape[-1] <= kv_lora_rank or kv_lora_rank < 1:
+        raise ValueError(f"latent head dim {latent.shape[-1]} must exceed kv_lora_rank {kv_lora_rank} "
+                         "(latent values then rope dims)")
+    keys = latent.unsqueeze(-2)
+    return keys, keys[..., :kv_lora_rank]
+
+
+def mla_attention(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.Tensor, batch, scale: float,
+                  kv_lora_rank: int, *, checked: bool = False, **kwargs) -> torch.Tensor:
+    """Latent-space attention of a step: query `[T, H, L + R]` (absorbed, `absorb_query`), the new
+    tokens' latents `[T, L + R]`, the cache `[num_blocks, block_size, L + R]` (new tokens already
+    written or not: the planner reads positions below each context length only) -> `[T, H, L]`.
+
+    `checked`: the inputs were checked for this step already and q/latent have the bucket's rows
+    (a server's layers after the first: `attention.attend_step`). Other keywords go to the core
+    (`k_scale`/`v_scale`, `logits_soft_cap`, `sinks`)."""
+    key, value = latent_views(latent, kv_lora_rank)
+    key_cache, value_cache = latent_views(latent_cache, kv_lora_rank)
+    run = attend_step if checked else unified_attention
+    return run(query, key, value, key_cache, value_cache, batch, scale, **kwargs)
+
+
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope `[T, H, P]`, q_pe `[T, H, R]`, W_UK `[H, P, L]` -> the latent query `[T, H, L + R]`."""
+    return torch.cat([torch.einsum("thp,hpl->thl", q_nope, w_uk), q_pe], dim=-1)
+
+
+def expand_output(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Latent output `[T, H, L]`, W_UV `[H, L, V]` -> per-head output `[T, H, V]`."""
+    return torch.einsum("thl,hlv->thv", out, w_uv)
