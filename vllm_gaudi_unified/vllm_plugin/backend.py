@@ -339,21 +339,20 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
         md = attn_metadata
         t, rows = md.num_tokens, md.batch.bucket.query_len
         k_scale = v_scale = None
-        if self.attn_type == AttentionType.ENCODER_ONLY:  # no cache: an empty one, the new tokens alone
+        encoder_only = self.attn_type == AttentionType.ENCODER_ONLY
+        if encoder_only:  # no cache: an empty one, the new tokens alone
             key_cache = value_cache = key.new_empty((0, md.batch.block_size, *key.shape[1:]))
         else:
             key_cache, value_cache = GaudiUnifiedAttentionBackend.split_kv_cache(kv_cache, self.head_size,
                                                                                  self.kv_cache_dtype)
-        if self.attn_type == AttentionType.ENCODER_ONLY:
-            pass
-        elif key_cache.dtype != key.dtype:  # fp8: store quantized, attend to the new tokens as stored
-            k_scale, v_scale = float(layer._k_scale_float), float(layer._v_scale_float)
-            key_q = quantize(key[:t], key_cache.dtype, k_scale, rounding="toward_zero")
-            value_q = quantize(value[:t], value_cache.dtype, v_scale, rounding="toward_zero")
-            write_kv(key_q, value_q, key_cache, value_cache, md.slot_mapping)
-            key, value = key_q.to(query.dtype) * k_scale, value_q.to(query.dtype) * v_scale
-        else:
-            write_kv(key[:t], value[:t], key_cache, value_cache, md.slot_mapping)
+            if key_cache.dtype != key.dtype:  # fp8: store quantized, attend to the new tokens as stored
+                k_scale, v_scale = float(layer._k_scale_float), float(layer._v_scale_float)
+                key_q = quantize(key[:t], key_cache.dtype, k_scale, rounding="toward_zero")
+                value_q = quantize(value[:t], value_cache.dtype, v_scale, rounding="toward_zero")
+                write_kv(key_q, value_q, key_cache, value_cache, md.slot_mapping)
+                key, value = key_q.to(query.dtype) * k_scale, value_q.to(query.dtype) * v_scale
+            else:
+                write_kv(key[:t], value[:t], key_cache, value_cache, md.slot_mapping)
         # The bucket's rows: views of vLLM's tensors when it padded its batch that far, else the builder's buffers.
         pad = md.rows or BucketRows()
         query, key, value = pad("query", query, rows), pad("key", key, rows), pad("value", value, rows)
@@ -363,7 +362,8 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             md.checked = True
         output[:t] = attend_step(query, key, value, key_cache, value_cache, md.batch, self.scale,
                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
-                                 k_scale=k_scale, v_scale=v_scale, dense_decodes=True,
+                                 k_scale=k_scale, v_scale=v_scale,
+                                 dense_decodes=not encoder_only,  # it reads the new tokens from the cache
                                  self_slots=md.self_slots)[:t]
         return output
 
