@@ -77,3 +77,25 @@ def masked_softmax_hpu(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def masked_softmax_for(scores: torch.Tensor) -> Callable:
     return masked_softmax_hpu if select_softmax(scores.device.type, scores.dtype) == "hpu" else masked_softmax_torch
+
+
+def sdpa_final(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+    """The prompt route's one fused call (`paths/prompts.py`): q `[B, Hq, S, D]`, k/v `[B, Hkv, K, D]`,
+    `mask` `[B, 1, S, K]` bool (True = visible) or None = causal (top-left: prompts without context).
+    Returns the normalised rows `[B, Hq, S, D]`.
+
+    On a Gaudi: FusedSDPA (GQA native, the mask as an additive bias), what vllm-gaudi's prompts call.
+    Elsewhere: torch SDPA (CUDA: flash for the causal case, memory-efficient with a mask, where K/V
+    are repeated to the query heads: `enable_gqa` takes only the flash and math kernels)."""
+    if q.device.type == "hpu" and habana_importable():  # pragma: no cover - needs a Gaudi
+        from habana_frameworks.torch.hpex.kernels import FusedSDPA
+
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~mask, float("-inf"))
+        return FusedSDPA.apply(q, k, v, bias, 0.0, mask is None, scale, "None", False, None, "left")
+    g = q.shape[1] // k.shape[1]
+    if mask is not None and q.device.type == "cuda" and g > 1:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                            scale=scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -1,7 +1,7 @@
 """`StepPlan`: what the host hands the device for one step, as numpy arrays."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,6 +41,11 @@ class StepPlan:
     #: every shared tile's real rows see one and the same prefix of its slots (no window, whole blocks
     #: but the last): the shared path may run as one fused-kernel segment per tile (paths/shared.py)
     shared_prefix_visible: bool
+    #: the prompt route (`plan/prompts.py`), `bucket.prompts` sized; None in an `InvariantPlan`
+    prompt_rows: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts, prompt_len] token of each row (query_len = no row)
+    prompt_blocks: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts, prompt_blocks] context blocks in order (0 past them)
+    prompt_ctx: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts] context length (keys before the new ones)
+    prompt_len: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts] new tokens (0: a padding prompt)
 
     @property
     def unique_layout(self) -> str:
@@ -51,8 +56,10 @@ class StepPlan:
     def work_planned(self) -> PathWork:
         """Pairs the device computes for the arrays as they are (padding included)."""
         b, opts = self.bucket, self.options
+        prompt_rows = b.num_prompts * b.prompt_len
         return PathWork(
-            causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len,
-            shared=b.num_shared_blocks * opts.shared_rows * self.block_size,
+            causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len + prompt_rows * b.prompt_len,
+            shared=b.num_shared_blocks * opts.shared_rows * self.block_size + prompt_rows * b.prompt_blocks
+            * self.block_size,
             unique=b.num_unique_blocks * self.block_size,
         )
