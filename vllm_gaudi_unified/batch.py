@@ -251,7 +251,7 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
 
 def _pad_to(plan: StepPlan, bucket, host: PlanBuffers | None = None) -> StepPlan:
     target = bucket if isinstance(bucket, Bucket) else bucket.find(plan.shape)
-    if target is not None and not isinstance(bucket, Bucket):  # a plan's buckets count five sizes
+    if target is not None and not isinstance(bucket, Bucket):  # any plan's `find`: the step's prompt shape
         target = with_prompts(target, plan.shape)
     return plan if target is None else pad_plan(plan, target, host)
 
