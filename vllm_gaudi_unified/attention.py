@@ -71,7 +71,7 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     padded = query.shape[0]
     prompts = not isinstance(batch, InvariantBatch) and batch.bucket.num_prompts > 0
     final = prompts and final_rows(batch, query, logits_soft_cap, sinks)
-    if final and batch.plan.num_tokens == int(batch.plan.prompt_len.sum()):  # every token on the prompt route
+    if final and batch.plan.prompts_only:  # every token on the prompt route: one call, nothing else
         rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale)
         return write_rows(query.new_zeros(query.shape), batch.prompt_rows, rows)
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py

@@ -144,7 +144,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
                    max_block_id=max_block_id,
                    work_needed=PathWork(causal_needed, shared_needed + prompt_needed, unique_needed),
                    shared_prefix_visible=shared[4], prompt_rows=prompts[0], prompt_blocks=prompts[1],
-                   prompt_ctx=prompts[2], prompt_len=prompts[3])
+                   prompt_ctx=prompts[2], prompt_len=prompts[3], prompts_only=sel is not None and bool(sel.all()))
 
 
 def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):

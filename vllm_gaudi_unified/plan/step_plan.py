@@ -46,6 +46,8 @@ class StepPlan:
     prompt_blocks: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts, prompt_blocks] context blocks in order (0 past them)
     prompt_ctx: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts] context length (keys before the new ones)
     prompt_len: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts] new tokens (0: a padding prompt)
+    #: every new token is on the prompt route: the step is that one fused call and nothing else
+    prompts_only: bool = field(default=False, kw_only=True)
 
     @property
     def unique_layout(self) -> str:
