@@ -39,7 +39,8 @@ def flash_calls(monkeypatch):
 def test_every_spec_through_flash(flash_calls, spec_name, options):
     out, ref, batch = run_case(SPECS[spec_name], options=options)
     assert_matches(out, ref)
-    assert len(flash_calls) == sum(p != "-" for p in batch.phase)  # one call per path with work
+    # one call per path with work, and one for the prompt route (`paths/prompts.py`)
+    assert len(flash_calls) == sum(p != "-" for p in batch.phase) + (batch.bucket.num_prompts > 0)
     assert batch.plan.shared_prefix_visible
 
 

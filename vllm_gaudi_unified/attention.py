@@ -71,9 +71,10 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     padded = query.shape[0]
     prompts = not isinstance(batch, InvariantBatch) and batch.bucket.num_prompts > 0
     final = prompts and final_rows(batch, query, logits_soft_cap, sinks)
+    flash = final and kernel_for(batch, query, logits_soft_cap) == "flash"
     if final and batch.plan.prompts_only:  # every token on the prompt route: one call, nothing else
-        rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale)
-        return write_rows(query.new_zeros(query.shape), batch.prompt_rows, rows)
+        rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale, flash)
+        return write_rows(None, batch.prompt_rows, rows, padded)
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
         partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
                                       k_scale, v_scale)]
@@ -96,7 +97,8 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
         out = F.pad(out, (0, 0, 0, 0, 0, query.shape[0] - out.shape[0]))
     if final:  # the prompt route's rows are final: written over what the other paths gave them
         out = write_rows(out, batch.prompt_rows.clamp(max=out.shape[0]),
-                         prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale))
+                         prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale,
+                                      flash))
     return out
 
 

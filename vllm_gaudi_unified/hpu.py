@@ -85,17 +85,14 @@ def sdpa_final(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     `mask` `[B, 1, S, K]` bool (True = visible) or None = causal (top-left: prompts without context).
     Returns the normalised rows `[B, Hq, S, D]`.
 
-    On a Gaudi: FusedSDPA (GQA native, the mask as an additive bias), what vllm-gaudi's prompts call.
-    Elsewhere: torch SDPA (CUDA: flash for the causal case, memory-efficient with a mask, where K/V
-    are repeated to the query heads: `enable_gqa` takes only the flash and math kernels)."""
+    The mask goes in as an additive bias (0 / -inf in q's dtype) and GQA natively, as vllm-gaudi calls
+    it: on a Gaudi FusedSDPA, elsewhere torch SDPA (on CUDA: flash for the causal case, the
+    memory-efficient or cuDNN kernel with a bias)."""
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+        ~mask, float("-inf"))
     if q.device.type == "hpu" and habana_importable():  # pragma: no cover - needs a Gaudi
         from habana_frameworks.torch.hpex.kernels import FusedSDPA
 
-        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-            ~mask, float("-inf"))
         return FusedSDPA.apply(q, k, v, bias, 0.0, mask is None, scale, "None", False, None, "left")
-    g = q.shape[1] // k.shape[1]
-    if mask is not None and q.device.type == "cuda" and g > 1:
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=mask is None,
                                                             scale=scale, enable_gqa=k.shape[1] != q.shape[1])
