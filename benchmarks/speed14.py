@@ -28,7 +28,7 @@ from benchmarks import baselines, gaudi_peer, scenarios as sc_mod
 from benchmarks.options import BF16_FLOPS, HBM_BYTES_PER_S
 from benchmarks.suite import _readable, _rel_err, environment
 from benchmarks.timing import capture, peak_bytes, sync, time_ms
-from vllm_gaudi_unified import graphs
+from vllm_gaudi_unified import attention, graphs
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
 
@@ -41,7 +41,7 @@ def _variants(spec: str) -> dict:
     for item in filter(None, spec.split(";")):
         name, _, kv = item.partition("=")
         out[name] = {k: (v if k in ("unique_layout", "prompt_route") else bool(int(v))
-                         if k in ("fused_kernels", "gaudi", "device_table") else int(v))
+                         if k in ("fused_kernels", "gaudi", "device_table", "prompt_flash") else int(v))
                      for k, v in (p.split(":") for p in kv.split(",") if p)}
     return out
 
@@ -121,6 +121,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
             # What a user gets: the default options (the same on every device), then the variant's.
             over = dict(over)
             gaudi, table_ = over.pop("gaudi", False), over.pop("device_table", False)
+            attention.PROMPT_FLASH = over.pop("prompt_flash", False)
             kind = device_kind(device.type, torch.cuda.get_device_name(device)) if table_ else ""
             opts = replace(options_for_device(kind, PlanOptions()), **over)
             route = fused.gaudi_route() if gaudi else contextlib.nullcontext()
@@ -160,6 +161,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
             traceback.print_exc()
         finally:
             route.__exit__(None, None, None)
+            attention.PROMPT_FLASH = False
         graphs.clear()
         torch._dynamo.reset()
         gc.collect()

@@ -39,7 +39,17 @@ def flash_calls(monkeypatch):
 def test_every_spec_through_flash(flash_calls, spec_name, options):
     out, ref, batch = run_case(SPECS[spec_name], options=options)
     assert_matches(out, ref)
-    # one call per path with work, and one for the prompt route (`paths/prompts.py`)
+    # one call per path with work (the prompt route takes torch SDPA unless `attention.PROMPT_FLASH`)
+    assert len(flash_calls) == sum(p != "-" for p in batch.phase)
+
+
+@pytest.mark.parametrize("options", [SMALL_TILES, PlanOptions()], ids=["small", "default"])
+def test_the_prompt_route_through_flash(flash_calls, monkeypatch, spec_name, options):
+    """`attention.PROMPT_FLASH`: the prompt route's rows from one flash varlen call (segments of real
+    rows against their first ctx + len keys, causal bottom-right aligned), the other paths as before."""
+    monkeypatch.setattr(attention, "PROMPT_FLASH", True)
+    out, ref, batch = run_case(SPECS[spec_name], options=options)
+    assert_matches(out, ref)
     assert len(flash_calls) == sum(p != "-" for p in batch.phase) + (batch.bucket.num_prompts > 0)
     assert batch.plan.shared_prefix_visible
 

@@ -23,6 +23,12 @@ from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_
                                              kernel_unique_partial, unique_partial)
 
 
+#: The prompt route's final form on CUDA through flash varlen (`paths/prompts.py: _flash_rows`) instead of
+#: torch SDPA. Off: measured on the H100 (docs/benchmarks.md, issue 23), torch SDPA (flash / cuDNN /
+#: memory-efficient, the same call the Gaudi route makes) was faster in graphs of eager calls.
+PROMPT_FLASH = False
+
+
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, batch: UnifiedBatch, scale: float, *,
                       logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
@@ -71,7 +77,7 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     padded = query.shape[0]
     prompts = not isinstance(batch, InvariantBatch) and batch.bucket.num_prompts > 0
     final = prompts and final_rows(batch, query, logits_soft_cap, sinks)
-    flash = final and kernel_for(batch, query, logits_soft_cap) == "flash"
+    flash = final and PROMPT_FLASH and kernel_for(batch, query, logits_soft_cap) == "flash"
     if final and batch.plan.prompts_only:  # every token on the prompt route: one call, nothing else
         rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale, flash)
         return write_rows(None, batch.prompt_rows, rows, padded)

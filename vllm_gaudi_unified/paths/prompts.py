@@ -108,12 +108,10 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
             mask = ((seq[:, None, :] <= last[..., None]) & valid[:, None, :])[:, None]  # [P, 1, Qp, Kp]
         out = sdpa_final(qr.transpose(1, 2), kall.transpose(1, 2), vall.transpose(1, 2), mask, scale)
         out = out.transpose(1, 2).reshape(p * qp, hq, d)
-    # rows that see a bad key: a prefix count of bad keys in sequence order
-    bad = (valid[..., None] & ~finite).to(torch.int32)
-    if not flash and batch.prompt_blocks.shape[1]:  # the gap layout: count in sequence order
-        order = torch.argsort(torch.where(valid, seq, kp + seq), dim=1, stable=True)
-        bad = bad.gather(1, order[..., None].expand(-1, -1, hkv))
-    seen = bad.cumsum(1).gather(1, last.clamp(max=kp - 1)[..., None].expand(-1, -1, hkv)) > 0  # [P, Qp, Hkv]
+    # rows that see a bad key: those at or past the first bad key's sequence position (a reduction, no scan)
+    never = torch.iinfo(seq.dtype).max
+    first = torch.where(valid[..., None] & ~finite, seq[..., None], never).amin(1)  # [P, Hkv]
+    seen = first[:, None, :] <= last[..., None]  # [P, Qp, Hkv]
     seen = seen.reshape(p * qp, hkv).repeat_interleave(hq // hkv, 1)
     return torch.where(seen[..., None], torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
 
