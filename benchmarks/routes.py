@@ -1,12 +1,12 @@
 """Issue 23's tables: the Gaudi route beside vllm-gaudi's ops, the CUDA default beside Triton.
 
-    python -m benchmarks.routes DIR/speed14.json [...]          # markdown, later files win
+    python -m benchmarks.routes DIR/speed14.json [...]   # markdown; a case comes from the last file with it
 
 Reads the rows `benchmarks/speed14.py` writes when run with
-`--variants "gaudi=gaudi:1;tiles=prompt_route:tiles;gaudi_tiles=gaudi:1,prompt_route:tiles"`: per
-scenario and block size, the peer (best of its graph and compiled forms), vLLM's Triton kernel
-(issue 14's measurements, `speed14.TRITON_MS`: the device has no vLLM), and ours on the Gaudi route
-and at the CUDA defaults, with the tiled route (main before issue 23) beside each.
+`--variants "gaudi=gaudi:1;pflash=prompt_flash:1"`: per scenario and block size, the peer (best
+of its graph and compiled forms), vLLM's Triton kernel (issue 14's measurements,
+`speed14.TRITON_MS`: the device has no vLLM), and ours on the Gaudi route and at the CUDA defaults
+(and, where run, the prompt route through flash varlen, `attention.PROMPT_FLASH`).
 """
 from __future__ import annotations
 
@@ -50,25 +50,36 @@ def table(rows: list[dict]) -> str:
     cases = sorted({(k[0], k[1]) for k in best}, key=lambda c: (order.index(c[0]) if c[0] in order else 99, c[1]))
     f = lambda r: "-" if r is None else f"{r['ms']:.3f}"  # noqa: E731
     lines = ["| scenario | bs | vllm-gaudi ops | Triton (issue 14) | ours Gaudi route | Gaudi / ops (goal) "
-             "| Gaudi route, tiles (before) | ours CUDA default | CUDA / Triton (goal) | CUDA, tiles (before) |",
-             "|" + "---|" * 10]
+             "| ours CUDA default | CUDA / Triton (goal) | CUDA, prompt route through flash varlen |",
+             "|" + "---|" * 9]
     for sc, bs in cases:
         peer = best.get((sc, bs, "peer", "best"))
         gaudi, cuda = best.get((sc, bs, "ours", "gaudi")), best.get((sc, bs, "ours", "default"))
-        g_tiles, c_tiles = best.get((sc, bs, "ours", "gaudi_tiles")), best.get((sc, bs, "ours", "tiles"))
+        pflash = best.get((sc, bs, "ours", "pflash"))
         tri = TRITON_MS.get(sc, (None, None))[{16: 0, 128: 1}[bs]] if bs in (16, 128) else None
         title = (gaudi or cuda or peer or {}).get("title", sc)
         g_ratio = gaudi["ms"] / peer["ms"] if gaudi and peer else None
         c_ratio = cuda["ms"] / tri if cuda and tri else None
         lines.append(f"| {title} | {bs} | {f(peer)} | {tri if tri else '-'} | {f(gaudi)} | "
-                     f"{_verdict(g_ratio, GAUDI_GOAL.get(sc))} | {f(g_tiles)} | {f(cuda)} | "
-                     f"{_verdict(c_ratio, TRITON_GOAL.get(sc))} | {f(c_tiles)} |")
+                     f"{_verdict(g_ratio, GAUDI_GOAL.get(sc))} | {f(cuda)} | "
+                     f"{_verdict(c_ratio, TRITON_GOAL.get(sc))} | {f(pflash)} |")
     return "\n".join(lines)
+
+
+def latest_cases(runs: list[list[dict]]) -> list[dict]:
+    """Rows of every (scenario, block size) from the last run that has it: ratios stay within one run."""
+    out: dict = {}
+    for rows in runs:
+        cases: dict = {}
+        for r in rows:
+            cases.setdefault((r["scenario"], r["block_size"]), []).append(r)
+        out.update(cases)
+    return [r for rows in out.values() for r in rows]
 
 
 def main(argv=None) -> int:
     paths = (argv if argv is not None else sys.argv[1:])
-    print(table([r for p in paths for r in json.loads(Path(p).read_text())["rows"]]))
+    print(table(latest_cases([json.loads(Path(p).read_text())["rows"] for p in paths])))
     return 0
 
 
