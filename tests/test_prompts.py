@@ -150,3 +150,16 @@ def test_a_nan_in_a_new_key_reaches_only_the_rows_that_see_it():
     bad = unified_attention(q, k, v, kc, vc, batch, 0.5)
     assert torch.equal(bad[[0, 1, 6, 7, 8]], clean[[0, 1, 6, 7, 8]])
     assert torch.isnan(bad[2:6, 2:]).all() and torch.equal(bad[2:6, :2], clean[2:6, :2])  # KV head 1's heads
+
+
+@pytest.mark.parametrize("phase", ["--u", "-su", "---"])
+def test_warmup_builds_a_batch_for_a_bucket_with_prompts(phase):
+    """Warmup runs every bucket: one that carries the prompt route's shape gets a step with a prompt."""
+    from vllm_gaudi_unified.warmup import batch_for_bucket
+
+    bucket = Bucket(phase, 16, 8 if phase[1] == "s" else 0, 4 if phase[2] == "u" else 0, 4, 0, 2, 4, 2)
+    batch = batch_for_bucket(bucket, 4, SMALL_TILES)
+    assert batch.bucket == bucket and batch.shape.num_prompts >= 1
+    q, k, v = (torch.randn(16, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    kc, vc = (torch.randn(16, 4, 2, 8, dtype=torch.float64) for _ in range(2))
+    assert torch.isfinite(unified_attention(q, k, v, kc, vc, batch, 0.5)).all()
