@@ -91,7 +91,7 @@ def digest(plan: StepPlan) -> str:
     h = hashlib.sha1()
     for f in fields(StepPlan):
         v = getattr(plan, f.name)
-        if f.name.startswith("prompt_") and (v is None or v.size == 0):
+        if (f.name.startswith("prompt_") and (v is None or v.size == 0)) or (f.name == "prompts_only" and not v):
             continue
         if isinstance(v, np.ndarray):
             h.update(f"{f.name}:{v.dtype}:{v.shape}:".encode())
