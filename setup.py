@@ -23,7 +23,7 @@ setup(
         "dev": ["pytest>=8", "hypothesis>=6.100"],
     },
     entry_points={
-        "console_scripts": ["vllm-gaudi-unified = vllm_gaudi_unified.tools.cli:main"],
+        "console_scripts": ["vllm-gaudi-unified = vllm_gaudi_unified.__main__:main"],
         "vllm.platform_plugins": ["unified_attention = vllm_gaudi_unified.vllm_plugin.entry:platform_plugin"],
         "vllm.general_plugins": ["unified_attention = vllm_gaudi_unified.vllm_plugin.entry:general_plugin"],
     },

@@ -41,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -280,14 +281,14 @@ def time_find(preset: str, tests: dict, plans: list[str]) -> dict:
 def time_generation(runs: int = 3) -> dict:
     """`buckets generate` (32 graphs) from one 10 000-step trace of the 8B setting, as a separate
     process (interpreter start and imports included), and the replay alone both ways in-process."""
-    path = "/tmp/bucketing_10k_steps.jsonl.gz"
+    path = os.path.join(tempfile.gettempdir(), "bucketing_10k_steps.jsonl.gz")
     if not os.path.exists(path):
         run(["buckets", "simulate", "--preset", "llama8b-gaudi3", "--workload", "chat", "--num-requests", "8000",
              "--seed", "77", "--max-steps", "10000", "-o", path, "--no-progress"])
     with __import__("gzip").open(path, "rt") as f:
         steps = sum(1 for line in f if '"query_lens"' in line)
     cmd = [sys.executable, "-m", "vllm_gaudi_unified", "buckets", "generate", "--trace", path, "--max-graphs", "32",
-           "-o", "/tmp/bucketing_10k_plan.json", "--no-progress"]
+           "-o", os.path.join(tempfile.gettempdir(), "bucketing_10k_plan.json"), "--no-progress"]
     walls, loads = [], []
     for _ in range(runs):
         loads.append(load())

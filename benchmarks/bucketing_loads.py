@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from benchmarks.bucketing_goals import load, run
@@ -106,7 +107,7 @@ def ship(preset: str, name: str, args: list[str], tests: list[str]) -> dict:
 def load_growth(preset: str, cfg: dict, tests: list[str]) -> dict:
     """A robust plan learned from the busy traces only, scored at every load (not shipped)."""
     busy = [trace_path(preset, cfg["workload"], s, r) for s, r, _ in cfg["train"] if r is None]
-    path = f"/tmp/{preset}_robust27_busy_only.json"
+    path = os.path.join(tempfile.gettempdir(), f"{preset}_robust27_busy_only.json")
     run(["buckets", "generate", "--preset", preset, *[a for t in busy for a in ("--trace", t)], "-o", path,
          "--no-progress"])
     out_json = path.replace(".json", ".eval.json")
@@ -135,12 +136,12 @@ def in_sample_bound(preset: str, tests: list[str], graphs: int = 27) -> dict:
 
 
 def time_generation(runs: int = 3) -> dict:
-    path = "/tmp/bucketing_10k_steps.jsonl.gz"
+    path = os.path.join(tempfile.gettempdir(), "bucketing_10k_steps.jsonl.gz")
     if not os.path.exists(path):
         run(["buckets", "simulate", "--preset", "llama8b-gaudi3", "--workload", "chat", "--num-requests", "8000",
              "--seed", "77", "--max-steps", "10000", "-o", path, "--no-progress"])
     cmd = [sys.executable, "-m", "vllm_gaudi_unified", "buckets", "generate", "--trace", path, "-o",
-           "/tmp/bucketing_10k_plan.json", "--no-progress"]
+           os.path.join(tempfile.gettempdir(), "bucketing_10k_plan.json"), "--no-progress"]
     walls, loads = [], []
     for _ in range(runs):
         loads.append(load())

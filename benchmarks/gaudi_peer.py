@@ -51,15 +51,17 @@ CONFIG = SimpleNamespace(fp32_softmax=False, fused_block_softmax=False, fused_bl
 
 
 def find_tarball() -> Path:
-    """The vllm-gaudi tarball: `$VLLM_GAUDI_TARBALL`, else `shared/third_party/` beside or inside the checkout."""
+    """The vllm-gaudi tarball: `$VLLM_GAUDI_TARBALL`, else `shared/third_party/` beside the checkout
+    (`../shared`, as CI has it) or inside it (`_shared`). Nowhere else: no machine's own path."""
     import os
 
     here = Path(__file__).resolve().parent.parent
     for cand in (os.environ.get("VLLM_GAUDI_TARBALL"), here / "_shared" / "third_party" / TARBALL_NAME,
-                 here.parent / "shared" / "third_party" / TARBALL_NAME, Path("/work/shared/third_party") / TARBALL_NAME):
+                 here.parent / "shared" / "third_party" / TARBALL_NAME):
         if cand and Path(cand).is_file():
             return Path(cand)
-    raise FileNotFoundError(f"{TARBALL_NAME} not found (set VLLM_GAUDI_TARBALL)")
+    raise FileNotFoundError(f"{TARBALL_NAME} not found: set VLLM_GAUDI_TARBALL, or put it in ../shared/third_party/ "
+                            "beside the checkout")
 
 
 class FusedSDPAStandIn:

@@ -1,12 +1,16 @@
 """Cost of the batch-invariant mode: the suite's scenarios timed in the default and the invariant mode.
 
-    python -m benchmarks.invariance_cost [--scale 0.0625] [--device cpu|cuda] [--out results.json]
+    python -m benchmarks.invariance_cost [--scale 0.0625] [--device cpu|cuda] [--route cuda|gaudi]
+                                         [--scenarios NAME ...] [--out results.json]
 
 Same scenarios, layouts and timing as `benchmarks/suite.py` (issue 7's shapes:
 32 query heads, 8 KV heads, head size 128, bf16, block size 16); prints a
-markdown table with one column per mode and the ratio. On CUDA both modes are
-also timed as CUDA graph replays (one graph per step, as buckets allow), which
-removes the launch cost of the invariant mode's fixed-size calls.
+markdown table with one column per mode, the ratio and each mode's peak memory
+(CUDA: bytes one eager call allocates beyond its inputs). `--route gaudi` turns
+every CUDA-only kernel off in both modes (`PlanOptions(fused_kernels=False)`:
+the torch products the Gaudi route runs). On CUDA both modes are also timed as
+CUDA graph replays (one graph per step, as buckets allow). A mode that runs
+out of memory is recorded as such and the run goes on.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks import scenarios as sc_mod
-from benchmarks.timing import capture, time_ms
+from benchmarks.timing import capture, peak_bytes, time_ms
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 
 
@@ -25,6 +29,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU: 0.0625)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--route", choices=("cuda", "gaudi"), default="cuda",
+                   help="cuda: the fused kernels where they apply; gaudi: every CUDA-only kernel off")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     p.add_argument("--invariant-rows", type=int, default=None, help="PlanOptions.invariant_rows (default: its own)")
@@ -32,8 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    hq, hkv, d, bs = 32, 8, 128, args.block_size
-    default = PlanOptions()
+    default = PlanOptions(fused_kernels=args.route == "cuda")
     invariant = replace(default, batch_invariant=True)
     if args.invariant_rows:
         invariant = replace(invariant, invariant_rows=args.invariant_rows)
@@ -41,46 +46,70 @@ def main(argv=None) -> int:
     for sc in sc_mod.scenarios(args.scale):
         if args.scenarios and sc.name not in args.scenarios:
             continue
-        lay = sc_mod.layout(sc, bs)
-        g = torch.Generator(device=device).manual_seed(0)
-        rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
-        t = sc.num_tokens
-        q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
-        kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
-        row = dict(scenario=sc.name, device=str(device), dtype=args.dtype, scale=args.scale,
+        row = dict(scenario=sc.name, device=str(device), route=args.route, dtype=args.dtype, scale=args.scale,
                    invariant_rows=invariant.invariant_rows)
-        outs = {}
-        for mode, opts in (("default", default), ("invariant", invariant)):
-            batch = build_unified_batch(list(sc.query_lens), list(sc.context_lens), lay.block_table, bs,
-                                        num_blocks=lay.num_blocks, options=opts, device=device)
-            fn = lambda b=batch: unified_attention(q, k, v, kc, vc, b, d ** -0.5)  # noqa: E731
-            outs[mode] = fn()
-            row[f"{mode}_ms"] = time_ms(fn, device, reps=5 if device.type == "cpu" else 50)
-            row[f"{mode}_work"] = batch.work_planned.total
-            if device.type == "cuda":
-                replay, _ = capture(fn, device)
-                row[f"{mode}_graph_ms"] = time_ms(replay, device)
-            del batch
-        row["ratio"] = row["invariant_ms"] / row["default_ms"]
         if device.type == "cuda":
-            row["graph_ratio"] = row["invariant_graph_ms"] / row["default_graph_ms"]
-        row["max_abs_diff"] = float((outs["default"].float() - outs["invariant"].float()).abs().max())
+            row["gpu"] = torch.cuda.get_device_name(device)
+        _run_scenario(sc, args, device, dtype, default, invariant, row)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    graph = device.type == "cuda"
-    head = "| scenario | default ms | invariant ms | ratio |" + (" default graph ms | invariant graph ms | ratio |"
-                                                              if graph else "")
-    print("\n" + head)
-    print("|" + "---|" * (head.count("|") - 1))
-    for r in rows:
-        line = f"| {r['scenario']} | {r['default_ms']:.3f} | {r['invariant_ms']:.3f} | {r['ratio']:.2f} |"
-        if graph:
-            line += f" {r['default_graph_ms']:.3f} | {r['invariant_graph_ms']:.3f} | {r['graph_ratio']:.2f} |"
-        print(line)
+    _print_table(rows, device.type == "cuda")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _run_scenario(sc, args, device, dtype, default, invariant, row) -> None:
+    hq, hkv, d, bs = 32, 8, 128, args.block_size
+    lay = sc_mod.layout(sc, bs)
+    g = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
+    t = sc.num_tokens
+    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
+    kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
+    outs = {}
+    for mode, opts in (("default", default), ("invariant", invariant)):
+        try:
+            batch = build_unified_batch(list(sc.query_lens), list(sc.context_lens), lay.block_table, bs,
+                                        num_blocks=lay.num_blocks, options=opts, device=device)
+            fn = lambda b=batch: unified_attention(q, k, v, kc, vc, b, d ** -0.5)  # noqa: E731
+            outs[mode] = fn()
+            row[f"{mode}_work"] = batch.work_planned.total
+            if device.type == "cuda":
+                row[f"{mode}_peak_mb"] = peak_bytes(fn, device) / 2**20
+            row[f"{mode}_ms"] = time_ms(fn, device, reps=5 if device.type == "cpu" else 50)
+            if device.type == "cuda":
+                replay, _ = capture(fn, device)
+                row[f"{mode}_graph_ms"] = time_ms(replay, device)
+                del replay
+        except torch.OutOfMemoryError as e:
+            row[f"{mode}_error"] = "out of memory: " + str(e).splitlines()[0]
+        finally:
+            batch = fn = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for key in ("ms", "graph_ms", "peak_mb"):
+        if f"default_{key}" in row and f"invariant_{key}" in row:
+            row[f"{key}_ratio"] = row[f"invariant_{key}"] / row[f"default_{key}"]
+    if len(outs) == 2:
+        row["max_abs_diff"] = float((outs["default"].float() - outs["invariant"].float()).abs().max())
+
+
+def _print_table(rows, graph: bool) -> None:
+    f = lambda r, k, fmt="{:.3f}": fmt.format(r[k]) if k in r else "–"  # noqa: E731
+    head = "| scenario | default ms | invariant ms | ratio |"
+    if graph:
+        head += " default graph ms | invariant graph ms | ratio | default peak MiB | invariant peak MiB | ratio |"
+    print("\n" + head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        line = f"| {r['scenario']} | {f(r, 'default_ms')} | {f(r, 'invariant_ms')} | {f(r, 'ms_ratio', '{:.2f}')} |"
+        if graph:
+            line += (f" {f(r, 'default_graph_ms')} | {f(r, 'invariant_graph_ms')} | {f(r, 'graph_ms_ratio', '{:.2f}')} |"
+                     f" {f(r, 'default_peak_mb', '{:.0f}')} | {f(r, 'invariant_peak_mb', '{:.0f}')} |"
+                     f" {f(r, 'peak_mb_ratio', '{:.2f}')} |")
+        print(line)
 
 
 if __name__ == "__main__":

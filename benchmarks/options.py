@@ -1,10 +1,23 @@
-"""The suite's command-line flags, importable without torch (so `vllm-gaudi-unified --help` stays fast)."""
+"""The suite's command-line flags, importable without torch (so `--help` stays fast), each range-checked like
+every command's of the package (`vllm_gaudi_unified/flags.py`); `parse_args` adds the checks between flags.
+"""
 from __future__ import annotations
 
 import argparse
+import re
 
-from vllm_gaudi_unified.flags import POSITIVE, SEED, float_in
+from vllm_gaudi_unified.flags import POSITIVE, SEED, comma_ints_in, float_in
+from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE
+from vllm_gaudi_unified.tools.cli import Parser
 from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags
+
+DESCRIPTION = (
+    "Plan each scenario, check unified_attention against a float32 reference, time it next to SDPA/FlexAttention "
+    "baselines; writes results.json/.md/.png. Needs a source checkout (run from the repository root: the suite is "
+    "the repository's benchmarks/ package, not part of the installed package), torch, and for graph/compiled "
+    "variants and flex a CUDA GPU (CPU runs time eager only).")
+DTYPES = ("bfloat16", "float16", "float32")
+DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 HBM_BYTES_PER_S = 3.35e12  #: H100 SXM HBM3 peak (issue 7's 0.64 ms floor for decode 256 x 2k)
 BF16_FLOPS = 800e12  #: dense bf16 matmul measured on this workplace's H100 (KINDS.md)
@@ -13,22 +26,24 @@ BASELINES = ("sdpa_loop", "padded_sdpa", "flex")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="benchmarks.suite", description="unified_attention benchmark suite")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p = parser or Parser(prog="python -m benchmarks.suite", description=DESCRIPTION)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--out", default="out/bench", help="folder for results.json, results.md, results.png")
     p.add_argument("--scenarios", default="all", help="comma-separated scenario names, or 'all'")
-    p.add_argument("--block-sizes", default="16,128", help="comma-separated KV cache block sizes")
+    p.add_argument("--block-sizes", type=comma_ints_in(1, MAX_BLOCK_SIZE, "block sizes"), default="16,128",
+                   help="comma-separated KV cache block sizes")
     p.add_argument("--variants", default="eager,graph,compiled",
                    help=f"variants of unified_attention to time, from {','.join(VARIANTS)} (graph/compiled: CUDA)")
     p.add_argument("--baselines", default="sdpa_loop,padded_sdpa,flex",
                    help=f"baselines to time, from {','.join(BASELINES)} ('none' for none; flex: CUDA only)")
-    p.add_argument("--baseline-block-sizes", default="16", help="block sizes at which baselines run")
+    p.add_argument("--baseline-block-sizes", type=comma_ints_in(1, MAX_BLOCK_SIZE, "block sizes"), default="16",
+                   help="block sizes at which baselines run")
     p.add_argument("--scale", type=float_in(1e-6, 1e3), default=1.0,
                    help="shrink request counts and lengths (CPU runs, tests)")
     p.add_argument("--num-qo-heads", type=POSITIVE, default=32, help="query heads")
     p.add_argument("--num-kv-heads", type=POSITIVE, default=8, help="KV heads")
     p.add_argument("--head-dim", type=POSITIVE, default=128, help="head size")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="activations and KV cache")
     p.add_argument("--tol", type=float_in(0.0, 1e6), default=1e-2, help="largest accepted |out - ref| / |ref|")
     p.add_argument("--seed", type=SEED, default=0, help="seed of block tables and tensors")
     add_plan_option_flags(p)
@@ -53,6 +68,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--fp8-dtype", default="fp8_e4m3", choices=("fp8_e4m3", "fp8_e5m2"),
                    help="fp8 format of the --fp8 runs (vLLM's kv_cache_dtype names)")
     return p
+
+
+def parse_args(argv=None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The suite's arguments, with the checks no single flag can make (each a one-line error, exit 2)."""
+    p = parser or build_parser()
+    args = p.parse_args(argv)
+    if args.num_qo_heads % args.num_kv_heads:
+        p.error(f"--num-qo-heads {args.num_qo_heads} must be a multiple of --num-kv-heads {args.num_kv_heads}")
+    if args.device is not None and not DEVICE.match(args.device):
+        p.error(f"argument --device: {args.device!r} is not cpu, cuda or cuda:N")
+    for flag, value, known in (("--variants", args.variants, VARIANTS), ("--baselines", args.baselines,
+                                                                          BASELINES + ("none",))):
+        unknown = [v for v in value.split(",") if v and v not in known]
+        if unknown or (flag == "--variants" and not value.strip(",")):
+            p.error(f"argument {flag}: {value!r}: give names from {','.join(known)}")
+    for spec in filter(None, args.profile.split(",")):
+        parts = spec.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or parts[2] not in VARIANTS:
+            p.error(f"argument --profile: {spec!r} is not scenario:block_size:variant")
+    return args
 
 
 def to_argv(args: argparse.Namespace, **override) -> list[str]:

@@ -22,7 +22,7 @@ default routing picks is measured against the alternatives in one process.
 in its Triton kernel where there is one, the other paths dequantize the blocks
 they gather), beside the bf16 cache (issue 17).
 
-Run: `python -m benchmarks.suite --out DIR` (or `vllm-gaudi-unified bench`).
+Run from the repository root: `python -m benchmarks.suite --out DIR` (`--help`: every flag, what it needs).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from benchmarks import baselines, report, scenarios as sc_mod
 from vllm_gaudi_unified import graphs
 from benchmarks.timing import capture, host_ms, peak_bytes, sync, time_ms
 
-from benchmarks.options import BASELINES, BF16_FLOPS, HBM_BYTES_PER_S, VARIANTS, build_parser  # noqa: F401
+from benchmarks.options import BASELINES, BF16_FLOPS, HBM_BYTES_PER_S, VARIANTS, build_parser, parse_args  # noqa: F401
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -366,7 +366,7 @@ def environment(device: torch.device) -> dict:
 
 
 def main(argv=None, args=None) -> int:
-    args = args or build_parser().parse_args(argv)
+    args = args or parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype)
     args.variants = [v for v in args.variants.split(",") if v]

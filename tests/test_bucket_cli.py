@@ -52,7 +52,8 @@ def test_plan_records_the_command_that_makes_it_again(tmp_path, trace):
     assert main(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "5", "--margin", "0.3",
                  "--resolution", "4", "--skeleton-ratio", "64", "--jobs", "1", "-o", first, "--no-progress"]) == 0
     command = BucketPlan.load(first).info["command"]
-    assert command.startswith("vllm-gaudi-unified buckets generate --strategy robust --preset llama8b-gaudi3")
+    # no --preset given: the base is the trace's header (repeated by --trace), so none is recorded
+    assert command.startswith("vllm-gaudi-unified buckets generate --strategy robust --block-size 16")
     assert "--margin 0.3" in command and "--resolution 4.0" in command and "--jobs" not in command
     again = shlex.split(command)[1:]
     again[again.index("--output") + 1] = str(tmp_path / "b.json")
@@ -103,7 +104,8 @@ def test_clear_errors(tmp_path, trace, capsys):
     assert _exit_code(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "0", "-o", out,
                        "--no-progress", "--jobs", "1"]) == 2
     assert "argument --max-graphs: 0 is outside [1, 4096]" in capsys.readouterr().err
-    assert main(["buckets", "generate", "--trace", trace, "-o", out, "--no-progress"]) == 2  # block size 128 != 16
+    assert main(["buckets", "generate", "--preset", "llama8b-gaudi3", "--trace", trace, "-o", out,
+                 "--no-progress"]) == 2  # the preset's block size 128 != the trace's 16
     assert "differs" in capsys.readouterr().err
     assert main(["buckets", "show", str(tmp_path / "missing.json")]) == 2
     assert "no such bucket plan" in capsys.readouterr().err
@@ -154,3 +156,82 @@ def test_invariant_capped_and_upstream(tmp_path, trace, capsys):
     result = json.load(open(out_json))
     assert result["results"][0]["calls"] > result["results"][0]["steps"] and result["results"][0]["uncovered"] == 0
     assert result["upstream"][0]["graphs"] > 0
+
+
+def test_generate_takes_the_settings_from_the_trace_header(tmp_path, trace):
+    """Issue 24: `generate --trace` ignored the trace's header (`trace block_size 16 differs from the settings'
+    block_size 128`, 13 flags to retype). The header's settings (the simulator's `scheduler`, the plugin's
+    top-level keys) are the base; flags override them; --preset replaces them."""
+    plan_path = str(tmp_path / "plan.json")
+    assert main(["buckets", "generate", "--trace", trace, "--max-graphs", "6", "--jobs", "1", "-o", plan_path,
+                 "--no-progress"]) == 0
+    s = BucketPlan.load(plan_path).settings
+    assert (s.block_size, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, s.num_blocks) == \
+        (16, 8, 128, 1024, 400)
+    assert main(["buckets", "generate", "--trace", trace, "--max-num-seqs", "4", "--max-graphs", "6", "--jobs", "1",
+                 "-o", plan_path, "--no-progress"]) == 0
+    assert BucketPlan.load(plan_path).settings.max_num_seqs == 4
+    assert main(["buckets", "generate", "--preset", "llama8b-gaudi3", "--trace", trace, "--jobs", "1",
+                 "-o", plan_path, "--no-progress"]) == 2  # the preset's block size 128 against the trace's 16
+
+    from vllm_gaudi_unified.bucket_plans.trace import TraceWriter, iter_trace
+
+    steps = [x for x in iter_trace(trace) if not isinstance(x, dict)]
+    recorded = str(tmp_path / "recorded.jsonl")  # the plugin's header: settings at the top level
+    with TraceWriter(recorded, header={"source": "vllm-gaudi-unified vLLM plugin", "block_size": 16,
+                                       "max_num_seqs": 16, "max_num_batched_tokens": 256, "max_model_len": 1024,
+                                       "num_blocks": 512, "sliding_window": None}) as w:
+        for step in steps:
+            w.write(step)
+    assert main(["buckets", "generate", "--trace", recorded, "--max-graphs", "6", "--jobs", "1", "-o", plan_path,
+                 "--no-progress"]) == 0
+    s = BucketPlan.load(plan_path).settings
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.num_blocks) == (16, 256, 512)
+
+
+def test_generate_shows_progress_while_it_simulates():
+    """Issue 24: 11-14 s of trace simulation with nothing on the screen."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "generate", *SMALL, "--seeds", "1",
+                            "--max-graphs", "6", "--jobs", "1", "-o", os.path.join(d, "plan.json")],
+                           capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 0, r.stderr
+    assert "simulating chat seed 1" in r.stderr and "step" in r.stderr
+
+
+@pytest.mark.parametrize("strategy", ["robust", "trace"])
+def test_generated_plans_hold_only_buckets_warmup_can_run(tmp_path, trace, strategy):
+    """Issue 24: a fresh plan held `csu:q21:s16:u2:l1:c1`, which no step of its phase fits (such steps need two
+    requests); the generators lift every bucket to its phase's smallest step (`lift_to_smallest`)."""
+    from vllm_gaudi_unified.plan.smallest import can_hold_a_step
+
+    plan_path = str(tmp_path / "plan.json")
+    assert main(["buckets", "generate", "--strategy", strategy, "--trace", trace, "--max-graphs", "8",
+                 "--jobs", "1", "-o", plan_path, "--no-progress"]) == 0
+    plan = BucketPlan.load(plan_path)
+    s = plan.settings
+    assert all(can_hold_a_step(b, s.block_size, s.options, s.sliding_window) for b in plan.buckets)
+
+
+def test_lift_to_smallest_makes_the_reported_bucket_warmable():
+    import numpy as np
+
+    from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes
+    from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS
+    from vllm_gaudi_unified.plan.smallest import can_hold_a_step, lift_to_smallest
+
+    bad = Bucket("csu", 21, 16, 2, 1, 1)  # the issue's bucket (block size 32: 16 blocks a shared tile)
+    ok = Bucket("---", 4, 0, 0, 4, 0)
+    assert not can_hold_a_step(bad, 32, BUCKET_OPTIONS)
+    rows = lift_to_smallest(np.array([bad.sizes, ok.sizes, ok.sizes]), 32, BUCKET_OPTIONS)
+    lifted = sorted((bucket_from_sizes(r.tolist()) for r in rows), key=str)
+    assert len(lifted) == 2 and ok in lifted  # duplicates merged, a warmable bucket unchanged
+    (up,) = [b for b in lifted if b.phase == "csu"]
+    assert can_hold_a_step(up, 32, BUCKET_OPTIONS) and up.num_logits == 2 and up.query_len == 21

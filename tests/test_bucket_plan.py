@@ -188,7 +188,8 @@ def test_limits_cover_random_steps_with_one_shared_prefix(data):
                        num_blocks=4096)
     n = data.draw(st.integers(1, seqs))
     q = np.array(data.draw(st.lists(st.integers(1, budget), min_size=n, max_size=n)))
-    q = np.maximum(1, (q * budget) // max(budget, int(q.sum())))  # scale into the token budget
+    # Scale into the token budget: each request keeps one token, the rest share what is left of it.
+    q = 1 + ((q - 1) * (budget - n)) // max(budget - n, int((q - 1).sum()), 1)
     prefix = data.draw(st.integers(0, 4))
     ctx = np.array([data.draw(st.integers(prefix * bs, max_len - int(x))) for x in q])
     need = -(-(ctx + q) // bs)

@@ -87,15 +87,15 @@ def test_steps_are_one_weighted_problem_not_a_lookup(train):
 
 def test_bad_settings_give_clear_errors(tmp_path):
     """Each error names the field and the value."""
-    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
         ServerSettings(block_size=0)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(256\) is below max_num_seqs \(512\)"):
         ServerSettings(max_num_seqs=512, max_num_batched_tokens=256)
-    with pytest.raises(ValueError, match="num_blocks must be a positive integer, got -3"):
+    with pytest.raises(ValueError, match="num_blocks must be an int >= 1, got -3"):
         ServerSettings(num_blocks=-3)
     with pytest.raises(ValueError, match="max_model_len must be a positive integer, got 0"):
         ServerSettings(max_model_len=0)
-    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
         SchedulerConfig(block_size=0)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) is below max_num_seqs \(64\)"):
         SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)

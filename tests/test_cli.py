@@ -25,7 +25,8 @@ SUBCOMMANDS = list(_subcommands(build_parser()))
 
 def test_expected_commands_exist():
     top = {c[0] for c in SUBCOMMANDS}
-    assert {"demo", "buckets", "warmup", "trace-stats", "bench"} <= top
+    assert {"demo", "buckets", "warmup", "trace-stats", "serve", "vllm"} <= top
+    assert "bench" not in top  # the suite is the repository's (python -m benchmarks.suite), not the package's
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS, ids=[" ".join(c) for c in SUBCOMMANDS])
@@ -63,10 +64,38 @@ def test_demo_runs_and_checks_against_reference(capsys):
 
 def test_trace_stats(tmp_path, capsys):
     out_json = tmp_path / "work.json"
-    assert main(["trace-stats", str(TRACE), "--limit", "40", "--quiet", "--json", str(out_json)]) == 0
+    assert main(["trace-stats", str(TRACE), "--limit", "40", "--no-progress", "--json", str(out_json)]) == 0
     table = capsys.readouterr().out
     assert "| all |" in table
     data = json.loads(out_json.read_text())
     assert data["steps"] == 40
     for path in ("causal", "shared", "unique"):
         assert data["planned"][path] >= data["needed"][path] > 0
+
+
+def test_help_shows_ranges_and_presets(capsys):
+    """Errors say "see --help": the help then says the accepted range of every numeric flag, and what each
+    preset sets."""
+    with pytest.raises(SystemExit):
+        main(["buckets", "generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "KV cache block size (tokens) (range [1, 1048576])" in text
+    assert "llama8b-gaudi3: block_size 128, max_num_seqs 256" in text and "bs32-seqs64: block_size 32" in text
+    assert "settings in the trace's header" in text
+
+
+def test_one_spelling_of_the_progress_switch():
+    """--no-progress wherever there is progress to hide (plot too); trace-stats' old --quiet is a hidden alias."""
+    spellings = {}
+    for command in SUBCOMMANDS:
+        sub = build_parser()
+        for name in command:
+            sub = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        for action in sub._actions:
+            for flag in action.option_strings:
+                if flag in ("--no-progress", "--quiet") and action.help != argparse.SUPPRESS:
+                    spellings.setdefault(flag, []).append(" ".join(command))
+    assert "--quiet" not in spellings
+    assert {"warmup", "trace-stats", "buckets generate", "buckets evaluate", "buckets plot",
+            "buckets simulate"} <= set(spellings["--no-progress"])
+    assert build_parser().parse_args(["trace-stats", "t.jsonl", "--quiet"]).no_progress

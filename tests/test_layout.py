@@ -1,6 +1,7 @@
 """The package's layout keeps its rules (docs/architecture.md): no import loops, the serve-time
-path (the core and the plugin) imports nothing offline (no tools, no benchmarks/), planning is
-numpy only, no module over ~400 lines.
+path (the core and the plugin) imports nothing offline (no tools), nothing in the package imports the
+repository's benchmarks/ (an installed package has none), planning is numpy only, no module over ~400
+lines, and no file names one machine's own paths.
 
 Imports are read from the source (every `import` statement, those inside functions too), so a
 lazy import that would close a loop or reach an offline tool is caught as well."""
@@ -12,8 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_gaudi_unified"
 ROOT = "vllm_gaudi_unified"
 
-#: Imported while serving: must not reach `tools` or `benchmarks` (only the `bench` command, a tool,
-#: runs the repository's benchmarks).
+#: Imported while serving: must not reach `tools` (and nothing in the package reaches `benchmarks`).
 SERVE_TIME = ("attention", "batch", "bucket", "graphs", "hpu", "log", "merge", "reference", "warmup", "plan",
               "paths", "bucket_plans", "vllm_plugin", "files", "flags")
 #: Loaded or planned on every step and replayed offline: numpy only.
@@ -109,3 +109,31 @@ def test_no_module_over_the_line_limit():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def test_the_package_imports_nothing_from_benchmarks(graph):
+    """An installed package has no `benchmarks/`: no exception (the `bench` command that ran it is gone;
+    the suite is `python -m benchmarks.suite` in a source checkout)."""
+    bad = {m: sorted(d for d in deps if _is(d, "benchmarks")) for m, deps in graph.items()}
+    assert not {m: d for m, d in bad.items() if d}
+
+
+#: Absolute paths of one machine (home and work folders, temp files by name); built from pieces so that
+#: this file does not hold them.
+MACHINE_PATHS = tuple("/" + p + "/" for p in ("work", "root", "home", "Users", "tmp"))
+
+
+def test_no_machine_paths_in_the_repository():
+    """Code, docs and scripts name no machine's own folders: a fresh clone finds its inputs through flags,
+    environment variables and paths relative to the checkout. Recorded results (benchmarks/results/: logs
+    and JSON as the runs wrote them) are data, not instructions, and are left as written."""
+    import re
+    import subprocess
+
+    root = PACKAGE.parent
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.sh", "*.ini", "*.toml", "*.cfg", "*.txt",
+                            "*.yml", "*.yaml"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    pattern = re.compile("(?<![\\w.~])(" + "|".join(re.escape(p) for p in MACHINE_PATHS) + ")")
+    found = [f"{f}:{i}: {line.strip()}" for f in files if not f.startswith("benchmarks/results/")
+             for i, line in enumerate((root / f).read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found[:20])

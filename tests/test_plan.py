@@ -121,7 +121,7 @@ padded = pad_plan(plan, bucket)
 assert padded.bucket == bucket and bucket.covers(plan.shape) and padded.work_needed == plan.work_needed
 inv = plan_step([5, 1, 1], [0, 40, 17], table, 16, options=PlanOptions(batch_invariant=True))
 wider = replace(inv.shape, query_len=inv.shape.query_len + 3)
-assert isinstance(inv, InvariantPlan) and pad_plan(inv, wider).unit_rows.max() == wider.query_len
+assert isinstance(inv, InvariantPlan) and pad_plan(inv, wider).dec_rows.max() == wider.query_len
 print(plan.shape, bucket)
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)

@@ -301,15 +301,18 @@ def test_plan_memory_does_not_grow_with_the_largest_block_id(big, mode):
     assert peak < 4 << 20
     batch = build_unified_batch([1, 2, 1], [8, 8, 8], table, 4, options=opts)
     assert batch.max_block_id == big
-    ids = batch.plan.unit_block if mode == "invariant" else np.concatenate(
-        [batch.plan.shared_blocks.ravel(), batch.plan.unique_blocks])
-    assert big in set(int(x) for x in ids), "a block id was truncated"
+    p = batch.plan
+    routes = ([np.concatenate([p.dec_blocks.ravel(), p.pre_blocks.ravel()]),
+               np.concatenate([p.slot_blocks, p.ctx_blocks])] if mode == "invariant"
+              else [np.concatenate([p.shared_blocks.ravel(), p.unique_blocks])])
+    for ids in routes:  # invariant: the tile route's and the fast route's arrays
+        assert big in set(int(x) for x in ids), "a block id was truncated"
 
 
 def test_invariant_mode_does_not_truncate_block_ids_to_32_bits():
     """Block 2**32 + 15 planned as block 15 read the wrong cache block silently."""
     batch = build_unified_batch([1], [4], [[2**32 + 15]], 4, options=PlanOptions(batch_invariant=True))
-    assert int(batch.unit_block[0]) == 2**32 + 15
+    assert int(batch.dec_blocks[0, 0]) == int(batch.slot_blocks[0]) == 2**32 + 15
     args = (torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(16, 4, 1, 4),
             torch.zeros(16, 4, 1, 4))
     with pytest.raises(ValueError, match="block id 4294967311 but key_cache has 16 blocks"):

@@ -306,6 +306,10 @@ def test_bucket_plan_inside_vllm(mha, tmp_path):
                       VLLM_GAUDI_UNIFIED_BUCKETS=plan_path, VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace,
                       VLLM_LOGGING_LEVEL="DEBUG")
     assert f"warmed {len(plan)} buckets" in run["log"]
+    # issue 24: a line per bucket in vLLM's log as warmup goes, with the time left
+    progress = re.findall(r"warmup (\d+)/(\d+): bucket (\S+) in [\d.]+ s \([\d.]+ s so far, about .+ left\)", run["log"])
+    assert [(int(i), int(n)) for i, n, _ in progress] == [(i, len(plan)) for i in range(1, len(plan) + 1)]
+    assert {b for _, _, b in progress} == {str(b) for b in plan.buckets}
     logged = re.findall(r"unified attention step: phase (\S+), bucket (\S+), step shape (\S+),", run["log"])
     steps = _read_trace(trace)
     assert len(logged) == len(steps) > 0, "one debug line per planned step"

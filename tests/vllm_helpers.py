@@ -18,6 +18,9 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cpu_features  # noqa: E402
+
 #: Scheduler settings of the scenario: a 64-token budget chunks every prompt longer than that
 #: and mixes prompt chunks with decodes in the same step.
 BLOCK_SIZE = 32
@@ -172,7 +175,8 @@ def _run_waves(LLM, SamplingParams, model: str, out: str, dtype: str, import_s: 
                 [None if e is None else _logprob_dict(e) for e in o.prompt_logprobs],
             }
     with open(out, "w") as f:
-        json.dump({"results": results, "import_s": import_s, "startup_s": startup, "generate_s": gen_time}, f)
+        json.dump({"results": results, "import_s": import_s, "startup_s": startup, "generate_s": gen_time,
+                   "vllm_kernel_libraries": cpu_features.loaded_vllm_libraries()}, f)
 
 
 def compare_results(plugin: dict, ref: dict) -> dict:
@@ -218,6 +222,7 @@ def measure(workdir: str, models: list[str]) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    cpu_features.force_from_env()  # before vLLM is imported (UNIFIED_TEST_CPU=avx2)
     if "--gaudi-standin" not in argv:
         keep_vllm_gaudi_out()
     parser = argparse.ArgumentParser(description=__doc__)

@@ -122,7 +122,8 @@ def _run(model: str, out: str, method: str | None, k: int, draft: str | None, kv
                                         "logprobs": [H._logprob_dict(e) for e in c.logprobs]} for c in o.outputs],
                            "prompt_logprobs": None} for r, o in zip(reqs, outs)}
     with open(out, "w") as f:
-        json.dump({"results": results, "metrics": _metrics(llm), "startup_s": startup, "generate_s": gen}, f)
+        json.dump({"results": results, "metrics": _metrics(llm), "startup_s": startup, "generate_s": gen,
+                   "vllm_kernel_libraries": H.cpu_features.loaded_vllm_libraries()}, f)
 
 
 def main(argv=None) -> int:
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
                    help="run vllm-gaudi's platform on the CPU with tests/habana_standin.py (set VLLM_PLUGINS and "
                         "VLLM_GAUDI_UNIFIED for the unified runner)")
     args = parser.parse_args(argv)
+    H.cpu_features.force_from_env()  # before vLLM is imported (UNIFIED_TEST_CPU=avx2)
     if not args.gaudi_standin:
         H.keep_vllm_gaudi_out()
     run(args.model, args.out, args.method, args.k, args.draft, args.kv_cache_dtype, args.gaudi_standin)

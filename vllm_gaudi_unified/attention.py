@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch
 from vllm_gaudi_unified.merge import Partial, merge_all, normalize
+from vllm_gaudi_unified.paths.decodes import dense_decodes as dense_decodes_attention
+from vllm_gaudi_unified.paths.decodes import dense_decodes_apply
 from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
 from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_partial
@@ -64,16 +66,24 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, batch: UnifiedBatch, scale: float, *,
                 logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                k_scale=None, v_scale=None) -> torch.Tensor:
+                k_scale=None, v_scale=None, dense_decodes: bool = False,
+                self_slots: torch.Tensor | None = None) -> torch.Tensor:
     """`unified_attention` as a server's layers call it: no checks, no copies of q/k/v.
 
     The inputs were checked once for the step (`check_inputs` on its first
     layer: every layer of a KV cache group has the same shapes) and have the
     bucket's `query_len` rows already (views of the runner's padded tensors, or
     `BucketRows`). Returns `[query_len, Hq, D]` in query's dtype.
+
+    `dense_decodes`: a step of decodes only on the CPU runs as one masked SDPA over a padded
+    block table (`paths/decodes.py`: eager CPU steps pay per op; vLLM's CPU platform sets it);
+    `self_slots`: there, the cache slots the new tokens' K/V were written to (`[requests]`, all >= 0).
     """
     if logits_soft_cap is not None and math.isinf(logits_soft_cap):
         logits_soft_cap = None  # cap * tanh(s / cap) -> s; computing it would give inf * 0 = NaN
+    if (dense_decodes and not isinstance(batch, InvariantBatch)
+            and dense_decodes_apply(batch, query, key_cache, logits_soft_cap, sinks, k_scale)):
+        return dense_decodes_attention(query, key, value, key_cache, value_cache, batch, scale, self_slots)
     padded = query.shape[0]
     prompts = not isinstance(batch, InvariantBatch) and batch.bucket.num_prompts > 0
     final = prompts and final_rows(batch, query, logits_soft_cap, sinks)

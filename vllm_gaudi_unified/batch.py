@@ -10,6 +10,7 @@ import torch
 from vllm_gaudi_unified.bucket import Bucket, with_prompts
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanBuffers, PlanOptions, StepPlan, pad_plan, plan_step
+from vllm_gaudi_unified.plan.arrays import trusted
 from vllm_gaudi_unified.plan.split import split_plan
 
 logger = get_logger(__name__)
@@ -55,8 +56,8 @@ class UnifiedBatch:
             t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
             return t if device is None else t.to(device, non_blocking=True)
 
-        values = {f.name: tensor(getattr(plan, f.name)) for f in fields(cls) if f.name not in ("plan", "pieces")}
-        return cls(plan=plan, **values)
+        # (trusted: the dataclass __init__ of 14 frozen fields is a tenth of a decode step's host time)
+        return trusted(cls, plan=plan, **{name: tensor(getattr(plan, name)) for name in _array_fields(cls)})
 
     def to(self, device: torch.device | str) -> "UnifiedBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("plan", "pieces")}
@@ -86,12 +87,27 @@ class UnifiedBatch:
 class InvariantBatch(UnifiedBatch):
     """A batch-invariant step (`plan.invariant.InvariantPlan`) on one device: its units and causal columns."""
 
-    unit_rows: torch.Tensor  #: [units, invariant_rows] query token per unit row
-    unit_block: torch.Tensor  #: [units] cache block of each unit
-    unit_col: torch.Tensor  #: [units, invariant_rows] logical block index in the row's request
-    unit_lo: torch.Tensor  #: [units, invariant_rows] first visible slot
-    unit_hi: torch.Tensor  #: [units, invariant_rows] end of visible slots
+    dec_rows: torch.Tensor  #: [dec tiles, 1] tile route: the token of each one-row tile
+    dec_blocks: torch.Tensor  #: [dec tiles, blocks_per_tile] the chunk's blocks
+    dec_lo: torch.Tensor  #: [dec tiles, 1, blocks_per_tile]
+    dec_hi: torch.Tensor  #: [dec tiles, 1, blocks_per_tile]
+    dec_col: torch.Tensor  #: [dec tiles] chunk index in the request's context
+    pre_rows: torch.Tensor  #: [pre tiles, invariant_rows] tile route: tokens of one request
+    pre_blocks: torch.Tensor  #: [pre tiles, blocks_per_tile]
+    pre_lo: torch.Tensor  #: [pre tiles, invariant_rows, blocks_per_tile]
+    pre_hi: torch.Tensor  #: [pre tiles, invariant_rows, blocks_per_tile]
+    pre_col: torch.Tensor  #: [pre tiles]
     causal_col: torch.Tensor  #: [num_causal_tiles] key tile index within its request
+    slot_rows: torch.Tensor  #: [slots] fast route: token per (token, block) slot, by token then position
+    slot_blocks: torch.Tensor  #: [slots]
+    slot_lo: torch.Tensor  #: [slots]
+    slot_hi: torch.Tensor  #: [slots]
+    ctx_rows: torch.Tensor  #: [rows] fast route: tokens whose context is one flash segment per request
+    ctx_cu_q: torch.Tensor  #: [segments + 1]
+    ctx_blocks: torch.Tensor  #: [blocks]
+    ctx_cu_k: torch.Tensor  #: [segments + 1]
+    ctx_used: torch.Tensor  #: [segments]
+    seg_cu: torch.Tensor  #: [requests + 1] fast route: each request's new tokens, one causal flash segment
 
 
 class StepBuffers:
@@ -118,6 +134,7 @@ class StepBuffers:
         self._host_tensors: dict[int, torch.Tensor] = {}  # id of a host buffer -> its torch tensor
         self._device: dict[str, torch.Tensor] = {}
         self._copied = None  # event after the last host -> device copies
+        self._empties: dict[tuple, torch.Tensor] = {}  # shape -> an empty tensor on the device
         self.host = PlanBuffers(allocate=self._allocate_host)
         for name, n in (reserve or {}).items():
             self.host.array(name, n)
@@ -168,26 +185,50 @@ class StepBuffers:
             self._copied = None
 
     def batch(self, plan: StepPlan) -> "UnifiedBatch":
-        """The plan's arrays as tensors in these buffers (arrays not yet in the host buffers are copied in)."""
+        """The plan's arrays as tensors in these buffers (arrays not yet in the host buffers are copied in;
+        an empty array needs no memory: an empty tensor, made once per shape)."""
         cls = InvariantBatch if isinstance(plan, InvariantPlan) else UnifiedBatch
         values = {}
-        for f in fields(cls):
-            a = getattr(plan, f.name) if f.name not in ("plan", "pieces") else None
+        copied = False
+        for name in _array_fields(cls):
+            a = getattr(plan, name)
             if a is None:
+                values[name] = None
                 continue
-            if not self.host.holds(f.name, a):  # not planned here (an invariant plan, a shared empty array)
-                a = self.host.keep(f.name, np.ascontiguousarray(a, dtype=np.int64))
+            if not a.size:
+                values[name] = self._empty(a.shape)
+                continue
+            if not self.host.holds(name, a):  # not planned here (an invariant plan)
+                a = self.host.keep(name, np.ascontiguousarray(a, dtype=np.int64))
             if self.on_host:
-                values[f.name] = torch.from_numpy(a)
+                values[name] = torch.from_numpy(a)
                 continue
-            base = self.host.buffer(f.name)
+            base = self.host.buffer(name)
             src = self._host_tensors[id(base)][: a.size]
-            dst = self._device_buffer(f.name, a.size)[: a.size]
+            dst = self._device_buffer(name, a.size)[: a.size]
             dst.copy_(src, non_blocking=True)
-            values[f.name] = dst.view(a.shape)
-        if not self.on_host:
+            values[name] = dst.view(a.shape)
+            copied = True
+        if copied:
             self._copied = _event(self.device)
-        return cls(plan=plan, **{f.name: values.get(f.name) for f in fields(cls) if f.name not in ("plan", "pieces")})
+        return trusted(cls, plan=plan, **values)
+
+    def _empty(self, shape: tuple) -> torch.Tensor:
+        t = self._empties.get(shape)
+        if t is None:
+            t = self._empties[shape] = torch.empty(shape, dtype=torch.int64, device=self.device)
+        return t
+
+
+_FIELDS: dict = {}
+
+
+def _array_fields(cls) -> tuple[str, ...]:
+    """The tensor fields of a batch class (all but `plan` and `pieces`), listed once."""
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in fields(cls) if f.name not in ("plan", "pieces"))
+    return names
 
 
 def _event(device: torch.device):

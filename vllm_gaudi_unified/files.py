@@ -4,7 +4,8 @@ A command killed (Ctrl-C, a signal, a file-size limit, a full disk) while
 writing must leave the old file or none, never half a plan or a gzip without
 its end: everything is written to a temporary file in the same directory,
 flushed and fsync'ed, then renamed over the target (`os.replace` is atomic on
-one file system).
+one file system). The file gets the mode `open()` would give it (0666 less the
+umask), not the temporary file's 0600.
 """
 from __future__ import annotations
 
@@ -30,7 +31,28 @@ def output_path(path: str) -> str:
         raise argparse.ArgumentTypeError(f"{path}: {ancestor} is not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{path}: {ancestor} is not writable")
+    if ancestor == os.path.dirname(os.path.abspath(path)):  # the folder exists: try the write's first step
+        try:
+            fd, probe = tempfile.mkstemp(dir=ancestor, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+        except OSError as exc:  # /proc, a read-only mount: os.access cannot tell
+            raise argparse.ArgumentTypeError(f"{path}: cannot write there ({exc.strerror or exc})") from None
+        os.close(fd)
+        os.unlink(probe)
     return path
+
+
+def _umask() -> int:
+    """The process's umask: read from /proc where it can be (setting it to read it back is not thread-safe)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class AtomicFile:
@@ -42,8 +64,12 @@ class AtomicFile:
         self.path = path
         self._compress = str(path).endswith(".gz") if compress is None else compress
         parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        fd, self._tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+        try:
+            os.makedirs(parent, exist_ok=True)
+            fd, self._tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+        except OSError as exc:  # name the user's path, not the temporary file's
+            raise OSError(exc.errno, exc.strerror or str(exc), path) from None
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a written file honours the umask like open()
         self._raw = os.fdopen(fd, "wb")
         self._stream = gzip.GzipFile(fileobj=self._raw, mode="wb", filename="", mtime=0) if self._compress \
             else self._raw

@@ -80,5 +80,23 @@ def comma_ints(text: str) -> str:
     return text
 
 
+def comma_ints_in(lo: int, hi: int, what: str = "integers"):
+    """Flag type for '16,128' whose every entry lies in [lo, hi] (block sizes, ...): checked, kept as text."""
+    def check(text: str) -> str:
+        try:
+            values = parse_comma_ints(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}") from None
+        bad = [v for v in values if not lo <= v <= hi]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what} in [{lo}, {hi}]" +
+                                             (f" ({bad[0]} is not)" if bad else ""))
+        return text
+
+    check.__name__ = f"list of {what}"
+    check.describe = lambda: f"[{lo}, {hi}] each"
+    return check
+
+
 def parse_comma_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]

@@ -19,4 +19,7 @@ def get_logger(name: str) -> logging.Logger:
 
 
 def setup_cli_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    """The commands' log lines on stderr: this package's at INFO (DEBUG with -v), other libraries' only from
+    WARNING (torch logs its cache statistics at INFO when the process exits)."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("vllm_gaudi_unified").setLevel(logging.DEBUG if verbose else logging.INFO)

@@ -138,16 +138,22 @@ def _hpu_graph_attention() -> Callable:  # pragma: no cover - needs Gaudi
 def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: int | None = None,
            num_kv_heads: int | None = None, head_dim: int | None = None, num_blocks: int | None = None,
            key_cache=None, value_cache=None, run: Callable | None = None, buckets: list[Bucket] | None = None,
-           progress: bool = True) -> WarmupReport:
+           progress: bool = True, log=None) -> WarmupReport:
     """Run every bucket of `plan` (a BucketPlan) once; returns per-bucket and total seconds.
 
     Heads, head size and cache size default to the plan's model and settings.
-    `key_cache`/`value_cache`: the real KV cache (vLLM); else one is allocated.
+    `key_cache`/`value_cache`: the real KV cache (vLLM); else one is allocated, after checking that
+    it fits in the device's free memory.
     `run(bucket, batch)`: replaces the default attention call (vLLM runs its model).
     `buckets`: a subset to warm (default: all, cheapest first).
+    `progress`: one line per bucket as it finishes, with the time left estimated from the plan's work
+    model, through `log` (default: this module's logger; vLLM's for the plugin, so the lines are in
+    its log). The summary line is the caller's. A Ctrl-C (KeyboardInterrupt) carries the buckets
+    warmed so far as `exc.warmup_report`, so nothing already reported is lost.
     """
     import torch
 
+    log = log or logger
     device = torch.device(device or "cpu")
     mode = resolve_mode(mode, device.type)
     settings, model = plan.settings, plan.model
@@ -158,16 +164,17 @@ def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: i
     report.skipped = [b for b in todo if not can_hold_a_step(b, settings.block_size, settings.options,
                                                              settings.sliding_window)]
     if report.skipped:  # an old plan file: its generator emitted buckets no step can use
-        logger.warning("warmup skips %d of %d buckets that no step of their phase fits (e.g. %s)",
-                       len(report.skipped), len(todo), report.skipped[0])
+        log.warning("warmup skips %d of %d buckets that no step of their phase fits (e.g. %s)",
+                    len(report.skipped), len(todo), report.skipped[0])
         skip = set(report.skipped)
         todo = [b for b in todo if b not in skip]
     if run is None:
         if key_cache is None:
             nb = num_blocks or settings.num_blocks
             shape = (nb, settings.block_size, hkv, d)
-            key_cache = torch.zeros(shape, dtype=dtype, device=device)
-            value_cache = torch.zeros(shape, dtype=dtype, device=device)
+            check_cache_fits("num_blocks", nb, shape, dtype, device)
+            key_cache = _allocate(shape, dtype, device)
+            value_cache = _allocate(shape, dtype, device)
         attend = _attention_fn(mode)
         scale = 1.0 / d ** 0.5
 
@@ -177,27 +184,78 @@ def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: i
             k = torch.randn(t, hkv, d, dtype=dtype, device=device)
             return attend(q, k, torch.randn_like(k), key_cache, value_cache, batch, scale)
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(todo), desc=f"warmup ({mode})", unit="bucket")
+    cost = dict(zip(plan.buckets, plan.costs))
+    left, done = sum(cost.get(b, 0.0) for b in todo), 0.0
     start = time.perf_counter()
-    for bucket in todo:
-        t0 = time.perf_counter()
-        batch = batch_for_bucket(bucket, settings.block_size, settings.options, settings.sliding_window, device)
-        out = run(bucket, batch)
-        _sync(out, device)
-        report.buckets.append(bucket)
-        report.seconds.append(time.perf_counter() - t0)
-        if bar:
-            bar.set_postfix_str(f"{bucket} {report.seconds[-1]:.2f}s")
-            bar.update(1)
-    if bar:
-        bar.close()
+    try:
+        for i, bucket in enumerate(todo):
+            t0 = time.perf_counter()
+            batch = batch_for_bucket(bucket, settings.block_size, settings.options, settings.sliding_window, device)
+            out = run(bucket, batch)
+            _sync(out, device)
+            report.buckets.append(bucket)
+            report.seconds.append(time.perf_counter() - t0)
+            report.total_seconds = time.perf_counter() - start
+            left, done = left - cost.get(bucket, 0.0), done + cost.get(bucket, 0.0)
+            if progress:
+                log.info("warmup %d/%d: bucket %s in %.2f s (%.1f s so far, about %s left)", i + 1, len(todo),
+                         bucket, report.seconds[-1], report.total_seconds,
+                         _eta(report.total_seconds, i + 1, len(todo), left, done))
+    except KeyboardInterrupt as exc:
+        report.total_seconds = time.perf_counter() - start
+        exc.warmup_report = report
+        raise
     report.total_seconds = time.perf_counter() - start
-    logger.info("warmed %d buckets in %.2f s (%s on %s)", len(todo), report.total_seconds, mode, device)
     return report
+
+
+def _eta(elapsed: float, done: int, total: int, cost_left: float, cost_done: float) -> str:
+    """Time left: the seconds so far scaled by the plan's modelled work left against work done (buckets run
+    cheapest first, so a count would promise too little), by bucket counts when the plan has no costs."""
+    if done >= total:
+        return "0 s"
+    rate = elapsed / cost_done if cost_done > 0 else None
+    seconds = rate * cost_left if rate is not None and cost_left > 0 else elapsed / done * (total - done)
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def check_cache_fits(name: str, num_blocks: int, shape: tuple, dtype, device) -> None:
+    """Refuse a KV cache (key and value, `shape` each) larger than the device's free memory, naming `name`
+    (the flag or field that set `num_blocks`) and the bytes it would take, before allocating anything."""
+    import torch
+
+    need = 2 * int(np.prod(shape, dtype=object)) * torch.empty((), dtype=dtype).element_size()
+    free = free_memory(torch.device(device))
+    if free is not None and need > free:
+        raise ValueError(f"{name} {num_blocks}: a KV cache of shape {list(shape)} ({dtype}, key and value) takes "
+                         f"{need} bytes ({need / 2**30:.1f} GiB), more than the {free} bytes ({free / 2**30:.1f} "
+                         f"GiB) free on {device}")
+
+
+def free_memory(device) -> int | None:
+    """Bytes free for a new allocation on `device` (None: unknown)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            return int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return None
+    return None
+
+
+def _allocate(shape, dtype, device):
+    import torch
+
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as exc:  # the allocator refused: one line, not its traceback
+        raise ValueError(f"num_blocks {shape[0]}: cannot allocate a KV cache of shape {list(shape)} on {device} "
+                         f"({' '.join(str(exc).split())[:200]})") from None
 
 
 def _sync(out, device) -> None:
@@ -223,7 +281,8 @@ def register(subparsers) -> None:
                                           "(HPU graphs on Gaudi, torch.compile with --mode compile, eager "
                                           "otherwise) and print per-bucket and total times.")
     p.add_argument("plan", metavar="PLAN", help="bucket plan JSON (from `buckets generate`)")
-    p.add_argument("--device", default=None, help="torch device (default: hpu if available, else cpu)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda[:N] or hpu[:N], checked before any work (default: hpu if available, else cpu)")
     p.add_argument("--mode", choices=MODES, default="auto", help="how each bucket runs (default: auto)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="activation and KV dtype (default: the plan's model dtype)")
@@ -235,7 +294,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-cost-us", type=float_in(0.0, None), default=None,
                    help="skip buckets whose modelled work exceeds this many µs (e.g. the limits bucket on CPU)")
     p.add_argument("--json", type=output_path, default=None, help="also write the per-bucket times to this JSON file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no line per bucket on stderr as it finishes (the table at the end is printed anyway)")
     p.set_defaults(func=_cmd_warmup)
 
 
@@ -251,30 +311,74 @@ def _default_device() -> str:
     return "cpu"
 
 
-def _cmd_warmup(args) -> int:
-    import json
+def check_device(name: str):
+    """`--device` as a torch.device this machine has, or a ValueError naming the flag (before any work)."""
+    import torch
 
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {name!r} is not a torch device (cpu, cuda, cuda:N, hpu)") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "hpu":
+        from vllm_gaudi_unified.hpu import habana_importable
+
+        if habana_importable():  # pragma: no cover - needs Gaudi
+            import habana_frameworks.torch  # noqa: F401
+        count = torch.hpu.device_count() if hasattr(torch, "hpu") and torch.hpu.is_available() else 0
+    elif device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    else:
+        raise ValueError(f"--device {name}: warmup runs on cpu, cuda or hpu")
+    if count == 0:
+        raise ValueError(f"--device {name}: this machine has no {device.type} device")
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {name}: this machine has {count} {device.type} device(s), 0 to {count - 1}")
+    return device
+
+
+def _cmd_warmup(args) -> int:
     import torch
 
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
+    device = check_device(args.device or _default_device())
     plan = BucketPlan.load(args.plan)
     todo = list(plan.buckets)  # cheapest first
     if args.max_cost_us is not None:
         todo = [b for b, c in zip(plan.buckets, plan.costs) if c <= args.max_cost_us]
     if args.limit is not None:
         todo = todo[: args.limit]
-    report = warmup(plan, device=args.device or _default_device(), mode=args.mode,
-                    dtype=getattr(torch, args.dtype) if args.dtype else None, num_qo_heads=args.num_qo_heads,
-                    num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, num_blocks=args.num_blocks,
-                    buckets=todo, progress=not args.no_progress)
-    print(report.table())
-    if len(todo) < len(plan):
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if plan.model.dtype_bytes == 2
+                                                           else torch.float32)
+    shape = (args.num_blocks or plan.settings.num_blocks, plan.settings.block_size,
+             args.num_kv_heads or plan.model.num_kv_heads, args.head_dim or plan.model.head_dim)
+    check_cache_fits("--num-blocks" if args.num_blocks else f"{args.plan}: settings: num_blocks", shape[0], shape,
+                     dtype, device)
+    try:
+        report = warmup(plan, device=device, mode=args.mode, dtype=dtype, num_qo_heads=args.num_qo_heads,
+                        num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, num_blocks=args.num_blocks,
+                        buckets=todo, progress=not args.no_progress)
+    except KeyboardInterrupt as exc:  # keep what was warmed: the table and the JSON of the buckets done
+        report = getattr(exc, "warmup_report", None)
+        if report is not None:
+            _report(args, plan, todo, report, interrupted=True)
+        raise
+    _report(args, plan, todo, report)
+    return 0
+
+
+def _report(args, plan, todo, report: WarmupReport, interrupted: bool = False) -> None:
+    import json
+
+    print(report.table() + (f" (interrupted: {len(todo) - len(report.buckets)} of {len(todo)} buckets not run)"
+                            if interrupted else ""), flush=True)
+    if len(todo) < len(plan) and not interrupted:
         print(f"({len(plan) - len(todo)} of {len(plan)} buckets skipped by --limit/--max-cost-us)")
     if args.json:
         with atomic_write(args.json) as f:
             json.dump({"plan": args.plan, "mode": report.mode, "device": report.device,
-                       "total_seconds": report.total_seconds,
+                       "total_seconds": report.total_seconds, "interrupted": interrupted,
                        "buckets": [{"bucket": str(b), "seconds": s} for b, s in zip(report.buckets, report.seconds)]},
                       f, indent=1)
-    return 0

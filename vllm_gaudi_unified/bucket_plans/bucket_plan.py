@@ -277,9 +277,9 @@ def _bucket_row(row, order: list, idx: list, where: str) -> Bucket:
     if not (isinstance(row, list) and len(row) == len(order)):
         raise ValueError(f"{where}: a bucket is a list of {len(order)} values ({', '.join(order)}), got {row!r}")
     sizes = [row[i] for i in idx]
-    bad = next((v for v in sizes if type(v) is not int or not 0 <= v <= MAX_BUCKET_SIZE), None)
-    if bad is not None or any(type(v) is not int for v in sizes):
-        raise ValueError(f"{where}: sizes must be integers in [0, {MAX_BUCKET_SIZE}], got {bad!r}")
+    for name, v in zip(DIMS, sizes):
+        if type(v) is not int or not 0 <= v <= MAX_BUCKET_SIZE:
+            raise ValueError(f"{where}: {name} must be an integer in [0, {MAX_BUCKET_SIZE}], got {v!r}")
     b = bucket_from_sizes(sizes)
     if b.phase != row[order.index("phase")]:
         raise ValueError(f"{where}: bucket {row} has a phase that disagrees with its sizes")

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import numpy as np
 
 from vllm_gaudi_unified.plan import DEFAULT_OPTIONS, PlanOptions
+from vllm_gaudi_unified.plan.arrays import check_scalars, is_int
 
 #: The planner's `DEFAULT_OPTIONS` with the unique path's layout fixed to 'gather', which bucket plans
 #: use unless told otherwise: with 'auto' the same bucket would need two graphs (slice and gather).
@@ -34,11 +35,12 @@ def options_from_dict(d: dict | None) -> PlanOptions:
 
 def check_settings(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                    num_blocks: int) -> None:
-    """Clear errors for settings no server could run with."""
-    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len),
-                        ("num_blocks", num_blocks)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    """Clear errors for settings no server could run with: block_size and num_blocks by `plan_step`'s own
+    rules (`check_scalars`), the scheduler's limits positive integers."""
+    check_scalars(block_size, None, num_blocks, num_blocks_given=True)
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_model_len", max_model_len)):
+        if not is_int(value) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if max_num_batched_tokens < max_num_seqs:
         raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) is below max_num_seqs "
@@ -65,8 +67,8 @@ class ServerSettings:
     def __post_init__(self):
         check_settings(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                        self.num_blocks)
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window!r}")
+        # block size, sliding window, num_blocks: plan_step's own rules (a plan file cannot hold what it refuses)
+        check_scalars(self.block_size, self.sliding_window, self.num_blocks, num_blocks_given=True)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")

@@ -145,11 +145,34 @@ def step_from_json(obj, where: str = "") -> TraceStep:
     return TraceStep(bs, q, c, b)
 
 
-def _json_line(line: str, where: str):
+#: The `format` of a bucket plan file (bucket_plan.FORMAT; spelled here so that traces import no plans).
+_PLAN_FORMAT = "vllm-gaudi-unified/bucket-plan"
+
+
+def _json_line(line: str, where: str, path: str | None = None):
+    """One line's JSON; a bucket plan where a trace is expected is named as such, not as invalid JSON."""
     try:
-        return json.loads(line)
+        obj = json.loads(line)
     except json.JSONDecodeError as exc:
+        if path is not None and _is_plan(path):
+            _not_a_trace(path)
         raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+    if path is not None and isinstance(obj, dict) and obj.get("format") == _PLAN_FORMAT:
+        _not_a_trace(path)
+    return obj
+
+
+def _is_plan(path: str) -> bool:
+    try:
+        with _open_text(path, "r") as f:
+            return f'"{_PLAN_FORMAT}"' in f.read(400)
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError):
+        return False
+
+
+def _not_a_trace(path: str):
+    raise TraceError(f"{path}: a bucket plan, not a trace (a trace is JSON Lines of scheduler steps, from "
+                     "`buckets simulate` or the plugin's recording; give the plan as PLAN)")
 
 
 def iter_trace(path: str) -> Iterator[TraceStep | dict]:
@@ -161,7 +184,7 @@ def iter_trace(path: str) -> Iterator[TraceStep | dict]:
                 line = line.strip()
                 if not line:
                     continue
-                obj = _json_line(line, f"{path}:{lineno}")
+                obj = _json_line(line, f"{path}:{lineno}", path)
                 if not isinstance(obj, dict):
                     step_from_json(obj, f"{path}:{lineno}")  # raises: not a JSON object
                 if "trace_header" in obj:
@@ -186,11 +209,26 @@ def step_lines(path: str) -> tuple[list[str], list[int]]:
                 if '"query_lens"' in line:
                     lines.append(line)
                     numbers.append(lineno)
-                elif line.strip() and not isinstance(_json_line(line, f"{path}:{lineno}"), dict):
+                elif line.strip() and not isinstance(_json_line(line, f"{path}:{lineno}", path), dict):
                     step_from_json(None, f"{path}:{lineno}")  # raises: not a JSON object
     except (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}:{lineno + 1}: unreadable (truncated or corrupt gzip, or not text: {exc})") from None
     return lines, numbers
+
+
+def read_header(path: str) -> dict:
+    """The trace's header (`{"trace_header": {...}}` on its first line), or {} when it has none."""
+    if not os.path.exists(path):
+        raise TraceError(f"{path}: no such trace file")
+    try:
+        with _open_text(path, "r") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    obj = _json_line(line, f"{path}:{lineno}", path)
+                    return dict(obj["trace_header"]) if isinstance(obj, dict) and "trace_header" in obj else {}
+    except (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: unreadable (truncated or corrupt gzip, or not text: {exc})") from None
+    return {}
 
 
 def read_trace(path: str, limit: int | None = None) -> Trace:

@@ -4,5 +4,6 @@
 - `causal`: `self_partial` (each token with its own key) and the strict-causal tiles;
 - `shared`: cache blocks several query tokens read, in (tokens x blocks) tiles;
 - `unique`: cache blocks one query token reads, one row per block;
-- `invariant`: the batch-invariant mode's run (fixed shapes, slots folded in a fixed tree).
+- `invariant`: the batch-invariant mode's run: the route choice, and the torch route (fixed shapes, slots
+  folded in a fixed tree); `invariant_fast`: its CUDA route (flash per request, Triton with position-fixed splits).
 """

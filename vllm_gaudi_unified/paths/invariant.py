@@ -1,9 +1,13 @@
 """The device run of the batch-invariant mode (`plan/invariant.py` says what and why).
 
-Every product has one shape (`invariant_chunk` units or `invariant_causal_chunk`
-causal tiles per call, the last call padded); each (token, block) or (token, key
-tile) partial is written to its own slot and the slots are folded by a fixed
-pairwise tree; then self, cached and causal are merged in that order.
+Two routes, chosen per step by the step's dtype, soft cap, options and device
+(never by the batch): the fast route of `invariant_fast.py` where CUDA flash
+and the Triton kernel apply, else the tile route here (torch products: Gaudi,
+CPU, fp32, soft cap). Both merge self, cached and causal partials in that order.
+
+Tile route: every product has one shape per tile kind (`tiles_per_call` tiles
+per call, the last call padded); each (token, chunk) or (token, key tile) partial is written
+to its own slot and the slots are folded by a fixed pairwise tree.
 """
 from __future__ import annotations
 
@@ -13,14 +17,19 @@ from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
+from vllm_gaudi_unified.plan.invariant import tiles_per_call
 
 
 def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, batch, scale: float, soft_cap: float | None,
                       k_scale=None, v_scale=None) -> Partial:
-    """All keys of every token, merged in a fixed order: self, cached blocks, causal tiles."""
-    parts = (self_partial(q, k, v, scale, soft_cap, fixed_order=True),
-             _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale),
+    """All keys of every token, merged in a fixed order: self, cached, causal."""
+    from vllm_gaudi_unified.paths import invariant_fast
+
+    if invariant_fast.applies(batch, q, key_cache, value_cache, soft_cap):
+        return invariant_fast.fast_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale)
+    cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale)
+    parts = (self_partial(q, k, v, scale, soft_cap, fixed_order=True), cached,
              _causal_partial(q, k, v, batch, scale, soft_cap))
     return merge_all([p for p in parts if p is not None])
 
@@ -40,7 +49,7 @@ class _Slots:
         self.dump = tokens * width + torch.arange(call_rows, device=device)
 
     def write(self, part: Partial, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> None:
-        dest = torch.where(valid, rows * self.width + cols, self.dump.view(valid.shape)).reshape(-1)
+        dest = torch.where(valid, rows * self.width + cols, self.dump[:valid.numel()].view(valid.shape)).reshape(-1)
         self.acc.index_copy_(0, dest, part.acc)
         self.max.index_copy_(0, dest, part.max)
         self.sum.index_copy_(0, dest, part.sum)
@@ -63,22 +72,26 @@ def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 
 def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None) -> Partial | None:
-    units = batch.unit_rows.shape[0]
-    if units == 0:
+    """One-row tiles, then tiles of `invariant_rows` rows, each chunk written to slot [token, chunk]."""
+    kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col),
+             (batch.pre_rows, batch.pre_blocks, batch.pre_lo, batch.pre_hi, batch.pre_col)]
+    if all(kind[0].shape[0] == 0 for kind in kinds):
         return None
-    n, (rs, size) = q.shape[0], (batch.unit_rows.shape[1], batch.plan.options.invariant_chunk)
-    slots = _Slots(q, batch.plan.cached_width, size * rs)
-    for start, stop in _chunks(units, size):
-        rows = _pad_to(batch.unit_rows[start:stop], size, n)  # [size, rs]
-        blocks = _pad_to(batch.unit_block[start:stop], size, 0)
-        cols = _pad_to(batch.unit_col[start:stop], size, 0)
-        lo = _pad_to(batch.unit_lo[start:stop], size, 0)
-        hi = _pad_to(batch.unit_hi[start:stop], size, 0)
-        mask = slot_mask(lo, hi, key_cache.shape[1])  # [size, rs, block_size]
-        k = read_blocks(key_cache, blocks, k_scale, q.dtype)  # fp8: dequantized after the gather
-        v = read_blocks(value_cache, blocks, v_scale, q.dtype)
-        part = attend(q[rows.clamp(max=n - 1)], k, v, mask, scale, soft_cap)
-        slots.write(part, rows, cols, rows < n)
+    n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
+    per_call = tiles_per_call(opts)
+    size = per_call * max(kind[0].shape[1] for kind in kinds)
+    slots = _Slots(q, batch.plan.cached_width, size)
+    for all_rows, all_blocks, all_lo, all_hi, all_cols in kinds:
+        for start, stop in _chunks(all_rows.shape[0], per_call):
+            rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
+            blocks = _pad_to(all_blocks[start:stop], per_call, 0)
+            mask = slot_mask(_pad_to(all_lo[start:stop], per_call, 0), _pad_to(all_hi[start:stop], per_call, 0),
+                             bs).flatten(2)  # [tiles, rows, chunk keys]
+            kk = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # fp8: dequantized after the gather
+            vv = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
+            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap)
+            cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
+            slots.write(part, rows, cols, rows < n)
     return slots.fold()
 
 

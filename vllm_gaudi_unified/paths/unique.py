@@ -152,7 +152,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
         HQ=hq, G=g, G_PAD=max(16, _pow2(g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=batch.unique_blocks is None, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
-        num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+        SPLIT_KEYS=0, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     part = Partial(acc, m, total)
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 

@@ -67,6 +67,15 @@ def _check_scalar(name: str, value, optional: bool, limit: int) -> None:
         raise ValueError(f"{name} = {value} is beyond the largest accepted, {limit}")
 
 
+def check_scalars(block_size, sliding_window=None, num_blocks=None, *, num_blocks_given: bool = False) -> None:
+    """`plan_step`'s rules for its scalar arguments, the one check of them: also for settings read before
+    any step (bucket plan files, `ServerSettings`, which always have `num_blocks_given`), so a file cannot
+    hold a value `plan_step` refuses."""
+    _check_scalar("block_size", block_size, False, MAX_BLOCK_SIZE)
+    _check_scalar("sliding_window", sliding_window, True, MAX_SCALAR)
+    _check_scalar("num_blocks", num_blocks, not num_blocks_given, MAX_SCALAR)
+
+
 def validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks):
     """Checked int64 copies of the step's arrays (and blocks per context), or a ValueError naming the
     field and the value. A few reductions on the common path; the masks only when something is wrong."""
@@ -88,9 +97,7 @@ def validate(query_lens, context_lens, block_table, block_size, sliding_window, 
         r = int(np.argmax(ctx + q > MAX_POSITION))
         raise ValueError(f"context_lens[{r}] = {int(ctx[r])} with query_lens[{r}] = {int(q[r])}: positions "
                          f"beyond {MAX_POSITION}")
-    _check_scalar("block_size", block_size, False, MAX_BLOCK_SIZE)
-    _check_scalar("sliding_window", sliding_window, True, MAX_SCALAR)
-    _check_scalar("num_blocks", num_blocks, True, MAX_SCALAR)
+    check_scalars(block_size, sliding_window, num_blocks)
     bt = _as_array("block_table", block_table, "a 2-D table of integers (rows of equal length)")
     if bt.ndim != 2 or bt.shape[0] != q.size:
         raise ValueError(f"block_table must have shape [{q.size}, max_blocks], got {tuple(bt.shape)}")

@@ -39,6 +39,10 @@ class FreshArrays:
         """`values` is the array last handed out as `name` (so it already lives here)."""
         return False
 
+    def scratch(self, name: str, n: int, dtype) -> np.ndarray:
+        """Uninitialised working memory of `n` elements, never part of a plan."""
+        return np.empty(n, dtype)
+
 
 FRESH = FreshArrays()
 
@@ -56,6 +60,7 @@ class PlanBuffers(FreshArrays):
         self._allocate = allocate or (lambda n, dtype: np.empty(n, dtype))
         self._buffers: dict[str, np.ndarray] = {}
         self._views: dict[str, np.ndarray] = {}  # the last array handed out per name
+        self._scratch: dict[str, np.ndarray] = {}  # plain numpy: never copied to a device, never pinned
         for name, n in (reserve or {}).items():
             self._grow(name, n, _I64)
 
@@ -87,6 +92,12 @@ class PlanBuffers(FreshArrays):
 
     def holds(self, name, values):
         return values is self._views.get(name)
+
+    def scratch(self, name, n, dtype):
+        buf = self._scratch.get(name)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            buf = self._scratch[name] = np.empty(max(n, 16, 0 if buf is None else 2 * buf.size), dtype)
+        return buf[:n]
 
     def buffer(self, name: str) -> np.ndarray | None:
         """The whole buffer behind `name` (None before its first use)."""

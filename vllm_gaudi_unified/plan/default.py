@@ -72,7 +72,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
     R, T = q.size, int(q.sum())
     decodes = T == R  # every request has one new token
     if decodes and W is None:
-        plan = _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out)
+        plan = _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out)
         if plan is not None:
             return plan
     if decodes:
@@ -147,10 +147,12 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
                    prompt_ctx=prompts[2], prompt_len=prompts[3], prompts_only=sel is not None and bool(sel.all()))
 
 
-def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
-    """The decode step: one new token per request, no window, every block used once, so every
-    (request, block) pair is unique. None hands anything else (a block used twice, a bad id, no
-    context at all) to the general path, which gives the same arrays in more calls."""
+def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
+    """The decode step: one new token per request, no window. Blocks read by one request go to the
+    unique path; blocks several requests hold (a common prefix) to the shared tiles, found from the
+    same pairs (`_repeated`) rather than the general path's recount. None hands anything else (a bad
+    id, no context at all, a forced slice past its cap) to the general path, which raises or gives
+    the same arrays in more calls."""
     R = ctx.size
     live = np.arange(bt.shape[1]) < nb_ctx[:, None]
     phys = bt[live]  # request-major and in block order: the general path's pairs
@@ -163,42 +165,75 @@ def _plan_decodes(ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     span = max_id + 1
     if opts.unique_layout == "slice" and span > MAX_SLICE_BLOCKS:
         return None  # refused by the general path
-    reads_slice = unique_reads_slice(P, max_id, opts)
-    if not reads_slice and same_id_sum(phys, max_id).max() > 1:
-        return None
     req = np.repeat(np.arange(R), nb_ctx)
-    last = np.cumsum(nb_ctx)
-    last -= 1
+    ends = np.cumsum(nb_ctx)
+    last = ends - 1
     last_hi = ctx - (nb_ctx - 1) * bs
     if nb_ctx.min() == 0:
         has = nb_ctx > 0
         last, last_hi = last[has], last_hi[has]
-    if reads_slice:
+    no_shared = _no_shared(opts, bs, None)
+    if unique_reads_slice(P, max_id, opts):
         rows = out.full("unique_rows", span, R)
         rows[phys] = req
         seen = rows != R
-        if np.count_nonzero(seen) != P:  # a block used twice
-            return None
-        hi = out.array("unique_hi", span)
-        np.multiply(seen, bs, out=hi)
-        hi[phys[last]] = last_hi
-        lo, ids = out.zeros("unique_lo", span), None
+        if np.count_nonzero(seen) == P:  # no block read twice
+            hi = out.array("unique_hi", span)
+            np.multiply(seen, bs, out=hi)
+            hi[phys[last]] = last_hi
+            unique = rows, None, out.zeros("unique_lo", span), hi
+            return _decode_plan(bs, opts, out, ctx, max_id, no_shared, unique, PathWork(R, 0, int(ctx.sum())))
+        shared = _repeated(phys, span, out)
     else:
-        rows, ids = out.keep("unique_rows", req), out.keep("unique_blocks", phys)
-        hi = out.full("unique_hi", P, bs)
-        hi[last] = last_hi
-        lo = out.zeros("unique_lo", P)
-    shared = _no_shared(opts, bs, None)
-    shape = _bucket(R, 0, 0, rows.size, R)
+        shared = _repeated(phys, span, out)
+        if shared is None:
+            hi = out.full("unique_hi", P, bs)
+            hi[last] = last_hi
+            unique = out.keep("unique_rows", req), out.keep("unique_blocks", phys), out.zeros("unique_lo", P), hi
+            return _decode_plan(bs, opts, out, ctx, max_id, no_shared, unique, PathWork(R, 0, int(ctx.sum())))
+    # Blocks held by several requests: the general path's shared and unique split of the same pairs.
+    pair_hi = np.full(P, bs, _I64)
+    pair_hi[last] = last_hi
+    s_idx = np.flatnonzero(shared)
+    s_req = req[s_idx]
+    s_blk = s_idx - (ends - nb_ctx)[s_req]
+    shared_tiles, shared_needed = plan_shared(None, phys[s_idx], s_req, s_blk, pair_hi[s_idx], bt.shape[1], q,
+                                              np.arange(R), ctx, bs, None, R, opts, out)
+    u_mask = ~shared
+    unique, unique_needed = _plan_unique(req[u_mask], phys[u_mask], None, pair_hi[u_mask], R, opts, out)
+    return _decode_plan(bs, opts, out, ctx, max_id, shared_tiles, unique, PathWork(R, shared_needed, unique_needed))
+
+
+def _repeated(phys, span, out):
+    """Which pairs hold a block id some other pair holds too, or None when no id repeats. Each pair
+    writes its index at its id in a scratch array never cleared (every slot read was just written):
+    a pair that reads back another's index shares its id; those ids are then marked -1 and read
+    back. Four gathers and scatters over the pairs, no array as long as the cache; ids too sparse
+    for scratch memory are counted over compacted ids (`same_id_sum`)."""
+    P = phys.size
+    if span > max(8 * P, 1 << 16):
+        many = same_id_sum(phys, span - 1) > 1
+        return many if many.any() else None
+    mark = out.scratch("block_mark", span, np.int32 if P < 1 << 31 else _I64)
+    idx = np.arange(P, dtype=mark.dtype)
+    mark[phys] = idx
+    again = mark.take(phys) != idx
+    if not again.any():
+        return None
+    mark[phys[again]] = -1
+    return mark.take(phys) == -1
+
+
+def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work) -> StepPlan:
+    R = ctx.size
+    shape = _bucket(R, 0, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R)
     return trusted(StepPlan, block_size=bs, sliding_window=None, options=opts, num_requests=R, num_tokens=R,
                    shape=shape, bucket=shape, token_seg_start=out.keep("token_seg_start", np.arange(R)),
                    causal_q_start=empty((0,)), causal_k_start=empty((0,)), shared_rows=shared[0],
-                   shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3], unique_rows=rows,
-                   unique_blocks=ids, unique_lo=lo, unique_hi=hi,
+                   shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3], unique_rows=unique[0],
+                   unique_blocks=unique[1], unique_lo=unique[2], unique_hi=unique[3],
                    logits_indices=out.keep("logits_indices", np.arange(R)), max_block_id=max_id,
-                   work_needed=PathWork(R, 0, int(ctx.sum())), shared_prefix_visible=True,
-                   prompt_rows=_NO_PROMPTS[0], prompt_blocks=_NO_PROMPTS[1], prompt_ctx=_NO_PROMPTS[2],
-                   prompt_len=_NO_PROMPTS[3])
+                   work_needed=work, shared_prefix_visible=shared[4])
 
 
 _NO_PROMPTS = (empty((0, 0)), empty((0, 0)), empty((0,)), empty((0,)))
@@ -324,8 +359,11 @@ def pad_default(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = No
 
 
 def _pad_prompts(plan, bucket, T, Tp) -> dict:
-    if plan.prompt_rows is None:  # an invariant plan: no prompt route
-        return {}
+    """The prompt route's arrays at `bucket` (a plan without them, the decode branch's: empty ones)."""
+    if plan.prompt_rows is None:
+        if not bucket.num_prompts:
+            return {}
+        plan = replace(plan, **dict(zip(("prompt_rows", "prompt_blocks", "prompt_ctx", "prompt_len"), _NO_PROMPTS)))
     if plan.bucket.prompts == bucket.prompts and T == Tp:
         return {}
     return pad_prompts(plan, bucket, T, Tp)

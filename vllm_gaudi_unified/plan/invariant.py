@@ -13,35 +13,35 @@ tests/test_batch_invariance.py and docs/batch_invariance.md):
    order of the rows in the step (and, on CUDA, of the atomics);
 4. matrix products change shape with the step: `[1, D] @ [D, K]` (a GEMV)
    rounds differently from the same row inside `[R, D] @ [D, K]`, and a library
-   may pick another kernel for another batch count.
+   may pick another kernel for another batch count; kernels that split a row's
+   keys pick the split count by the batch.
 
-What this mode does instead, each step planned and run the same way:
+The rule of this mode: every reduction a token's result goes through is cut at
+boundaries fixed by positions in the token's own request and folded in an
+order fixed by those positions; which route a request takes depends on the
+request alone (its new-token count) and on the step's dtype and device. The
+planner lists two routes' arrays (the device picks one per step,
+`paths/invariant.py`):
 
-* **self**: each token with its own key, the dot product summed by a fixed
-  pairwise tree over `head_dim` (elementwise adds only);
-* **cached**: every (query token, cached block) pair is one row of a *unit* of
-  one block and `invariant_rows` query tokens that read it. Units of a block
-  used by many tokens hold several of them, so the block is read and multiplied
-  once per unit for all those tokens; a block used by one token gets a unit
-  with one real row. Each row gets its own partial over that one block, so the
-  pair's numbers never depend on which other rows or blocks are around;
-* **causal**: tiles of `causal_tile` x `causal_tile` aligned to the start of
-  each request, so a tile holds the same keys whatever the request's offset;
-  rows and keys outside the request are masked (an empty partial merges
-  exactly);
-* every product has one shape, `invariant_chunk` units (or
-  `invariant_causal_chunk` causal tiles) per call, the last call padded;
-* **merge**: each (token, block) partial is written (not added) to slot
-  `[token, logical block]` of a padded `[tokens, L]` array, each causal one to
-  `[token, key tile]`, and each array is folded by a fixed pairwise tree over
-  `L` (a power of two). Extra empty slots merge exactly, so `L`, which depends
-  on the batch, does not change the result. Then self, cached, causal (and
-  sinks) are merged in that order.
+* **fast route** (CUDA flash + Triton, `paths/invariant_fast.py`): a request
+  with one new token (or any request under a sliding window) has its cached
+  blocks as *slots* (one per (token, block), sorted by token then position),
+  which the Triton kernel walks in splits of `SPLIT_KEYS` keys counted from the
+  token's first slot; a request with several new tokens has its context as one
+  flash segment (its rows against its gathered blocks, no split-KV); the new
+  tokens of each request, self pair included, are one causal flash segment;
+* **tile route** (torch products: the Gaudi route, fp32, soft cap): a
+  request's context is cut into *chunks* of `blocks_per_tile` logical blocks
+  (counted from block 0), a tile is one chunk and the rows of one request that
+  read it: one row for a one-token request (a decode is one row), up to
+  `invariant_rows` rows otherwise; tiles go through products of one fixed shape
+  per kind (`invariant_chunk` tiles per call, the last call padded), each (token, chunk)
+  partial is written to slot `[token, chunk]` and the slots are folded by a
+  fixed pairwise tree. Causal pairs: tiles of `causal_tile` x `causal_tile`
+  counted from each request's first token, the same write-then-fold.
 
-Padding to a bucket adds rows no request owns and empty units or tiles: they
-touch no real row. The costs are the padded rows of units (a decode block is
-multiplied for `invariant_rows` rows, of which one is real), the padded last
-call of each path, and the per-block partials of shared blocks.
+Padding to a bucket adds rows no request owns and empty tiles: they touch no
+real row.
 """
 from __future__ import annotations
 
@@ -50,36 +50,71 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
-from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, chunk_groups, chunk_index,
-                                            grow, move_no_row, ranges, step_tokens)
+from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, grow, move_no_row, ranges,
+                                            step_tokens)
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.step_plan import StepPlan
+
+#: Keys per split of the fast route's Triton kernel, counted from a token's first slot: a split's
+#: boundaries are positions of the token's own context, never a function of the batch.
+SPLIT_KEYS = 8192
 
 
 @dataclass(frozen=True, eq=False)
 class InvariantPlan(StepPlan):
-    """A batch-invariant step: causal tiles counted from each request's first token, cached
-    blocks as units; the shared/unique arrays of `StepPlan` are empty (no such paths here)."""
+    """A batch-invariant step (module docstring); the shared/unique arrays of `StepPlan` are empty.
 
-    unit_rows: np.ndarray  #: [units, invariant_rows] query token per unit row (query_len: none)
-    unit_block: np.ndarray  #: [units] the one cache block of each unit
-    unit_col: np.ndarray  #: [units, invariant_rows] logical index of the block in the row's request
-    unit_lo: np.ndarray  #: [units, invariant_rows] first visible slot
-    unit_hi: np.ndarray  #: [units, invariant_rows] end of visible slots
+    Tile route: `dec_*` one-row tiles (requests with one new token), `pre_*` tiles of
+    `invariant_rows` rows (the others), each one chunk of `blocks_per_tile` logical blocks; causal
+    tiles counted from each request's first token. Fast route: `slot_*`, `ctx_*`, `seg_*`."""
+
+    dec_rows: np.ndarray  #: [dec tiles, 1] the tile's token (query_len: none)
+    dec_blocks: np.ndarray  #: [dec tiles, blocks_per_tile] physical blocks of the chunk (0 where unseen)
+    dec_lo: np.ndarray  #: [dec tiles, 1, blocks_per_tile] first visible slot
+    dec_hi: np.ndarray  #: [dec tiles, 1, blocks_per_tile] end of visible slots (0: unseen)
+    dec_col: np.ndarray  #: [dec tiles] chunk index in the request's context
+    pre_rows: np.ndarray  #: [pre tiles, invariant_rows] tokens of one request (query_len: none)
+    pre_blocks: np.ndarray  #: [pre tiles, blocks_per_tile]
+    pre_lo: np.ndarray  #: [pre tiles, invariant_rows, blocks_per_tile]
+    pre_hi: np.ndarray  #: [pre tiles, invariant_rows, blocks_per_tile]
+    pre_col: np.ndarray  #: [pre tiles]
     causal_col: np.ndarray  #: [num_causal_tiles] key tile index within its request
-    cached_width: int  #: slots per token for cached partials (a power of two)
+    cached_width: int  #: slots per token for chunk partials (a power of two)
     causal_width: int  #: slots per token for causal partials (a power of two)
+    slot_rows: np.ndarray  #: [slots] token of each (token, block) slot, sorted by token then position
+    slot_blocks: np.ndarray  #: [slots] physical block
+    slot_lo: np.ndarray  #: [slots] first visible slot of the block
+    slot_hi: np.ndarray  #: [slots] end of visible slots
+    slot_splits: int  #: Triton splits per token: the most any token needs, a power of two
+    ctx_rows: np.ndarray  #: [rows] tokens of the requests whose context is one flash segment, in order
+    ctx_cu_q: np.ndarray  #: [segments + 1] cumulative rows
+    ctx_blocks: np.ndarray  #: [blocks] each segment's context blocks, in order
+    ctx_cu_k: np.ndarray  #: [segments + 1] cumulative keys (whole blocks)
+    ctx_used: np.ndarray  #: [segments] the context length (keys used of the segment)
+    ctx_max: tuple  #: (max rows, max keys) of a segment
+    seg_cu: np.ndarray  #: [requests + 1] cumulative new tokens: each request one causal flash segment
+    seg_max: int  #: the most new tokens of a request, at least 2 (flash's one-row path never runs)
 
     @property
     def work_planned(self) -> PathWork:
         b, opts = self.bucket, self.options
+        keys = opts.blocks_per_tile(self.block_size) * self.block_size
         return PathWork(causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len,
-                        shared=b.num_shared_blocks * opts.invariant_rows * self.block_size)
+                        shared=(self.dec_rows.shape[0] + self.pre_rows.size) * keys)
 
 
 def pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def tiles_per_call(opts: PlanOptions) -> int:
+    """Tiles per product of the tile route (either kind): one shape per kind, whatever the batch."""
+    return opts.invariant_chunk
 
 
 def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | None,
@@ -88,17 +123,24 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     R, T = q.size, int(q.sum())
     starts, tok_j, tok_req, tok_pos = step_tokens(q, ctx)
     pair_req, pair_blk, phys, _, max_block_id = cached_pairs(ctx, nb_ctx, bt, bs, W, num_blocks)
-
-    units = _plan_units(phys, pair_req, pair_blk, q, starts, ctx, tok_pos, bs, W, T, opts)
+    kb, rs = opts.blocks_per_tile(bs), opts.invariant_rows
+    first_blk = np.zeros_like(ctx) if W is None else np.maximum(ctx - W + 1, 0) // bs
+    one = q == 1
+    dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
+    pre = _plan_tiles(np.flatnonzero(~one), rs, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
     causal_q, causal_k, causal_col, causal_width = _plan_causal_tiles(q, starts, W, opts)
-    shape = Bucket(phase=phase_of(causal_q.size, units["rows"].shape[0], 0), query_len=T,
-                   num_shared_blocks=units["rows"].shape[0], num_unique_blocks=0, num_logits=R,
-                   num_causal_tiles=causal_q.size)
+    slots = _plan_slots(pair_req, pair_blk, phys, one | (W is not None), q, starts, ctx, tok_pos, bs, W)
+    flash_ctx = _plan_ctx_segments(np.flatnonzero(~one & (ctx > 0)) if W is None else np.zeros(0, np.int64),
+                                   q, starts, ctx, nb_ctx, bt, bs)
+    n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0]
+    shape = Bucket(phase=phase_of(causal_q.size, n_tiles, 0), query_len=T, num_shared_blocks=n_tiles,
+                   num_unique_blocks=0, num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=int(np.minimum(tok_j + 1, W if W is not None else T + 1).sum()),
-                        shared=int((units["hi"] - units["lo"]).sum()))
+                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec, pre))))
     rows_kb = np.zeros((0, opts.shared_rows), np.int32)
     none3 = np.zeros((0, opts.shared_rows, 1), np.int32)
     empty = np.zeros(0, np.int32)
+    chunks = -(-nb_ctx // kb)
     return InvariantPlan(
         block_size=bs, sliding_window=W, options=opts, num_requests=R, num_tokens=T, shape=shape, bucket=shape,
         token_seg_start=starts[tok_req].astype(np.int32), causal_q_start=causal_q, causal_k_start=causal_k,
@@ -106,45 +148,74 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         unique_rows=empty, unique_blocks=empty, unique_lo=empty, unique_hi=empty,
         logits_indices=(starts + q - 1).astype(np.int32), max_block_id=max_block_id,
         work_needed=needed, shared_prefix_visible=False,
-        unit_rows=units["rows"], unit_block=units["block"], unit_col=units["col"],
-        unit_lo=units["lo"], unit_hi=units["hi"], causal_col=causal_col,
-        cached_width=pow2(int(nb_ctx.max())), causal_width=causal_width)
+        **{f"dec_{k}": v for k, v in dec.items()}, **{f"pre_{k}": v for k, v in pre.items()},
+        causal_col=causal_col, cached_width=pow2(int(chunks.max()) if chunks.size else 1),
+        causal_width=causal_width, **{f"slot_{k}": v for k, v in slots.items()},
+        **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_cu=np.concatenate([[0], np.cumsum(q)]).astype(np.int32),
+        seg_max=max(2, int(q.max()) if q.size else 0))
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
+def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts):
+    """Tiles of one chunk (`kb` logical blocks from block `col * kb`) and up to `rows` tokens of one
+    request; rows that see no slot of the chunk (a window) are no row, tiles without a row dropped;
+    padded with empty tiles to whole calls."""
+    c0 = first_blk[reqs] // kb
+    col, owner = ranges(c0, np.maximum(-(-nb_ctx[reqs] // kb) - c0, 0))
+    req = reqs[owner]
+    group, owner = ranges(np.zeros_like(col), -(-q[req] // rows))
+    req, col = req[owner], col[owner]
+    j = group[:, None] * rows + np.arange(rows)  # [n, rows] token index in the request
+    real = j < q[req][:, None]
+    blk = col[:, None] * kb + np.arange(kb)  # [n, kb] logical blocks
+    seen = (blk >= first_blk[req][:, None]) & (blk < nb_ctx[req][:, None])
+    ids = np.where(seen, bt[req[:, None], np.minimum(blk, bt.shape[1] - 1)], 0)
+    hi = np.where(seen, np.minimum(bs, ctx[req][:, None] - blk * bs), 0)[:, None, :] * real[:, :, None]
+    tok = np.where(real, starts[req][:, None] + j, T)
+    if W is None:
+        lo = np.zeros_like(hi)
+    else:
+        lo = np.clip(tok_pos[np.minimum(tok, T - 1)][:, :, None] - W + 1 - blk[:, None, :] * bs, 0, hi)
+    sees = (hi > lo).any(-1)
+    tok = np.where(sees, tok, T)
+    keep = sees.any(-1)
+    n = _round_up(int(keep.sum()), tiles_per_call(opts))
+
+    def padded(a, fill, dtype=np.int32):  # tokens, slots and columns fit int32 (plan/arrays.py limits)
+        out = np.full((n,) + a.shape[1:], fill, dtype)
+        out[:int(keep.sum())] = a[keep]
+        return out
+
+    return dict(rows=padded(tok, T), blocks=padded(ids, 0, np.int64),  # block ids need 64 bits
+                lo=padded(np.where(sees[..., None], lo, 0), 0), hi=padded(np.where(sees[..., None], hi, 0), 0),
+                col=padded(col, 0))
 
 
-def _plan_units(phys, pair_req, pair_blk, q, starts, ctx, tok_pos, bs, W, T, opts):
-    """Units of (one cached block, up to `invariant_rows` query tokens that see it); one row per
-    (token, block) pair; padded with empty units to a multiple of `invariant_chunk`."""
-    rs = opts.invariant_rows
-    row_j, row_pair = ranges(np.zeros_like(pair_req), q[pair_req])  # every token of the pair's request
+def _plan_slots(pair_req, pair_blk, phys, route, q, starts, ctx, tok_pos, bs, W):
+    """(token, block) slots of the requests on the Triton route (`route[r]`), by token, then position."""
+    keep = route[pair_req]
+    pair_req, pair_blk, phys = pair_req[keep], pair_blk[keep], phys[keep]
+    row_j, row_pair = ranges(np.zeros_like(pair_req), q[pair_req])
     req, blk, ids = pair_req[row_pair], pair_blk[row_pair], phys[row_pair]
     tok = starts[req] + row_j
     hi = np.minimum(bs, ctx[req] - blk * bs)
     lo = np.zeros_like(hi) if W is None else np.clip(tok_pos[tok] - W + 1 - blk * bs, 0, hi)
-    keep = lo < hi
-    req, blk, ids, tok, lo, hi = req[keep], blk[keep], ids[keep], tok[keep], lo[keep], hi[keep]
-    order = np.lexsort((blk, tok, ids))  # by block id, then token: units of one block
-    blk, ids, tok, lo, hi = blk[order], ids[order], tok[order], lo[order], hi[order]
-    bounds = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if ids.size else np.zeros(0, np.int64)
-    sizes = np.diff(np.r_[bounds, ids.size]).astype(np.int64)
-    group, first, count = chunk_groups(sizes, rs)
-    idx, ok = chunk_index(first, count, rs)
-    n = _round_up(group.size, opts.invariant_chunk)
+    sel = lo < hi
+    order = np.lexsort((blk[sel], tok[sel]))
+    tok, ids, lo, hi = tok[sel][order], ids[sel][order], lo[sel][order], hi[sel][order]
+    per_token = np.bincount(tok, minlength=1).max() if tok.size else 0
+    return dict(rows=tok.astype(np.int32), blocks=ids, lo=lo.astype(np.int32), hi=hi.astype(np.int32),
+                splits=pow2(-(-int(per_token) * bs // SPLIT_KEYS)))
 
-    def padded(a, fill, dtype=np.int32):  # tokens, slots and columns fit int32 (plan/arrays.py limits)
-        out = np.full((n,) + a.shape[1:], fill, dtype)
-        out[:a.shape[0]] = a
-        return out
 
-    return dict(
-        rows=padded(np.where(ok, tok[idx] if tok.size else 0, T), T),
-        block=padded(ids[bounds][group] if ids.size else np.zeros(0, np.int64), 0, np.int64),  # ids need 64 bits
-        col=padded(np.where(ok, blk[idx] if blk.size else 0, 0), 0),
-        lo=padded(np.where(ok, lo[idx] if lo.size else 0, 0), 0),
-        hi=padded(np.where(ok, hi[idx] if hi.size else 0, 0), 0))
+def _plan_ctx_segments(reqs, q, starts, ctx, nb_ctx, bt, bs):
+    """The context of each request in `reqs` as one flash segment: its tokens against its blocks."""
+    rows, _ = ranges(starts[reqs], q[reqs])
+    flat, owner = ranges(np.zeros_like(reqs), nb_ctx[reqs])
+    blocks = bt[reqs[owner], flat] if flat.size else np.zeros(0, np.int64)
+    cu = lambda n: np.concatenate([[0], np.cumsum(n)]).astype(np.int32)  # noqa: E731
+    most = lambda n: int(n.max()) if n.size else 0  # noqa: E731
+    return dict(rows=rows.astype(np.int32), cu_q=cu(q[reqs]), blocks=blocks, cu_k=cu(nb_ctx[reqs] * bs),
+                used=ctx[reqs].astype(np.int32), max=(max(2, most(q[reqs])), most(nb_ctx[reqs]) * bs))
 
 
 def _plan_causal_tiles(q, starts, W, opts):
@@ -170,25 +241,26 @@ def _plan_causal_tiles(q, starts, W, opts):
 
 
 def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
-    """`pad_plan` for an invariant plan: empty units, tiles and rows, never a changed real one."""
+    """`pad_plan` for an invariant plan: empty tiles and rows, never a changed real one (extra cached
+    tiles are one-row tiles; the fast route's arrays list real tokens only and stay)."""
     check_covers(bucket, plan.shape)
     T, Tp = plan.bucket.query_len, bucket.query_len
 
     def rows(a):
         return move_no_row(a, T, Tp)
 
-    nu, nc, nq = bucket.num_shared_blocks, bucket.num_causal_tiles, bucket.num_unique_blocks
+    nd = bucket.num_shared_blocks - plan.pre_rows.shape[0]
+    nc, nq = bucket.num_causal_tiles, bucket.num_unique_blocks
     empty = np.zeros(0, np.int32)
     return replace(
         plan, bucket=bucket,
         token_seg_start=np.concatenate([plan.token_seg_start, np.arange(T, Tp, dtype=np.int32)]),
         causal_q_start=grow(rows(plan.causal_q_start), nc, Tp), causal_k_start=grow(plan.causal_k_start, nc, 0),
         causal_col=grow(plan.causal_col, nc, 0),
-        unit_rows=grow(rows(plan.unit_rows), nu, Tp), unit_block=grow(plan.unit_block, nu, 0),
-        unit_col=grow(plan.unit_col, nu, 0), unit_lo=grow(plan.unit_lo, nu, 0), unit_hi=grow(plan.unit_hi, nu, 0),
+        dec_rows=grow(rows(plan.dec_rows), nd, Tp), dec_blocks=grow(plan.dec_blocks, nd, 0),
+        dec_lo=grow(plan.dec_lo, nd, 0), dec_hi=grow(plan.dec_hi, nd, 0), dec_col=grow(plan.dec_col, nd, 0),
+        pre_rows=rows(plan.pre_rows),
         # A bucket made for the default mode may have unique slots: empty ones, never read.
         unique_rows=np.full(nq, Tp, np.int32), unique_blocks=np.zeros(nq, np.int32) if nq else empty,
         unique_lo=np.zeros(nq, np.int32), unique_hi=np.zeros(nq, np.int32),
         logits_indices=grow(plan.logits_indices, bucket.num_logits, 0))
-
-

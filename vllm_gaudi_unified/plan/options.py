@@ -37,9 +37,9 @@ class PlanOptions:
     prompt_route: str = "dense"
     fused_kernels: bool = True  #: run paths through the device's fused attention kernel where one applies (paths/fused.py)
     batch_invariant: bool = False  #: same bits for a request whatever its batch (docs/batch_invariance.md)
-    invariant_rows: int = 8  #: batch_invariant: query tokens per cached-block unit (the block is read once per unit)
-    invariant_chunk: int = 512  #: batch_invariant: cached-block units per product (one shape for every call)
-    invariant_causal_chunk: int = 16  #: batch_invariant: causal tiles per product
+    invariant_rows: int = 8  #: batch_invariant, torch route: rows of a prompt's context tile (a decode's has one)
+    invariant_chunk: int = 64  #: batch_invariant, torch route: context tiles per product (one shape per call)
+    invariant_causal_chunk: int = 64  #: batch_invariant, torch route: causal tiles per product
 
     def __post_init__(self):
         for name, limit in TILE_LIMITS.items():

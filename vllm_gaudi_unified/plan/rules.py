@@ -53,7 +53,11 @@ def group_columns(col_seg: np.ndarray, req_sorted: np.ndarray, req_key: np.ndarr
     user set differs from its group's (a hash collision: the caller must not merge those columns)."""
     col_hash = np.bitwise_xor.reduceat(mix64(req_key), col_start)
     g_order = np.lexsort((col_hash, col_seg))
-    new = np.r_[True, (col_seg[g_order][1:] != col_seg[g_order][:-1]) | (col_hash[g_order][1:] != col_hash[g_order][:-1])]
+    seg, hashes = col_seg[g_order], col_hash[g_order]
+    new = np.empty(g_order.size, bool)  # (np.r_ costs more than the comparisons)
+    new[0] = True
+    np.not_equal(hashes[1:], hashes[:-1], out=new[1:])
+    new[1:] |= seg[1:] != seg[:-1]
     col_group = np.empty(col_start.size, np.int64)
     col_group[g_order] = np.cumsum(new) - 1
     first = np.empty(int(col_group[g_order[-1]]) + 1, np.int64)

@@ -29,10 +29,13 @@ _FAR = np.iinfo(_I64).max // 4  #: first position of a padding column: past ever
 
 
 def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, bs, W, T, opts, out: FreshArrays):
-    """Tiles over the shared (request, block) pairs `mask` selects; returns (rows, blocks, lo, hi) and
-    the pairs they need."""
+    """Tiles over the shared (request, block) pairs `mask` selects (None: every pair given); returns
+    (rows, blocks, lo, hi) and the pairs they need."""
     qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
-    s_phys, s_req, s_blk = phys[mask], pair_req[mask], pair_blk[mask]
+    if mask is None:
+        s_phys, s_req, s_blk, s_hi = phys, pair_req, pair_blk, pair_hi
+    else:
+        s_phys, s_req, s_blk, s_hi = phys[mask], pair_req[mask], pair_blk[mask], pair_hi[mask]
     # Columns: pairs sorted by (block id, position), requests in order within one column.
     col_key = s_phys * width + s_blk
     order = np.argsort(col_key, kind="stable")
@@ -42,7 +45,13 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     new[0] = True
     np.not_equal(ck[1:], ck[:-1], out=new[1:])
     col_start = np.flatnonzero(new)
-    col_users = np.diff(col_start, append=n)
+    col_users = np.empty_like(col_start)  # (np.diff with append= costs more than the step's other calls here)
+    np.subtract(col_start[1:], col_start[:-1], out=col_users[:-1])
+    col_users[-1] = n - col_start[-1]
+    if W is None and T == q.size:  # decodes, no window
+        users = _one_group(col_users, req_sorted)
+        if users is not None:
+            return _plan_one_group(users, order[col_start], s_phys, s_blk, s_hi, starts, ctx, bs, T, qt, kb, out)
     col_group, collided = group_columns(np.zeros(col_start.size, _I64), req_sorted, req_sorted, col_start, col_users)
     if collided.any():  # one group per column: a tile never pairs a token with a block its request lacks
         col_group = np.arange(col_start.size)
@@ -55,20 +64,28 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     users_per_group = col_users[first_col]
     req_idx, gr_group = ranges(col_start[first_col], users_per_group)
     gr_req = req_sorted[req_idx]
-    gr_q = q[gr_req]
     # Row chunks: each group's tokens (its requests' new tokens, in order), padded to whole chunks.
-    rows_per_group = np.bincount(gr_group, weights=gr_q, minlength=G).astype(_I64)
+    decodes = W is None and T == q.size  # one new token per request: a group's rows are its requests
+    rows_per_group = users_per_group if decodes else np.bincount(gr_group, weights=q[gr_req], minlength=G).astype(_I64)
     r_chunks = -(-rows_per_group // qt)
     r_off = np.cumsum(r_chunks) - r_chunks
-    entry_tok = np.cumsum(gr_q) - gr_q  # first token of each (group, request) entry, group after group
     group_tok = np.cumsum(rows_per_group) - rows_per_group
-    dest0 = r_off[gr_group] * qt + (entry_tok - group_tok[gr_group])  # its first slot in the chunk table
-    dest, _ = ranges(dest0, gr_q)
+    if decodes:  # (the general branch with one token per entry)
+        dest = (r_off * qt - group_tok)[gr_group] + np.arange(gr_req.size)
+    else:
+        gr_q = q[gr_req]
+        entry_tok = np.cumsum(gr_q) - gr_q  # first token of each (group, request) entry, group after group
+        dest0 = r_off[gr_group] * qt + (entry_tok - group_tok[gr_group])  # its first slot in the chunk table
+        dest, _ = ranges(dest0, gr_q)
     n_rc = int(r_chunks.sum())
     rc_tok = np.full(n_rc * qt, T, _I64)
-    rc_tok[dest] = dest + np.repeat(starts[gr_req] - dest0, gr_q)
     rc_ctx = np.zeros(n_rc * qt, _I64)  # 0 for padding rows: they see no slot
-    rc_ctx[dest] = np.repeat(ctx[gr_req], gr_q)
+    if decodes:
+        rc_tok[dest] = starts[gr_req]
+        rc_ctx[dest] = ctx[gr_req]
+    else:
+        rc_tok[dest] = dest + np.repeat(starts[gr_req] - dest0, gr_q)
+        rc_ctx[dest] = np.repeat(ctx[gr_req], gr_q)
     # Column chunks: each group's columns, padded.
     # Within a group, columns in request order: a request's partly filled last block comes last, so a
     # tile's visible keys are one prefix (what the fused kernel's per-segment key count can express).
@@ -103,7 +120,7 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
                         per_group, np.flatnonzero(cpos_sorted + bs > gmin[g_sorted]), g_sorted, col0, cpos_sorted,
                         bs)
         lo = out.zeros("shared_lo", (tiles, qt, kb))
-        needed = int(np.dot(q[s_req], pair_hi[mask]))  # each token of a request sees each of its pairs' slots
+        needed = int(s_hi.sum() if decodes else np.dot(q[s_req], s_hi))  # each token of a request sees each of its pairs' slots
         visible = _prefix_visible(rc_ctx.reshape(n_rc, qt), ri, cc_pos.reshape(n_cc, kb).take(ci, axis=0), bs)
     else:
         cpos = np.repeat(cc_pos.reshape(n_cc, kb).take(ci, axis=0)[:, None, :], qt, axis=1)
@@ -122,6 +139,46 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     return (rows, cphys, lo, hi, visible), needed
 
 
+def _one_group(col_users, req_sorted):
+    """The requests of the step's one group when every shared column has the same users (a common
+    prefix of a decode batch, the usual sharing), else None."""
+    u = int(col_users[0])
+    if not (col_users == u).all():
+        return None
+    per_col = req_sorted.reshape(col_users.size, u)
+    return per_col[0] if (per_col == per_col[0]).all() else None
+
+
+def _plan_one_group(users, first_pair, s_phys, s_blk, s_hi, starts, ctx, bs, T, qt, kb, out):
+    """`plan_shared` for decodes (no window) whose shared columns form one group: the same arrays in a
+    third of the calls (no grouping; one row chunk list and one column chunk list; a cell's `hi` is
+    `clip(row context - column position, 0, bs)`, which is what the general path's cases give: real
+    cells of one group, padding rows of context 0, padding columns at `_FAR`)."""
+    u, C = users.size, first_pair.size
+    n_rc, n_cc = -(-u // qt), -(-C // kb)
+    rc_tok = np.full(n_rc * qt, T, _I64)
+    rc_tok[:u] = starts[users]
+    rc_ctx = np.zeros(n_rc * qt, _I64)
+    rc_ctx[:u] = ctx[users]
+    col_pos = s_blk[first_pair] * bs
+    col_order = np.argsort(col_pos, kind="stable")  # columns in position order (the general lexsort)
+    cc_phys = np.zeros(n_cc * kb, _I64)
+    cc_phys[:C] = s_phys[first_pair[col_order]]
+    cc_pos = np.full(n_cc * kb, _FAR, _I64)
+    cc_pos[:C] = col_pos[col_order]
+    ri, ci = np.divmod(np.arange(n_rc * n_cc), n_cc)  # row chunk major
+    rows = out.array("shared_rows", (ri.size, qt))
+    np.take(rc_tok.reshape(n_rc, qt), ri, axis=0, out=rows)
+    cphys = out.array("shared_blocks", (ri.size, kb))
+    np.take(cc_phys.reshape(n_cc, kb), ci, axis=0, out=cphys)
+    col_pos_tiles = cc_pos.reshape(n_cc, kb).take(ci, axis=0)
+    hi = out.array("shared_hi", (ri.size, qt, kb))
+    np.subtract(rc_ctx.reshape(n_rc, qt).take(ri, axis=0)[:, :, None], col_pos_tiles[:, None, :], out=hi)
+    _clip(hi, bs)
+    visible = _prefix_visible(rc_ctx.reshape(n_rc, qt), ri, col_pos_tiles, bs)
+    return (rows, cphys, out.zeros("shared_lo", hi.shape), hi, visible), int(s_hi.sum())
+
+
 def _prefix_visible(rc_ctx, ri, col_pos, bs: int) -> bool:
     """Without a window: True when every tile's real rows all see the same keys and those keys are a
     prefix of the tile's slots (full blocks, then at most one partial one, then none), so a tile is one
@@ -132,10 +189,16 @@ def _prefix_visible(rc_ctx, ri, col_pos, bs: int) -> bool:
     longest = rc_t.max(0)[ri]
     shortest = np.minimum(np.where(rc_t > 0, rc_t, _FAR).min(0)[ri], longest)
     pos = np.ascontiguousarray(col_pos.T)  # [blocks, tiles]
-    top = np.clip(longest - pos, 0, bs)
-    if not (top == np.clip(shortest - pos, 0, bs)).all():
+    top = _clip(longest - pos, bs)
+    if not (top == _clip(shortest - pos, bs)).all():
         return False
     return bool(((top[1:] == 0) | (top[:-1] == bs)).all())
+
+
+def _clip(x: np.ndarray, bs: int) -> np.ndarray:
+    """`np.clip(x, 0, bs)` in place, without np.clip's per-call overhead (a few us on small arrays)."""
+    np.maximum(x, 0, out=x)
+    return np.minimum(x, bs, out=x)
 
 
 def _full_blocks_hi(hi, cc_pos, ci, rc_ctx, rows_per_group, r_chunks, c_chunks, r_off, per_group, partial,
@@ -163,5 +226,5 @@ def _full_blocks_hi(hi, cc_pos, ci, rc_ctx, rows_per_group, r_chunks, c_chunks, 
         t = tile_off[g] + k * c_chunks[g] + local // kb
         cells = rc_ctx.T[:, r_off[g] + k]  # [rows, cells]: the long axis last, for numpy's inner loops
         cells -= cpos_sorted[partial][own]
-        np.clip(cells, 0, bs, out=cells)
+        _clip(cells, bs)
         hi[t, :, local % kb] = cells.T

@@ -76,3 +76,19 @@ def can_hold_a_step(bucket: Bucket, block_size: int, options, sliding_window: in
     """True when some step of `bucket`'s phase fits in it (it covers the phase's smallest step)."""
     smallest = smallest_steps(block_size, options, sliding_window)[bucket.phase]
     return smallest is not None and bucket.covers(smallest[1])
+
+
+def lift_to_smallest(sizes: np.ndarray, block_size: int, options, sliding_window: int | None = None) -> np.ndarray:
+    """Bucket rows (int64 [n, 5], DIMS order) each raised to cover the smallest step of its phase, rows of a
+    phase the planner never makes dropped, duplicates merged: what a plan generator emits, so that every
+    bucket of a new plan can be warmed (a learned or skeleton bucket may be smaller, in some size, than any
+    step of its phase: e.g. `csu` with one logit, where such steps need two requests)."""
+    from vllm_gaudi_unified.bucket import bucket_from_sizes
+
+    smallest = smallest_steps(block_size, options, sliding_window)
+    rows = []
+    for row in np.asarray(sizes, dtype=np.int64):
+        found = smallest[bucket_from_sizes(row.tolist()).phase]
+        if found is not None:
+            rows.append(np.maximum(row, np.asarray(found[1].sizes, dtype=np.int64)))
+    return np.unique(np.array(rows, dtype=np.int64).reshape(-1, sizes.shape[1]), axis=0)

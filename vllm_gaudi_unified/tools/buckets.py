@@ -8,18 +8,9 @@ import time
 
 from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE
 from vllm_gaudi_unified.files import atomic_write, output_path
-from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, TILE, comma_ints, float_in, int_in
-from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE, MAX_STEP_TOKENS
-from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
-from vllm_gaudi_unified.tools.workloads import WORKLOADS
-
-WORKLOAD_NAMES = tuple(WORKLOADS)
-
-SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
-                 "sliding_window", "num_speculative_tokens")
-#: Batch-invariant PlanOptions with a flag of `buckets generate` (`--batch-invariant`, `--invariant-chunk`, ...).
-INVARIANT_FLAGS = ("batch_invariant", "invariant_rows", "invariant_chunk", "invariant_causal_chunk")
-MODEL_FLAGS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size", "vocab_size")
+from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, comma_ints, float_in, int_in
+from vllm_gaudi_unified.tools.settings_flags import WORKLOAD_NAMES, add_model, add_settings, model_from_args, \
+    settings_from_args
 
 
 def register(subparsers) -> None:
@@ -35,8 +26,8 @@ def register(subparsers) -> None:
     g.add_argument("--strategy", choices=("robust", "trace", "exponential"), default="robust",
                    help="how buckets are chosen: robust (skeleton over the whole range + buckets learned at "
                         "several loads), trace (learned by total padded work), exponential (settings only)")
-    _add_settings(g)
-    _add_model(g)
+    add_settings(g)
+    add_model(g)
     g.add_argument("--trace", action="append", default=[], metavar="T",
                    help="scheduler trace (.jsonl or .jsonl.gz) to learn from; repeatable")
     g.add_argument("--workload", choices=WORKLOAD_NAMES, default="chat",
@@ -107,12 +98,13 @@ def register(subparsers) -> None:
     pl.add_argument("--trace", required=True, metavar="T", help="scheduler trace")
     pl.add_argument("-o", "--output", type=output_path, required=True, help="PNG file to write")
     pl.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying the trace")
+    pl.add_argument("--no-progress", action="store_true", help="no progress bar")
     pl.set_defaults(func=cmd_plot)
 
     sm = sub.add_parser("simulate", help="make a scheduler trace with the v1-like simulator",
                         description="Simulate a vLLM v1 scheduler serving a generated workload and write "
                                     "its steps as a trace.")
-    _add_settings(sm, options=False)
+    add_settings(sm, options=False)
     sm.add_argument("--workload", choices=WORKLOAD_NAMES, default="chat", help="named workload")
     sm.add_argument("--seed", type=SEED, default=0, help="random seed")
     sm.add_argument("--num-requests", type=POSITIVE, default=None, help="requests (default: the workload's)")
@@ -123,66 +115,6 @@ def register(subparsers) -> None:
     sm.add_argument("-o", "--output", type=output_path, required=True, help="trace file to write (.jsonl or .jsonl.gz)")
     sm.add_argument("--no-progress", action="store_true", help="no progress bar")
     sm.set_defaults(func=cmd_simulate)
-
-
-def _add_settings(p: argparse.ArgumentParser, options: bool = True) -> None:
-    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
-
-    p.add_argument("--preset", choices=sorted(PRESETS), default="llama8b-gaudi3",
-                   help="server settings to start from (default: llama8b-gaudi3); flags below override")
-    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
-                   help="KV cache block size (tokens)")
-    p.add_argument("--max-num-seqs", type=POSITIVE, default=None, help="vLLM max_num_seqs")
-    p.add_argument("--max-num-batched-tokens", type=int_in(1, MAX_STEP_TOKENS), default=None,
-                   help="vLLM max_num_batched_tokens")
-    p.add_argument("--max-model-len", type=POSITIVE, default=None, help="vLLM max_model_len")
-    p.add_argument("--num-blocks", type=POSITIVE, default=None, help="KV cache blocks")
-    p.add_argument("--sliding-window", type=POSITIVE, default=None, help="sliding window of the model, if any")
-    p.add_argument("--num-speculative-tokens", type=int_in(0, 64), default=None,
-                   help="speculative decoding: draft tokens per decode (vLLM's num_speculative_tokens; default 0). "
-                        "Decodes then bring up to 1 + k tokens: the exponential plan adds buckets for them and "
-                        "the simulator schedules them")
-    p.add_argument("--draft-acceptance", type=float_in(0.0, 1.0), default=0.7,
-                   help="simulator only: probability that a draft is accepted (each, until the first rejection)")
-    if options:  # no 'auto' layout: one bucket would need two graphs (slice and gather)
-        add_plan_option_flags(p, layouts=("gather", "slice"), base="the preset's (unique layout: gather)")
-        p.add_argument("--invariant-rows", type=TILE["invariant_rows"], default=None,
-                       help="planner option, batch-invariant mode: query rows of a unit")
-        p.add_argument("--invariant-chunk", type=TILE["invariant_chunk"], default=None,
-                       help="planner option, batch-invariant mode: units per product")
-        p.add_argument("--invariant-causal-chunk", type=TILE["invariant_causal_chunk"], default=None,
-                       help="planner option, batch-invariant mode: causal tiles per product")
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-layers", type=POSITIVE, default=None, help="model layers (default 32, Llama-3.1-8B)")
-    p.add_argument("--num-qo-heads", type=POSITIVE, default=None, help="query heads (default 32)")
-    p.add_argument("--num-kv-heads", type=POSITIVE, default=None, help="KV heads (default 8)")
-    p.add_argument("--head-dim", type=POSITIVE, default=None, help="head size (default 128)")
-    p.add_argument("--dtype-bytes", type=int_in(1, 8), default=None, help="bytes per element (default 2, bf16)")
-    p.add_argument("--hidden-size", type=POSITIVE, default=None, help="hidden size, for the LM head (default 4096)")
-    p.add_argument("--vocab-size", type=POSITIVE, default=None, help="vocabulary, for the LM head (default 128256)")
-
-
-def settings_from_args(args):
-    from dataclasses import replace
-
-    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
-
-    s = PRESETS[args.preset]
-    over = {k: getattr(args, k) for k in SETTING_FLAGS if getattr(args, k, None) is not None}
-    options = plan_options_from_args(args, s.options)
-    invariant = {k: getattr(args, k) for k in INVARIANT_FLAGS if getattr(args, k, None) not in (None, False)}
-    options = replace(options, **invariant) if invariant else options
-    if options != s.options:
-        over["options"] = options
-    return replace(s, **over) if over else s
-
-
-def model_from_args(args):
-    from vllm_gaudi_unified.bucket_plans.cost import ModelSpec
-
-    return ModelSpec(**{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k, None) is not None})
 
 
 def cmd_generate(args) -> int:
@@ -258,8 +190,16 @@ def _learning_traces(args, settings):
     sched = SchedulerConfig.from_settings(settings, draft_acceptance=args.draft_acceptance)
     work = workload_from(args.workload)
     out = []
+    from tqdm import tqdm
+
     for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
-        steps = list(Simulator(sched, work, seed).steps())
+        # The step count is not known ahead (requests arrive and finish): a counting bar per seed.
+        with tqdm(desc=f"simulating {args.workload} seed {seed}", unit="step", disable=args.no_progress,
+                  leave=False) as bar:
+            steps = []
+            for step in Simulator(sched, work, seed).steps():
+                steps.append(step)
+                bar.update(1)
         out.append((shapes_of_steps(steps, settings, f"simulated:{args.workload}:seed{seed}"), steps))
     return out
 
@@ -354,7 +294,7 @@ def cmd_plot(args) -> int:
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
 
     plan = BucketPlan.load(args.plan)
-    shapes = shapes_of_trace(args.trace, plan.settings, jobs=args.jobs)
+    shapes = shapes_of_trace(args.trace, plan.settings, jobs=args.jobs, progress=not args.no_progress)
     plot_plan(plan, shapes, args.output)
     print(f"wrote {args.output}")
     return 0

@@ -17,7 +17,6 @@ COMMAND_MODULES = (
     "vllm_gaudi_unified.tools.buckets",
     "vllm_gaudi_unified.warmup",
     "vllm_gaudi_unified.tools.trace_stats",
-    "vllm_gaudi_unified.tools.bench",
     "vllm_gaudi_unified.vllm_plugin.serve",
 )
 
@@ -25,18 +24,36 @@ COMMAND_MODULES = (
 PROG = "vllm-gaudi-unified"
 
 
+class _ShowRanges:
+    """Help-formatter mixin: a range-checked flag's help ends with its range (`flags.CheckedType`), so the
+    `--help` that an error points to says which values are accepted."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action)
+        describe = getattr(action.type, "describe", None)
+        if text and text is not argparse.SUPPRESS and describe is not None:
+            text += f" (range {describe()})"
+        return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `vllm-gaudi-unified buckets generate: error: argument --margin: ...`
-    (no usage block; `--help` has it). Subcommand parsers are of this class too."""
+    (no usage block; `--help` has it), and numeric flags' ranges in `--help`. Subcommand parsers are of
+    this class too."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def _get_formatter(self):
+        cls = self.formatter_class
+        return type(f"Ranges{cls.__name__}", (_ShowRanges, cls), {})(prog=self.prog)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog=PROG,
-        description="Unified Attention for vLLM on Intel Gaudi: demo, bucket plans, warmup, benchmarks, serving.",
+        description="Unified Attention for vLLM on Intel Gaudi: demo, bucket plans, warmup, serving (and vLLM's "
+                    "own commands). Benchmarks: python -m benchmarks.suite from a source checkout.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -61,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     leaves half a file behind."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"] and argv[1:] not in (["-h"], ["--help"]):
-        args = parser.parse_args(["serve"])  # the rest is vLLM's, flags first included (argparse's
+    if argv[:1] in (["serve"], ["vllm"]) and argv[1:] not in (["-h"], ["--help"]):
+        args = parser.parse_args(argv[:1])  # the rest is vLLM's, flags first included (argparse's
         args.vllm_args = argv[1:]  # REMAINDER cannot start with a flag)
     else:
         args = parser.parse_args(argv)

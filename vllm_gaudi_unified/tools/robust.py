@@ -48,6 +48,7 @@ from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, Mode
 from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
 from vllm_gaudi_unified.bucket import bucket_from_sizes
+from vllm_gaudi_unified.plan.smallest import lift_to_smallest
 from vllm_gaudi_unified.tools.shapes import StepShapes
 from vllm_gaudi_unified.tools.strategies import grid_values, round_up
 from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes
@@ -217,6 +218,7 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
     buckets = cands[chosen]
     if local_search:
         buckets = _local_search(buckets, len(fixed), cands, M, rows, groups)
+    buckets = lift_to_smallest(buckets, settings.block_size, settings.options, settings.sliding_window)  # all warmable
     plan = BucketPlan([bucket_from_sizes(b) for b in buckets], settings, model, hardware, strategy="robust", gather_cap=cap,
                       info={"max_graphs": max_graphs, "worst": worst, "skeleton_ratio": skeleton_ratio,
                             "skeleton_buckets": int(len(skel)), "resolution": resolution, "margin": margin,

@@ -326,13 +326,26 @@ def shapes_of_trace(trace: str | Trace, settings: ServerSettings, jobs: int | No
             results.append(_plan_lines(c))
             bar.update(len(c[0]))
     else:
-        with ProcessPoolExecutor(jobs) as pool:
+        # The workers ignore SIGINT: a Ctrl-C reaches the whole process group, and only this process says
+        # it was interrupted (one line); the queued chunks are dropped instead of run to the end.
+        pool = ProcessPoolExecutor(jobs, initializer=_ignore_sigint)
+        try:
             for c, r in zip(chunks, pool.map(_plan_lines, chunks)):
                 results.append(r)
                 bar.update(len(c[0]))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     bar.close()
     return StepShapes(np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results]),
                       settings.block_size, (trace,))
+
+
+def _ignore_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _json(line: str, where: str) -> dict:

@@ -36,6 +36,7 @@ from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.exponential import exp_values, exponential_plan
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+from vllm_gaudi_unified.plan.smallest import lift_to_smallest
 from vllm_gaudi_unified.tools.shapes import StepShapes
 
 STRATEGIES = ("exponential", "trace")
@@ -190,6 +191,7 @@ def trace_plan(shapes: StepShapes, settings: ServerSettings, model: ModelSpec | 
     buckets = cands[chosen]
     if local_search:
         buckets = _local_search(pb, buckets, cands, cand_cost, cand_cov, gains)
+    buckets = lift_to_smallest(buckets, settings.block_size, settings.options, settings.sliding_window)  # all warmable
     plan = BucketPlan([bucket_from_sizes(b) for b in buckets], settings, model, hardware, strategy="trace",
                       info={"max_graphs": max_graphs, "target_waste": target_waste, "resolution": resolution,
                             "sources": [str(s) for s in shapes.sources], "steps": int(len(shapes)),

@@ -72,7 +72,7 @@ def run(args, measures: dict | None = None) -> int:
     from vllm_gaudi_unified.bucket_plans.trace import read_trace
 
     trace = read_trace(args.trace, limit=args.limit)
-    work = trace_work(trace.steps, plan_options_from_args(args), args.sliding_window, progress=not args.quiet,
+    work = trace_work(trace.steps, plan_options_from_args(args), args.sliding_window, progress=not args.no_progress,
                       measures=measures)
     print(f"{args.trace}: {work.steps} steps, block size {trace.block_size}; "
           f"unique path gathered live blocks in {work.gathered_steps} steps")
@@ -91,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sliding-window", type=POSITIVE, default=None, help="model sliding window (default: none)")
     p.add_argument("--limit", type=POSITIVE, default=None, help="read only the first N steps")
     p.add_argument("--json", type=output_path, default=None, help="also write the numbers to this JSON file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", dest="no_progress", action="store_true", help=argparse.SUPPRESS)  # the old spelling
 
 
 def register(subparsers) -> None:

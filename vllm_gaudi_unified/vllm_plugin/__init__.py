@@ -8,7 +8,8 @@
   `hpu_platform` (platform: worker class, hook check, refusals), `hpu_worker`
   (builds the runner), `hpu_runner` (one unified batch per step from its input
   batch, warmup of the bucket plan through the model), `hpu_backend` (backend,
-  per-step metadata, impl in vllm-gaudi's calling convention, metadata pass-through);
+  per-step metadata, impl in vllm-gaudi's calling convention, metadata pass-through),
+  `hpu_kinds` (a KV cache group's layers by attention kind, one plan per kind per step);
 - `steps`: what happens around each planned step (bucket plan, warmup, debug
   log, trace recording);
 - `worker`: vLLM's CPU worker plus the bucket warmup at start-up.

@@ -152,6 +152,9 @@ class GaudiUnifiedMetadata:
     slot_mapping: torch.Tensor  #: [num_tokens] int64, cache slot (block * block_size + offset) of each new token
     num_tokens: int  #: real new tokens of the step; vLLM may hand forward() more rows (padding), never fewer
     rows: BucketRows | None = None  #: q/k/v at the bucket's rows (the builder's, kept from step to step)
+    #: the cache slots of the new tokens when every one is cached (no -1): the CPU's dense decode route
+    #: reads them from the cache with the rest (`paths/decodes.py`)
+    self_slots: torch.Tensor | None = None
     checked: bool = False  #: the step's inputs were checked (by its first layer)
 
 
@@ -193,8 +196,10 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
                                     bucket=self.hooks.bucket_plan, buffers=self.buffers)
         self.hooks.after_plan(batch, query_lens, context_lens, block_table)
         num_tokens = batch.num_tokens
-        return GaudiUnifiedMetadata(batch=batch, slot_mapping=cm.slot_mapping[:num_tokens].long(),
-                                    num_tokens=num_tokens, rows=self.rows)
+        slots = cm.slot_mapping[:num_tokens].long()
+        cached = slots.device.type == "cpu" and num_tokens == batch.num_requests and bool((slots >= 0).all())
+        return GaudiUnifiedMetadata(batch=batch, slot_mapping=slots, num_tokens=num_tokens, rows=self.rows,
+                                    self_slots=slots if cached else None)
 
 
 def step_lengths(cm: CommonAttentionMetadata, exact_seq_lens: bool = False
@@ -327,7 +332,8 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             md.checked = True
         output[:t] = attend_step(query, key, value, key_cache, value_cache, md.batch, self.scale,
                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
-                                 k_scale=k_scale, v_scale=v_scale)[:t]
+                                 k_scale=k_scale, v_scale=v_scale, dense_decodes=True,
+                                 self_slots=md.self_slots)[:t]
         return output
 
 

@@ -157,6 +157,10 @@ class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
             raise TypeError(f"attn_metadata of type {type(attn_metadata).__name__}: the unified impl runs only the "
                             "steps the unified model runner plans (UnifiedHpuModelRunner); vllm-gaudi's own runner "
                             "or a path of it that builds HPUAttentionMetadataV1 reached it")
+        if attn_metadata.batch.sliding_window != self.sliding_window:
+            raise ValueError(f"layer {getattr(layer, 'layer_name', '?')}: sliding window {self.sliding_window} but "
+                             f"planned with {attn_metadata.batch.sliding_window}: the runner gave it another "
+                             "attention kind's plan")
         q = query.reshape(-1, self.num_heads, self.head_size)
         k = key.reshape(-1, self.num_kv_heads, self.head_size)
         v = value.reshape(-1, self.num_kv_heads, self.head_size)

@@ -7,11 +7,12 @@ is vllm-gaudi's. `entry.platform_plugin` names it only where an HPU (or the
 tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
-speculative decoding other than ngram (vllm-gaudi's EAGLE drafter runs its own
+multimodal models and LoRA adapters (`refuse_unserved_models`), speculative decoding other than ngram (vllm-gaudi's EAGLE drafter runs its own
 forwards with its own metadata), a vllm-gaudi whose overridden methods differ from the ones checked
 (`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
-are the backend's to accept (`hpu_backend.py`). Async scheduling is switched off: the
-runner reads the last sampled tokens from the host input batch.
+are the backend's to accept (`hpu_backend.py`). Async scheduling runs as vllm-gaudi
+runs it (the runner takes the previous step's samples on the device), except under
+speculative decoding, which vllm-gaudi's runner does not combine with it.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ VLLM_GAUDI_HOOKS = {
         "load_model": [],
         "initialize_kv_cache": ["kv_cache_config"],
         "warmup_model": [],
+        "execute_model": ["scheduler_output", "warmup_mode"],
+        "run_defragmenter": ["scheduler_output", "warmup_mode"],
+        "_update_states": ["scheduler_output"],
         "_get_prompts_and_decodes": ["scheduler_output"],
         "_prepare_inputs": ["scheduler_output", "num_prefills", "num_decodes", "warmup"],
         "_execute_model_generic": ["token_ids", "position_ids", "attn_metadata", "logits_indices", "kv_caches",
@@ -96,6 +100,22 @@ def check_vllm_gaudi_hooks() -> None:
                            "VLLM_GAUDI_UNIFIED=0 to run vllm-gaudi's own attention.")
 
 
+def refuse_unserved_models(vllm_config) -> None:
+    """Start-up errors, naming the model feature, for what vllm-gaudi serves and the unified runner not yet."""
+    model = vllm_config.model_config
+    problems = []
+    if model is not None and model.is_multimodal_model:
+        problems.append(f"multimodal inputs ({model.architecture}: vllm-gaudi runs the vision encoder and builds "
+                        "inputs_embeds / multimodal kwargs / M-RoPE positions inside its own prefill batching, "
+                        "which the unified runner replaces)")
+    if vllm_config.lora_config is not None:
+        problems.append("LoRA adapters (vllm-gaudi maps adapters to tokens per padded prompt of its own batches, "
+                        "[batch, seq]; the unified step is one flat [1, tokens] batch: the mapping would be wrong)")
+    if problems:
+        raise NotImplementedError("Unified attention on Gaudi does not serve " + "; ".join(problems) + ". Unset "
+                                  "VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")
+
+
 class UnifiedHpuPlatform(HpuPlatform):
     """vllm-gaudi's `HpuPlatform` with the unified worker (and so model runner) and attention backend."""
 
@@ -115,11 +135,12 @@ class UnifiedHpuPlatform(HpuPlatform):
                                       "attention on Gaudi (ngram is): vllm-gaudi's model-based drafters (EAGLE) run "
                                       "their own forwards with its own attention metadata. Use method 'ngram', or "
                                       "unset VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")
+        refuse_unserved_models(vllm_config)
         sched = vllm_config.scheduler_config
-        if sched.async_scheduling:
-            sched.async_scheduling = False
-            logger.info("Unified attention: async scheduling off (the unified runner reads the last sampled "
-                        "tokens from the host input batch)")
+        if sched.async_scheduling and spec is not None:
+            sched.async_scheduling = False  # vllm-gaudi's runner asserts it (its ngram path samples on the host)
+            logger.info("Unified attention: async scheduling off under speculative decoding (vllm-gaudi's runner "
+                        "does not combine them)")
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):

@@ -19,14 +19,12 @@ defragmenter) and replaces the step's forward plan:
   `load_model`), and computes the logits of the requests that sample;
 - `warmup_model`: the bucket plan's buckets through the whole model on the real KV
   caches (HPU graphs in lazy mode), instead of vllm-gaudi's prompt/decode buckets;
-- `initialize_kv_cache`: one `StepHooks` (bucket plan, trace, debug log) per KV cache group.
+- `initialize_kv_cache`: one `StepHooks` per KV cache group, its layers by attention kind (`hpu_kinds.py`).
 
 vllm-gaudi's `sample_tokens` then samples and returns outputs as it always does:
 the unified batch is its single prefill batch.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import habana_frameworks.torch as htorch
 import numpy as np
@@ -42,11 +40,7 @@ from vllm_gaudi.v1.worker.hpu_model_runner import (
 )
 
 from vllm_gaudi_unified.log import get_logger
-from vllm_gaudi_unified.vllm_plugin.backend import (
-    _group_sliding_window,
-    _model_has_full_attention,
-    refuse_unsupported_config,
-)
+from vllm_gaudi_unified.vllm_plugin.backend import refuse_unsupported_config
 from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
     UnifiedHpuAttentionBackend,
@@ -54,81 +48,18 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
     UnifiedMetadataProcessor,
     is_unified_metadata,
 )
+from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_kinds
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
+from vllm_gaudi_unified.vllm_plugin.hpu_step import (
+    HpuStep,
+    PerRequestRows,
+    slot_mapping,
+    step_from_input_batch,
+    token_positions,
+)
 from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
 
 logger = get_logger("vllm.gaudi_unified.hpu_runner")
-
-
-@dataclass
-class HpuStep:
-    """A scheduler step as the runner's input batch holds it, requests in input-batch order::
-
-        |---- context_len (num_computed_tokens) ----|-- query_len (scheduled) --|
-    """
-
-    req_ids: list[str]
-    query_lens: np.ndarray  #: [R] int64 tokens scheduled this step
-    context_lens: np.ndarray  #: [R] int64 tokens already in the KV cache
-    block_tables: list[np.ndarray]  #: per KV cache group, [R, max_blocks] int64 physical block ids
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_lens.sum())
-
-
-def step_from_input_batch(input_batch, num_scheduled_tokens, resolve_blocks=None) -> HpuStep:
-    """The step of `input_batch` (vllm-gaudi's `HPUInputBatch`) for the scheduler's
-    `num_scheduled_tokens` (request id -> tokens). `resolve_blocks(table)` maps block ids
-    through vllm-gaudi's defragmenter when it is on."""
-    n = input_batch.num_reqs
-    req_ids = list(input_batch.req_ids[:n])
-    query_lens = np.fromiter((num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
-    context_lens = input_batch.num_computed_tokens_cpu[:n].astype(np.int64)
-    tables = []
-    for table in input_batch.block_table.block_tables:
-        bt = table.get_numpy_array()[:n].astype(np.int64)
-        tables.append(bt if resolve_blocks is None else resolve_blocks(bt))
-    return HpuStep(req_ids, query_lens, context_lens, tables)
-
-
-def slot_mapping(step: HpuStep, block_table: np.ndarray, block_size: int, padded_len: int,
-                 pad_slot: int) -> np.ndarray:
-    """[padded_len] cache slot of every new token (requests in order), then `pad_slot` for padding rows."""
-    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
-    starts = np.cumsum(step.query_lens) - step.query_lens
-    pos = step.context_lens[req] + np.arange(len(req)) - starts[req]
-    slots = np.full(padded_len, pad_slot, dtype=np.int64)
-    slots[:len(req)] = block_table[req, pos // block_size] * block_size + pos % block_size
-    return slots
-
-
-def token_positions(step: HpuStep, padded_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(request index, position) of every new token; padding rows: request 0, position 0."""
-    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
-    starts = np.cumsum(step.query_lens) - step.query_lens
-    pos = np.zeros(padded_len, dtype=np.int64)
-    pos[:len(req)] = step.context_lens[req] + np.arange(len(req)) - starts[req]
-    index = np.zeros(padded_len, dtype=np.int64)
-    index[:len(req)] = req
-    return index, pos
-
-
-class PerRequestRows:
-    """The hidden states of one flattened step, indexed by request like vllm-gaudi's per-request
-    prefill batches (`rows[i]` is request `first + i`'s `[query_len, hidden]`; `first`: the decodes
-    that vllm-gaudi's sampling lists apart under speculative decoding): its prompt-logprobs code reads them so."""
-
-    def __init__(self, hidden: torch.Tensor, query_lens: np.ndarray, first: int = 0):
-        self.hidden = hidden
-        self.starts = (np.cumsum(query_lens) - query_lens).tolist()[first:]
-        self.lens = query_lens.tolist()[first:]
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.hidden[self.starts[i]:self.starts[i] + self.lens[i]]
-
-    def __len__(self) -> int:
-        return len(self.lens)
 
 
 class UnifiedHpuModelRunner(HPUModelRunner):
@@ -138,7 +69,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         refuse_unsupported_config(vllm_config)
         super().__init__(vllm_config, device=device, is_driver_worker=is_driver_worker)
         self.unified_hooks: list[StepHooks] = []  #: per KV cache group (made in initialize_kv_cache)
-        self.unified_windows: list[int | None] = []  #: per KV cache group
+        self.unified_kinds: list[dict] = []  #: per KV cache group: its layers by AttentionKind (hpu_kinds.py)
         self.unified_warmed: set = set()  #: buckets run through the whole model at warmup
         self.last_step: HpuStep | None = None  #: the last step planned (tests, debugging)
         self.num_listed_decodes = 0  #: the step's first requests, which vllm-gaudi's sampling treats as decodes
@@ -150,7 +81,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
 
     def load_model(self) -> None:
         super().load_model()
-        self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
+        if not self.is_pooling_model:  # vllm-gaudi runs a pooling model bare, without its model adapter
+            self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
         logger.info("Unified attention: vllm-gaudi's model runner plans every step as one unified batch "
                     "(backend %s).", UnifiedHpuAttentionBackend.get_name())
 
@@ -169,7 +101,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         self.make_unified_hooks()
 
     def make_unified_hooks(self) -> None:
-        """Bucket plan, trace and debug log per KV cache group of `self.kv_cache_config`."""
+        """Bucket plan, trace and debug log per KV cache group of `self.kv_cache_config`; the group's
+        layers by attention kind (vllm-gaudi puts sliding-window, chunked and full layers in one group)."""
         config = PluginConfig.from_env()
         groups = self.kv_cache_config.kv_cache_groups
         tables = len(self.input_batch.block_table.block_tables)
@@ -178,16 +111,36 @@ class UnifiedHpuModelRunner(HPUModelRunner):
             raise NotImplementedError(f"{len(groups)} KV cache groups (e.g. sliding-window beside full attention "
                                       f"layers) but vllm-gaudi's input batch keeps {tables} block table(s): not "
                                       "supported by the unified runner yet")
-        windows = [_group_sliding_window(self.vllm_config, g.layer_names) for g in groups]
-        has_full = _model_has_full_attention(self.vllm_config)
-        recorder = next((i for i, w in enumerate(windows) if w is None), 0) if has_full else 0
-        self.unified_windows = windows
+        self.unified_kinds = [group_kinds(self.vllm_config, g.layer_names) for g in groups]
+        # A group of one plain kind gets that window's bucket plan; several kinds share the full one.
+        windows = [next(iter(k)).window if len(k) == 1 and not next(iter(k)).chunk_size else None
+                   for k in self.unified_kinds]
+        recorder = next((i for i, k in enumerate(self.unified_kinds) if FULL in k), 0)
         self.unified_hooks = [
             StepHooks.create(config, self.vllm_config, g.kv_cache_spec, torch.device(self.device),
                              sliding_window=w, may_record=(i == recorder))
             for i, (g, w) in enumerate(zip(groups, windows))]
+        for kinds in self.unified_kinds:
+            if len(kinds) > 1:
+                logger.info("Unified attention: one KV cache group, one plan per attention kind per step (%s), "
+                            "all padded to one bucket", ", ".join(f"{k}: {len(v)} layers" for k, v in kinds.items()))
 
     # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output, warmup_mode: bool = False):
+        """vllm-gaudi's, except for pooling models, whose steps run as one unified batch too (`hpu_pooling.py`)."""
+        if not self.is_pooling_model:
+            return super().execute_model(scheduler_output, warmup_mode)
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+        from vllm_gaudi_unified.vllm_plugin.hpu_pooling import pool_step
+
+        self.run_defragmenter(scheduler_output, warmup_mode)
+        self._update_states(scheduler_output)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        return pool_step(self, scheduler_output)
 
     def _get_prompts_and_decodes(self, scheduler_output) -> PromptDecodeInfo:
         """Every scheduled request in one batch, in input-batch order (as vllm-gaudi's prompt list).
@@ -211,23 +164,20 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         return np.where(inside, mapping[np.where(inside, table, 0)], table)
 
     def plan_step(self, step: HpuStep, bucket_override=None) -> dict[str, UnifiedHpuMetadata]:
-        """The step planned per KV cache group, as `{layer_name: UnifiedHpuMetadata}`.
+        """The step planned per KV cache group and attention kind, as `{layer_name: UnifiedHpuMetadata}`.
 
-        Each group plans like the CPU path's builder: `build_unified_batch(query_lens,
-        context_lens, block_table, block_size, sliding_window, options, bucket)`.
-        Model rows are padded to the first group's bucket; every group pads to the same rows.
+        A group of one kind plans like the CPU path's builder: `build_unified_batch(query_lens,
+        context_lens, block_table, block_size, sliding_window, options, bucket)`; several kinds
+        pad to one bucket (`hpu_kinds.plan_kinds`). Every group pads to the same rows.
         """
-        from vllm_gaudi_unified import build_unified_batch
-
         metadata, padded = {}, None
-        for gid, (group, hooks, window) in enumerate(zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
-                                                         self.unified_windows)):
+        for gid, (group, hooks, kinds) in enumerate(zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
+                                                        self.unified_kinds)):
             bs = group.kv_cache_spec.block_size
             table = step.block_tables[gid]
-            batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, sliding_window=window,
-                                        options=hooks.options,
-                                        bucket=bucket_override if bucket_override is not None else hooks.bucket_plan,
-                                        device=self.device)
+            batches = plan_kinds(step.query_lens, step.context_lens, table, bs, kinds, hooks.options,
+                                 bucket_override if bucket_override is not None else hooks.bucket_plan, self.device)
+            batch = next(iter(batches.values()))
             hooks.after_plan(batch, step.query_lens, step.context_lens, table)
             rows = batch.bucket.query_len
             if padded is None:
@@ -235,9 +185,10 @@ class UnifiedHpuModelRunner(HPUModelRunner):
             elif rows != padded:
                 raise ValueError(f"KV cache group {gid} padded the step to {rows} rows, group 0 to {padded}: "
                                  "the groups' bucket plans must agree on query lengths")
-            slots = slot_mapping(step, table, bs, rows, self._PAD_SLOT_ID)
-            md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.from_numpy(slots).to(self.device))
-            metadata.update({name: md for name in group.layer_names})
+            slots = torch.from_numpy(slot_mapping(step, table, bs, rows, self._PAD_SLOT_ID)).to(self.device)
+            for kind, names in kinds.items():
+                md = UnifiedHpuMetadata(batch=batches[kind], slot_mapping=slots)
+                metadata.update({name: md for name in names})
         return metadata
 
     def _prepare_inputs(self, scheduler_output, num_prefills, num_decodes, warmup=False):
@@ -252,14 +203,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         self.last_step, self._step_forward = step, None
         metadata = self.plan_step(step)
         first = next(iter(metadata.values()))
-        padded = first.batch.bucket.query_len
-        req_index, positions = token_positions(step, padded)
-        width = self.input_batch.token_ids_cpu.shape[1]
-        token_ids = self.input_batch.token_ids_cpu.reshape(-1)[req_index * width + positions]
-        token_ids[step.num_tokens:] = 0
-        token_ids = token_ids.astype(np.int64)
-        tokens_device = torch.from_numpy(token_ids).view(1, -1).to(self.device)
-        positions_device = torch.from_numpy(positions).view(1, -1).to(self.device)
+        token_ids, tokens_device, positions_device = self.step_inputs(step, first.batch.bucket.query_len)
         # Which requests sample this step: vLLM's rule (the GPU runner's discard mask): a request
         # whose scheduled tokens reach the end of its known tokens; a prompt chunk short of it does not.
         n = len(step.req_ids)
@@ -268,6 +212,13 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         ends = step.context_lens + step.query_lens
         samples = ends >= self.input_batch.num_tokens_no_spec[:n]
         samples[:d] = False  # sampled in the decode branch
+        if self.use_async_scheduling:
+            # vllm-gaudi's rule: every request samples (its sampled rows are the input batch's, in order, for
+            # the next step to read on the device); a prompt chunk short of its end is discarded.
+            discarded = np.flatnonzero(~samples).tolist()
+            self.invalid_req_indices = getattr(self, "invalid_req_indices", []) + discarded  # reset by sample_tokens
+            samples[:] = True
+            self._last_sampled_on_device(step, tokens_device)
         last_rows = first.batch.plan.logits_indices[:n]
         logits_indices = torch.from_numpy(np.ascontiguousarray(last_rows[samples], dtype=np.int64))
         data = PrefillInputData()
@@ -289,6 +240,32 @@ class UnifiedHpuModelRunner(HPUModelRunner):
                                      spec_decode_metadata=spec)
         return (data, None), (decode, None)
 
+    def step_inputs(self, step: HpuStep, padded: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """The step's token ids ([padded] int64, host; padding rows 0) read from the input batch, and the
+        model's `[1, padded]` token and position tensors on the device."""
+        req_index, positions = token_positions(step, padded)
+        width = self.input_batch.token_ids_cpu.shape[1]
+        token_ids = self.input_batch.token_ids_cpu.reshape(-1)[req_index * width + positions]
+        token_ids[step.num_tokens:] = 0
+        token_ids = token_ids.astype(np.int64)
+        return (token_ids, torch.from_numpy(token_ids).view(1, -1).to(self.device),
+                torch.from_numpy(positions).view(1, -1).to(self.device))
+
+    def _last_sampled_on_device(self, step: HpuStep, tokens_device: torch.Tensor) -> None:
+        """Async scheduling: a request of the previous step that sampled there brings that token as its last
+        scheduled token now, and the host does not have it yet (vllm-gaudi keeps the previous step's samples on
+        the device, `prev_sampled_token_ids`, in its input-batch order): copied device to device, never read
+        from the host."""
+        prev = self.input_batch.prev_sampled_token_ids
+        if prev is None:
+            return
+        prev_index = self.input_batch.prev_req_id_to_index or {}  # without the previous step's discarded samples
+        last = np.cumsum(step.query_lens) - 1
+        pairs = [(last[i], j) for i, r in enumerate(step.req_ids) if (j := prev_index.get(r)) is not None]
+        if pairs:
+            rows, src = (torch.tensor(x, dtype=torch.int64) for x in zip(*pairs))
+            tokens_device[0, rows.to(tokens_device.device)] = prev[src.to(prev.device)].to(tokens_device.dtype)
+
     def _execute_model_generic(self, token_ids, position_ids, attn_metadata, logits_indices, kv_caches,
                                lora_logits_mask, lora_mask, warmup_mode=False, inputs_embeds=None,
                                model_mm_kwargs=None):
@@ -296,7 +273,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         to a namedtuple here; the unified plan passes whole), then the logits of the sampling rows."""
         if not is_unified_metadata(attn_metadata):
             raise TypeError(f"the unified runner got {type(attn_metadata).__name__} metadata: a vllm-gaudi path "
-                            "that plans its own batches (e.g. pooling, multimodal warmup) is not supported")
+                            "that plans its own batches (e.g. its multimodal warmup) is not supported")
         if self._step_forward is not None and self._step_forward[0] is attn_metadata:
             # The step's second reader (speculative decoding: vllm-gaudi's decode branch after its
             # prefill branch): the same planned step, already run.
@@ -367,7 +344,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
 
         hooks = self.unified_hooks[0]
         device = torch.device(self.device)
-        report = warmup(hooks.bucket_plan, device=device, mode="eager", run=self._warm_bucket, progress=False)
+        report = warmup(hooks.bucket_plan, device=device, mode="eager", run=self._warm_bucket, log=logger)
         self.unified_warmed.update(report.buckets)
         logger.info("Unified attention: warmed %d buckets through the model in %.1f s", len(report.buckets),
                     report.total_seconds)
@@ -377,12 +354,16 @@ class UnifiedHpuModelRunner(HPUModelRunner):
 
         metadata = {}
         pad = torch.full((bucket.query_len,), self._PAD_SLOT_ID, dtype=torch.int64, device=self.device)
-        for group, hooks, window in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
-                                        self.unified_windows):
-            b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.options, window, self.device)
-            metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in group.layer_names})
+        for group, hooks, kinds in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks, self.unified_kinds):
+            for kind, names in kinds.items():
+                b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.options, kind.window, self.device)
+                metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in names})
         tokens = torch.zeros((1, bucket.query_len), dtype=torch.int64, device=self.device)
         self.unified_warmed.add(bucket)  # the forward below captures its graph (lazy mode)
+        if self.is_pooling_model:  # no logits; its pooler runs after the forward
+            from vllm_gaudi_unified.vllm_plugin.hpu_pooling import pooling_forward
+
+            return pooling_forward(self, tokens, tokens.clone(), metadata)
         _, _, _, logits = self._execute_model_generic(tokens, tokens.clone(), metadata,
                                                       torch.zeros(1, dtype=torch.int64, device=self.device),
                                                       self.kv_caches, None, None, warmup_mode=True)

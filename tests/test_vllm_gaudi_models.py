@@ -1,0 +1,177 @@
+"""Models with several attention kinds through vllm-gaudi's runner with unified attention, on the CPU.
+
+vllm-gaudi puts every decoder layer in one KV cache group (one block table) and narrows the blocks
+per layer; the unified runner plans the step once per attention kind (`hpu_kinds.py`). Each tiny
+model of `vllm_models.py` (Gemma 2 and 3: interleaved window 16 / full, Gemma 2's soft-caps;
+gpt-oss-like: sinks + alternating window 16, dense MLP; Llama-4-like: chunked local attention in
+chunks of 32 + a global NoPE layer, dense MLP) runs the e2e scenario (`vllm_helpers.run_scenario`:
+chunked prefill, prefix caching, mixed steps, prompt logprobs, n > 1) through vllm-gaudi's platform,
+worker, model adapter and sampling on the habana stand-in, against vLLM's own CPU attention (which
+serves the same models with its hybrid KV cache manager: one group per window, virtual batches for
+the chunks). The same weights with every layer full attention show that the window / the chunking
+change the result.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from test_vllm_gaudi import LOGPROB_ATOL, _engine, _warmable_plan, gaudi  # noqa: F401, I001 (also: the module's skips)
+import vllm_helpers as H
+import vllm_models as M
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def model_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kinds")
+    plan = str(root / "plan.json")
+    num_buckets = _warmable_plan(plan)
+    runs = {}
+    for name in M.MODELS:
+        local = M.make_model(name, str(root / name))
+        full = M.make_model(name, str(root / (name + "_full")), local=False)
+        runs[name] = {
+            "ref": _engine(local, str(root / f"{name}_ref.json"), gaudi=False),
+            "unified": _engine(local, str(root / f"{name}_unified.json"), gaudi=True),
+            "full_ref": _engine(full, str(root / f"{name}_full_ref.json"), gaudi=False),
+        }
+    runs["llama4_like"]["buckets"] = dict(_engine(str(root / "llama4_like"), str(root / "llama4_buckets.json"),
+                                                  gaudi=True, VLLM_GAUDI_UNIFIED_BUCKETS=plan), num_buckets=num_buckets)
+    return runs
+
+
+RANDOM_CASES = {r["name"] for wave in H.scenario_prompts() for r in wave if r.get("n", 1) > 1}
+KINDS_LOG = {"gemma2": "full: 2 layers, sliding window 16: 2 layers", "gemma3": "full: 2 layers, sliding window 16: 2 layers",
+             "gptoss_like": "full: 2 layers, sliding window 16: 2 layers",
+             "llama4_like": "full: 1 layers, chunked local (32): 3 layers"}
+
+
+def assert_same_as_reference(got: dict, ref: dict) -> float:
+    """Greedy cases: identical tokens, logprobs within 1e-4; n > 1 (random draws in vllm-gaudi's batch order,
+    see test_vllm_gaudi.test_generation_through_the_unified_runner): the first token's top logprobs.
+    Returns the largest |logprob difference|."""
+    worst = 0.0
+    for case, r in H.compare_results(got, ref).items():
+        if case in RANDOM_CASES:
+            for a, b in zip(got["results"][case]["samples"], ref["results"][case]["samples"]):
+                common = a["logprobs"][0].keys() & b["logprobs"][0].keys()
+                assert len(common) >= 2, case
+                diff = max(abs(a["logprobs"][0][t] - b["logprobs"][0][t]) for t in common)
+                assert diff <= LOGPROB_ATOL, (case, diff)
+                worst = max(worst, diff)
+            continue
+        assert r["tokens_identical"], (case, r)
+        assert r["max_abs_logprob_diff"] <= LOGPROB_ATOL, (case, r)
+        worst = max(worst, r["max_abs_logprob_diff"])
+    return worst
+
+
+def _tokens(run: dict, case: str) -> list:
+    return [s["tokens"] for s in run["results"][case]["samples"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", M.MODELS)
+def test_attention_kinds_through_the_unified_runner(model_runs, name):
+    runs = model_runs[name]
+    got, ref = runs["unified"], runs["ref"]
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
+    assert f"one plan per attention kind per step ({KINDS_LOG[name]})" in got["log"]
+    worst = assert_same_as_reference(got, ref)
+    # The window / the chunking matter: the same weights with full attention everywhere generate other
+    # tokens in some greedy case (their top logprobs may not even share a token, so no difference is taken).
+    greedy = [c for c in ref["results"] if c not in RANDOM_CASES]
+    changed = [c for c in greedy if _tokens(runs["full_ref"], c) != _tokens(ref, c)]
+    assert changed, "the same weights without the window / the chunking give the same tokens"
+    if "buckets" in runs:  # every step of every kind padded to one bucket of a plan warmed through the model
+        # (one model: each bucketed run warms every bucket through the whole model, minutes here)
+        padded = runs["buckets"]
+        assert f"warmed {padded['num_buckets']} buckets through the model" in padded["log"]
+        assert_same_as_reference(padded, ref)
+    print(name, "max |dlogprob| vs vLLM CPU attention", worst)
+
+
+# ---------------------------------------------------------------------------------------- pooling
+
+MODELS_HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_models.py")
+
+
+@pytest.mark.slow
+def test_embeddings_through_the_unified_runner(tmp_path):
+    """A tiny Llama as an embedding model (`runner="pooling"`: last-token pooling, normalized): vllm-gaudi
+    runs pooling models one request at a time with its own metadata; through the unified runner each
+    step is one unified batch (several prompts, prompts longer than the 64-token budget in chunks over
+    their cached context) and the pooler reads the rows. Same vectors as vLLM's CPU attention (1e-5)."""
+    import json
+    import sys
+
+    import numpy as np
+    from test_vllm_gaudi import _run_engine
+
+    model = H.make_tiny_llama(str(tmp_path / "model"), **H.MODELS["gqa"])
+    trace = str(tmp_path / "trace.jsonl")
+    runs = {}
+    for name, gaudi in (("ref", False), ("unified", True)):
+        out = str(tmp_path / f"{name}.json")
+        env = dict(VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace) if gaudi else {}
+        runs[name] = _run_engine([sys.executable, MODELS_HELPER, "embed", model, out], out, gaudi, **env)
+    got, ref = runs["unified"], runs["ref"]
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
+    assert "seq_pooling_type='LAST'" in ref["pooler_config"]
+    diffs = [float(np.abs(np.subtract(a, b)).max()) for a, b in zip(got["embeddings"], ref["embeddings"])]
+    assert len(diffs) == 8 and max(diffs) <= 1e-5, diffs
+    with open(trace) as f:
+        steps = [json.loads(line) for line in f if '"query_lens"' in line]
+    assert any(len(s["query_lens"]) > 1 for s in steps)  # several prompts in one step
+    assert any(c > 0 for s in steps for c in s["context_lens"])  # a prompt chunk over its cached context
+    print("embeddings: max |d| vs vLLM CPU attention", max(diffs))
+
+
+# ---------------------------------------------------------------------------------------- async scheduling
+
+@pytest.mark.slow
+def test_async_scheduling_through_the_unified_runner(tmp_path):
+    """Async scheduling on (vLLM 0.32's default; vllm-gaudi runs it so): the step after a sample is
+    scheduled before that sample reaches the host, so the runner takes it from vllm-gaudi's device copy
+    of the previous step's samples (`_last_sampled_on_device`), never from the host input batch (which
+    does not hold it yet). Same tokens with it on and off, and as vLLM's CPU attention (1e-4)."""
+    import sys
+
+    from test_vllm_gaudi import _run_engine
+
+    model = H.make_tiny_llama(str(tmp_path / "model"), **H.MODELS["gqa"])
+    runs = {}
+    for name, mode, gaudi in (("ref", "async-off", False), ("on", "async-on", True), ("off", "async-off", True)):
+        out = str(tmp_path / f"{name}.json")
+        runs[name] = _run_engine([sys.executable, MODELS_HELPER, mode, model, out], out, gaudi)
+    assert runs["on"]["async_scheduling"] and not runs["off"]["async_scheduling"]
+    for name in ("on", "off"):
+        assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in runs[name]["log"]
+        worst = assert_same_as_reference(runs[name], runs["ref"])
+        print("async", name, "max |dlogprob| vs vLLM CPU attention", worst)
+    greedy = [c for c in runs["ref"]["results"] if c not in RANDOM_CASES]
+    assert all(_tokens(runs["on"], c) == _tokens(runs["off"], c) for c in greedy)
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+def test_unserved_models_are_refused_at_start_up(gaudi):  # noqa: F811
+    """What vllm-gaudi serves and the unified runner does not: a start-up error naming the model feature
+    and the reason (the platform's `check_and_update_config` calls it before any model is loaded)."""
+    from types import SimpleNamespace as NS
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_platform import refuse_unserved_models
+
+    def config(mm: bool, lora) -> NS:
+        return NS(model_config=NS(is_multimodal_model=mm, architecture="Qwen2_5_VLForConditionalGeneration"),
+                  lora_config=lora)
+
+    refuse_unserved_models(config(False, None))
+    with pytest.raises(NotImplementedError, match=r"multimodal inputs \(Qwen2_5_VLForConditionalGeneration: .*"
+                                                  r"inputs_embeds.*VLLM_GAUDI_UNIFIED"):
+        refuse_unserved_models(config(True, None))
+    with pytest.raises(NotImplementedError, match=r"LoRA adapters \(vllm-gaudi maps adapters to tokens"):
+        refuse_unserved_models(config(False, object()))
