@@ -35,7 +35,7 @@ def dense_plan(query_lens, context_lens, block_table, block_size: int, num_block
     q, ctx = np.asarray(query_lens, np.int64), np.asarray(context_lens, np.int64)
     bt, bs = np.asarray(block_table, np.int64), int(block_size)
     base = plan_step(q, ctx, bt, bs, num_blocks=num_blocks,
-                     options=PlanOptions(causal_tile=DENSE_SLICE, unique_layout="slice"))
+                     options=PlanOptions(causal_tile=DENSE_SLICE, unique_layout="slice", prompt_route="tiles"))
     R, T = q.size, int(q.sum())
     # The planner's rule for shared: a cached block used by two requests, or by a request with several new tokens.
     nb_ctx = -(-ctx // bs)
@@ -65,7 +65,7 @@ def dense_plan(query_lens, context_lens, block_table, block_size: int, num_block
     shape = Bucket(phase=phase_of(causal_q.size, S.size, nu), query_len=T, num_shared_blocks=int(S.size),
                    num_unique_blocks=nu, num_logits=R, num_causal_tiles=int(causal_q.size))
     opts = PlanOptions(causal_tile=DENSE_SLICE, shared_rows=max(T, 1), shared_tile_keys=max(int(S.size), 1) * bs,
-                       unique_layout="slice")
+                       unique_layout="slice", prompt_route="tiles")
     return replace(base, options=opts, shape=shape, bucket=shape, causal_q_start=causal_q, causal_k_start=causal_k,
                    shared_rows=shared_rows, shared_blocks=shared_blocks, shared_lo=np.zeros_like(shared_hi),
                    shared_hi=shared_hi, shared_prefix_visible=False)  # its one tile mixes requests' blocks

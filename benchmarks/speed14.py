@@ -13,6 +13,7 @@ graph outputs poisoned before the checking replay). Peak MB: device memory one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import time
@@ -27,17 +28,20 @@ from benchmarks import baselines, gaudi_peer, scenarios as sc_mod
 from benchmarks.options import BF16_FLOPS, HBM_BYTES_PER_S
 from benchmarks.suite import _readable, _rel_err, environment
 from benchmarks.timing import capture, peak_bytes, sync, time_ms
-from vllm_gaudi_unified import graphs
+from vllm_gaudi_unified import attention, graphs
+from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
 
 
 def _variants(spec: str) -> dict:
-    """name -> PlanOptions overrides of the default ('default': none; the device's measured options
-    apply to every variant, see `run_case`)."""
+    """name -> PlanOptions overrides of the default ('default': none). Two keys are not options:
+    `gaudi:1` runs the variant on the Gaudi route (`paths.fused.gaudi_route`: no flash varlen, no
+    Triton), `device_table:1` starts from the device's measured options (`device_options.py`)."""
     out = {"default": {}}
     for item in filter(None, spec.split(";")):
         name, _, kv = item.partition("=")
-        out[name] = {k: (v if k == "unique_layout" else bool(int(v)) if k == "fused_kernels" else int(v))
+        out[name] = {k: (v if k in ("unique_layout", "prompt_route") else bool(int(v))
+                         if k in ("fused_kernels", "gaudi", "device_table", "prompt_flash") else int(v))
                      for k, v in (p.split(":") for p in kv.split(",") if p)}
     return out
 
@@ -112,10 +116,16 @@ def run_case(sc, bs, args, device, rows, lay=None):
             break
         row = dict(base, method="ours", variant=name, options=over)
         rows.append(row)
+        route = contextlib.nullcontext()
         try:
-            # What a user gets on this device: the measured options of its kind, then the variant's.
-            kind = device_kind(device.type, torch.cuda.get_device_name(device))
+            # What a user gets: the default options (the same on every device), then the variant's.
+            over = dict(over)
+            gaudi, table_ = over.pop("gaudi", False), over.pop("device_table", False)
+            attention.PROMPT_FLASH = over.pop("prompt_flash", False)
+            kind = device_kind(device.type, torch.cuda.get_device_name(device)) if table_ else ""
             opts = replace(options_for_device(kind, PlanOptions()), **over)
+            route = fused.gaudi_route() if gaudi else contextlib.nullcontext()
+            route.__enter__()
             row["options"] = str(opts)
             if name == "dense":  # issue 8's dense design as a plan for the same device code
                 from benchmarks.dense import dense_plan
@@ -123,6 +133,10 @@ def run_case(sc, bs, args, device, rows, lay=None):
                 plan = dense_plan(ql, cl, lay.block_table, bs, lay.num_blocks)
             else:
                 plan = plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks, options=opts)
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks, options=opts)
+                row["plan_ms"] = (time.perf_counter() - t0) / 5 * 1e3
             batch = UnifiedBatch.from_plan(plan, device)
             row.update(bucket=str(plan.bucket), unique_layout=plan.unique_layout)
             fn = (lambda: compiled_attention(q, k, v, kc, vc, batch, scale)) if args.compile else \
@@ -145,6 +159,9 @@ def run_case(sc, bs, args, device, rows, lay=None):
         except Exception as exc:  # noqa: BLE001
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
             traceback.print_exc()
+        finally:
+            route.__exit__(None, None, None)
+            attention.PROMPT_FLASH = False
         graphs.clear()
         torch._dynamo.reset()
         gc.collect()

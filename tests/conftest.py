@@ -9,7 +9,7 @@ may read holds NaN or inf, so reading one shows up as a NaN in the output.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -55,6 +55,8 @@ def torch_threads():
 
 #: Small tiles so that small tests still cross tile boundaries.
 SMALL_TILES = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
+#: SMALL_TILES with every pair on the tiled paths (no prompt route): tests of the tiles themselves.
+TILES = replace(SMALL_TILES, prompt_route="tiles")
 
 
 @dataclass

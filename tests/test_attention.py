@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SMALL_TILES, SPECS, Step, assert_matches, make_block_table, make_tensors, run_case
+from conftest import SMALL_TILES, SPECS, TILES, Step, assert_matches, make_block_table, make_tensors, run_case
 from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention
 
@@ -17,11 +18,15 @@ EXPECTED_PHASE = {"seed": "csu", "decode": "--u", "prefill": "c--", "chunked_pre
                   "prefix_caching": "csu", "parallel_sampling": "-su"}
 
 
-def test_every_spec_matches_reference(spec_name):
-    out, ref, batch = run_case(SPECS[spec_name])
+@pytest.mark.parametrize("route", ["dense", "tiles"])
+def test_every_spec_matches_reference(spec_name, route):
+    """Both prompt routes (`PlanOptions.prompt_route`); the phases are the tiled route's."""
+    out, ref, batch = run_case(SPECS[spec_name], options=replace(SMALL_TILES, prompt_route=route))
     assert_matches(out, ref)
-    if spec_name in EXPECTED_PHASE:
-        assert batch.phase == EXPECTED_PHASE[spec_name]
+    if route == "tiles":
+        assert batch.bucket.num_prompts == 0
+        if spec_name in EXPECTED_PHASE:
+            assert batch.phase == EXPECTED_PHASE[spec_name]
 
 
 @pytest.mark.parametrize("options", [PlanOptions(), SMALL_TILES, PlanOptions(causal_tile=1, shared_rows=1,
@@ -65,7 +70,7 @@ def test_all_eight_phases(phase):
         q.append(1), c.append(6)
     if not q:  # '---': single tokens with nothing cached: only their own key
         q, c = [1, 1], [0, 0]
-    out, ref, batch = run_case(Step(q, c, 4, prefix_groups=groups))
+    out, ref, batch = run_case(Step(q, c, 4, prefix_groups=groups), options=TILES)
     assert batch.phase == phase
     assert_matches(out, ref)
 
@@ -76,7 +81,8 @@ def test_padding_to_a_larger_bucket_changes_nothing():
     s = batch.shape
     kb = SMALL_TILES.blocks_per_tile(step.block_size)
     big = Bucket("csu", s.query_len + 9, s.num_shared_blocks + 3 * kb, s.num_unique_blocks + 5, s.num_logits + 3,
-                 s.num_causal_tiles + 4)
+                 s.num_causal_tiles + 4, s.num_prompts + 2, s.prompt_len + 3, s.prompt_blocks + 2)
+    assert s.num_prompts > 0  # the seed's prompt is on the prompt route: its arrays are padded too
     padded, ref, pbatch = run_case(step, bucket=big)
     assert pbatch.bucket == big and pbatch.shape == s
     assert_matches(padded, ref)
@@ -97,7 +103,7 @@ def test_padded_inputs_are_accepted_and_returned_padded():
     q, k, v, kc, vc = make_tensors(step, table, nb)
     batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=SMALL_TILES)
     s = batch.shape
-    bucket = Bucket(s.phase, s.query_len + 3, s.num_shared_blocks, 0, 2, s.num_causal_tiles)
+    bucket = Bucket(s.phase, s.query_len + 3, s.num_shared_blocks, 0, 2, s.num_causal_tiles, *s.prompts)
     pbatch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=SMALL_TILES, bucket=bucket)
     pad = lambda x: torch.cat([x, torch.randn((3,) + x.shape[1:], dtype=x.dtype)])
     out = unified_attention(pad(q), pad(k), pad(v), kc, vc, pbatch, 0.5)
@@ -152,8 +158,11 @@ def test_decode_reads_its_own_key_once_even_when_the_cache_holds_it():
 def test_spec_decode_drafts_are_causal_among_themselves():
     """Upstream bug: draft tokens of speculative decoding saw each other in both directions."""
     step = Step([4, 1, 3], [9, 12, 5], 4)
-    out, ref, batch = run_case(step)
+    out, ref, batch = run_case(step, options=TILES)
     assert batch.phase[0] == "c"
+    assert_matches(out, ref)
+    out, ref, batch = run_case(step)  # the drafts over their own context: the prompt route
+    assert batch.bucket.num_prompts == 2 and batch.phase == "--u"
     assert_matches(out, ref)
     # The first draft must not depend on later drafts: change them and compare.
     rng = np.random.default_rng(0)

@@ -107,7 +107,7 @@ def test_dense_replay_plan_equals_reference_and_counts_dense_work():
     """benchmarks.dense: the dense design as a plan (replay's 'before', issue 8) does the work its count says,
     and computes the same attention."""
     from benchmarks.dense import dense_plan, dense_work
-    from vllm_gaudi_unified import plan_step
+    from vllm_gaudi_unified import PlanOptions, plan_step
     from vllm_gaudi_unified.attention import unified_attention
     from vllm_gaudi_unified.batch import UnifiedBatch
     from vllm_gaudi_unified.reference import reference_attention
@@ -119,7 +119,8 @@ def test_dense_replay_plan_equals_reference_and_counts_dense_work():
     table[3, :276] = [7] + list(range(10, 285))
     num_blocks = int(table.max()) + 1
     dense = dense_plan(ql, cl, table, bs, num_blocks)
-    got, want = dense.work_planned, dense_work(plan_step(ql, cl, table, bs, num_blocks=num_blocks))
+    tiles = PlanOptions(prompt_route="tiles")  # the dense count is of the tiled paths' pairs
+    got, want = dense.work_planned, dense_work(plan_step(ql, cl, table, bs, num_blocks=num_blocks, options=tiles))
     assert got.shared == want.shared and got.unique == want.unique
     # Causal: all 6 slice pairs at or below the diagonal of 3 slices of 512 rows, plus the self pairs (the
     # dense count stops the last slice's keys at the last token).

@@ -171,7 +171,7 @@ def test_limits_cover_a_chunk_and_decodes_over_a_shared_prefix():
     table = np.zeros((8, 16), np.int64)
     table[:, :3] = [1, 2, 3]  # the common prefix
     table[:, 3:] = 4 + np.arange(8 * 13).reshape(8, 13)  # each request's own blocks
-    shape = plan_step(q, ctx, table, 32, num_blocks=settings_.num_blocks).shape
+    shape = plan_step(q, ctx, table, 32, num_blocks=settings_.num_blocks, options=settings_.options).shape
     assert shape.num_shared_blocks > -(-64 // settings_.options.shared_rows) * settings_.blocks_per_tile
     assert (np.array([getattr(shape, d) for d in DIMS]) <= settings_.limits()).all()
 

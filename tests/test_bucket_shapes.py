@@ -43,11 +43,12 @@ def exact(steps, options):
     return np.array(sizes), np.array(needed)
 
 
-@pytest.mark.parametrize("options", [
-    PlanOptions(unique_layout="gather"),
-    PlanOptions(unique_layout="auto"),
-    PlanOptions(unique_layout="slice", causal_tile=16, shared_rows=4, shared_tile_keys=64),
-    PlanOptions(unique_layout="auto", slice_min_density=0.1, causal_tile=128, shared_rows=32, shared_tile_keys=16),
+@pytest.mark.parametrize("options", [  # the tools replay the tiled route (bucket_plans/settings.py: BUCKET_OPTIONS)
+    PlanOptions(unique_layout="gather", prompt_route="tiles"),
+    PlanOptions(unique_layout="auto", prompt_route="tiles"),
+    PlanOptions(unique_layout="slice", causal_tile=16, shared_rows=4, shared_tile_keys=64, prompt_route="tiles"),
+    PlanOptions(unique_layout="auto", slice_min_density=0.1, causal_tile=128, shared_rows=32, shared_tile_keys=16,
+                prompt_route="tiles"),
 ])
 def test_shape_only_equals_plan_step(steps, options):
     settings = replace(SETTINGS, options=options)

@@ -39,7 +39,18 @@ def flash_calls(monkeypatch):
 def test_every_spec_through_flash(flash_calls, spec_name, options):
     out, ref, batch = run_case(SPECS[spec_name], options=options)
     assert_matches(out, ref)
-    assert len(flash_calls) == sum(p != "-" for p in batch.phase)  # one call per path with work
+    # one call per path with work (the prompt route takes torch SDPA unless `attention.PROMPT_FLASH`)
+    assert len(flash_calls) == sum(p != "-" for p in batch.phase)
+
+
+@pytest.mark.parametrize("options", [SMALL_TILES, PlanOptions()], ids=["small", "default"])
+def test_the_prompt_route_through_flash(flash_calls, monkeypatch, spec_name, options):
+    """`attention.PROMPT_FLASH`: the prompt route's rows from one flash varlen call (segments of real
+    rows against their first ctx + len keys, causal bottom-right aligned), the other paths as before."""
+    monkeypatch.setattr(attention, "PROMPT_FLASH", True)
+    out, ref, batch = run_case(SPECS[spec_name], options=options)
+    assert_matches(out, ref)
+    assert len(flash_calls) == sum(p != "-" for p in batch.phase) + (batch.bucket.num_prompts > 0)
     assert batch.plan.shared_prefix_visible
 
 
@@ -85,7 +96,7 @@ def test_a_shared_partly_filled_block_falls_back_to_masked_tiles(flash_calls):
 def test_partial_last_block_comes_last_in_its_tile():
     """A chunk over its own context: the request's partly filled last block is the tile's last column."""
     table = np.array([[9, 2, 7, 4]])
-    plan = plan_step([3], [14], table, 4, options=PlanOptions(shared_rows=4, shared_tile_keys=16))
+    plan = plan_step([3], [14], table, 4, options=PlanOptions(shared_rows=4, shared_tile_keys=16, prompt_route="tiles"))
     assert plan.shared_blocks.tolist() == [[9, 2, 7, 4]]
     assert plan.shared_hi[0, 0].tolist() == [4, 4, 4, 2] and plan.shared_prefix_visible
 
@@ -96,7 +107,7 @@ def test_padding_to_a_larger_bucket_through_flash(flash_calls):
     s = batch.shape
     kb = SMALL_TILES.blocks_per_tile(step.block_size)
     big = Bucket("csu", s.query_len + 9, s.num_shared_blocks + 3 * kb, s.num_unique_blocks + 5, s.num_logits + 3,
-                 s.num_causal_tiles + 4)
+                 s.num_causal_tiles + 4, s.num_prompts + 1, s.prompt_len + 2, s.prompt_blocks + 1)
     out, ref, pbatch = run_case(step, bucket=big)
     assert pbatch.bucket == big
     assert_matches(out, ref)

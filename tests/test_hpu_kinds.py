@@ -119,7 +119,8 @@ def test_kinds_pad_to_one_bucket():
     own = plan_kinds(step.query_lens, step.context_lens, table, 4, kinds, SMALL_TILES, None, "cpu")
     largest = largest_shape([b.shape for b in own.values()])
     target = Bucket(largest.phase, largest.query_len + 3, largest.num_shared_blocks + 8,
-                    largest.num_unique_blocks + 5, largest.num_logits + 2, largest.num_causal_tiles + 1)
+                    largest.num_unique_blocks + 5, largest.num_logits + 2, largest.num_causal_tiles + 1,
+                    *largest.prompts)
     padded = plan_kinds(step.query_lens, step.context_lens, table, 4, kinds, SMALL_TILES, target, "cpu")
     assert {b.bucket for b in padded.values()} == {target}
     sinks = torch.randn(step.num_qo_heads, dtype=torch.float64)

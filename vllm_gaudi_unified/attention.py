@@ -18,10 +18,17 @@ from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial
 from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_partial
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
+from vllm_gaudi_unified.paths.prompts import final_rows, prompt_final, prompt_partial, write_rows
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_partial, kernel_unique_applies,
                                              kernel_unique_partial, unique_partial)
+
+
+#: The prompt route's final form on CUDA through flash varlen (`paths/prompts.py: _flash_rows`) instead of
+#: torch SDPA. Off: measured on the H100 (docs/benchmarks.md, issue 23), torch SDPA (flash / cuDNN /
+#: memory-efficient, the same call the Gaudi route makes) was faster in graphs of eager calls.
+PROMPT_FLASH = False
 
 
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -80,12 +87,21 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
             and dense_decodes_apply(batch, query, key_cache, logits_soft_cap, sinks, k_scale)):
         return dense_decodes_attention(query, key, value, key_cache, value_cache, batch, scale, self_slots)
     padded = query.shape[0]
+    prompts = not isinstance(batch, InvariantBatch) and batch.bucket.num_prompts > 0
+    final = prompts and final_rows(batch, query, logits_soft_cap, sinks)
+    flash = final and PROMPT_FLASH and kernel_for(batch, query, logits_soft_cap) == "flash"
+    if final and batch.plan.prompts_only:  # every token on the prompt route: one call, nothing else
+        rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale, flash)
+        return write_rows(None, batch.prompt_rows, rows, padded)
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
         partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
                                       k_scale, v_scale)]
     else:
         partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
-                                          k_scale, v_scale) if p is not None]
+                                          k_scale, v_scale, prompts_merged=prompts and not final) if p is not None]
+        if prompts and not final:
+            partials.append(prompt_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
+                                           k_scale, v_scale))
         if batch.pieces:  # a step split under the gather cap (plan/split.py): each pair is in one piece
             t = batch.num_tokens
             partials = [_first_rows(p, t) for p in partials]
@@ -97,6 +113,10 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     out = normalize(merge_all(partials)).to(query.dtype)
     if out.shape[0] < query.shape[0]:  # a split step: the rows past its tokens are padding
         out = F.pad(out, (0, 0, 0, 0, 0, query.shape[0] - out.shape[0]))
+    if final:  # the prompt route's rows are final: written over what the other paths gave them
+        out = write_rows(out, batch.prompt_rows.clamp(max=out.shape[0]),
+                         prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale,
+                                      flash))
     return out
 
 
@@ -145,13 +165,16 @@ def _piece_partials(query, key, value, key_cache, value_cache, pieces, scale, ca
 
 
 def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_scale=None, v_scale=None,
-               new_tokens: bool = True):
+               new_tokens: bool = True, prompts_merged: bool = False):
     """Which paths run, all conditions in one place (`new_tokens=False`: the further pieces of a split
     step, whose self and causal pairs are in the first piece: 1 and 2 do not run):
 
+    0. (in `attend_step`) the prompt route, when the bucket has prompts (`paths/prompts.py`): rows
+       final from one fused SDPA call (then a step of prompts alone runs nothing else), or a Partial.
     1. self (each token with its own key): always; it is elementwise.
-    2. causal tiles: when the phase has 'c' (some request has two or more new tokens).
-       With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (causal steps).
+    2. causal tiles: when the phase has 'c' (a request off the prompt route has two or more new tokens).
+       With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (not when the prompt
+       route merges a Partial, `prompts_merged`: flash's segments would count its causal pairs again).
     3. shared tiles: when the phase has 's' (a cached block is seen by several tokens);
        through flash when the plan's tiles each see one key prefix (`shared_prefix_visible`).
     4. unique blocks: when the phase has 'u' (a cached block is seen by one token);
@@ -169,7 +192,8 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     flash = value.shape[-1] == query.shape[-1] and kernel_for(batch, query, cap) == "flash"
     if not new_tokens:
         pass
-    elif flash and phase[0] == "c" and not batch.plan.bidirectional:
+    elif flash and phase[0] == "c" and not batch.plan.bidirectional and not prompts_merged:
+        # flash's segments are whole requests (causal ones: an encoder-only step runs the tiles)
         yield fused_causal_partial(query, key, value, batch, scale)
     else:
         yield self_partial(query, key, value, scale, cap)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
-from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.bucket import Bucket, with_prompts
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanBuffers, PlanOptions, StepPlan, pad_plan, plan_step
 from vllm_gaudi_unified.plan.arrays import trusted
@@ -37,6 +37,12 @@ class UnifiedBatch:
     unique_lo: torch.Tensor  #: [num_unique_blocks]
     unique_hi: torch.Tensor  #: [num_unique_blocks]
     logits_indices: torch.Tensor  #: [num_logits] last new token of each request (padding: 0)
+    #: the prompt route (`plan/prompts.py`; None in an invariant batch): token per row, context blocks,
+    #: context lengths and new-token counts of each prompt
+    prompt_rows: torch.Tensor | None = field(default=None, kw_only=True)
+    prompt_blocks: torch.Tensor | None = field(default=None, kw_only=True)
+    prompt_ctx: torch.Tensor | None = field(default=None, kw_only=True)
+    prompt_len: torch.Tensor | None = field(default=None, kw_only=True)
 
     @classmethod
     def from_plan(cls, plan: StepPlan, device: torch.device | str | None = None) -> "UnifiedBatch":
@@ -147,7 +153,10 @@ class StepBuffers:
                             ("shared_blocks", tiles * kb), ("shared_lo", tiles * qt * kb),
                             ("shared_hi", tiles * qt * kb), ("unique_rows", b.num_unique_blocks),
                             ("unique_blocks", b.num_unique_blocks), ("unique_lo", b.num_unique_blocks),
-                            ("unique_hi", b.num_unique_blocks), ("logits_indices", b.num_logits)):
+                            ("unique_hi", b.num_unique_blocks), ("logits_indices", b.num_logits),
+                            ("prompt_rows", b.num_prompts * b.prompt_len),
+                            ("prompt_blocks", b.num_prompts * b.prompt_blocks), ("prompt_ctx", b.num_prompts),
+                            ("prompt_len", b.num_prompts)):
                 sizes[name] = max(sizes.get(name, 0), n)
         return sizes
 
@@ -284,6 +293,8 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
 
 def _pad_to(plan: StepPlan, bucket, host: PlanBuffers | None = None) -> StepPlan:
     target = bucket if isinstance(bucket, Bucket) else bucket.find(plan.shape)
+    if target is not None and not isinstance(bucket, Bucket):  # any plan's `find`: the step's prompt shape
+        target = with_prompts(target, plan.shape)
     return plan if target is None else pad_plan(plan, target, host)
 
 

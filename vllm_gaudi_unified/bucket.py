@@ -13,7 +13,7 @@ fields of the design keep their meaning and their order.
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 
 import numpy as np
 
@@ -36,9 +36,15 @@ class Bucket:
     num_unique_blocks: int  #: block slots of the unique path (one query token each)
     num_logits: int  #: rows handed to the sampler (one per request, padded)
     num_causal_tiles: int = 0  #: query-tile x key-tile pairs of the causal path
+    #: The prompt route (`plan/prompts.py`): requests whose new tokens and cached context run as one
+    #: padded batch, one fused SDPA call, rows written final. Not among the five `sizes` the bucketing
+    #: tools count: a bucket plan's bucket takes the step's, rounded up to powers of two (`with_prompts`).
+    num_prompts: int = 0  #: requests on the prompt route (padded)
+    prompt_len: int = 0  #: query rows per prompt (the longest, padded)
+    prompt_blocks: int = 0  #: cached context blocks per prompt (the most, padded)
 
     def __post_init__(self):
-        for name in SIZE_FIELDS:
+        for name in SIZE_FIELDS + PROMPT_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:  # True is not a size
                 raise ValueError(f"Bucket.{name} must be a non-negative int, got {value!r}")
@@ -49,20 +55,28 @@ class Bucket:
     @property
     def sizes(self) -> tuple[int, ...]:
         """The numeric fields, in declaration order."""
-        return astuple(self)[1:]
+        return astuple(self)[1:6]
+
+    @property
+    def prompts(self) -> tuple[int, int, int]:
+        """The prompt route's shape: (num_prompts, prompt_len, prompt_blocks); zeros when unused."""
+        return (self.num_prompts, self.prompt_len, self.prompt_blocks)
 
     def covers(self, step: "Bucket") -> bool:
         """True when a step of shape `step` can be padded to this bucket."""
-        return all(b >= s for b, s in zip(self.sizes, step.sizes))
+        return all(b >= s for b, s in zip(self.sizes + self.prompts, step.sizes + step.prompts))
 
     def __str__(self) -> str:
-        """`csu:q512:s256:u512:l164:c21`: the phase, then each size after its letter, in `SIZE_FIELDS` order."""
-        return ":".join([self.phase] + [f"{letter}{n}" for letter, n in zip(SIZE_LETTERS, self.sizes)])
+        """`csu:q512:s256:u512:l164:c21`: the phase, then each size after its letter, in `SIZE_FIELDS` order;
+        `:p2x2048x48` after them when the prompt route runs (prompts x rows x context blocks)."""
+        text = ":".join([self.phase] + [f"{letter}{n}" for letter, n in zip(SIZE_LETTERS, self.sizes)])
+        return text + (":p{}x{}x{}".format(*self.prompts) if self.num_prompts else "")
 
 
 #: The five sizes of a Bucket, in the one order every array of sizes uses (`Bucket.sizes`, plan files,
 #: the cost model, the bucketing tools), with their short names and letters, and their indexes.
-SIZE_FIELDS = tuple(f.name for f in fields(Bucket)[1:])
+SIZE_FIELDS = tuple(f.name for f in fields(Bucket)[1:6])
+PROMPT_FIELDS = ("num_prompts", "prompt_len", "prompt_blocks")
 SIZE_NAMES = ("query", "shared", "unique", "logits", "causal")
 SIZE_LETTERS = tuple(name[0] for name in SIZE_NAMES)
 Q, S, U, L, C = range(len(SIZE_FIELDS))
@@ -86,3 +100,17 @@ def bucket_from_sizes(sizes) -> Bucket:
     """The Bucket of five sizes in `SIZE_FIELDS` order (its phase follows from them)."""
     q, s, u, l, c = (int(x) for x in sizes)
     return Bucket(phase_of(c, s, u), q, s, u, l, c)
+
+
+def _pow2(n: int) -> int:
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+def with_prompts(bucket: Bucket, step: Bucket) -> Bucket:
+    """`bucket` (found by its five sizes) with the prompt route's shape of `step`, each dimension
+    rounded up to a power of two (an exponential bucketing of the prompt route: a few graphs);
+    `bucket` itself when it already covers the step's prompts."""
+    if all(b >= s for b, s in zip(bucket.prompts, step.prompts)):
+        return bucket
+    p, q, c = (max(b, _pow2(s)) for b, s in zip(bucket.prompts, step.prompts))
+    return replace(bucket, num_prompts=p, prompt_len=q, prompt_blocks=c)

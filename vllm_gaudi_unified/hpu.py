@@ -77,3 +77,22 @@ def masked_softmax_hpu(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def masked_softmax_for(scores: torch.Tensor) -> Callable:
     return masked_softmax_hpu if select_softmax(scores.device.type, scores.dtype) == "hpu" else masked_softmax_torch
+
+
+def sdpa_final(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+    """The prompt route's one fused call (`paths/prompts.py`): q `[B, Hq, S, D]`, k/v `[B, Hkv, K, D]`,
+    `mask` `[B, 1, S, K]` bool (True = visible) or None = causal (top-left: prompts without context).
+    Returns the normalised rows `[B, Hq, S, D]`.
+
+    The mask goes in as an additive bias (0 / -inf in q's dtype) and GQA natively, as vllm-gaudi calls
+    it: on a Gaudi FusedSDPA, elsewhere torch SDPA (on CUDA: flash for the causal case, the
+    memory-efficient or cuDNN kernel with a bias)."""
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+        ~mask, float("-inf"))
+    if q.device.type == "hpu" and habana_importable():  # pragma: no cover - needs a Gaudi
+        from habana_frameworks.torch.hpex.kernels import FusedSDPA
+
+        return FusedSDPA.apply(q, k, v, bias, 0.0, mask is None, scale, "None", False, None, "left")
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=mask is None,
+                                                            scale=scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes
+from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes, with_prompts
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
 from vllm_gaudi_unified.files import atomic_write
@@ -135,11 +135,13 @@ class BucketPlan:
         return (m & -m).bit_length() - 1
 
     def find(self, shape: Bucket) -> Bucket | None:
-        """The cheapest bucket covering `shape`; on a miss, what the miss policy says."""
+        """The cheapest bucket covering `shape`; on a miss, what the miss policy says. The plan's buckets
+        count the five sizes; the prompt route's shape comes from the step, in powers of two
+        (`bucket.with_prompts`)."""
         i = self.find_sizes(shape.query_len, shape.num_shared_blocks, shape.num_unique_blocks, shape.num_logits,
                             shape.num_causal_tiles)
         if i >= 0:
-            return self.buckets[i]
+            return with_prompts(self.buckets[i], shape)
         return self._miss(shape)
 
     def find_all(self, sizes: np.ndarray) -> np.ndarray:
@@ -157,8 +159,9 @@ class BucketPlan:
         return best
 
     def _miss(self, shape: Bucket) -> Bucket | None:
-        if self.miss_policy == "largest" and self._largest.covers(shape):
-            return self._largest
+        largest = with_prompts(self._largest, shape)
+        if self.miss_policy == "largest" and largest.covers(shape):
+            return largest
         if self.miss_policy == "unbucketed":
             if self._misses_logged < 10:
                 self._misses_logged += 1

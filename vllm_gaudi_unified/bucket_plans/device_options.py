@@ -7,6 +7,11 @@ while the matmul tiles Gaudi runs pay for every padded cell. Each entry below
 was measured (benchmarks/speed14.py, results in benchmarks/NOTES.md); a device
 kind without an entry keeps the planner's defaults.
 
+Not the default (issue 23): the planner chooses each step's route from its
+shape, identically on every device (`plan/prompts.py`), and the plugin plans
+with the same options everywhere. This table is an explicit, measured
+override: `VLLM_GAUDI_UNIFIED_DEVICE_OPTIONS=1`.
+
 The chosen options go into a bucket plan's settings (`ServerSettings.options`,
 saved with the plan), so warmup compiles and serving runs the same graphs;
 without a bucket plan the plugin plans every step with them.

@@ -14,7 +14,11 @@ from vllm_gaudi_unified.plan.arrays import check_scalars, is_int
 
 #: The planner's `DEFAULT_OPTIONS` with the unique path's layout fixed to 'gather', which bucket plans
 #: use unless told otherwise: with 'auto' the same bucket would need two graphs (slice and gather).
-BUCKET_OPTIONS = replace(DEFAULT_OPTIONS, unique_layout="gather")
+#: And on the tiled route: the bucketing tools (`rules.py` replay, the cost model, the strategies) count
+#: the five sizes of the tiled paths and do not yet model the prompt route's shape (issue 23); a plan
+#: made with `prompt_route='dense'` works (its buckets take each step's prompt shape in powers of two,
+#: `bucket.with_prompts`) but its sizes and costs were counted for the tiled route.
+BUCKET_OPTIONS = replace(DEFAULT_OPTIONS, unique_layout="gather", prompt_route="tiles")
 
 
 def options_to_dict(options: PlanOptions) -> dict:
@@ -25,7 +29,8 @@ def options_from_dict(d: dict | None) -> PlanOptions:
     if not d:
         return BUCKET_OPTIONS
     known = {f.name for f in fields(PlanOptions)}
-    return PlanOptions(**{k: v for k, v in d.items() if k in known})
+    # a plan saved before the prompt route existed was counted for the tiled route
+    return PlanOptions(**{"prompt_route": "tiles", **{k: v for k, v in d.items() if k in known}})
 
 
 def check_settings(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,

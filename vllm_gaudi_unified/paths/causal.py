@@ -89,6 +89,7 @@ def fused_causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
     cu = torch.cat([ends.new_zeros(1), ends, ends.new_full((1,), t)]).to(torch.int32)
     b = batch.bucket
     max_q = t if batch.sliding_window == 1 else max(1, min(t, b.num_causal_tiles * batch.causal_tile + 1))
+    max_q = max(max_q, min(t, b.prompt_len))  # prompt-route requests are segments too (their rows are replaced)
     v, bad = fused.clean_causal_values(v, batch.token_seg_start, batch.sliding_window)
     part = fused.flash_varlen(q, k, v, cu, cu, max_q, max_q, scale, causal=True, window=batch.sliding_window)
     return fused.mark_bad_rows(part, bad)

@@ -20,6 +20,9 @@ sum = 1 (so acc / sum = out and the row's weight is e^LSE).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from vllm_gaudi_unified.merge import Partial
@@ -27,6 +30,10 @@ from vllm_gaudi_unified.paths.tiles import compute_dtype
 
 #: The CUDA kernel; a module attribute so CPU tests can put an exact stand-in in its place.
 FLASH = torch.ops.aten._flash_attention_forward
+#: CUDA-only kernels (flash varlen, the unique path's Triton kernel) allowed. Off (`gaudi_route()`, or
+#: `VLLM_GAUDI_UNIFIED_GAUDI_ROUTE=1`): a CUDA device runs what an HPU runs, the matmul tiles and the
+#: prompt route's plain SDPA call (FusedSDPA on a Gaudi), for side-by-side measurements (issue 23).
+CUDA_KERNELS = os.environ.get("VLLM_GAUDI_UNIFIED_GAUDI_ROUTE", "").strip().lower() not in ("1", "true", "yes", "on")
 #: CUDA grid limit on the batch dimension of flash's non-varlen launch (the unique path's one block per segment).
 MAX_FLASH_BATCH = 65535
 #: Unique path through flash (one segment per block) from this block size up: measured on an H100
@@ -40,19 +47,31 @@ def fused_kernel(device_type: str, dtype: torch.dtype, head_dim: int, soft_cap: 
 
     1. `PlanOptions.fused_kernels` off, or a soft cap (neither kernel takes one): None.
     2. Not a 16-bit float (the float64 checks, fp32 runs): None.
-    3. CUDA with a head size flash takes (a multiple of 8, at most 256): 'flash'.
+    3. CUDA with a head size flash takes (a multiple of 8, at most 256), CUDA kernels on: 'flash'.
     4. HPU with habana_frameworks importable: 'hpu' (`hpu.select_fused_sdpa`).
     5. Otherwise None.
     """
     if not enabled or soft_cap is not None or dtype not in (torch.float16, torch.bfloat16):
         return None
     if device_type == "cuda":
-        return "flash" if head_dim % 8 == 0 and head_dim <= 256 else None
+        return "flash" if CUDA_KERNELS and head_dim % 8 == 0 and head_dim <= 256 else None
     if device_type == "hpu":
         from vllm_gaudi_unified.hpu import select_fused_sdpa
 
         return "hpu" if select_fused_sdpa(device_type, dtype) else None
     return None
+
+
+@contextlib.contextmanager
+def gaudi_route():
+    """Within: the Gaudi route on CUDA (`CUDA_KERNELS` off). Graphs and compiled functions keep the
+    route they were made under (`graphs.bucket_key` includes it)."""
+    global CUDA_KERNELS
+    saved, CUDA_KERNELS = CUDA_KERNELS, False
+    try:
+        yield
+    finally:
+        CUDA_KERNELS = saved
 
 
 def kernel_for(batch, query: torch.Tensor, soft_cap: float | None, value_dim: int | None = None) -> str | None:

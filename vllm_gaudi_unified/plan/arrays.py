@@ -209,7 +209,8 @@ def first_bad_block(phys, pair_req, pair_blk, num_blocks):
 #: Largest bucket a step is padded to, per size: padding allocates these, so a bucket of 2**40 tokens
 #: is an error here, not a MemoryError.
 BUCKET_LIMITS = {"query_len": MAX_STEP_TOKENS, "num_logits": MAX_STEP_TOKENS, "num_causal_tiles": MAX_CAUSAL_TILES,
-                 "num_shared_blocks": 1 << 22, "num_unique_blocks": 1 << 22}
+                 "num_shared_blocks": 1 << 22, "num_unique_blocks": 1 << 22, "num_prompts": MAX_STEP_TOKENS,
+                 "prompt_len": MAX_STEP_TOKENS, "prompt_blocks": 1 << 22}
 
 
 def check_covers(bucket: Bucket, shape: Bucket) -> None:

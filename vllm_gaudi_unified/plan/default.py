@@ -52,6 +52,7 @@ from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, ch
                                             ranges, same_id_sum, trusted)
 from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
+from vllm_gaudi_unified.plan.prompts import pad_prompts, plan_prompts, prompt_requests
 from vllm_gaudi_unified.plan.rules import MAX_SLICE_BLOCKS, causal_spans, shared_pairs, unique_reads_slice
 from vllm_gaudi_unified.plan.shared import plan_shared
 from vllm_gaudi_unified.plan.step_plan import StepPlan
@@ -80,6 +81,18 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
         starts = np.cumsum(q)
         starts -= q
     pair_req, pair_blk, phys, counts, max_block_id = cached_pairs(ctx, nb_ctx, bt, bs, W, num_blocks)
+    sel = None  # requests on the prompt route (plan/prompts.py): their pairs leave the tiled paths
+    if not decodes and W is None and opts.prompt_route == "dense":
+        sel = prompt_requests(q, ctx, pair_req, phys, max_block_id)
+        if sel.any():
+            keep = ~sel[pair_req]
+            pair_req, pair_blk, phys = pair_req[keep], pair_blk[keep], phys[keep]
+            counts = np.where(sel, 0, counts)
+        else:
+            sel = None
+    prompts, prompt_needed = _NO_PROMPTS, 0
+    if sel is not None:
+        prompts, prompt_needed = plan_prompts(sel, q, ctx, nb_ctx, bt, starts, T)
     has_pairs = counts > 0
     last = np.cumsum(counts)
     last -= 1
@@ -115,15 +128,23 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
         seg_start = out.keep("token_seg_start", np.arange(R))
     else:
         seg_start = out.keep("token_seg_start", np.repeat(starts, q))
-        causal_q, causal_k, causal_needed = _plan_causal(q, seg_start, T, W, opts.causal_tile, out)
-    shape = _bucket(T, causal_q.size, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R)
+        if sel is None:
+            causal_q, causal_k, causal_needed = _plan_causal(q, seg_start, T, W, opts.causal_tile, out)
+        else:  # a prompt-route token has no causal pair: it starts its own segment (the tiles' masks too)
+            np.copyto(seg_start, np.arange(T), where=np.repeat(sel, q))
+            causal_q, causal_k, _ = _plan_causal(np.where(sel, 1, q), seg_start, T, W, opts.causal_tile, out)
+            causal_needed = int(np.dot(q, q + 1)) // 2
+    shape = _bucket(T, causal_q.size, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R,
+                    prompts[1].shape if sel is not None else (0, 0), prompts[0].shape[1])
     return trusted(StepPlan, block_size=bs, sliding_window=W, options=opts, num_requests=R, num_tokens=T,
                    shape=shape, bucket=shape, token_seg_start=seg_start, causal_q_start=causal_q,
                    causal_k_start=causal_k, shared_rows=shared[0], shared_blocks=shared[1], shared_lo=shared[2],
                    shared_hi=shared[3], unique_rows=unique[0], unique_blocks=unique[1], unique_lo=unique[2],
                    unique_hi=unique[3], logits_indices=out.keep("logits_indices", starts + (q - 1)),
-                   max_block_id=max_block_id, work_needed=PathWork(causal_needed, shared_needed, unique_needed),
-                   shared_prefix_visible=shared[4])
+                   max_block_id=max_block_id,
+                   work_needed=PathWork(causal_needed, shared_needed + prompt_needed, unique_needed),
+                   shared_prefix_visible=shared[4], prompt_rows=prompts[0], prompt_blocks=prompts[1],
+                   prompt_ctx=prompts[2], prompt_len=prompts[3], prompts_only=sel is not None and bool(sel.all()))
 
 
 def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
@@ -215,9 +236,13 @@ def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work) -> StepPlan:
                    work_needed=work, shared_prefix_visible=shared[4])
 
 
-def _bucket(T, n_causal, n_shared, n_unique, R) -> Bucket:
+_NO_PROMPTS = (empty((0, 0)), empty((0, 0)), empty((0,)), empty((0,)))
+
+
+def _bucket(T, n_causal, n_shared, n_unique, R, prompt_blocks=(0, 0), prompt_len=0) -> Bucket:
     return trusted(Bucket, phase=phase_of(n_causal, n_shared, n_unique), query_len=T, num_shared_blocks=n_shared,
-                   num_unique_blocks=n_unique, num_logits=R, num_causal_tiles=n_causal)
+                   num_unique_blocks=n_unique, num_logits=R, num_causal_tiles=n_causal,
+                   num_prompts=prompt_blocks[0], prompt_len=prompt_len, prompt_blocks=prompt_blocks[1])
 
 
 def _first_lo(ctx, first_blk, counts, pair_hi, bs, W, P):
@@ -307,7 +332,7 @@ def pad_default(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = No
             unique_rows=grow(rows(plan.unique_rows), nu, Tp),
             unique_blocks=None if plan.unique_blocks is None else grow(plan.unique_blocks, nu, 0),
             unique_lo=grow(plan.unique_lo, nu, 0), unique_hi=grow(plan.unique_hi, nu, 0),
-            logits_indices=grow(plan.logits_indices, bucket.num_logits, 0))
+            logits_indices=grow(plan.logits_indices, bucket.num_logits, 0), **_pad_prompts(plan, bucket, T, Tp))
 
     def pad(name, n, fill, rows=False):
         a = getattr(plan, name)
@@ -329,5 +354,16 @@ def pad_default(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = No
         unique_rows=pad("unique_rows", nu, Tp, rows=True),
         unique_blocks=None if plan.unique_blocks is None else pad("unique_blocks", nu, 0),
         unique_lo=pad("unique_lo", nu, 0), unique_hi=pad("unique_hi", nu, 0),
-        logits_indices=pad("logits_indices", bucket.num_logits, 0))
+        logits_indices=pad("logits_indices", bucket.num_logits, 0), **_pad_prompts(plan, bucket, T, Tp))
     return trusted(type(plan), **padded)
+
+
+def _pad_prompts(plan, bucket, T, Tp) -> dict:
+    """The prompt route's arrays at `bucket` (a plan without them, the decode branch's: empty ones)."""
+    if plan.prompt_rows is None:
+        if not bucket.num_prompts:
+            return {}
+        plan = replace(plan, **dict(zip(("prompt_rows", "prompt_blocks", "prompt_ctx", "prompt_len"), _NO_PROMPTS)))
+    if plan.bucket.prompts == bucket.prompts and T == Tp:
+        return {}
+    return pad_prompts(plan, bucket, T, Tp)

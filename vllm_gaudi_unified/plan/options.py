@@ -13,6 +13,10 @@ TILE_LIMITS = {"causal_tile": 4096, "shared_rows": 1 << 20, "shared_tile_keys": 
                "invariant_chunk": 1 << 20, "invariant_causal_chunk": 1 << 20}
 
 
+#: Routes of a request with two or more new tokens: one padded fused call over its context and new keys
+#: ('dense', `plan/prompts.py`), or the causal + shared + unique tiles ('tiles').
+PROMPT_ROUTES = ("dense", "tiles")
+
 #: Layouts of the unique path: read `[0, max id + 1)` of the cache in place, or gather live blocks.
 UNIQUE_LAYOUTS = ("auto", "slice", "gather")
 
@@ -28,6 +32,9 @@ class PlanOptions:
     shared_tile_keys: int = 512  #: keys of a shared tile, rounded down to whole blocks (at least one)
     unique_layout: str = "auto"  #: 'slice', 'gather', or 'auto' (slice when dense enough)
     slice_min_density: float = 0.5  #: 'auto' reads the slice when live blocks / (max id + 1) >= this
+    #: 'dense': prompts and chunks over their own context as one padded fused call (`plan/prompts.py`);
+    #: 'tiles': every pair through the causal / shared / unique tiles
+    prompt_route: str = "dense"
     fused_kernels: bool = True  #: run paths through the device's fused attention kernel where one applies (paths/fused.py)
     batch_invariant: bool = False  #: same bits for a request whatever its batch (docs/batch_invariance.md)
     invariant_rows: int = 8  #: batch_invariant, torch route: rows of a prompt's context tile (a decode's has one)
@@ -41,6 +48,8 @@ class PlanOptions:
                 raise ValueError(f"PlanOptions.{name} must be an int in [1, {limit}], got {value!r}")
         if not (isinstance(self.unique_layout, str) and self.unique_layout in UNIQUE_LAYOUTS):
             raise ValueError(f"PlanOptions.unique_layout must be one of {UNIQUE_LAYOUTS}, got {self.unique_layout!r}")
+        if not (isinstance(self.prompt_route, str) and self.prompt_route in PROMPT_ROUTES):
+            raise ValueError(f"PlanOptions.prompt_route must be one of {PROMPT_ROUTES}, got {self.prompt_route!r}")
         d = self.slice_min_density
         if not (isinstance(d, (int, float, np.integer, np.floating)) and not isinstance(d, (bool, np.bool_))
                 and 0.0 <= d <= 1.0):

@@ -9,6 +9,10 @@ The default planner's rules (`plan/rules.py`) fix how small a step of a phase ca
   work that is a request of its own (the causal request's context is shared): `c-u` and `csu`
   need 3 tokens and 2 requests; without causal work, one of two one-token requests sharing a block
   can hold a block of its own: `-su` needs 2 tokens.
+- on the prompt route (`plan/prompts.py`, the default) a request with new tokens over a context no
+  other request reads is not on the causal path at all: causal work needs a short draft over a
+  block another request holds, so `cs-` and `csu` take one more request, and `c--` and `c-u` occur
+  only under a sliding window (or on the tiled route).
 
 A bucket that does not cover its phase's smallest step can never be used by a step of that phase,
 and warmup cannot build a batch for it. The planner (not this module) decides each step's shape:
@@ -36,6 +40,8 @@ def candidate_steps(phase: str, block_size: int) -> list[tuple[np.ndarray, np.nd
     c, s, u = (p != "-" for p in phase)
     if c:  # the causal request's context is shared; unique work needs a one-token request of its own
         steps = [[(2, [1] if s else [])] + ([(1, [2])] if u else [])]
+        if s:  # on the prompt route the causal request must be a short draft over a block another one reads
+            steps.append([(2, [1]), (1, [1])] + ([(1, [2])] if u else []))
     elif s:
         steps = [[(1, [1, 2]), (1, [1])], [(1, [1]), (1, [1]), (1, [2])]] if u else [[(1, [1]), (1, [1])]]
     else:

@@ -118,7 +118,11 @@ def split_plan(plan, cap: GatherCap) -> list:
     out, s0, u0 = [], 0, 0
     for i, (q, s, u, l, c) in enumerate(pieces.tolist()):
         ts, ns = s0 // kb, s // kb
-        piece = Bucket(phase_of(c, s, u), q, s, u, l, c)
+        piece = Bucket(phase_of(c, s, u), q, s, u, l, c, *(shape.prompts if i == 0 else (0, 0, 0)))
+        # the prompt route runs with the first piece (its rows are final there); later pieces have none
+        prompts = {} if i == 0 or plan.prompt_rows is None else dict(
+            prompt_rows=plan.prompt_rows[:0, :0], prompt_blocks=plan.prompt_blocks[:0, :0],
+            prompt_ctx=plan.prompt_ctx[:0], prompt_len=plan.prompt_len[:0])
         out.append(replace(
             plan, shape=piece, bucket=piece,
             causal_q_start=plan.causal_q_start[:c], causal_k_start=plan.causal_k_start[:c],
@@ -126,7 +130,7 @@ def split_plan(plan, cap: GatherCap) -> list:
             shared_lo=plan.shared_lo[ts:ts + ns], shared_hi=plan.shared_hi[ts:ts + ns],
             unique_rows=plan.unique_rows[u0:u0 + u], unique_blocks=unique_blocks[u0:u0 + u],
             unique_lo=plan.unique_lo[u0:u0 + u], unique_hi=plan.unique_hi[u0:u0 + u],
-            work_needed=plan.work_needed if i == 0 else type(plan.work_needed)()))
+            work_needed=plan.work_needed if i == 0 else type(plan.work_needed)(), **prompts))
         s0, u0 = s0 + s, u0 + u
     return out
 

@@ -43,6 +43,13 @@ class StepPlan:
     shared_prefix_visible: bool
     #: an encoder-only step (`plan/bidirectional.py`): every new token sees every new token of its request
     bidirectional: bool = field(default=False, kw_only=True)
+    #: the prompt route (`plan/prompts.py`), `bucket.prompts` sized; None in an `InvariantPlan`
+    prompt_rows: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts, prompt_len] token of each row (query_len = no row)
+    prompt_blocks: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts, prompt_blocks] context blocks in order (0 past them)
+    prompt_ctx: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts] context length (keys before the new ones)
+    prompt_len: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts] new tokens (0: a padding prompt)
+    #: every new token is on the prompt route: the step is that one fused call and nothing else
+    prompts_only: bool = field(default=False, kw_only=True)
 
     @property
     def unique_layout(self) -> str:
@@ -53,8 +60,10 @@ class StepPlan:
     def work_planned(self) -> PathWork:
         """Pairs the device computes for the arrays as they are (padding included)."""
         b, opts = self.bucket, self.options
+        prompt_rows = b.num_prompts * b.prompt_len
         return PathWork(
-            causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len,
-            shared=b.num_shared_blocks * opts.shared_rows * self.block_size,
+            causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len + prompt_rows * b.prompt_len,
+            shared=b.num_shared_blocks * opts.shared_rows * self.block_size + prompt_rows * b.prompt_blocks
+            * self.block_size,
             unique=b.num_unique_blocks * self.block_size,
         )

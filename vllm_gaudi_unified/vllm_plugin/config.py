@@ -26,7 +26,11 @@ ENV_RECORD_TRACE = "VLLM_GAUDI_UNIFIED_RECORD_TRACE"
 #: "1": plan steps so that a request's result does not depend on its batch (PlanOptions.batch_invariant).
 ENV_BATCH_INVARIANT = "VLLM_GAUDI_UNIFIED_BATCH_INVARIANT"
 
-ALL_ENV_VARS = (ENV_ENABLE, ENV_BUCKETS, ENV_WARMUP, ENV_RECORD_TRACE, ENV_BATCH_INVARIANT)
+#: "1": plan with the tile sizes measured for this device kind (`bucket_plans/device_options.py`), an
+#: explicit override; by default every device plans with the same options (the planner picks routes).
+ENV_DEVICE_OPTIONS = "VLLM_GAUDI_UNIFIED_DEVICE_OPTIONS"
+
+ALL_ENV_VARS = (ENV_ENABLE, ENV_BUCKETS, ENV_WARMUP, ENV_RECORD_TRACE, ENV_BATCH_INVARIANT, ENV_DEVICE_OPTIONS)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -53,6 +57,7 @@ class PluginConfig:
     warmup: bool = True  #: VLLM_GAUDI_UNIFIED_WARMUP: warm every bucket at start-up when a plan is given
     record_trace: str | None = None  #: VLLM_GAUDI_UNIFIED_RECORD_TRACE: trace file to append steps to
     batch_invariant: bool = False  #: VLLM_GAUDI_UNIFIED_BATCH_INVARIANT (default: vLLM's VLLM_BATCH_INVARIANT)
+    device_options: bool = False  #: VLLM_GAUDI_UNIFIED_DEVICE_OPTIONS: the measured per-device tile table
 
     @classmethod
     def from_env(cls, environ=None) -> "PluginConfig":
@@ -67,6 +72,7 @@ class PluginConfig:
             warmup=True if warmup is None else warmup,
             record_trace=env.get(ENV_RECORD_TRACE) or None,
             batch_invariant=batch_invariant,
+            device_options=bool(_flag(ENV_DEVICE_OPTIONS, env)),
         )
 
 

@@ -114,9 +114,9 @@ def largest_shape(shapes: list[Bucket]) -> Bucket:
     """The elementwise largest of `shapes` (its phase: every path any of them runs)."""
     from vllm_gaudi_unified.bucket import phase_of
 
-    sizes = np.max(np.array([s.sizes for s in shapes], dtype=np.int64), axis=0).tolist()
-    q, s, u, n, c = (int(x) for x in sizes)
-    return Bucket(phase_of(c, s, u), q, s, u, n, c)
+    sizes = np.max(np.array([s.sizes + s.prompts for s in shapes], dtype=np.int64), axis=0).tolist()
+    q, s, u, n, c, *prompts = (int(x) for x in sizes)
+    return Bucket(phase_of(c, s, u), q, s, u, n, c, *prompts)  # with the prompt route's shape (plan/prompts.py)
 
 
 def padding_work(batches: dict[AttentionKind, UnifiedBatch], layers: dict[AttentionKind, int]) -> tuple[int, int]:

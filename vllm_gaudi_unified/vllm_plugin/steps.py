@@ -46,7 +46,9 @@ class StepHooks:
         from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
 
         device = torch.device(device)
-        kind = device_kind(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+        kind = ""  # the per-device table only when asked for (VLLM_GAUDI_UNIFIED_DEVICE_OPTIONS=1)
+        if config.device_options:
+            kind = device_kind(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
         options = options_for_device(kind, PlanOptions(batch_invariant=config.batch_invariant))
         plan = None
         if config.buckets:

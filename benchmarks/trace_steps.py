@@ -1,0 +1,148 @@
+"""Issue 23: consecutive steps of a recorded vLLM trace, end to end, on both routes and the peer.
+
+    python -m benchmarks.trace_steps --trace PATH [--start 300] [--steps 200] [--out DIR]
+
+Each step of the window (block size and block ids from the trace; random bf16 q/k/v and caches at
+32 query heads, 8 KV heads, head size 128) runs, on the same tensors:
+
+* **ours, CUDA default**: `plan_step` at the default options (timed on the host), the batch copied
+  to the device (`UnifiedBatch.from_plan` + sync, timed), then `unified_attention` as a replayed
+  CUDA graph of its eager calls (timed);
+* **ours, Gaudi route**: the same under `paths.fused.gaudi_route()` (no flash varlen, no Triton:
+  what an HPU runs, its FusedSDPA calls as torch SDPA);
+* **vllm-gaudi's algorithm** (`benchmarks/gaudi_peer.py`: its `ops.py` unchanged, prompts as one
+  padded prefill batch, decodes through `flat_pa`), a replayed CUDA graph of its eager ops. Its host
+  metadata (built in Python here) is reported apart and left out of its step time, which favours it.
+
+A step's time for ours is plan + copy + device. Every output is compared with the peer's (relative
+error, bf16) and every tenth step with the float32 reference. Writes `DIR/trace_steps.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import baselines, gaudi_peer
+from benchmarks.suite import _rel_err, environment
+from benchmarks.timing import capture, sync, time_ms
+from vllm_gaudi_unified.attention import unified_attention
+from vllm_gaudi_unified.batch import UnifiedBatch
+from vllm_gaudi_unified.bucket_plans.trace import read_trace
+from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.plan import plan_step
+
+ROUTES = {"cuda": contextlib.nullcontext, "gaudi": fused.gaudi_route}
+
+
+def _device_ms(fn, device) -> tuple[float, torch.Tensor]:
+    if device.type != "cuda":  # (a smoke run on the CPU: eager calls)
+        out = fn()
+        return time_ms(fn, device, reps=1), out
+    replay, out = capture(fn, device)
+    ms = time_ms(replay, device, reps=10, warmup_ms=2, rep_ms=10)
+    result = out.clone()
+    del replay, out
+    return ms, result
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    trace = read_trace(args.trace)
+    steps = trace.steps[args.start:args.start + args.steps]
+    bs = steps[0].block_size
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    num_blocks = max(int(s.block_table().max()) for s in steps) + 1
+    g = torch.Generator(device=device).manual_seed(0)
+    kc = torch.randn(num_blocks, bs, hkv, d, generator=g, device=device, dtype=dtype)
+    vc = torch.randn(num_blocks, bs, hkv, d, generator=g, device=device, dtype=dtype)
+    scale = d ** -0.5
+    rows = []
+    for i, st in enumerate(steps):
+        ql, cl, table = st.query_lens, st.context_lens, st.block_table()
+        t = int(ql.sum())
+        q, k, v = (torch.randn(t, h, d, generator=g, device=device, dtype=dtype) for h in (hq, hkv, hkv))
+        owned = [table[r][: -(-(int(c) + int(n)) // bs)] for r, (n, c) in enumerate(zip(ql, cl))]
+        row = dict(step=args.start + i, tokens=t, requests=len(ql), prompts=int((ql > 1).sum()))
+        t0 = time.perf_counter()
+        peer = gaudi_peer.build(q, k, v, kc, vc, list(map(int, ql)), list(map(int, cl)), owned, scale)
+        sync(device)
+        row["peer_host_ms"] = (time.perf_counter() - t0) * 1e3
+        row["peer_ms"], peer_out = _device_ms(peer, device)
+        ref = None
+        if i % 10 == 0:
+            blocks = [torch.as_tensor(b, device=device) for b in owned]
+            ref = baselines.reference_fp32(q, k, v, kc, vc, list(map(int, ql)), list(map(int, cl)), blocks, scale)
+            row["peer_err"] = _rel_err(peer_out, ref)
+        for name, route in ROUTES.items():
+            with route():
+                plans = []
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    plans.append(plan_step(ql, cl, table, bs, num_blocks=num_blocks))
+                plan_ms = (time.perf_counter() - t0) / 3 * 1e3
+                t0 = time.perf_counter()
+                batch = UnifiedBatch.from_plan(plans[-1], device)
+                sync(device)
+                h2d_ms = (time.perf_counter() - t0) * 1e3
+                ms, out = _device_ms(lambda: unified_attention(q, k, v, kc, vc, batch, scale), device)
+            row[f"{name}_plan_ms"], row[f"{name}_h2d_ms"], row[f"{name}_ms"] = plan_ms, h2d_ms, ms
+            row[f"{name}_step_ms"] = plan_ms + h2d_ms + ms
+            row[f"{name}_bucket"] = str(plans[-1].bucket)
+            row[f"{name}_vs_peer_err"] = _rel_err(out, peer_out)
+            if ref is not None:
+                row[f"{name}_err"] = _rel_err(out, ref)
+            del batch, out
+        rows.append(row)
+        del q, k, v, peer, peer_out, ref
+        if i % 20 == 0:
+            if device.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            if args.out:  # what is done so far, in case the run is cut short
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / "trace_steps.partial.json").write_text(json.dumps(dict(rows=rows), default=str))
+    return dict(trace=args.trace, start=args.start, steps=len(rows), block_size=bs, num_blocks=num_blocks,
+                totals=totals(rows), rows=rows)
+
+
+def totals(rows: list[dict]) -> dict:
+    """Sums over the window: per method device ms, step ms, and steps where ours is slower than the peer."""
+    out = {"peer_ms": sum(r["peer_ms"] for r in rows), "peer_host_ms": sum(r["peer_host_ms"] for r in rows)}
+    for name in ROUTES:
+        out[f"{name}_ms"] = sum(r[f"{name}_ms"] for r in rows)
+        out[f"{name}_step_ms"] = sum(r[f"{name}_step_ms"] for r in rows)
+        out[f"{name}_plan_ms"] = sum(r[f"{name}_plan_ms"] for r in rows)
+        out[f"{name}_h2d_ms"] = sum(r[f"{name}_h2d_ms"] for r in rows)
+        out[f"{name}_steps_slower_than_peer"] = sum(r[f"{name}_step_ms"] > r["peer_ms"] for r in rows)
+        out[f"{name}_max_err"] = max((r.get(f"{name}_err", 0.0) for r in rows), default=0.0)
+        out[f"{name}_max_vs_peer_err"] = max(r[f"{name}_vs_peer_err"] for r in rows)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks.trace_steps", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", required=True)
+    p.add_argument("--start", type=int, default=300)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="out/trace_steps")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    result["env"] = environment(torch.device(args.device))
+    (out_dir / "trace_steps.json").write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result["totals"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""The prompt route (issue 23): a request's new tokens over its own context as one padded fused call.
+
+Checked against the float64 dense reference (1e-6) and in bf16 (1e-2), in both forms (rows final
+from one SDPA call; a Partial through the matmul tiles under a soft cap, sinks or fused kernels
+off), on ragged chunks, partial last blocks, shuffled block tables, caches whose unreadable slots
+hold NaN/inf, GQA and MQA, padded buckets; and the planner's choice of route by hand.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import SMALL_TILES, TILES, Step, assert_matches, make_block_table, make_tensors, run_case
+from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, unified_attention
+from vllm_gaudi_unified.bucket import with_prompts
+from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.reference import reference_attention
+
+UNFUSED = replace(SMALL_TILES, fused_kernels=False)  # the Partial form through the matmul tiles
+
+
+def test_a_chunk_over_its_own_context_is_one_prompt_row_with_its_blocks():
+    table = np.array([[9, 2, 7, 4], [5, 6, 0, 0], [8, 0, 0, 0]])
+    plan = plan_step([3, 1, 2], [14, 5, 0], table, 4)
+    assert plan.shape.prompts == (2, 3, 4) and plan.shape.phase == "--u"  # the decode keeps its unique blocks
+    assert plan.prompt_rows.tolist() == [[0, 1, 2], [4, 5, 6]]  # 6 = no row (the step has 6 tokens)
+    assert plan.prompt_blocks.tolist() == [[9, 2, 7, 4], [0, 0, 0, 0]]
+    assert plan.prompt_ctx.tolist() == [14, 0] and plan.prompt_len.tolist() == [3, 2]
+    assert plan.shape.num_causal_tiles == 0 and plan.shape.num_shared_blocks == 0
+    assert plan.work_needed.total == plan_step([3, 1, 2], [14, 5, 0], table, 4,
+                                               options=PlanOptions(prompt_route="tiles")).work_needed.total
+
+
+def test_short_drafts_over_a_common_prefix_keep_the_shared_tiles_long_chunks_do_not():
+    table = np.array([[1, 2, 3], [1, 2, 4]])
+    drafts = plan_step([4, 4], [9, 9], table, 4)  # speculative drafts over a common prefix: shared tiles
+    assert drafts.shape.num_prompts == 0 and drafts.shape.phase[:2] == "cs"
+    chunks = plan_step([40, 40], [9, 9], table, 4)  # long chunks: each its own call, the prefix read twice
+    assert chunks.shape.prompts == (2, 40, 3) and chunks.shape.phase == "---"
+
+
+def test_decodes_and_windows_do_not_take_the_prompt_route():
+    assert plan_step([1, 1], [5, 9], np.array([[1, 2, 0], [3, 4, 5]]), 4).shape.num_prompts == 0
+    assert plan_step([6, 1], [5, 9], np.array([[1, 2, 0], [3, 4, 5]]), 4, sliding_window=4).shape.num_prompts == 0
+
+
+def test_a_one_token_prompt_joins_a_step_of_prompts():
+    plan = plan_step([5, 1], [0, 0], np.zeros((2, 1), int), 4)
+    assert plan.shape.prompts == (2, 5, 0) and plan.shape.phase == "---"
+
+
+@pytest.mark.parametrize("options", [SMALL_TILES, UNFUSED], ids=["final", "partial"])
+@pytest.mark.parametrize("spec", [
+    Step([12, 5], [20, 9], 4),  # chunked prefill, partial last blocks
+    Step([7, 16, 3, 1], [0, 0, 0, 0], 4),  # prompts without context
+    Step([9, 1, 1, 30, 2], [7, 16, 33, 0, 5], 8, num_qo_heads=8, num_kv_heads=2),  # mixed, GQA
+    Step([21, 1, 1, 6], [16, 18, 21, 16], 4, prefix_groups=[([0, 1, 2, 3], 4)], num_qo_heads=6, num_kv_heads=1),
+    Step([20, 20], [8, 8], 4, prefix_groups=[([0, 1], 2)]),  # long chunks over a common prefix
+], ids=["chunked", "prefill", "mixed-gqa", "prefix-mqa", "common-prefix"])
+def test_matches_the_reference(spec, options):
+    out, ref, batch = run_case(spec, options=options)
+    assert batch.bucket.num_prompts > 0
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("kw", [dict(logits_soft_cap=3.0), dict(sinks=torch.tensor([0.5, -1.0, 2.0, float("-inf")],
+                                                                                     dtype=torch.float64))],
+                         ids=["soft_cap", "sinks"])
+def test_soft_cap_and_sinks_take_the_partial_form(kw):
+    out, ref, batch = run_case(Step([9, 1, 4], [6, 11, 0], 4), **kw)
+    assert batch.bucket.num_prompts == 2
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("options", [SMALL_TILES, UNFUSED], ids=["final", "partial"])
+def test_low_precision(dtype, options):
+    out, ref, _ = run_case(Step([12, 1, 33], [20, 9, 17], 8, num_qo_heads=8, num_kv_heads=2), dtype=dtype,
+                           options=options)
+    assert_matches(out, ref)
+
+
+def test_a_step_of_prompts_runs_one_call_and_no_other_path(monkeypatch):
+    from vllm_gaudi_unified import attention, hpu
+
+    calls = []
+    real = hpu.sdpa_final
+    monkeypatch.setattr(hpu, "sdpa_final", lambda *a: calls.append(a[3] is None) or real(*a))
+    monkeypatch.setattr(attention, "_run_paths", lambda *a, **k: pytest.fail("another path ran"))
+    out, ref, _ = run_case(Step([7, 16, 3, 1], [0, 0, 0, 0], 4))
+    assert calls == [True]  # one call, causal without a mask (no context)
+    assert_matches(out, ref)
+    calls.clear()
+    out, ref, _ = run_case(Step([12, 5], [20, 9], 4))
+    assert calls == [False]  # one call, with the context's mask
+    assert_matches(out, ref)
+
+
+def test_padding_the_prompt_route_changes_nothing():
+    step = Step([9, 1, 4], [6, 11, 0], 4)
+    out, ref, batch = run_case(step)
+    s = batch.shape
+    big = Bucket(s.phase, s.query_len + 5, s.num_shared_blocks, s.num_unique_blocks + 3, s.num_logits + 2,
+                 s.num_causal_tiles, s.num_prompts + 2, s.prompt_len + 3, s.prompt_blocks + 2)
+    padded, _, pbatch = run_case(step, bucket=big)
+    assert pbatch.bucket == big
+    assert_matches(padded, ref)
+    torch.testing.assert_close(padded, out, atol=1e-12, rtol=0)
+
+
+def test_a_plans_bucket_takes_the_steps_prompt_shape_in_powers_of_two():
+    base = Bucket("--u", 64, 0, 16, 8, 0)
+    step = Bucket("--u", 20, 0, 3, 4, 0, 3, 17, 5)
+    assert with_prompts(base, step).prompts == (4, 32, 8) and with_prompts(base, step).covers(step)
+    assert with_prompts(with_prompts(base, step), step) == with_prompts(base, step)
+    assert str(with_prompts(base, step)).endswith(":p4x32x8")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_steps_match_the_reference_on_both_routes(data):
+    r = data.draw(st.integers(1, 5))
+    q = data.draw(st.lists(st.integers(1, 20), min_size=r, max_size=r))
+    ctx = data.draw(st.lists(st.integers(0, 30), min_size=r, max_size=r))
+    bs = data.draw(st.sampled_from([1, 4, 8]))
+    hkv = data.draw(st.sampled_from([1, 2]))
+    share = data.draw(st.integers(0, 2))
+    groups = [(list(range(r)), min(share, min(ctx) // bs))] if r > 1 and share else []
+    step = Step(q, ctx, bs, prefix_groups=groups, num_qo_heads=2 * hkv, num_kv_heads=hkv)
+    seed = data.draw(st.integers(0, 3))
+    for options in (SMALL_TILES, UNFUSED, TILES):
+        out, ref, _ = run_case(step, options=options, seed=seed)
+        assert_matches(out, ref)
+
+
+def test_a_nan_in_a_new_key_reaches_only_the_rows_that_see_it():
+    """Token 2 of a 6-token chunk over 5 cached keys gets a NaN value: rows 2..5 may show it, rows 0 and 1
+    and the other request's rows stay bitwise as in the clean run."""
+    step = Step([6, 3], [5, 4], 4)
+    table, nb = make_block_table(step, np.random.default_rng(1))
+    q, k, v, kc, vc = make_tensors(step, table, nb)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=SMALL_TILES)
+    clean = unified_attention(q, k, v, kc, vc, batch, 0.5)
+    v[2, 1, 3] = float("nan")
+    bad = unified_attention(q, k, v, kc, vc, batch, 0.5)
+    assert torch.equal(bad[[0, 1, 6, 7, 8]], clean[[0, 1, 6, 7, 8]])
+    assert torch.isnan(bad[2:6, 2:]).all() and torch.equal(bad[2:6, :2], clean[2:6, :2])  # KV head 1's heads
+
+
+@pytest.mark.parametrize("phase", ["--u", "-su", "---"])
+def test_warmup_builds_a_batch_for_a_bucket_with_prompts(phase):
+    """Warmup runs every bucket: one that carries the prompt route's shape gets a step with a prompt."""
+    from vllm_gaudi_unified.warmup import batch_for_bucket
+
+    bucket = Bucket(phase, 16, 8 if phase[1] == "s" else 0, 4 if phase[2] == "u" else 0, 4, 0, 2, 4, 2)
+    batch = batch_for_bucket(bucket, 4, SMALL_TILES)
+    assert batch.bucket == bucket and batch.shape.num_prompts >= 1
+    q, k, v = (torch.randn(16, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    kc, vc = (torch.randn(16, 4, 2, 8, dtype=torch.float64) for _ in range(2))
+    assert torch.isfinite(unified_attention(q, k, v, kc, vc, batch, 0.5)).all()

@@ -1,0 +1,84 @@
+"""The prompt route: a request's new tokens over its own cached context, as one padded batch.
+
+A prompt or a chunk of one (two or more new tokens) reads its whole context
+and its own new keys, causal and bottom-right aligned. The tiled paths cut
+that into thousands of small tiles and merge them; vllm-gaudi runs it as one
+FusedSDPA call over the context blocks gathered in front of the new keys
+(`_include_past`). The prompt route does the same: each such request is one
+row of a padded batch `[num_prompts, prompt_len]` of query tokens against its
+`prompt_blocks` context blocks followed by its new keys, one fused SDPA call
+for all of them (`paths/prompts.py`); the rows come out final, with no merge.
+
+Which requests take it (`prompt_requests`, identical on every device):
+
+* two or more new tokens (and, once some request takes it, a one-token prompt
+  without context, so that a step of prompts alone is that one call), no sliding window (the window's first-slot cut is
+  the tiled paths' job), `PlanOptions.prompt_route == "dense"`;
+* but not a short draft (fewer than `PROMPT_MIN_SHARED_ROWS` tokens) over
+  blocks another request of the step also reads: speculative decodes or
+  parallel samples over a common prefix keep the shared tiles, which read that
+  prefix once for all of them instead of once per request.
+
+A decode (one new token) never takes it: its context goes to the unique and
+shared paths as before, so a decode step's plan is unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_gaudi_unified.plan.arrays import empty, same_id_sum
+
+_I64 = np.int64
+
+#: A request with fewer new tokens whose context another request also reads stays on the shared tiles.
+PROMPT_MIN_SHARED_ROWS = 16
+
+
+def prompt_requests(q: np.ndarray, ctx: np.ndarray, pair_req: np.ndarray, phys: np.ndarray,
+                    max_block_id: int) -> np.ndarray:
+    """Bool `[R]`: the requests the prompt route takes (module docstring); `pair_req`/`phys` are the
+    step's (request, cached block) pairs (`arrays.cached_pairs`)."""
+    sel = q >= 2
+    if not sel.any():
+        return sel
+    sel |= (q == 1) & (ctx == 0)  # a one-token prompt: with it, a step of prompts is one call and nothing else
+    if phys.size == 0:
+        return sel
+    short = sel & (q < PROMPT_MIN_SHARED_ROWS)
+    if short.any():
+        common = same_id_sum(phys, max_block_id) > 1  # a block listed by two requests (ids are per request)
+        sharing = np.bincount(pair_req[common], minlength=q.size) > 0
+        sel &= ~(short & sharing)
+    return sel
+
+
+def plan_prompts(sel: np.ndarray, q: np.ndarray, ctx: np.ndarray, nb_ctx: np.ndarray, bt: np.ndarray,
+                 starts: np.ndarray, T: int):
+    """Arrays of the prompt route for the requests `sel`: rows `[P, Qp]` (token of each query row, left
+    aligned; `T` = no row), blocks `[P, Cb]` (context blocks in order, 0 past the context), context
+    lengths `[P]`, new-token counts `[P]`. Pairs needed: every prompt token against its context."""
+    idx = np.flatnonzero(sel)
+    if idx.size == 0:
+        return (empty((0, 0)), empty((0, 0)), empty((0,)), empty((0,))), 0
+    qs, cs, nbs = q[idx], ctx[idx], nb_ctx[idx]
+    col = np.arange(int(qs.max()))
+    rows = np.where(col < qs[:, None], starts[idx][:, None] + col, T)
+    cb = int(nbs.max())
+    blocks = bt[idx, :cb].astype(_I64, copy=True) if cb else empty((idx.size, 0))
+    if cb:
+        blocks[np.arange(cb) >= nbs[:, None]] = 0
+    return (rows, blocks, cs.astype(_I64, copy=True), qs.astype(_I64, copy=True)), int(np.dot(qs, cs))
+
+
+def pad_prompts(plan, bucket, T: int, Tp: int):
+    """The prompt arrays of `plan` padded to `bucket` (padding prompts have no row, no context, no token)."""
+    P, Qp, Cb = bucket.prompts
+    rows, blocks = plan.prompt_rows, plan.prompt_blocks
+    p, qp = rows.shape
+    out_rows = np.full((P, Qp), Tp, _I64)
+    out_rows[:p, :qp] = np.where(rows == T, Tp, rows)
+    out_blocks = np.zeros((P, Cb), _I64)
+    out_blocks[:p, : blocks.shape[1]] = blocks
+    grow = lambda a: np.concatenate([a, np.zeros(P - a.size, _I64)])  # noqa: E731
+    return dict(prompt_rows=out_rows, prompt_blocks=out_blocks, prompt_ctx=grow(plan.prompt_ctx),
+                prompt_len=grow(plan.prompt_len))
