@@ -79,12 +79,14 @@ def test_padding_to_a_larger_bucket_changes_nothing():
     step = SPECS["seed"]
     out, _, batch, _ = mla_case(step)
     s, kb = batch.shape, SMALL_TILES.blocks_per_tile(step.block_size)
+    prompts = (s.num_prompts + 1, s.prompt_len + 2, s.prompt_blocks + 1) if s.num_prompts else (0, 0, 0)
     big = Bucket("csu", s.query_len + 5, s.num_shared_blocks + kb, s.num_unique_blocks + 3, s.num_logits + 2,
-                 s.num_causal_tiles + 2)
+                 s.num_causal_tiles + 2, *prompts)
     padded, ref, pbatch, _ = mla_case(step, bucket=big)
     assert pbatch.bucket == big
     assert_matches(padded, ref)
-    torch.testing.assert_close(padded, out, rtol=0, atol=0)
+    # the prompt route's one SDPA call over a larger padded batch sums in another order (test_attention's bound)
+    torch.testing.assert_close(padded, out, rtol=0, atol=1e-12)
 
 
 def test_sinks_and_soft_cap_take_the_value_head_dim():

@@ -85,7 +85,7 @@ def prompt_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_sc
 
 def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_scale=None,
                  flash: bool = False) -> torch.Tensor:
-    """The final form: `[P * Qp, Hq, D]` normalised rows in q's dtype (rows of `batch.prompt_rows`).
+    """The final form: `[P * Qp, Hq, Dv]` normalised rows in q's dtype (rows of `batch.prompt_rows`).
 
     `flash` (CUDA kernels allowed): one flash varlen call, each prompt a segment of its real rows
     against its first `ctx + len` keys, causal bottom-right aligned: no mask at all. Else one SDPA call
@@ -107,7 +107,7 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
         if batch.prompt_blocks.shape[1]:
             mask = ((seq[:, None, :] <= last[..., None]) & valid[:, None, :])[:, None]  # [P, 1, Qp, Kp]
         out = sdpa_final(qr.transpose(1, 2), kall.transpose(1, 2), vall.transpose(1, 2), mask, scale)
-        out = out.transpose(1, 2).reshape(p * qp, hq, d)
+        out = out.transpose(1, 2).reshape(p * qp, hq, vall.shape[-1])  # MLA: values narrower than keys
     # rows that see a bad key: those at or past the first bad key's sequence position (a reduction, no scan)
     never = torch.iinfo(seq.dtype).max
     first = torch.where(valid[..., None] & ~finite, seq[..., None], never).amin(1)  # [P, Hkv]
