@@ -89,7 +89,8 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     padded = query.shape[0]
     prompts = not isinstance(batch, InvariantBatch) and batch.bucket.num_prompts > 0
     final = prompts and final_rows(batch, query, logits_soft_cap, sinks)
-    flash = final and PROMPT_FLASH and kernel_for(batch, query, logits_soft_cap, value.shape[-1]) == "flash"
+    flash = (final and PROMPT_FLASH and value.shape[-1] == query.shape[-1]  # flash takes one head dim
+             and kernel_for(batch, query, logits_soft_cap) == "flash")
     if final and batch.plan.prompts_only:  # every token on the prompt route: one call, nothing else
         rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale, flash)
         return write_rows(None, batch.prompt_rows, rows, padded)
