@@ -11,11 +11,6 @@ bidirectionally, or across two requests, moves the states by far more (the core 
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -26,18 +21,11 @@ import vllm_model_helpers as M  # noqa: E402  (tests/ is on sys.path under pytes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-HELPER = os.path.join(os.path.dirname(__file__), "vllm_model_helpers.py")
 ATOL = 1e-5
 
 
 def _embed(model: str, out: str, **env) -> tuple[dict, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GAUDI_UNIFIED")}
-    clean.update(env)
-    proc = subprocess.run([sys.executable, HELPER, "embed", "--model", model, "--out", out], env=clean,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(out) as f:
-        return json.load(f), proc.stderr + proc.stdout
+    return M.run_engine("embed", model, out, timeout=600, **env)
 
 
 def test_bert_embeddings_match_vllm_cpu_attention(tmp_path):

