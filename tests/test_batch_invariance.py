@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import skip_unless_interpreter_indexes_loop_bounds
 from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, plan_step, unified_attention
 from vllm_gaudi_unified.bucket import phase_of
 from vllm_gaudi_unified.reference import reference_attention
@@ -332,6 +333,7 @@ def test_fast_route_interpreted():
     from pathlib import Path
 
     pytest.importorskip("triton")
+    skip_unless_interpreter_indexes_loop_bounds()
     here = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(here.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import fused_standin
-from conftest import SMALL_TILES, SPECS, Step, assert_matches, make_block_table, make_tensors
+from conftest import (SMALL_TILES, SPECS, Step, assert_matches, make_block_table, make_tensors,
+                      skip_unless_interpreter_indexes_loop_bounds)
 from test_fp8_kv_cache import FP8, SCALE_FORMS, _Conversions, _fp8_case
 from vllm_gaudi_unified import PlanOptions, attention, build_unified_batch, unified_attention
 from vllm_gaudi_unified.paths import fused, unique
@@ -109,19 +110,10 @@ def test_unique_route_choice(routes, monkeypatch):
                                                    "unique_partial", "unique_partial"]
 
 
-def _interpreter_indexes_loop_bounds() -> bool:
-    """Triton's interpreter before 3.9 cannot take a tensor as a `range` bound (`int()` of a 1-element
-    array; seen with 3.6 on the GPU machine): the kernel's loop needs it."""
-    from importlib.metadata import version
-
-    return tuple(int(x) for x in version("triton").split(".")[:2]) >= (3, 9)
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its interpreter runs the kernel on the CPU)")
 def test_unique_kernel_interpreted():
-    if not _interpreter_indexes_loop_bounds():
-        pytest.skip("this Triton's interpreter cannot run the kernel's loop (needs Triton >= 3.9)")
     """The Triton kernel's body under the interpreter, float64, every case of unique_kernel_cases.py."""
+    skip_unless_interpreter_indexes_loop_bounds()
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, str(TESTS / "unique_kernel_cases.py")], env=env, capture_output=True,
