@@ -58,7 +58,7 @@ def run_demo(cfg: DemoConfig, out=print) -> dict:
     key_cache = torch.full(shape, float("nan"), dtype=dtype)
     value_cache = torch.full(shape, float("nan"), dtype=dtype)
     scale = cfg.head_dim ** -0.5
-    out(f"{'step':>4} {'reqs':>4} {'tokens':>6} {'phase':>5}  {'bucket':<28} {'shared':>6} {'unique':>6} "
+    out(f"{'step':>4} {'reqs':>4} {'tokens':>6} {'phase':>5}  {'bucket':<38} {'shared':>6} {'unique':>6} "
         f"{'layout':<6} {'max err':>9} {'plan us':>8} {'attn ms':>8}")
     worst, phases, plan_us, attn_ms = 0.0, set(), [], []
     for i, step in enumerate(Simulator(sched, workload, cfg.seed).steps(cfg.steps)):
@@ -85,7 +85,7 @@ def run_demo(cfg: DemoConfig, out=print) -> dict:
         plan_us.append((t1 - t0) * 1e6)
         attn_ms.append((t2 - t1) * 1e3)
         s = batch.shape
-        out(f"{i:>4} {len(step.query_lens):>4} {t:>6} {batch.phase:>5}  {str(batch.bucket):<28} "
+        out(f"{i:>4} {len(step.query_lens):>4} {t:>6} {batch.phase:>5}  {str(batch.bucket):<38} "
             f"{s.num_shared_blocks:>6} {s.num_unique_blocks:>6} {batch.unique_layout:<6} {err:>9.2e} "
             f"{plan_us[-1]:>8.0f} {attn_ms[-1]:>8.2f}")
     summary = dict(steps=len(plan_us), phases=sorted(phases), max_error=worst,
