@@ -20,10 +20,12 @@ Long traces are cut into chunks replayed by worker processes.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import re
+import signal
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -327,10 +329,14 @@ def shapes_of_trace(trace: str | Trace, settings: ServerSettings, jobs: int | No
             bar.update(len(c[0]))
     else:
         # The workers ignore SIGINT: a Ctrl-C reaches the whole process group, and only this process says
-        # it was interrupted (one line); the queued chunks are dropped instead of run to the end.
-        pool = ProcessPoolExecutor(jobs, initializer=_ignore_sigint)
+        # it was interrupted (one line); the queued chunks are dropped instead of run to the end. SIGINT
+        # stays blocked while the workers fork: one arriving then would otherwise hit a fork hook, where
+        # Python prints and drops the KeyboardInterrupt, in a child that does not ignore it yet and here.
+        with _sigint_held():
+            pool = ProcessPoolExecutor(jobs, initializer=_ignore_sigint)
+            planned = pool.map(_plan_lines, chunks)  # submits every chunk: the fork context forks here
         try:
-            for c, r in zip(chunks, pool.map(_plan_lines, chunks)):
+            for c, r in zip(chunks, planned):
                 results.append(r)
                 bar.update(len(c[0]))
         except BaseException:
@@ -342,10 +348,21 @@ def shapes_of_trace(trace: str | Trace, settings: ServerSettings, jobs: int | No
                       settings.block_size, (trace,))
 
 
-def _ignore_sigint() -> None:
-    import signal
+@contextlib.contextmanager
+def _sigint_held():
+    """Block SIGINT in this thread; one that arrives meanwhile is delivered on leaving."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
+
+def _ignore_sigint() -> None:
+    """A worker's initializer: ignore SIGINT, then lift the block inherited from the fork (a pending
+    SIGINT is dropped, being ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _json(line: str, where: str) -> dict:
