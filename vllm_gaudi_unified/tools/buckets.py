@@ -7,6 +7,7 @@ import os
 import time
 
 from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE
+from vllm_gaudi_unified.bucket_plans.prompt_graphs import DEFAULT_PROMPT_GRAPHS
 from vllm_gaudi_unified.files import atomic_write, output_path
 from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, comma_ints, float_in, int_in
 from vllm_gaudi_unified.tools.settings_flags import WORKLOAD_NAMES, add_model, add_settings, model_from_args, \
@@ -64,6 +65,10 @@ def register(subparsers) -> None:
                         "plan_step, slower)")
     g.add_argument("--exp-base", type=float_in(1.4, 16.0), default=2.0,
                    help="growth factor of exponential ranges, 1.4 to 16 (default 2; 1.4 already makes ~25000 buckets)")
+    g.add_argument("--prompt-graphs", type=int_in(0, 4096), default=DEFAULT_PROMPT_GRAPHS,
+                   help="buckets with a prompt shape, learned from the traces (or simulated ones), in which "
+                        "prompts and chunks run on the prompt route, one fused call each; other steps with "
+                        f"prompts run on the tiled route (0: none; default {DEFAULT_PROMPT_GRAPHS})")
     g.add_argument("--miss-policy", choices=("error", "largest", "unbucketed"), default="error",
                    help="what a step no bucket covers does at serve time (default: error)")
     g.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying traces (default: all cores)")
@@ -127,6 +132,9 @@ def cmd_generate(args) -> int:
     extra = ""
     if "expected_padding_waste" in plan.info:
         extra = f", padding waste {plan.info['expected_padding_waste']:.3f} on {plan.info['steps']} steps learned from"
+    if plan.info.get("prompt_steps"):
+        extra += (f"; {len(plan.prompt_graphs)} prompt graphs take {plan.info['prompt_steps_on_prompt_graphs']} of "
+                  f"the {plan.info['prompt_steps']} steps with prompts")
     print(f"wrote {args.output}: {plan.strategy} plan, {len(plan)} buckets{extra} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -151,7 +159,8 @@ def make_plan_from_args(args):
     if share is not None and not settings.options.batch_invariant:  # invariant products are chunked already
         cap = gather_cap_for(settings, model, hardware, share)
     if args.strategy == "exponential":
-        return exponential_plan(settings, model, hardware, base=args.exp_base, cap=cap)
+        plan = exponential_plan(settings, model, hardware, base=args.exp_base, cap=cap)
+        return _with_prompt_graphs(plan, _learning_traces(args, settings) if args.prompt_graphs else [], args)
     traces = _learning_traces(args, settings)
     parts = [s for s, _ in traces]
     if args.strategy == "trace":
@@ -161,7 +170,7 @@ def make_plan_from_args(args):
                           margin=0.2 if args.margin is None else args.margin, progress=not args.no_progress)
         if cap is not None:
             raise ValueError("--memory-share is for the robust and exponential strategies")
-        return plan
+        return _with_prompt_graphs(plan, traces, args)
     fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
     scaled = [x for _, src in traces for x in load_scaled_shapes(src, settings, fractions)]
     weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
@@ -176,14 +185,28 @@ def make_plan_from_args(args):
     plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
-    return plan
+    return _with_prompt_graphs(plan, traces, args)
+
+
+def _with_prompt_graphs(plan, traces, args):
+    """`plan` with `--prompt-graphs` prompt graphs learned from the steps of `traces` (`_learning_traces`)."""
+    from dataclasses import replace
+
+    if not args.prompt_graphs:
+        return plan
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
+
+    steps = [s for _, src in traces for s in (read_trace(src).steps if isinstance(src, str) else src)]
+    graphs, info = learn_prompt_graphs(plan, steps, args.prompt_graphs)
+    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
 
 
 def _learning_traces(args, settings):
     """(shapes, source) per trace to learn from: each --trace, or simulated seeds of --workload."""
     from vllm_gaudi_unified.tools.shapes import shapes_of_steps, shapes_of_trace
-    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
-    from vllm_gaudi_unified.tools.workloads import workload_from
+    from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+    from vllm_gaudi_unified.bucket_plans.workloads import workload_from
 
     if args.trace:
         return [(shapes_of_trace(t, settings, jobs=args.jobs, progress=not args.no_progress), t) for t in args.trace]
@@ -301,8 +324,8 @@ def cmd_plot(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator, header_for
-    from vllm_gaudi_unified.tools.workloads import workload_from
+    from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator, header_for
+    from vllm_gaudi_unified.bucket_plans.workloads import workload_from
     from vllm_gaudi_unified.bucket_plans.trace import TraceWriter
 
     s = settings_from_args(args)

@@ -1,0 +1,90 @@
+"""Prompt graphs: the few buckets of a plan in which prompts take the prompt route.
+
+A plan's buckets count the five sizes of the tiled paths, so every step has a
+bucket. The prompt route (`plan/prompts.py`: each prompt or chunk over its own
+context as one fused SDPA call, how vllm-gaudi runs prompts) is much faster for
+chunked prompts, but a step on it needs a graph of its bucket *and* its prompt
+shape `(num_prompts, prompt_len, prompt_blocks)`: a product no server can warm
+whole. So a plan also holds a few *prompt graphs*, the (bucket, prompt shape)
+pairs the steps of its traces hit most often, each dimension of the prompt
+shape a power of two (`bucket.with_prompts`), warmed like the other buckets.
+
+At serving time a step is planned on the prompt route first; when no prompt
+graph covers it, it is planned again on the tiled route, whose buckets cover
+it (`batch.build_unified_batch`). Never a graph compiled while serving, and the
+common prompt shapes at the prompt route's speed. A plan without prompt graphs
+(made with `--prompt-graphs 0`, or before they existed) plans on the tiled route.
+"""
+from __future__ import annotations
+
+from collections import Counter
+import numpy as np
+
+from vllm_gaudi_unified.bucket import Bucket, with_prompts
+from vllm_gaudi_unified.plan.options import on_route
+
+#: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm).
+DEFAULT_PROMPT_GRAPHS = 64
+
+
+def prompt_work(b: Bucket, block_size: int) -> int:
+    """(query row, key) pairs of a bucket's prompt call: its padded size, to order graphs by."""
+    return b.num_prompts * b.prompt_len * (b.prompt_len + b.prompt_blocks * block_size)
+
+
+class PromptGraphs:
+    """The prompt graphs of a plan and `find`, the smallest one covering a step."""
+
+    def __init__(self, buckets, block_size: int):
+        buckets = sorted(set(buckets), key=lambda b: (prompt_work(b, block_size), b))
+        for b in buckets:
+            if not isinstance(b, Bucket) or not b.num_prompts:
+                raise ValueError(f"a prompt graph is a Bucket with num_prompts > 0, got {b!r}")
+        self.buckets = buckets
+        self._shapes = np.array([b.sizes + b.prompts for b in buckets], np.int64).reshape(len(buckets), 8)
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def find(self, shape: Bucket) -> Bucket | None:
+        """The first (smallest prompt call) graph covering `shape`, or None."""
+        if not self.buckets or not shape.num_prompts:
+            return None
+        covers = (self._shapes >= np.asarray(shape.sizes + shape.prompts)).all(1)
+        i = int(covers.argmax())
+        return self.buckets[i] if covers[i] else None
+
+
+def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) -> tuple[list[Bucket], dict]:
+    """The `max_graphs` prompt graphs most steps of `steps` (TraceSteps) hit, and what they cover.
+
+    Each step with prompts is planned on the prompt route (`plan_step`, the rules a server applies); its
+    graph is the plan's bucket for its five sizes with its prompt shape in powers of two. A graph
+    whose prompt call gathers more block slots than the plan's gather cap is never chosen."""
+    from vllm_gaudi_unified.plan import plan_step
+
+    if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 0:
+        raise ValueError(f"the number of prompt graphs must be an int >= 0, got {max_graphs!r}")
+    s = plan.settings
+    options = on_route(s.options, "dense")
+    cap = plan.gather_cap.max_unique_blocks
+    hits: Counter = Counter()
+    prompt_steps = 0
+    for step in steps:
+        p = plan_step(step.query_lens, step.context_lens, step.block_table(), step.block_size,
+                      sliding_window=s.sliding_window, options=options)
+        if not p.shape.num_prompts:
+            continue
+        prompt_steps += 1
+        i = plan.find_sizes(*p.shape.sizes)
+        if i < 0:
+            continue
+        graph = with_prompts(plan.buckets[i], p.shape)
+        if cap is None or graph.num_prompts * graph.prompt_blocks <= cap:
+            hits[graph] += 1
+    ranked = sorted(hits, key=lambda g: (-hits[g], prompt_work(g, s.block_size), g))[:max_graphs]
+    chosen = PromptGraphs(ranked, s.block_size)
+    covered = sum(n for g, n in hits.items() if chosen.find(g) is not None)
+    info = {"prompt_steps": prompt_steps, "prompt_steps_on_prompt_graphs": covered,
+            "prompt_graph_candidates": len(hits)}
+    return chosen.buckets, info
