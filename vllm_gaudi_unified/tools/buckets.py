@@ -278,6 +278,13 @@ def format_plan(plan) -> str:
     if "expected_padding_waste" in plan.info:
         lines.append(f"padding waste on the {plan.info.get('steps')} steps it was made from: "
                      f"{plan.info['expected_padding_waste']:.3f}")
+    if plan.prompt_graphs:
+        lines += ["", f"prompt graphs ({len(plan.prompt_graphs)}): a bucket and its prompt route's shape, prompts x "
+                      "rows x context blocks (other steps with prompts run on the tiled route)"]
+        lines += [f"{i:>4} {b}" for i, b in enumerate(plan.prompt_graphs)]
+        if plan.info.get("prompt_steps"):
+            lines.append(f"they take {plan.info['prompt_steps_on_prompt_graphs']} of the {plan.info['prompt_steps']} "
+                         "steps with prompts they were learned from")
     return "\n".join(lines)
 
 
