@@ -89,10 +89,10 @@ class BucketPlan:
             if self.gather_cap.exceeded(b):
                 raise ValueError(f"bucket {b} gathers more block slots than the plan's cap {self.gather_cap}")
         self._index()
-        known = set(self.buckets)
         for g in self.prompt_graphs:
-            if not isinstance(g, Bucket) or replace(g, num_prompts=0, prompt_len=0, prompt_blocks=0) not in known:
-                raise ValueError(f"prompt graph {g} is not a bucket of the plan with a prompt shape")
+            if not isinstance(g, Bucket) or g.num_shared_blocks % kb or self.gather_cap.exceeded(g):
+                raise ValueError(f"prompt graph {g}: not a Bucket, or its shared slots are not whole tiles of {kb} "
+                                 f"blocks, or it gathers more than the plan's cap {self.gather_cap}")
         self._prompts = PromptGraphs(self.prompt_graphs, self.settings.block_size)
         self.prompt_graphs = self._prompts.buckets
 

@@ -5,9 +5,9 @@ bucket. The prompt route (`plan/prompts.py`: each prompt or chunk over its own
 context as one fused SDPA call, how vllm-gaudi runs prompts) is much faster for
 chunked prompts, but a step on it needs a graph of its bucket *and* its prompt
 shape `(num_prompts, prompt_len, prompt_blocks)`: a product no server can warm
-whole. So a plan also holds a few *prompt graphs*, the (bucket, prompt shape)
-pairs the steps of its traces hit most often, each dimension of the prompt
-shape a power of two (`bucket.with_prompts`), warmed like the other buckets.
+whole. So a plan also holds a few *prompt graphs*, the shapes the prompt steps
+of its traces need most often, each dimension rounded up to a power of two
+(`rounded_shape`), warmed like the other buckets.
 
 At serving time a step is planned on the prompt route first; when no prompt
 graph covers it, it is planned again on the tiled route, whose buckets cover
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket, with_prompts
+from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.plan.options import on_route
 
 #: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm).
@@ -55,19 +55,41 @@ class PromptGraphs:
         return self.buckets[i] if covers[i] else None
 
 
-def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) -> tuple[list[Bucket], dict]:
-    """The `max_graphs` prompt graphs most steps of `steps` (TraceSteps) hit, and what they cover.
+def rounded_shape(shape: Bucket, settings, cap) -> Bucket:
+    """The prompt graph of a step: each of its eight dimensions rounded up to a power of two (shared
+    slots: whole tiles), within the settings' limits and the gather cap. Not a bucket of the plan:
+    a prompt step has no causal tiles to speak of and a handful of decodes, which the plan's
+    buckets, made for the tiled route, would pad with empty tiles."""
+    kb = settings.blocks_per_tile
+    lim = [int(x) for x in settings.limits()]
+    if cap.max_unique_blocks is not None:
+        lim[2] = min(lim[2], cap.max_unique_blocks)
+    if cap.max_shared_blocks is not None:
+        lim[1] = min(lim[1], cap.max_shared_blocks)
+    q, _, u, n, c = (max(min(_pow2(x), hi), x) for x, hi in zip(shape.sizes, lim))
+    tiles = -(-shape.num_shared_blocks // kb)
+    s = kb * max(min(_pow2(tiles), lim[1] // kb), tiles)
+    return Bucket(shape.phase, q, s, u, n, c, *(_pow2(x) for x in shape.prompts))
 
-    Each step with prompts is planned on the prompt route (`plan_step`, the rules a server applies); its
-    graph is the plan's bucket for its five sizes with its prompt shape in powers of two. A graph
-    whose prompt call gathers more block slots than the plan's gather cap is never chosen."""
+
+def _pow2(n: int) -> int:
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) -> tuple[list[Bucket], dict]:
+    """The `max_graphs` prompt graphs most steps of `steps` (TraceSteps) need, and how many they cover.
+
+    Each step with prompts is planned on the prompt route (`plan_step`, the rules a server applies);
+    its graph is its shape rounded up (`rounded_shape`). The graphs most steps need are kept; a step
+    runs in the smallest kept graph that covers it. A graph whose prompt call gathers more block
+    slots than the plan's gather cap is never chosen."""
     from vllm_gaudi_unified.plan import plan_step
 
     if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 0:
         raise ValueError(f"the number of prompt graphs must be an int >= 0, got {max_graphs!r}")
     s = plan.settings
     options = on_route(s.options, "dense")
-    cap = plan.gather_cap.max_unique_blocks
+    cap = plan.gather_cap
     hits: Counter = Counter()
     prompt_steps = 0
     for step in steps:
@@ -76,11 +98,9 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) ->
         if not p.shape.num_prompts:
             continue
         prompt_steps += 1
-        i = plan.find_sizes(*p.shape.sizes)
-        if i < 0:
-            continue
-        graph = with_prompts(plan.buckets[i], p.shape)
-        if cap is None or graph.num_prompts * graph.prompt_blocks <= cap:
+        graph = rounded_shape(p.shape, s, cap)
+        if not cap.exceeded(graph) and (cap.max_unique_blocks is None
+                                        or graph.num_prompts * graph.prompt_blocks <= cap.max_unique_blocks):
             hits[graph] += 1
     ranked = sorted(hits, key=lambda g: (-hits[g], prompt_work(g, s.block_size), g))[:max_graphs]
     chosen = PromptGraphs(ranked, s.block_size)
