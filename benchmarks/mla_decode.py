@@ -10,20 +10,30 @@ space against the HBM floor of reading the latent cache once, and vllm-gaudi's `
 * `unshared_64x4352`: the same lengths with no block in common (what the prefix costs when it is not shared).
 
 Floor: the latent bytes the step must read (each distinct cached block once) over the read bandwidth
-measured in the same run (a sum over a 2 GiB bf16 tensor). Times: CUDA events, median of 20 after 3
+measured in the same run (a sum over a 2 GiB bf16 tensor). Compute floor: the step's attention FLOPs
+(`2 * heads * keys * (L + R + L)` per token) over the bf16 matmul rate measured in the same run (an
+8192^3 matmul); at 128 heads a latent key costs ~240 FLOPs per byte, near an H100's ridge, so the
+larger of the two floors is what a kernel can approach. Times: CUDA events, median of 20 after 3
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
+
+Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs), the Gaudi route
+(`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, the dense decode route), the generic tiles (the route
+before, `mla_unique_route` off), vllm-gaudi. `--sweep`: the kernel's constants, each timed.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
+import time
 
 import torch
 
-from vllm_gaudi_unified import build_unified_batch
+from vllm_gaudi_unified import attention, build_unified_batch
 from vllm_gaudi_unified.mla import mla_attention
+from vllm_gaudi_unified.paths import fused, mla_decode
 
 H, L, R, BS = 128, 512, 64, 128
 SCALE = 192 ** -0.5  # DeepSeek-V3: (qk_nope 128 + rope 64) ** -0.5
@@ -47,6 +57,42 @@ def read_bandwidth() -> float:
     x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")
     ms = timed(lambda: x.sum(), iters=10)
     return x.numel() * 2 / (ms * 1e-3)
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = timed(lambda: a @ a, iters=10)
+    return 2 * 8192 ** 3 / (ms * 1e-3)
+
+
+#: Kernel constants swept (`--sweep`): (heads per program, keys per step, warps, stages) x split keys.
+SWEEP = [(bh, keys, warps, stages, split) for bh, keys, warps, stages in
+         [(16, 64, 4, 2), (16, 32, 4, 2), (32, 32, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2), (64, 16, 4, 2),
+          (64, 32, 8, 1)] for split in (1024, 2048, 4096)]
+KERNEL_CONSTS = ("MLA_BLOCK_H", "MLA_KEYS", "MLA_WARPS", "MLA_STAGES", "MLA_SPLIT_KEYS")
+
+
+@contextlib.contextmanager
+def kernel_consts(values):
+    saved = [getattr(mla_decode, k) for k in KERNEL_CONSTS]
+    for k, v in zip(KERNEL_CONSTS, values):
+        setattr(mla_decode, k, v)
+    try:
+        yield
+    finally:
+        for k, v in zip(KERNEL_CONSTS, saved):
+            setattr(mla_decode, k, v)
+
+
+@contextlib.contextmanager
+def tiles_only():
+    """The unique pairs on the generic paths (the route before `paths/mla_decode.py`)."""
+    saved = attention.mla_unique_route
+    attention.mla_unique_route = lambda *args: None
+    try:
+        yield
+    finally:
+        attention.mla_unique_route = saved
 
 
 def make_step(seq_lens, shared_blocks: int):
@@ -96,27 +142,53 @@ def gaudi_mla(q, cache, table, seq_lens):
     return run
 
 
-def scenario(name, seq_lens, shared_blocks, bandwidth, report):
+def scenario(name, seq_lens, shared_blocks, rates, report, sweep=False):
+    bandwidth, flop_rate = rates
     table, cache, q, latent, distinct = make_step(seq_lens, shared_blocks)
     n = len(seq_lens)
     batch = build_unified_batch([1] * n, [s - 1 for s in seq_lens], table, BS, device="cuda")
-    out = mla_attention(q, latent, cache, batch, SCALE, L)
     rows = [0, 1, n // 2, n - 1]
     ref = dense_reference(q, cache, table, seq_lens, rows)
+    err = lambda out: (out[rows].float() - ref).abs().max().item()
+    step = lambda: mla_attention(q, latent, cache, batch, SCALE, L, checked=True)
+    flops = 2 * H * sum(seq_lens) * (L + R + L)
     entry = {"requests": n, "seq_len": seq_lens[0], "phase": batch.phase, "bucket": str(batch.bucket),
-             "latent_bytes_read_once": distinct * BS * (L + R) * 2,
-             "unified_max_err": (out[rows].float() - ref).abs().max().item()}
+             "latent_bytes_read_once": distinct * BS * (L + R) * 2, "attention_flops": flops}
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
-    entry["unified_ms"] = timed(lambda: mla_attention(q, latent, cache, batch, SCALE, L, checked=True))
+    entry["compute_floor_ms"] = flops / flop_rate * 1e3
+    routes = {"cuda": contextlib.nullcontext, "gaudi": fused.gaudi_route, "tiles": tiles_only}
+    for route, ctx in routes.items():
+        try:
+            with ctx():
+                entry[f"{route}_max_err"] = err(mla_attention(q, latent, cache, batch, SCALE, L))
+                entry[f"{route}_ms"] = timed(step)
+        except Exception as exc:  # reported, not hidden
+            entry[f"{route}_error"] = f"{type(exc).__name__}: {exc}"[:500]
     try:
         run = gaudi_mla(q, cache, table, seq_lens)
-        entry["vllm_gaudi_max_err"] = (run()[rows].float() - ref).abs().max().item()
+        entry["vllm_gaudi_max_err"] = err(run())
         entry["vllm_gaudi_ms"] = timed(run)
     except Exception as exc:  # reported, not hidden
         entry["vllm_gaudi_error"] = f"{type(exc).__name__}: {exc}"[:500]
-    entry["unified_over_floor"] = entry["unified_ms"] / entry["floor_ms"]
+    floor = max(entry["floor_ms"], entry["compute_floor_ms"])
+    for route in ("cuda", "gaudi", "tiles", "vllm_gaudi"):
+        if f"{route}_ms" in entry:
+            entry[f"{route}_over_floor"] = entry[f"{route}_ms"] / entry["floor_ms"]
+            entry[f"{route}_over_max_floor"] = entry[f"{route}_ms"] / floor
+    if sweep:
+        entry["sweep"] = []
+        for consts in SWEEP:
+            row = dict(zip(KERNEL_CONSTS, consts))
+            try:
+                with kernel_consts(consts):
+                    row["max_err"] = err(mla_attention(q, latent, cache, batch, SCALE, L))
+                    row["ms"] = timed(step, iters=10)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            entry["sweep"].append(row)
+            print(name, json.dumps(row), flush=True)
     report[name] = entry
-    print(name, json.dumps(entry), flush=True)
+    print(name, json.dumps({k: v for k, v in entry.items() if k != "sweep"}), flush=True)
     del cache
     torch.cuda.empty_cache()
 
@@ -148,15 +220,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-prompt", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's constants (SWEEP)")
     args = parser.parse_args()
-    bandwidth = read_bandwidth()
-    report = {"device": torch.cuda.get_device_name(), "read_bandwidth_GBps": bandwidth / 1e9}
+    start = time.time()
+    rates = read_bandwidth(), matmul_rate()
+    report = {"device": torch.cuda.get_device_name(), "read_bandwidth_GBps": rates[0] / 1e9,
+              "matmul_TFLOPs": rates[1] / 1e12,
+              "kernel_consts": {k: getattr(mla_decode, k) for k in KERNEL_CONSTS}}
     print(report, flush=True)
-    scenario("decode_128x4k", [4096] * 128, 0, bandwidth, report)
-    scenario("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS, bandwidth, report)
-    scenario("unshared_64x4352", [4096 + 256] * 64, 0, bandwidth, report)
+    scenario("decode_128x4k", [4096] * 128, 0, rates, report, args.sweep)
+    scenario("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS, rates, report, args.sweep)
+    scenario("unshared_64x4352", [4096 + 256] * 64, 0, rates, report, args.sweep)
     if not args.skip_prompt:
         prompt_forms(report)
+    report["wall_s"] = time.time() - start
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

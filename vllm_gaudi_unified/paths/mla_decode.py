@@ -14,9 +14,9 @@ routes instead, chosen by `mla_unique_route`:
   `[tokens, keys, L + R]`, then two batched matmuls over all query heads
   (`[tokens, H, L + R] @ latent^T`, `p @ latent[..., :L]`: the values are a
   view of the gathered keys). A step of decodes only (one token per
-  request); its shapes follow the step (the width is rounded up to a power
-  of two of blocks, so a server sees few), so it does not run while torch
-  compiles or a CUDA graph captures: the tiles do.
+  request); its shapes follow the step (the width is rounded up to whole
+  blocks, eight widths per power of two, so a server sees few), so it does
+  not run while torch compiles or a CUDA graph captures: the tiles do.
 
 Both return the Partial the merge takes, so the shared prefix stays on the
 shared path (read once per tile of tokens) and the merge is unchanged.
@@ -138,15 +138,18 @@ def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, 
 
 
 def _layout(batch, device):
-    """`decode_layout`'s table and visibility without its self column, the width padded to a power of two
-    of blocks (padding: the row's first slot again, not visible), on `device`; once per batch."""
+    """`decode_layout`'s table and visibility without its self column, the width padded to whole blocks,
+    eight widths per power of two (padding: the row's first slot again, not visible), on `device`;
+    once per batch."""
     hit = _LAYOUTS.get(batch)
     if hit is not None and hit[0] == device:
         return hit[1]
     table, visible, unread = decode_layout(batch)
     visible = visible[:, :-1]
     bs, width = batch.block_size, table.shape[1]
-    padded = bs * _pow2(math.ceil(width / bs)) if width else 0
+    blocks = math.ceil(width / bs)
+    step = max(1, _pow2(blocks) // 8)  # eight widths per octave: under 1/4 padding, few shapes
+    padded = bs * step * math.ceil(blocks / step)
     if padded > width:
         table = torch.cat([table, table[:, :1].expand(-1, padded - width)], 1)
         visible = F.pad(visible, (0, padded - width), value=False)
