@@ -142,7 +142,7 @@ def gaudi_mla(q, cache, table, seq_lens):
     return run
 
 
-def scenario(name, seq_lens, shared_blocks, rates, report, sweep=False):
+def scenario(name, seq_lens, shared_blocks, rates, report, sweep=False, profile=False):
     bandwidth, flop_rate = rates
     table, cache, q, latent, distinct = make_step(seq_lens, shared_blocks)
     n = len(seq_lens)
@@ -175,6 +175,13 @@ def scenario(name, seq_lens, shared_blocks, rates, report, sweep=False):
         if f"{route}_ms" in entry:
             entry[f"{route}_over_floor"] = entry[f"{route}_ms"] / entry["floor_ms"]
             entry[f"{route}_over_max_floor"] = entry[f"{route}_ms"] / floor
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        entry["cuda_profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+        print(entry["cuda_profile"], flush=True)
     if sweep:
         entry["sweep"] = []
         for consts in SWEEP:
@@ -221,6 +228,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-prompt", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's constants (SWEEP)")
+    parser.add_argument("--profile", action="store_true", help="the CUDA route's kernels, 5 steps, per scenario")
     args = parser.parse_args()
     start = time.time()
     rates = read_bandwidth(), matmul_rate()
@@ -228,9 +236,9 @@ def main() -> None:
               "matmul_TFLOPs": rates[1] / 1e12,
               "kernel_consts": {k: getattr(mla_decode, k) for k in KERNEL_CONSTS}}
     print(report, flush=True)
-    scenario("decode_128x4k", [4096] * 128, 0, rates, report, args.sweep)
-    scenario("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS, rates, report, args.sweep)
-    scenario("unshared_64x4352", [4096 + 256] * 64, 0, rates, report, args.sweep)
+    scenario("decode_128x4k", [4096] * 128, 0, rates, report, args.sweep, args.profile)
+    scenario("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS, rates, report, args.sweep, args.profile)
+    scenario("unshared_64x4352", [4096 + 256] * 64, 0, rates, report, args.sweep, args.profile)
     if not args.skip_prompt:
         prompt_forms(report)
     report["wall_s"] = time.time() - start
