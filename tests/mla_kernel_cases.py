@@ -28,6 +28,8 @@ from vllm_gaudi_unified.paths import mla_decode  # noqa: E402
 CASES = [
     (SPECS["decode"], "default", {}),
     (SPECS["decode"], "gather", {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 8}),
+    (SPECS["decode"], "default", {"MLA_V_LOAD": 1, "MLA_SPLIT_KEYS": 16}),
+    (SPECS["parallel_sampling"], "gather", {"MLA_V_LOAD": 1}),
     (SPECS["parallel_sampling"], "default", {"MLA_SPLIT_KEYS": 8}),
     (SPECS["seed"], "gather", {}),  # prompts and decodes in one step: the kernel takes any unique pairs
     (SPECS["ragged_partial"], "default", {"MLA_KEYS": 32, "MLA_SPLIT_KEYS": 16}),
@@ -41,11 +43,13 @@ def run(device: str = "cpu") -> int:
     calls = []
 
     def route(batch, query, key_cache, value_cache, cap, k_scale, v_scale):
+        if query.device.type != device:  # (on CUDA: the CPU's run inside mla_case takes its own route)
+            return real(batch, query, key_cache, value_cache, cap, k_scale, v_scale)
         calls.append(mla_decode.latent_cache(key_cache, value_cache) and cap is None)
         return "kernel" if calls[-1] else None
 
     attention.mla_unique_route = route
-    saved = {k: getattr(mla_decode, k) for k in ("MLA_KEYS", "MLA_SPLIT_KEYS")}
+    saved = {k: getattr(mla_decode, k) for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD")}
     try:
         for step, mode, consts in CASES:
             for k, v in consts.items():

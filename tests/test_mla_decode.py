@@ -30,6 +30,7 @@ DECODES = {
     "no_cached_key": Step([1] * 4, [0, 9, 6, 8], 4),  # a token that sees only itself
     "block_8": Step([1] * 3, [30, 25, 17], 8),
     "one": Step([1], [7], 4),
+    "uniform": Step([1] * 3, [8, 8, 8], 4),  # no key masked: the mask pass is skipped
 }
 
 

@@ -38,7 +38,7 @@ from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, triton_importable
 
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
-#: splits, at most `MLA_MAX_SPLITS`), warps, stages. Chosen on an H100 by benchmarks/mla_decode.py's
+#: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an H100 by benchmarks/mla_decode.py's
 #: sweep (docs/benchmarks.md, MLA).
 MLA_BLOCK_H = 16
 MLA_KEYS = 64
@@ -46,6 +46,7 @@ MLA_SPLIT_KEYS = 2048
 MLA_MAX_SPLITS = 32
 MLA_WARPS = 4
 MLA_STAGES = 2
+MLA_V_LOAD = 0
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 
@@ -108,7 +109,8 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         q, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
         HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
-        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, num_warps=MLA_WARPS, num_stages=MLA_STAGES)
+        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD, num_warps=MLA_WARPS,
+        num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
@@ -116,7 +118,7 @@ def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, 
                       ) -> Partial | None:
     """The unique pairs of a decode step as one gather and two batched matmuls over all heads
     (module docstring); rows past the requests are empty (max -inf, sum 0)."""
-    table, visible, unread = _layout(batch, q.device)
+    table, visible, unread, masked = _layout(batch, q.device)
     r, width = table.shape
     if width == 0:
         return None
@@ -126,8 +128,9 @@ def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, 
     if unread:  # a row with no cached key read some slot it may not see: zero it (NaN * 0 is NaN)
         kv = torch.where(visible[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
     kv = kv.to(op)
-    scores = torch.matmul(q[:r].to(op), kv.transpose(1, 2)).to(dt) * scale  # [R, H, keys]
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    scores = torch.matmul(q[:r].to(op), kv.transpose(1, 2)).to(dt).mul_(scale)  # [R, H, keys]
+    if masked:  # some row sees fewer keys than the width (ragged, padded)
+        scores = scores.masked_fill_(~visible[:, None, :], float("-inf"))
     p, m, total = masked_softmax_for(scores)(scores)
     acc = torch.matmul(p.to(op), kv[..., :value_dim]).to(dt)  # [R, H, L]
     if n > r:
@@ -153,6 +156,6 @@ def _layout(batch, device):
     if padded > width:
         table = torch.cat([table, table[:, :1].expand(-1, padded - width)], 1)
         visible = F.pad(visible, (0, padded - width), value=False)
-    out = (table.to(device), visible.to(device), unread)
+    out = (table.to(device), visible.to(device), unread, not bool(visible.all()))
     _LAYOUTS[batch] = (device, out)
     return out

@@ -27,12 +27,14 @@ import triton.language as tl
 def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, scale, splits,
               sq_t, sq_h, sc_b, sc_s,
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
-              DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr):
+              DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
     (strides `sc_b`, `sc_s`, last 1), `order`: slot ids sorted by token, `starts[t]:starts[t+1]` token
     t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block id), `lo`/`hi` its visible
     slots. Out: acc `[n, splits, HQ, DV]`, m/l `[n, splits, HQ]` (fp32 or fp64: acc's dtype); the
-    token's keys are cut into `splits` parts of whole `KEYS` tiles."""
+    token's keys are cut into `splits` parts of whole `KEYS` tiles. `V_LOAD` 0: the latent tile is loaded
+    once and serves both products; 1: loaded as keys transposed and again as values (the second read
+    hits the cache; each load lands in its product's layout)."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
@@ -67,10 +69,16 @@ def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_
         lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
         hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
         vis = key_ok & (j >= lo) & (j < hi)
-        row = c_ptr + (blk.to(tl.int64) * sc_b + j * sc_s)[:, None]
-        c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]: K and V
+        base = blk.to(tl.int64) * sc_b + j * sc_s
+        row = c_ptr + base[:, None]
+        if V_LOAD == 0:  # one load: the tile is the keys (transposed in registers) and the values
+            c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
+            s = tl.dot(q_nope, tl.trans(c)).to(acc_dtype)
+        else:  # keys loaded transposed, values loaded again (from L1/L2): each load in its dot's layout
+            c_t = tl.load(c_ptr + base[None, :] + offs_v[:, None], mask=vis[None, :] & v_ok[:, None], other=0.0)
+            s = tl.dot(q_nope, c_t).to(acc_dtype)
         k_pe = tl.load(row + DV + offs_r[None, :], mask=vis[:, None] & r_ok[None, :], other=0.0)
-        s = tl.dot(q_nope, tl.trans(c)).to(acc_dtype) + tl.dot(q_pe, tl.trans(k_pe)).to(acc_dtype)
+        s += tl.dot(q_pe, tl.trans(k_pe)).to(acc_dtype)
         # cast after scaling: under torch.compile a float argument is fp64 (the loop carries acc's dtype)
         s = tl.where(vis[None, :], (s * scale).to(acc_dtype), float("-inf"))  # [BLOCK_H, KEYS]
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -78,6 +86,8 @@ def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if V_LOAD != 0:
+            c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c).to(acc_dtype)
         m_i = m_new
     out = (t * splits + sp) * HQ + heads
