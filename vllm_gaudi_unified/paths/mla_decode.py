@@ -40,9 +40,9 @@ from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, triton_i
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
 #: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an H100 by benchmarks/mla_decode.py's
 #: sweep (docs/benchmarks.md, MLA).
-MLA_BLOCK_H = 16
-MLA_KEYS = 64
-MLA_SPLIT_KEYS = 2048
+MLA_BLOCK_H = 32
+MLA_KEYS = 32
+MLA_SPLIT_KEYS = 16384
 MLA_MAX_SPLITS = 32
 MLA_WARPS = 4
 MLA_STAGES = 2
