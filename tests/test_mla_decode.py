@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import SPECS, Step, assert_matches, skip_unless_interpreter_indexes_loop_bounds
 from test_mla import MODES, H, L, R, mla_case
 from vllm_gaudi_unified import Bucket, attention
 from vllm_gaudi_unified.mla import latent_views, mla_attention
 from vllm_gaudi_unified.paths import mla_decode
+from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.reference import reference_attention
 
 TESTS = Path(__file__).resolve().parent
@@ -122,3 +125,25 @@ def test_mla_kernel_on_cuda():
     _, _, batch, (query, latent, cache, _, _) = mla_case(DECODES["even"], dtype=torch.bfloat16)
     kc, vc = latent_views(cache.cuda(), L)
     assert mla_decode.mla_unique_route(batch.to("cuda"), query.cuda(), kc, vc, None, None, None) == "kernel"
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_decode_steps(data, routes):
+    """Random decode steps (ragged, a shared prefix or not, tokens without cached keys): whichever route the
+    conditions pick matches the reference (float64, 1e-6), and the dense route runs whenever the padded
+    table is within its bound (most of the drawn steps)."""
+    n = data.draw(st.integers(1, 6))
+    bs = data.draw(st.sampled_from([2, 4, 8]))
+    ctx = data.draw(st.lists(st.integers(0, 33), min_size=n, max_size=n))
+    groups = []
+    if n >= 2 and min(ctx[:2]) >= bs and data.draw(st.booleans()):
+        groups = [([0, 1], min(ctx[:2]) // bs)]
+    step = Step([1] * n, ctx, bs, prefix_groups=groups)
+    routes.clear()  # (the fixture lives across examples)
+    mode = data.draw(st.sampled_from(["default", "gather"]))
+    out, ref, batch, _ = mla_case(step, options=MODES[mode], seed=data.draw(st.integers(0, 99)))
+    assert_matches(out, ref)
+    if "u" in batch.phase:
+        assert routes == ["dense" if decode_layout(batch) is not None else None]
