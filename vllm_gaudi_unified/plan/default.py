@@ -51,6 +51,7 @@ from vllm_gaudi_unified.bucket import Bucket, phase_of
 from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, empty, grow, move_no_row,
                                             ranges, same_id_sum, trusted)
 from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers
+from vllm_gaudi_unified.plan.decode_shared import repeated, split_shared
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.prompts import pad_prompts, plan_prompts, prompt_requests
 from vllm_gaudi_unified.plan.rules import MAX_SLICE_BLOCKS, causal_spans, shared_pairs, unique_reads_slice
@@ -150,7 +151,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
 def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     """The decode step: one new token per request, no window. Blocks read by one request go to the
     unique path; blocks several requests hold (a common prefix) to the shared tiles, found from the
-    same pairs (`_repeated`) rather than the general path's recount. None hands anything else (a bad
+    same pairs (`decode_shared.repeated`) rather than the general path's recount. None hands anything else (a bad
     id, no context at all, a forced slice past its cap) to the general path, which raises or gives
     the same arrays in more calls."""
     R = ctx.size
@@ -183,15 +184,19 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
             hi[phys[last]] = last_hi
             unique = rows, None, out.zeros("unique_lo", span), hi
             return _decode_plan(bs, opts, out, ctx, max_id, no_shared, unique, PathWork(R, 0, int(ctx.sum())))
-        shared = _repeated(phys, span, out)
+        shared = repeated(phys, span, out)
     else:
-        shared = _repeated(phys, span, out)
+        shared = repeated(phys, span, out)
         if shared is None:
             hi = out.full("unique_hi", P, bs)
             hi[last] = last_hi
             unique = out.keep("unique_rows", req), out.keep("unique_blocks", phys), out.zeros("unique_lo", P), hi
             return _decode_plan(bs, opts, out, ctx, max_id, no_shared, unique, PathWork(R, 0, int(ctx.sum())))
-    # Blocks held by several requests: the general path's shared and unique split of the same pairs.
+    split = split_shared(shared, phys, req, ends, nb_ctx, ctx, last, last_hi, bt.shape[1], q, bs, opts, out)
+    if split is not None:  # (the unique blocks gathered: `decode_shared.py`)
+        shared_tiles, shared_needed, unique, unique_needed = split
+        return _decode_plan(bs, opts, out, ctx, max_id, shared_tiles, unique, PathWork(R, shared_needed, unique_needed))
+    # Blocks held by several requests, the unique ones on the cache slice: the general path's split.
     pair_hi = np.full(P, bs, _I64)
     pair_hi[last] = last_hi
     s_idx = np.flatnonzero(shared)
@@ -202,26 +207,6 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     u_mask = ~shared
     unique, unique_needed = _plan_unique(req[u_mask], phys[u_mask], None, pair_hi[u_mask], R, opts, out)
     return _decode_plan(bs, opts, out, ctx, max_id, shared_tiles, unique, PathWork(R, shared_needed, unique_needed))
-
-
-def _repeated(phys, span, out):
-    """Which pairs hold a block id some other pair holds too, or None when no id repeats. Each pair
-    writes its index at its id in a scratch array never cleared (every slot read was just written):
-    a pair that reads back another's index shares its id; those ids are then marked -1 and read
-    back. Four gathers and scatters over the pairs, no array as long as the cache; ids too sparse
-    for scratch memory are counted over compacted ids (`same_id_sum`)."""
-    P = phys.size
-    if span > max(8 * P, 1 << 16):
-        many = same_id_sum(phys, span - 1) > 1
-        return many if many.any() else None
-    mark = out.scratch("block_mark", span, np.int32 if P < 1 << 31 else _I64)
-    idx = np.arange(P, dtype=mark.dtype)
-    mark[phys] = idx
-    again = mark.take(phys) != idx
-    if not again.any():
-        return None
-    mark[phys[again]] = -1
-    return mark.take(phys) == -1
 
 
 def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work) -> StepPlan:
