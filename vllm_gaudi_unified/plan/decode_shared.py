@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_gaudi_unified.plan.arrays import same_id_sum
+from vllm_gaudi_unified.plan.arrays import counting, same_id_sum
 from vllm_gaudi_unified.plan.buffers import FreshArrays
 from vllm_gaudi_unified.plan.rules import unique_reads_slice
 from vllm_gaudi_unified.plan.shared import plan_shared
@@ -38,8 +38,10 @@ def repeated(phys: np.ndarray, span: int, out: FreshArrays):
     if span > max(8 * P, 1 << 16):
         many = same_id_sum(phys, span - 1) > 1
         return many if many.any() else None
-    mark = out.scratch("block_mark", span, np.int32 if P < 1 << 31 else _I64)
-    idx = np.arange(P, dtype=mark.dtype)
+    if P < 1 << 31:
+        mark, idx = out.scratch("block_mark", span, np.int32), counting(P)
+    else:
+        mark, idx = out.scratch("block_mark", span, _I64), np.arange(P)
     mark[phys] = idx
     again = mark.take(phys) != idx
     if not again.any():
@@ -70,7 +72,7 @@ def split_shared(shared, phys, req, ends, nb_ctx, ctx, last, last_hi, width, q, 
         tiles = plan_shared(None, s_phys, s_req, s_blk, s_hi, width, q, np.arange(R), ctx, bs, None, R, opts, out)
     # Unique pairs: every block full but a request's last; a pair's place among them is its index less the
     # shared pairs before it.
-    rows = np.compress(u_mask, req, out=out.array("unique_rows", n_u))
+    rows = out.keep("unique_rows", req[u_mask])
     hi = out.full("unique_hi", n_u, bs)
     at = last - np.searchsorted(s_idx, last)
     in_shared = shared.take(last)

@@ -49,7 +49,7 @@ import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
 from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, empty, grow, move_no_row,
-                                            ranges, same_id_sum, trusted)
+                                            prefix_mask, ranges, same_id_sum, trusted)
 from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers
 from vllm_gaudi_unified.plan.decode_shared import repeated, split_shared
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
@@ -155,7 +155,7 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     id, no context at all, a forced slice past its cap) to the general path, which raises or gives
     the same arrays in more calls."""
     R = ctx.size
-    live = np.arange(bt.shape[1]) < nb_ctx[:, None]
+    live = prefix_mask(nb_ctx, bt.shape[1])
     phys = bt[live]  # request-major and in block order: the general path's pairs
     P = phys.size
     if P == 0:
