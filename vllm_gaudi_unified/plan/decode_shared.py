@@ -64,25 +64,31 @@ def split_shared(shared, phys, req, ends, nb_ctx, ctx, last, last_hi, width, q, 
     s_idx = np.flatnonzero(shared)
     s_req = req.take(s_idx)
     s_blk = s_idx - (ends - nb_ctx).take(s_req)
-    full_hi = ctx - (nb_ctx - 1) * bs  # per request: the slots of its last block
-    s_hi = np.where(s_idx == (ends - 1).take(s_req), full_hi.take(s_req), bs)
     s_phys = phys.take(s_idx)
+    in_shared = shared.take(last)  # requests whose last block is shared (else every shared block is full)
+    ends_shared = in_shared.any()
+    if ends_shared:
+        full_hi = ctx - (nb_ctx - 1) * bs  # per request: the slots of its last block
+        s_hi = np.where(s_idx == (ends - 1).take(s_req), full_hi.take(s_req), bs)
+        s_needed = int(s_hi.sum())
+    else:
+        s_hi, s_needed = None, s_idx.size * bs
     tiles = one_full_group(s_phys, s_req, s_blk, s_hi, R, bs, opts, out)
     if tiles is None:
+        if s_hi is None:
+            s_hi = np.full(s_idx.size, bs, _I64)
         tiles = plan_shared(None, s_phys, s_req, s_blk, s_hi, width, q, np.arange(R), ctx, bs, None, R, opts, out)
     # Unique pairs: every block full but a request's last; a pair's place among them is its index less the
     # shared pairs before it.
     rows = out.keep("unique_rows", req[u_mask])
     hi = out.full("unique_hi", n_u, bs)
     at = last - np.searchsorted(s_idx, last)
-    in_shared = shared.take(last)
-    if in_shared.any():
+    if ends_shared:
         keep = ~in_shared
         at, last_hi = at[keep], last_hi[keep]
     hi[at] = last_hi
-    shared_needed = tiles[1]
     unique = rows, out.keep("unique_blocks", u_ids), out.zeros("unique_lo", n_u), hi
-    return tiles[0], shared_needed, unique, int(ctx.sum()) - int(s_hi.sum())  # a request's pairs sum to its context
+    return tiles[0], tiles[1], unique, int(ctx.sum()) - s_needed  # a request's pairs sum to its context
 
 
 def one_full_group(s_phys, s_req, s_blk, s_hi, T, bs, opts, out):
@@ -94,7 +100,7 @@ def one_full_group(s_phys, s_req, s_blk, s_hi, T, bs, opts, out):
     first request's block order chunked `blocks_per_tile` (padding id 0), `hi = bs` on every real cell,
     `lo = 0`, tiles row chunk major, each tile one prefix of full blocks."""
     S = s_req.size
-    if int(s_hi.min()) != bs:
+    if s_hi is not None and int(s_hi.min()) != bs:  # (None: every shared block is full)
         return None
     u = int(np.count_nonzero(s_req[1:] != s_req[:-1])) + 1
     C = S // u

@@ -173,7 +173,6 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     if nb_ctx.min() == 0:
         has = nb_ctx > 0
         last, last_hi = last[has], last_hi[has]
-    no_shared = _no_shared(opts, bs, None)
     if unique_reads_slice(P, max_id, opts):
         rows = out.full("unique_rows", span, R)
         rows[phys] = req
@@ -183,7 +182,7 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
             np.multiply(seen, bs, out=hi)
             hi[phys[last]] = last_hi
             unique = rows, None, out.zeros("unique_lo", span), hi
-            return _decode_plan(bs, opts, out, ctx, max_id, no_shared, unique, PathWork(R, 0, int(ctx.sum())))
+            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, PathWork(R, 0, int(ctx.sum())))
         shared = repeated(phys, span, out)
     else:
         shared = repeated(phys, span, out)
@@ -191,7 +190,7 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
             hi = out.full("unique_hi", P, bs)
             hi[last] = last_hi
             unique = out.keep("unique_rows", req), out.keep("unique_blocks", phys), out.zeros("unique_lo", P), hi
-            return _decode_plan(bs, opts, out, ctx, max_id, no_shared, unique, PathWork(R, 0, int(ctx.sum())))
+            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, PathWork(R, 0, int(ctx.sum())))
     split = split_shared(shared, phys, req, ends, nb_ctx, ctx, last, last_hi, bt.shape[1], q, bs, opts, out)
     if split is not None:  # (the unique blocks gathered: `decode_shared.py`)
         shared_tiles, shared_needed, unique, unique_needed = split
@@ -211,6 +210,8 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
 
 def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work) -> StepPlan:
     R = ctx.size
+    if shared is None:
+        shared = _no_shared(opts, bs, None)
     shape = _bucket(R, 0, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R)
     return trusted(StepPlan, block_size=bs, sliding_window=None, options=opts, num_requests=R, num_tokens=R,
                    shape=shape, bucket=shape, token_seg_start=out.keep("token_seg_start", np.arange(R)),
