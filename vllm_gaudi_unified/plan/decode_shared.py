@@ -50,21 +50,22 @@ def repeated(phys: np.ndarray, span: int, out: FreshArrays):
     return again
 
 
-def split_shared(shared, phys, req, ends, nb_ctx, ctx, last, last_hi, width, q, bs, opts, out):
+def split_shared(shared, phys, max_id, req, ends, nb_ctx, ctx, last, last_hi, width, q, bs, opts, out):
     """The shared tiles and the gathered unique arrays of a decode step whose pairs `shared` marks;
     returns ((rows, blocks, lo, hi, visible), shared pairs needed, unique arrays, unique pairs needed),
     or None where the unique path reads the cache slice (the caller's general split then runs).
-    `last`, `last_hi`: each request's last pair and its visible slots (requests with context only)."""
+    `max_id`: the largest id of `phys`; `last`, `last_hi`: each request's last pair and its visible slots
+    (requests with context only)."""
     R = ctx.size
     u_mask = ~shared
     u_ids = phys[u_mask]
     n_u = u_ids.size
-    if n_u == 0 or unique_reads_slice(n_u, int(u_ids.max()), opts):
-        return None
     s_idx = np.flatnonzero(shared)
+    s_phys = phys.take(s_idx)
+    if n_u == 0 or unique_reads_slice(n_u, max_id if s_phys.max() < max_id else int(u_ids.max()), opts):
+        return None
     s_req = req.take(s_idx)
     s_blk = s_idx - (ends - nb_ctx).take(s_req)
-    s_phys = phys.take(s_idx)
     in_shared = shared.take(last)  # requests whose last block is shared (else every shared block is full)
     ends_shared = in_shared.any()
     if ends_shared:

@@ -191,7 +191,7 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
             hi[last] = last_hi
             unique = out.keep("unique_rows", req), out.keep("unique_blocks", phys), out.zeros("unique_lo", P), hi
             return _decode_plan(bs, opts, out, ctx, max_id, None, unique, PathWork(R, 0, int(ctx.sum())))
-    split = split_shared(shared, phys, req, ends, nb_ctx, ctx, last, last_hi, bt.shape[1], q, bs, opts, out)
+    split = split_shared(shared, phys, max_id, req, ends, nb_ctx, ctx, last, last_hi, bt.shape[1], q, bs, opts, out)
     if split is not None:  # (the unique blocks gathered: `decode_shared.py`)
         shared_tiles, shared_needed, unique, unique_needed = split
         return _decode_plan(bs, opts, out, ctx, max_id, shared_tiles, unique, PathWork(R, shared_needed, unique_needed))
