@@ -35,8 +35,9 @@ is built on the host: the device makes masks from these small integer arrays.
 Cost (`benchmarks/planning.py`, docs/benchmarks.md): a step is a few dozen
 numpy calls on arrays of tokens, (request, block) pairs and tiles, never a
 Python loop over them. The common decode step (one new token per request, no
-window, no block read twice) takes its own branch of about 25 calls; the shared
-tiles are in `shared.py`; the rules the bucketing tools replay are in
+window, no block read twice) takes its own branch of about 25 calls, and a
+small shared prefix in it a few more (`decode_shared.py`); the shared tiles are
+in `shared.py`; the rules the bucketing tools replay are in
 `rules.py`. Arrays come from `out` (`buffers.py`): new ones, or host memory
 kept from step to step, which `pad_default` then pads in place.
 """
