@@ -113,15 +113,22 @@ def one_full_group(s_phys, s_req, s_blk, s_hi, T, bs, opts, out):
         return None
     qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
     n_rc, n_cc = -(-u // qt), -(-C // kb)
-    rc = np.full(n_rc * qt, T, _I64)
-    rc[:u] = by_req[:, 0]
-    rows = out.array("shared_rows", (n_rc * n_cc, qt))
-    rows.reshape(n_rc, n_cc, qt)[...] = rc.reshape(n_rc, 1, qt)
-    blocks = out.zeros("shared_blocks", (n_rc * n_cc, kb))
+    tiles = n_rc * n_cc
+    rows = out.full("shared_rows", (tiles, qt), T)
+    blocks = out.zeros("shared_blocks", (tiles, kb))
     blocks.reshape(n_rc, n_cc * kb)[:, :C] = ids[0]
-    cells = np.zeros((n_rc * qt, n_cc * kb), _I64)
-    cells[:u, :C] = bs
-    hi = out.array("shared_hi", (n_rc * n_cc, qt, kb))
-    hi.reshape(n_rc, n_cc, qt, kb)[...] = cells.reshape(n_rc, qt, n_cc, kb).transpose(0, 2, 1, 3)
+    hi = out.zeros("shared_hi", (tiles, qt, kb))
+    if n_rc == 1:  # (the usual group: at most `shared_rows` requests)
+        rows[:, :u] = by_req[:, 0]
+        hi[:, :u] = bs
+        if C % kb:  # padding columns of the last column chunk
+            hi[-1, :, C % kb:] = 0
+    else:
+        rc = np.full(n_rc * qt, T, _I64)
+        rc[:u] = by_req[:, 0]
+        rows.reshape(n_rc, n_cc, qt)[...] = rc.reshape(n_rc, 1, qt)
+        cells = np.zeros((n_rc * qt, n_cc * kb), _I64)
+        cells[:u, :C] = bs
+        hi.reshape(n_rc, n_cc, qt, kb)[...] = cells.reshape(n_rc, qt, n_cc, kb).transpose(0, 2, 1, 3)
     return (rows, blocks, out.zeros("shared_lo", hi.shape), hi, True), S * bs
 
