@@ -10,10 +10,11 @@ Why a module of its own: on the 2-core host a decode step of 256 requests is
 ~60 us of numpy calls, and a small shared prefix (8 of them sharing 8 blocks)
 used to double it. Nearly all of that was call overhead on tiny arrays and
 passes over all ~9 000 pairs, so here: shared pairs are found in two passes
-over the pairs (`repeated`), the unique arrays are written in one pass each
-straight into the plan's memory (no per-pair `hi` array: all blocks are full
-but a request's last), and the usual case, one group of requests sharing full
-blocks, is laid out in ~15 calls on arrays of the shared pairs (`one_full_group`).
+over the pairs (`repeated`), the unique arrays take one boolean gather each
+and no per-pair `hi` array (all blocks are full but a request's last), and the
+usual case, one group of requests sharing full blocks, is laid out in ~15
+calls on arrays of the shared pairs (`one_full_group`). Measured in
+`benchmarks/planning.py` (docs/benchmarks.md).
 """
 from __future__ import annotations
 
