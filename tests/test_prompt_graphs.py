@@ -131,3 +131,17 @@ def test_a_bucket_does_not_count_as_a_prompt_graph():
         from vllm_gaudi_unified.bucket_plans.prompt_graphs import PromptGraphs
 
         PromptGraphs([Bucket("--u", 4, 0, 4, 4, 0)], 4)
+
+
+def test_an_eighth_of_the_graphs_go_to_the_long_prompts_the_frequent_ones_leave_out():
+    from collections import Counter
+
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import _choose
+
+    short = [Bucket("--u", 64, 0, 64, 64, 0, 1, 16 << i, 4) for i in range(8)]  # frequent, short
+    long_ = [Bucket("--u", 4096, 0, 64, 64, 0, 1, n, 4) for n in (2048, 4096)]  # once each
+    hits = Counter({**{g: 100 - i for i, g in enumerate(short)}, **{g: 1 for g in long_}})
+    chosen = _choose(hits, 8, 4)
+    assert chosen[:7] == short[:7]  # by count
+    assert chosen[7] == long_[1]  # the ceiling: the 4096-row graph covers both long prompts
+    assert _choose(Counter(dict(list(hits.items())[:3])), 8, 4) == short[:3]  # fewer candidates: all of them

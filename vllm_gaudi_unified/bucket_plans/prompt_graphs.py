@@ -76,12 +76,34 @@ def _pow2(n: int) -> int:
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
 
 
+def _choose(hits: Counter, count: int, block_size: int) -> list[Bucket]:
+    """`count` graphs among the candidates `hits` (graph -> steps): the most frequent, and an eighth of
+    them for the rare long prompts the others leave out, which the tiled route runs slowest (its causal
+    tiles grow with the square of a prompt): each time the candidate covering the most of them,
+    weighted by `num_prompts x prompt_len^2`."""
+    by_count = sorted(hits, key=lambda g: (-hits[g], prompt_work(g, block_size), g))
+    ceiling = count // 8 if len(hits) > count else 0
+    chosen = by_count[:count - ceiling]
+    left = [g for g in hits if PromptGraphs(chosen, block_size).find(g) is None]
+    weight = {g: hits[g] * g.num_prompts * g.prompt_len ** 2 for g in left}
+    for _ in range(ceiling):
+        if not left:
+            break
+        shapes = np.array([g.sizes + g.prompts for g in left], np.int64)
+        covers = (shapes[:, None, :] >= shapes[None, :, :]).all(2)  # [candidate, step shape]
+        gain = covers @ np.array([weight[g] for g in left], np.float64)
+        best = int(gain.argmax())
+        chosen.append(left[best])
+        left = [g for g, c in zip(left, covers[best]) if not c]
+    return chosen
+
+
 def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) -> tuple[list[Bucket], dict]:
     """The `max_graphs` prompt graphs most steps of `steps` (TraceSteps) need, and how many they cover.
 
     Each step with prompts is planned on the prompt route (`plan_step`, the rules a server applies);
-    its graph is its shape rounded up (`rounded_shape`). The graphs most steps need are kept; a step
-    runs in the smallest kept graph that covers it. A graph whose prompt call gathers more block
+    its graph is its shape rounded up (`rounded_shape`). The graphs most steps need are kept, and a few
+    for the long prompts (`_choose`); a step runs in the smallest kept graph that covers it. A graph whose prompt call gathers more block
     slots than the plan's gather cap is never chosen."""
     from vllm_gaudi_unified.plan import plan_step
 
@@ -102,8 +124,7 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) ->
         if not cap.exceeded(graph) and (cap.max_unique_blocks is None
                                         or graph.num_prompts * graph.prompt_blocks <= cap.max_unique_blocks):
             hits[graph] += 1
-    ranked = sorted(hits, key=lambda g: (-hits[g], prompt_work(g, s.block_size), g))[:max_graphs]
-    chosen = PromptGraphs(ranked, s.block_size)
+    chosen = PromptGraphs(_choose(hits, max_graphs, s.block_size), s.block_size)
     covered = sum(n for g, n in hits.items() if chosen.find(g) is not None)
     info = {"prompt_steps": prompt_steps, "prompt_steps_on_prompt_graphs": covered,
             "prompt_graph_candidates": len(hits)}
