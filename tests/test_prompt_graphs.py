@@ -122,6 +122,14 @@ def test_generate_learns_prompt_graphs_and_show_lists_them(tmp_path, capsys):
     assert f"{len(plan.prompt_graphs)} prompt graphs take" in capsys.readouterr().out
     assert main(["buckets", "show", path]) == 0
     assert f"prompt graphs ({len(plan.prompt_graphs)})" in capsys.readouterr().out
+    trace = str(tmp_path / "t.jsonl")
+    assert main(["buckets", "simulate", "--preset", "bs32-seqs64", "--seed", "7", "-o", trace, "--no-progress"]) == 0
+    assert main(["buckets", "evaluate", path, "--trace", trace, "--json", str(tmp_path / "e.json"),
+                 "--no-progress"]) == 0
+    (found,) = json.load(open(tmp_path / "e.json"))["prompt_graphs"]
+    assert 0 < found["on_prompt_graphs"] <= found["steps_with_prompts"]
+    assert f"{found['on_prompt_graphs']} of the {found['steps_with_prompts']} steps with prompts" in \
+        capsys.readouterr().out
     assert main(args[:-5] + ["--prompt-graphs", "0", "-o", path, "--no-progress"]) == 0
     assert BucketPlan.load(path).prompt_graphs == []
 

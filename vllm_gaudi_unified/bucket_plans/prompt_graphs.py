@@ -98,6 +98,19 @@ def _choose(hits: Counter, count: int, block_size: int) -> list[Bucket]:
     return chosen
 
 
+def prompt_shapes(plan, steps):
+    """The shape of each step of `steps` (TraceSteps) that has prompts, planned on the prompt route."""
+    from vllm_gaudi_unified.plan import plan_step
+
+    s = plan.settings
+    options = on_route(s.options, "dense")
+    for step in steps:
+        shape = plan_step(step.query_lens, step.context_lens, step.block_table(), step.block_size,
+                          sliding_window=s.sliding_window, options=options).shape
+        if shape.num_prompts:
+            yield shape
+
+
 def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) -> tuple[list[Bucket], dict]:
     """The `max_graphs` prompt graphs most steps of `steps` (TraceSteps) need, and how many they cover.
 
@@ -105,22 +118,15 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) ->
     its graph is its shape rounded up (`rounded_shape`). The graphs most steps need are kept, and a few
     for the long prompts (`_choose`); a step runs in the smallest kept graph that covers it. A graph whose prompt call gathers more block
     slots than the plan's gather cap is never chosen."""
-    from vllm_gaudi_unified.plan import plan_step
-
     if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 0:
         raise ValueError(f"the number of prompt graphs must be an int >= 0, got {max_graphs!r}")
     s = plan.settings
-    options = on_route(s.options, "dense")
     cap = plan.gather_cap
     hits: Counter = Counter()
     prompt_steps = 0
-    for step in steps:
-        p = plan_step(step.query_lens, step.context_lens, step.block_table(), step.block_size,
-                      sliding_window=s.sliding_window, options=options)
-        if not p.shape.num_prompts:
-            continue
+    for shape in prompt_shapes(plan, steps):
         prompt_steps += 1
-        graph = rounded_shape(p.shape, s, cap)
+        graph = rounded_shape(shape, s, cap)
         if not cap.exceeded(graph) and (cap.max_unique_blocks is None
                                         or graph.num_prompts * graph.prompt_blocks <= cap.max_unique_blocks):
             hits[graph] += 1

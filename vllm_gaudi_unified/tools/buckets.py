@@ -290,6 +290,8 @@ def format_plan(plan) -> str:
 
 def cmd_evaluate(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import prompt_shapes
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
     from vllm_gaudi_unified.tools.evaluate import evaluate
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
     from vllm_gaudi_unified.tools.upstream import evaluate_upstream, upstream_tuples_of_trace
@@ -297,15 +299,23 @@ def cmd_evaluate(args) -> int:
     plan = BucketPlan.load(args.plan)
     if args.upstream and plan.settings.options.batch_invariant:
         raise ValueError("--upstream compares default-mode plans (the earlier scheme had no invariant mode)")
-    results, upstream = [], []
+    results, upstream, prompts = [], [], []
     for t in args.trace:
         shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
         results.append(evaluate(plan, shapes, os.path.basename(t)))
+        if plan.prompt_graphs:
+            found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, read_trace(t).steps)]
+            prompts.append({"trace": os.path.basename(t), "steps_with_prompts": len(found),
+                            "on_prompt_graphs": int(sum(found))})
         if args.upstream:
             upstream.append(evaluate_upstream(plan.settings, plan.cost_model, upstream_tuples_of_trace(t, plan.settings),
                                               float(shapes.needed.sum()), os.path.basename(t)))
     print(f"plan: {args.plan} ({plan.strategy}, {len(plan)} graphs, gather cap {plan.gather_cap})\n")
     print("\n\n".join(r.table() for r in results))
+    for p in prompts:
+        print(f"\nprompt graphs on {p['trace']}: {p['on_prompt_graphs']} of the {p['steps_with_prompts']} steps with "
+              f"prompts run in one of the plan's {len(plan.prompt_graphs)} (the others, and the padding above, "
+              "on the tiled route)")
     for u in upstream:
         print(f"\nupstream plan on {u['trace']}: {u['graphs']} graphs, uncovered {u['uncovered']} (run unpadded), "
               f"padding time {u['padding_time']:.3f} / score pairs {u['padding_pairs']:.3f}, worst step "
@@ -314,7 +324,8 @@ def cmd_evaluate(args) -> int:
     if args.json:
         with atomic_write(args.json) as f:
             json.dump({"plan": args.plan, "strategy": plan.strategy, "graphs": len(plan),
-                       "results": [r.to_dict() for r in results], "upstream": upstream}, f, indent=1)
+                       "results": [r.to_dict() for r in results], "upstream": upstream, "prompt_graphs": prompts},
+                      f, indent=1)
     return 0
 
 
