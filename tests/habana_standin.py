@@ -41,7 +41,12 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
   `kernel_block_sizes=` argument vllm-gaudi's input batch passes to vLLM's
   `MultiGroupBlockTable` (0.32 has none; accepted when equal to the block sizes), and
   `MultiModalRegistry.supports_multimodal_inputs(model_config)` (0.32: the model config's
-  `supports_multimodal_inputs`), `KVCacheTensor.shared_by` (0.32: `layers`).
+  `supports_multimodal_inputs`), `KVCacheTensor.shared_by` (0.32: `layers`), and
+  `PunicaWrapperBase.apply_lora_full_linear` made concrete (0.32 declares it abstract, for LoRA on
+  classifier heads only; vllm-gaudi's `PunicaWrapperHPU` lacks it and so cannot be instantiated):
+  it raises, naming that case; vllm-gaudi's embedding LoRA layer reads `_embeddings_indices[1]` of the
+  `[2, tokens]` layout of the vLLM it tracks, 0.32 keeps that row alone (`[tokens]`): the layer is given a
+  view of the punica wrapper with 0.32's tensor as row 1 (`_embedding_lora_reads_row_one`).
 - vLLM's kernel library: the build this CPU runs, picked as vLLM's CPU platform picks it
   (`Platform.import_kernels`, which vllm-gaudi's platform keeps, imports `vllm._C`: AVX-512 BF16 only).
 - vLLM's model inspection (a child process that would load vllm-gaudi's plugins without the
@@ -324,6 +329,55 @@ def _provide_missing_vllm_names() -> None:
         # vllm-gaudi asks the registry; vLLM 0.32 moved the answer to the model config.
         MultiModalRegistry.supports_multimodal_inputs = lambda self, model_config: \
             model_config.supports_multimodal_inputs
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+
+    if getattr(PunicaWrapperBase.apply_lora_full_linear, "__isabstractmethod__", False):
+        # Set before vllm-gaudi's PunicaWrapperHPU class is made (vLLM imports it when LoRA starts).
+        PunicaWrapperBase.apply_lora_full_linear = _no_full_linear_lora
+    _embedding_lora_reads_row_one()
+
+
+def _embedding_lora_reads_row_one() -> None:
+    """vllm-gaudi 091bbadd's `HPUVocabParallelEmbeddingWithLoRA.forward` reads
+    `punica_wrapper._embeddings_indices[1][:num_tokens]`: the per-token row offsets into the stacked LoRA
+    embeddings, row 1 of the `[2, tokens]` tensor of the vLLM it tracks. vLLM 0.32 keeps only those
+    offsets (`[tokens]`, the same values without extra vocabulary), so `[1]` is one number and the slice
+    raises `IndexError: slice() cannot be applied to a 0-dim tensor`. vllm-gaudi's layers get a view of
+    the wrapper whose `_embeddings_indices[1]` is 0.32's tensor; everything else is the wrapper's."""
+    from vllm.lora.layers.vocab_parallel_embedding import VocabParallelEmbeddingWithLoRA
+
+    base = VocabParallelEmbeddingWithLoRA.set_mapping
+    if getattr(base, "_standin", False):
+        return
+
+    def set_mapping(self, punica_wrapper):
+        if type(self).__module__.startswith("vllm_gaudi.") and punica_wrapper._embeddings_indices.dim() == 1:
+            punica_wrapper = _OffsetsAsRowOne(punica_wrapper)
+        base(self, punica_wrapper)
+
+    set_mapping._standin = True
+    VocabParallelEmbeddingWithLoRA.set_mapping = set_mapping
+
+
+class _OffsetsAsRowOne:
+    """A punica wrapper as vllm-gaudi's embedding LoRA reads it (see `_embedding_lora_reads_row_one`)."""
+
+    def __init__(self, wrapper):
+        self._wrapper = wrapper
+
+    def __getattr__(self, name):
+        return getattr(self._wrapper, name)
+
+    @property
+    def _embeddings_indices(self):
+        return (None, self._wrapper._embeddings_indices)
+
+
+def _no_full_linear_lora(self, *args, **kwargs):
+    raise NotImplementedError(
+        f"{type(self).__name__}.apply_lora_full_linear: LoRA on a classifier head (vLLM 0.32's "
+        "ClassifierWithLoRA) is not in vllm-gaudi 091bbadd's punica wrapper; the habana stand-in only "
+        "makes the wrapper instantiable for the LoRA layers it does implement")
 
 
 def _import_the_kernels_this_cpu_runs() -> None:

@@ -7,7 +7,7 @@ is vllm-gaudi's. `entry.platform_plugin` names it only where an HPU (or the
 tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
-multimodal models and LoRA adapters (`refuse_unserved_models`), speculative decoding other than ngram (vllm-gaudi's EAGLE drafter runs its own
+multimodal models (`refuse_unserved_models`), speculative decoding other than ngram (vllm-gaudi's EAGLE drafter runs its own
 forwards with its own metadata), a vllm-gaudi whose overridden methods differ from the ones checked
 (`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
 are the backend's to accept (`hpu_backend.py`). Async scheduling runs as vllm-gaudi
@@ -51,6 +51,8 @@ VLLM_GAUDI_HOOKS = {
         "sample_tokens": ["grammar_output"],
         "_run_sampling": ["batch_changed", "logits_device", "request_ids", "pad_to", "logits_requests"],
         "propose_ngram_draft_token_ids": ["sampled_token_ids"],
+        "_configure_lora": ["input", "requests", "req_ids", "is_prompt"],
+        "set_active_loras": ["lora_requests", "lora_mapping"],
     },
     "vllm_gaudi.v1.worker.hpu_model_runner.HPUAttentionMetadataProcessor": {
         "process_metadata": ["attn_metadata", "batch_size", "seq_len", "device", "dtype",
@@ -108,9 +110,6 @@ def refuse_unserved_models(vllm_config) -> None:
         problems.append(f"multimodal inputs ({model.architecture}: vllm-gaudi runs the vision encoder and builds "
                         "inputs_embeds / multimodal kwargs / M-RoPE positions inside its own prefill batching, "
                         "which the unified runner replaces)")
-    if vllm_config.lora_config is not None:
-        problems.append("LoRA adapters (vllm-gaudi maps adapters to tokens per padded prompt of its own batches, "
-                        "[batch, seq]; the unified step is one flat [1, tokens] batch: the mapping would be wrong)")
     if problems:
         raise NotImplementedError("Unified attention on Gaudi does not serve " + "; ".join(problems) + ". Unset "
                                   "VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")

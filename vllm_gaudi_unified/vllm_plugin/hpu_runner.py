@@ -19,7 +19,8 @@ defragmenter) and replaces the step's forward plan:
   `load_model`), and computes the logits of the requests that sample;
 - `warmup_model`: the bucket plan's buckets through the whole model on the real KV
   caches (HPU graphs in lazy mode), instead of vllm-gaudi's prompt/decode buckets;
-- `initialize_kv_cache`: one `StepHooks` per KV cache group, its layers by attention kind (`hpu_kinds.py`).
+- `initialize_kv_cache`: one `StepHooks` per KV cache group, its layers by attention kind (`hpu_kinds.py`);
+- `_configure_lora`: LoRA adapters mapped per token of the flat step (`hpu_lora.py`).
 
 vllm-gaudi's `sample_tokens` then samples and returns outputs as it always does:
 the unified batch is its single prefill batch.
@@ -49,6 +50,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
     is_unified_metadata,
 )
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_kinds
+from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, no_adapter_mask
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
 from vllm_gaudi_unified.vllm_plugin.hpu_step import (
     HpuStep,
@@ -74,6 +76,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         self.last_step: HpuStep | None = None  #: the last step planned (tests, debugging)
         self.num_listed_decodes = 0  #: the step's first requests, which vllm-gaudi's sampling treats as decodes
         self._step_forward = None  #: (metadata, hidden, aux) of the step's one forward, for its second reader
+        self.step_logits_rows = np.zeros(0, dtype=np.int64)  #: flat rows of the step's sampled logits (LoRA)
         if self.speculative_config is not None:  # drafts verified in vLLM's compact layout (hpu_spec.py)
             self.rejection_sampler = GreedyRejectionSampler(self.sampler)
 
@@ -221,6 +224,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
             self._last_sampled_on_device(step, tokens_device)
         last_rows = first.batch.plan.logits_indices[:n]
         logits_indices = torch.from_numpy(np.ascontiguousarray(last_rows[samples], dtype=np.int64))
+        self.step_logits_rows = logits_indices.numpy()
         data = PrefillInputData()
         if d < n:
             data = PrefillInputData(
@@ -285,6 +289,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
                 self._step_forward = (attn_metadata, hidden, aux)
         flat = hidden.reshape(-1, hidden.shape[-1])
         sample_hidden = flat[logits_indices]
+        if lora_logits_mask is not None and lora_logits_mask.shape[0] == flat.shape[0]:
+            lora_logits_mask = lora_logits_mask[logits_indices]  # per-token mask (`_configure_lora`): sampled rows
         LoraMask.setLoraMask(lora_logits_mask)
         logits = self.model.compute_logits(sample_hidden)
         step = self.last_step
@@ -303,6 +309,14 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         if self.use_aux_hidden_state_outputs:
             return hidden
         return hidden, None
+
+    def _configure_lora(self, input, requests, req_ids, is_prompt):
+        """vllm-gaudi's LoRA mapping and mask, one adapter per token of the flat step (`hpu_lora.py`); the
+        per-token mask twice: `_execute_model_generic` takes the logits' rows from the second."""
+        if not self.lora_config:
+            return None, None
+        mask = configure_step_lora(self, self.last_step, input.shape[-1], self.step_logits_rows)
+        return mask, mask
 
     def propose_ngram_draft_token_ids(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """vLLM's ngram proposer as it is: no proposal is an empty list. (vllm-gaudi writes [-1] there, a
@@ -365,9 +379,10 @@ class UnifiedHpuModelRunner(HPUModelRunner):
             from vllm_gaudi_unified.vllm_plugin.hpu_pooling import pooling_forward
 
             return pooling_forward(self, tokens, tokens.clone(), metadata)
+        mask = no_adapter_mask(self, bucket.query_len)
         _, _, _, logits = self._execute_model_generic(tokens, tokens.clone(), metadata,
                                                       torch.zeros(1, dtype=torch.int64, device=self.device),
-                                                      self.kv_caches, None, None, warmup_mode=True)
+                                                      self.kv_caches, mask, mask, warmup_mode=True)
         return logits
 
     def _warm_attention_only(self) -> None:
