@@ -4,11 +4,13 @@ vllm-gaudi applies adapters through a per-row mask (`LoraMask`, read by its `Pun
 the unified runner builds it per token of the flat step (`vllm_plugin/hpu_lora.py`). Checked here:
 the mask arithmetic (fast), and a whole generation (slow): a tiny Llama with two random rank-8
 adapters written offline (`vllm_lora.py`), requests with adapter a, adapter b and none sharing
-steps, prompts chunked by the 64-token budget, against vLLM's CPU attention with the same LoRA
-requests: identical tokens, |d logprob| <= 1e-4; and the adapters change the tokens.
+steps, prompts chunked by the 64-token budget, steps unpadded and padded to the buckets of a warmed plan,
+against vLLM's CPU attention with the same LoRA requests: identical tokens, |d logprob| <= 1e-4; and the
+adapters change the tokens.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_vllm_gaudi import LOGPROB_ATOL, _run_engine, gaudi  # noqa: F401, I001 (also: the module's skips)
+from test_vllm_gaudi import LOGPROB_ATOL, _run_engine, _warmable_plan, gaudi  # noqa: F401, I001 (also: the module's skips)
 import vllm_helpers as H
 import vllm_lora as L
 
@@ -77,17 +79,26 @@ def test_lora_through_the_unified_runner(tmp_path):
     model = H.make_tiny_llama(str(tmp_path / "model"), **H.MODELS["gqa"])
     a = L.make_adapter(str(tmp_path / "lora_a"), model, seed=1)
     b = L.make_adapter(str(tmp_path / "lora_b"), model, seed=2)
+    plan, trace = str(tmp_path / "plan.json"), str(tmp_path / "trace.jsonl")
+    num_buckets = _warmable_plan(plan)
     runs = {}
-    for name, gaudi_path in (("ref", False), ("unified", True)):
+    for name, gaudi_path, env in (("ref", False, {}), ("unified", True, dict(VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)),
+                                  ("buckets", True, dict(VLLM_GAUDI_UNIFIED_BUCKETS=plan))):
         out = str(tmp_path / f"{name}.json")
-        runs[name] = _run_engine([sys.executable, LORA_HELPER, model, a, b, out], out, gaudi_path)
-    got, ref = runs["unified"], runs["ref"]
-    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
+        runs[name] = _run_engine([sys.executable, LORA_HELPER, model, a, b, out], out, gaudi_path, **env)
+    ref = runs["ref"]
+    # Padded to warmed buckets: the padding rows carry no adapter (and the warm-up forwards none).
+    assert f"warmed {num_buckets} buckets through the model" in runs["buckets"]["log"]
     worst = 0.0
-    for case, r in H.compare_results(got, ref).items():
-        assert r["tokens_identical"], (case, r)
-        assert r["max_abs_logprob_diff"] <= LOGPROB_ATOL, (case, r)
-        worst = max(worst, r["max_abs_logprob_diff"])
+    for run in ("unified", "buckets"):
+        assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in runs[run]["log"]
+        for case, r in H.compare_results(runs[run], ref).items():
+            assert r["tokens_identical"], (run, case, r)
+            assert r["max_abs_logprob_diff"] <= LOGPROB_ATOL, (run, case, r)
+            worst = max(worst, r["max_abs_logprob_diff"])
+    with open(trace) as f:
+        steps = [json.loads(line) for line in f if '"query_lens"' in line]
+    assert any(len(s["query_lens"]) > 1 and any(c > 0 for c in s["context_lens"]) for s in steps)  # chunks mixed
     # The adapters matter: for every prompt, adapter a, adapter b and none give three different generations.
     tokens = {case: res["samples"][0]["tokens"] for case, res in ref["results"].items()}
     for p in {c.rsplit("_", 1)[0] for c in tokens}:

@@ -77,8 +77,10 @@ def configure_step_lora(runner, step, padded: int, logits_rows: np.ndarray) -> t
 
 
 def no_adapter_mask(runner, rows: int) -> torch.Tensor | None:
-    """A zero mask of `rows` (warm-up forwards: no adapter on any row); None without LoRA."""
+    """Warm-up forwards: no adapter on any of `rows` (the mapping too: vLLM's embedding LoRA reads its
+    per-token offsets from it, uninitialised until a mapping is set). A zero mask; None without LoRA."""
     config = runner.lora_config
     if config is None:
         return None
+    runner.set_active_loras(set(), LoRAMapping([NO_ADAPTER] * rows, [NO_ADAPTER], is_prefill=False))
     return torch.zeros(rows, config.max_loras * config.max_lora_rank, dtype=config.lora_dtype).to(runner.device)
