@@ -6,7 +6,7 @@ alpha 16, on every attention and MLP projection) and `adapter_model.safetensors`
 lora_B is random (peft starts it at zero, which would make the adapter a no-op), so the adapter changes
 the tokens.
 
-    python tests/vllm_lora.py MODEL ADAPTER_A ADAPTER_B OUT [--gaudi-standin]
+    python tests/vllm_lora.py MODEL ADAPTER_A ADAPTER_B OUT [--gaudi-standin] [--prompt-logprobs]
 
 runs `lora_requests()` through one engine (the 64-token budget chunks the long prompts; requests with
 adapter A, adapter B and none share steps) and writes tokens and top-2 logprobs per case to OUT.
@@ -60,20 +60,30 @@ def make_adapter(path: str, model: str, seed: int, scale: float = 0.1) -> str:
     return path
 
 
-def lora_requests() -> list[dict]:
+def lora_requests(prompt_logprobs: bool = False) -> list[dict]:
     """Four prompts (3 to 150 tokens: the long ones arrive in several 64-token chunks), each with adapter
-    "a", adapter "b" and none (`adapter` None), all submitted together."""
+    "a", adapter "b" and none (`adapter` None), all submitted together; and prefixes of the 70-token prompt
+    (`PREFIXES` tokens, one token each), whose first token's logprob is a prompt logprob of the 70-token
+    prompt. `prompt_logprobs`: the 70-token requests ask for them (vLLM 0.32's CPU runner cannot compute
+    them under LoRA: see the test)."""
     import random
 
     from vllm_helpers import VOCAB
 
     rng = random.Random(99)
     prompts = {f"p{n}": [rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 20, 70, 150)}
-    return [dict(name=f"{p}_{a or 'none'}", prompt=toks, adapter=a, max_tokens=12)
-            for p, toks in prompts.items() for a in (None, "a", "b")]
+    out = [dict(name=f"{p}_{a or 'none'}", prompt=toks, adapter=a, max_tokens=12,
+                prompt_logprobs=prompt_logprobs and p == "p70")
+           for p, toks in prompts.items() for a in (None, "a", "b")]
+    return out + [dict(name=f"p70pre{k}_{a or 'none'}", prompt=prompts["p70"][:k], adapter=a, max_tokens=1,
+                       prompt_logprobs=False) for k in PREFIXES for a in (None, "a", "b")]
 
 
-def run(model: str, adapters: dict[str, str], out: str, gaudi_standin: bool = False) -> None:
+PREFIXES = (9, 40, 66)
+
+
+def run(model: str, adapters: dict[str, str], out: str, gaudi_standin: bool = False,
+        prompt_logprobs: bool = False) -> None:
     import vllm_helpers as H
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -82,21 +92,23 @@ def run(model: str, adapters: dict[str, str], out: str, gaudi_standin: bool = Fa
     from vllm.lora.request import LoRARequest
 
     ids = {name: i + 1 for i, name in enumerate(sorted(adapters))}
-    requests = lora_requests()
+    requests = lora_requests(prompt_logprobs)
     with device:
         llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
                   max_model_len=H.MAX_MODEL_LEN, block_size=H.BLOCK_SIZE, max_num_seqs=H.MAX_NUM_SEQS,
                   max_num_batched_tokens=H.MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
                   enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
                   enable_lora=True, max_loras=3, max_lora_rank=RANK, max_cpu_loras=3)
-        params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, detokenize=False, ignore_eos=True)
+        params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, detokenize=False, ignore_eos=True,
+                                 prompt_logprobs=1 if r["prompt_logprobs"] else None) for r in requests]
         lora = [None if r["adapter"] is None else LoRARequest(r["adapter"], ids[r["adapter"]], adapters[r["adapter"]])
                 for r in requests]
         outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests], params, lora_request=lora,
                             use_tqdm=False)
     results = {r["name"]: {"samples": [{"tokens": list(c.token_ids),
                                         "logprobs": [H._logprob_dict(e) for e in c.logprobs]} for c in o.outputs],
-                           "prompt_logprobs": None}
+                           "prompt_logprobs": None if o.prompt_logprobs is None else
+                           [None if e is None else H._logprob_dict(e) for e in o.prompt_logprobs]}
                for r, o in zip(requests, outs)}
     with open(out, "w") as f:
         json.dump({"results": results}, f)
@@ -109,4 +121,5 @@ if __name__ == "__main__":
         import vllm_helpers
 
         vllm_helpers.keep_vllm_gaudi_out()
-    run(sys.argv[1], {"a": sys.argv[2], "b": sys.argv[3]}, sys.argv[4], "--gaudi-standin" in sys.argv)
+    run(sys.argv[1], {"a": sys.argv[2], "b": sys.argv[3]}, sys.argv[4], "--gaudi-standin" in sys.argv,
+        "--prompt-logprobs" in sys.argv)

@@ -84,3 +84,25 @@ def no_adapter_mask(runner, rows: int) -> torch.Tensor | None:
         return None
     runner.set_active_loras(set(), LoRAMapping([NO_ADAPTER] * rows, [NO_ADAPTER], is_prefill=False))
     return torch.zeros(rows, config.max_loras * config.max_lora_rank, dtype=config.lora_dtype).to(runner.device)
+
+
+def prompt_logprobs_by_request(runner, compute, prefill_hidden_states: dict, scheduler_output) -> dict:
+    """vllm-gaudi's prompt logprobs (`compute`: its `_get_prompt_logprobs_dict`) one request at a time, each
+    with its adapter's mask over the rows it takes: it runs the LoRA logits over a request's prompt rows
+    (`hidden[:num_logits]`) with whatever mask was set last, the step's sampled rows (an assertion then
+    fails in `dispatch_bgmv_linear`). `num_logits` as vllm-gaudi computes it: the scheduled prompt tokens
+    that have a next prompt token."""
+    from vllm_gaudi.extension.ops import LoraMask
+
+    config, out = runner.lora_config, {}
+    index_to_id = runner.lora_manager._adapter_manager.lora_index_to_id
+    for req_id, hidden in prefill_hidden_states.items():
+        request = runner.requests[req_id]
+        rows = min(scheduler_output.num_scheduled_tokens[req_id],
+                   len(request.prompt_token_ids or ()) - request.num_computed_tokens - 1)
+        if rows > 0:
+            ids = np.full(rows, request_adapter_ids(runner.requests, [req_id])[0], dtype=np.int64)
+            mask = adapter_mask(ids, index_to_id, config.max_loras, config.max_lora_rank, config.lora_dtype)
+            LoraMask.setLoraMask(mask.to(runner.device))
+        out.update(compute({req_id: hidden}, scheduler_output))
+    return out

@@ -53,6 +53,7 @@ VLLM_GAUDI_HOOKS = {
         "propose_ngram_draft_token_ids": ["sampled_token_ids"],
         "_configure_lora": ["input", "requests", "req_ids", "is_prompt"],
         "set_active_loras": ["lora_requests", "lora_mapping"],
+        "_get_prompt_logprobs_dict": ["prefill_hidden_states", "scheduler_output"],
     },
     "vllm_gaudi.v1.worker.hpu_model_runner.HPUAttentionMetadataProcessor": {
         "process_metadata": ["attn_metadata", "batch_size", "seq_len", "device", "dtype",

@@ -50,7 +50,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
     is_unified_metadata,
 )
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_kinds
-from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, no_adapter_mask
+from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, no_adapter_mask, prompt_logprobs_by_request
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
 from vllm_gaudi_unified.vllm_plugin.hpu_step import (
     HpuStep,
@@ -313,10 +313,14 @@ class UnifiedHpuModelRunner(HPUModelRunner):
     def _configure_lora(self, input, requests, req_ids, is_prompt):
         """vllm-gaudi's LoRA mapping and mask, one adapter per token of the flat step (`hpu_lora.py`); the
         per-token mask twice: `_execute_model_generic` takes the logits' rows from the second."""
-        if not self.lora_config:
-            return None, None
-        mask = configure_step_lora(self, self.last_step, input.shape[-1], self.step_logits_rows)
+        mask = configure_step_lora(self, self.last_step, input.shape[-1], self.step_logits_rows) \
+            if self.lora_config else None
         return mask, mask
+
+    def _get_prompt_logprobs_dict(self, prefill_hidden_states, scheduler_output):
+        """vllm-gaudi's; with LoRA one request at a time under its adapter's mask (`hpu_lora.py`)."""
+        compute, args = super()._get_prompt_logprobs_dict, (prefill_hidden_states, scheduler_output)
+        return prompt_logprobs_by_request(self, compute, *args) if self.lora_config else compute(*args)
 
     def propose_ngram_draft_token_ids(self, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """vLLM's ngram proposer as it is: no proposal is an empty list. (vllm-gaudi writes [-1] there, a
