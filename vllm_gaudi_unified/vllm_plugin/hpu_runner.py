@@ -17,10 +17,10 @@ defragmenter) and replaces the step's forward plan:
 - `_execute_model_generic`: runs vllm-gaudi's model adapter with that metadata, which
   its metadata processor lets through (`hpu_backend.UnifiedMetadataProcessor`, set by
   `load_model`), and computes the logits of the requests that sample;
-- `warmup_model`: the bucket plan's buckets through the whole model on the real KV
-  caches (HPU graphs in lazy mode), instead of vllm-gaudi's prompt/decode buckets;
+- `warmup_model`: the bucket plan's buckets through the whole model on the real KV caches (HPU graphs
+  in lazy mode), instead of vllm-gaudi's prompt/decode buckets;
 - `initialize_kv_cache`: one `StepHooks` per KV cache group, its layers by attention kind (`hpu_kinds.py`);
-- `_configure_lora`: LoRA adapters mapped per token of the flat step (`hpu_lora.py`).
+- `_configure_lora`, `_get_prompt_logprobs_dict`: LoRA adapters per token of the flat step (`hpu_lora.py`).
 
 vllm-gaudi's `sample_tokens` then samples and returns outputs as it always does:
 the unified batch is its single prefill batch.
@@ -313,8 +313,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
     def _configure_lora(self, input, requests, req_ids, is_prompt):
         """vllm-gaudi's LoRA mapping and mask, one adapter per token of the flat step (`hpu_lora.py`); the
         per-token mask twice: `_execute_model_generic` takes the logits' rows from the second."""
-        mask = configure_step_lora(self, self.last_step, input.shape[-1], self.step_logits_rows) \
-            if self.lora_config else None
+        mask = self.lora_config and configure_step_lora(self, self.last_step, input.shape[-1], self.step_logits_rows)
         return mask, mask
 
     def _get_prompt_logprobs_dict(self, prefill_hidden_states, scheduler_output):
