@@ -45,7 +45,7 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
   `PunicaWrapperBase.apply_lora_full_linear` made concrete (0.32 declares it abstract, for LoRA on
   classifier heads only; vllm-gaudi's `PunicaWrapperHPU` lacks it and so cannot be instantiated):
   it raises, naming that case; vllm-gaudi's embedding LoRA layer reads `_embeddings_indices[1]` of the
-  `[2, tokens]` layout of the vLLM it tracks, 0.32 keeps that row alone (`[tokens]`): the layer is given a
+  `[2, tokens]` layout of earlier vLLM releases, 0.32 keeps that row alone (`[tokens]`): the layer is given a
   view of the punica wrapper with 0.32's tensor as row 1 (`_embedding_lora_reads_row_one`).
 - vLLM's kernel library: the build this CPU runs, picked as vLLM's CPU platform picks it
   (`Platform.import_kernels`, which vllm-gaudi's platform keeps, imports `vllm._C`: AVX-512 BF16 only).
@@ -340,7 +340,7 @@ def _provide_missing_vllm_names() -> None:
 def _embedding_lora_reads_row_one() -> None:
     """vllm-gaudi 091bbadd's `HPUVocabParallelEmbeddingWithLoRA.forward` reads
     `punica_wrapper._embeddings_indices[1][:num_tokens]`: the per-token row offsets into the stacked LoRA
-    embeddings, row 1 of the `[2, tokens]` tensor of the vLLM it tracks. vLLM 0.32 keeps only those
+    embeddings, row 1 of the `[2, tokens]` tensor of earlier vLLM releases. vLLM 0.32 keeps only those
     offsets (`[tokens]`, the same values without extra vocabulary), so `[1]` is one number and the slice
     raises `IndexError: slice() cannot be applied to a 0-dim tensor`. vllm-gaudi's layers get a view of
     the wrapper whose `_embeddings_indices[1]` is 0.32's tensor; everything else is the wrapper's."""
