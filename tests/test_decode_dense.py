@@ -109,3 +109,55 @@ def test_new_tokens_read_from_the_cache_slots_they_were_written_to(seed):
     out = attend_step(q, k, v, kc, vc, batch, 0.37, dense_decodes=True, self_slots=slots)
     assert decodes.decode_layout(batch) is not None
     assert_matches(out, reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37))
+
+
+def _packed(kc, vc):
+    """The caches as vLLM's per-layer memory holds them: one `[.., K | V]` tensor, two views of it."""
+    kv = torch.cat([kc, vc], dim=-1)
+    return kv[..., :kc.shape[-1]], kv[..., kc.shape[-1]:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(8))
+def test_packed_caches_gather_k_and_v_at_once(dtype, seed):
+    """Caches that are views of one K | V memory (the server's) are gathered in one index: the same
+    attention, with and without `self_slots`, ragged or equal contexts (no mask), rows with no cached key,
+    MHA / GQA / MQA; every unread slot NaN / inf."""
+    rng = np.random.default_rng(seed)
+    hq, hkv = [(4, 4), (8, 2), (6, 1)][seed % 3]
+    R, bs = int(rng.integers(1, 10)), int(rng.choice([4, 8]))
+    step = _step(rng, R, bs, hq, hkv, empty_rows=seed % 4 == 1)
+    if seed % 4 == 2:  # every row sees as many keys: the route runs without a mask
+        step.context_lens = [step.context_lens[0]] * R
+    table, num_blocks = make_block_table(step, rng)
+    q, k, v, kc, vc = make_tensors(step, table, num_blocks, dtype, seed)
+    self_slots = None
+    if seed % 2 == 0:  # the server's way: the new K/V written to their slots first
+        ctx = np.array(step.context_lens)
+        self_slots = torch.from_numpy(table[np.arange(R), ctx // bs] * bs + ctx % bs)
+        kc.view(-1, *kc.shape[2:])[self_slots], vc.view(-1, *vc.shape[2:])[self_slots] = k, v
+    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+    pk, pv = _packed(kc, vc)
+    assert decodes.packed_kv(pk, pv) is not None
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, num_blocks=num_blocks,
+                                options=LAYOUTS[seed % 3])
+    out = attend_step(q, k, v, pk, pv, batch, 0.37, dense_decodes=True, self_slots=self_slots)
+    layout = decodes.decode_layout(batch)
+    assert layout is not None
+    assert layout.full == (seed % 4 == 2 or step.context_lens == [step.context_lens[0]] * R)
+    assert_matches(out, ref)
+    again = attend_step(q, k, v, pk, pv, batch, 0.37, dense_decodes=True, self_slots=self_slots)  # the step's index
+    assert torch.equal(out, again)
+
+
+def test_packed_kv_takes_only_one_k_then_v_memory():
+    kv = torch.randn(3, 4, 2, 16)
+    k, v = kv[..., :8], kv[..., 8:]
+    got = decodes.packed_kv(k, v)
+    assert torch.equal(got, kv.reshape(12, 2, 16))
+    assert decodes.packed_kv(v, k) is None  # values before keys
+    assert decodes.packed_kv(k, k) is None
+    assert decodes.packed_kv(k.clone(), v.clone()) is None  # two memories
+    assert decodes.packed_kv(kv[..., :8], kv[..., 10:]) is None  # a gap between K and V
+    mla = torch.randn(3, 4, 1, 24)  # values the first dims of the keys: no K | V layout
+    assert decodes.packed_kv(mla, mla[..., :16]) is None
