@@ -7,6 +7,8 @@ the functions that make it up with `perf_counter` accumulators (inclusive times,
 cost each): vLLM's input preparation and metadata building, the model forward and, inside it, each
 attention layer's backend `forward` (for the plugin also its cache write, checks, layout and kernel),
 and sampling. `--torch-profile` adds a `torch.profiler` table of the aten ops of the timed steps.
+`--staggered` times a server's steady state instead: a request joins as one finishes, so most steps
+run a prompt beside the decodes (what `vllm bench serve` at concurrency 8 gives).
 
 Run each backend in its own process (vLLM keeps global state per process), on one core:
 
@@ -95,6 +97,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="model directory (default: the tiny GQA Llama, made now)")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N", help="aten op table, N rows")
     ap.add_argument("--json", default=None, help="write the numbers here")
+    ap.add_argument("--staggered", action="store_true",
+                    help="a server's steady state: a new request joins as soon as one finishes, the first 8 "
+                         "finishing at different steps, so most steps hold a prompt beside decodes; every "
+                         "step is timed, the table is per step of any kind")
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.backend == "plugin":
@@ -117,13 +123,14 @@ def main(argv=None) -> int:
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
-    step_ms, tokens = [], 0
+    step_ms = []
     prof = contextlib.nullcontext()
     if args.torch_profile:
         import torch
 
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    for b in range(args.batches + 1):  # batch 0 warms up
+    kinds = []  # per timed step: "decode" (decodes only) or "mixed" (a first token came out: a prompt ran)
+    for b in range(1 if args.staggered else args.batches + 1):  # batch 0 warms up
         for i in range(CONCURRENCY):
             engine.add_request(f"{b}_{i}", {"prompt_token_ids": rng.integers(3, 500, PROMPT_LEN).tolist()}, params)
         engine.step()  # the prompts (one step: 8 x 128 tokens fit the token budget)
@@ -137,15 +144,38 @@ def main(argv=None) -> int:
             TIMING[0] = False
             if b > 0:
                 step_ms.append(1e3 * (t1 - t0))
-                tokens += len(outs)
+                kinds.append("decode")
         if b == 1 and args.torch_profile:
             prof.__exit__(None, None, None)
+    if args.staggered:
+        todo, running, seen = args.batches * CONCURRENCY, set(), set()
+        added = 0
+        TIMING[0] = True
+        while added < todo or running:
+            while added < todo and len(running) < CONCURRENCY:
+                first = added < CONCURRENCY  # the first ones finish at different steps; the stagger then stays
+                p = SamplingParams(max_tokens=(added + 1) * args.output_len // CONCURRENCY if first
+                                   else args.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
+                rid = f"s{added}"
+                engine.add_request(rid, {"prompt_token_ids": rng.integers(3, 500, PROMPT_LEN).tolist()}, p)
+                running.add(rid)
+                added += 1
+            t0 = time.perf_counter()
+            outs = engine.step()
+            step_ms.append(1e3 * (time.perf_counter() - t0))
+            new = [o.request_id for o in outs if o.request_id not in seen and o.outputs[0].token_ids]
+            seen.update(new)
+            kinds.append("mixed" if new else "decode")
+            running -= {o.request_id for o in outs if o.finished}
+        TIMING[0] = False
     n = len(step_ms)
     TIMES["engine.step"] = sum(step_ms) / 1e3
     CALLS["engine.step"] = n
-    print(f"{args.backend}: {n} decode steps, step p50 {np.median(step_ms):.3f} ms, mean {np.mean(step_ms):.3f} ms, "
-          f"load average {os.getloadavg()[0]:.2f}")
-    print("| part (inclusive) | ms per decode step | calls per step |")
+    by_kind = {k: [t for t, kk in zip(step_ms, kinds) if kk == k] for k in ("decode", "mixed")}
+    print(f"{args.backend}: {n} steps, step p50 {np.median(step_ms):.3f} ms, mean {np.mean(step_ms):.3f} ms, "
+          + ", ".join(f"{len(v)} {k} steps (p50 {np.median(v):.3f}, mean {np.mean(v):.3f} ms)"
+                      for k, v in by_kind.items() if v) + f"; load average {os.getloadavg()[0]:.2f}")
+    print("| part (inclusive) | ms per step | calls per step |")
     print("|---|---|---|")
     for name in sorted(TIMES):
         print(f"| {name} | {1e3 * TIMES[name] / n:.3f} | {CALLS[name] / n:g} |")
@@ -153,7 +183,8 @@ def main(argv=None) -> int:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "backend": args.backend, "decode_steps": n, "step_ms": step_ms,
+            "backend": args.backend, "staggered": args.staggered, "steps": n, "step_ms": step_ms,
+            "step_kinds": kinds,
             "parts_ms_per_step": {k: 1e3 * v / n for k, v in TIMES.items()},
             "calls_per_step": {k: v / n for k, v in CALLS.items()}, "load_average": os.getloadavg(),
             "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}}, indent=1))

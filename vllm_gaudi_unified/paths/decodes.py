@@ -41,11 +41,11 @@ _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> 
 
 
 def dense_decodes_apply(batch, query: torch.Tensor, key_cache: torch.Tensor, cap, sinks, k_scale) -> bool:
-    """A step of decodes only, on the CPU, without soft cap, sinks or fp8 cache, whose padded key table
-    is small enough (`MAX_PADDING`, `MAX_KEYS`)."""
+    """A step of decodes, and of prompts on the prompt route (the caller runs their rows final), on the
+    CPU, without soft cap, sinks or fp8 cache, whose padded key table is small enough (`MAX_PADDING`,
+    `MAX_KEYS`). No causal or shared tiles (phase `--`): every other token is one request's only new token."""
     if (query.device.type != "cpu" or cap is not None or sinks is not None or k_scale is not None
-            or is_fp8(key_cache.dtype) or batch.pieces or batch.phase[:2] != "--"
-            or batch.num_tokens != batch.num_requests):
+            or is_fp8(key_cache.dtype) or batch.pieces or batch.phase[:2] != "--"):
         return False
     return decode_layout(batch) is not None
 
@@ -57,7 +57,9 @@ class DecodeLayout:
     one the row may see (finite unless the model wrote a non-finite key there, which then reaches that
     row alone), so no pass zeroes unseen slots. The last column of `visible` is the token itself."""
 
-    def __init__(self, table: torch.Tensor, visible: torch.Tensor, unread_rows: bool, full: bool):
+    def __init__(self, table: torch.Tensor, visible: torch.Tensor, unread_rows: bool, full: bool,
+                 tokens: torch.Tensor | None = None):
+        self.tokens = tokens  #: [R] the decodes' tokens in the step (None: tokens 0 .. R - 1, a step of decodes)
         self.table = table  #: [R, L] int64 cache slots
         self.visible = visible  #: [R, L + 1] bool
         self.unread_rows = unread_rows  #: some row has no cached key (its padding read another row's slot)
@@ -68,8 +70,10 @@ class DecodeLayout:
     def index(self, self_slots: torch.Tensor | None) -> torch.Tensor:
         """The flat gather index of the step (the new tokens' slots last when `self_slots` are given)."""
         if self._index is None or self._index[0] is not self_slots:
-            table = self.table if self_slots is None else torch.cat([self.table, self_slots[:len(self.table), None]],
-                                                                   dim=1)
+            table = self.table
+            if self_slots is not None:
+                own = self_slots[:len(table)] if self.tokens is None else self_slots[self.tokens]
+                table = torch.cat([table, own[:, None]], dim=1)
             self._index = (self_slots, table.reshape(-1))
         return self._index[1]
 
@@ -82,15 +86,27 @@ class DecodeLayout:
 
 
 def decode_layout(batch) -> DecodeLayout | None:
-    """The batch's `DecodeLayout` from the plan's unique arrays, once per batch; None past the bounds."""
+    """The batch's `DecodeLayout` from the plan's unique arrays, once per batch; None past the bounds.
+    The decodes are the tokens off the prompt route (with phase `--`, each its request's only one)."""
     if batch in _LAYOUTS:
         return _LAYOUTS[batch]
-    plan, R, bs = batch.plan, batch.num_requests, batch.block_size
+    plan, T, bs = batch.plan, batch.num_tokens, batch.block_size
+    tokens = None
+    R = T
+    if plan.prompt_rows is not None and plan.prompt_rows.size:
+        on_route = np.zeros(T + 1, bool)
+        on_route[np.minimum(plan.prompt_rows.reshape(-1), T)] = True  # padding rows (no row) land on T
+        tokens = np.flatnonzero(~on_route[:T])
+        R = tokens.size
     rows = np.asarray(plan.unique_rows)
-    live = np.flatnonzero(rows < R)  # slots with a token (not padding, not a dead slot of the slice)
+    live = np.flatnonzero(rows < T)  # slots with a token (not padding, not a dead slot of the slice)
     order = np.argsort(rows[live], kind="stable")
     live = live[order]
     tok = rows[live]
+    if tokens is not None:  # token -> its row of the layout
+        row_of = np.full(T, R, np.int64)
+        row_of[tokens] = np.arange(R)
+        tok = row_of[tok]
     ids = live if plan.unique_blocks is None else np.asarray(plan.unique_blocks)[live]
     lo, hi = np.asarray(plan.unique_lo)[live], np.asarray(plan.unique_hi)[live]
     per_row = np.bincount(tok, weights=hi - lo, minlength=R).astype(np.int64)
@@ -109,7 +125,8 @@ def decode_layout(batch) -> DecodeLayout | None:
         visible = np.ones((R, width + 1), bool)
         visible[:, :-1] = seen
         layout = DecodeLayout(torch.from_numpy(table), torch.from_numpy(visible),
-                              bool((per_row == 0).any() and width), full=bool((per_row == width).all()))
+                              bool((per_row == 0).any() and width), full=bool((per_row == width).all()),
+                              tokens=None if tokens is None else torch.from_numpy(tokens))
     _LAYOUTS[batch] = layout
     return layout
 
@@ -131,15 +148,20 @@ def packed_kv(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tenso
 def dense_decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, batch, scale: float, self_slots: torch.Tensor | None = None
                   ) -> torch.Tensor:
-    """Attention of a decode step (`dense_decodes_apply`); `[query rows, Hq, Dv]`, padding rows 0.
+    """Attention of the decodes of a step (`dense_decodes_apply`); `[query rows, Hq, Dv]`, the rows of
+    the prompt route and padding rows 0.
 
     `self_slots`: `[requests]` flat cache slots where the new tokens' K/V already are (a server writes
     them before attending): each layer then gathers every key in one index, instead of gathering the
     cached ones and copying the new ones after them."""
     layout = decode_layout(batch)
     R, L = layout.visible.shape
+    rows = query.shape[0]
     hq, dk = query.shape[1:]
     hkv, dv = key.shape[1], value.shape[-1]
+    tokens = layout.tokens
+    if tokens is not None:  # a step with prompts too: its decodes' rows
+        query, key, value = query.index_select(0, tokens), key.index_select(0, tokens), value.index_select(0, tokens)
     index = layout.index(self_slots)
     n = index.numel() // R  # keys gathered per row (L, or L - 1 when the new ones are appended)
     packed = packed_kv(key_cache, value_cache)
@@ -164,4 +186,6 @@ def dense_decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k
     q = query[:R].unflatten(1, (hkv, hq // hkv))  # [R, Hkv, G, Dk]: a KV head's query heads are its rows
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask(query.dtype), scale=scale)
     out = out.reshape(R, hq, dv)
-    return out if query.shape[0] == R else F.pad(out, (0, 0, 0, 0, 0, query.shape[0] - R))
+    if tokens is not None:
+        return out.new_zeros((rows, hq, dv)).index_copy_(0, tokens, out)
+    return out if rows == R else F.pad(out, (0, 0, 0, 0, 0, rows - R))
