@@ -151,9 +151,9 @@ def dense_decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k
     """Attention of the decodes of a step (`dense_decodes_apply`); `[query rows, Hq, Dv]`, the rows of
     the prompt route and padding rows 0.
 
-    `self_slots`: `[requests]` flat cache slots where the new tokens' K/V already are (a server writes
-    them before attending): each layer then gathers every key in one index, instead of gathering the
-    cached ones and copying the new ones after them."""
+    `self_slots`: `[tokens]` flat cache slots where the step's new K/V already are (a server writes
+    them before attending): each layer then gathers every key of a decode in one index, instead of
+    gathering the cached ones and copying the new ones after them."""
     layout = decode_layout(batch)
     R, L = layout.visible.shape
     rows = query.shape[0]
