@@ -146,6 +146,12 @@ class UnifiedHpuPlatform(HpuPlatform):
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionBackend, register_hpu_backend
 
+        if attn_selector_config.use_mla:  # latent caches in vllm-gaudi's MLA layout (hpu_mla.py)
+            from vllm_gaudi_unified.vllm_plugin.hpu_mla import UnifiedHpuMLABackend, register_hpu_mla_backend
+
+            register_hpu_mla_backend()
+            return select_unified_backend(attn_selector_config, UnifiedHpuMLABackend,
+                                          where="vllm-gaudi's MLA layer, one unified batch per step in latent space")
         register_hpu_backend()
         return select_unified_backend(attn_selector_config, UnifiedHpuAttentionBackend,
                                       where="vllm-gaudi's model runner, one unified batch per step")
