@@ -162,3 +162,79 @@ def test_mla_impl_refusals(gaudi):
                   kv_b_proj=layer.kv_b_proj)
     with pytest.raises(NotImplementedError, match="kv_cache_dtype 'fp8_inc'"):
         UnifiedHpuMLAImpl(kv_cache_dtype="fp8_inc", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------- d. generation
+
+LOGPROB_ATOL = 1e-4  # the CPU e2e tests' bound (tests/test_vllm_e2e.py explains it)
+
+
+def _mla_engine(model: str, out: str, gaudi: bool, **env) -> tuple[dict, str]:
+    """`vllm_model_helpers.py mla` (the CPU MLA e2e scenario) in a subprocess; through vllm-gaudi's platform,
+    worker, runner and MLA layers on the stand-in with the unified runner when `gaudi`."""
+    import vllm_model_helpers as M
+
+    if not gaudi:
+        return M.run_engine("mla", model, out)
+    path = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])
+    return M.run_engine("mla", model, out, "--gaudi-standin", VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1",
+                        PYTHONPATH=path, **env)
+
+
+@pytest.fixture(scope="module")
+def mla_generations(tmp_path_factory):
+    import vllm_model_helpers as M
+    from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+    from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+    import vllm_helpers as H
+
+    root = tmp_path_factory.mktemp("d_mla")
+    model = M.make_tiny_deepseek(str(root / "ds"))
+    # The scenario's server settings (vllm_model_helpers.run_mla: blocks of 16, 8 sequences, 64-token budget).
+    plan = exponential_plan(ServerSettings(block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                                           max_model_len=H.MAX_MODEL_LEN, num_blocks=256), base=8.0)
+    plan.save(str(root / "plan.json"))
+    return {
+        "ref": _mla_engine(model, str(root / "ref.json"), gaudi=False),
+        "unified": _mla_engine(model, str(root / "unified.json"), gaudi=True),
+        "unified_buckets": _mla_engine(model, str(root / "buckets.json"), gaudi=True,
+                                       VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json")) + (len(plan),),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["unified", "unified_buckets"])
+def test_deepseek_v2_generation_through_the_unified_runner(mla_generations, run):
+    """The tiny DeepSeek-V2 of the CPU MLA e2e test (kv_lora_rank 512 + rope 64) through vllm-gaudi's platform,
+    worker, model runner, MLA layers (`HPUMLAAttention`) and sampling with the unified runner and MLA impl, on
+    the CPU stand-in, chunked prefill and prefix caching on (64-token budget): the same tokens as vLLM's CPU_MLA
+    (which runs without either), logprobs within 1e-4. With a bucket plan every bucket runs through the whole
+    model at start-up, then every step is padded to its bucket. n=2: vllm-gaudi's runner draws in its own
+    batch order without a per-request seed off-HPU (vllm_model_helpers.run_mla), so its first token's top
+    logprobs are compared."""
+    ref, ref_log = mla_generations["ref"]
+    got, log = mla_generations[run][:2]
+    assert "Using CPU_MLA backend" in ref_log
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_MLA" in log
+    assert "vllm-gaudi's model runner plans every step as one unified batch (backend GAUDI_UNIFIED_HPU_MLA)" in log
+    assert got["chunked_prefill"] and got["prefix_caching"] and got["block_size"] == 16
+    if run == "unified_buckets":
+        assert f"warmed {mla_generations[run][2]} buckets through the model" in log
+    import vllm_helpers as H
+
+    random_cases = {"parallel_n2"}
+    report = H.compare_results(got, ref)
+    assert len(report) == 9
+    worst = 0.0
+    for case, r in report.items():
+        if case in random_cases:
+            for a, b in zip(got["results"][case]["samples"], ref["results"][case]["samples"]):
+                first_a, first_b = a["logprobs"][0], b["logprobs"][0]
+                common = first_a.keys() & first_b.keys()
+                assert len(common) >= 2, (case, first_a, first_b)
+                worst = max(worst, max(abs(first_a[t] - first_b[t]) for t in common))
+            continue
+        assert r["tokens_identical"], (case, r)
+        worst = max(worst, r["max_abs_logprob_diff"])
+    assert worst <= LOGPROB_ATOL, worst
+    print(run, "max |dlogprob| vs vLLM CPU_MLA", worst)
