@@ -142,6 +142,41 @@ def test_mla_layer_bf16(gaudi, name):
     assert_matches(out, ref)
 
 
+def test_gaudi_platform_selects_the_mla_backend(gaudi):
+    """vllm-gaudi's platform with unified attention picks the Gaudi MLA backend for MLA layers (it refused them
+    before: "MLA not supported" from the decoder backend); what that backend does not serve fails at selection."""
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_platform import UnifiedHpuPlatform
+
+    def select(**kw):
+        base = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=128, use_mla=True)
+        return UnifiedHpuPlatform.get_attn_backend_cls(None, AttentionSelectorConfig(**{**base, **kw}))
+
+    assert select() == "vllm_gaudi_unified.vllm_plugin.hpu_mla.UnifiedHpuMLABackend"
+    assert select(kv_cache_dtype="bfloat16", block_size=16, dtype=torch.float32)
+    for kw, reason in ((dict(kv_cache_dtype="fp8_inc"), "kv_cache_dtype not supported"),
+                       (dict(head_size=20), "head_size not supported"), (dict(block_size=8), "block_size not supported"),
+                       (dict(use_sparse=True), "sparse not supported"), (dict(has_sink=True), "sinks not supported")):
+        with pytest.raises(ValueError, match=reason):
+            select(**kw)
+
+
+def test_sparse_mla_models_are_refused(gaudi):
+    """DeepSeek-V3.2-style models (DSA: `index_topk` in the config) are refused at start-up, not run as dense MLA."""
+    from types import SimpleNamespace
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_platform import refuse_unserved_models
+
+    def config(**hf):
+        model = SimpleNamespace(is_multimodal_model=False, use_mla=True, hf_text_config=SimpleNamespace(**hf))
+        return SimpleNamespace(model_config=model, lora_config=None)
+
+    refuse_unserved_models(config())
+    with pytest.raises(NotImplementedError, match="sparse \\(DSA\\) MLA layers \\(index_topk 2048"):
+        refuse_unserved_models(config(index_topk=2048))
+
+
 def test_mla_impl_refusals(gaudi):
     """What the Gaudi MLA impl does not serve stops at construction or names the metadata it was given."""
     from vllm_gaudi_unified.vllm_plugin.hpu_mla import UnifiedHpuMLAImpl
