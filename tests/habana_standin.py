@@ -341,7 +341,10 @@ def _bridge_mla_layers() -> None:
     - `MultiHeadLatentAttentionWrapper.forward` reads `self.fuse_qkv_rmsnorm`, which 0.32's `__init__` sets
       (default False: opt-in) and vllm-gaudi's `HPUMultiHeadLatentAttentionWrapper.__init__` (which skips
       the base `__init__`) does not: `AttributeError: ... no attribute 'fuse_qkv_rmsnorm'`. The class
-      gets 0.32's default."""
+      gets 0.32's default.
+
+    Later vllm-gaudi versions make both changes themselves (`HPUMLAAttention.bind_kv_cache` keeping the
+    tuple, after vLLM #51718; `self.fuse_qkv_rmsnorm = False` in its wrapper, after vLLM #53906)."""
     from vllm.model_executor.layers.attention import MLAAttention
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
