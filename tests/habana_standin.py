@@ -275,6 +275,7 @@ def install(device: str = "gaudi3", lazy: bool = False, memory_bytes: int = 512 
     _register_compile_backend()
     _provide_missing_vllm_names()
     _import_the_kernels_this_cpu_runs()
+    _bridge_mla_layers()  # after the kernel choice: importing vLLM's layers loads its kernel library
     _inspect_models_in_this_process()
     _STATE = state
     return state
@@ -320,7 +321,6 @@ def _provide_missing_vllm_names() -> None:
         # `layers` (and its `size` covers all of them, so vllm-gaudi sizes each layer's cache for all:
         # more blocks than the scheduler hands out, which costs memory only).
         KVCacheTensor.shared_by = property(lambda self: self.layers)
-    _bridge_mla_layers()
     from vllm.multimodal.registry import MultiModalRegistry
 
     if not hasattr(MultiModalRegistry, "supports_multimodal_inputs"):
@@ -345,8 +345,11 @@ def _bridge_mla_layers() -> None:
 
     Later vllm-gaudi versions make both changes themselves (`HPUMLAAttention.bind_kv_cache` keeping the
     tuple, after vLLM #51718; `self.fuse_qkv_rmsnorm = False` in its wrapper, after vLLM #53906)."""
-    from vllm.model_executor.layers.attention import MLAAttention
-    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+    try:
+        from vllm.model_executor.layers.attention import MLAAttention
+        from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+    except ImportError:
+        return
 
     bind = MLAAttention.bind_kv_cache
     if not getattr(bind, "_standin", False):
