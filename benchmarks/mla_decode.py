@@ -10,20 +10,30 @@ space against the HBM floor of reading the latent cache once, and vllm-gaudi's `
 * `unshared_64x4352`: the same lengths with no block in common (what the prefix costs when it is not shared).
 
 Floor: the latent bytes the step must read (each distinct cached block once) over the read bandwidth
-measured in the same run (a sum over a 2 GiB bf16 tensor). Times: CUDA events, median of 20 after 3
+measured in the same run (a sum over a 2 GiB bf16 tensor). Compute floor: the step's attention FLOPs
+(`2 * heads * keys * (L + R + L)` per token) over the bf16 matmul rate measured in the same run (an
+8192^3 matmul); at 128 heads a latent key costs ~240 FLOPs per byte, near an H100's ridge, so the
+larger of the two floors is what a kernel can approach. Times: CUDA events, median of 20 after 3
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
+
+Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs), the Gaudi route
+(`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, the dense decode route), the generic tiles (the route
+before, `mla_unique_route` off), vllm-gaudi. `--sweep`: the kernel's constants, each timed.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
+import time
 
 import torch
 
-from vllm_gaudi_unified import build_unified_batch
+from vllm_gaudi_unified import attention, build_unified_batch
 from vllm_gaudi_unified.mla import mla_attention
+from vllm_gaudi_unified.paths import fused, mla_decode
 
 H, L, R, BS = 128, 512, 64, 128
 SCALE = 192 ** -0.5  # DeepSeek-V3: (qk_nope 128 + rope 64) ** -0.5
@@ -47,6 +57,43 @@ def read_bandwidth() -> float:
     x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")
     ms = timed(lambda: x.sum(), iters=10)
     return x.numel() * 2 / (ms * 1e-3)
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = timed(lambda: a @ a, iters=10)
+    return 2 * 8192 ** 3 / (ms * 1e-3)
+
+
+#: Kernel constants swept (`--sweep`): (heads per program, keys per step, warps, stages) x split keys x
+#: tile loads (`mla_kernel.py`: V_LOAD). The best by total time over the scenarios then runs the columns.
+SWEEP = [(bh, keys, warps, stages, split, v_load) for bh, keys, warps, stages in
+         [(16, 16, 4, 2), (16, 32, 4, 2), (16, 32, 4, 3), (32, 16, 4, 2), (32, 32, 4, 2), (32, 32, 8, 3),
+          (64, 16, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2)] for split in (4096, 16384) for v_load in (0, 1)]
+KERNEL_CONSTS = ("MLA_BLOCK_H", "MLA_KEYS", "MLA_WARPS", "MLA_STAGES", "MLA_SPLIT_KEYS", "MLA_V_LOAD")
+
+
+@contextlib.contextmanager
+def kernel_consts(values):
+    saved = [getattr(mla_decode, k) for k in KERNEL_CONSTS]
+    for k, v in zip(KERNEL_CONSTS, values):
+        setattr(mla_decode, k, v)
+    try:
+        yield
+    finally:
+        for k, v in zip(KERNEL_CONSTS, saved):
+            setattr(mla_decode, k, v)
+
+
+@contextlib.contextmanager
+def tiles_only():
+    """The unique pairs on the generic paths (the route before `paths/mla_decode.py`)."""
+    saved = attention.mla_unique_route
+    attention.mla_unique_route = lambda *args: None
+    try:
+        yield
+    finally:
+        attention.mla_unique_route = saved
 
 
 def make_step(seq_lens, shared_blocks: int):
@@ -96,29 +143,76 @@ def gaudi_mla(q, cache, table, seq_lens):
     return run
 
 
-def scenario(name, seq_lens, shared_blocks, bandwidth, report):
+def setup(name, seq_lens, shared_blocks, options=None):
+    """A scenario's tensors, batch, step function and reference rows."""
     table, cache, q, latent, distinct = make_step(seq_lens, shared_blocks)
     n = len(seq_lens)
-    batch = build_unified_batch([1] * n, [s - 1 for s in seq_lens], table, BS, device="cuda")
-    out = mla_attention(q, latent, cache, batch, SCALE, L)
+    batch = build_unified_batch([1] * n, [s - 1 for s in seq_lens], table, BS, device="cuda", options=options)
     rows = [0, 1, n // 2, n - 1]
     ref = dense_reference(q, cache, table, seq_lens, rows)
     entry = {"requests": n, "seq_len": seq_lens[0], "phase": batch.phase, "bucket": str(batch.bucket),
+             "plan_options": str(options) if options else "default",
              "latent_bytes_read_once": distinct * BS * (L + R) * 2,
-             "unified_max_err": (out[rows].float() - ref).abs().max().item()}
+             "attention_flops": 2 * H * sum(seq_lens) * (L + R + L)}
+    return dict(name=name, table=table, cache=cache, q=q, seq_lens=seq_lens, entry=entry,
+                err=lambda out: (out[rows].float() - ref).abs().max().item(),
+                run=lambda: mla_attention(q, latent, cache, batch, SCALE, L),
+                step=lambda: mla_attention(q, latent, cache, batch, SCALE, L, checked=True))
+
+
+def sweep(case) -> list:
+    out = []
+    for consts in SWEEP:
+        row = dict(zip(KERNEL_CONSTS, consts))
+        try:
+            with kernel_consts(consts):
+                row["max_err"] = case["err"](case["run"]())
+                row["ms"] = timed(case["step"], iters=10)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out.append(row)
+        print(case["name"], json.dumps(row), flush=True)
+    case["entry"]["sweep"] = out
+    return out
+
+
+def measure(case, rates, report, profile=False):
+    bandwidth, flop_rate = rates
+    entry, err, step = case["entry"], case["err"], case["step"]
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
-    entry["unified_ms"] = timed(lambda: mla_attention(q, latent, cache, batch, SCALE, L, checked=True))
-    try:
-        run = gaudi_mla(q, cache, table, seq_lens)
-        entry["vllm_gaudi_max_err"] = (run()[rows].float() - ref).abs().max().item()
-        entry["vllm_gaudi_ms"] = timed(run)
-    except Exception as exc:  # reported, not hidden
-        entry["vllm_gaudi_error"] = f"{type(exc).__name__}: {exc}"[:500]
-    entry["unified_over_floor"] = entry["unified_ms"] / entry["floor_ms"]
-    report[name] = entry
-    print(name, json.dumps(entry), flush=True)
-    del cache
-    torch.cuda.empty_cache()
+    entry["compute_floor_ms"] = entry["attention_flops"] / flop_rate * 1e3
+    routes = {"cuda": contextlib.nullcontext, "gaudi": fused.gaudi_route, "tiles": tiles_only}
+    for route, ctx in routes.items():
+        try:
+            with ctx():
+                entry[f"{route}_max_err"] = err(case["run"]())
+                entry[f"{route}_ms"] = timed(step)
+                if profile:
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        for _ in range(5):
+                            step()
+                        torch.cuda.synchronize()
+                    entry[f"{route}_profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+        except Exception as exc:  # reported, not hidden
+            entry[f"{route}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    if case["name"] != "shared_64x4k+256_tiles64":  # (the same algorithm as the default tiles' column)
+        try:
+            run = gaudi_mla(case["q"], case["cache"], case["table"], case["seq_lens"])
+            entry["vllm_gaudi_max_err"] = err(run())
+            entry["vllm_gaudi_ms"] = timed(run)
+        except Exception as exc:  # reported, not hidden
+            entry["vllm_gaudi_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    floor = max(entry["floor_ms"], entry["compute_floor_ms"])
+    for route in ("cuda", "gaudi", "tiles", "vllm_gaudi"):
+        if f"{route}_ms" in entry:
+            entry[f"{route}_over_floor"] = entry[f"{route}_ms"] / entry["floor_ms"]
+            entry[f"{route}_over_max_floor"] = entry[f"{route}_ms"] / floor
+    report[case["name"]] = entry
+    print(case["name"], json.dumps({k: v for k, v in entry.items() if k != "sweep" and "profile" not in k}),
+          flush=True)
+    for k, v in entry.items():
+        if "profile" in k:
+            print(case["name"], k, "\n" + v, flush=True)
 
 
 def prompt_forms(report, n=2048):
@@ -148,15 +242,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-prompt", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's constants (SWEEP)")
+    parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps, 128 x 4k")
     args = parser.parse_args()
-    bandwidth = read_bandwidth()
-    report = {"device": torch.cuda.get_device_name(), "read_bandwidth_GBps": bandwidth / 1e9}
+    start = time.time()
+    rates = read_bandwidth(), matmul_rate()
+    report = {"device": torch.cuda.get_device_name(), "read_bandwidth_GBps": rates[0] / 1e9,
+              "matmul_TFLOPs": rates[1] / 1e12,
+              "kernel_consts": {k: getattr(mla_decode, k) for k in KERNEL_CONSTS}}
     print(report, flush=True)
-    scenario("decode_128x4k", [4096] * 128, 0, bandwidth, report)
-    scenario("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS, bandwidth, report)
-    scenario("unshared_64x4352", [4096 + 256] * 64, 0, bandwidth, report)
+    from vllm_gaudi_unified import PlanOptions
+
+    cases = [setup("decode_128x4k", [4096] * 128, 0), setup("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS),
+             setup("unshared_64x4352", [4096 + 256] * 64, 0),
+             setup("shared_64x4k+256_tiles64", [4096 + 256] * 64, 4096 // BS,
+                   PlanOptions(shared_rows=64, shared_tile_keys=4096))]
+    if args.sweep:
+        rows = [sweep(case) for case in cases[:3]]
+        totals = [sum(r[i].get("ms", math.inf) for r in rows) for i in range(len(SWEEP))]
+        best = SWEEP[min(range(len(SWEEP)), key=totals.__getitem__)]
+        for k, v in zip(KERNEL_CONSTS, best):
+            setattr(mla_decode, k, v)
+        report["kernel_consts"] = {k: getattr(mla_decode, k) for k in KERNEL_CONSTS}
+        report["kernel_consts_from"] = "the sweep's best total over the three scenarios"
+        print("chosen", report["kernel_consts"], flush=True)
+    for case in cases:
+        measure(case, rates, report, args.profile and case["name"] == "decode_128x4k")
+        with open(args.out, "w") as f:  # as it goes: a run cut short keeps what it measured
+            json.dump(report, f, indent=1)
     if not args.skip_prompt:
         prompt_forms(report)
+    report["wall_s"] = time.time() - start
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

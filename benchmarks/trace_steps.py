@@ -1,6 +1,6 @@
 """Issue 23: consecutive steps of a recorded vLLM trace, end to end, on both routes and the peer.
 
-    python -m benchmarks.trace_steps --trace PATH [--start 300] [--steps 200] [--out DIR]
+    python -m benchmarks.trace_steps --trace PATH [--start 300] [--steps 200] [--plan PLAN] [--out DIR]
 
 Each step of the window (block size and block ids from the trace; random bf16 q/k/v and caches at
 32 query heads, 8 KV heads, head size 128) runs, on the same tensors:
@@ -10,6 +10,12 @@ Each step of the window (block size and block ids from the trace; random bf16 q/
   CUDA graph of its eager calls (timed);
 * **ours, Gaudi route**: the same under `paths.fused.gaudi_route()` (no flash varlen, no Triton:
   what an HPU runs, its FusedSDPA calls as torch SDPA);
+* with `--plan PLAN` (a bucket plan for the trace's settings, e.g. `buckets generate --preset
+  llama8b-gaudi3`): **ours, Gaudi route, bucket plan**, every step padded to its bucket as a Gaudi
+  server runs it (`build_unified_batch(options=plan.step_options, bucket=plan)`: prompts on the prompt
+  route in the plan's prompt graphs, else the tiled route), and **the same plan without its prompt
+  graphs** (every prompt on the tiled route: bucket plans before prompt graphs). Their planning column
+  is `build_unified_batch` whole: plan, pad and copy;
 * **vllm-gaudi's algorithm** (`benchmarks/gaudi_peer.py`: its `ops.py` unchanged, prompts as one
   padded prefill batch, decodes through `flat_pa`), a replayed CUDA graph of its eager ops. Its host
   metadata (built in Python here) is reported apart and left out of its step time, which favours it.
@@ -24,6 +30,7 @@ import contextlib
 import gc
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +40,23 @@ from benchmarks import baselines, gaudi_peer
 from benchmarks.suite import _rel_err, environment
 from benchmarks.timing import capture, sync, time_ms
 from vllm_gaudi_unified.attention import unified_attention
-from vllm_gaudi_unified.batch import UnifiedBatch
+from vllm_gaudi_unified.batch import UnifiedBatch, build_unified_batch
+from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 from vllm_gaudi_unified.bucket_plans.trace import read_trace
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.plan import plan_step
 
 ROUTES = {"cuda": contextlib.nullcontext, "gaudi": fused.gaudi_route}
+PLAN_ROUTES = ("gaudi_bucketed", "gaudi_bucketed_tiles")
+
+
+def _plan_routes(path: str | None) -> dict:
+    """name -> (options, bucket plan) of the bucket-plan routes (none without --plan)."""
+    if not path:
+        return {}
+    plan = BucketPlan.load(path)
+    return {"gaudi_bucketed": (plan.step_options, plan),
+            "gaudi_bucketed_tiles": (plan.settings.options, replace(plan, prompt_graphs=[]))}
 
 
 def _device_ms(fn, device) -> tuple[float, torch.Tensor]:
@@ -64,6 +82,7 @@ def run(args) -> dict:
     vc = torch.randn(num_blocks, bs, hkv, d, generator=g, device=device, dtype=dtype)
     scale = d ** -0.5
     rows = []
+    plan_routes = _plan_routes(args.plan)
     for i, st in enumerate(steps):
         ql, cl, table = st.query_lens, st.context_lens, st.block_table()
         t = int(ql.sum())
@@ -99,6 +118,20 @@ def run(args) -> dict:
             if ref is not None:
                 row[f"{name}_err"] = _rel_err(out, ref)
             del batch, out
+        for name, (options, plan) in plan_routes.items():
+            with fused.gaudi_route():
+                t0 = time.perf_counter()
+                batch = build_unified_batch(ql, cl, table, bs, num_blocks=num_blocks, options=options, bucket=plan,
+                                            device=device)
+                sync(device)
+                row[f"{name}_plan_ms"], row[f"{name}_h2d_ms"] = (time.perf_counter() - t0) * 1e3, 0.0
+                row[f"{name}_ms"], out = _device_ms(lambda: unified_attention(q, k, v, kc, vc, batch, scale), device)
+            row[f"{name}_step_ms"] = row[f"{name}_plan_ms"] + row[f"{name}_ms"]
+            row[f"{name}_bucket"] = str(batch.bucket)
+            row[f"{name}_vs_peer_err"] = _rel_err(out, peer_out)
+            if ref is not None:
+                row[f"{name}_err"] = _rel_err(out, ref)
+            del batch, out
         rows.append(row)
         del q, k, v, peer, peer_out, ref
         if i % 20 == 0:
@@ -116,7 +149,7 @@ def run(args) -> dict:
 def totals(rows: list[dict]) -> dict:
     """Sums over the window: per method device ms, step ms, and steps where ours is slower than the peer."""
     out = {"peer_ms": sum(r["peer_ms"] for r in rows), "peer_host_ms": sum(r["peer_host_ms"] for r in rows)}
-    for name in ROUTES:
+    for name in [*ROUTES, *(n for n in PLAN_ROUTES if rows and f"{n}_ms" in rows[0])]:
         out[f"{name}_ms"] = sum(r[f"{name}_ms"] for r in rows)
         out[f"{name}_step_ms"] = sum(r[f"{name}_step_ms"] for r in rows)
         out[f"{name}_plan_ms"] = sum(r[f"{name}_plan_ms"] for r in rows)
@@ -133,6 +166,7 @@ def main(argv=None) -> int:
     p.add_argument("--start", type=int, default=300)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--plan", default=None, help="a bucket plan for the trace's settings: adds the padded routes")
     p.add_argument("--out", default="out/trace_steps")
     args = p.parse_args(argv)
     out_dir = Path(args.out)

@@ -7,8 +7,8 @@ from vllm_gaudi_unified.bucket_plans import ServerSettings
 from vllm_gaudi_unified.tools.evaluate import evaluate
 from vllm_gaudi_unified.tools.robust import load_scaled_shapes, robust_plan
 from vllm_gaudi_unified.tools.shapes import shapes_of_steps
-from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
-from vllm_gaudi_unified.tools.workloads import workload_from
+from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.bucket_plans.workloads import workload_from
 from vllm_gaudi_unified.tools.strategies import trace_plan
 from vllm_gaudi_unified.plan.split import GatherCap
 

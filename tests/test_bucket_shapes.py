@@ -11,8 +11,8 @@ from vllm_gaudi_unified.bucket_plans import ServerSettings, TraceError
 from vllm_gaudi_unified.tools import shapes as shapes_mod
 from vllm_gaudi_unified.tools.shapes import (_arrays_of_steps, _parse_lines, batch_shapes, shapes_of_steps,
                                                  shapes_of_trace)
-from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
-from vllm_gaudi_unified.tools.workloads import WorkloadConfig
+from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.bucket_plans.workloads import WorkloadConfig
 from vllm_gaudi_unified.bucket_plans.trace import TraceStep, step_from_json, write_trace
 from vllm_gaudi_unified.plan import PlanOptions, plan_step
 

@@ -5,8 +5,8 @@ import pytest
 from vllm_gaudi_unified.bucket_plans import ServerSettings, TraceError
 from vllm_gaudi_unified.tools.evaluate import evaluate
 from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_steps, shapes_of_trace
-from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
-from vllm_gaudi_unified.tools.workloads import workload_from
+from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.bucket_plans.workloads import workload_from
 from vllm_gaudi_unified.bucket_plans.exponential import exp_values, exponential_plan
 from vllm_gaudi_unified.tools.strategies import make_plan, trace_plan
 from vllm_gaudi_unified.bucket_plans.trace import write_trace

@@ -4,8 +4,8 @@ import collections
 import numpy as np
 import pytest
 
-from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator, simulate
-from vllm_gaudi_unified.tools.workloads import WorkloadConfig, workload_from
+from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator, simulate
+from vllm_gaudi_unified.bucket_plans.workloads import WorkloadConfig, workload_from
 
 SCHED = SchedulerConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=1024,
                         num_blocks=300)

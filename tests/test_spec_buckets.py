@@ -17,8 +17,8 @@ from vllm_gaudi_unified.bucket_plans.exponential import (
     speculative_causal_tiles,
 )
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
-from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
-from vllm_gaudi_unified.tools.workloads import workload_from
+from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.bucket_plans.workloads import workload_from
 
 SETTINGS = dict(block_size=32, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=2048, num_blocks=3000)
 

@@ -9,8 +9,8 @@ from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.bucket_plans import ServerSettings
 from vllm_gaudi_unified.bucket import PHASES
 from vllm_gaudi_unified.tools.shapes import shapes_of_steps
-from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
-from vllm_gaudi_unified.tools.workloads import workload_from
+from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+from vllm_gaudi_unified.bucket_plans.workloads import workload_from
 from vllm_gaudi_unified.tools.strategies import trace_plan
 from vllm_gaudi_unified.tools.cli import main
 from vllm_gaudi_unified.warmup import batch_for_bucket, resolve_mode, warmup

@@ -17,6 +17,7 @@ from vllm_gaudi_unified.paths.decodes import dense_decodes_apply
 from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
 from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_partial
+from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_unique_route
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
 from vllm_gaudi_unified.paths.prompts import final_rows, prompt_final, prompt_partial, write_rows
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
@@ -182,7 +183,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
        with CUDA flash and a bf16, fp16 or fp8 cache, through the Triton kernel that reads
        the blocks as stored (`kernel_unique_applies`: Triton importable; measured faster at
        every block size); else through flash from the measured block size up
-       (`fused_unique_applies`); else the matmul tiles.
+       (`fused_unique_applies`); else the matmul tiles. MLA's latent cache (values the first dims of
+       the keys) first: a Triton kernel on CUDA, or one gather and two batched matmuls per decode step
+       (`paths/mla_decode.py: mla_unique_route`).
     On HPU the causal and shared tiles run through FusedSDPA inside their paths (`hpu.py`).
     fp8 caches are dequantized after each path's gather or slice (`read_blocks`), or inside
     the kernel of 4. A path without work returns None, so the phase string and the tensors
@@ -206,7 +209,11 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         else:
             yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
     if phase[2] == "u":
-        if flash and kernel_unique_applies(key_cache, value_cache):
+        mla = new_tokens and mla_unique_route(batch, query, key_cache, value_cache, cap, k_scale, v_scale)
+        if mla:  # MLA's latent: one Partial row per token, the latent read once (paths/mla_decode.py)
+            run = kernel_mla_partial if mla == "kernel" else dense_mla_partial
+            yield run(query, key_cache, value_cache.shape[-1], batch, scale)
+        elif flash and kernel_unique_applies(key_cache, value_cache):
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         elif flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)

@@ -11,6 +11,7 @@ from vllm_gaudi_unified.bucket import Bucket, with_prompts
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanBuffers, PlanOptions, StepPlan, pad_plan, plan_step
 from vllm_gaudi_unified.plan.arrays import trusted
+from vllm_gaudi_unified.plan.options import DEFAULT_OPTIONS, on_route
 from vllm_gaudi_unified.plan.split import split_plan
 
 logger = get_logger(__name__)
@@ -277,6 +278,10 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     host = None if buffers is None else buffers.host
     plan = plan_step(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
                      num_blocks=num_blocks, options=options, buffers=host, causal=causal)
+    if plan.shape.num_prompts and not prompt_graph_for(bucket, plan.shape):  # no warmed graph: tiled route
+        plan = plan_step(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
+                         num_blocks=num_blocks, options=on_route(options or DEFAULT_OPTIONS, "tiles"), buffers=host,
+                         causal=causal)
     cap = getattr(bucket, "gather_cap", None)
     if cap is not None and cap.exceeded(plan.shape):  # rare: several calls, each padded into new arrays
         pieces = [_pad_to(p, bucket) for p in split_plan(plan, cap)]
@@ -289,6 +294,14 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
         logger.debug("step %s bucket %s unique=%s work needed=%s planned=%s", plan.shape, plan.bucket,
                      plan.unique_layout, plan.work_needed, plan.work_planned)
     return UnifiedBatch.from_plan(plan, device) if buffers is None else buffers.batch(plan)
+
+
+def prompt_graph_for(bucket, shape: Bucket) -> bool:
+    """Whether a step of `shape` (with prompts) may run on the prompt route at `bucket`: always with no
+    bucket or a `Bucket`; with a bucket plan, only when one of its prompt graphs covers it
+    (`bucket_plans/prompt_graphs.py`); any other `.find` object takes every shape."""
+    prompt_graph = getattr(bucket, "prompt_graph", None)
+    return prompt_graph is None or prompt_graph(shape) is not None
 
 
 def _pad_to(plan: StepPlan, bucket, host: PlanBuffers | None = None) -> StepPlan:

@@ -159,9 +159,10 @@ def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: i
     settings, model = plan.settings, plan.model
     dtype = dtype or (torch.bfloat16 if model.dtype_bytes == 2 else torch.float32)
     hq, hkv, d = num_qo_heads or model.num_qo_heads, num_kv_heads or model.num_kv_heads, head_dim or model.head_dim
-    todo = list(plan.buckets if buckets is None else buckets)
+    todo = list(plan.buckets + getattr(plan, "prompt_graphs", []) if buckets is None else buckets)
+    options_for = getattr(plan, "options_for", lambda b: settings.options)  # prompt graphs: the prompt route
     report = WarmupReport(mode=mode, device=str(device))
-    report.skipped = [b for b in todo if not can_hold_a_step(b, settings.block_size, settings.options,
+    report.skipped = [b for b in todo if not can_hold_a_step(b, settings.block_size, options_for(b),
                                                              settings.sliding_window)]
     if report.skipped:  # an old plan file: its generator emitted buckets no step can use
         log.warning("warmup skips %d of %d buckets that no step of their phase fits (e.g. %s)",
@@ -184,19 +185,20 @@ def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: i
             k = torch.randn(t, hkv, d, dtype=dtype, device=device)
             return attend(q, k, torch.randn_like(k), key_cache, value_cache, batch, scale)
 
-    cost = dict(zip(plan.buckets, plan.costs))
-    left, done = sum(cost.get(b, 0.0) for b in todo), 0.0
+    costs = plan.cost_model.cost(np.array([b.sizes for b in todo], np.int64).reshape(-1, 5)) if todo else []
+    cost = dict(zip(todo, map(float, costs)))  # a prompt graph: its five sizes (the prompt call is not modelled)
+    left, done = sum(cost.values()), 0.0
     start = time.perf_counter()
     try:
         for i, bucket in enumerate(todo):
             t0 = time.perf_counter()
-            batch = batch_for_bucket(bucket, settings.block_size, settings.options, settings.sliding_window, device)
+            batch = batch_for_bucket(bucket, settings.block_size, options_for(bucket), settings.sliding_window, device)
             out = run(bucket, batch)
             _sync(out, device)
             report.buckets.append(bucket)
             report.seconds.append(time.perf_counter() - t0)
             report.total_seconds = time.perf_counter() - start
-            left, done = left - cost.get(bucket, 0.0), done + cost.get(bucket, 0.0)
+            left, done = left - cost[bucket], done + cost[bucket]
             if progress:
                 log.info("warmup %d/%d: bucket %s in %.2f s (%.1f s so far, about %s left)", i + 1, len(todo),
                          bucket, report.seconds[-1], report.total_seconds,

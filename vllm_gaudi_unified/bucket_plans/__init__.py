@@ -4,9 +4,12 @@
 - `exponential`: the plan made from the server settings alone (the plugin's `auto`);
 - `settings`: `ServerSettings` (the limits a plan is made for) and `BUCKET_OPTIONS`;
 - `cost`: the FLOPs-and-bytes work model that weighs the sizes of a shape;
-- `trace`: the JSON Lines scheduler trace format (the plugin records it while serving).
+- `trace`: the JSON Lines scheduler trace format (the plugin records it while serving);
+- `prompt_graphs`: the buckets with a prompt shape, in which prompts take the prompt route;
+- `simulator`, `workloads`: a vLLM-v1-like scheduler and its workloads (the `auto` plan learns its
+  prompt graphs from a simulated trace at start-up).
 
-Nothing here is offline: learning plans from traces, simulating, evaluating and
+Nothing here is offline: learning the tiled buckets from traces, evaluating and
 plotting live in `vllm_gaudi_unified.tools`.
 """
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec

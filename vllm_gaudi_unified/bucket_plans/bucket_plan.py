@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 import os
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes, with_prompts
+from vllm_gaudi_unified.bucket import PROMPT_FIELDS, Bucket, bucket_from_sizes, with_prompts
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
+from vllm_gaudi_unified.bucket_plans.prompt_graphs import PromptGraphs
+from vllm_gaudi_unified.plan.options import on_route
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
 from vllm_gaudi_unified.files import atomic_write
 from vllm_gaudi_unified.log import get_logger
@@ -67,6 +69,9 @@ class BucketPlan:
     #: most block slots one call may gather (a share of device memory); a step beyond it is split by the
     #: planner into pieces within it (`plan/split.py`), so no bucket needs to be larger
     gather_cap: GatherCap = field(default_factory=GatherCap)
+    #: buckets with a prompt shape, in which steps run on the prompt route (`prompt_graphs.py`); a step
+    #: with prompts none of them covers is planned on the tiled route
+    prompt_graphs: list[Bucket] = field(default_factory=list)
 
     def __post_init__(self):
         if self.miss_policy not in MISS_POLICIES:
@@ -84,6 +89,26 @@ class BucketPlan:
             if self.gather_cap.exceeded(b):
                 raise ValueError(f"bucket {b} gathers more block slots than the plan's cap {self.gather_cap}")
         self._index()
+        for g in self.prompt_graphs:
+            if not isinstance(g, Bucket) or g.num_shared_blocks % kb or self.gather_cap.exceeded(g):
+                raise ValueError(f"prompt graph {g}: not a Bucket, or its shared slots are not whole tiles of {kb} "
+                                 f"blocks, or it gathers more than the plan's cap {self.gather_cap}")
+        self._prompts = PromptGraphs(self.prompt_graphs, self.settings.block_size)
+        self.prompt_graphs = self._prompts.buckets
+
+    @property
+    def step_options(self):
+        """The planner options a server plans its steps with: on the prompt route when the plan has prompt
+        graphs (steps none covers are planned again on the tiled route, `settings.options`)."""
+        return on_route(self.settings.options, "dense") if self.prompt_graphs else self.settings.options
+
+    def options_for(self, bucket: Bucket):
+        """The options a step of `bucket` is planned with (warmup plans the smallest step of each)."""
+        return on_route(self.settings.options, "dense") if bucket.num_prompts else self.settings.options
+
+    def prompt_graph(self, shape: Bucket) -> Bucket | None:
+        """The prompt graph a step with prompts runs in, or None: plan it on the tiled route."""
+        return self._prompts.find(shape)
 
     # ---- lookup -----------------------------------------------------------------------------
     @property
@@ -138,6 +163,10 @@ class BucketPlan:
         """The cheapest bucket covering `shape`; on a miss, what the miss policy says. The plan's buckets
         count the five sizes; the prompt route's shape comes from the step, in powers of two
         (`bucket.with_prompts`)."""
+        if shape.num_prompts and self.prompt_graphs:
+            graph = self.prompt_graph(shape)
+            if graph is not None:
+                return graph
         i = self.find_sizes(shape.query_len, shape.num_shared_blocks, shape.num_unique_blocks, shape.num_logits,
                             shape.num_causal_tiles)
         if i >= 0:
@@ -214,6 +243,8 @@ class BucketPlan:
             "format": FORMAT, "version": VERSION, "strategy": self.strategy, "miss_policy": self.miss_policy,
             "settings": self.settings.to_dict(), "model": vars(self.model).copy(), "hardware": vars(self.hardware).copy(),
             "fields": ["phase", *DIMS], "info": self.info, "gather_cap": vars(self.gather_cap).copy(),
+            "prompt_fields": ["phase", *DIMS, *PROMPT_FIELDS],
+            "prompt_graphs": [[b.phase, *b.sizes, *b.prompts] for b in self.prompt_graphs],
             "buckets": [[b.phase, *b.sizes] for b in self.buckets],
         }
 
@@ -235,13 +266,20 @@ class BucketPlan:
         if not isinstance(d["buckets"], list):
             raise ValueError(f"{source}: buckets must be a list of rows")
         buckets = [_bucket_row(row, order, idx, f"{source}: buckets[{i}]") for i, row in enumerate(d["buckets"])]
+        graphs = d.get("prompt_graphs", [])
+        if not isinstance(graphs, list) or d.get("prompt_fields", ["phase", *DIMS, *PROMPT_FIELDS]) != [
+                "phase", *DIMS, *PROMPT_FIELDS]:
+            raise ValueError(f"{source}: prompt_graphs must be a list of rows of {['phase', *DIMS, *PROMPT_FIELDS]}")
+        graphs = [_bucket_row(row, ["phase", *DIMS, *PROMPT_FIELDS], list(range(1, 9)), f"{source}: prompt_graphs[{i}]")
+                  for i, row in enumerate(graphs)]
         settings = _section(source, "settings", lambda: ServerSettings.from_dict(d["settings"]))
         model = _section(source, "model", lambda: ModelSpec(**d.get("model", {})))
         hardware = _section(source, "hardware", lambda: Hardware(**d.get("hardware", {})))
         gather_cap = _section(source, "gather_cap", lambda: GatherCap(**d.get("gather_cap", {})))
         return _section(source, "plan", lambda: cls(
             buckets=buckets, settings=settings, model=model, hardware=hardware, strategy=d.get("strategy", ""),
-            miss_policy=d.get("miss_policy", "error"), info=d.get("info", {}), gather_cap=gather_cap))
+            miss_policy=d.get("miss_policy", "error"), info=d.get("info", {}), gather_cap=gather_cap,
+            prompt_graphs=graphs))
 
     def save(self, path: str) -> None:
         if os.path.dirname(path):
@@ -277,10 +315,14 @@ def _bucket_row(row, order: list, idx: list, where: str) -> Bucket:
     if not (isinstance(row, list) and len(row) == len(order)):
         raise ValueError(f"{where}: a bucket is a list of {len(order)} values ({', '.join(order)}), got {row!r}")
     sizes = [row[i] for i in idx]
-    for name, v in zip(DIMS, sizes):
+    for name, v in zip(DIMS + PROMPT_FIELDS, sizes):
         if type(v) is not int or not 0 <= v <= MAX_BUCKET_SIZE:
             raise ValueError(f"{where}: {name} must be an integer in [0, {MAX_BUCKET_SIZE}], got {v!r}")
-    b = bucket_from_sizes(sizes)
+    b = bucket_from_sizes(sizes[:5])
+    if len(sizes) > 5:
+        b = replace(b, **dict(zip(PROMPT_FIELDS, sizes[5:])))
+        if not (b.num_prompts and b.prompt_len):
+            raise ValueError(f"{where}: a prompt graph needs num_prompts > 0 and prompt_len > 0, got {row!r}")
     if b.phase != row[order.index("phase")]:
         raise ValueError(f"{where}: bucket {row} has a phase that disagrees with its sizes")
     return b

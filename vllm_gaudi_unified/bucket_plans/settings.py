@@ -14,10 +14,8 @@ from vllm_gaudi_unified.plan.arrays import check_scalars, is_int
 
 #: The planner's `DEFAULT_OPTIONS` with the unique path's layout fixed to 'gather', which bucket plans
 #: use unless told otherwise: with 'auto' the same bucket would need two graphs (slice and gather).
-#: And on the tiled route: the bucketing tools (`rules.py` replay, the cost model, the strategies) count
-#: the five sizes of the tiled paths and do not yet model the prompt route's shape (issue 23); a plan
-#: made with `prompt_route='dense'` works (its buckets take each step's prompt shape in powers of two,
-#: `bucket.with_prompts`) but its sizes and costs were counted for the tiled route.
+#: And on the tiled route: a plan's buckets count the five sizes of the tiled paths, so they cover every
+#: step; the prompt route runs in the plan's prompt graphs (`prompt_graphs.py`, `BucketPlan.step_options`).
 BUCKET_OPTIONS = replace(DEFAULT_OPTIONS, unique_layout="gather", prompt_route="tiles")
 
 

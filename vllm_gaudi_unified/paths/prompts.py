@@ -94,7 +94,7 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
 
     qr, kall, vall, valid, seq = _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact=flash)
     p, qp, hq, d = qr.shape
-    hkv, kp = kall.shape[2], kall.shape[1]
+    hkv = kall.shape[2]
     finite = torch.isfinite(kall).all(-1) & torch.isfinite(vall).all(-1)  # [P, Kp, Hkv]
     keep = (valid[..., None] & finite)[..., None]
     zero = torch.zeros((), dtype=kall.dtype, device=kall.device)

@@ -9,7 +9,6 @@ when block ids are scattered over a large cache); the planner picks per step.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 

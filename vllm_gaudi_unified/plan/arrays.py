@@ -170,6 +170,34 @@ def empty(shape: tuple) -> np.ndarray:
     return a
 
 
+_TRIANGLES: dict = {}
+_COUNTING: list = [np.arange(0, dtype=np.int32)]
+
+
+def prefix_mask(lengths: np.ndarray, width: int) -> np.ndarray:
+    """`[n, width]` bools, row i True on its first `lengths[i]` (<= width) entries: rows of a cached
+    triangle, one gather (the broadcast `arange(width) < lengths[:, None]` is ~20x slower on a
+    decode step's 256 x 64 table: numpy runs one short inner loop per row)."""
+    if width > 1024:  # (a triangle of width**2 bytes: kept only for tables of usual widths)
+        return np.arange(width) < lengths[:, None]
+    tri = _TRIANGLES.get(width)
+    if tri is None:
+        if len(_TRIANGLES) >= 16:
+            _TRIANGLES.clear()
+        tri = _TRIANGLES[width] = np.tri(width + 1, width, -1, dtype=bool)
+    return tri.take(lengths, axis=0)
+
+
+def counting(n: int) -> np.ndarray:
+    """`np.arange(n, dtype=int32)`, read only, from one cached array (n < 2**31)."""
+    a = _COUNTING[0]
+    if a.size < n:
+        a = np.arange(max(n, 2 * a.size), dtype=np.int32)
+        a.flags.writeable = False
+        _COUNTING[0] = a
+    return a[:n]
+
+
 def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser: a well-spread 64-bit hash per request index (groups blocks by user set)."""
     z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)

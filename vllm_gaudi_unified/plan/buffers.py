@@ -86,7 +86,7 @@ class PlanBuffers(FreshArrays):
     def keep(self, name, values):
         if values is self._views.get(name):
             return values
-        a = self.array(name, values.shape, values.dtype)
+        a = self.array(name, values.size if values.ndim == 1 else values.shape, values.dtype)  # (an int: no reshape)
         np.copyto(a, values)
         return a
 

@@ -35,8 +35,9 @@ is built on the host: the device makes masks from these small integer arrays.
 Cost (`benchmarks/planning.py`, docs/benchmarks.md): a step is a few dozen
 numpy calls on arrays of tokens, (request, block) pairs and tiles, never a
 Python loop over them. The common decode step (one new token per request, no
-window, no block read twice) takes its own branch of about 25 calls; the shared
-tiles are in `shared.py`; the rules the bucketing tools replay are in
+window, no block read twice) takes its own branch of about 25 calls, and a
+small shared prefix in it a few more (`decode_shared.py`); the shared tiles are
+in `shared.py`; the rules the bucketing tools replay are in
 `rules.py`. Arrays come from `out` (`buffers.py`): new ones, or host memory
 kept from step to step, which `pad_default` then pads in place.
 """
@@ -49,8 +50,9 @@ import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, phase_of
 from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, empty, grow, move_no_row,
-                                            ranges, same_id_sum, trusted)
+                                            prefix_mask, ranges, same_id_sum, trusted)
 from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers
+from vllm_gaudi_unified.plan.decode_shared import repeated, split_shared
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.prompts import pad_prompts, plan_prompts, prompt_requests
 from vllm_gaudi_unified.plan.rules import MAX_SLICE_BLOCKS, causal_spans, shared_pairs, unique_reads_slice
@@ -150,11 +152,11 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
 def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     """The decode step: one new token per request, no window. Blocks read by one request go to the
     unique path; blocks several requests hold (a common prefix) to the shared tiles, found from the
-    same pairs (`_repeated`) rather than the general path's recount. None hands anything else (a bad
+    same pairs (`decode_shared.repeated`) rather than the general path's recount. None hands anything else (a bad
     id, no context at all, a forced slice past its cap) to the general path, which raises or gives
     the same arrays in more calls."""
     R = ctx.size
-    live = np.arange(bt.shape[1]) < nb_ctx[:, None]
+    live = prefix_mask(nb_ctx, bt.shape[1])
     phys = bt[live]  # request-major and in block order: the general path's pairs
     P = phys.size
     if P == 0:
@@ -172,7 +174,6 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     if nb_ctx.min() == 0:
         has = nb_ctx > 0
         last, last_hi = last[has], last_hi[has]
-    no_shared = _no_shared(opts, bs, None)
     if unique_reads_slice(P, max_id, opts):
         rows = out.full("unique_rows", span, R)
         rows[phys] = req
@@ -182,16 +183,20 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
             np.multiply(seen, bs, out=hi)
             hi[phys[last]] = last_hi
             unique = rows, None, out.zeros("unique_lo", span), hi
-            return _decode_plan(bs, opts, out, ctx, max_id, no_shared, unique, PathWork(R, 0, int(ctx.sum())))
-        shared = _repeated(phys, span, out)
+            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, PathWork(R, 0, int(ctx.sum())))
+        shared = repeated(phys, span, out)
     else:
-        shared = _repeated(phys, span, out)
+        shared = repeated(phys, span, out)
         if shared is None:
             hi = out.full("unique_hi", P, bs)
             hi[last] = last_hi
             unique = out.keep("unique_rows", req), out.keep("unique_blocks", phys), out.zeros("unique_lo", P), hi
-            return _decode_plan(bs, opts, out, ctx, max_id, no_shared, unique, PathWork(R, 0, int(ctx.sum())))
-    # Blocks held by several requests: the general path's shared and unique split of the same pairs.
+            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, PathWork(R, 0, int(ctx.sum())))
+    split = split_shared(shared, phys, max_id, req, ends, nb_ctx, ctx, last, last_hi, bt.shape[1], q, bs, opts, out)
+    if split is not None:  # (the unique blocks gathered: `decode_shared.py`)
+        shared_tiles, shared_needed, unique, unique_needed = split
+        return _decode_plan(bs, opts, out, ctx, max_id, shared_tiles, unique, PathWork(R, shared_needed, unique_needed))
+    # Blocks held by several requests, the unique ones on the cache slice: the general path's split.
     pair_hi = np.full(P, bs, _I64)
     pair_hi[last] = last_hi
     s_idx = np.flatnonzero(shared)
@@ -204,28 +209,10 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     return _decode_plan(bs, opts, out, ctx, max_id, shared_tiles, unique, PathWork(R, shared_needed, unique_needed))
 
 
-def _repeated(phys, span, out):
-    """Which pairs hold a block id some other pair holds too, or None when no id repeats. Each pair
-    writes its index at its id in a scratch array never cleared (every slot read was just written):
-    a pair that reads back another's index shares its id; those ids are then marked -1 and read
-    back. Four gathers and scatters over the pairs, no array as long as the cache; ids too sparse
-    for scratch memory are counted over compacted ids (`same_id_sum`)."""
-    P = phys.size
-    if span > max(8 * P, 1 << 16):
-        many = same_id_sum(phys, span - 1) > 1
-        return many if many.any() else None
-    mark = out.scratch("block_mark", span, np.int32 if P < 1 << 31 else _I64)
-    idx = np.arange(P, dtype=mark.dtype)
-    mark[phys] = idx
-    again = mark.take(phys) != idx
-    if not again.any():
-        return None
-    mark[phys[again]] = -1
-    return mark.take(phys) == -1
-
-
 def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work) -> StepPlan:
     R = ctx.size
+    if shared is None:
+        shared = _no_shared(opts, bs, None)
     shape = _bucket(R, 0, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R)
     return trusted(StepPlan, block_size=bs, sliding_window=None, options=opts, num_requests=R, num_tokens=R,
                    shape=shape, bucket=shape, token_seg_start=out.keep("token_seg_start", np.arange(R)),

@@ -1,7 +1,7 @@
 """The planner's options (one graph per bucket *and* options) and its work accounting."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -60,6 +60,11 @@ class PlanOptions:
     def blocks_per_tile(self, block_size: int) -> int:
         """Cache blocks in one shared tile."""
         return max(1, self.shared_tile_keys // block_size)
+
+
+def on_route(options: PlanOptions, route: str) -> PlanOptions:
+    """`options` with `prompt_route` set to `route` ('dense' or 'tiles')."""
+    return options if options.prompt_route == route else replace(options, prompt_route=route)
 
 
 #: The one default: what `plan_step` / `build_unified_batch` use when given no options. Bucket plans

@@ -7,6 +7,7 @@ import os
 import time
 
 from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE
+from vllm_gaudi_unified.bucket_plans.prompt_graphs import DEFAULT_PROMPT_GRAPHS
 from vllm_gaudi_unified.files import atomic_write, output_path
 from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, comma_ints, float_in, int_in
 from vllm_gaudi_unified.tools.settings_flags import WORKLOAD_NAMES, add_model, add_settings, model_from_args, \
@@ -64,6 +65,10 @@ def register(subparsers) -> None:
                         "plan_step, slower)")
     g.add_argument("--exp-base", type=float_in(1.4, 16.0), default=2.0,
                    help="growth factor of exponential ranges, 1.4 to 16 (default 2; 1.4 already makes ~25000 buckets)")
+    g.add_argument("--prompt-graphs", type=int_in(0, 4096), default=DEFAULT_PROMPT_GRAPHS,
+                   help="buckets with a prompt shape, learned from the traces (or simulated ones), in which "
+                        "prompts and chunks run on the prompt route, one fused call each; other steps with "
+                        f"prompts run on the tiled route (0: none; default {DEFAULT_PROMPT_GRAPHS})")
     g.add_argument("--miss-policy", choices=("error", "largest", "unbucketed"), default="error",
                    help="what a step no bucket covers does at serve time (default: error)")
     g.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying traces (default: all cores)")
@@ -127,6 +132,9 @@ def cmd_generate(args) -> int:
     extra = ""
     if "expected_padding_waste" in plan.info:
         extra = f", padding waste {plan.info['expected_padding_waste']:.3f} on {plan.info['steps']} steps learned from"
+    if plan.info.get("prompt_steps"):
+        extra += (f"; {len(plan.prompt_graphs)} prompt graphs take {plan.info['prompt_steps_on_prompt_graphs']} of "
+                  f"the {plan.info['prompt_steps']} steps with prompts")
     print(f"wrote {args.output}: {plan.strategy} plan, {len(plan)} buckets{extra} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -151,7 +159,8 @@ def make_plan_from_args(args):
     if share is not None and not settings.options.batch_invariant:  # invariant products are chunked already
         cap = gather_cap_for(settings, model, hardware, share)
     if args.strategy == "exponential":
-        return exponential_plan(settings, model, hardware, base=args.exp_base, cap=cap)
+        plan = exponential_plan(settings, model, hardware, base=args.exp_base, cap=cap)
+        return _with_prompt_graphs(plan, _learning_traces(args, settings) if args.prompt_graphs else [], args)
     traces = _learning_traces(args, settings)
     parts = [s for s, _ in traces]
     if args.strategy == "trace":
@@ -161,7 +170,7 @@ def make_plan_from_args(args):
                           margin=0.2 if args.margin is None else args.margin, progress=not args.no_progress)
         if cap is not None:
             raise ValueError("--memory-share is for the robust and exponential strategies")
-        return plan
+        return _with_prompt_graphs(plan, traces, args)
     fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
     scaled = [x for _, src in traces for x in load_scaled_shapes(src, settings, fractions)]
     weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
@@ -176,14 +185,28 @@ def make_plan_from_args(args):
     plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
-    return plan
+    return _with_prompt_graphs(plan, traces, args)
+
+
+def _with_prompt_graphs(plan, traces, args):
+    """`plan` with `--prompt-graphs` prompt graphs learned from the steps of `traces` (`_learning_traces`)."""
+    from dataclasses import replace
+
+    if not args.prompt_graphs:
+        return plan
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
+
+    steps = [s for _, src in traces for s in (read_trace(src).steps if isinstance(src, str) else src)]
+    graphs, info = learn_prompt_graphs(plan, steps, args.prompt_graphs)
+    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
 
 
 def _learning_traces(args, settings):
     """(shapes, source) per trace to learn from: each --trace, or simulated seeds of --workload."""
     from vllm_gaudi_unified.tools.shapes import shapes_of_steps, shapes_of_trace
-    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
-    from vllm_gaudi_unified.tools.workloads import workload_from
+    from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+    from vllm_gaudi_unified.bucket_plans.workloads import workload_from
 
     if args.trace:
         return [(shapes_of_trace(t, settings, jobs=args.jobs, progress=not args.no_progress), t) for t in args.trace]
@@ -255,11 +278,20 @@ def format_plan(plan) -> str:
     if "expected_padding_waste" in plan.info:
         lines.append(f"padding waste on the {plan.info.get('steps')} steps it was made from: "
                      f"{plan.info['expected_padding_waste']:.3f}")
+    if plan.prompt_graphs:
+        lines += ["", f"prompt graphs ({len(plan.prompt_graphs)}): a bucket and its prompt route's shape, prompts x "
+                      "rows x context blocks (other steps with prompts run on the tiled route)"]
+        lines += [f"{i:>4} {b}" for i, b in enumerate(plan.prompt_graphs)]
+        if plan.info.get("prompt_steps"):
+            lines.append(f"they take {plan.info['prompt_steps_on_prompt_graphs']} of the {plan.info['prompt_steps']} "
+                         "steps with prompts they were learned from")
     return "\n".join(lines)
 
 
 def cmd_evaluate(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import prompt_shapes
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
     from vllm_gaudi_unified.tools.evaluate import evaluate
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
     from vllm_gaudi_unified.tools.upstream import evaluate_upstream, upstream_tuples_of_trace
@@ -267,15 +299,23 @@ def cmd_evaluate(args) -> int:
     plan = BucketPlan.load(args.plan)
     if args.upstream and plan.settings.options.batch_invariant:
         raise ValueError("--upstream compares default-mode plans (the earlier scheme had no invariant mode)")
-    results, upstream = [], []
+    results, upstream, prompts = [], [], []
     for t in args.trace:
         shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
         results.append(evaluate(plan, shapes, os.path.basename(t)))
+        if plan.prompt_graphs:
+            found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, read_trace(t).steps)]
+            prompts.append({"trace": os.path.basename(t), "steps_with_prompts": len(found),
+                            "on_prompt_graphs": int(sum(found))})
         if args.upstream:
             upstream.append(evaluate_upstream(plan.settings, plan.cost_model, upstream_tuples_of_trace(t, plan.settings),
                                               float(shapes.needed.sum()), os.path.basename(t)))
     print(f"plan: {args.plan} ({plan.strategy}, {len(plan)} graphs, gather cap {plan.gather_cap})\n")
     print("\n\n".join(r.table() for r in results))
+    for p in prompts:
+        print(f"\nprompt graphs on {p['trace']}: {p['on_prompt_graphs']} of the {p['steps_with_prompts']} steps with "
+              f"prompts run in one of the plan's {len(plan.prompt_graphs)} (the others, and the padding above, "
+              "on the tiled route)")
     for u in upstream:
         print(f"\nupstream plan on {u['trace']}: {u['graphs']} graphs, uncovered {u['uncovered']} (run unpadded), "
               f"padding time {u['padding_time']:.3f} / score pairs {u['padding_pairs']:.3f}, worst step "
@@ -284,7 +324,8 @@ def cmd_evaluate(args) -> int:
     if args.json:
         with atomic_write(args.json) as f:
             json.dump({"plan": args.plan, "strategy": plan.strategy, "graphs": len(plan),
-                       "results": [r.to_dict() for r in results], "upstream": upstream}, f, indent=1)
+                       "results": [r.to_dict() for r in results], "upstream": upstream, "prompt_graphs": prompts},
+                      f, indent=1)
     return 0
 
 
@@ -301,8 +342,8 @@ def cmd_plot(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator, header_for
-    from vllm_gaudi_unified.tools.workloads import workload_from
+    from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator, header_for
+    from vllm_gaudi_unified.bucket_plans.workloads import workload_from
     from vllm_gaudi_unified.bucket_plans.trace import TraceWriter
 
     s = settings_from_args(args)

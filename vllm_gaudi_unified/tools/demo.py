@@ -42,8 +42,8 @@ def run_demo(cfg: DemoConfig, out=print) -> dict:
     import torch
 
     from vllm_gaudi_unified import build_unified_batch, unified_attention
-    from vllm_gaudi_unified.tools.simulator import SchedulerConfig, Simulator
-    from vllm_gaudi_unified.tools.workloads import WorkloadConfig
+    from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+    from vllm_gaudi_unified.bucket_plans.workloads import WorkloadConfig
     from vllm_gaudi_unified.reference import reference_attention
 
     sched = SchedulerConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,

@@ -7,7 +7,7 @@ import argparse
 from vllm_gaudi_unified.flags import POSITIVE, TILE, float_in, int_in
 from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE, MAX_STEP_TOKENS
 from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
-from vllm_gaudi_unified.tools.workloads import WORKLOADS
+from vllm_gaudi_unified.bucket_plans.workloads import WORKLOADS
 
 WORKLOAD_NAMES = tuple(WORKLOADS)
 

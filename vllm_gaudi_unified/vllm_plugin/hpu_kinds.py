@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_gaudi_unified import Bucket, build_unified_batch, pad_plan, plan_step
-from vllm_gaudi_unified.batch import UnifiedBatch
+from vllm_gaudi_unified.batch import UnifiedBatch, prompt_graph_for
+from vllm_gaudi_unified.plan.options import on_route
 from vllm_gaudi_unified.plan.local_chunks import local_chunks, with_request_logits
 
 
@@ -79,6 +80,10 @@ def plan_kinds(query_lens, context_lens, block_table, block_size: int, kinds, op
                                               sliding_window=kinds[0].window, options=options, bucket=bucket,
                                               device=device)}
     plans = {k: _plan_kind(k, query_lens, context_lens, block_table, block_size, options) for k in kinds}
+    if any(p.shape.num_prompts for p in plans.values()) and not prompt_graph_for(
+            bucket, largest_shape([p.shape for p in plans.values()])):  # no warmed graph: the tiled route
+        tiled = on_route(options, "tiles")
+        plans = {k: _plan_kind(k, query_lens, context_lens, block_table, block_size, tiled) for k in kinds}
     cap = getattr(bucket, "gather_cap", None)
     if cap is not None and any(cap.exceeded(p.shape) for p in plans.values()):
         raise NotImplementedError(f"a step of {len(query_lens)} requests gathers more than the bucket plan's cap "

@@ -356,7 +356,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         pad = torch.full((bucket.query_len,), self._PAD_SLOT_ID, dtype=torch.int64, device=self.device)
         for group, hooks, kinds in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks, self.unified_kinds):
             for kind, names in kinds.items():
-                b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.options, kind.window, self.device)
+                b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.bucket_plan.options_for(bucket),
+                                     kind.window, self.device)
                 metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in names})
         tokens = torch.zeros((1, bucket.query_len), dtype=torch.int64, device=self.device)
         self.unified_warmed.add(bucket)  # the forward below captures its graph (lazy mode)

@@ -53,7 +53,7 @@ class StepHooks:
         plan = None
         if config.buckets:
             plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options, sliding_window, kind)
-            options = plan.settings.options
+            options = plan.step_options  # the prompt route when the plan has prompt graphs
         trace_path = _trace_path(config, vllm_config) if may_record else None
         hooks = cls(options=options, bucket_plan=plan, trace_path=trace_path, warmup_enabled=config.warmup)
         if hooks.trace_path:
@@ -138,7 +138,23 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window:
     # No bucket gathers more K/V than a share of device memory (Gaudi 3's by default): steps beyond
     # it are split by the planner. Batch-invariant products are chunked already.
     cap = None if options.batch_invariant else gather_cap_for(settings, spec, Hardware())
-    return exponential_plan(settings, spec, cap=cap)
+    return _with_simulated_prompt_graphs(exponential_plan(settings, spec, cap=cap))
+
+
+def _with_simulated_prompt_graphs(plan):
+    """`plan` with the prompt graphs a simulated chat workload at its settings hits most (what `buckets
+    generate --strategy exponential --seeds 1` learns): a few seconds at start-up."""
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
+    from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+    from vllm_gaudi_unified.bucket_plans.workloads import workload_from
+
+    steps = list(Simulator(SchedulerConfig.from_settings(plan.settings), workload_from("chat"), 1).steps())
+    graphs, info = learn_prompt_graphs(plan, steps)
+    logger.info("Unified attention: %d prompt graphs take %d of %d simulated steps with prompts", len(graphs),
+                info["prompt_steps_on_prompt_graphs"], info["prompt_steps"])
+    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
 
 
 def _num_speculative_tokens(vllm_config) -> int:

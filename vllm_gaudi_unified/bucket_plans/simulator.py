@@ -54,7 +54,7 @@ import numpy as np
 
 from vllm_gaudi_unified.bucket_plans.settings import check_settings
 from vllm_gaudi_unified.bucket_plans.trace import TraceStep
-from vllm_gaudi_unified.tools.workloads import WorkloadConfig
+from vllm_gaudi_unified.bucket_plans.workloads import WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -384,5 +384,5 @@ def simulate(sched: SchedulerConfig, workload: WorkloadConfig, seed: int = 0, ma
 
 def header_for(sched: SchedulerConfig, workload: WorkloadConfig, seed: int, name: str = "") -> dict:
     """The trace header a simulated trace carries: everything needed to make it again."""
-    return {"source": "vllm_gaudi_unified.tools.simulator", "workload_name": name, "seed": seed,
+    return {"source": "vllm_gaudi_unified.bucket_plans.simulator", "workload_name": name, "seed": seed,
             "scheduler": asdict(sched), "workload": asdict(workload)}

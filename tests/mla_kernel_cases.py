@@ -1,0 +1,82 @@
+"""Cases for MLA's Triton kernel (paths/mla_kernel.py), shared by two tests of test_mla_decode.py.
+
+On CPU the test runs this file in a process of its own with TRITON_INTERPRET=1 (Triton reads it when
+it is first imported), float64, against the expanded MLA reference at 1e-6; on CUDA the same cases
+run compiled in bf16, in latent space against the reference at 1e-2. Every case routes the unique pairs
+through the kernel (`mla_unique_route` -> 'kernel' for every latent cache), on shuffled block
+tables whose unreadable slots hold NaN, in both unique layouts, with small kernel constants so that
+tokens span several loop steps and several splits (most of them empty for short contexts).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import SPECS, Step, assert_matches  # noqa: E402
+from test_mla import MODES, L, mla_case  # noqa: E402
+
+from vllm_gaudi_unified import attention  # noqa: E402
+from vllm_gaudi_unified.mla import latent_views, mla_attention  # noqa: E402
+from vllm_gaudi_unified.reference import reference_attention  # noqa: E402
+from vllm_gaudi_unified.paths import mla_decode  # noqa: E402
+
+#: (step, plan mode, kernel constants)
+CASES = [
+    (SPECS["decode"], "default", {}),
+    (SPECS["decode"], "gather", {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 8}),
+    (SPECS["decode"], "default", {"MLA_V_LOAD": 1, "MLA_SPLIT_KEYS": 16}),
+    (SPECS["parallel_sampling"], "gather", {"MLA_V_LOAD": 1}),
+    (SPECS["parallel_sampling"], "default", {"MLA_SPLIT_KEYS": 8}),
+    (SPECS["seed"], "gather", {}),  # prompts and decodes in one step: the kernel takes any unique pairs
+    (SPECS["ragged_partial"], "default", {"MLA_KEYS": 32, "MLA_SPLIT_KEYS": 16}),
+    (Step([1] * 4, [0, 9, 3, 24], 4), "gather", {"MLA_SPLIT_KEYS": 4}),  # a token without cached keys
+]
+
+
+def run(device: str = "cpu") -> int:
+    """float64 on the CPU (the interpreter: expanded reference, 1e-6); bf16 on CUDA (latent space, 1e-2)."""
+    real = attention.mla_unique_route
+    calls = []
+
+    def route(batch, query, key_cache, value_cache, cap, k_scale, v_scale):
+        if query.device.type != device:  # (on CUDA: the CPU's run inside mla_case takes its own route)
+            return real(batch, query, key_cache, value_cache, cap, k_scale, v_scale)
+        calls.append(mla_decode.latent_cache(key_cache, value_cache) and cap is None)
+        return "kernel" if calls[-1] else None
+
+    attention.mla_unique_route = route
+    saved = {k: getattr(mla_decode, k) for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD")}
+    try:
+        for step, mode, consts in CASES:
+            for k, v in consts.items():
+                setattr(mla_decode, k, v)
+            calls.clear()
+            if device == "cpu":
+                out, ref, _, _ = mla_case(step, options=MODES[mode])
+                assert_matches(out, ref)
+            else:
+                _, _, batch, (query, latent, cache, table, scale) = mla_case(step, dtype=torch.bfloat16,
+                                                                             options=MODES[mode])
+                calls.clear()
+                lat = mla_attention(query.to(device), latent.to(device), cache.to(device), batch.to(device), scale,
+                                    L)
+                k, v = latent_views(latent, L)
+                kc, vc = latent_views(cache, L)
+                assert_matches(lat.cpu(), reference_attention(query, k, v, kc, vc, step.query_lens,
+                                                              step.context_lens, table, scale))
+            assert calls and all(calls), f"the kernel did not run: {calls}"
+            for k, v in saved.items():
+                setattr(mla_decode, k, v)
+    finally:
+        attention.mla_unique_route = real
+        for k, v in saved.items():
+            setattr(mla_decode, k, v)
+    return len(CASES)
+
+
+if __name__ == "__main__":
+    print("ok", run())

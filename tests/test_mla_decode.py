@@ -1,0 +1,149 @@
+"""MLA's unique routes (`paths/mla_decode.py`) against the dense MLA reference: the torch route (one gather,
+two batched matmuls: what the Gaudi route and the CPU run for decode steps) and the Triton kernel (the
+interpreter on the CPU, compiled on CUDA). Ragged decodes, shared prefixes, tokens without cached keys,
+shuffled block tables, NaN in every unreadable slot, padded buckets."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import SPECS, Step, assert_matches, skip_unless_interpreter_indexes_loop_bounds
+from test_mla import MODES, H, L, R, mla_case
+from vllm_gaudi_unified import Bucket, attention
+from vllm_gaudi_unified.mla import latent_views, mla_attention
+from vllm_gaudi_unified.paths import mla_decode
+from vllm_gaudi_unified.paths.decodes import decode_layout
+from vllm_gaudi_unified.reference import reference_attention
+
+TESTS = Path(__file__).resolve().parent
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+#: Decode steps within the dense layout's padding bound (phases with SMALL_TILES in the comments).
+DECODES = {
+    "even": Step([1] * 4, [13, 16, 11, 15], 4),  # --u, partial last blocks
+    "shared_prefix": SPECS["parallel_sampling"],  # -su: the prefix on the shared path, the rest here
+    "no_cached_key": Step([1] * 4, [0, 9, 6, 8], 4),  # a token that sees only itself
+    "block_8": Step([1] * 3, [30, 25, 17], 8),
+    "one": Step([1], [7], 4),
+    "uniform": Step([1] * 3, [8, 8, 8], 4),  # no key masked: the mask pass is skipped
+}
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """The unique route each call took."""
+    taken = []
+    real = attention.mla_unique_route
+
+    def spy(*args):
+        taken.append(real(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(attention, "mla_unique_route", spy)
+    return taken
+
+
+@pytest.mark.parametrize("mode", ["default", "gather"])
+@pytest.mark.parametrize("name", sorted(DECODES))
+def test_dense_route_float64(name, mode, routes):
+    """The torch route equals the expanded MLA reference (float64, 1e-6)."""
+    out, ref, batch, _ = mla_case(DECODES[name], options=MODES[mode])
+    assert "u" in batch.phase and routes == ["dense"]
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("name", sorted(DECODES))
+def test_dense_route_bf16(name, routes):
+    """bf16 in latent space against the reference over the same bf16 latents (1e-2)."""
+    step = DECODES[name]
+    _, _, batch, (query, latent, cache, table, scale) = mla_case(step, dtype=torch.bfloat16)
+    routes.clear()
+    lat = mla_attention(query, latent, cache, batch, scale, L)
+    assert routes == ["dense"] and lat.dtype == torch.bfloat16 and lat.shape == (len(step.query_lens), H, L)
+    k, v = latent_views(latent, L)
+    kc, vc = latent_views(cache, L)
+    assert_matches(lat, reference_attention(query, k, v, kc, vc, step.query_lens, step.context_lens, table, scale))
+
+
+def test_dense_route_padded_bucket(routes):
+    """A bucket with more query rows and unique slots than the step: the padding rows stay out."""
+    step = DECODES["even"]
+    _, _, batch, _ = mla_case(step, options=MODES["gather"])
+    s = batch.shape
+    big = Bucket(s.phase, s.query_len + 3, s.num_shared_blocks, s.num_unique_blocks + 5, s.num_logits + 3,
+                 s.num_causal_tiles, 0, 0, 0)
+    out, ref, pbatch, _ = mla_case(step, options=MODES["gather"], bucket=big)
+    assert pbatch.bucket == big and routes[-1] == "dense"
+    assert_matches(out, ref)
+
+
+def test_routes_are_chosen_by_their_conditions(routes):
+    """Not a decode step (prompts in it), or past the padding bound (very ragged): the tiles, still exact.
+    A soft cap or an fp8 scale: no latent route at all."""
+    for name in ("seed", "decode"):  # csu; --u with contexts 1..64 (padding > 2x)
+        out, ref, _, _ = mla_case(SPECS[name])
+        assert_matches(out, ref)
+    assert routes == [None, None]
+    _, _, batch, (query, latent, cache, _, _) = mla_case(DECODES["even"])
+    kc, vc = latent_views(cache, L)
+    args = (batch, query, kc, vc)
+    assert mla_decode.mla_unique_route(*args, None, None, None) == "dense"
+    assert mla_decode.mla_unique_route(*args, 5.0, None, None) is None
+    assert mla_decode.mla_unique_route(*args, None, 0.5, None) is None
+    copy = vc.clone()  # values not a view of the keys: the generic paths
+    assert mla_decode.mla_unique_route(batch, query, kc, copy, None, None, None) is None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its interpreter runs the kernel on the CPU)")
+def test_mla_kernel_interpreted():
+    """The Triton kernel's body under the interpreter, float64 (1e-6), every case of mla_kernel_cases.py."""
+    skip_unless_interpreter_indexes_loop_bounds()
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(TESTS / "mla_kernel_cases.py")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import mla_kernel_cases
+
+    assert run.stdout.split() == ["ok", str(len(mla_kernel_cases.CASES))]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
+def test_mla_kernel_on_cuda():
+    """The compiled kernel, bf16, the same cases (1e-2), and the route it takes by itself on CUDA."""
+    import mla_kernel_cases
+
+    assert mla_kernel_cases.run("cuda") == len(mla_kernel_cases.CASES)
+    _, _, batch, (query, latent, cache, _, _) = mla_case(DECODES["even"], dtype=torch.bfloat16)
+    kc, vc = latent_views(cache.cuda(), L)
+    assert mla_decode.mla_unique_route(batch.to("cuda"), query.cuda(), kc, vc, None, None, None) == "kernel"
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_decode_steps(data, routes):
+    """Random decode steps (ragged, a shared prefix or not, tokens without cached keys): whichever route the
+    conditions pick matches the reference (float64, 1e-6), and the dense route runs whenever the padded
+    table is within its bound (most of the drawn steps)."""
+    n = data.draw(st.integers(1, 6))
+    bs = data.draw(st.sampled_from([2, 4, 8]))
+    ctx = data.draw(st.lists(st.integers(0, 33), min_size=n, max_size=n))
+    groups = []
+    if n >= 2 and min(ctx[:2]) >= bs and data.draw(st.booleans()):
+        groups = [([0, 1], min(ctx[:2]) // bs)]
+    step = Step([1] * n, ctx, bs, prefix_groups=groups)
+    routes.clear()  # (the fixture lives across examples)
+    mode = data.draw(st.sampled_from(["default", "gather"]))
+    out, ref, batch, _ = mla_case(step, options=MODES[mode], seed=data.draw(st.integers(0, 99)))
+    assert_matches(out, ref)
+    if "u" in batch.phase:
+        assert routes == ["dense" if decode_layout(batch) is not None else None]

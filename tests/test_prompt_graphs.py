@@ -1,0 +1,155 @@
+"""Prompt graphs (issue 23): the buckets of a plan in which prompts take the prompt route.
+
+A step with prompts runs on the prompt route when a prompt graph covers it and is planned again on
+the tiled route otherwise; both give the float64 reference. Plans learn them from traces, save and
+load them, warm them, and refuse bad ones by name.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import Step, assert_matches, run_case
+from vllm_gaudi_unified import Bucket
+from vllm_gaudi_unified.bucket_plans import BucketPlan, ModelSpec, ServerSettings, TraceStep
+from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs, rounded_shape
+from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.tools.cli import main
+from vllm_gaudi_unified.warmup import warmup
+
+SETTINGS = ServerSettings(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=64)
+MODEL = ModelSpec(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=64)
+CHUNK = Step([12, 1], [20, 9], 4)  # a chunk over 5 context blocks and a decode
+LONG = Step([40, 1], [8, 9], 4)  # a longer chunk than any prompt graph holds
+
+
+def trace_step(step: Step) -> TraceStep:
+    bs, ids = step.block_size, iter(range(1, 1000))
+    blocks = [[next(ids) for _ in range(-(-(q + c) // bs))] for q, c in zip(step.query_lens, step.context_lens)]
+    return TraceStep(bs, np.array(step.query_lens), np.array(step.context_lens), blocks)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    tiled = exponential_plan(SETTINGS, MODEL)
+    graphs, info = learn_prompt_graphs(tiled, [trace_step(CHUNK)] * 3 + [trace_step(Step([1, 1], [5, 9], 4))])
+    assert info == {"prompt_steps": 3, "prompt_steps_on_prompt_graphs": 3, "prompt_graph_candidates": 1}
+    return replace(tiled, prompt_graphs=graphs)
+
+
+def test_a_learned_graph_is_a_bucket_of_the_plan_with_the_steps_prompt_shape_in_powers_of_two(plan):
+    (graph,) = plan.prompt_graphs
+    shape = plan_step(CHUNK.query_lens, CHUNK.context_lens, trace_step(CHUNK).block_table(), 4,
+                      options=plan.step_options).shape
+    assert shape.prompts == (1, 12, 5) and graph.prompts == (1, 16, 8)
+    assert graph == rounded_shape(shape, SETTINGS, plan.gather_cap) and graph.phase == shape.phase == "--u"
+    assert all(g >= s and g & (g - 1) == 0 for g, s in zip(graph.sizes, shape.sizes) if s)  # powers of two
+    assert plan.step_options.prompt_route == "dense" and plan.settings.options.prompt_route == "tiles"
+    assert plan.options_for(graph).prompt_route == "dense" and plan.options_for(plan.buckets[0]).prompt_route == "tiles"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+def test_a_step_a_graph_covers_runs_on_the_prompt_route(plan, dtype):
+    out, ref, batch = run_case(CHUNK, dtype=dtype, options=plan.step_options, bucket=plan)
+    assert batch.bucket == plan.prompt_graphs[0] and batch.bucket.num_prompts == 1
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+def test_a_step_no_graph_covers_is_planned_again_on_the_tiled_route(plan, dtype):
+    out, ref, batch = run_case(LONG, dtype=dtype, options=plan.step_options, bucket=plan)
+    assert batch.bucket.num_prompts == 0 and batch.bucket in plan.buckets  # a warmed tiled bucket
+    assert batch.bucket.num_causal_tiles > 0  # the chunk's pairs went through the causal tiles
+    assert_matches(out, ref)
+
+
+def test_a_plan_without_prompt_graphs_keeps_every_step_on_the_tiled_route(plan):
+    tiled = replace(plan, prompt_graphs=[])
+    assert tiled.step_options.prompt_route == "tiles"
+    out, ref, batch = run_case(CHUNK, options=replace(tiled.step_options, prompt_route="dense"), bucket=tiled)
+    assert batch.bucket.num_prompts == 0 and batch.bucket in tiled.buckets
+    assert_matches(out, ref)
+
+
+def test_prompt_graphs_survive_a_save_and_load_and_old_files_have_none(plan, tmp_path):
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    assert BucketPlan.load(path).prompt_graphs == plan.prompt_graphs
+    d = json.load(open(path))
+    for key in ("prompt_graphs", "prompt_fields"):
+        d.pop(key)
+    assert BucketPlan.from_dict(d).prompt_graphs == []
+
+
+@pytest.mark.parametrize("row, message", [
+    (lambda g: [g.phase, *g.sizes, 0, 16, 8], "num_prompts > 0"),
+    (lambda g: [g.phase, *g.sizes, 1, 16, -1], "prompt_blocks must be an integer"),
+    (lambda g: ["-su", g.query_len, 1, *g.sizes[2:], 1, 16, 8], "not whole tiles"),
+])
+def test_bad_prompt_graph_rows_are_refused_by_name(plan, tmp_path, row, message):
+    d = plan.to_dict()
+    d["prompt_graphs"] = [row(plan.prompt_graphs[0])]
+    with pytest.raises(ValueError, match=message):
+        BucketPlan.from_dict(d, "plan.json")
+
+
+def test_learning_respects_the_count_and_refuses_a_bad_one(plan):
+    tiled = replace(plan, prompt_graphs=[])
+    assert learn_prompt_graphs(tiled, [trace_step(CHUNK)], 0)[0] == []
+    with pytest.raises(ValueError, match="number of prompt graphs"):
+        learn_prompt_graphs(tiled, [], -1)
+
+
+def test_warmup_runs_the_prompt_graphs_too(plan):
+    small = replace(plan, buckets=[plan.buckets[0], plan.buckets[-1]])
+    report = warmup(small, device="cpu", mode="eager", dtype=torch.float32, progress=False)
+    assert report.buckets == small.buckets + small.prompt_graphs and not report.skipped
+
+
+def test_generate_learns_prompt_graphs_and_show_lists_them(tmp_path, capsys):
+    path = str(tmp_path / "plan.json")
+    args = ["buckets", "generate", "--preset", "bs32-seqs64", "--seeds", "1", "--load-fractions", "",
+            "--prompt-graphs", "8", "-o", path, "--no-progress"]
+    assert main(args) == 0
+    plan = BucketPlan.load(path)
+    assert 1 <= len(plan.prompt_graphs) <= 8
+    assert 0 < plan.info["prompt_steps_on_prompt_graphs"] <= plan.info["prompt_steps"]
+    assert f"{len(plan.prompt_graphs)} prompt graphs take" in capsys.readouterr().out
+    assert main(["buckets", "show", path]) == 0
+    assert f"prompt graphs ({len(plan.prompt_graphs)})" in capsys.readouterr().out
+    trace = str(tmp_path / "t.jsonl")
+    assert main(["buckets", "simulate", "--preset", "bs32-seqs64", "--seed", "7", "-o", trace, "--no-progress"]) == 0
+    assert main(["buckets", "evaluate", path, "--trace", trace, "--json", str(tmp_path / "e.json"),
+                 "--no-progress"]) == 0
+    (found,) = json.load(open(tmp_path / "e.json"))["prompt_graphs"]
+    assert 0 < found["on_prompt_graphs"] <= found["steps_with_prompts"]
+    assert f"{found['on_prompt_graphs']} of the {found['steps_with_prompts']} steps with prompts" in \
+        capsys.readouterr().out
+    assert main(args[:-5] + ["--prompt-graphs", "0", "-o", path, "--no-progress"]) == 0
+    assert BucketPlan.load(path).prompt_graphs == []
+
+
+def test_a_bucket_does_not_count_as_a_prompt_graph():
+    with pytest.raises(ValueError, match="num_prompts > 0"):
+        from vllm_gaudi_unified.bucket_plans.prompt_graphs import PromptGraphs
+
+        PromptGraphs([Bucket("--u", 4, 0, 4, 4, 0)], 4)
+
+
+def test_an_eighth_of_the_graphs_go_to_the_long_prompts_the_frequent_ones_leave_out():
+    from collections import Counter
+
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import _choose
+
+    short = [Bucket("--u", 64, 0, 64, 64, 0, 1, 16 << i, 4) for i in range(8)]  # frequent, short
+    long_ = [Bucket("--u", 4096, 0, 64, 64, 0, 1, n, 4) for n in (2048, 4096)]  # once each
+    hits = Counter({**{g: 100 - i for i, g in enumerate(short)}, **{g: 1 for g in long_}})
+    chosen = _choose(hits, 8, 4)
+    assert chosen[:7] == short[:7]  # by count
+    assert chosen[7] == long_[1]  # the ceiling: the 4096-row graph covers both long prompts
+    assert _choose(Counter(dict(list(hits.items())[:3])), 8, 4) == short[:3]  # fewer candidates: all of them

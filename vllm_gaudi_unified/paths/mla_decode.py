@@ -1,0 +1,161 @@
+"""MLA's unique pairs without a partial per block: one Partial row per token, the latent read once.
+
+The unique path's matmul tiles write one fp32 partial per (block, head):
+`[blocks, 128, 512]` at DeepSeek's shapes, twice the latent cache they read
+(docs/benchmarks.md, MLA). A latent step (`mla.latent_views`: one KV head,
+values the first dims of the keys, views of one cache) takes one of two
+routes instead, chosen by `mla_unique_route`:
+
+* 'kernel' (CUDA, Triton, 16-bit): `mla_kernel.py`, the token's slots in one
+  program per head group and split, the values taken from the key tile.
+* 'dense' (torch ops only: the Gaudi route, the CPU): the token's visible
+  slots laid out as one padded `[tokens, keys]` table on the host
+  (`decodes.decode_layout`, the CPU decode route's layout), gathered once as
+  `[tokens, keys, L + R]`, then two batched matmuls over all query heads
+  (`[tokens, H, L + R] @ latent^T`, `p @ latent[..., :L]`: the values are a
+  view of the gathered keys). A step of decodes only (one token per
+  request); its shapes follow the step (the width is rounded up to whole
+  blocks, eight widths per power of two, so a server sees few), so it does
+  not run while torch compiles or a CUDA graph captures: the tiles do.
+
+Both return the Partial the merge takes, so the shared prefix stays on the
+shared path (read once per tile of tokens) and the merge is unchanged.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from vllm_gaudi_unified.hpu import masked_softmax_for
+from vllm_gaudi_unified.merge import Partial, fold_pairwise
+from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.paths.decodes import decode_layout
+from vllm_gaudi_unified.paths.kv_quant import is_fp8
+from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
+from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, triton_importable
+
+#: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
+#: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an H100 by benchmarks/mla_decode.py's
+#: sweep (docs/benchmarks.md, MLA).
+MLA_BLOCK_H = 32
+MLA_KEYS = 32
+MLA_SPLIT_KEYS = 16384
+MLA_MAX_SPLITS = 32
+MLA_WARPS = 4
+MLA_STAGES = 2
+MLA_V_LOAD = 0
+
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
+
+
+def latent_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Values are the first dims of the keys in the same memory, one KV head (`mla.latent_views`)."""
+    return (key_cache.dim() == 4 and key_cache.shape[2] == 1 and value_cache.shape[-1] < key_cache.shape[-1]
+            and value_cache.data_ptr() == key_cache.data_ptr() and value_cache.stride() == key_cache.stride()
+            and key_cache.stride(-1) == 1)
+
+
+def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cap,
+                     k_scale, v_scale) -> str | None:
+    """'kernel', 'dense' or None (the generic unique paths), all conditions in one place:
+
+    1. A latent cache (`latent_cache`), no soft cap, no fp8 cache or scales: else None.
+    2. CUDA with its kernels on (not the Gaudi route), Triton importable, a 16-bit cache, the
+       plan's fused kernels allowed: 'kernel'.
+    3. A step of decodes only (no split pieces), not under torch.compile or a CUDA graph capture, whose
+       padded table is within the bounds of `decodes.decode_layout`: 'dense'.
+    """
+    if (cap is not None or k_scale is not None or v_scale is not None or is_fp8(key_cache.dtype)
+            or not latent_cache(key_cache, value_cache)):
+        return None
+    if (query.device.type == "cuda" and fused.CUDA_KERNELS and triton_importable()
+            and key_cache.dtype in KERNEL_CACHE_DTYPES and batch.plan.options.fused_kernels):
+        return "kernel"
+    if (batch.num_tokens != batch.num_requests or batch.pieces or torch.compiler.is_compiling()
+            or (query.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+        return None
+    return "dense" if decode_layout(batch) is not None else None
+
+
+def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
+                       ) -> Partial | None:
+    """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
+    `fold_pairwise`). Slots sorted by token on the device (no sync); the split count comes from the
+    bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
+    from vllm_gaudi_unified.paths import mla_kernel
+
+    slots = batch.unique_rows.shape[0]
+    if slots == 0:
+        return None
+    n, hq, d = q.shape
+    bs = key_cache.shape[1]
+    rows = batch.unique_rows
+    order = torch.argsort(rows, stable=True)
+    starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=q.device, dtype=rows.dtype))
+    ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
+    keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
+    splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
+    dt = compute_dtype(q.dtype)
+    acc = torch.empty((n, splits, hq, value_dim), dtype=dt, device=q.device)
+    m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
+    total = torch.empty_like(m)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
+    dr = d - value_dim
+    mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
+        q, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
+        HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
+        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD, num_warps=MLA_WARPS,
+        num_stages=MLA_STAGES)
+    return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
+                      ) -> Partial | None:
+    """The unique pairs of a decode step as one gather and two batched matmuls over all heads
+    (module docstring); rows past the requests are empty (max -inf, sum 0)."""
+    table, visible, unread, masked = _layout(batch, q.device)
+    r, width = table.shape
+    if width == 0:
+        return None
+    n, hq, d = q.shape
+    dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
+    kv = key_cache.view(-1, d)[table]  # [R, keys, L + R]: keys, and values as their first dims
+    if unread:  # a row with no cached key read some slot it may not see: zero it (NaN * 0 is NaN)
+        kv = torch.where(visible[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
+    kv = kv.to(op)
+    scores = torch.matmul(q[:r].to(op), kv.transpose(1, 2)).to(dt).mul_(scale)  # [R, H, keys]
+    if masked:  # some row sees fewer keys than the width (ragged, padded)
+        scores = scores.masked_fill_(~visible[:, None, :], float("-inf"))
+    p, m, total = masked_softmax_for(scores)(scores)
+    acc = torch.matmul(p.to(op), kv[..., :value_dim]).to(dt)  # [R, H, L]
+    if n > r:
+        acc = F.pad(acc, (0, 0, 0, 0, 0, n - r))
+        m = F.pad(m, (0, 0, 0, n - r), value=float("-inf"))
+        total = F.pad(total, (0, 0, 0, n - r))
+    return Partial(acc, m, total)
+
+
+def _layout(batch, device):
+    """`decode_layout`'s table and visibility without its self column, the width padded to whole blocks,
+    eight widths per power of two (padding: the row's first slot again, not visible), on `device`;
+    once per batch."""
+    hit = _LAYOUTS.get(batch)
+    if hit is not None and hit[0] == device:
+        return hit[1]
+    table, visible, unread = decode_layout(batch)
+    visible = visible[:, :-1]
+    bs, width = batch.block_size, table.shape[1]
+    blocks = math.ceil(width / bs)
+    step = max(1, _pow2(blocks) // 8)  # eight widths per octave: under 1/4 padding, few shapes
+    padded = bs * step * math.ceil(blocks / step)
+    if padded > width:
+        table = torch.cat([table, table[:, :1].expand(-1, padded - width)], 1)
+        visible = F.pad(visible, (0, padded - width), value=False)
+    out = (table.to(device), visible.to(device), unread, not bool(visible.all()))
+    _LAYOUTS[batch] = (device, out)
+    return out

@@ -1,0 +1,100 @@
+"""MLA's unique path as one Triton kernel: a latent key tile read once, its first dims reused as the values.
+
+Why (docs/benchmarks.md, MLA): in latent space every query head attends to
+one latent head whose keys are `L + R` dims (512 + 64 at DeepSeek's shapes)
+and whose values are the first `L` of them. The generic unique kernel takes
+one head dim and all of a KV head's query heads in one program (128 x 1024
+padded: far past a program's registers); the matmul tiles write one fp32
+partial per block and head (`[blocks, 128, 512]`, twice the cache they read).
+Here one program takes one (head group, split, token): it loads a tile of the
+token's latents once as `[KEYS, L]` and `[KEYS, R]`, scores `q_nope . c +
+q_pe . k_pe`, and multiplies the probabilities by the same `[KEYS, L]` tile
+(V is never loaded again), with an online softmax over the token's slots
+(sorted by token beforehand). The head groups of one (token, split) are
+launched next to each other (grid axis 0), so the tile is read from HBM once
+and from L2 by the others. Each (token, split) writes one `Partial` row; the
+splits (a power of two) are merged by `merge.fold_pairwise`.
+
+Only the slots a row may see are loaded (`lo <= slot < hi`): a NaN in an
+unreadable slot is never read. Imported only where Triton is.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, scale, splits,
+              sq_t, sq_h, sc_b, sc_s,
+              HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
+              DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr):
+    """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
+    (strides `sc_b`, `sc_s`, last 1), `order`: slot ids sorted by token, `starts[t]:starts[t+1]` token
+    t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block id), `lo`/`hi` its visible
+    slots. Out: acc `[n, splits, HQ, DV]`, m/l `[n, splits, HQ]` (fp32 or fp64: acc's dtype); the
+    token's keys are cut into `splits` parts of whole `KEYS` tiles. `V_LOAD` 0: the latent tile is loaded
+    once and serves both products; 1: loaded as keys transposed and again as values (the second read
+    hits the cache; each load lands in its product's layout)."""
+    hg = tl.program_id(0)
+    sp = tl.program_id(1)
+    t = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
+    first = tl.load(starts_ptr + t)
+    n_keys = (tl.load(starts_ptr + t + 1) - first) * BS
+    per_split = tl.cdiv(n_keys, splits * KEYS) * KEYS
+    k_begin = sp * per_split
+    k_end = tl.minimum(n_keys, k_begin + per_split)
+
+    acc_dtype = acc_ptr.dtype.element_ty
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < HQ
+    offs_v = tl.arange(0, DV_PAD)
+    offs_r = tl.arange(0, DR_PAD)
+    v_ok = offs_v < DV
+    r_ok = offs_r < DR
+    q_row = q_ptr + t * sq_t + heads[:, None] * sq_h
+    q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+    q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), acc_dtype)
+    l_i = tl.zeros([BLOCK_H], acc_dtype)
+    acc = tl.zeros([BLOCK_H, DV_PAD], acc_dtype)
+    for start in range(k_begin, k_end, KEYS):
+        kk = start + tl.arange(0, KEYS)
+        key_ok = kk < k_end
+        slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
+        if SLICE:
+            blk = slot
+        else:
+            blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
+        j = kk % BS
+        lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
+        hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
+        vis = key_ok & (j >= lo) & (j < hi)
+        base = blk.to(tl.int64) * sc_b + j * sc_s
+        row = c_ptr + base[:, None]
+        if V_LOAD == 0:  # one load: the tile is the keys (transposed in registers) and the values
+            c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
+            s = tl.dot(q_nope, tl.trans(c)).to(acc_dtype)
+        else:  # keys loaded transposed, values loaded again (from L1/L2): each load in its dot's layout
+            c_t = tl.load(c_ptr + base[None, :] + offs_v[:, None], mask=vis[None, :] & v_ok[:, None], other=0.0)
+            s = tl.dot(q_nope, c_t).to(acc_dtype)
+        k_pe = tl.load(row + DV + offs_r[None, :], mask=vis[:, None] & r_ok[None, :], other=0.0)
+        s += tl.dot(q_pe, tl.trans(k_pe)).to(acc_dtype)
+        # cast after scaling: under torch.compile a float argument is fp64 (the loop carries acc's dtype)
+        s = tl.where(vis[None, :], (s * scale).to(acc_dtype), float("-inf"))  # [BLOCK_H, KEYS]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_LOAD != 0:
+            c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c).to(acc_dtype)
+        m_i = m_new
+    out = (t * splits + sp) * HQ + heads
+    tl.store(acc_ptr + out[:, None] * DV + offs_v[None, :], acc, mask=h_ok[:, None] & v_ok[None, :])
+    tl.store(m_ptr + out, m_i, mask=h_ok)
+    tl.store(l_ptr + out, l_i, mask=h_ok)
+
+
+#: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter (tests).
+mla_kernel = triton.jit(_mla_body)
