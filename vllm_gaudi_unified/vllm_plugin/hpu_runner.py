@@ -87,7 +87,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         if not self.is_pooling_model:  # vllm-gaudi runs a pooling model bare, without its model adapter
             self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
         logger.info("Unified attention: vllm-gaudi's model runner plans every step as one unified batch "
-                    "(backend %s).", UnifiedHpuAttentionBackend.get_name())
+                    "(backend %s).", self.attn_backend.get_name())
 
     def _model_adapter(self) -> HpuModelAdapter:
         model = self.model
