@@ -166,8 +166,8 @@ def test_unserved_models_are_refused_at_start_up(gaudi):  # noqa: F811
     from vllm_gaudi_unified.vllm_plugin.hpu_platform import refuse_unserved_models
 
     def config(mm: bool, lora) -> NS:
-        return NS(model_config=NS(is_multimodal_model=mm, architecture="Qwen2_5_VLForConditionalGeneration", use_mla=False),
-                  lora_config=lora)
+        return NS(model_config=NS(is_multimodal_model=mm, architecture="Qwen2_5_VLForConditionalGeneration",
+                                  use_mla=False), lora_config=lora)
 
     refuse_unserved_models(config(False, None))
     with pytest.raises(NotImplementedError, match=r"multimodal inputs \(Qwen2_5_VLForConditionalGeneration: .*"
