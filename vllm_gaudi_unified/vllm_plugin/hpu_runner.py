@@ -48,6 +48,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
     UnifiedMetadataProcessor,
     is_unified_metadata,
 )
+from vllm_gaudi_unified.vllm_plugin.hpu_eagle import EAGLE_METHODS, drafter_adapter, propose_eagle
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_kinds
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
 from vllm_gaudi_unified.vllm_plugin.hpu_step import (
@@ -83,6 +84,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         super().load_model()
         if not self.is_pooling_model:  # vllm-gaudi runs a pooling model bare, without its model adapter
             self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
+        if hasattr(getattr(self, "drafter", None), "model"):  # EAGLE: its drafter runs unified batches too
+            drafter_adapter(self).metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
         logger.info("Unified attention: vllm-gaudi's model runner plans every step as one unified batch "
                     "(backend %s).", UnifiedHpuAttentionBackend.get_name())
 
@@ -309,6 +312,12 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         token id vLLM 0.32's scheduler would schedule as a draft.)"""
         return self.drafter.propose(self.speculative_config.num_speculative_tokens, sampled_token_ids,
                                     self.input_batch.num_tokens_no_spec, self.input_batch.token_ids_cpu)
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        """EAGLE: the drafter over unified batches (`hpu_eagle.py`); ngram: vllm-gaudi's (below)."""
+        if self.speculative_config.method in EAGLE_METHODS:
+            return propose_eagle(self, sampled_token_ids)
+        return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
 
     def _use_unified_graphs(self, attn_metadata) -> bool:
         """HPU graphs only for buckets warmed at start-up: an unpadded step has a shape of its own,
