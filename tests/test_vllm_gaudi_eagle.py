@@ -85,13 +85,21 @@ def test_eagle_through_the_unified_runner(runs, method):
 
 
 def test_eagle_with_a_bucket_plan(runs):
-    """With a warmed bucket plan made for 3 drafts: the drafter's first pass is the target's padded step, and its
-    single-token steps pad to the plan's buckets too (recorded as steps of one row per request); same tokens
-    and counters as vLLM's."""
+    """With a warmed bucket plan made for 3 drafts, miss policy 'error': the drafter's first pass is the target's
+    padded step, and its single-token steps are planned with the same plan, so each found a bucket (a miss would
+    have stopped the engine); same tokens and counters as vLLM's. The recorded trace holds the drafter's steps:
+    after a step verifying 3 drafts, two steps of one token per request, each one position further."""
     got = runs["eagle_buckets"]
     assert f"warmed {got['num_buckets']} buckets through the model" in got["log"]
+    assert "miss policy 'error'" in got["log"]
     _assert_same_as_vllm(got, runs["ref_eagle"])
     steps = runs["bucket_steps"]
-    drafter_steps = [s for s in steps if set(s["query_lens"]) == {1} and len(s["query_lens"]) > 1]
-    assert drafter_steps, "no single-token step of several requests was planned"
-    assert all(s.get("bucket") for s in drafter_steps[:5]), drafter_steps[:5]
+
+    def drafter_steps_after(i):
+        a, b = steps[i + 1], steps[i + 2]
+        n = len(steps[i]["query_lens"])
+        return (len(a["query_lens"]) == len(b["query_lens"]) == n and set(a["query_lens"]) == set(b["query_lens"]) == {1}
+                and [c + 1 for c in a["context_lens"]] == b["context_lens"])
+
+    verifying = [i for i, s in enumerate(steps[:-2]) if 1 + K in s["query_lens"]]
+    assert verifying and all(drafter_steps_after(i) for i in verifying)

@@ -44,7 +44,7 @@ def propose_eagle(runner, sampled: list[list[int]]) -> torch.Tensor:
     rows = next(iter(metadata.values())).batch.bucket.query_len
     counts = np.fromiter((len(sampled[i]) for i in range(n)), dtype=np.int64, count=n)
     # A request's last valid row: after its accepted drafts (a verifying decode), else its last row.
-    last = np.where(np.arange(n) < runner.num_listed_decodes, counts - 1, step.query_lens - 1)
+    last = np.where((np.arange(n) < runner.num_listed_decodes) & (counts > 0), counts - 1, step.query_lens - 1)
     first_row = np.cumsum(step.query_lens) - step.query_lens
     req, pos = token_positions(step, rows)
     width = runner.input_batch.token_ids_cpu.shape[1]
