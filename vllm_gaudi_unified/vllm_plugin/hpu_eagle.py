@@ -38,7 +38,10 @@ def propose_eagle(runner, sampled: list[list[int]]) -> torch.Tensor:
 
     `sampled[i]`: the tokens request i sampled this step (accepted drafts then the bonus or correction
     token; empty for a prompt chunk that does not sample)."""
-    step, (metadata, hidden, aux) = runner.last_step, runner._step_forward[:3]
+    if runner._step_forward is None:
+        raise RuntimeError("EAGLE drafts asked for a step the unified runner did not run (a warmup step?): the "
+                           "drafter's first pass reads that step's forward")
+    step, (metadata, hidden, aux) = runner.last_step, runner._step_forward
     k = runner.speculative_config.num_speculative_tokens
     n = len(step.req_ids)
     rows = next(iter(metadata.values())).batch.bucket.query_len
