@@ -141,6 +141,21 @@ def _row(r: dict) -> dict:
     return {k: float(r["result"][k]) for k in METRICS if k in r["result"]}
 
 
+def paired_ratios(runs: dict) -> dict:
+    """Median over rounds of plugin / vLLM within each round (a round's two runs share the host's load
+    more closely than the medians over all rounds do); a round whose vLLM value is 0 is left out."""
+    import numpy as np
+
+    out = {}
+    for name, key in (("tpot_p50", "median_tpot_ms"), ("tpot_mean", "mean_tpot_ms"),
+                      ("latency_mean", "mean_e2el_ms"), ("duration", "duration")):
+        r = [_row(p)[key] / _row(v)[key] for v, p in zip(runs["vLLM CPU attention"], runs["plugin"])
+             if _row(v).get(key)]
+        if r:
+            out[name] = float(np.median(r))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="rounds; each serves and benches both sides (default 2)")
@@ -185,9 +200,12 @@ def main(argv=None) -> int:
               "latency_mean": plug["mean_e2el_ms"] / ref["mean_e2el_ms"],
               "req_per_s": plug["request_throughput"] / ref["request_throughput"]}
     print("plugin / vLLM CPU attention: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    paired = paired_ratios(runs)
+    print("median over rounds of each round's plugin / vLLM (the two sides of a round ran a minute apart): "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in paired.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"table": table, "ratios": ratios, "runs": runs, "cpus": args.cpus,
-                                               "load_average_end": os.getloadavg()}, indent=1))
+        Path(args.json).write_text(json.dumps({"table": table, "ratios": ratios, "paired_ratios": paired, "runs": runs,
+                                               "cpus": args.cpus, "load_average_end": os.getloadavg()}, indent=1))
     return 0
 
 

@@ -41,7 +41,9 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
   `kernel_block_sizes=` argument vllm-gaudi's input batch passes to vLLM's
   `MultiGroupBlockTable` (0.32 has none; accepted when equal to the block sizes), and
   `MultiModalRegistry.supports_multimodal_inputs(model_config)` (0.32: the model config's
-  `supports_multimodal_inputs`), `KVCacheTensor.shared_by` (0.32: `layers`).
+  `supports_multimodal_inputs`), `KVCacheTensor.shared_by` (0.32: `layers`), and two 0.32 changes to
+  MLA layers that vllm-gaudi's MLA layer predates (`_bridge_mla_layers`: a cache tuple bound as it is,
+  the wrapper's `fuse_qkv_rmsnorm` at its default).
 - vLLM's kernel library: the build this CPU runs, picked as vLLM's CPU platform picks it
   (`Platform.import_kernels`, which vllm-gaudi's platform keeps, imports `vllm._C`: AVX-512 BF16 only).
 - vLLM's model inspection (a child process that would load vllm-gaudi's plugins without the
@@ -273,6 +275,7 @@ def install(device: str = "gaudi3", lazy: bool = False, memory_bytes: int = 512 
     _register_compile_backend()
     _provide_missing_vllm_names()
     _import_the_kernels_this_cpu_runs()
+    _bridge_mla_layers()  # after the kernel choice: importing vLLM's layers loads its kernel library
     _inspect_models_in_this_process()
     _STATE = state
     return state
@@ -324,6 +327,42 @@ def _provide_missing_vllm_names() -> None:
         # vllm-gaudi asks the registry; vLLM 0.32 moved the answer to the model config.
         MultiModalRegistry.supports_multimodal_inputs = lambda self, model_config: \
             model_config.supports_multimodal_inputs
+
+
+def _bridge_mla_layers() -> None:
+    """Two vLLM changes after vllm-gaudi's snapshot that stop any MLA model in vllm-gaudi (its own MLA
+    backend as well as the unified one) at start-up with vLLM 0.32:
+
+    - `MLAAttention.bind_kv_cache` (called by vLLM's `bind_kv_cache`, which vllm-gaudi's worker and runner
+      use) does `kv_cache.squeeze(1)` of vLLM's own page; vllm-gaudi binds its MLA cache tuple
+      `(latent_cache, None, None, None)`: `AttributeError: 'tuple' object has no attribute 'squeeze'`.
+      A tuple is bound as it is (what vllm-gaudi's `HPUMLAAttention.forward_impl` reads), as vllm-gaudi
+      itself does for the same change in `MambaBase.bind_kv_cache` (its patches.py);
+    - `MultiHeadLatentAttentionWrapper.forward` reads `self.fuse_qkv_rmsnorm`, which 0.32's `__init__` sets
+      (default False: opt-in) and vllm-gaudi's `HPUMultiHeadLatentAttentionWrapper.__init__` (which skips
+      the base `__init__`) does not: `AttributeError: ... no attribute 'fuse_qkv_rmsnorm'`. The class
+      gets 0.32's default.
+
+    Later vllm-gaudi versions make both changes themselves (`HPUMLAAttention.bind_kv_cache` keeping the
+    tuple, after vLLM #51718; `self.fuse_qkv_rmsnorm = False` in its wrapper, after vLLM #53906)."""
+    try:
+        from vllm.model_executor.layers.attention import MLAAttention
+        from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+    except ImportError:
+        return
+
+    bind = MLAAttention.bind_kv_cache
+    if not getattr(bind, "_standin", False):
+        def bind_kv_cache(self, kv_cache) -> None:
+            if isinstance(kv_cache, tuple):
+                self.kv_cache = kv_cache
+            else:
+                bind(self, kv_cache)
+
+        bind_kv_cache._standin = True
+        MLAAttention.bind_kv_cache = bind_kv_cache
+    if not hasattr(MultiHeadLatentAttentionWrapper, "fuse_qkv_rmsnorm"):
+        MultiHeadLatentAttentionWrapper.fuse_qkv_rmsnorm = False
 
 
 def _import_the_kernels_this_cpu_runs() -> None:

@@ -1,5 +1,4 @@
 """The upstream plan rebuilt from its rules: 107 graphs at the 8B setting, its lookup and its work."""
-import itertools
 
 import numpy as np
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import SPECS, Step, assert_matches, skip_unless_interpreter_indexes_loop_bounds
-from test_mla import MODES, H, L, R, mla_case
+from test_mla import MODES, H, L, mla_case
 from vllm_gaudi_unified import Bucket, attention
 from vllm_gaudi_unified.mla import latent_views, mla_attention
 from vllm_gaudi_unified.paths import mla_decode

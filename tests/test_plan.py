@@ -5,9 +5,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import SMALL_TILES, TILES, Step, assert_matches, make_tensors
+from conftest import TILES, Step, assert_matches, make_tensors
 from vllm_gaudi_unified import Bucket, PathWork, PlanOptions, pad_plan, plan_step
 from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention

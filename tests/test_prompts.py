@@ -19,7 +19,6 @@ from conftest import SMALL_TILES, TILES, Step, assert_matches, make_block_table,
 from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.bucket import with_prompts
 from vllm_gaudi_unified.plan import plan_step
-from vllm_gaudi_unified.reference import reference_attention
 
 UNFUSED = replace(SMALL_TILES, fused_kernels=False)  # the Partial form through the matmul tiles
 

@@ -234,8 +234,11 @@ def gaudi():
     original_forward = attention.Attention.forward
     was_installed = habana_standin.state() is not None
     state = habana_standin.install()
-    import vllm_gaudi.ops.hpu_attention  # noqa: F401  (replaces Attention.forward, as its 02.hpu_custom_ops does)
+    # vllm-gaudi replaces Attention.forward when its ops module is imported, as its 02.hpu_custom_ops does.
+    # The import runs once per process: a later module's fixture (after the teardown below) puts it back.
+    import vllm_gaudi.ops.hpu_attention as hpu_attention
 
+    attention.Attention.forward = hpu_attention.patched_attention_forward
     yield state
     attention.Attention.forward = original_forward
     if not was_installed:

@@ -22,7 +22,7 @@ import fused_standin  # noqa: E402
 from conftest import SMALL_TILES, SPECS, Step, assert_matches  # noqa: E402
 from test_fp8_kv_cache import FP8, SCALE_FORMS, _fp8_case  # noqa: E402
 
-from vllm_gaudi_unified import Bucket, PlanOptions, attention, build_unified_batch, unified_attention  # noqa: E402
+from vllm_gaudi_unified import Bucket, attention, build_unified_batch, unified_attention  # noqa: E402
 from vllm_gaudi_unified.paths import fused, unique  # noqa: E402
 from vllm_gaudi_unified.paths.kv_quant import quantize  # noqa: E402
 from vllm_gaudi_unified.reference import reference_attention  # noqa: E402

@@ -143,9 +143,25 @@ def mla_prompts() -> list[dict]:
     return [wave1, wave2]
 
 
-def run_mla(model: str, out: str, ngram: int = 0) -> None:
-    """Both waves with one engine in this process; greedy but n=2 (temperature 0.8, seed 5 per request)."""
+def run_mla(model: str, out: str, ngram: int = 0, gaudi_standin: bool = False) -> None:
+    """Both waves with one engine in this process; greedy but n=2 (temperature 0.8, seed 5 per request).
+    `gaudi_standin`: through vllm-gaudi's platform on the CPU (`vllm_helpers.gaudi_standin_context`), blocks
+    of 16 as vLLM's CPU platform gives MLA models, and the n=2 request without its own seed: vllm-gaudi's
+    runner makes a seeded request's generator with `torch.Generator(device="hpu")`, which the stand-in's
+    CPU cannot ("Backend doesn`t support getNewGenerator()"); it draws from the engine's seed instead."""
+    import contextlib
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    device = vllm_helpers.gaudi_standin_context("float32") if gaudi_standin else contextlib.nullcontext()
+    with device:
+        if gaudi_standin:
+            # vllm-gaudi's 03.hpu_custom_models plugin (left out here: it imports torchvision) patches vLLM's
+            # DeepseekV2Model.forward for its [batch, seq] inputs; this module of it is that patch alone.
+            import vllm_gaudi.models.deepseek_v2  # noqa: F401
+        _run_mla(model, out, ngram, dict(block_size=16) if gaudi_standin else {}, request_seed=not gaudi_standin)
+
+
+def _run_mla(model: str, out: str, ngram: int, extra: dict, request_seed: bool = True) -> None:
     from vllm import LLM, SamplingParams
 
     spec = None
@@ -154,13 +170,13 @@ def run_mla(model: str, out: str, ngram: int = 0) -> None:
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
               max_model_len=vllm_helpers.MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64,
               enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
-              speculative_config=spec, compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+              speculative_config=spec, compilation_config={"custom_ops": ["all", "-rotary_embedding"]}, **extra)
     results = {}
     for wave in mla_prompts():
         if ngram:  # greedy requests only: see the module docstring
             wave = [r for r in wave if r.get("n", 1) == 1]
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.8 if r.get("n", 1) > 1 else 0.0,
-                                 seed=5 if r.get("n", 1) > 1 else None, logprobs=2, n=r.get("n", 1),
+                                 seed=5 if r.get("n", 1) > 1 and request_seed else None, logprobs=2, n=r.get("n", 1),
                                  prompt_logprobs=1 if r.get("prompt_logprobs") else None, detokenize=False,
                                  ignore_eos=True) for r in wave]
         outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in wave], params, use_tqdm=False)
@@ -190,6 +206,9 @@ def main(argv=None) -> int:
     ml.add_argument("--model", required=True)
     ml.add_argument("--out", required=True)
     ml.add_argument("--ngram", type=int, default=0, help="ngram speculative tokens (0: none)")
+    ml.add_argument("--gaudi-standin", action="store_true",
+                    help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
+                         "VLLM_GAUDI_UNIFIED for the unified runner)")
     args = parser.parse_args(argv)
     if args.cmd == "make-bert":
         make_tiny_bert(args.path)
@@ -198,7 +217,7 @@ def main(argv=None) -> int:
     elif args.cmd == "embed":
         run_embed(args.model, args.out)
     else:
-        run_mla(args.model, args.out, args.ngram)
+        run_mla(args.model, args.out, args.ngram, args.gaudi_standin)
     return 0
 
 

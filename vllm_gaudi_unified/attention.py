@@ -78,15 +78,13 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     bucket's `query_len` rows already (views of the runner's padded tensors, or
     `BucketRows`). Returns `[query_len, Hq, Dv]` in query's dtype.
 
-    `dense_decodes`: a step of decodes only on the CPU runs as one masked SDPA over a padded
-    block table (`paths/decodes.py`: eager CPU steps pay per op; vLLM's CPU platform sets it);
-    `self_slots`: there, the cache slots the new tokens' K/V were written to (`[requests]`, all >= 0).
+    `dense_decodes`: the decodes of a step of decodes, or of decodes beside prompts on the prompt route,
+    on the CPU run as one SDPA over a padded table of their keys (`paths/decodes.py`: eager CPU steps
+    pay per op; vLLM's CPU platform sets it), the prompts as one `prompt_final` call;
+    `self_slots`: there, the cache slots the new tokens' K/V were written to (`[tokens]`, all >= 0).
     """
     if logits_soft_cap is not None and math.isinf(logits_soft_cap):
         logits_soft_cap = None  # cap * tanh(s / cap) -> s; computing it would give inf * 0 = NaN
-    if (dense_decodes and not isinstance(batch, InvariantBatch)
-            and dense_decodes_apply(batch, query, key_cache, logits_soft_cap, sinks, k_scale)):
-        return dense_decodes_attention(query, key, value, key_cache, value_cache, batch, scale, self_slots)
     padded = query.shape[0]
     prompts = not isinstance(batch, InvariantBatch) and batch.bucket.num_prompts > 0
     final = prompts and final_rows(batch, query, logits_soft_cap, sinks)
@@ -95,6 +93,14 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     if final and batch.plan.prompts_only:  # every token on the prompt route: one call, nothing else
         rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale, flash)
         return write_rows(None, batch.prompt_rows, rows, padded)
+    if (dense_decodes and not isinstance(batch, InvariantBatch) and (final or not prompts)
+            and dense_decodes_apply(batch, query, key_cache, logits_soft_cap, sinks, k_scale)):
+        out = dense_decodes_attention(query, key, value, key_cache, value_cache, batch, scale, self_slots)
+        if final:  # the prompts' rows, final, beside the decodes'
+            out = write_rows(out, batch.prompt_rows.clamp(max=padded),
+                             prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale,
+                                          flash))
+        return out
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
         partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
                                       k_scale, v_scale)]

@@ -147,8 +147,8 @@ def _layout(batch, device):
     hit = _LAYOUTS.get(batch)
     if hit is not None and hit[0] == device:
         return hit[1]
-    table, visible, unread = decode_layout(batch)
-    visible = visible[:, :-1]
+    layout = decode_layout(batch)  # a step of decodes only (`mla_unique_route`): row r is token r
+    table, visible, unread = layout.table, layout.visible[:, :-1], layout.unread_rows
     bs, width = batch.block_size, table.shape[1]
     blocks = math.ceil(width / bs)
     step = max(1, _pow2(blocks) // 8)  # eight widths per octave: under 1/4 padding, few shapes

@@ -167,7 +167,7 @@ class GaudiUnifiedMetadata:
     num_tokens: int  #: real new tokens of the step; vLLM may hand forward() more rows (padding), never fewer
     rows: BucketRows | None = None  #: q/k/v at the bucket's rows (the builder's, kept from step to step)
     #: the cache slots of the new tokens when every one is cached (no -1): the CPU's dense decode route
-    #: reads them from the cache with the rest (`paths/decodes.py`)
+    #: reads the decodes' new keys from the cache with the rest (`paths/decodes.py`)
     self_slots: torch.Tensor | None = None
     checked: bool = False  #: the step's inputs were checked (by its first layer)
 
@@ -219,7 +219,7 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
             self.hooks.after_plan(batch, query_lens, context_lens, block_table)
         num_tokens = batch.num_tokens
         slots = cm.slot_mapping[:num_tokens].long()
-        cached = slots.device.type == "cpu" and num_tokens == batch.num_requests and bool((slots >= 0).all())
+        cached = slots.device.type == "cpu" and bool((slots >= 0).all())
         return GaudiUnifiedMetadata(batch=batch, slot_mapping=slots, num_tokens=num_tokens, rows=self.rows,
                                     self_slots=slots if cached else None)
 

@@ -113,6 +113,9 @@ class UnifiedHpuMetadata:
 
     batch: UnifiedBatch  #: the plan, padded to its bucket when a bucket plan is active, on the model's device
     slot_mapping: torch.Tensor  #: [T] int64 cache slot of each model input row; padding rows: the padding block
+    #: vllm-gaudi's MLA layer (`HPUMLAAttention.forward_impl`) branches on it: False sends every token of the
+    #: step, prompts included, through its absorbed branch, the impl's `forward_mqa` (`hpu_mla.py`)
+    is_prompt: ClassVar[bool] = False
 
 
 class UnifiedMetadataProcessor(HPUAttentionMetadataProcessor):

@@ -7,8 +7,9 @@ is vllm-gaudi's. `entry.platform_plugin` names it only where an HPU (or the
 tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
-multimodal models and LoRA adapters (`refuse_unserved_models`), speculative decoding other than ngram and
-EAGLE / EAGLE3 (whose drafter runs unified batches, `hpu_eagle.py`), a vllm-gaudi whose overridden methods differ from the ones checked
+multimodal models, sparse (DSA) MLA models and LoRA adapters (`refuse_unserved_models`), speculative decoding
+other than ngram and EAGLE / EAGLE3 (whose drafter runs unified batches, `hpu_eagle.py`), a vllm-gaudi whose
+overridden methods differ from the ones checked
 (`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
 are the backend's to accept (`hpu_backend.py`). Async scheduling runs as vllm-gaudi
 runs it (the runner takes the previous step's samples on the device), except under
@@ -114,6 +115,10 @@ def refuse_unserved_models(vllm_config) -> None:
         problems.append(f"multimodal inputs ({model.architecture}: vllm-gaudi runs the vision encoder and builds "
                         "inputs_embeds / multimodal kwargs / M-RoPE positions inside its own prefill batching, "
                         "which the unified runner replaces)")
+    topk = getattr(getattr(model, "hf_text_config", None), "index_topk", None) if model is not None else None
+    if model is not None and model.use_mla and topk is not None:
+        problems.append(f"sparse (DSA) MLA layers (index_topk {topk}: vllm-gaudi builds them as dense MLA, exact "
+                        "only while a sequence has no more than index_topk tokens)")
     if vllm_config.lora_config is not None:
         problems.append("LoRA adapters (vllm-gaudi maps adapters to tokens per padded prompt of its own batches, "
                         "[batch, seq]; the unified step is one flat [1, tokens] batch: the mapping would be wrong)")
@@ -152,6 +157,12 @@ class UnifiedHpuPlatform(HpuPlatform):
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionBackend, register_hpu_backend
 
+        if attn_selector_config.use_mla:  # latent caches in vllm-gaudi's MLA layout (hpu_mla.py)
+            from vllm_gaudi_unified.vllm_plugin.hpu_mla import UnifiedHpuMLABackend, register_hpu_mla_backend
+
+            register_hpu_mla_backend()
+            return select_unified_backend(attn_selector_config, UnifiedHpuMLABackend,
+                                          where="vllm-gaudi's MLA layer, one unified batch per step in latent space")
         register_hpu_backend()
         return select_unified_backend(attn_selector_config, UnifiedHpuAttentionBackend,
                                       where="vllm-gaudi's model runner, one unified batch per step")

@@ -87,7 +87,7 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         if hasattr(getattr(self, "drafter", None), "model"):  # EAGLE: its drafter runs unified batches too
             drafter_adapter(self).metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
         logger.info("Unified attention: vllm-gaudi's model runner plans every step as one unified batch "
-                    "(backend %s).", UnifiedHpuAttentionBackend.get_name())
+                    "(backend %s).", self.attn_backend.get_name())
 
     def _model_adapter(self) -> HpuModelAdapter:
         model = self.model

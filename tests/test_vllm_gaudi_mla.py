@@ -1,0 +1,275 @@
+"""MLA on the Gaudi path: vllm-gaudi's MLA layer with the unified MLA impl, on the CPU stand-in.
+
+- b. a layer through vllm-gaudi's own `HPUMLAAttention.forward` (what its replaced
+  `MultiHeadLatentAttentionWrapper` builds), with its calling convention (query `[T, H, P + R]`,
+  `kv_c_normed` `[T, L]`, `k_pe` `[T, 1, R]`) and MLA cache (`(latent_cache, None, None, None)`,
+  `latent_cache` `[(num_blocks + 1) * block_size, L + R]`), its weights packed by its own
+  `process_weights_after_loading` from a `kv_b_proj`, against the dense expanded MLA reference
+  (`reference.reference_mla`): float64 1e-6, bf16 1e-2; ragged steps, a shared prefix, a chunked
+  prompt over its context, NaN in every cache slot no request may read (the padding block included);
+- d. a whole tiny DeepSeek-V2 generation (kv_lora_rank 512 + rope 64, the CPU e2e test's model)
+  through vllm-gaudi's platform, worker, runner and MLA layers with the unified runner, against vLLM's
+  CPU_MLA (`test_generation_*`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from test_vllm_gaudi import GAUDI_PLUGINS, _env, gaudi  # noqa: F401, I001 (also: the module's skips)
+from conftest import Step, assert_matches, make_block_table
+
+from vllm_gaudi_unified import PlanOptions, build_unified_batch
+from vllm_gaudi_unified.reference import reference_mla
+
+pytestmark = pytest.mark.vllm
+
+#: (L, R, P, V, H): latent, rope, per-head nope and value dims, query heads. "small" keeps fp64 fast;
+#: "deepseek" is the latent of DeepSeek-V2/V3 (512 + 64) with the tiny model's per-head dims.
+SHAPES = {"small": (32, 16, 16, 24, 4), "deepseek": (512, 64, 32, 32, 4)}
+
+#: Steps (block size 16): prompts over no context and decodes in one step (ragged), decodes, a prompt
+#: chunk over its cached context, a shared prefix read by decodes and chunks.
+STEPS = {
+    "mixed_ragged": Step([9, 1, 1, 4, 17], [0, 37, 16, 21, 0], 16),
+    "decodes": Step([1] * 6, [5, 17, 1, 32, 9, 64], 16),
+    "chunk_over_context": Step([24], [40], 16),
+    "shared_prefix": Step([1, 1, 3, 5], [32, 35, 40, 32], 16, prefix_groups=[([0, 1, 2, 3], 2)]),
+}
+OPTIONS = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=16)
+
+
+def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype):
+    """vllm-gaudi's `HPUMLAAttention` with the unified MLA backend, made as its wrapper makes it; W_UK / W_UV
+    packed from a `kv_b_proj` by the layer's own `process_weights_after_loading`."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm_gaudi.attention.oot_mla import HPUMLAAttention
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_mla import UnifiedHpuMLABackend, register_hpu_mla_backend
+
+    L, R, P, V, H = shape
+    register_hpu_mla_backend()
+    # kv_b_proj: latent -> per head [nope | value], as the checkpoint stores it ([H * (P + V), L]).
+    kv_b_proj = torch.nn.Linear(L, H * (P + V), bias=False, dtype=dtype)
+    kv_b_proj.quant_method = None  # unquantized, as vLLM's linear layers say it
+    with torch.no_grad():
+        kv_b_proj.weight.copy_(torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).reshape(H * (P + V), L))
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        layer = HPUMLAAttention(num_heads=H, scale=(P + R) ** -0.5, qk_nope_head_dim=P, qk_rope_head_dim=R,
+                                v_head_dim=V, q_lora_rank=None, kv_lora_rank=L, kv_b_proj=kv_b_proj, prefix=name,
+                                attn_backend=UnifiedHpuMLABackend)
+        layer.process_weights_after_loading(dtype)
+    layer.use_direct_call = True  # vllm-gaudi's platform has no opaque attention op: the layer calls its impl
+    return layer, config
+
+
+def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str = "mla"):
+    """-> (vllm-gaudi's MLA layer output [T, H, V], the dense reference, the flat cache, the slots,
+    the cache the impl attended to)."""
+    from vllm.forward_context import set_forward_context
+
+    from vllm_gaudi_unified.vllm_plugin import hpu_mla
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
+
+    L, R, P, V, H = shape
+    rng = np.random.default_rng(seed)
+    table, num_blocks = make_block_table(step, rng)
+    table = np.where(table < 0, 0, table)  # vLLM's block tables hold 0 past a request's blocks
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=g, dtype=torch.float64)).to(dtype)
+    t, bs = sum(step.query_lens), step.block_size
+    q = rand(t, H, P + R)
+    kv_c, k_pe = rand(t, L), rand(t, 1, R)
+    w_uk, w_uv = rand(H, P, L, scale=L ** -0.5), rand(H, L, V, scale=L ** -0.5)
+    blocks = rand(num_blocks, bs, L + R)
+    readable = torch.zeros(num_blocks, bs, dtype=torch.bool)
+    for r, c in enumerate(step.context_lens):
+        for pos in range(c):
+            readable[table[r, pos // bs], pos % bs] = True
+    blocks[~readable] = float("nan")
+    # vllm-gaudi's MLA cache: num_blocks + 1 blocks flattened to slots, the extra one NaN too.
+    cache = torch.full(((num_blocks + 1) * bs, L + R), float("nan"), dtype=dtype)
+    cache[:num_blocks * bs] = blocks.reshape(-1, L + R)
+    layer, config = _mla_layer(name, shape, w_uk, w_uv, dtype)
+    layer.kv_cache = (cache, None, None, None)  # what vllm-gaudi's runner binds to an MLA layer
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, options=OPTIONS)
+    req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
+    starts = np.cumsum(step.query_lens) - step.query_lens
+    pos = np.asarray(step.context_lens)[req] + np.arange(len(req)) - starts[req]
+    slots = torch.from_numpy(table[req, pos // bs] * bs + pos % bs)
+    attended = []
+    run = hpu_mla.mla_attention
+
+    def spy(query, latent, latent_cache, *args, **kwargs):
+        attended.append(latent_cache)
+        return run(query, latent, latent_cache, *args, **kwargs)
+
+    hpu_mla.mla_attention = spy
+    try:
+        with set_forward_context({layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=slots)}, config):
+            out = layer(q, kv_c, k_pe, output_shape=torch.Size((t, H * V)))
+    finally:
+        hpu_mla.mla_attention = run
+    assert out.shape == (t, H * V)
+    latent = torch.cat([kv_c, k_pe.flatten(1)], dim=-1)
+    ref = reference_mla(q[..., :P], q[..., P:], latent, blocks, w_uk, w_uv, step.query_lens, step.context_lens,
+                        table, layer.scale, L)
+    return out.reshape(t, H, V), ref, cache, slots, attended
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_mla_layer_through_vllm_gaudi_forward(gaudi, name, shape):
+    """fp64: the layer's output (absorbed query, latent attention, W_UV) equals the expanded reference to 1e-6;
+    the impl attended to vllm-gaudi's cache tensor itself (a view, no copy), into which the layer wrote the
+    step's latents."""
+    out, ref, cache, slots, attended = _mla_case(STEPS[name], SHAPES[shape], name=f"b.mla.{name}.{shape}")
+    assert_matches(out, ref)
+    assert len(attended) == 1 and attended[0].data_ptr() == cache.data_ptr()
+    assert attended[0].shape == (cache.shape[0] // 16, 16, cache.shape[1])
+    assert torch.isfinite(cache[slots]).all()
+
+
+@pytest.mark.parametrize("name", ["mixed_ragged", "chunk_over_context", "shared_prefix"])
+def test_mla_layer_bf16(gaudi, name):
+    out, ref, _, _, _ = _mla_case(STEPS[name], SHAPES["deepseek"], dtype=torch.bfloat16, name=f"b.mla16.{name}")
+    assert out.dtype == torch.bfloat16
+    assert_matches(out, ref)
+
+
+def test_gaudi_platform_selects_the_mla_backend(gaudi):
+    """vllm-gaudi's platform with unified attention picks the Gaudi MLA backend for MLA layers (it refused them
+    before: "MLA not supported" from the decoder backend); what that backend does not serve fails at selection."""
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_platform import UnifiedHpuPlatform
+
+    def select(**kw):
+        base = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=128, use_mla=True)
+        return UnifiedHpuPlatform.get_attn_backend_cls(None, AttentionSelectorConfig(**{**base, **kw}))
+
+    assert select() == "vllm_gaudi_unified.vllm_plugin.hpu_mla.UnifiedHpuMLABackend"
+    assert select(kv_cache_dtype="bfloat16", block_size=16, dtype=torch.float32)
+    for kw, reason in ((dict(kv_cache_dtype="fp8_inc"), "kv_cache_dtype not supported"),
+                       (dict(head_size=20), "head_size not supported"), (dict(block_size=8), "block_size not supported"),
+                       (dict(use_sparse=True), "sparse not supported"), (dict(has_sink=True), "sinks not supported")):
+        with pytest.raises(ValueError, match=reason):
+            select(**kw)
+
+
+def test_sparse_mla_models_are_refused(gaudi):
+    """DeepSeek-V3.2-style models (DSA: `index_topk` in the config) are refused at start-up, not run as dense MLA."""
+    from types import SimpleNamespace
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_platform import refuse_unserved_models
+
+    def config(**hf):
+        model = SimpleNamespace(is_multimodal_model=False, use_mla=True, hf_text_config=SimpleNamespace(**hf))
+        return SimpleNamespace(model_config=model, lora_config=None)
+
+    refuse_unserved_models(config())
+    with pytest.raises(NotImplementedError, match="sparse \\(DSA\\) MLA layers \\(index_topk 2048"):
+        refuse_unserved_models(config(index_topk=2048))
+
+
+def test_mla_impl_refusals(gaudi):
+    """What the Gaudi MLA impl does not serve stops at construction or names the metadata it was given."""
+    from vllm_gaudi_unified.vllm_plugin.hpu_mla import UnifiedHpuMLAImpl
+
+    shape = SHAPES["small"]
+    layer, _ = _mla_layer("b.mla.refuse", shape, torch.zeros(4, 16, 32), torch.zeros(4, 32, 24), torch.float32)
+    impl = layer.impl
+    assert isinstance(impl, UnifiedHpuMLAImpl)
+    with pytest.raises(TypeError, match="HPUAttentionMetadata.*unified model runner"):
+        from vllm_gaudi.attention.backends.hpu_attn import HPUAttentionMetadata
+        md = HPUAttentionMetadata.__new__(HPUAttentionMetadata)
+        impl.forward_mqa(torch.zeros(2, 4, 32), torch.zeros(2, 4, 16), (torch.zeros(32, 48),), md)
+    with pytest.raises(RuntimeError, match="forward_mha reached"):
+        impl.forward_mha(None, None, None, None)
+    kwargs = dict(num_heads=4, head_size=48, scale=1.0, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+                  logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, q_lora_rank=None,
+                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, qk_head_dim=32, v_head_dim=24,
+                  kv_b_proj=layer.kv_b_proj)
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype 'fp8_inc'"):
+        UnifiedHpuMLAImpl(kv_cache_dtype="fp8_inc", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------- d. generation
+
+LOGPROB_ATOL = 1e-4  # the CPU e2e tests' bound (tests/test_vllm_e2e.py explains it)
+
+
+def _mla_engine(model: str, out: str, gaudi: bool, **env) -> tuple[dict, str]:
+    """`vllm_model_helpers.py mla` (the CPU MLA e2e scenario) in a subprocess; through vllm-gaudi's platform,
+    worker, runner and MLA layers on the stand-in with the unified runner when `gaudi`."""
+    import vllm_model_helpers as M
+
+    if not gaudi:
+        return M.run_engine("mla", model, out)
+    path = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])
+    return M.run_engine("mla", model, out, "--gaudi-standin", VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1",
+                        PYTHONPATH=path, **env)
+
+
+@pytest.fixture(scope="module")
+def mla_generations(tmp_path_factory):
+    import vllm_model_helpers as M
+    from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+    from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+    import vllm_helpers as H
+
+    root = tmp_path_factory.mktemp("d_mla")
+    model = M.make_tiny_deepseek(str(root / "ds"))
+    # The scenario's server settings (vllm_model_helpers.run_mla: blocks of 16, 8 sequences, 64-token budget).
+    plan = exponential_plan(ServerSettings(block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                                           max_model_len=H.MAX_MODEL_LEN, num_blocks=256), base=8.0)
+    plan.save(str(root / "plan.json"))
+    return {
+        "ref": _mla_engine(model, str(root / "ref.json"), gaudi=False),
+        "unified": _mla_engine(model, str(root / "unified.json"), gaudi=True),
+        "unified_buckets": _mla_engine(model, str(root / "buckets.json"), gaudi=True,
+                                       VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json")) + (len(plan),),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["unified", "unified_buckets"])
+def test_deepseek_v2_generation_through_the_unified_runner(mla_generations, run):
+    """The tiny DeepSeek-V2 of the CPU MLA e2e test (kv_lora_rank 512 + rope 64) through vllm-gaudi's platform,
+    worker, model runner, MLA layers (`HPUMLAAttention`) and sampling with the unified runner and MLA impl, on
+    the CPU stand-in, chunked prefill and prefix caching on (64-token budget): the same tokens as vLLM's CPU_MLA
+    (which runs without either), logprobs within 1e-4. With a bucket plan every bucket runs through the whole
+    model at start-up, then every step is padded to its bucket. n=2: vllm-gaudi's runner draws in its own
+    batch order without a per-request seed off-HPU (vllm_model_helpers.run_mla), so its first token's top
+    logprobs are compared."""
+    ref, ref_log = mla_generations["ref"]
+    got, log = mla_generations[run][:2]
+    assert "Using CPU_MLA backend" in ref_log
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_MLA" in log
+    assert "vllm-gaudi's model runner plans every step as one unified batch (backend GAUDI_UNIFIED_HPU_MLA)" in log
+    assert got["chunked_prefill"] and got["prefix_caching"] and got["block_size"] == 16
+    if run == "unified_buckets":
+        assert f"warmed {mla_generations[run][2]} buckets through the model" in log
+    import vllm_helpers as H
+
+    random_cases = {"parallel_n2"}
+    report = H.compare_results(got, ref)
+    assert len(report) == 9
+    worst = 0.0
+    for case, r in report.items():
+        if case in random_cases:
+            for a, b in zip(got["results"][case]["samples"], ref["results"][case]["samples"]):
+                first_a, first_b = a["logprobs"][0], b["logprobs"][0]
+                common = first_a.keys() & first_b.keys()
+                assert len(common) >= 2, (case, first_a, first_b)
+                worst = max(worst, max(abs(first_a[t] - first_b[t]) for t in common))
+            continue
+        assert r["tokens_identical"], (case, r)
+        worst = max(worst, r["max_abs_logprob_diff"])
+    assert worst <= LOGPROB_ATOL, worst
+    print(run, "max |dlogprob| vs vLLM CPU_MLA", worst)
