@@ -541,18 +541,27 @@ def test_ctrl_c_reaching_the_worker_processes_is_still_one_line(tmp_path):
 def test_a_ctrl_c_while_the_workers_fork_waits_for_the_fork_to_end():
     """The CI failure: a Ctrl-C that came while the pool forked hit Python's fork hooks, which print and drop
     the KeyboardInterrupt, so `evaluate` ran on to exit 0. Now SIGINT is held while forking: here it is
-    delivered when the hold ends, and in a worker it is dropped once the worker ignores it."""
+    raised when the hold ends, and in a worker it is recorded, never raised, until the worker ignores it.
+    Threads are running (the kernel may hand the signal to any of them; Python runs handlers in the main one)."""
+    import threading
+
     from vllm_gaudi_unified.tools import shapes
 
     got = []
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
     previous = signal.signal(signal.SIGINT, lambda *_: got.append("delivered"))
     try:
         with shapes._sigint_held():
             os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # any thread: the handler runs in the main thread, at the next bytecode
             pid = os.fork()
-            if pid == 0:  # a worker: held on arrival, then ignored; os._exit(0) only if it survived
+            if pid == 0:  # a worker: the inherited hold records it; os._exit(0) only if it survived
                 os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
                 shapes._ignore_sigint()
+                os.kill(os.getpid(), signal.SIGINT)
                 os._exit(0 if not got else 3)
             assert got == []
         assert got == ["delivered"]
@@ -560,3 +569,5 @@ def test_a_ctrl_c_while_the_workers_fork_waits_for_the_fork_to_end():
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         signal.signal(signal.SIGINT, previous)
+        stop.set()
+        thread.join()

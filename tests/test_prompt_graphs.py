@@ -106,7 +106,9 @@ def test_learning_respects_the_count_and_refuses_a_bad_one(plan):
 
 
 def test_warmup_runs_the_prompt_graphs_too(plan):
-    small = replace(plan, buckets=[plan.buckets[0], plan.buckets[-1]])
+    alone, _ = learn_prompt_graphs(plan, [trace_step(Step([33], [0], 4))])  # a prompt alone: phase '---'
+    assert [g.phase for g in alone] == ["---"] and alone[0].prompts == (1, 64, 0)
+    small = replace(plan, buckets=[plan.buckets[0], plan.buckets[-1]], prompt_graphs=plan.prompt_graphs + alone)
     report = warmup(small, device="cpu", mode="eager", dtype=torch.float32, progress=False)
     assert report.buckets == small.buckets + small.prompt_graphs and not report.skipped
 

@@ -305,19 +305,22 @@ def test_bucket_plan_inside_vllm(mha, tmp_path):
     run = _run_engine(mha["model"], str(tmp_path / "bucketed.json"), VLLM_GAUDI_UNIFIED="1",
                       VLLM_GAUDI_UNIFIED_BUCKETS=plan_path, VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace,
                       VLLM_LOGGING_LEVEL="DEBUG")
-    assert f"warmed {len(plan)} buckets" in run["log"]
+    graphs = plan.buckets + plan.prompt_graphs  # the buckets and the prompt graphs learned beside them
+    assert plan.prompt_graphs, "the trace's prompt steps gave no prompt graph"
+    assert f"warmed {len(graphs)} buckets" in run["log"]
     # issue 24: a line per bucket in vLLM's log as warmup goes, with the time left
     progress = re.findall(r"warmup (\d+)/(\d+): bucket (\S+) in [\d.]+ s \([\d.]+ s so far, about .+ left\)", run["log"])
-    assert [(int(i), int(n)) for i, n, _ in progress] == [(i, len(plan)) for i in range(1, len(plan) + 1)]
-    assert {b for _, _, b in progress} == {str(b) for b in plan.buckets}
+    assert [(int(i), int(n)) for i, n, _ in progress] == [(i, len(graphs)) for i in range(1, len(graphs) + 1)]
+    assert {b for _, _, b in progress} == {str(b) for b in graphs}
     logged = re.findall(r"unified attention step: phase (\S+), bucket (\S+), step shape (\S+),", run["log"])
     steps = _read_trace(trace)
     assert len(logged) == len(steps) > 0, "one debug line per planned step"
-    names = {str(b) for b in plan.buckets}
+    names = {str(b) for b in graphs}
     for phase, bucket, shape in logged:
         assert bucket in names, f"step {shape} ran in {bucket}, which is not a bucket of the plan"
         assert bucket.split(":")[0] == phase
     assert any(b != s for _, b, s in logged), "no step was padded"
+    assert any(":p" in b for _, b, _ in logged), "no step ran on the prompt route in a prompt graph"
     for case in CASES:
         assert_same_results(run, mha["ref"], case)
 
@@ -338,10 +341,10 @@ def test_auto_bucket_plan(mha, tmp_path):
 
     run = _run_engine(mha["model"], str(tmp_path / "auto.json"), VLLM_GAUDI_UNIFIED="1",
                       VLLM_GAUDI_UNIFIED_BUCKETS="auto", VLLM_LOGGING_LEVEL="DEBUG")
-    planned = re.search(r"bucket plan auto, (\d+) buckets", run["log"])
-    assert planned
+    planned = re.search(r"bucket plan auto, (\d+) buckets, (\d+) prompt graphs", run["log"])
+    assert planned and int(planned.group(2)) > 0, "the auto plan learned no prompt graph"
     warmed = re.search(r"warmed (\d+) buckets", run["log"])
-    assert warmed and warmed.group(1) == planned.group(1), run["log"][-4000:]
+    assert warmed and int(warmed.group(1)) == int(planned.group(1)) + int(planned.group(2)), run["log"][-4000:]
     assert "warmup skips" not in run["log"]
     logged = re.findall(r"unified attention step: phase \S+, bucket (\S+), step shape (\S+),", run["log"])
     assert logged and any(b != s for b, s in logged), "steps were not padded"

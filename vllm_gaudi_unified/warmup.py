@@ -81,7 +81,9 @@ def with_prompt(step, bucket: Bucket, block_size: int, options, sliding_window=N
     from vllm_gaudi_unified.plan import plan_step
 
     q, ctx, table = step
-    own = int(table.max()) + 1 if table.size else 0
+    if ((q == 1) & (ctx == 0)).all():  # phase '---': that token would join the route as a prompt of its own
+        q, ctx, table = q[:0], ctx[:0], table[:0]
+    own = int(table.max()) + 1 if table.size else 1
     width = max(table.shape[1], 1)
     row = np.zeros((1, width), np.int64)
     row[0, 0] = own

@@ -330,8 +330,8 @@ def shapes_of_trace(trace: str | Trace, settings: ServerSettings, jobs: int | No
     else:
         # The workers ignore SIGINT: a Ctrl-C reaches the whole process group, and only this process says
         # it was interrupted (one line); the queued chunks are dropped instead of run to the end. SIGINT
-        # stays blocked while the workers fork: one arriving then would otherwise hit a fork hook, where
-        # Python prints and drops the KeyboardInterrupt, in a child that does not ignore it yet and here.
+        # is held while the workers fork: one arriving then would otherwise hit a fork hook, where Python
+        # prints and drops the KeyboardInterrupt, in a child that does not ignore it yet and here.
         with _sigint_held():
             pool = ProcessPoolExecutor(jobs, initializer=_ignore_sigint)
             planned = pool.map(_plan_lines, chunks)  # submits every chunk: the fork context forks here
@@ -350,19 +350,27 @@ def shapes_of_trace(trace: str | Trace, settings: ServerSettings, jobs: int | No
 
 @contextlib.contextmanager
 def _sigint_held():
-    """Block SIGINT in this thread; one that arrives meanwhile is delivered on leaving."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """A SIGINT that arrives meanwhile is recorded, not raised, and raised again on leaving (with the
+    handler there was before). Whichever thread the kernel hands the signal to, Python runs the handler
+    in the main thread: a handler that only records is what keeps fork hooks from seeing it."""
+    got = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+    except ValueError:  # not the main thread: signals are not delivered here anyway
+        yield
+        return
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, previous)
+        if got and previous is not signal.SIG_IGN:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _ignore_sigint() -> None:
-    """A worker's initializer: ignore SIGINT, then lift the block inherited from the fork (a pending
-    SIGINT is dropped, being ignored)."""
+    """A worker's initializer: ignore SIGINT (until then the worker runs the recording handler it
+    inherited from the fork, `_sigint_held`, which never raises)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _json(line: str, where: str) -> dict:

@@ -7,8 +7,9 @@ is vllm-gaudi's. `entry.platform_plugin` names it only where an HPU (or the
 tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
-multimodal models, sparse (DSA) MLA models (`refuse_unserved_models`), speculative decoding other than ngram (vllm-gaudi's EAGLE drafter runs its own
-forwards with its own metadata), a vllm-gaudi whose overridden methods differ from the ones checked
+multimodal models, sparse (DSA) MLA models (`refuse_unserved_models`), speculative decoding
+other than ngram and EAGLE / EAGLE3 (whose drafter runs unified batches, `hpu_eagle.py`), a vllm-gaudi whose
+overridden methods differ from the ones checked
 (`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
 are the backend's to accept (`hpu_backend.py`). Async scheduling runs as vllm-gaudi
 runs it (the runner takes the previous step's samples on the device), except under
@@ -22,6 +23,7 @@ import inspect
 from vllm_gaudi.platform import HpuPlatform
 
 from vllm_gaudi_unified.log import get_logger
+from vllm_gaudi_unified.vllm_plugin.hpu_eagle import EAGLE_METHODS
 from vllm_gaudi_unified.vllm_plugin.platform import select_unified_backend
 
 logger = get_logger("vllm.gaudi_unified.hpu_platform")
@@ -54,6 +56,11 @@ VLLM_GAUDI_HOOKS = {
         "_configure_lora": ["input", "requests", "req_ids", "is_prompt"],
         "set_active_loras": ["lora_requests", "lora_mapping"],
         "_get_prompt_logprobs_dict": ["prefill_hidden_states", "scheduler_output"],
+        "propose_draft_token_ids": ["scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                                    "sample_hidden_states", "aux_hidden_states", "prefill_sampled_token_ids_tensor",
+                                    "decode_sampled_token_ids_tensor", "hidden_states_prefills",
+                                    "sample_hidden_states_prefills", "aux_hidden_states_prefills", "num_decodes",
+                                    "prefill_data", "decode_data"],
     },
     "vllm_gaudi.v1.worker.hpu_model_runner.HPUAttentionMetadataProcessor": {
         "process_metadata": ["attn_metadata", "batch_size", "seq_len", "device", "dtype",
@@ -134,11 +141,11 @@ class UnifiedHpuPlatform(HpuPlatform):
             raise ValueError(f"worker_cls={parallel.worker_cls!r}: unified attention on Gaudi needs its own worker "
                              f"({UNIFIED_HPU_WORKER}); leave worker_cls unset")
         spec = vllm_config.speculative_config
-        if spec is not None and spec.method != "ngram":
+        if spec is not None and spec.method not in ("ngram", *EAGLE_METHODS):
             raise NotImplementedError(f"speculative decoding method {spec.method!r} is not supported with unified "
-                                      "attention on Gaudi (ngram is): vllm-gaudi's model-based drafters (EAGLE) run "
-                                      "their own forwards with its own attention metadata. Use method 'ngram', or "
-                                      "unset VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")
+                                      "attention on Gaudi (ngram, eagle and eagle3 are: vllm-gaudi's runner serves "
+                                      "no other drafter). Use one of those, or unset VLLM_GAUDI_UNIFIED (or set it "
+                                      "to 0) to use vllm-gaudi's own attention.")
         refuse_unserved_models(vllm_config)
         sched = vllm_config.scheduler_config
         if sched.async_scheduling and spec is not None:

@@ -17,7 +17,7 @@ defragmenter) and replaces the step's forward plan:
 - `_execute_model_generic`: runs vllm-gaudi's model adapter with that metadata, which
   its metadata processor lets through (`hpu_backend.UnifiedMetadataProcessor`, set by
   `load_model`), and computes the logits of the requests that sample;
-- `warmup_model`: the bucket plan's buckets through the whole model on the real KV caches (HPU graphs
+- `warmup_model` (`hpu_warmup.py`): the bucket plan's buckets through the whole model on the real KV caches (HPU graphs
   in lazy mode), instead of vllm-gaudi's prompt/decode buckets;
 - `initialize_kv_cache`: one `StepHooks` per KV cache group, its layers by attention kind (`hpu_kinds.py`);
 - `_configure_lora`, `_get_prompt_logprobs_dict`: LoRA adapters per token of the flat step (`hpu_lora.py`).
@@ -30,7 +30,6 @@ from __future__ import annotations
 import habana_frameworks.torch as htorch
 import numpy as np
 import torch
-from vllm_gaudi.extension.defragmentation import OnlineDefragmenter
 from vllm_gaudi.extension.ops import LoraMask
 from vllm_gaudi.v1.worker.hpu_model_runner import (
     DecodeInputData,
@@ -44,13 +43,14 @@ from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.vllm_plugin.backend import refuse_unsupported_config
 from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
-    UnifiedHpuAttentionBackend,
     UnifiedHpuMetadata,
     UnifiedMetadataProcessor,
     is_unified_metadata,
 )
+from vllm_gaudi_unified.vllm_plugin.hpu_eagle import EAGLE_METHODS, drafter_adapter, propose_eagle
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_kinds
-from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, no_adapter_mask, prompt_logprobs_by_request
+from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, prompt_logprobs_by_request
+from vllm_gaudi_unified.vllm_plugin.hpu_warmup import UnifiedWarmup
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
 from vllm_gaudi_unified.vllm_plugin.hpu_step import (
     HpuStep,
@@ -64,7 +64,7 @@ from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
 logger = get_logger("vllm.gaudi_unified.hpu_runner")
 
 
-class UnifiedHpuModelRunner(HPUModelRunner):
+class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
     """`HPUModelRunner` with one unified forward per step; see the module doc for what is overridden."""
 
     def __init__(self, vllm_config, device="hpu", is_driver_worker: bool = False):
@@ -86,6 +86,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         super().load_model()
         if not self.is_pooling_model:  # vllm-gaudi runs a pooling model bare, without its model adapter
             self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
+        if hasattr(getattr(self, "drafter", None), "model"):  # EAGLE: its drafter runs unified batches too
+            drafter_adapter(self).metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
         logger.info("Unified attention: vllm-gaudi's model runner plans every step as one unified batch "
                     "(backend %s).", self.attn_backend.get_name())
 
@@ -327,74 +329,8 @@ class UnifiedHpuModelRunner(HPUModelRunner):
         return self.drafter.propose(self.speculative_config.num_speculative_tokens, sampled_token_ids,
                                     self.input_batch.num_tokens_no_spec, self.input_batch.token_ids_cpu)
 
-    def _use_unified_graphs(self, attn_metadata) -> bool:
-        """HPU graphs only for buckets warmed at start-up: an unpadded step has a shape of its own,
-        and capturing a graph per step shape would fill the device memory."""
-        if self.model_config.enforce_eager:
-            return False
-        buckets = {md.batch.bucket for md in attn_metadata.values()}
-        return buckets <= self.unified_warmed
-
-    # ------------------------------------------------------------------ warmup
-
-    @torch.inference_mode()  # as every serving step runs (HPUWorker.execute_model)
-    def warmup_model(self) -> None:
-        """Each bucket of the plan once through the whole model, on the real KV caches.
-
-        vllm-gaudi's own warmup runs its prompt/decode buckets, which the unified runner never
-        plans; this runs the unified bucket plan instead. In lazy mode the model adapter is an HPU
-        graph, captured here per bucket (later steps padded to a warmed bucket replay it). The dummy
-        steps read real cache blocks and write only the padding block. Without a bucket plan there
-        is nothing to warm (every step runs at its own shape, eagerly)."""
-        if self.unified_warmed:  # vllm-gaudi's worker asks twice (initialize_from_config, then the engine)
-            return
-        self.defragmenter = OnlineDefragmenter(self.kv_caches, self.block_size)  # vllm-gaudi makes it here too
-        plans = {id(h.bucket_plan): h for h in self.unified_hooks if h.bucket_plan is not None}
-        if not plans or not all(h.warmup_enabled for h in self.unified_hooks):
-            logger.info("Unified attention: no bucket plan to warm (%s)",
-                        "warmup disabled" if plans else "steps run unpadded")
-            return
-        if len(plans) > 1 or len(plans) != len({id(h) for h in self.unified_hooks if h.bucket_plan is not None}):
-            self._warm_attention_only()
-            return
-        from vllm_gaudi_unified.warmup import warmup
-
-        hooks = self.unified_hooks[0]
-        device = torch.device(self.device)
-        report = warmup(hooks.bucket_plan, device=device, mode="eager", run=self._warm_bucket, log=logger)
-        self.unified_warmed.update(report.buckets)
-        logger.info("Unified attention: warmed %d buckets through the model in %.1f s", len(report.buckets),
-                    report.total_seconds)
-
-    def _warm_bucket(self, bucket, batch):
-        from vllm_gaudi_unified.warmup import batch_for_bucket
-
-        metadata = {}
-        pad = torch.full((bucket.query_len,), self._PAD_SLOT_ID, dtype=torch.int64, device=self.device)
-        for group, hooks, kinds in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks, self.unified_kinds):
-            for kind, names in kinds.items():
-                b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.bucket_plan.options_for(bucket),
-                                     kind.window, self.device)
-                metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in names})
-        tokens = torch.zeros((1, bucket.query_len), dtype=torch.int64, device=self.device)
-        self.unified_warmed.add(bucket)  # the forward below captures its graph (lazy mode)
-        if self.is_pooling_model:  # no logits; its pooler runs after the forward
-            from vllm_gaudi_unified.vllm_plugin.hpu_pooling import pooling_forward
-
-            return pooling_forward(self, tokens, tokens.clone(), metadata)
-        mask = no_adapter_mask(self, bucket.query_len)
-        _, _, _, logits = self._execute_model_generic(tokens, tokens.clone(), metadata,
-                                                      torch.zeros(1, dtype=torch.int64, device=self.device),
-                                                      self.kv_caches, mask, mask, warmup_mode=True)
-        return logits
-
-    def _warm_attention_only(self) -> None:
-        """KV cache groups with different bucket plans (`auto` per sliding window): each group's plan
-        through its attention only, on its first layer's cache; model steps then run without graphs."""
-        layers = self.vllm_config.compilation_config.static_forward_context
-        for group, hooks in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks):
-            layer = layers[group.layer_names[0]]
-            k, v = layer.kv_cache[0], layer.kv_cache[1]
-            bs = group.kv_cache_spec.block_size
-            hooks.warm_up(UnifiedHpuAttentionBackend.block_view(k, bs), UnifiedHpuAttentionBackend.block_view(v, bs),
-                          layer.impl.num_heads)
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        """EAGLE: the drafter over unified batches (`hpu_eagle.py`); ngram: vllm-gaudi's (below)."""
+        if self.speculative_config.method in EAGLE_METHODS:
+            return propose_eagle(self, sampled_token_ids)
+        return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)

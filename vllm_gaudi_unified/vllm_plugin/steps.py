@@ -106,8 +106,8 @@ def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOption
         raise ValueError(f"{ENV_BUCKETS}={path}: the plan was made with batch_invariant="
                          f"{plan.settings.options.batch_invariant}, but {ENV_BATCH_INVARIANT} asks for "
                          f"{options.batch_invariant}")
-    logger.info("Unified attention: bucket plan %s, %d buckets, miss policy %r", path, len(plan),
-                plan.miss_policy)
+    logger.info("Unified attention: bucket plan %s, %d buckets, %d prompt graphs, miss policy %r", path, len(plan),
+                len(plan.prompt_graphs), plan.miss_policy)
     return plan
 
 
