@@ -155,3 +155,23 @@ def test_an_eighth_of_the_graphs_go_to_the_long_prompts_the_frequent_ones_leave_
     assert chosen[:7] == short[:7]  # by count
     assert chosen[7] == long_[1]  # the ceiling: the 4096-row graph covers both long prompts
     assert _choose(Counter(dict(list(hits.items())[:3])), 8, 4) == short[:3]  # fewer candidates: all of them
+
+
+def test_buffers_reserved_for_the_buckets_and_the_prompt_graphs_allocate_nothing(plan, monkeypatch):
+    """What the vLLM metadata builder reserves (`reserve_for(plan.buckets + plan.prompt_graphs)`): steps in
+    prompt graphs, and one on the tiled route, plan into the kept memory without growing it."""
+    from vllm_gaudi_unified.batch import StepBuffers, build_unified_batch
+    from conftest import make_block_table
+
+    graphs, _ = learn_prompt_graphs(plan, [trace_step(CHUNK), trace_step(LONG)])
+    both = replace(plan, prompt_graphs=graphs)
+    buffers = StepBuffers("cpu", reserve=StepBuffers.reserve_for(both.buckets + both.prompt_graphs,
+                                                                 both.step_options, 4))
+    grown = []
+    monkeypatch.setattr(buffers.host, "_grow", lambda *a: grown.append(a))
+    for step, graph in ((CHUNK, True), (LONG, True), (Step([9, 1], [60, 9], 4), False)):
+        table, _ = make_block_table(step, np.random.default_rng(0))
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=both.step_options,
+                                    bucket=both, buffers=buffers)
+        assert (batch.bucket in both.prompt_graphs) == graph, batch.bucket
+    assert not grown

@@ -200,7 +200,8 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         # Kept from step to step: the plan's arrays (sized by the largest bucket: a step allocates nothing and
         # a bucket's graph sees the same addresses every step) and the q/k/v rows of padded steps.
         plan = self.hooks.bucket_plan
-        reserve = None if plan is None else StepBuffers.reserve_for(plan.buckets, self.hooks.options, self.block_size)
+        reserve = None if plan is None else StepBuffers.reserve_for(plan.buckets + plan.prompt_graphs,
+                                                                   self.hooks.options, self.block_size)
         self.buffers = StepBuffers(device, reserve=reserve)
         self.rows = BucketRows()
 
