@@ -350,9 +350,8 @@ def shapes_of_trace(trace: str | Trace, settings: ServerSettings, jobs: int | No
 
 @contextlib.contextmanager
 def _sigint_held():
-    """A SIGINT that arrives meanwhile is recorded, not raised, and raised again on leaving (with the
-    handler there was before). Whichever thread the kernel hands the signal to, Python runs the handler
-    in the main thread: a handler that only records is what keeps fork hooks from seeing it."""
+    """A SIGINT meanwhile is recorded, and raised again on leaving (Python runs handlers in the main
+    thread, whichever thread takes the signal: one that only records keeps it from the fork hooks)."""
     got = []
     try:
         previous = signal.signal(signal.SIGINT, lambda *_: got.append(True))
@@ -368,8 +367,7 @@ def _sigint_held():
 
 
 def _ignore_sigint() -> None:
-    """A worker's initializer: ignore SIGINT (until then the worker runs the recording handler it
-    inherited from the fork, `_sigint_held`, which never raises)."""
+    """A worker's initializer: ignore SIGINT (until then: the recorder inherited from `_sigint_held`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
