@@ -102,7 +102,8 @@ def bucket_from_sizes(sizes) -> Bucket:
     return Bucket(phase_of(c, s, u), q, s, u, l, c)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0: a dimension with no work stays empty)."""
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
 
 
@@ -112,5 +113,5 @@ def with_prompts(bucket: Bucket, step: Bucket) -> Bucket:
     `bucket` itself when it already covers the step's prompts."""
     if all(b >= s for b, s in zip(bucket.prompts, step.prompts)):
         return bucket
-    p, q, c = (max(b, _pow2(s)) for b, s in zip(bucket.prompts, step.prompts))
+    p, q, c = (max(b, pow2(s)) for b, s in zip(bucket.prompts, step.prompts))
     return replace(bucket, num_prompts=p, prompt_len=q, prompt_blocks=c)

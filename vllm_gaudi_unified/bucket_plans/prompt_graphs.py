@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.bucket import Bucket, pow2
 from vllm_gaudi_unified.plan.options import on_route
 
 #: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm).
@@ -66,14 +66,10 @@ def rounded_shape(shape: Bucket, settings, cap) -> Bucket:
         lim[2] = min(lim[2], cap.max_unique_blocks)
     if cap.max_shared_blocks is not None:
         lim[1] = min(lim[1], cap.max_shared_blocks)
-    q, _, u, n, c = (max(min(_pow2(x), hi), x) for x, hi in zip(shape.sizes, lim))
+    q, _, u, n, c = (max(min(pow2(x), hi), x) for x, hi in zip(shape.sizes, lim))
     tiles = -(-shape.num_shared_blocks // kb)
-    s = kb * max(min(_pow2(tiles), lim[1] // kb), tiles)
-    return Bucket(shape.phase, q, s, u, n, c, *(_pow2(x) for x in shape.prompts))
-
-
-def _pow2(n: int) -> int:
-    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+    s = kb * max(min(pow2(tiles), lim[1] // kb), tiles)
+    return Bucket(shape.phase, q, s, u, n, c, *(pow2(x) for x in shape.prompts))
 
 
 def _choose(hits: Counter, count: int, block_size: int) -> list[Bucket]:
