@@ -151,6 +151,8 @@ def main(argv=None) -> int:
         todo, running, seen = args.batches * CONCURRENCY, set(), set()
         added = 0
         TIMING[0] = True
+        if args.torch_profile:  # the whole staggered run (the loop above ran only the warm-up batch)
+            prof.__enter__()
         while added < todo or running:
             while added < todo and len(running) < CONCURRENCY:
                 first = added < CONCURRENCY  # the first ones finish at different steps; the stagger then stays
@@ -168,6 +170,8 @@ def main(argv=None) -> int:
             kinds.append("mixed" if new else "decode")
             running -= {o.request_id for o in outs if o.finished}
         TIMING[0] = False
+        if args.torch_profile:
+            prof.__exit__(None, None, None)
     n = len(step_ms)
     TIMES["engine.step"] = sum(step_ms) / 1e3
     CALLS["engine.step"] = n
