@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -651,32 +652,41 @@ def _run_engine(args: list[str], out: str, gaudi: bool, **env) -> dict:
 
 
 def _warmable_plan(path: str, max_num_seqs: int = H.MAX_NUM_SEQS,
-                   max_num_batched_tokens: int = H.MAX_NUM_BATCHED_TOKENS, num_speculative_tokens: int = 0) -> int:
+                   max_num_batched_tokens: int = H.MAX_NUM_BATCHED_TOKENS, num_speculative_tokens: int = 0,
+                   trace: str | None = None) -> int:
     """The exponential plan for the scenario's server settings, saved to `path` (every bucket of it gets a
-    step of its phase: `plan/smallest.py`). Returns its bucket count."""
+    step of its phase: `plan/smallest.py`), with the prompt graphs of the steps `trace` recorded (as
+    `buckets generate --trace` learns them) when given. Returns how many graphs warmup runs."""
+    from dataclasses import replace
+
     from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
     from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
 
     settings = ServerSettings(block_size=H.BLOCK_SIZE, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=H.MAX_MODEL_LEN,
                               num_blocks=256, num_speculative_tokens=num_speculative_tokens)
     plan = exponential_plan(settings, base=8.0)  # few buckets: each is a model forward at start-up
+    if trace is not None:
+        graphs, _ = learn_prompt_graphs(plan, read_trace(trace).steps, max_graphs=8)
+        plan = replace(plan, prompt_graphs=graphs)
     plan.save(path)
-    return len(plan)
+    return len(plan.buckets) + len(plan.prompt_graphs)
 
 
 @pytest.fixture(scope="module")
 def generations(tmp_path_factory):
     root = tmp_path_factory.mktemp("d")
     model = H.make_tiny_llama(str(root / "model"), **H.MODELS["gqa"])
-    plan = str(root / "plan.json")
-    num_buckets = _warmable_plan(plan)
-    return {
-        "ref": _engine(model, str(root / "ref.json"), gaudi=False),
-        "unified": _engine(model, str(root / "unified.json"), gaudi=True),
-        "unified_buckets": dict(_engine(model, str(root / "buckets.json"), gaudi=True,
-                                        VLLM_GAUDI_UNIFIED_BUCKETS=plan), num_buckets=num_buckets),
-    }
+    plan, trace = str(root / "plan.json"), str(root / "trace.jsonl")
+    runs = {"ref": _engine(model, str(root / "ref.json"), gaudi=False),
+            "unified": _engine(model, str(root / "unified.json"), gaudi=True, VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)}
+    num_buckets = _warmable_plan(plan, trace=trace)  # with the prompt graphs of the unpadded run's steps
+    runs["unified_buckets"] = dict(_engine(model, str(root / "buckets.json"), gaudi=True,
+                                           VLLM_GAUDI_UNIFIED_BUCKETS=plan, VLLM_LOGGING_LEVEL="DEBUG"),
+                                   num_buckets=num_buckets)
+    return runs
 
 
 @pytest.mark.slow
@@ -694,6 +704,9 @@ def test_generation_through_the_unified_runner(generations, run):
     assert "GAUDI_UNIFIED" not in ref["log"]
     if run == "unified_buckets":
         assert f"warmed {got['num_buckets']} buckets through the model" in log
+        buckets = re.findall(r"unified attention step: phase \S+, bucket (\S+), step shape", log)
+        assert buckets and any(":p" in b for b in buckets), "no step ran on the prompt route in a prompt graph"
+        assert any(":p" not in b for b in buckets), "no step ran in a bucket of the tiled route"
     random_cases = {r["name"] for wave in H.scenario_prompts() for r in wave if r.get("n", 1) > 1}
     report = H.compare_results(got, ref)
     for case, r in report.items():

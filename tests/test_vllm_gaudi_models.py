@@ -14,6 +14,7 @@ change the result.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -27,19 +28,21 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def model_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("kinds")
-    plan = str(root / "plan.json")
-    num_buckets = _warmable_plan(plan)
+    plan, trace = str(root / "plan.json"), str(root / "llama4_trace.jsonl")
     runs = {}
     for name in M.MODELS:
         local = M.make_model(name, str(root / name))
         full = M.make_model(name, str(root / (name + "_full")), local=False)
+        record = {"VLLM_GAUDI_UNIFIED_RECORD_TRACE": trace} if name == "llama4_like" else {}
         runs[name] = {
             "ref": _engine(local, str(root / f"{name}_ref.json"), gaudi=False),
-            "unified": _engine(local, str(root / f"{name}_unified.json"), gaudi=True),
+            "unified": _engine(local, str(root / f"{name}_unified.json"), gaudi=True, **record),
             "full_ref": _engine(full, str(root / f"{name}_full_ref.json"), gaudi=False),
         }
+    num_buckets = _warmable_plan(plan, trace=trace)  # prompt graphs too: several kinds replanned per graph
     runs["llama4_like"]["buckets"] = dict(_engine(str(root / "llama4_like"), str(root / "llama4_buckets.json"),
-                                                  gaudi=True, VLLM_GAUDI_UNIFIED_BUCKETS=plan), num_buckets=num_buckets)
+                                                  gaudi=True, VLLM_GAUDI_UNIFIED_BUCKETS=plan,
+                                                  VLLM_LOGGING_LEVEL="DEBUG"), num_buckets=num_buckets)
     return runs
 
 
@@ -90,6 +93,8 @@ def test_attention_kinds_through_the_unified_runner(model_runs, name):
         # (one model: each bucketed run warms every bucket through the whole model, minutes here)
         padded = runs["buckets"]
         assert f"warmed {padded['num_buckets']} buckets through the model" in padded["log"]
+        buckets = re.findall(r"unified attention step: phase \S+, bucket (\S+), step shape", padded["log"])
+        assert any(":p" in b for b in buckets), "no step ran on the prompt route in a prompt graph"
         assert_same_as_reference(padded, ref)
     print(name, "max |dlogprob| vs vLLM CPU attention", worst)
 
