@@ -16,9 +16,11 @@ measured in the same run (a sum over a 2 GiB bf16 tensor). Compute floor: the st
 larger of the two floors is what a kernel can approach. Times: CUDA events, median of 20 after 3
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
-Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs), the Gaudi route
-(`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, the dense decode route), the generic tiles (the route
-before, `mla_unique_route` off), vllm-gaudi. `--sweep`: the kernel's constants, each timed.
+Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs, `paths/mla_shared.py` on
+the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, the dense decode route),
+each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
+generic tiles for every pair (the route before both, `mla_unique_route` and `mla_shared_applies` off),
+vllm-gaudi. `--sweep`: the kernel's constants, each timed.
 """
 from __future__ import annotations
 
@@ -86,14 +88,32 @@ def kernel_consts(values):
 
 
 @contextlib.contextmanager
-def tiles_only():
-    """The unique pairs on the generic paths (the route before `paths/mla_decode.py`)."""
-    saved = attention.mla_unique_route
-    attention.mla_unique_route = lambda *args: None
+def generic_shared():
+    """The shared pairs on the generic tiles (the route before `paths/mla_shared.py`)."""
+    saved = attention.mla_shared_applies
+    attention.mla_shared_applies = lambda *args: False
     try:
         yield
     finally:
+        attention.mla_shared_applies = saved
+
+
+@contextlib.contextmanager
+def tiles_only():
+    """Every pair on the generic paths (the route before `paths/mla_decode.py` and `paths/mla_shared.py`)."""
+    saved = attention.mla_unique_route
+    attention.mla_unique_route = lambda *args: None
+    try:
+        with generic_shared():
+            yield
+    finally:
         attention.mla_unique_route = saved
+
+
+@contextlib.contextmanager
+def gaudi_generic_shared():
+    with fused.gaudi_route(), generic_shared():
+        yield
 
 
 def make_step(seq_lens, shared_blocks: int):
@@ -181,7 +201,10 @@ def measure(case, rates, report, profile=False):
     entry, err, step = case["entry"], case["err"], case["step"]
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
     entry["compute_floor_ms"] = entry["attention_flops"] / flop_rate * 1e3
-    routes = {"cuda": contextlib.nullcontext, "gaudi": fused.gaudi_route, "tiles": tiles_only}
+    routes = {"cuda": contextlib.nullcontext, "cuda_generic_shared": generic_shared, "gaudi": fused.gaudi_route,
+              "gaudi_generic_shared": gaudi_generic_shared, "tiles": tiles_only}
+    if "shared" not in case["name"]:  # (no shared pairs: the same as the columns beside them)
+        del routes["cuda_generic_shared"], routes["gaudi_generic_shared"]
     for route, ctx in routes.items():
         try:
             with ctx():
@@ -192,10 +215,11 @@ def measure(case, rates, report, profile=False):
                         for _ in range(5):
                             step()
                         torch.cuda.synchronize()
-                    entry[f"{route}_profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+                    entry[f"{route}_profile"] = prof.key_averages().table(
+                        sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
         except Exception as exc:  # reported, not hidden
             entry[f"{route}_error"] = f"{type(exc).__name__}: {exc}"[:500]
-    if case["name"] != "shared_64x4k+256_tiles64":  # (the same algorithm as the default tiles' column)
+    if case["name"] != "shared_64x4k+256_tiles64" and not case["skip_vllm_gaudi"]:  # (tiles64: the same as default)
         try:
             run = gaudi_mla(case["q"], case["cache"], case["table"], case["seq_lens"])
             entry["vllm_gaudi_max_err"] = err(run())
@@ -203,7 +227,7 @@ def measure(case, rates, report, profile=False):
         except Exception as exc:  # reported, not hidden
             entry["vllm_gaudi_error"] = f"{type(exc).__name__}: {exc}"[:500]
     floor = max(entry["floor_ms"], entry["compute_floor_ms"])
-    for route in ("cuda", "gaudi", "tiles", "vllm_gaudi"):
+    for route in (*routes, "vllm_gaudi"):
         if f"{route}_ms" in entry:
             entry[f"{route}_over_floor"] = entry[f"{route}_ms"] / entry["floor_ms"]
             entry[f"{route}_over_max_floor"] = entry[f"{route}_ms"] / floor
@@ -243,7 +267,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-prompt", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's constants (SWEEP)")
-    parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps, 128 x 4k")
+    parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps, 128 x 4k and shared")
+    parser.add_argument("--skip-vllm-gaudi", action="store_true", help="(its times do not change from run to run)")
     args = parser.parse_args()
     start = time.time()
     rates = read_bandwidth(), matmul_rate()
@@ -267,7 +292,8 @@ def main() -> None:
         report["kernel_consts_from"] = "the sweep's best total over the three scenarios"
         print("chosen", report["kernel_consts"], flush=True)
     for case in cases:
-        measure(case, rates, report, args.profile and case["name"] == "decode_128x4k")
+        case["skip_vllm_gaudi"] = args.skip_vllm_gaudi
+        measure(case, rates, report, args.profile and case["name"] in ("decode_128x4k", "shared_64x4k+256"))
         with open(args.out, "w") as f:  # as it goes: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
     if not args.skip_prompt:

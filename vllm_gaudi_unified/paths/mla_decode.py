@@ -29,11 +29,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, fold_pairwise
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.paths.kv_quant import is_fp8
+from vllm_gaudi_unified.paths.mla_shared import latent_attend
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, triton_importable
 
@@ -123,16 +123,14 @@ def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, 
     if width == 0:
         return None
     n, hq, d = q.shape
-    dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
     kv = key_cache.view(-1, d)[table]  # [R, keys, L + R]: keys, and values as their first dims
     if unread:  # a row with no cached key read some slot it may not see: zero it (NaN * 0 is NaN)
         kv = torch.where(visible[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
-    kv = kv.to(op)
-    scores = torch.matmul(q[:r].to(op), kv.transpose(1, 2)).to(dt).mul_(scale)  # [R, H, keys]
+    # (a masked slot of any other row repeats one of its visible slots: `_layout`)
+    bias = torch.zeros((r, 1, width), dtype=product_dtype(q.dtype), device=q.device)
     if masked:  # some row sees fewer keys than the width (ragged, padded)
-        scores = scores.masked_fill_(~visible[:, None, :], float("-inf"))
-    p, m, total = masked_softmax_for(scores)(scores)
-    acc = torch.matmul(p.to(op), kv[..., :value_dim]).to(dt)  # [R, H, L]
+        bias = bias.masked_fill_(~visible[:, None, :], float("-inf"))
+    acc, m, total = latent_attend(q[:r], kv, bias, value_dim, scale)  # [R, H, L], [R, H]
     if n > r:
         acc = F.pad(acc, (0, 0, 0, 0, 0, n - r))
         m = F.pad(m, (0, 0, 0, n - r), value=float("-inf"))

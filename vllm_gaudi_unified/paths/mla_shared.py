@@ -1,0 +1,80 @@
+"""MLA's shared pairs in latent space: each shared tile as one product of all its rows' heads against its latents.
+
+In latent space every query head attends to the same latent (one KV head,
+`mla.latent_views`), so the rows of a shared tile (tokens whose requests share
+its blocks: 64 decodes over one prefix) times their heads are one matrix of
+queries: `[rows * heads, L + R] @ [L + R, keys]`, then `p @ latent[:, :L]`
+(the values a view of the keys). At DeepSeek's shapes a tile of 8 decodes is a
+`[1024, 576] @ [576, 512]` product, a shape tensor cores (and an HPU's MME) run
+near their peak; the generic tiles ran the same products but with the heads
+transposed behind the rows, a scores layout of `[heads, rows, keys]`, and five
+elementwise passes over fp32 scores (docs/benchmarks.md, MLA). The tile's
+latents are gathered once for all its rows, so a prefix is read once per row
+chunk of its group (the planner's tiles: `plan/shared.py`).
+
+`latent_attend` is the product both latent routes share (this one and the
+dense decode route of `mla_decode.py`), written for few passes over the scores
+in the product dtype: the scale and the mask go into the first product as an
+additive bias (`baddbmm`), the max is exact in bf16, the probabilities are
+rounded once (as flash attention rounds them for `p @ V`) and summed in fp32,
+so `sum` and `acc` see the same probabilities. Plain torch ops: the Gaudi
+route and the CPU run it, and it holds no host sync (fixed shapes per bucket).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.merge import Partial, scatter_merge
+from vllm_gaudi_unified.paths.kv_quant import is_fp8
+from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype, slot_mask
+
+
+def mla_shared_applies(batch, key_cache: torch.Tensor, value_cache: torch.Tensor, cap, k_scale, v_scale) -> bool:
+    """A latent cache (`mla_decode.latent_cache`), no soft cap, no fp8 cache or scales, some shared tile."""
+    from vllm_gaudi_unified.paths.mla_decode import latent_cache
+
+    return (cap is None and k_scale is None and v_scale is None and not is_fp8(key_cache.dtype)
+            and batch.shared_rows.shape[0] > 0 and latent_cache(key_cache, value_cache))
+
+
+def latent_attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, value_dim: int, scale: float
+                  ) -> Partial:
+    """q `[B, M, D]` (rows x heads), latents `[B, K, D]` (values: the first `value_dim` dims), `bias`
+    broadcastable to `[B, M, K]` in q's product dtype (0 visible, -inf not, NaN: a bad value the row sees)
+    -> Partial `[B, M, value_dim]`, `[B, M]` in the compute dtype. The latents must hold no non-finite
+    value a row may not see (`p = 0` times NaN is NaN): the callers zero those."""
+    dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
+    kv = kv.to(op)
+    s = torch.baddbmm(bias.to(op), q.to(op), kv.transpose(1, 2), alpha=scale)  # scale * q.k + bias, [B, M, K]
+    m = s.amax(-1)
+    m_ref = torch.where(m == float("-inf"), torch.zeros((), dtype=m.dtype, device=m.device), m)
+    p = s.sub_(m_ref[..., None]).exp_()  # in place: the scores are not needed again
+    total = p.sum(-1, dtype=dt)
+    acc = torch.matmul(p, kv[..., :value_dim]).to(dt)
+    return Partial(acc, m.to(dt), total)
+
+
+def latent_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
+                          ) -> Partial | None:
+    """The shared tiles of a latent step (`key_cache` `[blocks, block_size, 1, L + R]`): per tile, its
+    rows' heads against its gathered latents, merged into the tokens by `scatter_merge`. A latent no
+    row of its tile may see, or one that is not finite, is zeroed; the rows that may see a non-finite
+    one get NaN scores (they alone carry it, as on the generic tiles)."""
+    if batch.shared_rows.shape[0] == 0:
+        return None
+    n, hq, d = q.shape
+    tiles, rows = batch.shared_rows.shape
+    bs = key_cache.shape[1]
+    kv = key_cache[batch.shared_blocks].reshape(tiles, -1, d)  # [tiles, K, L + R], each tile's blocks once
+    visible = slot_mask(batch.shared_lo, batch.shared_hi, bs).flatten(2)  # [tiles, rows, K]
+    finite = torch.isfinite(kv).all(-1)  # [tiles, K]
+    zero = torch.zeros((), dtype=kv.dtype, device=kv.device)
+    kv = torch.where((finite & visible.any(1))[..., None], kv, zero)
+    op = product_dtype(q.dtype)
+    bias = torch.zeros(visible.shape, dtype=op, device=q.device).masked_fill_(~visible, float("-inf"))
+    bias = bias.masked_fill_(visible & ~finite[:, None, :], float("nan"))
+    bias = bias[:, :, None, :].expand(tiles, rows, hq, bias.shape[-1]).reshape(tiles, rows * hq, -1)
+    qt = q[batch.shared_rows.clamp(max=n - 1)].reshape(tiles, rows * hq, d)  # rows then heads: no transpose
+    acc, m, total = latent_attend(qt, kv, bias, value_dim, scale)
+    part = Partial(acc.view(tiles * rows, hq, value_dim), m.view(-1, hq), total.view(-1, hq))
+    return scatter_merge(part, batch.shared_rows.reshape(-1), n)
