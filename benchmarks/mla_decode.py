@@ -7,7 +7,10 @@ space against the HBM floor of reading the latent cache once, and vllm-gaudi's `
 * `decode_128x4k`: 128 decodes, 4096 tokens each (context 4095 + the new token);
 * `shared_64x4k+256`: 64 decodes whose first 4096 tokens are one shared prefix (the same 32 blocks),
   then 256 of their own (4352 each);
-* `unshared_64x4352`: the same lengths with no block in common (what the prefix costs when it is not shared).
+* `unshared_64x4352`: the same lengths with no block in common (what the prefix costs when it is not shared);
+* `shared_64x4k+256_*`: the shared one under other shared tile sizes (`PlanOptions`): `tiles64` one tile of
+  64 rows x 4096 keys, `keys4096` 8 tiles of 8 rows x 4096 keys, `h100opts` the H100's server options
+  (`bucket_plans/device_options.py`: 256 rows x 2048 keys, 2 tiles).
 
 Floor: the latent bytes the step must read (each distinct cached block once) over the read bandwidth
 measured in the same run (a sum over a 2 GiB bf16 tensor). Compute floor: the step's attention FLOPs
@@ -35,7 +38,7 @@ import torch
 
 from vllm_gaudi_unified import attention, build_unified_batch
 from vllm_gaudi_unified.mla import mla_attention
-from vllm_gaudi_unified.paths import fused, mla_decode
+from vllm_gaudi_unified.paths import fused, mla_decode, mla_shared
 
 H, L, R, BS = 128, 512, 64, 128
 SCALE = 192 ** -0.5  # DeepSeek-V3: (qk_nope 128 + rope 64) ** -0.5
@@ -113,6 +116,22 @@ def tiles_only():
 @contextlib.contextmanager
 def gaudi_generic_shared():
     with fused.gaudi_route(), generic_shared():
+        yield
+
+
+@contextlib.contextmanager
+def product_softmax():
+    """`latent_attend`'s e^(s - max) in bf16, in place (`mla_shared.LATENT_SOFTMAX`)."""
+    saved, mla_shared.LATENT_SOFTMAX = mla_shared.LATENT_SOFTMAX, "product"
+    try:
+        yield
+    finally:
+        mla_shared.LATENT_SOFTMAX = saved
+
+
+@contextlib.contextmanager
+def gaudi_product_softmax():
+    with fused.gaudi_route(), product_softmax():
         yield
 
 
@@ -201,10 +220,12 @@ def measure(case, rates, report, profile=False):
     entry, err, step = case["entry"], case["err"], case["step"]
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
     entry["compute_floor_ms"] = entry["attention_flops"] / flop_rate * 1e3
-    routes = {"cuda": contextlib.nullcontext, "cuda_generic_shared": generic_shared, "gaudi": fused.gaudi_route,
-              "gaudi_generic_shared": gaudi_generic_shared, "tiles": tiles_only}
+    routes = {"cuda": contextlib.nullcontext, "cuda_generic_shared": generic_shared,
+              "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
+              "gaudi_generic_shared": gaudi_generic_shared, "gaudi_product_softmax": gaudi_product_softmax,
+              "tiles": tiles_only}
     if "shared" not in case["name"]:  # (no shared pairs: the same as the columns beside them)
-        del routes["cuda_generic_shared"], routes["gaudi_generic_shared"]
+        del routes["cuda_generic_shared"], routes["gaudi_generic_shared"], routes["cuda_product_softmax"]
     for route, ctx in routes.items():
         try:
             with ctx():
@@ -219,7 +240,7 @@ def measure(case, rates, report, profile=False):
                         sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
         except Exception as exc:  # reported, not hidden
             entry[f"{route}_error"] = f"{type(exc).__name__}: {exc}"[:500]
-    if case["name"] != "shared_64x4k+256_tiles64" and not case["skip_vllm_gaudi"]:  # (tiles64: the same as default)
+    if "+256_" not in case["name"] and not case["skip_vllm_gaudi"]:  # (other tiles: the same as the default's)
         try:
             run = gaudi_mla(case["q"], case["cache"], case["table"], case["seq_lens"])
             entry["vllm_gaudi_max_err"] = err(run())
@@ -281,7 +302,10 @@ def main() -> None:
     cases = [setup("decode_128x4k", [4096] * 128, 0), setup("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS),
              setup("unshared_64x4352", [4096 + 256] * 64, 0),
              setup("shared_64x4k+256_tiles64", [4096 + 256] * 64, 4096 // BS,
-                   PlanOptions(shared_rows=64, shared_tile_keys=4096))]
+                   PlanOptions(shared_rows=64, shared_tile_keys=4096)),
+             setup("shared_64x4k+256_keys4096", [4096 + 256] * 64, 4096 // BS, PlanOptions(shared_tile_keys=4096)),
+             setup("shared_64x4k+256_h100opts", [4096 + 256] * 64, 4096 // BS,
+                   PlanOptions(shared_rows=256, shared_tile_keys=2048))]
     if args.sweep:
         rows = [sweep(case) for case in cases[:3]]
         totals = [sum(r[i].get("ms", math.inf) for r in rows) for i in range(len(SWEEP))]

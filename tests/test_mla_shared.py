@@ -53,9 +53,11 @@ def test_float64(name, taken):
     assert_matches(out, ref)
 
 
+@pytest.mark.parametrize("softmax", ["compute", "product"])
 @pytest.mark.parametrize("name", sorted(SHARED))
-def test_bf16(name, taken):
-    """bf16 in latent space within 1e-2 of the reference."""
+def test_bf16(name, softmax, taken, monkeypatch):
+    """bf16 in latent space within 1e-2 of the reference, `latent_attend`'s softmax either way."""
+    monkeypatch.setattr(mla_shared, "LATENT_SOFTMAX", softmax)
     step, mode = SHARED[name]
     _, _, batch, (query, latent, cache, table, scale) = mla_case(step, dtype=torch.bfloat16, options=OPTIONS[mode])
     taken.clear()
@@ -157,14 +159,16 @@ def test_random_steps(data, taken):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("softmax", ["compute", "product"])
 @pytest.mark.parametrize("gaudi", [False, True], ids=["cuda_route", "gaudi_route"])
-def test_on_cuda(gaudi, taken):
+def test_on_cuda(gaudi, softmax, taken, monkeypatch):
     """bf16 on CUDA (1e-2 in latent space): every shared step above and the dense decode steps, on the CUDA
     route (the Triton kernel beside this route) and the Gaudi route (torch ops only: dense decodes)."""
     from test_mla_decode import DECODES
 
     from vllm_gaudi_unified.paths import fused
 
+    monkeypatch.setattr(mla_shared, "LATENT_SOFTMAX", softmax)
     cases = [SHARED[k] for k in sorted(SHARED)] + [(DECODES[k], "default") for k in sorted(DECODES)]
     with fused.gaudi_route() if gaudi else contextlib.nullcontext():
         for step, mode in cases:

@@ -127,9 +127,10 @@ def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, 
     if unread:  # a row with no cached key read some slot it may not see: zero it (NaN * 0 is NaN)
         kv = torch.where(visible[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
     # (a masked slot of any other row repeats one of its visible slots: `_layout`)
-    bias = torch.zeros((r, 1, width), dtype=product_dtype(q.dtype), device=q.device)
-    if masked:  # some row sees fewer keys than the width (ragged, padded)
-        bias = bias.masked_fill_(~visible[:, None, :], float("-inf"))
+    bias = None
+    if masked:  # some row sees fewer keys than the width (ragged, padded): -inf there
+        bias = torch.zeros((r, 1, 1, width), dtype=product_dtype(q.dtype), device=q.device)
+        bias = bias.masked_fill_(~visible[:, None, None, :], float("-inf"))
     acc, m, total = latent_attend(q[:r], kv, bias, value_dim, scale)  # [R, H, L], [R, H]
     if n > r:
         acc = F.pad(acc, (0, 0, 0, 0, 0, n - r))

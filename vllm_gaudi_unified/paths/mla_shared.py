@@ -14,10 +14,12 @@ chunk of its group (the planner's tiles: `plan/shared.py`).
 
 `latent_attend` is the product both latent routes share (this one and the
 dense decode route of `mla_decode.py`), written for few passes over the scores
-in the product dtype: the scale and the mask go into the first product as an
-additive bias (`baddbmm`), the max is exact in bf16, the probabilities are
-rounded once (as flash attention rounds them for `p @ V`) and summed in fp32,
-so `sum` and `acc` see the same probabilities. Plain torch ops: the Gaudi
+in the product dtype: the scale goes into the first product (`baddbmm_`, into
+an empty buffer: no copy of a bias), the mask is one in-place pass of an
+additive bias (none when every row sees every key), the max is exact in bf16, and `e^(s - max)` is
+taken in fp32 and rounded once for `p @ V` (as flash attention rounds it);
+`LATENT_SOFTMAX` = 'product' takes it in bf16 in place instead (two passes
+fewer over the scores, less precise: measured in docs/benchmarks.md). Plain torch ops: the Gaudi
 route and the CPU run it, and it holds no host sync (fixed shapes per bucket).
 """
 from __future__ import annotations
@@ -29,6 +31,11 @@ from vllm_gaudi_unified.paths.kv_quant import is_fp8
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype, slot_mask
 
 
+#: Where `latent_attend` takes e^(s - max): 'compute' (fp32 for 16-bit inputs, as the generic tiles do) or
+#: 'product' (bf16 in place: fewer bytes; measured less precise on CUDA, docs/benchmarks.md, MLA).
+LATENT_SOFTMAX = "compute"
+
+
 def mla_shared_applies(batch, key_cache: torch.Tensor, value_cache: torch.Tensor, cap, k_scale, v_scale) -> bool:
     """A latent cache (`mla_decode.latent_cache`), no soft cap, no fp8 cache or scales, some shared tile."""
     from vllm_gaudi_unified.paths.mla_decode import latent_cache
@@ -37,21 +44,32 @@ def mla_shared_applies(batch, key_cache: torch.Tensor, value_cache: torch.Tensor
             and batch.shared_rows.shape[0] > 0 and latent_cache(key_cache, value_cache))
 
 
-def latent_attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, value_dim: int, scale: float
+def latent_attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, value_dim: int, scale: float
                   ) -> Partial:
-    """q `[B, M, D]` (rows x heads), latents `[B, K, D]` (values: the first `value_dim` dims), `bias`
-    broadcastable to `[B, M, K]` in q's product dtype (0 visible, -inf not, NaN: a bad value the row sees)
-    -> Partial `[B, M, value_dim]`, `[B, M]` in the compute dtype. The latents must hold no non-finite
-    value a row may not see (`p = 0` times NaN is NaN): the callers zero those."""
+    """q `[B, M, D]` (M = rows x heads, row-major), latents `[B, K, D]` (values: the first `value_dim` dims),
+    `bias` None (every row sees every key) or `[B, rows, 1, K]` in q's product dtype (0 visible, -inf not,
+    NaN: a bad value the row sees), added to all heads of its row -> Partial `[B, M, value_dim]`, `[B, M]` in
+    the compute dtype. The latents must hold no non-finite value a row may not see (`p = 0` times NaN is
+    NaN): the callers zero those."""
     dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
+    b, mrows, _ = q.shape
     kv = kv.to(op)
-    s = torch.baddbmm(bias.to(op), q.to(op), kv.transpose(1, 2), alpha=scale)  # scale * q.k + bias, [B, M, K]
-    m = s.amax(-1)
-    m_ref = torch.where(m == float("-inf"), torch.zeros((), dtype=m.dtype, device=m.device), m)
-    p = s.sub_(m_ref[..., None]).exp_()  # in place: the scores are not needed again
-    total = p.sum(-1, dtype=dt)
+    # scale * q.k straight out of the product (beta 0: the buffer is not read), then the mask in place
+    s = torch.empty((b, mrows, kv.shape[1]), dtype=op, device=q.device).baddbmm_(
+        q.to(op), kv.transpose(1, 2), beta=0.0, alpha=scale)
+    if bias is not None:
+        s.view(b, bias.shape[1], -1, kv.shape[1]).add_(bias)
+    m = s.amax(-1).to(dt)  # (exact: a max of the product dtype's values)
+    m_ref = torch.where(m == float("-inf"), torch.zeros((), dtype=dt, device=m.device), m)
+    if LATENT_SOFTMAX == "product" or op == dt:  # in place, in the product dtype: two passes fewer
+        p = s.sub_(m_ref[..., None].to(op)).exp_()
+        total = p.sum(-1, dtype=dt)
+    else:  # e^(s - max) in the compute dtype, rounded once for `p @ V` (the generic tiles' numerics)
+        p = torch.sub(s, m_ref[..., None]).exp_()
+        total = p.sum(-1)
+        p = p.to(op)
     acc = torch.matmul(p, kv[..., :value_dim]).to(dt)
-    return Partial(acc, m.to(dt), total)
+    return Partial(acc, m, total)
 
 
 def latent_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
@@ -70,11 +88,9 @@ def latent_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: i
     finite = torch.isfinite(kv).all(-1)  # [tiles, K]
     zero = torch.zeros((), dtype=kv.dtype, device=kv.device)
     kv = torch.where((finite & visible.any(1))[..., None], kv, zero)
-    op = product_dtype(q.dtype)
-    bias = torch.zeros(visible.shape, dtype=op, device=q.device).masked_fill_(~visible, float("-inf"))
-    bias = bias.masked_fill_(visible & ~finite[:, None, :], float("nan"))
-    bias = bias[:, :, None, :].expand(tiles, rows, hq, bias.shape[-1]).reshape(tiles, rows * hq, -1)
+    bias = torch.zeros(visible.shape, dtype=product_dtype(q.dtype), device=q.device)
+    bias = bias.masked_fill_(~visible, float("-inf")).masked_fill_(visible & ~finite[:, None, :], float("nan"))
     qt = q[batch.shared_rows.clamp(max=n - 1)].reshape(tiles, rows * hq, d)  # rows then heads: no transpose
-    acc, m, total = latent_attend(qt, kv, bias, value_dim, scale)
+    acc, m, total = latent_attend(qt, kv, bias[:, :, None, :], value_dim, scale)
     part = Partial(acc.view(tiles * rows, hq, value_dim), m.view(-1, hq), total.view(-1, hq))
     return scatter_merge(part, batch.shared_rows.reshape(-1), n)
