@@ -36,10 +36,15 @@ from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype, slot_ma
 LATENT_SOFTMAX = "compute"
 
 
-def mla_shared_applies(batch, key_cache: torch.Tensor, value_cache: torch.Tensor, cap, k_scale, v_scale) -> bool:
-    """A latent cache (`mla_decode.latent_cache`), no soft cap, no fp8 cache or scales, some shared tile."""
-    from vllm_gaudi_unified.paths.mla_decode import latent_cache
+def latent_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Values are the first dims of the keys in the same memory, one KV head (`mla.latent_views`)."""
+    return (key_cache.dim() == 4 and key_cache.shape[2] == 1 and value_cache.shape[-1] < key_cache.shape[-1]
+            and value_cache.data_ptr() == key_cache.data_ptr() and value_cache.stride() == key_cache.stride()
+            and key_cache.stride(-1) == 1)
 
+
+def mla_shared_applies(batch, key_cache: torch.Tensor, value_cache: torch.Tensor, cap, k_scale, v_scale) -> bool:
+    """A latent cache (`latent_cache`), no soft cap, no fp8 cache or scales, some shared tile."""
     return (cap is None and k_scale is None and v_scale is None and not is_fp8(key_cache.dtype)
             and batch.shared_rows.shape[0] > 0 and latent_cache(key_cache, value_cache))
 
