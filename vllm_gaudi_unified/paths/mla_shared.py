@@ -3,24 +3,21 @@
 In latent space every query head attends to the same latent (one KV head,
 `mla.latent_views`), so the rows of a shared tile (tokens whose requests share
 its blocks: 64 decodes over one prefix) times their heads are one matrix of
-queries: `[rows * heads, L + R] @ [L + R, keys]`, then `p @ latent[:, :L]`
-(the values a view of the keys). At DeepSeek's shapes a tile of 8 decodes is a
-`[1024, 576] @ [576, 512]` product, a shape tensor cores (and an HPU's MME) run
-near their peak; the generic tiles ran the same products but with the heads
-transposed behind the rows, a scores layout of `[heads, rows, keys]`, and five
-elementwise passes over fp32 scores (docs/benchmarks.md, MLA). The tile's
-latents are gathered once for all its rows, so a prefix is read once per row
-chunk of its group (the planner's tiles: `plan/shared.py`).
+queries, `[rows * heads, L + R] @ [L + R, keys]`, then `p @ latent[:, :L]`
+(the values a view of the keys): rows then heads, as the query is stored, so
+nothing is transposed, and the tile's latents are gathered once for all its
+rows (a prefix is read once per row chunk of its group: `plan/shared.py`). The
+generic tiles computed the same pairs with the heads permuted in front of the
+rows and more passes over fp32 scores (docs/benchmarks.md, MLA).
 
 `latent_attend` is the product both latent routes share (this one and the
-dense decode route of `mla_decode.py`), written for few passes over the scores
-in the product dtype: the scale goes into the first product (`baddbmm_`, into
-an empty buffer: no copy of a bias), the mask is one in-place pass of an
-additive bias (none when every row sees every key), the max is exact in bf16, and `e^(s - max)` is
-taken in fp32 and rounded once for `p @ V` (as flash attention rounds it);
-`LATENT_SOFTMAX` = 'product' takes it in bf16 in place instead (two passes
-fewer over the scores, less precise: measured in docs/benchmarks.md). Plain torch ops: the Gaudi
-route and the CPU run it, and it holds no host sync (fixed shapes per bucket).
+dense decode route of `mla_decode.py`), written for few passes over the
+scores: the scale goes into the first product (`baddbmm_` into an empty
+buffer, beta 0), the mask is one in-place add of a bias (none when every row
+sees every key), the max is exact in bf16, and `e^(s - max)` is taken in place
+in bf16 and summed in fp32, so `sum` and `acc` see the same rounded
+probabilities (`LATENT_SOFTMAX`). Plain torch ops: the Gaudi route and the CPU
+run it, with no host sync (its shapes are the bucket's).
 """
 from __future__ import annotations
 
@@ -31,9 +28,11 @@ from vllm_gaudi_unified.paths.kv_quant import is_fp8
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype, slot_mask
 
 
-#: Where `latent_attend` takes e^(s - max): 'compute' (fp32 for 16-bit inputs, as the generic tiles do) or
-#: 'product' (bf16 in place: fewer bytes; measured less precise on CUDA, docs/benchmarks.md, MLA).
-LATENT_SOFTMAX = "compute"
+#: Where `latent_attend` takes e^(s - max) of 16-bit inputs: 'product' (bf16, in place: two passes fewer
+#: over the scores) or 'compute' (fp32, rounded once for `p @ V`, as the generic tiles do). Measured on an
+#: H100 (docs/benchmarks.md, MLA): the same error both ways (the scores' own bf16 rounding dominates),
+#: 'product' 15-35% faster.
+LATENT_SOFTMAX = "product"
 
 
 def latent_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
