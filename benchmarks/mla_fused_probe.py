@@ -89,7 +89,6 @@ def main() -> None:
     gather_ms = timed(lambda: flat[slots])
     q = torch.randn(128, H, L + R, generator=g, **bf)
     probe("decode_128x4k", q, flat[slots], gather_ms, [0, 1, 64, 127], report)
-    del cache, flat
     # the shared prefix: 64 tokens x 128 heads as 8192 rows, one 4096-key prefix (no gather)
     prefix = torch.randn(1, 4096, L + R, generator=g, **bf)
     q = torch.randn(1, 64 * H, L + R, generator=g, **bf)
