@@ -7,7 +7,10 @@ space against the HBM floor of reading the latent cache once, and vllm-gaudi's `
 * `decode_128x4k`: 128 decodes, 4096 tokens each (context 4095 + the new token);
 * `shared_64x4k+256`: 64 decodes whose first 4096 tokens are one shared prefix (the same 32 blocks),
   then 256 of their own (4352 each);
-* `unshared_64x4352`: the same lengths with no block in common (what the prefix costs when it is not shared).
+* `unshared_64x4352`: the same lengths with no block in common (what the prefix costs when it is not shared);
+* `shared_64x4k+256_*`: the shared one under other shared tile sizes (`PlanOptions`): `tiles64` one tile of
+  64 rows x 4096 keys, `keys4096` 8 tiles of 8 rows x 4096 keys, `h100opts` the H100's server options
+  (`bucket_plans/device_options.py`: 256 rows x 2048 keys, 2 tiles).
 
 Floor: the latent bytes the step must read (each distinct cached block once) over the read bandwidth
 measured in the same run (a sum over a 2 GiB bf16 tensor). Compute floor: the step's attention FLOPs
@@ -16,9 +19,11 @@ measured in the same run (a sum over a 2 GiB bf16 tensor). Compute floor: the st
 larger of the two floors is what a kernel can approach. Times: CUDA events, median of 20 after 3
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
-Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs), the Gaudi route
-(`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, the dense decode route), the generic tiles (the route
-before, `mla_unique_route` off), vllm-gaudi. `--sweep`: the kernel's constants, each timed.
+Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs, `paths/mla_shared.py` on
+the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, the dense decode route),
+each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
+generic tiles for every pair (the route before both, `mla_unique_route` and `mla_shared_applies` off),
+vllm-gaudi. `--sweep`: the kernel's constants, each timed.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import torch
 
 from vllm_gaudi_unified import attention, build_unified_batch
 from vllm_gaudi_unified.mla import mla_attention
-from vllm_gaudi_unified.paths import fused, mla_decode
+from vllm_gaudi_unified.paths import fused, mla_decode, mla_shared
 
 H, L, R, BS = 128, 512, 64, 128
 SCALE = 192 ** -0.5  # DeepSeek-V3: (qk_nope 128 + rope 64) ** -0.5
@@ -86,14 +91,48 @@ def kernel_consts(values):
 
 
 @contextlib.contextmanager
-def tiles_only():
-    """The unique pairs on the generic paths (the route before `paths/mla_decode.py`)."""
-    saved = attention.mla_unique_route
-    attention.mla_unique_route = lambda *args: None
+def generic_shared():
+    """The shared pairs on the generic tiles (the route before `paths/mla_shared.py`)."""
+    saved = attention.mla_shared_applies
+    attention.mla_shared_applies = lambda *args: False
     try:
         yield
     finally:
+        attention.mla_shared_applies = saved
+
+
+@contextlib.contextmanager
+def tiles_only():
+    """Every pair on the generic paths (the route before `paths/mla_decode.py` and `paths/mla_shared.py`)."""
+    saved = attention.mla_unique_route
+    attention.mla_unique_route = lambda *args: None
+    try:
+        with generic_shared():
+            yield
+    finally:
         attention.mla_unique_route = saved
+
+
+@contextlib.contextmanager
+def gaudi_generic_shared():
+    with fused.gaudi_route(), generic_shared():
+        yield
+
+
+@contextlib.contextmanager
+def product_softmax():
+    """`latent_attend`'s e^(s - max) in bf16, in place (`mla_shared.LATENT_SOFTMAX`)."""
+    saved, mla_shared.LATENT_SOFTMAX = mla_shared.LATENT_SOFTMAX, "product"
+    try:
+        yield
+    finally:
+        mla_shared.LATENT_SOFTMAX = saved
+
+
+@contextlib.contextmanager
+def gaudi_product_softmax():
+    with fused.gaudi_route(), product_softmax():
+        yield
 
 
 def make_step(seq_lens, shared_blocks: int):
@@ -181,7 +220,12 @@ def measure(case, rates, report, profile=False):
     entry, err, step = case["entry"], case["err"], case["step"]
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
     entry["compute_floor_ms"] = entry["attention_flops"] / flop_rate * 1e3
-    routes = {"cuda": contextlib.nullcontext, "gaudi": fused.gaudi_route, "tiles": tiles_only}
+    routes = {"cuda": contextlib.nullcontext, "cuda_generic_shared": generic_shared,
+              "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
+              "gaudi_generic_shared": gaudi_generic_shared, "gaudi_product_softmax": gaudi_product_softmax,
+              "tiles": tiles_only}
+    if "shared" not in case["name"]:  # (no shared pairs: the same as the columns beside them)
+        del routes["cuda_generic_shared"], routes["gaudi_generic_shared"], routes["cuda_product_softmax"]
     for route, ctx in routes.items():
         try:
             with ctx():
@@ -192,10 +236,11 @@ def measure(case, rates, report, profile=False):
                         for _ in range(5):
                             step()
                         torch.cuda.synchronize()
-                    entry[f"{route}_profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+                    entry[f"{route}_profile"] = prof.key_averages().table(
+                        sort_by="cuda_time_total", row_limit=14, max_name_column_width=70)
         except Exception as exc:  # reported, not hidden
             entry[f"{route}_error"] = f"{type(exc).__name__}: {exc}"[:500]
-    if case["name"] != "shared_64x4k+256_tiles64":  # (the same algorithm as the default tiles' column)
+    if "+256_" not in case["name"] and not case["skip_vllm_gaudi"]:  # (other tiles: the same as the default's)
         try:
             run = gaudi_mla(case["q"], case["cache"], case["table"], case["seq_lens"])
             entry["vllm_gaudi_max_err"] = err(run())
@@ -203,7 +248,7 @@ def measure(case, rates, report, profile=False):
         except Exception as exc:  # reported, not hidden
             entry["vllm_gaudi_error"] = f"{type(exc).__name__}: {exc}"[:500]
     floor = max(entry["floor_ms"], entry["compute_floor_ms"])
-    for route in ("cuda", "gaudi", "tiles", "vllm_gaudi"):
+    for route in (*routes, "vllm_gaudi"):
         if f"{route}_ms" in entry:
             entry[f"{route}_over_floor"] = entry[f"{route}_ms"] / entry["floor_ms"]
             entry[f"{route}_over_max_floor"] = entry[f"{route}_ms"] / floor
@@ -243,7 +288,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-prompt", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's constants (SWEEP)")
-    parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps, 128 x 4k")
+    parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps, 128 x 4k and shared")
+    parser.add_argument("--skip-vllm-gaudi", action="store_true", help="(its times do not change from run to run)")
     args = parser.parse_args()
     start = time.time()
     rates = read_bandwidth(), matmul_rate()
@@ -256,7 +302,10 @@ def main() -> None:
     cases = [setup("decode_128x4k", [4096] * 128, 0), setup("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS),
              setup("unshared_64x4352", [4096 + 256] * 64, 0),
              setup("shared_64x4k+256_tiles64", [4096 + 256] * 64, 4096 // BS,
-                   PlanOptions(shared_rows=64, shared_tile_keys=4096))]
+                   PlanOptions(shared_rows=64, shared_tile_keys=4096)),
+             setup("shared_64x4k+256_keys4096", [4096 + 256] * 64, 4096 // BS, PlanOptions(shared_tile_keys=4096)),
+             setup("shared_64x4k+256_h100opts", [4096 + 256] * 64, 4096 // BS,
+                   PlanOptions(shared_rows=256, shared_tile_keys=2048))]
     if args.sweep:
         rows = [sweep(case) for case in cases[:3]]
         totals = [sum(r[i].get("ms", math.inf) for r in rows) for i in range(len(SWEEP))]
@@ -267,7 +316,8 @@ def main() -> None:
         report["kernel_consts_from"] = "the sweep's best total over the three scenarios"
         print("chosen", report["kernel_consts"], flush=True)
     for case in cases:
-        measure(case, rates, report, args.profile and case["name"] == "decode_128x4k")
+        case["skip_vllm_gaudi"] = args.skip_vllm_gaudi
+        measure(case, rates, report, args.profile and case["name"] in ("decode_128x4k", "shared_64x4k+256"))
         with open(args.out, "w") as f:  # as it goes: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
     if not args.skip_prompt:

@@ -20,6 +20,7 @@ from vllm_gaudi_unified.paths.invariant import invariant_partial
 from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_unique_route
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
 from vllm_gaudi_unified.paths.prompts import final_rows, prompt_final, prompt_partial, write_rows
+from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_shared_applies
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_partial, kernel_unique_applies,
@@ -183,7 +184,8 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     2. causal tiles: when the phase has 'c' (a request off the prompt route has two or more new tokens).
        With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (not when the prompt
        route merges a Partial, `prompts_merged`: flash's segments would count its causal pairs again).
-    3. shared tiles: when the phase has 's' (a cached block is seen by several tokens);
+    3. shared tiles: when the phase has 's' (a cached block is seen by several tokens); MLA's latent
+       cache: each tile's rows x heads as one product (`paths/mla_shared.py`);
        through flash when the plan's tiles each see one key prefix (`shared_prefix_visible`).
     4. unique blocks: when the phase has 'u' (a cached block is seen by one token);
        with CUDA flash and a bf16, fp16 or fp8 cache, through the Triton kernel that reads
@@ -210,7 +212,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         if phase[0] == "c":
             yield causal_partial(query, key, value, batch, scale, cap)
     if phase[1] == "s":
-        if flash and batch.plan.shared_prefix_visible:
+        if mla_shared_applies(batch, key_cache, value_cache, cap, k_scale, v_scale):  # paths/mla_shared.py
+            yield latent_shared_partial(query, key_cache, value_cache.shape[-1], batch, scale)
+        elif flash and batch.plan.shared_prefix_visible:
             yield fused_shared_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         else:
             yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)

@@ -13,7 +13,8 @@ routes instead, chosen by `mla_unique_route`:
   (`decodes.decode_layout`, the CPU decode route's layout), gathered once as
   `[tokens, keys, L + R]`, then two batched matmuls over all query heads
   (`[tokens, H, L + R] @ latent^T`, `p @ latent[..., :L]`: the values are a
-  view of the gathered keys). A step of decodes only (one token per
+  view of the gathered keys; `mla_shared.latent_attend`, which the shared
+  tiles of a latent step run too). A step of decodes only (one token per
   request); its shapes follow the step (the width is rounded up to whole
   blocks, eight widths per power of two, so a server sees few), so it does
   not run while torch compiles or a CUDA graph captures: the tiles do.
@@ -29,11 +30,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, fold_pairwise
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.paths.kv_quant import is_fp8
+from vllm_gaudi_unified.paths.mla_shared import latent_attend, latent_cache
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, triton_importable
 
@@ -49,13 +50,6 @@ MLA_STAGES = 2
 MLA_V_LOAD = 0
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
-
-
-def latent_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Values are the first dims of the keys in the same memory, one KV head (`mla.latent_views`)."""
-    return (key_cache.dim() == 4 and key_cache.shape[2] == 1 and value_cache.shape[-1] < key_cache.shape[-1]
-            and value_cache.data_ptr() == key_cache.data_ptr() and value_cache.stride() == key_cache.stride()
-            and key_cache.stride(-1) == 1)
 
 
 def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cap,
@@ -123,16 +117,15 @@ def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, 
     if width == 0:
         return None
     n, hq, d = q.shape
-    dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
     kv = key_cache.view(-1, d)[table]  # [R, keys, L + R]: keys, and values as their first dims
     if unread:  # a row with no cached key read some slot it may not see: zero it (NaN * 0 is NaN)
         kv = torch.where(visible[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
-    kv = kv.to(op)
-    scores = torch.matmul(q[:r].to(op), kv.transpose(1, 2)).to(dt).mul_(scale)  # [R, H, keys]
-    if masked:  # some row sees fewer keys than the width (ragged, padded)
-        scores = scores.masked_fill_(~visible[:, None, :], float("-inf"))
-    p, m, total = masked_softmax_for(scores)(scores)
-    acc = torch.matmul(p.to(op), kv[..., :value_dim]).to(dt)  # [R, H, L]
+    # (a masked slot of any other row repeats one of its visible slots: `_layout`)
+    bias = None
+    if masked:  # some row sees fewer keys than the width (ragged, padded): -inf there
+        bias = torch.zeros((r, 1, 1, width), dtype=product_dtype(q.dtype), device=q.device)
+        bias = bias.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    acc, m, total = latent_attend(q[:r], kv, bias, value_dim, scale)  # [R, H, L], [R, H]
     if n > r:
         acc = F.pad(acc, (0, 0, 0, 0, 0, n - r))
         m = F.pad(m, (0, 0, 0, n - r), value=float("-inf"))
