@@ -46,27 +46,30 @@ def _variants(spec: str) -> dict:
     return out
 
 
-#: Variant keys that set the unique path's kernel constants (`paths/unique.py`) for that variant alone.
-UNIQUE_KNOBS = {"uk_split": "KERNEL_SPLIT_KEYS", "uk_token": "KERNEL_TOKEN_SPLIT_KEYS",
-                "uk_span": "KERNEL_TOKEN_SPLIT_SPAN", "uk_max": "KERNEL_MAX_SPLITS", "uk_keys": "KERNEL_KEYS",
-                "uk_warps": "KERNEL_WARPS", "uk_stages": "KERNEL_STAGES"}
+#: Variant keys that set module constants of the paths (the unique kernel's, the fused shared merge's) for
+#: that variant alone: key -> (module of `vllm_gaudi_unified.paths`, constant).
+UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_token": ("unique", "KERNEL_TOKEN_SPLIT_KEYS"),
+                "uk_span": ("unique", "KERNEL_TOKEN_SPLIT_SPAN"), "uk_max": ("unique", "KERNEL_MAX_SPLITS"),
+                "uk_keys": ("unique", "KERNEL_KEYS"), "uk_warps": ("unique", "KERNEL_WARPS"),
+                "uk_stages": ("unique", "KERNEL_STAGES"), "sh_intmax": ("shared", "FUSED_INT_MAX")}
 
 
 @contextlib.contextmanager
 def unique_knobs(over: dict):
-    """Within: the `UNIQUE_KNOBS` of `over` (popped from it) set on `paths.unique`."""
-    from vllm_gaudi_unified.paths import unique
+    """Within: the `UNIQUE_KNOBS` of `over` (popped from it) set on their modules."""
+    import importlib
 
-    saved = {}
+    saved = []
     for key in [k for k in over if k in UNIQUE_KNOBS]:
-        name = UNIQUE_KNOBS[key]
-        saved[name] = getattr(unique, name)
-        setattr(unique, name, over.pop(key))
+        module, name = UNIQUE_KNOBS[key]
+        module = importlib.import_module(f"vllm_gaudi_unified.paths.{module}")
+        saved.append((module, name, getattr(module, name)))
+        setattr(module, name, over.pop(key))
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(unique, name, value)
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def _time_fn(fn, device, poison_check=None):
