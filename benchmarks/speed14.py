@@ -46,12 +46,10 @@ def _variants(spec: str) -> dict:
     return out
 
 
-#: Variant keys that set module constants of the paths (the unique kernel's, the fused shared merge's) for
-#: that variant alone: key -> (module of `vllm_gaudi_unified.paths`, constant).
-UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_token": ("unique", "KERNEL_TOKEN_SPLIT_KEYS"),
-                "uk_span": ("unique", "KERNEL_TOKEN_SPLIT_SPAN"), "uk_max": ("unique", "KERNEL_MAX_SPLITS"),
+#: Variant keys that set module constants of the paths (the unique kernel's) for that variant alone: key -> (module of `vllm_gaudi_unified.paths`, constant).
+UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_max": ("unique", "KERNEL_MAX_SPLITS"),
                 "uk_keys": ("unique", "KERNEL_KEYS"), "uk_warps": ("unique", "KERNEL_WARPS"),
-                "uk_stages": ("unique", "KERNEL_STAGES"), "sh_intmax": ("shared", "FUSED_INT_MAX")}
+                "uk_stages": ("unique", "KERNEL_STAGES")}
 
 
 @contextlib.contextmanager

@@ -54,26 +54,3 @@ def test_scatter_merge_equals_merging_each_destination():
                                                      out.sum[dest:dest + 1])), normalize(want), atol=1e-12, rtol=0)
     assert torch.isinf(out.max[1]).all() and (out.sum[1] == 0).all()
     assert torch.equal(normalize(out)[1], torch.zeros(2, 4, dtype=torch.float64))
-
-
-def test_scatter_merge_int_maxima_equal_the_float_maxima():
-    """`scatter_merge(..., int_max=True)` (the fused shared path's merge on CUDA) takes each destination's max
-    through int32 keys: the same maxima and the same merge as the float max, with -inf, signed zeros,
-    subnormals, NaN (kept: a bad row stays NaN) and a destination no row reaches."""
-    g = torch.Generator().manual_seed(3)
-    rows, heads, n = 300, 5, 40
-    m = torch.randn(rows, heads, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 1e-39])
-    m[torch.rand(rows, heads, generator=g) < 0.2] = float("-inf")
-    m[0, 0], m[1, 0], m[2, 1] = -0.0, 0.0, float("nan")
-    m[3] = -m[3].abs()
-    part = Partial(torch.randn(rows, heads, 3, generator=g), m, torch.rand(rows, heads, generator=g))
-    index = torch.randint(0, n + 1, (rows,), generator=g)  # n: dropped
-    index[index == 5] = 6  # destination 5: no row
-    index[3], index[2] = 9, 11
-    index[index == 9] = torch.where(torch.arange(rows) == 3, 9, 10)[index == 9]  # 9: negative maxima only
-    want, got = scatter_merge(part, index, n), scatter_merge(part, index, n, int_max=True)
-    for a, b in zip(want, got):
-        assert torch.equal(torch.isnan(a), torch.isnan(b))
-        assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
-    assert torch.isnan(got.max[index[2], 1]) and (got.max[5] == float("-inf")).all() and (got.sum[5] == 0).all()
-    assert torch.equal(got.max[9], m[3]) and (m[3] < 0).any()

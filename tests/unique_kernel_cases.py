@@ -42,9 +42,6 @@ CASES = [
     ("parallel_sampling", "e5m2", "float", "slice", None, {}),
     ("ragged_partial", "e4m3", "per_slot_head", "gather", 6, {"KERNEL_SPLIT_KEYS": 8}),
     ("long_blocks", "e4m3", "per_block", "gather", None, {"KERNEL_SPLIT_KEYS": 32}),
-    # per-token splits: a token gets one split per 8 / 24 keys of its own, up to the bound
-    ("ragged_partial", "e5m2", "float", "slice", None, {"KERNEL_TOKEN_SPLIT_KEYS": 8}),
-    ("long_blocks", "e4m3", "none", "gather", 5, {"KERNEL_TOKEN_SPLIT_KEYS": 24, "KERNEL_TOKEN_SPLIT_SPAN": 4}),
 ]
 SPECS_HERE = dict(SPECS, long_blocks=Step([1, 1, 2], [70, 33, 64], 32, num_qo_heads=8, num_kv_heads=2))
 
@@ -62,7 +59,7 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
     calls = []
     inner = unique.kernel_unique_partial
     set_attr(attention, "kernel_unique_partial", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
-    defaults = {k: getattr(unique, k) for k in ("KERNEL_SPLIT_KEYS", "KERNEL_TOKEN_SPLIT_KEYS", "KERNEL_TOKEN_SPLIT_SPAN")}
+    defaults = {k: getattr(unique, k) for k in ("KERNEL_SPLIT_KEYS",)}
     done = 0
     for i, (name, fmt, k_form, layout, window, consts) in enumerate(CASES):
         for k, v in {**defaults, **consts}.items():

@@ -63,39 +63,17 @@ def fold_pairwise(slots: Partial) -> Partial:
     return Partial(acc[:, 0], m[:, 0], s[:, 0])
 
 
-def scatter_merge(rows: Partial, index: torch.Tensor, num_out: int, int_max: bool = False) -> Partial:
-    """Merge rows into `num_out` destinations; `index[i]` is row i's destination, `num_out` = drop.
-    `int_max`: the maxima through int32 keys (`_scatter_amax_int`; float32 maxima only), same result."""
+def scatter_merge(rows: Partial, index: torch.Tensor, num_out: int) -> Partial:
+    """Merge rows into `num_out` destinations; `index[i]` is row i's destination, `num_out` = drop."""
     heads = rows.max.shape[1]
     idx = index.reshape(-1, 1).expand(-1, heads)
-    if int_max and rows.max.dtype == torch.float32:
-        new_max = _scatter_amax_int(rows.max, idx, num_out + 1)
-    else:
-        new_max = torch.full((num_out + 1, heads), float("-inf"), dtype=rows.max.dtype, device=rows.max.device)
-        new_max = new_max.scatter_reduce(0, idx, rows.max, reduce="amax", include_self=True)
+    new_max = torch.full((num_out + 1, heads), float("-inf"), dtype=rows.max.dtype, device=rows.max.device)
+    new_max = new_max.scatter_reduce(0, idx, rows.max, reduce="amax", include_self=True)
     row_acc, row_sum = _scaled(rows, new_max.gather(0, idx))
     acc = torch.zeros((num_out + 1,) + rows.acc.shape[1:], dtype=rows.acc.dtype, device=rows.acc.device)
     acc = acc.index_add(0, index, row_acc)
     total = torch.zeros_like(new_max).index_add(0, index, row_sum)
     return Partial(acc[:num_out], new_max[:num_out], total[:num_out])
-
-
-def _float_key(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> int32 keys in the floats' order (negative floats: their 31 low bits flipped); NaN the
-    largest key, so a NaN max stays NaN. Its own inverse on non-NaN keys."""
-    bits = x.view(torch.int32)
-    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return torch.where(torch.isnan(x), torch.iinfo(torch.int32).max, key)
-
-
-def _scatter_amax_int(x: torch.Tensor, idx: torch.Tensor, size: int) -> torch.Tensor:
-    """`full((size, heads), -inf).scatter_reduce(0, idx, x, 'amax')` for float32 `x`, through int32 keys:
-    a native integer atomic max on CUDA, where a float max is a compare-and-swap loop (13-35 us for a
-    few thousand values on an H100, `benchmarks/gpu_kernels.py`: the fused shared path's merge)."""
-    init = _float_key(torch.full((1, 1), float("-inf"), dtype=x.dtype, device=x.device))
-    key = init.expand(size, x.shape[1]).contiguous().scatter_reduce(0, idx, _float_key(x), reduce="amax",
-                                                                    include_self=True)
-    return torch.where(key >= 0, key, key ^ 0x7FFFFFFF).view(torch.float32)
 
 
 def normalize(p: Partial) -> torch.Tensor:

@@ -44,11 +44,6 @@ def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     return scatter_merge(part, batch.shared_rows.reshape(-1), n)
 
 
-#: The fused path's merge takes its maxima through int32 keys (`merge.scatter_merge`'s `int_max`), where
-#: the float atomic max was 13-35 us of a 0.08-0.4 ms step on an H100 (benchmarks/gpu_kernels.py).
-FUSED_INT_MAX = True
-
-
 def fused_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
                          scale: float, k_scale=None, v_scale=None) -> Partial | None:
     """Each shared tile as one flash segment: its real rows against the first `max_row(hi).sum()` of its
@@ -75,4 +70,4 @@ def fused_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     used = batch.shared_hi.amax(1).sum(-1).to(torch.int32)
     part = fused.flash_varlen(q[dest.clamp(max=n - 1)], k, v, cu_q, cu_k, rows_per_tile, keys, scale, causal=False,
                               seqused_k=used)
-    return scatter_merge(part, dest, n, int_max=FUSED_INT_MAX)
+    return scatter_merge(part, dest, n)

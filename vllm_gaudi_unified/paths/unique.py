@@ -25,11 +25,6 @@ from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
 KERNEL_KEYS = 128
 KERNEL_SPLIT_KEYS = 8192
 KERNEL_MAX_SPLITS = 32
-#: Per-token splits (0: off): a token's keys are cut into about this many keys per split, so a ragged step's
-#: long contexts get more programs than its short ones (the kernel's `TOKEN_SPLIT_KEYS`); the split count
-#: bound is then a bucket's mean keys per token times `KERNEL_TOKEN_SPLIT_SPAN` over this.
-KERNEL_TOKEN_SPLIT_KEYS = 0
-KERNEL_TOKEN_SPLIT_SPAN = 2
 KERNEL_WARPS = 4
 KERNEL_STAGES = 2
 
@@ -146,11 +141,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=q.device, dtype=rows.dtype))
     ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
-    token_split = KERNEL_TOKEN_SPLIT_KEYS
-    if token_split:
-        splits = min(KERNEL_MAX_SPLITS, _pow2(math.ceil(KERNEL_TOKEN_SPLIT_SPAN * keys_per_token / token_split)))
-    else:
-        splits = min(KERNEL_MAX_SPLITS, _pow2(math.ceil(keys_per_token / KERNEL_SPLIT_KEYS)))
+    splits = min(KERNEL_MAX_SPLITS, _pow2(math.ceil(keys_per_token / KERNEL_SPLIT_KEYS)))
     dt = compute_dtype(q.dtype)
     acc = torch.empty((n, splits, hq, d), dtype=dt, device=q.device)
     m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
@@ -164,7 +155,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
         HQ=hq, G=g, G_PAD=max(16, _pow2(g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=batch.unique_blocks is None, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
-        SPLIT_KEYS=0, TOKEN_SPLIT_KEYS=token_split, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+        SPLIT_KEYS=0, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     part = Partial(acc, m, total)
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 

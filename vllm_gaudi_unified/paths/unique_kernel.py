@@ -29,8 +29,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                  sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d,
                  HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                  BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
-                 K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-                 TOKEN_SPLIT_KEYS: tl.constexpr = 0):
+                 K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr):
     """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
     stride 1), scale tensors by strides (0 on broadcast axes; `K_SCALES`/`V_SCALES`: 0 none (a float
     folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
@@ -38,9 +37,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     `SLICE`: slot = block id). Out: acc `[n, SPLITS, HQ, D]`, m/l `[n, SPLITS, HQ]` in acc's dtype.
     `SPLIT_KEYS` (a multiple of KEYS; the batch-invariant mode): split `sp` is keys `[sp * SPLIT_KEYS,
     (sp + 1) * SPLIT_KEYS)` of the token's slots, boundaries fixed by position (splits past the
-    token's keys write empty partials); 0: the token's keys cut into SPLITS even parts, or, with
-    `TOKEN_SPLIT_KEYS` > 0, into as many even parts as it has `TOKEN_SPLIT_KEYS` keys (at least one, at most
-    SPLITS; the rest write empty partials): a long context gets more programs than a short one."""
+    token's keys write empty partials); 0: the token's keys cut into SPLITS even parts."""
     t = tl.program_id(0).to(tl.int64)  # output offsets (t * SPLITS * HQ * D) may pass 2**31
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -48,9 +45,6 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     n_keys = (tl.load(starts_ptr + t + 1) - first) * BS
     if SPLIT_KEYS > 0:
         per_split = SPLIT_KEYS
-    elif TOKEN_SPLIT_KEYS > 0:
-        n_split = tl.minimum(tl.maximum(tl.cdiv(n_keys, TOKEN_SPLIT_KEYS), 1), SPLITS)
-        per_split = tl.cdiv(n_keys, n_split * KEYS) * KEYS
     else:
         per_split = tl.cdiv(n_keys, SPLITS * KEYS) * KEYS
     k_begin = sp * per_split
