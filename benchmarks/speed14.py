@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/speed14")
     p.add_argument("--scenarios", default="all")
     p.add_argument("--block-sizes", default="16,128")
-    p.add_argument("--variants", default="", help="extra option sets: 'name=shared_rows:64,causal_tile:256;...'")
+    p.add_argument("--variants", default="", help="extra option sets: 'name=shared_rows:64,causal_tile:256;...' "
+                   "(also gaudi:1, device_table:1, prompt_flash:1, and the unique kernel's constants: UNIQUE_KNOBS)")
     p.add_argument("--methods", default="ours,peer")
     p.add_argument("--peer-variants", default="graph,compiled")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="ours as a graph of eager calls")
