@@ -46,6 +46,30 @@ def _variants(spec: str) -> dict:
     return out
 
 
+#: Variant keys that set module constants of the paths (the unique kernel's) for that variant alone: key -> (module of `vllm_gaudi_unified.paths`, constant).
+UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_max": ("unique", "KERNEL_MAX_SPLITS"),
+                "uk_keys": ("unique", "KERNEL_KEYS"), "uk_warps": ("unique", "KERNEL_WARPS"),
+                "uk_stages": ("unique", "KERNEL_STAGES")}
+
+
+@contextlib.contextmanager
+def unique_knobs(over: dict):
+    """Within: the `UNIQUE_KNOBS` of `over` (popped from it) set on their modules."""
+    import importlib
+
+    saved = []
+    for key in [k for k in over if k in UNIQUE_KNOBS]:
+        module, name = UNIQUE_KNOBS[key]
+        module = importlib.import_module(f"vllm_gaudi_unified.paths.{module}")
+        saved.append((module, name, getattr(module, name)))
+        setattr(module, name, over.pop(key))
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def _time_fn(fn, device, poison_check=None):
     """(ms, out) of a callable replayed as a CUDA graph."""
     replay, out = capture(fn, device)
@@ -114,15 +138,17 @@ def run_case(sc, bs, args, device, rows, lay=None):
     for name, over in (_variants(args.variants).items() if "ours" in args.methods else ()):
         if time.time() - args.start > args.time_budget:
             break
-        row = dict(base, method="ours", variant=name, options=over)
+        row = dict(base, method="ours", variant=name, options=over, variant_over=dict(over))
         rows.append(row)
-        route = contextlib.nullcontext()
+        route = knobs = contextlib.nullcontext()
         try:
             # What a user gets: the default options (the same on every device), then the variant's.
             over = dict(over)
             gaudi, table_ = over.pop("gaudi", False), over.pop("device_table", False)
             attention.PROMPT_FLASH = over.pop("prompt_flash", False)
             kind = device_kind(device.type, torch.cuda.get_device_name(device)) if table_ else ""
+            knobs = unique_knobs(over)
+            knobs.__enter__()
             opts = replace(options_for_device(kind, PlanOptions()), **over)
             route = fused.gaudi_route() if gaudi else contextlib.nullcontext()
             route.__enter__()
@@ -161,6 +187,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
             traceback.print_exc()
         finally:
             route.__exit__(None, None, None)
+            knobs.__exit__(None, None, None)
             attention.PROMPT_FLASH = False
         graphs.clear()
         torch._dynamo.reset()
@@ -267,7 +294,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/speed14")
     p.add_argument("--scenarios", default="all")
     p.add_argument("--block-sizes", default="16,128")
-    p.add_argument("--variants", default="", help="extra option sets: 'name=shared_rows:64,causal_tile:256;...'")
+    p.add_argument("--variants", default="", help="extra option sets: 'name=shared_rows:64,causal_tile:256;...' "
+                   "(also gaudi:1, device_table:1, prompt_flash:1, and the unique kernel's constants: UNIQUE_KNOBS)")
     p.add_argument("--methods", default="ours,peer")
     p.add_argument("--peer-variants", default="graph,compiled")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="ours as a graph of eager calls")

@@ -54,7 +54,7 @@ def torch_threads():
 
 
 #: Small tiles so that small tests still cross tile boundaries.
-SMALL_TILES = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
+SMALL_TILES = PlanOptions(causal_tile=4, shared_rows=4, shared_rows_max=4, shared_tile_keys=8)  # rows fixed: many row chunks
 #: SMALL_TILES with every pair on the tiled paths (no prompt route): tests of the tiles themselves.
 TILES = replace(SMALL_TILES, prompt_route="tiles")
 

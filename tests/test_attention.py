@@ -30,8 +30,9 @@ def test_every_spec_matches_reference(spec_name, route):
 
 
 @pytest.mark.parametrize("options", [PlanOptions(), SMALL_TILES, PlanOptions(causal_tile=1, shared_rows=1,
-                                                                             shared_tile_keys=1)],
-                         ids=["default-tiles", "small-tiles", "unit-tiles"])
+                                                                             shared_rows_max=1, shared_tile_keys=1),
+                                     PlanOptions(causal_tile=4, shared_rows=1, shared_rows_max=16, shared_tile_keys=8)],
+                         ids=["default-tiles", "small-tiles", "unit-tiles", "rows-per-step"])
 def test_tile_sizes_do_not_change_results(options):
     for name in ("seed", "long_causal", "prefix_caching", "ragged_partial"):
         out, ref, _ = run_case(SPECS[name], options=options)

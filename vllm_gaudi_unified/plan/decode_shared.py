@@ -112,14 +112,14 @@ def one_full_group(s_phys, s_req, s_blk, s_hi, T, bs, opts, out):
     blk, ids = s_blk.reshape(u, C), s_phys.reshape(u, C)
     if not ((by_req[:, 0] == by_req[:, -1]).all() and (blk == blk[0]).all() and (ids == ids[0]).all()):
         return None
-    qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
+    qt, kb = opts.tile_rows(u), opts.blocks_per_tile(bs)
     n_rc, n_cc = -(-u // qt), -(-C // kb)
     tiles = n_rc * n_cc
     rows = out.full("shared_rows", (tiles, qt), T)
     blocks = out.zeros("shared_blocks", (tiles, kb))
     blocks.reshape(n_rc, n_cc * kb)[:, :C] = ids[0]
     hi = out.zeros("shared_hi", (tiles, qt, kb))
-    if n_rc == 1:  # (the usual group: at most `shared_rows` requests)
+    if n_rc == 1:  # (the usual group: at most `shared_rows_max` requests)
         rows[:, :u] = by_req[:, 0]
         hi[:, :u] = bs
         if C % kb:  # padding columns of the last column chunk

@@ -20,8 +20,9 @@ computed exactly once:
 * **shared**: cache blocks needed by more than one query token (a chunk over its
   own context, a prefix common to several requests). Blocks are grouped by the
   set of requests that use them and each group is cut into tiles of
-  `shared_rows` query tokens x `blocks_per_tile` blocks, so a prefix common to
-  64 decodes is read once for all 64 and no token meets a block it cannot see;
+  `tile_rows` query tokens (the step's largest group's, within the options'
+  bounds) x `blocks_per_tile` blocks, so a prefix common to 64 decodes is one
+  row chunk, read once for all 64, and no token meets a block it cannot see;
 * **unique**: cache blocks needed by exactly one query token (the usual decode),
   one row per block, computed per block rather than per token; either the
   contiguous cache slice `[0, max id + 1)` (no gather) or only the live blocks
@@ -138,7 +139,8 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
             causal_needed = int(np.dot(q, q + 1)) // 2
     shape = _bucket(T, causal_q.size, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R,
                     prompts[1].shape if sel is not None else (0, 0), prompts[0].shape[1])
-    return trusted(StepPlan, block_size=bs, sliding_window=W, options=opts, num_requests=R, num_tokens=T,
+    return trusted(StepPlan, block_size=bs, sliding_window=W, options=opts.with_tile_rows(shared[0].shape[1]),
+                   num_requests=R, num_tokens=T,
                    shape=shape, bucket=shape, token_seg_start=seg_start, causal_q_start=causal_q,
                    causal_k_start=causal_k, shared_rows=shared[0], shared_blocks=shared[1], shared_lo=shared[2],
                    shared_hi=shared[3], unique_rows=unique[0], unique_blocks=unique[1], unique_lo=unique[2],
@@ -214,7 +216,8 @@ def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work) -> StepPlan:
     if shared is None:
         shared = _no_shared(opts, bs, None)
     shape = _bucket(R, 0, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R)
-    return trusted(StepPlan, block_size=bs, sliding_window=None, options=opts, num_requests=R, num_tokens=R,
+    return trusted(StepPlan, block_size=bs, sliding_window=None, options=opts.with_tile_rows(shared[0].shape[1]),
+                   num_requests=R, num_tokens=R,
                    shape=shape, bucket=shape, token_seg_start=out.keep("token_seg_start", np.arange(R)),
                    causal_q_start=empty((0,)), causal_k_start=empty((0,)), shared_rows=shared[0],
                    shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3], unique_rows=unique[0],

@@ -9,8 +9,8 @@ from vllm_gaudi_unified.plan.arrays import is_int
 
 #: Largest accepted tile sizes: far above any useful value, low enough that a tile's device mask
 #: (`causal_tile`**2, `invariant_rows` x block) and the planner's arrays stay allocatable.
-TILE_LIMITS = {"causal_tile": 4096, "shared_rows": 1 << 20, "shared_tile_keys": 1 << 24, "invariant_rows": 4096,
-               "invariant_chunk": 1 << 20, "invariant_causal_chunk": 1 << 20}
+TILE_LIMITS = {"causal_tile": 4096, "shared_rows": 1 << 20, "shared_rows_max": 1 << 20, "shared_tile_keys": 1 << 24,
+               "invariant_rows": 4096, "invariant_chunk": 1 << 20, "invariant_causal_chunk": 1 << 20}
 
 
 #: Routes of a request with two or more new tokens: one padded fused call over its context and new keys
@@ -26,9 +26,13 @@ class PlanOptions:
     """Tile sizes and choices of the planner; one graph per bucket *and* options."""
 
     causal_tile: int = 64  #: query rows = key columns of a causal tile
-    #: query rows of a shared tile (small: decode groups sharing a prefix are often 2-16 requests); the
-    #: array `StepPlan.shared_rows` holds the query token of each such row
+    #: query rows of a shared tile, the fewest: a step's tiles take its largest group's rows (a prefix common to
+    #: 64 decodes: one 64-row tile per key chunk, its blocks gathered once), rounded up to a power of two,
+    #: within [shared_rows, shared_rows_max] (`tile_rows`); the plan records the rows it chose (`with_tile_rows`).
+    #: The array `StepPlan.shared_rows` holds the query token of each such row.
     shared_rows: int = 8
+    #: the most rows of a shared tile; at or below `shared_rows`: every step's tiles have `shared_rows` rows
+    shared_rows_max: int = 256
     shared_tile_keys: int = 512  #: keys of a shared tile, rounded down to whole blocks (at least one)
     unique_layout: str = "auto"  #: 'slice', 'gather', or 'auto' (slice when dense enough)
     slice_min_density: float = 0.5  #: 'auto' reads the slice when live blocks / (max id + 1) >= this
@@ -56,6 +60,24 @@ class PlanOptions:
             raise ValueError(f"PlanOptions.slice_min_density must be a float in [0, 1], got {d!r}")
         if not isinstance(self.batch_invariant, (bool, np.bool_)):
             raise ValueError(f"PlanOptions.batch_invariant must be a bool, got {self.batch_invariant!r}")
+
+    def tile_rows(self, largest_group: int) -> int:
+        """Rows of a step's shared tiles when its largest group of shared blocks is read by
+        `largest_group` query tokens: the same rule on every device. Why rows follow the group: a
+        tile's blocks are gathered once per row chunk, so a 64-row group in 8-row tiles reads its
+        prefix 8 times; padding rows cost little on the matmul tiles (a gathered key costs as much as
+        many rows of scores) and nothing through flash (it packs a tile's real rows)."""
+        if self.shared_rows_max <= self.shared_rows:
+            return self.shared_rows
+        pow2 = 1 << max(0, int(largest_group) - 1).bit_length()
+        return min(self.shared_rows_max, max(self.shared_rows, pow2))
+
+    def with_tile_rows(self, rows: int) -> "PlanOptions":
+        """These options with the shared tiles fixed at `rows` rows: what a plan records, so its bucket
+        and graph key say which tile it was made with (one graph per bucket and options)."""
+        if self.shared_rows == rows and self.shared_rows_max <= rows:
+            return self
+        return replace(self, shared_rows=rows, shared_rows_max=rows)
 
     def blocks_per_tile(self, block_size: int) -> int:
         """Cache blocks in one shared tile."""

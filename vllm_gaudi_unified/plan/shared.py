@@ -31,7 +31,7 @@ _FAR = np.iinfo(_I64).max // 4  #: first position of a padding column: past ever
 def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, bs, W, T, opts, out: FreshArrays):
     """Tiles over the shared (request, block) pairs `mask` selects (None: every pair given); returns
     (rows, blocks, lo, hi) and the pairs they need."""
-    qt, kb = opts.shared_rows, opts.blocks_per_tile(bs)
+    kb = opts.blocks_per_tile(bs)
     if mask is None:
         s_phys, s_req, s_blk, s_hi = phys, pair_req, pair_blk, pair_hi
     else:
@@ -51,6 +51,7 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     if W is None and T == q.size:  # decodes, no window
         users = _one_group(col_users, req_sorted)
         if users is not None:
+            qt = opts.tile_rows(users.size)
             return _plan_one_group(users, order[col_start], s_phys, s_blk, s_hi, starts, ctx, bs, T, qt, kb, out)
     col_group, collided = group_columns(np.zeros(col_start.size, _I64), req_sorted, req_sorted, col_start, col_users)
     if collided.any():  # one group per column: a tile never pairs a token with a block its request lacks
@@ -67,6 +68,7 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     # Row chunks: each group's tokens (its requests' new tokens, in order), padded to whole chunks.
     decodes = W is None and T == q.size  # one new token per request: a group's rows are its requests
     rows_per_group = users_per_group if decodes else np.bincount(gr_group, weights=q[gr_req], minlength=G).astype(_I64)
+    qt = opts.tile_rows(int(rows_per_group.max()))  # the step's tile rows (`shared_tiles` agrees)
     r_chunks = -(-rows_per_group // qt)
     r_off = np.cumsum(r_chunks) - r_chunks
     group_tok = np.cumsum(rows_per_group) - rows_per_group
