@@ -30,8 +30,8 @@ def kv_b_weight(w_uk, w_uv):
     return torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).reshape(-1, w_uk.shape[-1])
 
 
-def split_case(step: Step, dtype=torch.float64, options=SMALL_TILES, seed=0, suffix=False):
-    """-> (prompt rows expanded + other rows latent then W_UV, the dense reference, batch)."""
+def split_case(step: Step, dtype=torch.float64, options=SMALL_TILES, seed=0, suffix=False, device="cpu"):
+    """-> (prompt rows expanded + other rows latent then W_UV, the dense reference, batch, rows on the route)."""
     rng = np.random.default_rng(seed)
     table, num_blocks = make_block_table(step, rng)
     g = torch.Generator().manual_seed(seed)
@@ -46,7 +46,7 @@ def split_case(step: Step, dtype=torch.float64, options=SMALL_TILES, seed=0, suf
             readable[table[r, pos // bs], pos % bs] = True
     cache[~readable] = float("nan")  # every slot no request may read
     batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, num_blocks=num_blocks,
-                                options=options)
+                                options=options, device=device)
     assert batch.bucket.num_prompts > 0  # the expanded form has rows to run
     scale = (P + R) ** -0.5
     rows = batch.bucket.query_len
@@ -56,13 +56,16 @@ def split_case(step: Step, dtype=torch.float64, options=SMALL_TILES, seed=0, suf
     # the latent rows: the step minus its prompt route (q of the expanded rows never read: zeros)
     q_lat = absorb_query(q_nope, q_pe, w_uk)
     q_lat[first:] = 0 if suffix else q_lat[first:]
-    lat = mla_attention(pad(q_lat), pad(latent), cache, batch, scale, L, checked=True, prompt_route=False)[:t]
-    weight = kv_b_weight(w_uk, w_uv)
-    q = pad(torch.cat([q_nope, q_pe], -1))[first:]
-    exp = mla_prompt_rows(q, pad(latent)[first:], cache, batch, scale, L, lambda c: c @ weight.T, first=first)
+    dev = lambda x: x.to(device)  # noqa: E731
+    lat = mla_attention(dev(pad(q_lat)), dev(pad(latent)), dev(cache), batch, scale, L, checked=True,
+                        prompt_route=False)[:t].cpu()
+    weight = dev(kv_b_weight(w_uk, w_uv))
+    q = dev(pad(torch.cat([q_nope, q_pe], -1))[first:])
+    exp = mla_prompt_rows(q, dev(pad(latent)[first:]), dev(cache), batch, scale, L, lambda c: c @ weight.T,
+                          first=first).cpu()
     exp = torch.cat([exp.new_zeros((first,) + exp.shape[1:]), exp])[:t]  # token order
     on_route = torch.zeros(rows + 1, dtype=torch.bool)
-    on_route[batch.prompt_rows.reshape(-1)] = True  # (padding rows: index `rows`, dropped)
+    on_route[batch.prompt_rows.reshape(-1).cpu()] = True  # (padding rows: index `rows`, dropped)
     on_route = on_route[:t]
     out = torch.where(on_route[:, None, None], exp, expand_output(lat, w_uv))
     ref = reference_mla(q_nope, q_pe, latent, cache, w_uk, w_uv, step.query_lens, step.context_lens, table, scale,
@@ -91,6 +94,14 @@ def test_suffix_rows_as_vllm_hands_them(dtype):
     out, ref, batch, on_route = split_case(SUFFIX, dtype=dtype, suffix=True)
     first = expanded_first(batch)
     assert first == 3 and bool(on_route[3:].all()) and not bool(on_route[:3].any())
+    assert_matches(out, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["chunked_prefill", "suffix", "shared_draft"])
+def test_on_cuda(name):
+    """bf16 on CUDA: torch SDPA with keys P + R and values V (flash / memory-efficient), within 1e-2."""
+    out, ref, _, _ = split_case(CASES[name], dtype=torch.bfloat16, device="cuda", suffix=name == "suffix")
     assert_matches(out, ref)
 
 
