@@ -171,6 +171,15 @@ def test_bad_latent_shapes_are_named():
                         lambda c: c)
 
 
+def test_a_kv_b_proj_of_the_wrong_size_is_named():
+    step = SPECS["prefill"]
+    batch = build_unified_batch(step.query_lens, step.context_lens, np.zeros((4, 8), np.int64), 4, num_blocks=2)
+    t = batch.bucket.query_len
+    with pytest.raises(ValueError, match="kv_b_proj gave"):
+        mla_prompt_rows(torch.zeros(t, H, P + R), torch.zeros(t, L + R), torch.zeros(2, 4, L + R), batch, 0.3, L,
+                        lambda c: torch.zeros(c.shape[0], (H - 1) * (P + V)))
+
+
 def test_a_bad_context_value_reaches_exactly_the_rows_that_read_it():
     """NaN in a readable context slot: the rows of that prompt only (unused slots' NaN reach none)."""
     step = SPECS["chunked_prefill"]  # [12, 5] over [20, 9]

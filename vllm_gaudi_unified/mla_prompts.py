@@ -58,7 +58,10 @@ def expand_latents(latent: torch.Tensor, kv_b_proj: Callable[[torch.Tensor], tor
     `[N, L]` to `[N, H * (P + V)]` (each head's P key dims, then its V value dims, as vLLM's layer)."""
     lead = latent.shape[:-1]
     c, pe = latent[..., :kv_lora_rank], latent[..., kv_lora_rank:]
-    kv = kv_b_proj(c.reshape(-1, kv_lora_rank)).view(*lead, heads, -1)
+    kv = kv_b_proj(c.reshape(-1, kv_lora_rank))
+    if kv.dim() != 2 or kv.shape[-1] % heads or kv.shape[-1] // heads <= nope_dim:
+        raise ValueError(f"kv_b_proj gave {tuple(kv.shape)}: must be [tokens, heads {heads} * (nope {nope_dim} + v)]")
+    kv = kv.view(*lead, heads, -1)
     k = torch.cat([kv[..., :nope_dim], pe.unsqueeze(-2).expand(*lead, heads, pe.shape[-1])], dim=-1)
     return k, kv[..., nope_dim:]
 
