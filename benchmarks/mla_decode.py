@@ -1,6 +1,7 @@
 """MLA decode at DeepSeek-V3 shapes (128 query heads, latent 512 + rope 64, bf16): unified attention in latent
 space against the HBM floor of reading the latent cache once, and vllm-gaudi's `flat_pa_mla` run as torch ops
-(loaded as `benchmarks/gaudi_peer.py` loads its ops.py). Also one prompt: latent form vs expanded form.
+(loaded as `benchmarks/gaudi_peer.py` loads its ops.py). Also one prompt: latent form vs expanded form
+(`benchmarks/mla_prompt.py`).
 
 `python -m benchmarks.mla_decode --out FILE.json` (CUDA). Scenarios:
 
@@ -261,25 +262,12 @@ def measure(case, rates, report, profile=False):
 
 
 def prompt_forms(report, n=2048):
-    """One prompt of n tokens, no context: attention in latent form (what the plugin runs) against the
-    expanded form (per-head K 192 / V 128 through torch SDPA, plus the up-projection of the latents)."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    q_lat = torch.randn(n, H, L + R, generator=g, **bf)
-    lat = torch.randn(n, L + R, generator=g, **bf)
-    cache = torch.empty(1, BS, L + R, **bf)
-    batch = build_unified_batch([n], [0], [[0]], BS, device="cuda")
-    latent_ms = timed(lambda: mla_attention(q_lat, lat, cache, batch, SCALE, L), iters=5)
-    w_kv = torch.randn(L, H * (128 + 128), generator=g, **bf) * 0.02
-    q_exp = torch.randn(1, H, n, 192, generator=g, **bf)
-    k_pe = torch.randn(1, 1, n, R, generator=g, **bf)
+    """One prompt of n tokens, no context, in the latent and the expanded form through the real code path
+    (`benchmarks/mla_prompt.py`, which has more prompt steps)."""
+    from benchmarks.mla_prompt import scenario
 
-    def expanded():
-        kv = (lat[:, :L] @ w_kv).view(n, H, 256).transpose(0, 1)[None]  # up-projection: [1, H, n, 256]
-        k = torch.cat([kv[..., :128], k_pe.expand(1, H, n, R)], -1)
-        return torch.nn.functional.scaled_dot_product_attention(q_exp, k, kv[..., 128:], is_causal=True, scale=SCALE)
-    expanded_ms = timed(expanded, iters=5)
-    report["prompt_2048"] = {"latent_ms": latent_ms, "expanded_ms": expanded_ms}
+    sc = scenario([n], [0], H, "cuda")
+    report["prompt_2048"] = {"latent_ms": timed(sc["latent"], iters=5), "expanded_ms": timed(sc["expanded"], iters=5)}
     print("prompt_2048", json.dumps(report["prompt_2048"]), flush=True)
 
 

@@ -5,11 +5,12 @@ vLLM's own CPU_MLA backend; no mocks.
 prompts in one batch, a 160-token prompt, a common 96-token prefix, a prefix-cache hit, n=2 under a
 per-request seed. vLLM's CPU platform runs CPU_MLA with chunked prefill and prefix caching off; the
 plugin keeps both on (64-token budget), so its prompts are chunked over their own cached context and
-read shared and cached prefix blocks, in the latent form, one call per step. A third engine adds
+read shared and cached prefix blocks: the prompt rows in the expanded form (`mla_prompts.py`, through
+`forward_mha`), the decodes latent (`forward_mqa`), one plan per step. A third engine adds
 ngram speculative decoding (3 drafts) to the plugin, on the greedy requests.
 
-Measured on this machine (2026-11-25): tokens identical in every case; largest |logprob
-difference| 4.1e-6 without and 4.1e-6 with ngram drafts (float32 rounding of two different
+Measured on this machine (2026-11-25, prompts expanded): tokens identical in every case; largest |logprob
+difference| 2.9e-6 without and 2.9e-6 with ngram drafts (4.1e-6 both when prompts ran latent) (float32 rounding of two different
 summation orders, as the decoder e2e tests). Allowed: 1e-4.
 
 Two things found on the way, both vLLM's and kept out of the comparison (vllm_model_helpers.py
@@ -44,6 +45,7 @@ def test_deepseek_v2_matches_vllm_cpu_mla(tmp_path):
     ours, log = _generate(model, str(tmp_path / "plugin.json"), VLLM_GAUDI_UNIFIED="1")
     assert "Using the unified attention backend GAUDI_UNIFIED_MLA" in log
     assert ours["chunked_prefill"] and ours["prefix_caching"]
+    assert "unified MLA: prompt rows in the expanded form" in log  # forward_mha ran (mla_prompts.py)
     spec, _ = _generate(model, str(tmp_path / "spec.json"), "--ngram", "3", VLLM_GAUDI_UNIFIED="1")
     for run in (ours, spec):
         wanted = {k: v for k, v in ref["results"].items() if k in run["results"]}

@@ -71,7 +71,7 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
                 value_cache: torch.Tensor, batch: UnifiedBatch, scale: float, *,
                 logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                 k_scale=None, v_scale=None, dense_decodes: bool = False,
-                self_slots: torch.Tensor | None = None) -> torch.Tensor:
+                self_slots: torch.Tensor | None = None, prompt_route: bool = True) -> torch.Tensor:
     """`unified_attention` as a server's layers call it: no checks, no copies of q/k/v.
 
     The inputs were checked once for the step (`check_inputs` on its first
@@ -83,21 +83,28 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     on the CPU run as one SDPA over a padded table of their keys (`paths/decodes.py`: eager CPU steps
     pay per op; vLLM's CPU platform sets it), the prompts as one `prompt_final` call;
     `self_slots`: there, the cache slots the new tokens' K/V were written to (`[tokens]`, all >= 0).
+    `prompt_route=False`: the prompt route's final rows are the caller's (MLA's expanded form,
+    `mla_prompts.py`): not computed, those rows of the output hold no attention (zeros or the self pair).
     """
     if logits_soft_cap is not None and math.isinf(logits_soft_cap):
         logits_soft_cap = None  # cap * tanh(s / cap) -> s; computing it would give inf * 0 = NaN
     padded = query.shape[0]
     prompts = not isinstance(batch, InvariantBatch) and batch.bucket.num_prompts > 0
     final = prompts and final_rows(batch, query, logits_soft_cap, sinks)
+    if not prompt_route and prompts and not final:
+        raise ValueError("prompt_route=False needs the prompt route's final form (no soft cap or sinks, fused "
+                         "kernels on): its partial form is merged with the other paths")
     flash = (final and PROMPT_FLASH and value.shape[-1] == query.shape[-1]  # flash takes one head dim
              and kernel_for(batch, query, logits_soft_cap) == "flash")
     if final and batch.plan.prompts_only:  # every token on the prompt route: one call, nothing else
+        if not prompt_route:
+            return query.new_zeros((padded, query.shape[1], value.shape[-1]))
         rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale, flash)
         return write_rows(None, batch.prompt_rows, rows, padded)
     if (dense_decodes and not isinstance(batch, InvariantBatch) and (final or not prompts)
             and dense_decodes_apply(batch, query, key_cache, logits_soft_cap, sinks, k_scale)):
         out = dense_decodes_attention(query, key, value, key_cache, value_cache, batch, scale, self_slots)
-        if final:  # the prompts' rows, final, beside the decodes'
+        if final and prompt_route:  # the prompts' rows, final, beside the decodes'
             out = write_rows(out, batch.prompt_rows.clamp(max=padded),
                              prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale,
                                           flash))
@@ -122,7 +129,7 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     out = normalize(merge_all(partials)).to(query.dtype)
     if out.shape[0] < query.shape[0]:  # a split step: the rows past its tokens are padding
         out = F.pad(out, (0, 0, 0, 0, 0, query.shape[0] - out.shape[0]))
-    if final:  # the prompt route's rows are final: written over what the other paths gave them
+    if final and prompt_route:  # the prompt route's rows are final: written over what the other paths gave them
         out = write_rows(out, batch.prompt_rows.clamp(max=out.shape[0]),
                          prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale,
                                       flash))

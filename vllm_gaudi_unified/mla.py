@@ -1,4 +1,4 @@
-"""MLA (multi-head latent attention: DeepSeek-V2/V3/R1, Kimi K2) through the unified pipeline, in latent space.
+"""MLA (multi-head latent attention: DeepSeek-V2/V3/R1, Kimi K2) through the unified pipeline: latent space, prompts expanded.
 
 The cache holds one latent per token: `kv_lora_rank` values (the normalised
 compressed KV, `c`) followed by `rope` dims (the rotated shared key, `k_pe`),
@@ -12,20 +12,28 @@ So with the query *absorbed* (`absorb_query`: `[T, H, L + R]`) every head
 attends to the same latent: one KV head (MQA) whose keys are the whole latent
 and whose values are its first `L` dims, and the output `[T, H, L]` leaves
 latent space through `W_UV` (`expand_output`). That is what vLLM's MLA
-backends do for decodes, and here for every token of a step, prompts included:
-the planner, the buckets and the three paths stay as they are (a block is a
-block; only the head dims differ), the cache is read in place (keys and values
-are views of it, no copy, no per-head expansion of the context), and a mixed
-step stays one call. The cost: per (query, key) pair `H * (2L + R)` products
-where the expanded form (per-head keys `P + R`, values `V`) needs
-`H * (P + R + V)`, about 3.4x fewer at DeepSeek's shapes, but it must first
-up-project every context token it reads (`L * H * (P + V)` per token). For
-decodes latent wins by far (a context token costs ~`H * (2L + R)` here, ~`L * H
-* (P + V)` expanded: 115x more at DeepSeek's shapes); for a prompt of n tokens
-over no context the expanded form does fewer FLOPs once n exceeds a few hundred,
-and it runs in fused kernels: measured on an H100, 0.7 ms expanded against 78 ms
-latent for a 2048-token prompt (docs/benchmarks.md, MLA). Latent everywhere is the
-simple, verified form; prompts expanded beside latent decodes is the next step.
+backends do for decodes, and here too: the planner, the buckets and the three
+paths stay as they are (a block is a block; only the head dims differ), the
+cache is read in place (keys and values are views of it, no copy, no per-head
+expansion of the context).
+
+Which form for which rows: per (query, key) pair the latent form costs `H *
+(2L + R)` products, the expanded form (per-head keys `P + R`, values `V`)
+`H * (P + R + V)`, 3.4x fewer at DeepSeek's shapes, but the expanded form must
+first up-project every latent it reads (`L * H * (P + V)` per token). A decode
+reads each context token for one query row: latent wins by far (115x fewer
+products per context token at DeepSeek's shapes), so decodes, and every token
+off the prompt route, run here. A prompt's rows share its keys: the
+up-projection is paid once per key for many rows, and the expanded head dims
+(192 / 128, not 576 / 512) are ones fused kernels take. So the prompt route's
+rows run expanded (`mla_prompts.py`; `mla_attention(..., prompt_route=False)`
+leaves them out here) wherever the caller can split a step's rows by form:
+vLLM's MLA layer on the CPU platform does (`vllm_plugin/mla_backend.py`);
+vllm-gaudi's layer picks one form per step (`vllm_plugin/hpu_mla.py`: latent
+for every token there). Measured on an H100 (docs/benchmarks.md, MLA,
+`benchmarks/mla_prompt.py`): a 2048-token prompt, a 2048-token chunk over 4096
+tokens of context, and 64 decodes beside a 2048-token prompt, latent against
+expanded, through this code.
 """
 from __future__ import annotations
 
@@ -52,7 +60,8 @@ def mla_attention(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch
 
     `checked`: the inputs were checked for this step already and q/latent have the bucket's rows
     (a server's layers after the first: `attention.attend_step`). Other keywords go to the core
-    (`k_scale`/`v_scale`, `logits_soft_cap`, `sinks`)."""
+    (`k_scale`/`v_scale`, `logits_soft_cap`, `sinks`; with `checked`, `prompt_route=False`: the prompt
+    route's rows left to the expanded form, `mla_prompts.py`)."""
     key, value = latent_views(latent, kv_lora_rank)
     key_cache, value_cache = latent_views(latent_cache, kv_lora_rank)
     run = attend_step if checked else unified_attention

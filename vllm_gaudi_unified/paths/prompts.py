@@ -40,24 +40,30 @@ def final_rows(batch, query: torch.Tensor, soft_cap: float | None, sinks) -> boo
     return soft_cap is None and sinks is None and batch.plan.options.fused_kernels
 
 
-def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: bool = True):
+def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: bool = True, context=None,
+          first: int = 0):
     """Query rows `[P, Qp, Hq, D]`, keys/values `[P, Kp, Hkv, D]` and, per key position `[P, Kp]`: whether
     it is a real key of the prompt, and its position in the prompt's sequence (a row at sequence
     position `ctx + i` sees keys at positions `<= ctx + i`).
 
     `compact`: each prompt's keys contiguous, context then new keys (flash's segments need that);
     else the context blocks as gathered, then the new keys at `Cb * bs` (one copy less: a mask
-    handles the gap after a partly filled last block)."""
+    handles the gap after a partly filled last block). `context`: the context keys/values `[P, Cb*bs,
+    Hkv, D]` already gathered (MLA's expanded form: `mla_prompts.py`), else read from the caches;
+    `first`: q/k/v hold the step's tokens from `first` on (every prompt row is at or past it)."""
     n = q.shape[0]
-    rows = batch.prompt_rows.clamp(max=n - 1)
+    rows = (batch.prompt_rows - first).clamp(min=0, max=n - 1) if first else batch.prompt_rows.clamp(max=n - 1)
     qr, kn, vn = q[rows], k[rows], v[rows]
     cb = batch.prompt_blocks.shape[1]
     ctx, length = batch.prompt_ctx[:, None], batch.prompt_len[:, None]
     if cb == 0:
         pos = torch.arange(kn.shape[1], device=q.device)[None, :]
         return qr, kn, vn, pos < length, pos.expand(kn.shape[0], -1)
-    kc = read_blocks(key_cache, batch.prompt_blocks, k_scale, q.dtype).flatten(1, 2)  # [P, Cb*bs, Hkv, D]
-    vc = read_blocks(value_cache, batch.prompt_blocks, v_scale, q.dtype).flatten(1, 2)
+    if context is not None:
+        kc, vc = context
+    else:
+        kc = read_blocks(key_cache, batch.prompt_blocks, k_scale, q.dtype).flatten(1, 2)  # [P, Cb*bs, Hkv, D]
+        vc = read_blocks(value_cache, batch.prompt_blocks, v_scale, q.dtype).flatten(1, 2)
     keys = kc.shape[1]
     kall, vall = torch.cat([kc, kn], 1), torch.cat([vc, vn], 1)
     pos = torch.arange(keys + kn.shape[1], device=q.device)[None, :]
@@ -84,15 +90,17 @@ def prompt_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_sc
 
 
 def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_scale=None,
-                 flash: bool = False) -> torch.Tensor:
-    """The final form: `[P * Qp, Hq, Dv]` normalised rows in q's dtype (rows of `batch.prompt_rows`).
+                 flash: bool = False, context=None, first: int = 0) -> torch.Tensor:
+    """The final form: `[P * Qp, Hq, Dv]` normalised rows in q's dtype (rows of `batch.prompt_rows`;
+    `context`, `first`: as `_keys`).
 
     `flash` (CUDA kernels allowed): one flash varlen call, each prompt a segment of its real rows
     against its first `ctx + len` keys, causal bottom-right aligned: no mask at all. Else one SDPA call
     (`hpu.sdpa_final`: FusedSDPA on a Gaudi) over the padded batch, with the mask the layout needs."""
     from vllm_gaudi_unified.hpu import sdpa_final
 
-    qr, kall, vall, valid, seq = _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact=flash)
+    qr, kall, vall, valid, seq = _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact=flash,
+                                       context=context, first=first)
     p, qp, hq, d = qr.shape
     hkv = kall.shape[2]
     finite = torch.isfinite(kall).all(-1) & torch.isfinite(vall).all(-1)  # [P, Kp, Hkv]

@@ -13,8 +13,7 @@ block_size, L + R]` (`HPUMLAAttentionBackend.get_kv_cache_shape`; the extra
 block takes the padding rows' writes).
 
 Here the unified metadata says `is_prompt = False` (`UnifiedHpuMetadata`), so
-the whole step, prompts and chunks included, takes the absorbed branch, as on
-the CPU path (`mla_backend.py`; why latent for prompts too: `mla.py`), and
+the whole step, prompts and chunks included, takes the absorbed branch, and
 `forward_mqa` is one `mla.mla_attention` call over the step's plan, with the
 cache viewed (never copied) as `[num_blocks + 1, block_size, L + R]`. It is
 handed the cache but not the new tokens' latents: the impl's `latent_cache_k`
@@ -22,6 +21,14 @@ handed the cache but not the new tokens' latents: the impl's `latent_cache_k`
 
 The impl is vllm-gaudi's `HPUMLAImpl` (set-up, feature refusals, the model
 runner's view of it) with `forward_mqa` replaced and `forward_mha` unused.
+
+Prompts stay latent here, unlike the CPU path (`mla_backend.py`: the prompt
+route's rows expanded, `mla_prompts.py`, faster for prompts: `mla.py`):
+vllm-gaudi's `forward_impl` picks one branch per step by `is_prompt` and has
+no split of a step's rows between the two forms, and `is_prompt` is read
+beyond the layer (`_configure_lora`, vllm-gaudi's runner), so only a step of
+prompts alone could go expanded, through a `forward_mha` of its calling
+convention: not done.
 """
 from __future__ import annotations
 
