@@ -26,9 +26,11 @@ class PlanOptions:
     """Tile sizes and choices of the planner; one graph per bucket *and* options."""
 
     causal_tile: int = 64  #: query rows = key columns of a causal tile
-    #: query rows of a shared tile (small: decode groups sharing a prefix are often 2-16 requests); the
-    #: array `StepPlan.shared_rows` holds the query token of each such row
-    shared_rows: int = 8
+    #: query rows of a shared tile; the array `StepPlan.shared_rows` holds the query token of each such row.
+    #: 16: decode groups sharing a prefix are often 2-16 requests (parallel sampling n <= 16, a system
+    #: prompt's users), and a group in one row tile reads its prefix once (8 read it twice for 16 samples:
+    #: 0.139 against 0.115 ms on the Gaudi route, H100, docs/benchmarks.md, issue 23)
+    shared_rows: int = 16
     shared_tile_keys: int = 512  #: keys of a shared tile, rounded down to whole blocks (at least one)
     unique_layout: str = "auto"  #: 'slice', 'gather', or 'auto' (slice when dense enough)
     slice_min_density: float = 0.5  #: 'auto' reads the slice when live blocks / (max id + 1) >= this
