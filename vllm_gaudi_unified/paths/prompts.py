@@ -121,9 +121,37 @@ def _clean_keys(q, k, v, key_cache, value_cache, batch):
     zero = torch.zeros((), dtype=k.dtype, device=dev)
     pick = lambda cache, new: torch.where(use_ctx, cache[blk, off],  # noqa: E731
                                           torch.where(use_new[..., None], new[tok], zero))
-    seq = torch.where(in_ctx, pos[None, :], ctx + (pos[None, :] - keys))
-    valid = torch.where(in_ctx, pos[None, :] < ctx, (pos[None, :] - keys) < length)
+    seq, valid = _positions(batch, keys, qp)
     return q[rows], pick(key_cache, k), pick(value_cache, v), valid, seq, new_bad
+
+
+def _positions(batch, keys: int, qp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The non-compact layout's `[P, Kp]` sequence position of each key and whether it is a real key:
+    `keys` context slots (real below the prompt's context), then `qp` new keys (real below its count)."""
+    pos = torch.arange(keys + qp, device=batch.prompt_ctx.device)[None, :]
+    ctx, length = batch.prompt_ctx[:, None], batch.prompt_len[:, None]
+    in_ctx = pos < keys
+    return torch.where(in_ctx, pos, ctx + (pos - keys)), torch.where(in_ctx, pos < ctx, pos - keys < length)
+
+
+def _mask(batch, seq: torch.Tensor, valid: torch.Tensor, qp: int) -> torch.Tensor:
+    """`[P, 1, Qp, Kp]` True where row `i` of a prompt sees the key: a real key at or before its sequence
+    position `ctx + i` (causal, bottom-right aligned)."""
+    last = batch.prompt_ctx[:, None] + torch.arange(qp, device=seq.device)[None, :]  # [P, Qp]
+    return ((seq[:, None, :] <= last[..., None]) & valid[:, None, :])[:, None]
+
+
+def prompt_bias(batch, dtype: torch.dtype) -> torch.Tensor | None:
+    """The final form's mask as the additive bias SDPA takes (0 visible, -inf not) in `dtype`, for the
+    whole step (`UnifiedBatch.with_prompt_bias`); None when the batch has no prompt with context blocks
+    (its call is causal with no mask)."""
+    blocks = getattr(batch, "prompt_blocks", None)
+    if blocks is None or blocks.shape[0] == 0 or blocks.shape[1] == 0:
+        return None
+    qp = batch.prompt_rows.shape[1]
+    seq, valid = _positions(batch, blocks.shape[1] * batch.block_size, qp)
+    mask = _mask(batch, seq, valid, qp)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def prompt_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None) -> Partial:
@@ -158,10 +186,10 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
     if flash:
         out = _flash_rows(qr, kall, vall, batch, scale)
     else:
-        mask = None
-        if batch.prompt_blocks.shape[1]:
-            last = batch.prompt_ctx[:, None] + i[None, :]  # [P, Qp]: last position each row sees
-            mask = ((seq[:, None, :] <= last[..., None]) & valid[:, None, :])[:, None]  # [P, 1, Qp, Kp]
+        mask = None  # (none without context: causal)
+        if batch.prompt_blocks.shape[1]:  # the step's bias when made for this dtype, else made here
+            bias = batch.prompt_bias
+            mask = bias if bias is not None and bias.dtype == qr.dtype else _mask(batch, seq, valid, qp)
         out = sdpa_final(qr.transpose(1, 2), kall.transpose(1, 2), vall.transpose(1, 2), mask, scale)
         out = out.transpose(1, 2).reshape(p * qp, hq, vall.shape[-1])  # MLA: values narrower than keys
     # rows that see a bad new key: those at or past the first one (a reduction over the new keys, no scan)
