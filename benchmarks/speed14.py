@@ -34,14 +34,16 @@ from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_
 
 
 def _variants(spec: str) -> dict:
-    """name -> PlanOptions overrides of the default ('default': none). Two keys are not options:
+    """name -> PlanOptions overrides of the default ('default': none). Keys that are not options:
     `gaudi:1` runs the variant on the Gaudi route (`paths.fused.gaudi_route`: no flash varlen, no
-    Triton), `device_table:1` starts from the device's measured options (`device_options.py`)."""
+    Triton), `device_table:1` starts from the device's measured options (`device_options.py`),
+    `prompt_flash:1` the prompt route through flash varlen, `step_bias:1` makes the prompt route's mask
+    once per step (`UnifiedBatch.with_prompt_bias`, untimed, as the peer's `attn_bias`)."""
     out = {"default": {}}
     for item in filter(None, spec.split(";")):
         name, _, kv = item.partition("=")
         out[name] = {k: (v if k in ("unique_layout", "prompt_route") else bool(int(v))
-                         if k in ("fused_kernels", "gaudi", "device_table", "prompt_flash") else int(v))
+                         if k in ("fused_kernels", "gaudi", "device_table", "prompt_flash", "step_bias") else int(v))
                      for k, v in (p.split(":") for p in kv.split(",") if p)}
     return out
 
@@ -145,6 +147,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
             # What a user gets: the default options (the same on every device), then the variant's.
             over = dict(over)
             gaudi, table_ = over.pop("gaudi", False), over.pop("device_table", False)
+            step_bias = over.pop("step_bias", False)
             attention.PROMPT_FLASH = over.pop("prompt_flash", False)
             kind = device_kind(device.type, torch.cuda.get_device_name(device)) if table_ else ""
             knobs = unique_knobs(over)
@@ -164,6 +167,8 @@ def run_case(sc, bs, args, device, rows, lay=None):
                     plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks, options=opts)
                 row["plan_ms"] = (time.perf_counter() - t0) / 5 * 1e3
             batch = UnifiedBatch.from_plan(plan, device)
+            if step_bias:
+                batch = batch.with_prompt_bias(q.dtype)
             row.update(bucket=str(plan.bucket), unique_layout=plan.unique_layout)
             fn = (lambda: compiled_attention(q, k, v, kc, vc, batch, scale)) if args.compile else \
                 (lambda: unified_attention(q, k, v, kc, vc, batch, scale))

@@ -247,3 +247,20 @@ def random_steps(draw):
 def test_random_batches(step, window, cap, tiles, seed):
     out, ref, _ = run_case(step, options=tiles, seed=seed, sliding_window=window, logits_soft_cap=cap)
     assert_matches(out, ref)
+
+
+def test_partial_slots_lists_every_partly_seen_slot_once_then_slot_zero():
+    """The unique path's masked slots (`_partial_slots`, a rank compaction): every slot with a real row
+    that sees part of its block, in slot order, then slot 0 up to the bucket's count."""
+    from vllm_gaudi_unified.paths.unique import _partial_slots
+
+    ctx = [5, 8, 13, 1, 16]  # block size 4: partial last blocks for 5, 13 and 1; 8 and 16 end on a block
+    table = np.arange(5 * 4).reshape(5, 4) + 1
+    batch = build_unified_batch([1] * 5, ctx, table, 4, num_blocks=21)
+    n = batch.num_tokens
+    sel = _partial_slots(batch, n, 4)
+    rows, lo, hi = batch.unique_rows, batch.unique_lo, batch.unique_hi
+    want = torch.nonzero((rows < n) & ((lo > 0) | (hi < 4))).flatten()
+    assert want.numel() == 3
+    assert sel[: want.numel()].tolist() == want.tolist()
+    assert (sel[want.numel():] == 0).all() and sel.numel() == min(rows.shape[0], batch.bucket.num_logits)

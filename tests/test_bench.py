@@ -201,3 +201,11 @@ def test_trace_work_adds_the_dense_column(tmp_path, capsys):
     for path in ("causal", "shared"):
         assert data["dense"][path] >= data["needed"][path]
     assert data["dense"]["unique"] > 0 and data["planned"]["unique"] >= data["needed"]["unique"]
+
+
+def test_speed14_variant_keys_that_are_not_options_parse_as_flags():
+    from benchmarks.speed14 import _variants
+
+    got = _variants("step=gaudi:1,step_bias:1;rows=shared_rows:16,prompt_route:dense")
+    assert got == {"default": {}, "step": {"gaudi": True, "step_bias": True},
+                   "rows": {"shared_rows": 16, "prompt_route": "dense"}}

@@ -19,6 +19,7 @@ from conftest import SMALL_TILES, TILES, Step, assert_matches, make_block_table,
 from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.bucket import with_prompts
 from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.reference import reference_attention
 
 UNFUSED = replace(SMALL_TILES, fused_kernels=False)  # the Partial form through the matmul tiles
 
@@ -162,3 +163,50 @@ def test_warmup_builds_a_batch_for_a_bucket_with_prompts(phase):
     q, k, v = (torch.randn(16, h, 8, dtype=torch.float64) for h in (4, 2, 2))
     kc, vc = (torch.randn(16, 4, 2, 8, dtype=torch.float64) for _ in range(2))
     assert torch.isfinite(unified_attention(q, k, v, kc, vc, batch, 0.5)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_the_steps_prompt_bias_gives_the_same_rows_padded_and_poisoned(dtype):
+    """`with_prompt_bias` (the mask made once per step, as vllm-gaudi's `attn_bias`) changes no bit: a
+    padded bucket with partial last blocks, a decode beside the prompts, unreadable slots poisoned."""
+    step = Step([9, 1, 4, 12], [6, 11, 0, 21], 4, num_qo_heads=4, num_kv_heads=2)
+    table, nb = make_block_table(step, np.random.default_rng(3))
+    q, k, v, kc, vc = make_tensors(step, table, nb, dtype)
+    plain = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=nb, options=SMALL_TILES)
+    s = plain.shape
+    big = Bucket(s.phase, s.query_len + 3, s.num_shared_blocks, s.num_unique_blocks + 2, s.num_logits + 1,
+                 s.num_causal_tiles, s.num_prompts + 1, s.prompt_len + 2, s.prompt_blocks + 1)
+    padded = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=nb, options=SMALL_TILES,
+                                 bucket=big)
+    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+    for batch in (plain, padded):
+        biased = batch.with_prompt_bias(dtype)
+        assert biased.prompt_bias.dtype == dtype and biased.prompt_bias.shape == (
+            batch.bucket.num_prompts, 1, batch.bucket.prompt_len, batch.bucket.prompt_blocks * 4 + batch.bucket.prompt_len)
+        out = unified_attention(q, k, v, kc, vc, biased, 0.37)
+        torch.testing.assert_close(out, unified_attention(q, k, v, kc, vc, batch, 0.37), rtol=0, atol=0)
+        assert_matches(out, ref)
+    other = plain.with_prompt_bias(torch.float32)  # made for another dtype: not used, the call makes its own
+    torch.testing.assert_close(unified_attention(q, k, v, kc, vc, other, 0.37),
+                               unified_attention(q, k, v, kc, vc, plain, 0.37), rtol=0, atol=0)
+
+
+def test_no_prompt_bias_without_context_or_prompts():
+    none = build_unified_batch([7, 5], [0, 0], np.zeros((2, 1), int), 4)  # prompts without context: causal
+    assert none.with_prompt_bias(torch.float64) is none
+    dec = build_unified_batch([1, 1], [5, 9], np.array([[1, 2, 0], [3, 4, 5]]), 4)
+    assert dec.with_prompt_bias(torch.float64) is dec
+
+
+def test_a_nan_in_a_cached_key_of_the_context_reaches_only_its_prompts_rows():
+    """A real context slot of request 0 holds NaN in K: every row of request 0 sees it (its KV head's
+    query heads), request 1's rows and the other KV head's heads stay bitwise as in the clean run."""
+    step = Step([6, 3], [5, 4], 4)
+    table, nb = make_block_table(step, np.random.default_rng(1))
+    q, k, v, kc, vc = make_tensors(step, table, nb)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=SMALL_TILES)
+    clean = unified_attention(q, k, v, kc, vc, batch, 0.5)
+    kc[table[0, 1], 0, 1, 2] = float("nan")  # position 4 of request 0: its last context key
+    bad = unified_attention(q, k, v, kc, vc, batch, 0.5)
+    assert torch.equal(bad[6:], clean[6:]) and torch.equal(bad[:6, :2], clean[:6, :2])
+    assert torch.isnan(bad[:6, 2:]).all()

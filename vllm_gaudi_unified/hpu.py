@@ -82,14 +82,16 @@ def masked_softmax_for(scores: torch.Tensor) -> Callable:
 def sdpa_final(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
     """The prompt route's one fused call (`paths/prompts.py`): q `[B, Hq, S, D]`, k/v `[B, Hkv, K, D]`,
-    `mask` `[B, 1, S, K]` bool (True = visible) or None = causal (top-left: prompts without context).
+    `mask` `[B, 1, S, K]` bool (True = visible), or already the additive bias in q's dtype (the step's,
+    `UnifiedBatch.prompt_bias`), or None = causal (top-left: prompts without context).
     Returns the normalised rows `[B, Hq, S, D]`.
 
     The mask goes in as an additive bias (0 / -inf in q's dtype) and GQA natively, as vllm-gaudi calls
     it: on a Gaudi FusedSDPA, elsewhere torch SDPA (on CUDA: flash for the causal case, the
     memory-efficient or cuDNN kernel with a bias)."""
-    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-        ~mask, float("-inf"))
+    bias = mask
+    if mask is not None and not mask.is_floating_point():
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     if q.device.type == "hpu" and habana_importable():  # pragma: no cover - needs a Gaudi
         from habana_frameworks.torch.hpex.kernels import FusedSDPA
 

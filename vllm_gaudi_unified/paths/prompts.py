@@ -19,10 +19,16 @@ Two ways to finish, chosen by `final_rows` (all conditions there):
   the same batch through the matmul tiles (`tiles.attend`), strict-causal (the
   self pair is the self path's), as a `Partial` the exact merge folds in.
 
-Bad values: non-finite keys/values are zeroed before the fused call and the
-rows that see one are set to NaN afterwards (a prefix count over the key
-axis), as `fused.mark_bad_rows` does for the other fused calls, so a bad value
-reaches exactly the rows that attend to it.
+Bad values (final form), at the cost of one elementwise pass fused into the
+gather: the slots no row may read (past a prompt's context in its last block,
+padding blocks, padding new keys) are zeroed, so a poisoned unused cache slot
+never reaches an output. A real context key is seen by every row of its prompt,
+so a non-finite one reaches exactly those rows by itself (NaN scores or values
+in the fused call). A new key is hidden from the rows before it by the causal
+mask, where `0 * NaN` would still leak: non-finite new keys and values are
+zeroed and the rows at or past the first one set to NaN afterwards (a reduction
+over the new keys only), as `fused.mark_bad_rows` does for the other fused
+calls. So a bad value reaches only the rows that attend to it.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import torch
 
 from vllm_gaudi_unified.merge import Partial, scatter_merge
 from vllm_gaudi_unified.paths import fused
-from vllm_gaudi_unified.paths.kv_quant import read_blocks
+from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend
 
 
@@ -40,48 +46,125 @@ def final_rows(batch, query: torch.Tensor, soft_cap: float | None, sinks) -> boo
     return soft_cap is None and sinks is None and batch.plan.options.fused_kernels
 
 
-def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: bool = True, context=None,
-          first: int = 0):
+def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: bool = True, clean: bool = False,
+          context=None, first: int = 0):
     """Query rows `[P, Qp, Hq, D]`, keys/values `[P, Kp, Hkv, D]` and, per key position `[P, Kp]`: whether
     it is a real key of the prompt, and its position in the prompt's sequence (a row at sequence
-    position `ctx + i` sees keys at positions `<= ctx + i`).
+    position `ctx + i` sees keys at positions `<= ctx + i`); with `clean`, also `[P, Qp, Hkv]`: the new
+    keys whose key or value is not finite (else None).
 
     `compact`: each prompt's keys contiguous, context then new keys (flash's segments need that);
     else the context blocks as gathered, then the new keys at `Cb * bs` (one copy less: a mask
     handles the gap after a partly filled last block). `context`: the context keys/values `[P, Cb*bs,
     Hkv, D]` already gathered (MLA's expanded form: `mla_prompts.py`), else read from the caches;
-    `first`: q/k/v hold the step's tokens from `first` on (every prompt row is at or past it)."""
+    `first`: q/k/v hold the step's tokens from `first` on (every prompt row is at or past it).
+
+    `clean` (the final form's containment, module docstring): context slots past a prompt's context and
+    new keys past its tokens are zeroed, and so are non-finite new keys and values. Elementwise on the
+    gather, so the compiled gather writes the clean copy in the same pass; only the new keys are
+    tested for finiteness (a real context key is seen by every row of its prompt)."""
     n = q.shape[0]
     rows = (batch.prompt_rows - first).clamp(min=0, max=n - 1) if first else batch.prompt_rows.clamp(max=n - 1)
     qr, kn, vn = q[rows], k[rows], v[rows]
     cb = batch.prompt_blocks.shape[1]
     ctx, length = batch.prompt_ctx[:, None], batch.prompt_len[:, None]
+    new_bad = None
+    if clean:
+        zero = torch.zeros((), dtype=kn.dtype, device=kn.device)
+        finite = torch.isfinite(kn).all(-1) & torch.isfinite(vn).all(-1)  # [P, Qp, Hkv]
+        real = (torch.arange(kn.shape[1], device=q.device)[None, :] < length)[..., None]
+        new_bad = real & ~finite
+        keep = (real & finite)[..., None]
+        kn, vn = torch.where(keep, kn, zero), torch.where(keep, vn, zero)
     if cb == 0:
         pos = torch.arange(kn.shape[1], device=q.device)[None, :]
-        return qr, kn, vn, pos < length, pos.expand(kn.shape[0], -1)
+        return qr, kn, vn, pos < length, pos.expand(kn.shape[0], -1), new_bad
     if context is not None:
         kc, vc = context
     else:
         kc = read_blocks(key_cache, batch.prompt_blocks, k_scale, q.dtype).flatten(1, 2)  # [P, Cb*bs, Hkv, D]
         vc = read_blocks(value_cache, batch.prompt_blocks, v_scale, q.dtype).flatten(1, 2)
     keys = kc.shape[1]
+    if clean:  # the unused slots of a partial last block and the padding blocks (id 0) never reach a row
+        used = (torch.arange(keys, device=q.device)[None, :] < ctx)[..., None, None]
+        kc, vc = torch.where(used, kc, zero), torch.where(used, vc, zero)
     kall, vall = torch.cat([kc, kn], 1), torch.cat([vc, vn], 1)
     pos = torch.arange(keys + kn.shape[1], device=q.device)[None, :]
     if compact:
         src = torch.where(pos < ctx, pos, keys + (pos - ctx)).clamp(max=pos.numel() - 1)
         req = torch.arange(src.shape[0], device=q.device)[:, None]
         kall, vall = kall[req, src], vall[req, src]
-        return qr, kall, vall, pos < ctx + length, pos.expand(kall.shape[0], -1)
+        return qr, kall, vall, pos < ctx + length, pos.expand(kall.shape[0], -1), new_bad
     seq = torch.where(pos < keys, pos, ctx + (pos - keys))  # sequence position of each key
     real = torch.where(pos < keys, pos < ctx, pos - keys < length)
-    return qr, kall, vall, real, seq
+    return qr, kall, vall, real, seq, new_bad
+
+
+def _clean_keys(q, k, v, key_cache, value_cache, batch):
+    """`_keys(compact=False, clean=True)` for an unquantized cache with context blocks, as one gather: key
+    `p < Cb * bs` of prompt `r` is cache slot `p % bs` of its block `p // bs` (zero past its context),
+    key `Cb * bs + j` its token `j` (zero past its tokens, or where not finite). Both sources are
+    indexed per output element, so the compiled function writes K and V in SDPA's layout in one pass,
+    with no concatenated or cleaned copy in between."""
+    n, dev = q.shape[0], q.device
+    rows = batch.prompt_rows.clamp(max=n - 1)
+    blocks = batch.prompt_blocks
+    p, qp = rows.shape
+    cb, bs = blocks.shape[1], key_cache.shape[1]
+    keys = cb * bs
+    ctx, length = batch.prompt_ctx[:, None], batch.prompt_len[:, None]
+    finite = torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1)  # [n, Hkv]: per token, not per row
+    real = (torch.arange(qp, device=dev)[None, :] < length)[..., None]
+    new_bad = real & ~finite[rows]  # [P, Qp, Hkv]
+    pos = torch.arange(keys + qp, device=dev)
+    in_ctx = (pos < keys)[None, :]
+    blk = blocks[:, (pos // bs).clamp(max=cb - 1)]  # [P, Kp]
+    off = (pos % bs).expand(p, -1)
+    j = (pos - keys).clamp(min=0, max=qp - 1)
+    tok = rows[:, j]  # [P, Kp]
+    use_ctx = (in_ctx & (pos[None, :] < ctx))[..., None, None]  # [P, Kp, 1, 1]
+    use_new = (~in_ctx)[..., None] & real[:, j] & finite[tok]  # [P, Kp, Hkv]
+    zero = torch.zeros((), dtype=k.dtype, device=dev)
+    pick = lambda cache, new: torch.where(use_ctx, cache[blk, off],  # noqa: E731
+                                          torch.where(use_new[..., None], new[tok], zero))
+    seq, valid = _positions(batch, keys, qp)
+    return q[rows], pick(key_cache, k), pick(value_cache, v), valid, seq, new_bad
+
+
+def _positions(batch, keys: int, qp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The non-compact layout's `[P, Kp]` sequence position of each key and whether it is a real key:
+    `keys` context slots (real below the prompt's context), then `qp` new keys (real below its count)."""
+    pos = torch.arange(keys + qp, device=batch.prompt_ctx.device)[None, :]
+    ctx, length = batch.prompt_ctx[:, None], batch.prompt_len[:, None]
+    in_ctx = pos < keys
+    return torch.where(in_ctx, pos, ctx + (pos - keys)), torch.where(in_ctx, pos < ctx, pos - keys < length)
+
+
+def _mask(batch, seq: torch.Tensor, valid: torch.Tensor, qp: int) -> torch.Tensor:
+    """`[P, 1, Qp, Kp]` True where row `i` of a prompt sees the key: a real key at or before its sequence
+    position `ctx + i` (causal, bottom-right aligned)."""
+    last = batch.prompt_ctx[:, None] + torch.arange(qp, device=seq.device)[None, :]  # [P, Qp]
+    return ((seq[:, None, :] <= last[..., None]) & valid[:, None, :])[:, None]
+
+
+def prompt_bias(batch, dtype: torch.dtype) -> torch.Tensor | None:
+    """The final form's mask as the additive bias SDPA takes (0 visible, -inf not) in `dtype`, for the
+    whole step (`UnifiedBatch.with_prompt_bias`); None when the batch has no prompt with context blocks
+    (its call is causal with no mask)."""
+    blocks = getattr(batch, "prompt_blocks", None)
+    if blocks is None or blocks.shape[0] == 0 or blocks.shape[1] == 0:
+        return None
+    qp = batch.prompt_rows.shape[1]
+    seq, valid = _positions(batch, blocks.shape[1] * batch.block_size, qp)
+    mask = _mask(batch, seq, valid, qp)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def prompt_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None) -> Partial:
     """The partial form: strict-causal pairs and context of every prompt row through the matmul tiles
     (`tiles.attend` masks unseen keys and contains bad values itself), merged into the step's rows."""
     n = q.shape[0]
-    qr, kall, vall, valid, seq = _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact=False)
+    qr, kall, vall, valid, seq, _ = _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact=False)
     i = torch.arange(qr.shape[1], device=q.device)
     mask = (seq[:, None, :] < (batch.prompt_ctx[:, None] + i[None, :])[..., None]) & valid[:, None, :]
     tile_attend = fused.sdpa_attend if fused.kernel_for(batch, q, soft_cap) == "hpu" else attend
@@ -99,27 +182,27 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
     (`hpu.sdpa_final`: FusedSDPA on a Gaudi) over the padded batch, with the mask the layout needs."""
     from vllm_gaudi_unified.hpu import sdpa_final
 
-    qr, kall, vall, valid, seq = _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact=flash,
-                                       context=context, first=first)
+    if (not flash and context is None and not first and batch.prompt_blocks.shape[1]
+            and not is_fp8(key_cache.dtype)):
+        qr, kall, vall, valid, seq, new_bad = _clean_keys(q, k, v, key_cache, value_cache, batch)
+    else:
+        qr, kall, vall, valid, seq, new_bad = _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale,
+                                                    compact=flash, clean=True, context=context, first=first)
     p, qp, hq, d = qr.shape
     hkv = kall.shape[2]
-    finite = torch.isfinite(kall).all(-1) & torch.isfinite(vall).all(-1)  # [P, Kp, Hkv]
-    keep = (valid[..., None] & finite)[..., None]
-    zero = torch.zeros((), dtype=kall.dtype, device=kall.device)
-    kall, vall = torch.where(keep, kall, zero), torch.where(keep, vall, zero)
-    last = batch.prompt_ctx[:, None] + torch.arange(qp, device=q.device)[None, :]  # [P, Qp]: last position seen
+    i = torch.arange(qp, device=q.device)
     if flash:
         out = _flash_rows(qr, kall, vall, batch, scale)
     else:
-        mask = None
-        if batch.prompt_blocks.shape[1]:
-            mask = ((seq[:, None, :] <= last[..., None]) & valid[:, None, :])[:, None]  # [P, 1, Qp, Kp]
+        mask = None  # (none without context: causal)
+        if batch.prompt_blocks.shape[1]:  # the step's bias when made for this dtype, else made here
+            bias = batch.prompt_bias
+            mask = bias if bias is not None and bias.dtype == qr.dtype else _mask(batch, seq, valid, qp)
         out = sdpa_final(qr.transpose(1, 2), kall.transpose(1, 2), vall.transpose(1, 2), mask, scale)
         out = out.transpose(1, 2).reshape(p * qp, hq, vall.shape[-1])  # MLA: values narrower than keys
-    # rows that see a bad key: those at or past the first bad key's sequence position (a reduction, no scan)
-    never = torch.iinfo(seq.dtype).max
-    first = torch.where(valid[..., None] & ~finite, seq[..., None], never).amin(1)  # [P, Hkv]
-    seen = first[:, None, :] <= last[..., None]  # [P, Qp, Hkv]
+    # rows that see a bad new key: those at or past the first one (a reduction over the new keys, no scan)
+    first_bad = torch.where(new_bad, i[None, :, None], qp).amin(1)  # [P, Hkv]
+    seen = first_bad[:, None, :] <= i[None, :, None]  # [P, Qp, Hkv]
     seen = seen.reshape(p * qp, hkv).repeat_interleave(hq // hkv, 1)
     return torch.where(seen[..., None], torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
 
@@ -142,11 +225,19 @@ def _flash_rows(qr, kall, vall, batch, scale) -> torch.Tensor:
 
 
 def write_rows(out: torch.Tensor | None, rows: torch.Tensor, values: torch.Tensor, n: int = 0) -> torch.Tensor:
-    """`out` `[n, Hq, D]` with `values` written at `rows` (`n` = no row: dropped); `out` None: zeros of
-    `n` rows (a step of prompts alone: no other path wrote anything)."""
+    """`out` `[n, Hq, D]` with `values` written at `rows` (`n` = no row: dropped); `out` None: the `n`
+    rows of a step of prompts alone (no other path wrote anything), zero where no value lands.
+
+    Without `out` the rows are gathered, not scattered: each output row reads its value through the
+    inverse of `rows` (a scatter of `[P * Qp]` indices), so the compiled function writes the output
+    once, in one pass with the ops that made `values`, instead of zeroing it and scattering into it."""
     if out is None:
-        full = values.new_zeros((n + 1,) + values.shape[1:])
-    else:
-        n = out.shape[0]
-        full = torch.cat([out, out.new_zeros((1,) + out.shape[1:])])
+        m = rows.numel()
+        src = torch.full((n + 1,), m, dtype=rows.dtype, device=rows.device)
+        src = src.index_copy_(0, rows.reshape(-1), torch.arange(m, device=rows.device, dtype=rows.dtype))[:n]
+        got = (src < m)[:, None, None]
+        return torch.where(got, values[src.clamp(max=m - 1)], torch.zeros((), dtype=values.dtype,
+                                                                          device=values.device))
+    n = out.shape[0]
+    full = torch.cat([out, out.new_zeros((1,) + out.shape[1:])])
     return full.index_copy_(0, rows.reshape(-1), values.to(full.dtype))[:n]

@@ -15,7 +15,7 @@ Padding is padded work / unpadded work over all steps, in two measures:
 - **time**: the plan's cost model (`cost.py`, estimated device µs);
 - **score work**: (query token, key) pairs, as the planner's
   `StepPlan.work_planned` counts them (`CostModel.pair_weights`). A shared slot
-  holds `shared_rows x block_size` pairs, 8 times a unique slot's at the
+  holds `shared_rows x block_size` pairs, 16 times a unique slot's at the
   defaults, where the time model prices them about equally.
 
 Besides the totals: the per-step padding ratio's worst and 99th percentile,

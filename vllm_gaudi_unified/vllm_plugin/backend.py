@@ -189,6 +189,9 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         #: an encoder-only group: no cache, steps planned bidirectional, unpadded, not traced
         self.encoder_only = isinstance(kv_cache_spec, EncoderOnlyAttentionSpec)
         self.speculative = vllm_config.speculative_config is not None
+        #: the model's dtype: the prompt route's mask is made in it once per step, for every layer
+        dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+        self.model_dtype = dtype if isinstance(dtype, torch.dtype) else None
         self.sliding_window = _group_sliding_window(vllm_config, layer_names)
         # One group's steps go to the trace: a full-attention group's if the model has one.
         may_record = self.sliding_window is None or not _model_has_full_attention(vllm_config)
@@ -218,6 +221,8 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
                                     bucket=self.hooks.bucket_plan, buffers=self.buffers, causal=not self.encoder_only)
         if not self.encoder_only:
             self.hooks.after_plan(batch, query_lens, context_lens, block_table)
+            if self.model_dtype is not None:
+                batch = batch.with_prompt_bias(self.model_dtype)
         num_tokens = batch.num_tokens
         slots = cm.slot_mapping[:num_tokens].long()
         cached = slots.device.type == "cpu" and bool((slots >= 0).all())
