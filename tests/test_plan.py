@@ -127,10 +127,10 @@ print(plan.shape, bucket)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.startswith("--u:q7:") and ":p1x5x0 " in out.stdout  # the prompt on the prompt route
 
-@pytest.mark.parametrize("group, rows", [(3, 8), (16, 16), (64, 64), (100, 128), (300, 256)])
+@pytest.mark.parametrize("group, rows", [(3, 16), (16, 16), (17, 32), (64, 64), (100, 128), (300, 256)])
 def test_shared_tile_rows_follow_the_largest_group(group, rows):
     """Issue 23: a group of decodes sharing a prefix is one row chunk of its size rounded up to a power of
-    two (8 .. 256 by default), on the decode branch and the general path alike; the plan records the rows
+    two (16 .. 256 by default), on the decode branch and the general path alike; the plan records the rows
     in its options (fixed there), so its graph key says which tile it was made with. Results: the dense
     reference, in float64."""
     from dataclasses import replace
@@ -171,8 +171,8 @@ def test_shared_tile_rows_follow_the_largest_group(group, rows):
 def test_bucket_plan_settings_fix_the_shared_tile_rows():
     from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS, ServerSettings, options_from_dict
 
-    assert BUCKET_OPTIONS.tile_rows(64) == BUCKET_OPTIONS.shared_rows == 8
-    s = ServerSettings(options=PlanOptions(shared_rows=16))
-    assert s.options.shared_rows == s.options.shared_rows_max == 16 and s.options.tile_rows(200) == 16
+    assert BUCKET_OPTIONS.tile_rows(64) == BUCKET_OPTIONS.shared_rows == 16
+    s = ServerSettings(options=PlanOptions(shared_rows=8))
+    assert s.options.shared_rows == s.options.shared_rows_max == 8 and s.options.tile_rows(200) == 8
     old = {"causal_tile": 64, "shared_rows": 32, "shared_tile_keys": 512}  # a plan file before the field
     assert options_from_dict(old).tile_rows(100) == 32
