@@ -21,37 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import time_ms
 from vllm_gaudi_unified import build_unified_batch
 from vllm_gaudi_unified.mla import absorb_query, expand_output, mla_attention
 from vllm_gaudi_unified.mla_prompts import expanded_first, mla_prompt_rows
 
 L, R, P, V, BS = 512, 64, 128, 128, 128
 SCALE = (P + R) ** -0.5
-
-
-def timed(fn, device, iters=10, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def scenario(query_lens, context_lens, heads, device):
@@ -112,7 +92,8 @@ def main() -> None:
         with torch.no_grad():
             diff = (sc["expanded"]().float() - sc["latent"]().float()).abs().max().item()
             entry = {"bucket": str(sc["batch"].bucket), "first_expanded_row": sc["first"],
-                     "latent_ms": timed(sc["latent"], args.device), "expanded_ms": timed(sc["expanded"], args.device),
+                     "latent_ms": time_ms(sc["latent"], torch.device(args.device), reps=10),
+                     "expanded_ms": time_ms(sc["expanded"], torch.device(args.device), reps=10),
                      "max_diff": diff}
         entry["speedup"] = entry["latent_ms"] / entry["expanded_ms"]
         report[name] = entry
