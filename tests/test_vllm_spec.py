@@ -55,6 +55,7 @@ def test_builder_plans_speculative_steps_with_exact_seq_lens():
         def __init__(self, speculative):  # only what build() reads
             self.speculative, self.block_size, self.sliding_window, self.device = speculative, 16, None, "cpu"
             self.encoder_only = False  # a decoder's KV cache group
+            self.model_dtype = None  # no step-wide prompt bias
             self.buffers = self.rows = None  # plan into new arrays (StepBuffers are the server's)
             self.hooks = SimpleNamespace(options=None, bucket_plan=None,
                                          after_plan=lambda b, q, c, t: captured.update(context=c))
