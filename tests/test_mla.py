@@ -22,8 +22,9 @@ STEPS = ["seed", "decode", "prefill", "chunked_prefill", "prefix_caching", "para
          "long_causal"]
 
 
-def mla_case(step: Step, dtype=torch.float64, options=SMALL_TILES, seed=0, bucket=None, poison=True):
-    """-> (latent-space output expanded through W_UV, the dense expanded reference, batch, tensors)."""
+def mla_tensors(step: Step, dtype=torch.float64, seed=0, poison=True):
+    """A step's random MLA inputs: (block table, num_blocks, q_nope, q_pe, W_UK, W_UV, new latents, latent
+    cache), with NaN in every cache slot no request may read when `poison`."""
     rng = np.random.default_rng(seed)
     table, num_blocks = make_block_table(step, rng)
     g = torch.Generator().manual_seed(seed)
@@ -38,6 +39,13 @@ def mla_case(step: Step, dtype=torch.float64, options=SMALL_TILES, seed=0, bucke
             for pos in range(c):
                 readable[table[r, pos // bs], pos % bs] = True
         cache[~readable] = float("nan")
+    return table, num_blocks, q_nope, q_pe, w_uk, w_uv, latent, cache
+
+
+def mla_case(step: Step, dtype=torch.float64, options=SMALL_TILES, seed=0, bucket=None, poison=True):
+    """-> (latent-space output expanded through W_UV, the dense expanded reference, batch, tensors)."""
+    table, num_blocks, q_nope, q_pe, w_uk, w_uv, latent, cache = mla_tensors(step, dtype, seed, poison)
+    bs = step.block_size
     batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, num_blocks=num_blocks,
                                 options=options, bucket=bucket)
     scale = (P + R) ** -0.5

@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import SMALL_TILES, SPECS, Step, assert_matches, make_block_table
+from test_mla import H, L, P, R, V, mla_tensors
 from vllm_gaudi_unified import build_unified_batch
 from vllm_gaudi_unified.mla import absorb_query, expand_output, mla_attention
 from vllm_gaudi_unified.mla_prompts import expanded_first, mla_prompt_rows
 from vllm_gaudi_unified.reference import reference_mla
 
-L, R, P, V, H = 16, 8, 12, 10, 4
 #: steps with prompts, chunks over context, shared prefixes, ragged and partly filled last blocks
 #: decodes first, then chunks over context (one over a prefix the decodes share) and a prompt: the order
 #: vLLM's reorder gives (decodes, extends, prefills)
@@ -34,19 +34,8 @@ def kv_b_weight(w_uk, w_uv):
 
 def split_case(step: Step, dtype=torch.float64, options=SMALL_TILES, seed=0, suffix=False, device="cpu"):
     """-> (prompt rows expanded + other rows latent then W_UV, the dense reference, batch, rows on the route)."""
-    rng = np.random.default_rng(seed)
-    table, num_blocks = make_block_table(step, rng)
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape, s=1.0: (s * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+    table, num_blocks, q_nope, q_pe, w_uk, w_uv, latent, cache = mla_tensors(step, dtype, seed)  # NaN: unreadable
     t, bs = sum(step.query_lens), step.block_size
-    q_nope, q_pe = rand(t, H, P), rand(t, H, R)
-    w_uk, w_uv = rand(H, P, L, s=0.3), rand(H, L, V, s=0.3)
-    latent, cache = rand(t, L + R), rand(num_blocks, bs, L + R)
-    readable = torch.zeros(num_blocks, bs, dtype=torch.bool)
-    for r, c in enumerate(step.context_lens):
-        for pos in range(c):
-            readable[table[r, pos // bs], pos % bs] = True
-    cache[~readable] = float("nan")  # every slot no request may read
     batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, num_blocks=num_blocks,
                                 options=options, device=device)
     assert batch.bucket.num_prompts > 0  # the expanded form has rows to run
