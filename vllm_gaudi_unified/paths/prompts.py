@@ -95,8 +95,7 @@ def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: boo
         req = torch.arange(src.shape[0], device=q.device)[:, None]
         kall, vall = kall[req, src], vall[req, src]
         return qr, kall, vall, pos < ctx + length, pos.expand(kall.shape[0], -1), new_bad
-    seq = torch.where(pos < keys, pos, ctx + (pos - keys))  # sequence position of each key
-    real = torch.where(pos < keys, pos < ctx, pos - keys < length)
+    seq, real = _positions(batch, keys, kn.shape[1])
     return qr, kall, vall, real, seq, new_bad
 
 
