@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import scenarios as sc_mod
-from benchmarks.speed14 import _variants, unique_knobs
+from benchmarks.speed14 import D, _variants, case_tensors, unique_knobs
 from benchmarks.timing import capture, time_ms
 from vllm_gaudi_unified import graphs
 from vllm_gaudi_unified.batch import UnifiedBatch
@@ -46,20 +46,14 @@ def kernels(fn, reps: int) -> list[tuple[str, int, float]]:
 
 
 def one(sc, bs: int, name: str, over: dict, reps: int, device) -> dict:
-    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
-    lay = sc_mod.layout(sc, bs, seed=0)
-    g = torch.Generator(device=device).manual_seed(0)
-    rand = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
-    t = sc.num_tokens
-    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
-    kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
+    lay, q, k, v, kc, vc = case_tensors(sc, bs, device)
     over = dict(over)
     with unique_knobs(over):
         opts = replace(PlanOptions(), **over)
         plan = plan_step(list(sc.query_lens), list(sc.context_lens), lay.block_table, bs, num_blocks=lay.num_blocks,
                          options=opts)
         batch = UnifiedBatch.from_plan(plan, device)
-        fn = lambda: compiled_attention(q, k, v, kc, vc, batch, d ** -0.5)  # noqa: E731
+        fn = lambda: compiled_attention(q, k, v, kc, vc, batch, D ** -0.5)  # noqa: E731
         fn()
         replay, _ = capture(fn, device)
         graph_ms = time_ms(replay, device)

@@ -17,30 +17,23 @@ from dataclasses import replace
 import torch
 
 from benchmarks import gaudi_peer, scenarios as sc_mod
-from benchmarks.speed14 import _variants
+from benchmarks.gpu_kernels import kernels
+from benchmarks.speed14 import D, _variants, case_tensors
 
 
-def _kernels(fn, calls: int = 10) -> list[tuple[str, float, int]]:
-    """(kernel name, device us per call, launches per call) of `fn`, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _kernels(fn, calls: int = 10) -> list[tuple[str, int, float]]:
+    """`gpu_kernels.kernels` of `fn` over `calls` calls, after three to warm it up."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / calls, e.count / calls) for e in prof.key_averages()
-            if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])
+    return kernels(fn, calls)
 
 
 def _print(label: str, rows, top: int) -> None:
-    total = sum(r[1] for r in rows)
-    launches = sum(r[2] for r in rows)
+    total = sum(r[2] for r in rows)
+    launches = sum(r[1] for r in rows)
     print(f"== {label}: {total:.1f} us per call, {launches:.0f} kernels", flush=True)
-    for name, us, n in rows[:top]:
+    for name, n, us in rows[:top]:
         print(f"   {us:8.1f} us  x{n:4.1f}  {name[:110]}", flush=True)
 
 
@@ -63,14 +56,8 @@ def main(argv=None) -> int:
     for case in args.cases.split(","):
         name, _, bs = case.partition(":")
         sc, bs = by_name[name], int(bs)
-        lay = sc_mod.layout(sc, bs, seed=0)
-        hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
-        g = torch.Generator(device=device).manual_seed(0)
-        rand = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
-        t = sc.num_tokens
-        q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
-        kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
-        scale = d ** -0.5
+        lay, q, k, v, kc, vc = case_tensors(sc, bs, device)
+        scale = D ** -0.5
         opts = replace(PlanOptions(), **over)
         route = fused.gaudi_route() if gaudi else contextlib.nullcontext()
         with route:

@@ -117,20 +117,30 @@ def _floor_ms(lay, hq, hkv, d) -> float:
     return max(nbytes / HBM_BYTES_PER_S, 4 * pairs * hq * d / BF16_FLOPS) * 1e3
 
 
+#: The attention shapes of these benchmarks (a Llama-3-8B layer: 32 query heads, 8 KV heads, head size 128), bf16.
+HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
+
+
+def case_tensors(sc, bs: int, device, lay=None):
+    """A scenario's inputs at block size `bs`, the same in every benchmark that times it: (its layout,
+    q, k, v `[tokens, heads, D]`, key and value caches `[blocks, bs, HKV, D]`), random from seed 0."""
+    lay = lay or sc_mod.layout(sc, bs, seed=0)
+    g = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=g, device=device, dtype=DTYPE)  # noqa: E731
+    t = sc.num_tokens
+    q, k, v = rand(t, HQ, D), rand(t, HKV, D), rand(t, HKV, D)
+    return lay, q, k, v, rand(lay.num_blocks, bs, HKV, D), rand(lay.num_blocks, bs, HKV, D)
+
+
 def run_case(sc, bs, args, device, rows, lay=None):
     from vllm_gaudi_unified import PlanOptions, plan_step
     from vllm_gaudi_unified.attention import unified_attention
     from vllm_gaudi_unified.batch import UnifiedBatch
     from vllm_gaudi_unified.graphs import compiled_attention
 
-    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
-    lay = lay or sc_mod.layout(sc, bs, seed=0)
+    hq, hkv, d = HQ, HKV, D
+    lay, q, k, v, kc, vc = case_tensors(sc, bs, device, lay)
     ql, cl = list(sc.query_lens), list(sc.context_lens)
-    g = torch.Generator(device=device).manual_seed(0)
-    rand = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
-    t = sc.num_tokens
-    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
-    kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
     scale = d ** -0.5
     blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
     floor_ms = _floor_ms(lay, hq, hkv, d)
