@@ -34,6 +34,7 @@ import json
 import math
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -91,27 +92,16 @@ def kernel_consts(values):
             setattr(mla_decode, k, v)
 
 
-@contextlib.contextmanager
 def generic_shared():
     """The shared pairs on the generic tiles (the route before `paths/mla_shared.py`)."""
-    saved = attention.mla_shared_applies
-    attention.mla_shared_applies = lambda *args: False
-    try:
-        yield
-    finally:
-        attention.mla_shared_applies = saved
+    return mock.patch.object(attention, "mla_shared_applies", lambda *args: False)
 
 
 @contextlib.contextmanager
 def tiles_only():
     """Every pair on the generic paths (the route before `paths/mla_decode.py` and `paths/mla_shared.py`)."""
-    saved = attention.mla_unique_route
-    attention.mla_unique_route = lambda *args: None
-    try:
-        with generic_shared():
-            yield
-    finally:
-        attention.mla_unique_route = saved
+    with mock.patch.object(attention, "mla_unique_route", lambda *args: None), generic_shared():
+        yield
 
 
 @contextlib.contextmanager
@@ -120,14 +110,9 @@ def gaudi_generic_shared():
         yield
 
 
-@contextlib.contextmanager
 def product_softmax():
     """`latent_attend`'s e^(s - max) in bf16, in place (`mla_shared.LATENT_SOFTMAX`)."""
-    saved, mla_shared.LATENT_SOFTMAX = mla_shared.LATENT_SOFTMAX, "product"
-    try:
-        yield
-    finally:
-        mla_shared.LATENT_SOFTMAX = saved
+    return mock.patch.object(mla_shared, "LATENT_SOFTMAX", "product")
 
 
 @contextlib.contextmanager
