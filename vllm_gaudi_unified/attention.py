@@ -19,7 +19,7 @@ from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_partial
 from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_unique_route
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
-from vllm_gaudi_unified.paths.prompts import final_rows, prompt_final, prompt_partial, write_rows
+from vllm_gaudi_unified.paths.prompts import final_rows, grid_rows, prompt_final, prompt_partial, write_rows
 from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_shared_applies
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
@@ -100,6 +100,8 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
         if not prompt_route:
             return query.new_zeros((padded, query.shape[1], value.shape[-1]))
         rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale, flash)
+        if batch.plan.prompt_grid:  # the rows are the grid: written where they are, no gather
+            return grid_rows(rows, batch, padded)
         return write_rows(None, batch.prompt_rows, rows, padded)
     if (dense_decodes and not isinstance(batch, InvariantBatch) and (final or not prompts)
             and dense_decodes_apply(batch, query, key_cache, logits_soft_cap, sinks, k_scale)):
