@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -39,8 +40,22 @@ STEPS = {
     "decodes": Step([1] * 6, [5, 17, 1, 32, 9, 64], 16),
     "chunk_over_context": Step([24], [40], 16),
     "shared_prefix": Step([1, 1, 3, 5], [32, 35, 40, 32], 16, prefix_groups=[([0, 1, 2, 3], 2)]),
+    "prompts_over_context": Step([24, 7, 2, 1], [40, 0, 19, 0], 16),
 }
+#: Which forms each step runs in (vllm-gaudi's layer branches on the metadata's is_prompt): "expanded" the
+#: prompt route's rows (`forward_mha`, `mla_prompt_rows`), "latent" the others (`mla_attention`).
+FORMS = {"mixed_ragged": {"expanded", "latent"}, "decodes": {"latent"}, "chunk_over_context": {"expanded"},
+         "shared_prefix": {"latent"},  # short drafts over a shared prefix stay on the shared tiles
+         "prompts_over_context": {"expanded"}}
 OPTIONS = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=16)
+
+
+class _KvBProj(torch.nn.Linear):
+    """The layer's `kv_b_proj` as vLLM's linear layers call: `(output, output bias)` (the expanded form's
+    `kv_b_proj(c)[0]`, as vllm-gaudi's own `forward_mha`)."""
+
+    def forward(self, x):
+        return super().forward(x), None
 
 
 def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype):
@@ -54,7 +69,7 @@ def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: 
     L, R, P, V, H = shape
     register_hpu_mla_backend()
     # kv_b_proj: latent -> per head [nope | value], as the checkpoint stores it ([H * (P + V), L]).
-    kv_b_proj = torch.nn.Linear(L, H * (P + V), bias=False, dtype=dtype)
+    kv_b_proj = _KvBProj(L, H * (P + V), bias=False, dtype=dtype)
     kv_b_proj.quant_method = None  # unquantized, as vLLM's linear layers say it
     with torch.no_grad():
         kv_b_proj.weight.copy_(torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).reshape(H * (P + V), L))
@@ -70,7 +85,8 @@ def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: 
 
 def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str = "mla"):
     """-> (vllm-gaudi's MLA layer output [T, H, V], the dense reference, the flat cache, the slots,
-    the cache the impl attended to)."""
+    [(form, the cache it read)] of the impl's latent (`mla_attention`) and expanded (`mla_prompt_rows`)
+    calls)."""
     from vllm.forward_context import set_forward_context
 
     from vllm_gaudi_unified.vllm_plugin import hpu_mla
@@ -103,18 +119,17 @@ def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str =
     pos = np.asarray(step.context_lens)[req] + np.arange(len(req)) - starts[req]
     slots = torch.from_numpy(table[req, pos // bs] * bs + pos % bs)
     attended = []
-    run = hpu_mla.mla_attention
 
-    def spy(query, latent, latent_cache, *args, **kwargs):
-        attended.append(latent_cache)
-        return run(query, latent, latent_cache, *args, **kwargs)
+    def spy(form, run):
+        def call(q, latent, latent_cache, *args, **kwargs):
+            attended.append((form, latent_cache))
+            return run(q, latent, latent_cache, *args, **kwargs)
+        return call
 
-    hpu_mla.mla_attention = spy
-    try:
-        with set_forward_context({layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=slots)}, config):
-            out = layer(q, kv_c, k_pe, output_shape=torch.Size((t, H * V)))
-    finally:
-        hpu_mla.mla_attention = run
+    with mock.patch.object(hpu_mla, "mla_attention", spy("latent", hpu_mla.mla_attention)), \
+            mock.patch.object(hpu_mla, "mla_prompt_rows", spy("expanded", hpu_mla.mla_prompt_rows)), \
+            set_forward_context({layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=slots)}, config):
+        out = layer(q, kv_c, k_pe, output_shape=torch.Size((t, H * V)))
     assert out.shape == (t, H * V)
     latent = torch.cat([kv_c, k_pe.flatten(1)], dim=-1)
     ref = reference_mla(q[..., :P], q[..., P:], latent, blocks, w_uk, w_uv, step.query_lens, step.context_lens,
@@ -125,21 +140,27 @@ def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str =
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("name", sorted(STEPS))
 def test_mla_layer_through_vllm_gaudi_forward(gaudi, name, shape):
-    """fp64: the layer's output (absorbed query, latent attention, W_UV) equals the expanded reference to 1e-6;
-    the impl attended to vllm-gaudi's cache tensor itself (a view, no copy), into which the layer wrote the
+    """fp64: the layer's output equals the expanded reference to 1e-6, in the forms the step's bucket picks
+    (prompt route expanded through `forward_mha`, the other rows latent: absorbed query, latent attention,
+    W_UV); each form read vllm-gaudi's cache tensor itself (a view, no copy), into which the layer wrote the
     step's latents."""
     out, ref, cache, slots, attended = _mla_case(STEPS[name], SHAPES[shape], name=f"b.mla.{name}.{shape}")
     assert_matches(out, ref)
-    assert len(attended) == 1 and attended[0].data_ptr() == cache.data_ptr()
-    assert attended[0].shape == (cache.shape[0] // 16, 16, cache.shape[1])
+    print(name, shape, "max |err| fp64", (out - ref).abs().max().item())
+    assert [form for form, _ in attended] == sorted(FORMS[name], reverse=True)  # latent rows first
+    for _, read in attended:
+        assert read.data_ptr() == cache.data_ptr() and read.shape == (cache.shape[0] // 16, 16, cache.shape[1])
     assert torch.isfinite(cache[slots]).all()
 
 
-@pytest.mark.parametrize("name", ["mixed_ragged", "chunk_over_context", "shared_prefix"])
+@pytest.mark.parametrize("name", ["mixed_ragged", "chunk_over_context", "shared_prefix", "prompts_over_context"])
 def test_mla_layer_bf16(gaudi, name):
-    out, ref, _, _, _ = _mla_case(STEPS[name], SHAPES["deepseek"], dtype=torch.bfloat16, name=f"b.mla16.{name}")
+    out, ref, _, _, attended = _mla_case(STEPS[name], SHAPES["deepseek"], dtype=torch.bfloat16,
+                                         name=f"b.mla16.{name}")
     assert out.dtype == torch.bfloat16
     assert_matches(out, ref)
+    assert {form for form, _ in attended} == FORMS[name]
+    print(name, "max |err| bf16", (out.double() - ref).abs().max().item())
 
 
 def test_gaudi_platform_selects_the_mla_backend(gaudi):
@@ -189,8 +210,8 @@ def test_mla_impl_refusals(gaudi):
         from vllm_gaudi.attention.backends.hpu_attn import HPUAttentionMetadata
         md = HPUAttentionMetadata.__new__(HPUAttentionMetadata)
         impl.forward_mqa(torch.zeros(2, 4, 32), torch.zeros(2, 4, 16), (torch.zeros(32, 48),), md)
-    with pytest.raises(RuntimeError, match="forward_mha reached"):
-        impl.forward_mha(None, None, None, None)
+    with pytest.raises(TypeError, match="forward_mha: attn_metadata of type HPUAttentionMetadata"):
+        impl.forward_mha(torch.zeros(2, 4, 32), torch.zeros(2, 48), (torch.zeros(32, 48),), md)
     kwargs = dict(num_heads=4, head_size=48, scale=1.0, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
                   logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, q_lora_rank=None,
                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, qk_head_dim=32, v_head_dim=24,
