@@ -83,10 +83,11 @@ def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: 
     return layer, config
 
 
-def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str = "mla"):
+def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str = "mla", pad: int = 0):
     """-> (vllm-gaudi's MLA layer output [T, H, V], the dense reference, the flat cache, the slots,
     [(form, the cache it read)] of the impl's latent (`mla_attention`) and expanded (`mla_prompt_rows`)
-    calls)."""
+    calls). `pad`: the step padded as the runner pads to a bucket (`_padded_bucket`): `pad` more rows of
+    random inputs written to the padding block, the output's first T rows returned."""
     from vllm.forward_context import set_forward_context
 
     from vllm_gaudi_unified.vllm_plugin import hpu_mla
@@ -118,6 +119,13 @@ def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str =
     starts = np.cumsum(step.query_lens) - step.query_lens
     pos = np.asarray(step.context_lens)[req] + np.arange(len(req)) - starts[req]
     slots = torch.from_numpy(table[req, pos // bs] * bs + pos % bs)
+    q_in, kv_c_in, k_pe_in = q, kv_c, k_pe
+    if pad:
+        bucket = _padded_bucket(batch.bucket, pad)
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, options=OPTIONS, bucket=bucket)
+        assert batch.bucket == bucket
+        slots = torch.cat([slots, torch.full((pad,), num_blocks * bs)])  # vllm-gaudi's _PAD_SLOT_ID
+        q_in, kv_c_in, k_pe_in = (torch.cat([x, rand(pad, *x.shape[1:])]) for x in (q, kv_c, k_pe))
     attended = []
 
     def spy(form, run):
@@ -129,8 +137,9 @@ def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str =
     with mock.patch.object(hpu_mla, "mla_attention", spy("latent", hpu_mla.mla_attention)), \
             mock.patch.object(hpu_mla, "mla_prompt_rows", spy("expanded", hpu_mla.mla_prompt_rows)), \
             set_forward_context({layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=slots)}, config):
-        out = layer(q, kv_c, k_pe, output_shape=torch.Size((t, H * V)))
-    assert out.shape == (t, H * V)
+        out = layer(q_in, kv_c_in, k_pe_in, output_shape=torch.Size((t + pad, H * V)))
+    assert out.shape == (t + pad, H * V)
+    out = out[:t]
     latent = torch.cat([kv_c, k_pe.flatten(1)], dim=-1)
     ref = reference_mla(q[..., :P], q[..., P:], latent, blocks, w_uk, w_uv, step.query_lens, step.context_lens,
                         table, layer.scale, L)
@@ -151,6 +160,34 @@ def test_mla_layer_through_vllm_gaudi_forward(gaudi, name, shape):
     for _, read in attended:
         assert read.data_ptr() == cache.data_ptr() and read.shape == (cache.shape[0] // 16, 16, cache.shape[1])
     assert torch.isfinite(cache[slots]).all()
+
+
+def _padded_bucket(bucket, pad: int):
+    """`bucket` with `pad` more rows, unique blocks and a logit row, and its prompt route's shape rounded up
+    (what a bucket plan's bucket adds: fully masked work)."""
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.bucket import phase_of, pow2
+
+    unique = bucket.num_unique_blocks + 4
+    return replace(bucket, phase=phase_of(bucket.num_causal_tiles, bucket.num_shared_blocks, unique),
+                   query_len=bucket.query_len + pad, num_unique_blocks=unique, num_logits=bucket.num_logits + 1,
+                   num_prompts=pow2(bucket.num_prompts + 1), prompt_len=pow2(bucket.prompt_len + 1),
+                   prompt_blocks=pow2(bucket.prompt_blocks + 1))
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("name", ["mixed_ragged", "prompts_over_context"])
+def test_mla_layer_padded_to_a_bucket(gaudi, name, shape):
+    """fp64, the step padded to a larger bucket (rows, unique blocks, the prompt route's shape), as the
+    runner pads to a bucket plan's: the same forms (is_prompt from the bucket) and results within 1e-6;
+    the padding rows' latents land in the padding block only."""
+    out, ref, cache, slots, attended = _mla_case(STEPS[name], SHAPES[shape], name=f"b.mla.pad.{name}.{shape}",
+                                                 pad=5)
+    assert_matches(out, ref)
+    assert {form for form, _ in attended} == FORMS[name]
+    assert all(read.data_ptr() == cache.data_ptr() for _, read in attended)
+    print(name, shape, "padded: max |err| fp64", (out - ref).abs().max().item())
 
 
 @pytest.mark.parametrize("name", ["mixed_ragged", "chunk_over_context", "shared_prefix", "prompts_over_context"])
