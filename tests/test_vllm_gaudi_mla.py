@@ -180,8 +180,7 @@ def _padded_bucket(bucket, pad: int):
 @pytest.mark.parametrize("name", ["mixed_ragged", "prompts_over_context"])
 def test_mla_layer_padded_to_a_bucket(gaudi, name, shape):
     """fp64, the step padded to a larger bucket (rows, unique blocks, the prompt route's shape), as the
-    runner pads to a bucket plan's: the same forms (is_prompt from the bucket) and results within 1e-6;
-    the padding rows' latents land in the padding block only."""
+    runner pads to a bucket plan's: the same forms (is_prompt from the bucket) and results within 1e-6."""
     out, ref, cache, slots, attended = _mla_case(STEPS[name], SHAPES[shape], name=f"b.mla.pad.{name}.{shape}",
                                                  pad=5)
     assert_matches(out, ref)
