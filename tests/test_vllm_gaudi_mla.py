@@ -7,6 +7,8 @@
   `process_weights_after_loading` from a `kv_b_proj`, against the dense expanded MLA reference
   (`reference.reference_mla`): float64 1e-6, bf16 1e-2; ragged steps, a shared prefix, a chunked
   prompt over its context, NaN in every cache slot no request may read (the padding block included);
+  steps with a prompt route through vllm-gaudi's prompt branch (`forward_mha`: prompt rows expanded, the
+  others latent), the others through its absorbed branch (`forward_mqa`), padded to a bucket or not;
 - d. a whole tiny DeepSeek-V2 generation (kv_lora_rank 512 + rope 64, the CPU e2e test's model)
   through vllm-gaudi's platform, worker, runner and MLA layers with the unified runner, against vLLM's
   CPU_MLA (`test_generation_*`).
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from unittest import mock
 
@@ -275,23 +278,34 @@ def _mla_engine(model: str, out: str, gaudi: bool, **env) -> tuple[dict, str]:
 
 @pytest.fixture(scope="module")
 def mla_generations(tmp_path_factory):
+    from dataclasses import replace
+
     import vllm_model_helpers as M
     from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
     from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
     import vllm_helpers as H
 
     root = tmp_path_factory.mktemp("d_mla")
     model = M.make_tiny_deepseek(str(root / "ds"))
-    # The scenario's server settings (vllm_model_helpers.run_mla: blocks of 16, 8 sequences, 64-token budget).
+    trace = str(root / "trace.jsonl")
+    runs = {"ref": _mla_engine(model, str(root / "ref.json"), gaudi=False),
+            "unified": _mla_engine(model, str(root / "unified.json"), gaudi=True,
+                                   VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)}
+    # The scenario's server settings (vllm_model_helpers.run_mla: blocks of 16, 8 sequences, 64-token budget),
+    # with the prompt graphs of the unpadded run's steps (as `buckets generate --trace` learns them): the
+    # prompt steps padded to one run expanded, the others on the tiled route, latent.
     plan = exponential_plan(ServerSettings(block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
                                            max_model_len=H.MAX_MODEL_LEN, num_blocks=256), base=8.0)
+    graphs, _ = learn_prompt_graphs(plan, read_trace(trace).steps, max_graphs=8)
+    assert graphs, "the unpadded run recorded no step with prompts"
+    plan = replace(plan, prompt_graphs=graphs)
     plan.save(str(root / "plan.json"))
-    return {
-        "ref": _mla_engine(model, str(root / "ref.json"), gaudi=False),
-        "unified": _mla_engine(model, str(root / "unified.json"), gaudi=True),
-        "unified_buckets": _mla_engine(model, str(root / "buckets.json"), gaudi=True,
-                                       VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json")) + (len(plan),),
-    }
+    runs["unified_buckets"] = _mla_engine(model, str(root / "buckets.json"), gaudi=True,
+                                          VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json"),
+                                          VLLM_LOGGING_LEVEL="DEBUG") + (len(plan.buckets) + len(plan.prompt_graphs),)
+    return runs
 
 
 @pytest.mark.slow
@@ -300,18 +314,23 @@ def test_deepseek_v2_generation_through_the_unified_runner(mla_generations, run)
     """The tiny DeepSeek-V2 of the CPU MLA e2e test (kv_lora_rank 512 + rope 64) through vllm-gaudi's platform,
     worker, model runner, MLA layers (`HPUMLAAttention`) and sampling with the unified runner and MLA impl, on
     the CPU stand-in, chunked prefill and prefix caching on (64-token budget): the same tokens as vLLM's CPU_MLA
-    (which runs without either), logprobs within 1e-4. With a bucket plan every bucket runs through the whole
-    model at start-up, then every step is padded to its bucket. n=2: vllm-gaudi's runner draws in its own
-    batch order without a per-request seed off-HPU (vllm_model_helpers.run_mla), so its first token's top
-    logprobs are compared."""
+    (which runs without either), logprobs within 1e-4. Steps with prompts take vllm-gaudi's prompt branch, the
+    impl's `forward_mha`: prompt rows expanded, the others latent. With a bucket plan (prompt graphs included)
+    every bucket runs through the whole model at start-up, then every step is padded to its bucket: steps in a
+    prompt graph expanded, the others latent. n=2: vllm-gaudi's runner draws in its own batch order without a
+    per-request seed off-HPU (vllm_model_helpers.run_mla), so its first token's top logprobs are compared."""
     ref, ref_log = mla_generations["ref"]
     got, log = mla_generations[run][:2]
     assert "Using CPU_MLA backend" in ref_log
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_MLA" in log
     assert "vllm-gaudi's model runner plans every step as one unified batch (backend GAUDI_UNIFIED_HPU_MLA)" in log
     assert got["chunked_prefill"] and got["prefix_caching"] and got["block_size"] == 16
+    assert "unified MLA on Gaudi: prompt rows in the expanded form" in log
     if run == "unified_buckets":
         assert f"warmed {mla_generations[run][2]} buckets through the model" in log
+        buckets = re.findall(r"unified attention step: phase \S+, bucket (\S+), step shape", log)
+        assert any(":p" in b for b in buckets), "no step ran in a prompt graph (the expanded form)"
+        assert any(":p" not in b for b in buckets), "no step ran in a bucket of the tiled route (latent)"
     import vllm_helpers as H
 
     random_cases = {"parallel_n2"}

@@ -25,8 +25,10 @@ written over the other rows, which run latent: queries absorbed through the
 layer's `W_UK_T`, one `mla.mla_attention(..., prompt_route=False)` call, the
 layer's `_v_up_proj` (the layer's own weights and up-projection, looked up once
 in the forward context: `forward_mha` is not handed the layer). A step of
-prompts alone (`plan.prompts_only`; in a graph, the buckets with no other
-path's work) skips the latent part. Every other step (decodes, short drafts
+prompts alone (`plan.prompts_only`) skips the latent part; in an HPU graph
+the branch of the step it was captured for (warmup's) replays, and a graph of
+a bucket with other paths' work keeps the latent part, masked work that a
+step of prompts alone padded to it writes over. Every other step (decodes, short drafts
 over a shared prefix, batch-invariant mode, fused kernels off) takes the
 absorbed branch: `forward_mqa` is one `mla.mla_attention` call over the step's
 plan. Either way the cache is viewed (never copied) as `[num_blocks + 1,
@@ -39,8 +41,9 @@ path: its runner's `_check_config` and `_use_graphs` (in
 `_execute_model_generic`, which the unified runner replaces), its metadata
 processor's biases (`UnifiedMetadataProcessor` passes unified metadata
 through first), its model adapter's `mark_unbacked` of a `block_list` (the
-unified runner hands a dict, with no `block_list`), its own attention and
-Mamba impls (not used by the unified backends). `_configure_lora`'s
+unified runner hands a dict, with no `block_list`), its own attention impl
+(the unified backends replace it), its Mamba mixer and Qwen3.5's
+linear-attention layers (none in an MLA model). `_configure_lora`'s
 `is_prompt` is an argument of the sampling code, not the metadata's.
 
 The impl is vllm-gaudi's `HPUMLAImpl` (set-up, feature refusals, the model
