@@ -165,31 +165,63 @@ def test_mla_layer_through_vllm_gaudi_forward(gaudi, name, shape):
     assert torch.isfinite(cache[slots]).all()
 
 
-def _padded_bucket(bucket, pad: int):
-    """`bucket` with `pad` more rows, unique blocks and a logit row, and its prompt route's shape rounded up
-    (what a bucket plan's bucket adds: fully masked work)."""
+def _padded_bucket(bucket, pad: int, prompts: bool = True):
+    """`bucket` with `pad` more rows, unique blocks and a logit row, and (`prompts`) a prompt route's shape
+    larger than the step's (what a bucket plan's bucket or prompt graph adds: fully masked work)."""
     from dataclasses import replace
 
     from vllm_gaudi_unified.bucket import phase_of, pow2
 
-    unique = bucket.num_unique_blocks + 4
-    return replace(bucket, phase=phase_of(bucket.num_causal_tiles, bucket.num_shared_blocks, unique),
-                   query_len=bucket.query_len + pad, num_unique_blocks=unique, num_logits=bucket.num_logits + 1,
-                   num_prompts=pow2(bucket.num_prompts + 1), prompt_len=pow2(bucket.prompt_len + 1),
+    unique = bucket.num_unique_blocks + 1  # (a unique slice may not outgrow the cache)
+    bucket = replace(bucket, phase=phase_of(bucket.num_causal_tiles, bucket.num_shared_blocks, unique),
+                     query_len=bucket.query_len + pad, num_unique_blocks=unique, num_logits=bucket.num_logits + 1)
+    if not prompts:
+        return bucket
+    return replace(bucket, num_prompts=pow2(bucket.num_prompts + 1), prompt_len=pow2(bucket.prompt_len + 1),
                    prompt_blocks=pow2(bucket.prompt_blocks + 1))
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("name", ["mixed_ragged", "prompts_over_context"])
+@pytest.mark.parametrize("name", ["mixed_ragged", "prompts_over_context", "decodes"])
 def test_mla_layer_padded_to_a_bucket(gaudi, name, shape):
-    """fp64, the step padded to a larger bucket (rows, unique blocks, the prompt route's shape), as the
-    runner pads to a bucket plan's: the same forms (is_prompt from the bucket) and results within 1e-6."""
+    """fp64, the step padded to a larger bucket (rows, unique blocks, a prompt route's shape), as the
+    runner pads to a bucket plan's: results within 1e-6. The branch is the bucket's (is_prompt): a step of
+    decodes in a bucket with a prompt shape takes vllm-gaudi's prompt branch too, its rows all latent there
+    and the expanded call over padding prompts only (a bucket plan pads it to no such bucket: its prompt
+    graphs take steps with prompts only)."""
     out, ref, cache, slots, attended = _mla_case(STEPS[name], SHAPES[shape], name=f"b.mla.pad.{name}.{shape}",
                                                  pad=5)
     assert_matches(out, ref)
-    assert {form for form, _ in attended} == FORMS[name]
+    assert {form for form, _ in attended} == FORMS[name] | {"expanded"}
     assert all(read.data_ptr() == cache.data_ptr() for _, read in attended)
     print(name, shape, "padded: max |err| fp64", (out - ref).abs().max().item())
+
+
+def test_is_prompt_follows_the_bucket(gaudi):
+    """The metadata's is_prompt (vllm-gaudi's MLA branch) is the bucket's: True exactly when it has a prompt
+    route in its final form; the same for a step padded to a larger bucket; False with fused kernels off (the
+    prompt route's partial form, merged with the other paths) and in batch-invariant mode (no prompt route)."""
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
+
+    for name, step in STEPS.items():
+        table, _ = make_block_table(step, np.random.default_rng(0))
+        table = np.where(table < 0, 0, table)
+
+        def is_prompt(options, bucket=None):
+            batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, options=options,
+                                        bucket=bucket)
+            return UnifiedHpuMetadata(batch=batch, slot_mapping=torch.zeros(0)).is_prompt, batch.bucket
+
+        got, bucket = is_prompt(OPTIONS)
+        assert got == ("expanded" in FORMS[name]) == (bucket.num_prompts > 0), name
+        # The bucket decides: padded to one with a prompt shape, a step takes the prompt branch (a step of
+        # decodes too: its rows all latent there, test_mla_layer_padded_to_a_bucket); without one, not.
+        assert is_prompt(OPTIONS, _padded_bucket(bucket, 3))[0], name
+        assert is_prompt(OPTIONS, _padded_bucket(bucket, 3, prompts=False))[0] == got, name
+        assert not is_prompt(replace(OPTIONS, fused_kernels=False))[0], name
+        assert not is_prompt(replace(OPTIONS, batch_invariant=True))[0], name
 
 
 @pytest.mark.parametrize("name", ["mixed_ragged", "chunk_over_context", "shared_prefix", "prompts_over_context"])
