@@ -271,6 +271,7 @@ def test_sparse_mla_models_are_refused(gaudi):
 
 def test_mla_impl_refusals(gaudi):
     """What the Gaudi MLA impl does not serve stops at construction or names the metadata it was given."""
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
     from vllm_gaudi_unified.vllm_plugin.hpu_mla import UnifiedHpuMLAImpl
 
     shape = SHAPES["small"]
@@ -283,6 +284,14 @@ def test_mla_impl_refusals(gaudi):
         impl.forward_mqa(torch.zeros(2, 4, 32), torch.zeros(2, 4, 16), (torch.zeros(32, 48),), md)
     with pytest.raises(TypeError, match="forward_mha: attn_metadata of type HPUAttentionMetadata"):
         impl.forward_mha(torch.zeros(2, 4, 32), torch.zeros(2, 48), (torch.zeros(32, 48),), md)
+    # A step with prompts and decodes outside a forward context: its decodes need the layer's W_UK_T.
+    step = STEPS["mixed_ragged"]
+    table, _ = make_block_table(step, np.random.default_rng(0))
+    batch = build_unified_batch(step.query_lens, step.context_lens, np.where(table < 0, 0, table), 16, options=OPTIONS)
+    md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.zeros(batch.bucket.query_len, dtype=torch.int64))
+    t = batch.bucket.query_len
+    with pytest.raises(RuntimeError, match="no MLA layer with this impl and its W_UK_T in the forward context"):
+        impl.forward_mha(torch.zeros(t, 4, 32), torch.zeros(t, 48), (torch.zeros(64 * 16, 48),), md)
     kwargs = dict(num_heads=4, head_size=48, scale=1.0, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
                   logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, q_lora_rank=None,
                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, qk_head_dim=32, v_head_dim=24,

@@ -230,9 +230,9 @@ class UnifiedHpuMLAImpl(HPUMLAImpl):
         impl)."""
         layer = self._layer_ref() if getattr(self, "_layer_ref", None) is not None else None
         if layer is None:
-            from vllm.forward_context import get_forward_context
+            from vllm.forward_context import get_forward_context, is_forward_context_available
 
-            layers = get_forward_context().no_compile_layers.values()
+            layers = get_forward_context().no_compile_layers.values() if is_forward_context_available() else ()
             layer = next((x for x in layers if getattr(x, "impl", None) is self), None)
             if layer is None or getattr(layer, "W_UK_T", None) is None:
                 raise RuntimeError(f"{type(self).__name__}: no MLA layer with this impl and its W_UK_T in the "
