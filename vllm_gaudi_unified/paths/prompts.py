@@ -202,7 +202,7 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
     (`hpu.sdpa_final`: FusedSDPA on a Gaudi) over the padded batch, with the mask the layout needs."""
     from vllm_gaudi_unified.hpu import sdpa_final
 
-    if not flash and context is None and not first and not is_fp8(key_cache.dtype):
+    if not flash and context is None and not first and key_cache is not None and not is_fp8(key_cache.dtype):
         qr, kall, vall, valid, seq, new_bad = _clean_keys(q, k, v, key_cache, value_cache, batch)
     else:
         qr, kall, vall, valid, seq, new_bad = _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale,
