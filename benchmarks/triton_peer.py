@@ -69,7 +69,7 @@ current_platform = SimpleNamespace(
 
 #: The stand-in modules of the temporary `vllm` package (path -> source).
 SHIMS = {
-    "vllm/__init__.py": '"""Stand-in: only what vLLM\'s Triton attention files import (benchmarks/triton_peer.py)."""\n',
+    "vllm/__init__.py": '"""Stand-in: what vLLM\'s Triton attention files import (benchmarks/triton_peer.py)."""\n',
     "vllm/envs.py": "import os\n\nVLLM_BATCH_INVARIANT = bool(int(os.getenv('VLLM_BATCH_INVARIANT', '0')))\n"
                     "VLLM_TRITON_USE_TD = None\n",
     "vllm/logger.py": "import logging\n\n\ndef init_logger(name):\n    return logging.getLogger(name)\n",
@@ -321,7 +321,7 @@ def run_case(sc, bs, peer, device, rows) -> None:
     except Exception as exc:  # noqa: BLE001
         row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:600])
         traceback.print_exc()
-    print(f"[{sc.name} bs{bs} triton] {row.get('ms', '-')} ms err {row.get('rel_err', '-')} {row.get('launch')}", flush=True)
+    print(f"[{sc.name} bs{bs} triton/{row.get('launch')}] {row.get('ms')} ms err {row.get('rel_err')}", flush=True)
 
 
 def table(rows: list[dict]) -> str:
