@@ -4,8 +4,8 @@
 
 Reads the rows `benchmarks/speed14.py` writes when run with
 `--variants "gaudi=gaudi:1;pflash=prompt_flash:1"`: per scenario and block size, the peer (best
-of its graph and compiled forms), vLLM's Triton kernel (issue 14's measurements,
-`speed14.TRITON_MS`: the device has no vLLM), and ours on the Gaudi route and at the CUDA defaults
+of its graph and compiled forms), vLLM's Triton kernel (`speed14.TRITON_MS`, measured beside ours
+by `benchmarks/triton_peer.py`), and ours on the Gaudi route and at the CUDA defaults
 (and, where run, the prompt route through flash varlen, `attention.PROMPT_FLASH`).
 """
 from __future__ import annotations
