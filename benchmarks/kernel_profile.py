@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     over = _variants("v=" + args.variant)["v"]
     gaudi = over.pop("gaudi", False)
-    step_bias = over.pop("step_bias", False)  # the prompt mask made once per step, untimed (speed14's)
+    step_bias = over.pop("step_bias", True)  # the prompt mask made once per step, untimed (speed14's)
     unique_knobs(over).__enter__()  # module constants of the paths, for the whole run
     device = torch.device("cuda")
     by_name = {s.name: s for s in sc_mod.scenarios()}

@@ -37,8 +37,9 @@ def _variants(spec: str) -> dict:
     """name -> PlanOptions overrides of the default ('default': none). Keys that are not options:
     `gaudi:1` runs the variant on the Gaudi route (`paths.fused.gaudi_route`: no flash varlen, no
     Triton), `device_table:1` starts from the device's measured options (`device_options.py`),
-    `prompt_flash:1` the prompt route through flash varlen, `step_bias:1` makes the prompt route's mask
-    once per step (`UnifiedBatch.with_prompt_bias`, untimed, as the peer's `attn_bias`)."""
+    `prompt_flash:1` the prompt route through flash varlen, `step_bias:0` makes the prompt route's mask
+    in each call instead of once per step (`UnifiedBatch.with_prompt_bias`, untimed, as the peer's
+    `attn_bias`; both runners make it once per step)."""
     out = {"default": {}}
     for item in filter(None, spec.split(";")):
         name, _, kv = item.partition("=")
@@ -51,7 +52,7 @@ def _variants(spec: str) -> dict:
 #: Variant keys that set module constants of the paths (the unique kernel's) for that variant alone: key -> (module of `vllm_gaudi_unified.paths`, constant).
 UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_max": ("unique", "KERNEL_MAX_SPLITS"),
                 "uk_keys": ("unique", "KERNEL_KEYS"), "uk_warps": ("unique", "KERNEL_WARPS"),
-                "uk_stages": ("unique", "KERNEL_STAGES"), "kv_hm": ("prompts", "KV_HEADS_MAJOR")}
+                "uk_stages": ("unique", "KERNEL_STAGES")}
 
 
 @contextlib.contextmanager
@@ -157,7 +158,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
             # What a user gets: the default options (the same on every device), then the variant's.
             over = dict(over)
             gaudi, table_ = over.pop("gaudi", False), over.pop("device_table", False)
-            step_bias = over.pop("step_bias", False)
+            step_bias = over.pop("step_bias", True)
             attention.PROMPT_FLASH = over.pop("prompt_flash", False)
             kind = device_kind(device.type, torch.cuda.get_device_name(device)) if table_ else ""
             knobs = unique_knobs(over)

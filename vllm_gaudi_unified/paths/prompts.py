@@ -40,10 +40,6 @@ from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend
 
 
-#: The final form's gathered K/V in SDPA's heads-major layout (benchmark knob `kv_hm`, speed14).
-KV_HEADS_MAJOR = False
-
-
 def final_rows(batch, query: torch.Tensor, soft_cap: float | None, sinks) -> bool:
     """Whether the prompt route writes its rows final (one fused SDPA call) or hands a `Partial` to the
     merge: final unless a soft cap or sinks need the statistics, or fused kernels are off."""
@@ -137,9 +133,10 @@ def _clean_keys(q, k, v, key_cache, value_cache, batch):
     else:
         pick = lambda cache, new: torch.where(use_new[..., None], new[tok], zero)  # noqa: E731
     seq, valid = _positions(batch, keys, qp)
-    kall, vall = pick(key_cache, k), pick(value_cache, v)
-    if KV_HEADS_MAJOR:  # written heads-major (SDPA's [P, Hkv, Kp, D] contiguous), the same values
-        kall, vall = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (kall, vall))
+    # written heads-major, SDPA's `[P, Hkv, Kp, D]` contiguous, by the same pass (cuDNN: 0.3-1 % faster on
+    # the chunked prefill than the token-major copy, H100)
+    kall, vall = (pick(c, x).transpose(1, 2).contiguous().transpose(1, 2)
+                  for c, x in ((key_cache, k), (value_cache, v)))
     return qr, kall, vall, valid, seq, new_bad
 
 
