@@ -179,7 +179,7 @@ def setup(name, seq_lens, shared_blocks, options=None):
              "plan_options": str(options) if options else "default",
              "latent_bytes_read_once": distinct * BS * (L + R) * 2,
              "attention_flops": 2 * H * sum(seq_lens) * (L + R + L)}
-    return dict(name=name, table=table, cache=cache, q=q, seq_lens=seq_lens, entry=entry,
+    return dict(name=name, table=table, cache=cache, q=q, seq_lens=seq_lens, entry=entry, batch=batch,
                 err=lambda out: (out[rows].float() - ref).abs().max().item(),
                 run=lambda: mla_attention(q, latent, cache, batch, SCALE, L),
                 step=lambda: mla_attention(q, latent, cache, batch, SCALE, L, checked=True))

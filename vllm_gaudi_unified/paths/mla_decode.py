@@ -48,8 +48,12 @@ MLA_MAX_SPLITS = 32
 MLA_WARPS = 4
 MLA_STAGES = 2
 MLA_V_LOAD = 0
+#: Whether a key tile that lies in one slot (`MLA_KEYS` divides the block size) reads its slot's block and
+#: bounds once as scalars (`mla_kernel.py`: ONE_SLOT), not once per key.
+MLA_ONE_SLOT = True
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
+_ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
 
 
 def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cap,
@@ -77,8 +81,8 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
 def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
                        ) -> Partial | None:
     """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
-    `fold_pairwise`). Slots sorted by token on the device (no sync); the split count comes from the
-    bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
+    `fold_pairwise`). Slots sorted by token on the device (no sync), once per batch (a server's layers
+    share it); the split count comes from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
     slots = batch.unique_rows.shape[0]
@@ -86,9 +90,7 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         return None
     n, hq, d = q.shape
     bs = key_cache.shape[1]
-    rows = batch.unique_rows
-    order = torch.argsort(rows, stable=True)
-    starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=q.device, dtype=rows.dtype))
+    order, starts = _slot_order(batch, n, q.device)
     ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
     splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
@@ -103,9 +105,25 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         q, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
         HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
-        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD, num_warps=MLA_WARPS,
-        num_stages=MLA_STAGES)
+        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
+        ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, num_warps=MLA_WARPS, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def _slot_order(batch, n: int, device):
+    """The unique slots sorted by token and each token's start in that order (`n + 1` starts), on `device`,
+    once per batch eagerly (not kept while torch compiles or a CUDA graph captures: a graph replays with its
+    batch's buffers refilled, so it must sort them itself)."""
+    eager = not (torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+    hit = _ORDERS.get(batch) if eager else None
+    if hit is not None and hit[0] == (device, n):
+        return hit[1]
+    rows = batch.unique_rows
+    order = torch.argsort(rows, stable=True)
+    starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=device, dtype=rows.dtype))
+    if eager:
+        _ORDERS[batch] = ((device, n), (order, starts))
+    return order, starts
 
 
 def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float

@@ -27,14 +27,16 @@ import triton.language as tl
 def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, scale, splits,
               sq_t, sq_h, sc_b, sc_s,
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
-              DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr):
+              DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
+              ONE_SLOT: tl.constexpr = False):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
     (strides `sc_b`, `sc_s`, last 1), `order`: slot ids sorted by token, `starts[t]:starts[t+1]` token
     t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block id), `lo`/`hi` its visible
     slots. Out: acc `[n, splits, HQ, DV]`, m/l `[n, splits, HQ]` (fp32 or fp64: acc's dtype); the
     token's keys are cut into `splits` parts of whole `KEYS` tiles. `V_LOAD` 0: the latent tile is loaded
     once and serves both products; 1: loaded as keys transposed and again as values (the second read
-    hits the cache; each load lands in its product's layout)."""
+    hits the cache; each load lands in its product's layout). `ONE_SLOT` (needs `BS % KEYS == 0`): a tile's
+    slot, block and bounds are loaded once as scalars, not per key."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
@@ -60,14 +62,23 @@ def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_
     for start in range(k_begin, k_end, KEYS):
         kk = start + tl.arange(0, KEYS)
         key_ok = kk < k_end
-        slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
-        if SLICE:
-            blk = slot
-        else:
-            blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
         j = kk % BS
-        lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
-        hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
+        if ONE_SLOT:  # KEYS divides BS: the tile lies in one slot, read as scalars (its rows are contiguous)
+            slot = tl.load(order_ptr + first + start // BS)
+            if SLICE:
+                blk = slot
+            else:
+                blk = tl.load(ids_ptr + slot)
+            lo = tl.load(lo_ptr + slot)
+            hi = tl.load(hi_ptr + slot)
+        else:
+            slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
+            if SLICE:
+                blk = slot
+            else:
+                blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
+            lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
+            hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
         vis = key_ok & (j >= lo) & (j < hi)
         base = blk.to(tl.int64) * sc_b + j * sc_s
         row = c_ptr + base[:, None]
