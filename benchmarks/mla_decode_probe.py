@@ -16,6 +16,7 @@ keys, `benchmarks/mla_decode.py`'s scenario).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from unittest import mock
 
@@ -26,7 +27,7 @@ from benchmarks.mla_decode import timed
 from vllm_gaudi_unified.paths import fused, mla_decode, mla_kernel
 from vllm_gaudi_unified.paths.mla_shared import latent_attend
 
-#: (heads per program, keys per step, warps, stages, keys a split aims at, V_LOAD, ONE_SLOT)
+#: (heads per program, keys per step, warps, stages, keys a split aims at, V_LOAD, ONE_SLOT[, Q_LOOP])
 KERNELS = [
     (32, 32, 4, 2, 16384, 0, False),  # run 5's constants (before ONE_SLOT)
     (32, 32, 4, 2, 16384, 0, True),
@@ -42,8 +43,20 @@ KERNELS = [
     (32, 64, 4, 2, 16384, 0, True),
     (32, 64, 8, 2, 16384, 0, True),
     (64, 32, 8, 2, 16384, 1, True),
+    (64, 64, 8, 2, 16384, 0, True, True),
+    (64, 32, 8, 3, 16384, 0, True, True),
+    (64, 64, 4, 2, 16384, 0, True, True),
 ]
-CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT")
+CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP")
+
+
+@contextlib.contextmanager
+def extra_consts(consts):
+    """`mla_decode.kernel_consts` and the two switches after them (CONSTS)."""
+    n = len(KERNEL_CONSTS)
+    with kernel_consts(consts[:n]), mock.patch.object(mla_decode, "MLA_ONE_SLOT", consts[n]), \
+            mock.patch.object(mla_decode, "MLA_Q_LOOP", consts[n + 1]):
+        yield
 
 
 class Launches:
@@ -135,10 +148,10 @@ def kernels(case, report, flops):
     rows = []
     launches = Launches(mla_kernel.mla_kernel)
     for consts in KERNELS:
+        consts = (*consts, False) if len(consts) == len(CONSTS) - 1 else consts
         row = dict(zip(CONSTS, consts))
         try:
-            with kernel_consts(consts[:-1]), mock.patch.object(mla_decode, "MLA_ONE_SLOT", consts[-1]), \
-                    mock.patch.object(mla_kernel, "mla_kernel", launches):
+            with extra_consts(consts), mock.patch.object(mla_kernel, "mla_kernel", launches):
                 row["max_err"] = case["err"](case["run"]())
                 row.update(compiled_facts(launches.last))
                 row["ms"] = timed(case["step"], iters=10)
@@ -191,7 +204,7 @@ def main() -> None:
     if best:
         consts = tuple(best[k] for k in CONSTS)
         try:
-            with kernel_consts(consts[:-1]), mock.patch.object(mla_decode, "MLA_ONE_SLOT", consts[-1]):
+            with extra_consts(consts):
                 report["cuda_best"] = best
                 report["cuda_ops"] = op_table(case["step"])
             print("cuda best", json.dumps(best), "\n" + report["cuda_ops"], flush=True)

@@ -51,6 +51,8 @@ MLA_V_LOAD = 0
 #: Whether a key tile that lies in one slot (`MLA_KEYS` divides the block size) reads its slot's block and
 #: bounds once as scalars (`mla_kernel.py`: ONE_SLOT), not once per key.
 MLA_ONE_SLOT = True
+#: Whether the kernel loads its query tile in every loop step (`mla_kernel.py`: Q_LOOP), not once.
+MLA_Q_LOOP = False
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
@@ -106,7 +108,8 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
         HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
         BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
-        ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, num_warps=MLA_WARPS, num_stages=MLA_STAGES)
+        ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
+        num_warps=MLA_WARPS, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 

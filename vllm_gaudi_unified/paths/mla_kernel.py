@@ -28,7 +28,7 @@ def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_
               sq_t, sq_h, sc_b, sc_s,
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
               DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
-              ONE_SLOT: tl.constexpr = False):
+              ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
     (strides `sc_b`, `sc_s`, last 1), `order`: slot ids sorted by token, `starts[t]:starts[t+1]` token
     t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block id), `lo`/`hi` its visible
@@ -36,7 +36,8 @@ def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_
     token's keys are cut into `splits` parts of whole `KEYS` tiles. `V_LOAD` 0: the latent tile is loaded
     once and serves both products; 1: loaded as keys transposed and again as values (the second read
     hits the cache; each load lands in its product's layout). `ONE_SLOT` (needs `BS % KEYS == 0`): a tile's
-    slot, block and bounds are loaded once as scalars, not per key."""
+    slot, block and bounds are loaded once as scalars, not per key. `Q_LOOP`: the query tile is loaded in
+    each loop step rather than held from the start (registers against reloads)."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
@@ -54,8 +55,9 @@ def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_
     v_ok = offs_v < DV
     r_ok = offs_r < DR
     q_row = q_ptr + t * sq_t + heads[:, None] * sq_h
-    q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
-    q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    if not Q_LOOP:
+        q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+        q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), acc_dtype)
     l_i = tl.zeros([BLOCK_H], acc_dtype)
     acc = tl.zeros([BLOCK_H, DV_PAD], acc_dtype)
@@ -80,6 +82,9 @@ def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_
             lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
             hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
         vis = key_ok & (j >= lo) & (j < hi)
+        if Q_LOOP:  # the query read again each step (from L1/L2): it streams through shared memory
+            q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+            q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
         base = blk.to(tl.int64) * sc_b + j * sc_s
         row = c_ptr + base[:, None]
         if V_LOAD == 0:  # one load: the tile is the keys (transposed in registers) and the values
