@@ -209,13 +209,16 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     phase = batch.phase
     # flash takes one head dim: MLA's latent (values narrower than keys) runs the tiles and the unique kernel
     flash = value.shape[-1] == query.shape[-1] and kernel_for(batch, query, cap) == "flash"
+    mla = new_tokens and phase[2] == "u" and mla_unique_route(batch, query, key_cache, value_cache, cap, k_scale,
+                                                              v_scale)
     if not new_tokens:
         pass
     elif flash and phase[0] == "c" and not batch.plan.bidirectional and not prompts_merged:
         # flash's segments are whole requests (causal ones: an encoder-only step runs the tiles)
         yield fused_causal_partial(query, key, value, batch, scale)
     else:
-        yield self_partial(query, key, value, scale, cap)
+        if mla != "kernel":  # (MLA's kernel starts each token from its own pair: paths/mla_decode.py)
+            yield self_partial(query, key, value, scale, cap)
         if phase[0] == "c":
             yield causal_partial(query, key, value, batch, scale, cap)
     if phase[1] == "s":
@@ -226,10 +229,11 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         else:
             yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
     if phase[2] == "u":
-        mla = new_tokens and mla_unique_route(batch, query, key_cache, value_cache, cap, k_scale, v_scale)
-        if mla:  # MLA's latent: one Partial row per token, the latent read once (paths/mla_decode.py)
-            run = kernel_mla_partial if mla == "kernel" else dense_mla_partial
-            yield run(query, key_cache, value_cache.shape[-1], batch, scale)
+        if mla == "kernel":  # MLA's latent: one Partial row per token, the latent read once, the self pair
+            # inside (paths/mla_decode.py)
+            yield kernel_mla_partial(query, key_cache, value_cache.shape[-1], batch, scale, key)
+        elif mla:
+            yield dense_mla_partial(query, key_cache, value_cache.shape[-1], batch, scale)
         elif flash and kernel_unique_applies(key_cache, value_cache):
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         elif flash and fused_unique_applies(batch, key_cache):

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from vllm_gaudi_unified.merge import Partial, fold_pairwise
 from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.paths.kv_quant import is_fp8
 from vllm_gaudi_unified.paths.mla_shared import latent_attend, latent_cache
@@ -80,16 +81,17 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
     return "dense" if decode_layout(batch) is not None else None
 
 
-def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
-                       ) -> Partial | None:
+def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
+                       key: torch.Tensor | None = None) -> Partial | None:
     """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
-    `fold_pairwise`). Slots sorted by token on the device (no sync), once per batch (a server's layers
+    `fold_pairwise`); with `key` (the new tokens' latents `[n, 1, L + R]`) each token's own pair too, so
+    the step has no separate self pair to compute and merge (`attention._run_paths`). Slots sorted by token on the device (no sync), once per batch (a server's layers
     share it); the split count comes from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
     slots = batch.unique_rows.shape[0]
     if slots == 0:
-        return None
+        return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     bs = key_cache.shape[1]
     order, starts = _slot_order(batch, n, q.device)
@@ -101,15 +103,16 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
     total = torch.empty_like(m)
     q = q if q.stride(-1) == 1 else q.contiguous()
+    k = q if key is None else key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()  # (q: unused)
     block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
     dr = d - value_dim
     mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
-        q, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
-        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
+        q, k, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
+        q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
         HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
         BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
         ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
-        num_warps=MLA_WARPS, num_stages=MLA_STAGES)
+        SELF=key is not None, num_warps=MLA_WARPS, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
