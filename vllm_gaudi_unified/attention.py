@@ -217,7 +217,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         # flash's segments are whole requests (causal ones: an encoder-only step runs the tiles)
         yield fused_causal_partial(query, key, value, batch, scale)
     else:
-        if mla != "kernel":  # (MLA's kernel starts each token from its own pair: paths/mla_decode.py)
+        if not mla:  # (MLA's latent routes take each token's own pair too: paths/mla_decode.py)
             yield self_partial(query, key, value, scale, cap)
         if phase[0] == "c":
             yield causal_partial(query, key, value, batch, scale, cap)
@@ -229,11 +229,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         else:
             yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
     if phase[2] == "u":
-        if mla == "kernel":  # MLA's latent: one Partial row per token, the latent read once, the self pair
-            # inside (paths/mla_decode.py)
-            yield kernel_mla_partial(query, key_cache, value_cache.shape[-1], batch, scale, key)
-        elif mla:
-            yield dense_mla_partial(query, key_cache, value_cache.shape[-1], batch, scale)
+        if mla:  # MLA's latent: one Partial row per token, the latent read once, the self pair inside
+            run = kernel_mla_partial if mla == "kernel" else dense_mla_partial  # (paths/mla_decode.py)
+            yield run(query, key_cache, value_cache.shape[-1], batch, scale, key)
         elif flash and kernel_unique_applies(key_cache, value_cache):
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         elif flash and fused_unique_applies(batch, key_cache):

@@ -132,22 +132,26 @@ def _slot_order(batch, n: int, device):
     return order, starts
 
 
-def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
-                      ) -> Partial | None:
+def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
+                      key: torch.Tensor | None = None) -> Partial | None:
     """The unique pairs of a decode step as one gather and two batched matmuls over all heads
-    (module docstring); rows past the requests are empty (max -inf, sum 0)."""
-    table, visible, unread, masked = _layout(batch, q.device)
+    (module docstring); rows past the requests are empty (max -inf, sum 0). With `key` (the new tokens'
+    latents `[n, 1, L + R]`) each token's own pair too: its latent is written into the first padding
+    column of its row (`_layout` leaves one), so the step has no separate self pair to compute and merge."""
+    table, visible, unread, masked, self_col = _layout(batch, q.device, key is not None)
     r, width = table.shape
     if width == 0:
-        return None
+        return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     kv = key_cache.view(-1, d)[table]  # [R, keys, L + R]: keys, and values as their first dims
     if unread:  # a row with no cached key read some slot it may not see: zero it (NaN * 0 is NaN)
         kv = torch.where(visible[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
     # (a masked slot of any other row repeats one of its visible slots: `_layout`)
+    if key is not None:
+        kv[torch.arange(r, device=kv.device), self_col] = key[:r, 0].to(kv.dtype)
     bias = None
     if masked:  # some row sees fewer keys than the width (ragged, padded): -inf there
-        bias = torch.zeros((r, 1, 1, width), dtype=product_dtype(q.dtype), device=q.device)
+        bias = torch.zeros((r, 1, 1, table.shape[1]), dtype=product_dtype(q.dtype), device=q.device)
         bias = bias.masked_fill_(~visible[:, None, None, :], float("-inf"))
     acc, m, total = latent_attend(q[:r], kv, bias, value_dim, scale)  # [R, H, L], [R, H]
     if n > r:
@@ -157,22 +161,26 @@ def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, 
     return Partial(acc, m, total)
 
 
-def _layout(batch, device):
+def _layout(batch, device, with_self: bool = False):
     """`decode_layout`'s table and visibility without its self column, the width padded to whole blocks,
-    eight widths per power of two (padding: the row's first slot again, not visible), on `device`;
-    once per batch."""
+    eight widths per power of two (padding: the row's first slot again, not visible), on `device`, and
+    `masked` (some slot not visible); `with_self`: at least one padding column, row r's first one
+    (`self_col[r]`) visible (its token's own latent goes there). Once per batch."""
     hit = _LAYOUTS.get(batch)
-    if hit is not None and hit[0] == device:
+    if hit is not None and hit[0] == (device, with_self):
         return hit[1]
     layout = decode_layout(batch)  # a step of decodes only (`mla_unique_route`): row r is token r
     table, visible, unread = layout.table, layout.visible[:, :-1], layout.unread_rows
     bs, width = batch.block_size, table.shape[1]
-    blocks = math.ceil(width / bs)
+    per_row = visible.sum(1)
+    blocks = math.ceil((width + (with_self and width > 0)) / bs)
     step = max(1, _pow2(blocks) // 8)  # eight widths per octave: under 1/4 padding, few shapes
     padded = bs * step * math.ceil(blocks / step)
     if padded > width:
         table = torch.cat([table, table[:, :1].expand(-1, padded - width)], 1)
         visible = F.pad(visible, (0, padded - width), value=False)
-    out = (table.to(device), visible.to(device), unread, not bool(visible.all()))
-    _LAYOUTS[batch] = (device, out)
+    if with_self and width > 0:
+        visible[torch.arange(table.shape[0]), per_row] = True
+    out = (table.to(device), visible.to(device), unread, not bool(visible.all()), per_row.to(device))
+    _LAYOUTS[batch] = ((device, with_self), out)
     return out
