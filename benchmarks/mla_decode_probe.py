@@ -115,7 +115,7 @@ def pieces(case, report):
     q, cache = case["q"], case["cache"]
     n = q.shape[0]
     batch = case["batch"]
-    table, visible, _, masked = mla_decode._layout(batch, q.device)
+    table, visible, _, masked, _ = mla_decode._layout(batch, q.device, True)  # (the route's layout)
     flat = cache.view(-1, L + 64)
     blocks = torch.tensor([row[: table.shape[1] // BS] for row in case["table"]], device="cuda")
     out = {"width": table.shape[1], "masked": masked}
@@ -142,7 +142,7 @@ def pieces(case, report):
     print("pieces", json.dumps(out), flush=True)
 
 
-def kernels(case, report, flops):
+def kernels(case, report, flops, best_path=None):
     rows = []
     launches = Launches(mla_kernel.mla_kernel)
     for consts in KERNELS:
@@ -159,9 +159,13 @@ def kernels(case, report, flops):
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         rows.append(row)
         print("kernel", json.dumps(row), flush=True)
-    report["kernel"] = rows
-    ok = [r for r in rows if "ms" in r and r["max_err"] < 1e-2]
-    return min(ok, key=lambda r: r["ms"]) if ok else None  # (the whole step: splits cost a fold after)
+        report["kernel"] = rows
+        ok = [r for r in rows if "ms" in r and r["max_err"] < 1e-2]
+        best = min(ok, key=lambda r: r["ms"]) if ok else None  # (the whole step: splits cost a fold after)
+        if best and best_path:  # as it goes: a run cut short keeps the best so far
+            with open(best_path, "w") as f:
+                json.dump({k: best[k] for k in CONSTS}, f)
+    return best
 
 
 def main() -> None:
@@ -182,6 +186,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
+    best = kernels(case, report, entry["attention_flops"], args.best)
+    save()
     try:
         with fused.gaudi_route():
             report["gaudi_ms"] = timed(case["step"])
@@ -198,11 +204,6 @@ def main() -> None:
         report["pieces_error"] = f"{type(exc).__name__}: {exc}"[:400]
         print(report["pieces_error"], flush=True)
     save()
-    best = kernels(case, report, entry["attention_flops"])
-    save()
-    if best and args.best:
-        with open(args.best, "w") as f:
-            json.dump({k: best[k] for k in CONSTS}, f)
     if best:
         consts = tuple(best[k] for k in CONSTS)
         try:
