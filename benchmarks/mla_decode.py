@@ -24,7 +24,8 @@ Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pai
 the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, the dense decode route),
 each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
 generic tiles for every pair (the route before both, `mla_unique_route` and `mla_shared_applies` off),
-vllm-gaudi. `--sweep`: the kernel's constants, each timed.
+vllm-gaudi. `--sweep`: the kernel's constants, each timed; `--consts FILE`: run with the constants in FILE
+(JSON, `benchmarks/mla_decode_probe.py --best`).
 """
 from __future__ import annotations
 

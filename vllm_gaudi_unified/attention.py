@@ -187,7 +187,8 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
 
     0. (in `attend_step`) the prompt route, when the bucket has prompts (`paths/prompts.py`): rows
        final from one fused SDPA call (then a step of prompts alone runs nothing else), or a Partial.
-    1. self (each token with its own key): always; it is elementwise.
+    1. self (each token with its own key): always; it is elementwise. MLA's latent unique routes (4.)
+       take it inside their one Partial row per token, so it does not run beside them.
     2. causal tiles: when the phase has 'c' (a request off the prompt route has two or more new tokens).
        With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (not when the prompt
        route merges a Partial, `prompts_merged`: flash's segments would count its causal pairs again).

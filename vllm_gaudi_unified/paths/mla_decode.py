@@ -7,7 +7,8 @@ values the first dims of the keys, views of one cache) takes one of two
 routes instead, chosen by `mla_unique_route`:
 
 * 'kernel' (CUDA, Triton, 16-bit): `mla_kernel.py`, the token's slots in one
-  program per head group and split, the values taken from the key tile.
+  program per head group and split, the values taken from the key tile, the
+  token's own pair inside (split 0 starts from it).
 * 'dense' (torch ops only: the Gaudi route, the CPU): the token's visible
   slots laid out as one padded `[tokens, keys]` table on the host
   (`decodes.decode_layout`, the CPU decode route's layout), gathered once as
@@ -20,7 +21,10 @@ routes instead, chosen by `mla_unique_route`:
   not run while torch compiles or a CUDA graph captures: the tiles do.
 
 Both return the Partial the merge takes, so the shared prefix stays on the
-shared path (read once per tile of tokens) and the merge is unchanged.
+shared path (read once per tile of tokens) and the merge is unchanged. Both
+take each token's own pair as well (the 'dense' route writes the token's
+latent into its row's first padding column), so a decode step has no self
+pair to compute and merge: `attention._run_paths` skips it for them.
 """
 from __future__ import annotations
 
@@ -40,20 +44,25 @@ from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, triton_importable
 
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
-#: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an H100 by benchmarks/mla_decode.py's
-#: sweep (docs/benchmarks.md, MLA).
-MLA_BLOCK_H = 32
-MLA_KEYS = 32
+#: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an
+#: H100 by benchmarks/mla_decode_probe.py's sweep at 128 heads (docs/benchmarks.md, MLA, run 6): 64 heads x
+#: 64 keys on 8 warps is the one shape whose products run on Hopper's `wgmma` without spilling (253-255
+#: registers, 216 KB of shared memory: one program per SM). `MLA_WARPS` needs 64 heads per program (two
+#: warpgroups); a program of fewer heads (a tensor-parallel shard) runs 4 warps.
+MLA_BLOCK_H = 64
+MLA_KEYS = 64
 MLA_SPLIT_KEYS = 16384
 MLA_MAX_SPLITS = 32
-MLA_WARPS = 4
+MLA_WARPS = 8
 MLA_STAGES = 2
 MLA_V_LOAD = 0
 #: Whether a key tile that lies in one slot (`MLA_KEYS` divides the block size) reads its slot's block and
-#: bounds once as scalars (`mla_kernel.py`: ONE_SLOT), not once per key.
+#: bounds once as scalars (`mla_kernel.py`: ONE_SLOT), not once per key (run 6: 1.42 -> 0.91 ms of kernel
+#: at the old 32-head constants, spills 30 -> 2).
 MLA_ONE_SLOT = True
-#: Whether the kernel loads its query tile in every loop step (`mla_kernel.py`: Q_LOOP), not once.
-MLA_Q_LOOP = False
+#: Whether the kernel loads its query tile in every loop step (`mla_kernel.py`: Q_LOOP), not once before
+#: the loop (run 6: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms).
+MLA_Q_LOOP = True
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
@@ -105,6 +114,7 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = q if key is None else key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()  # (q: unused)
     block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
+    warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
     dr = d - value_dim
     mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
         q, k, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
@@ -112,7 +122,7 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
         BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
         ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
-        SELF=key is not None, num_warps=MLA_WARPS, num_stages=MLA_STAGES)
+        SELF=key is not None, num_warps=warps, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
