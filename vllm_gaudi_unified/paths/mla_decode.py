@@ -94,8 +94,9 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
                        key: torch.Tensor | None = None) -> Partial | None:
     """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
     `fold_pairwise`); with `key` (the new tokens' latents `[n, 1, L + R]`) each token's own pair too, so
-    the step has no separate self pair to compute and merge (`attention._run_paths`). Slots sorted by token on the device (no sync), once per batch (a server's layers
-    share it); the split count comes from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
+    the step has no separate self pair to compute and merge (`attention._run_paths`). Slots sorted by token
+    on the device (no sync), once per batch (a server's layers share it); the split count comes from the
+    bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
     slots = batch.unique_rows.shape[0]
