@@ -21,7 +21,8 @@ larger of the two floors is what a kernel can approach. Times: CUDA events, medi
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
 Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs, `paths/mla_shared.py` on
-the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, the dense decode route),
+the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, on the
+bucket-shaped paths an HPU graph holds: the dense decode route runs on the CPU only),
 each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
 generic tiles for every pair (the route before both, `mla_unique_route` and `mla_shared_applies` off),
 vllm-gaudi. `--sweep`: the kernel's constants, each timed; `--consts FILE`: run with the constants in FILE

@@ -75,8 +75,11 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
     1. A latent cache (`latent_cache`), no soft cap, no fp8 cache or scales: else None.
     2. CUDA with its kernels on (not the Gaudi route), Triton importable, a 16-bit cache, the
        plan's fused kernels allowed: 'kernel'.
-    3. A step of decodes only (no split pieces), not under torch.compile or a CUDA graph capture, whose
-       padded table is within the bounds of `decodes.decode_layout`: 'dense'.
+    3. On the CPU, a step of decodes only (no split pieces), not under torch.compile, whose padded table
+       is within the bounds of `decodes.decode_layout`: 'dense'. Its shapes and index tensors follow the
+       step, not the bucket, so it runs only where nothing captures it: an HPU graph captured at warmup
+       would replay the warmup step's table for every later step of its bucket (and the Gaudi route's
+       stand-in on CUDA runs what an HPU runs).
     """
     if (cap is not None or k_scale is not None or v_scale is not None or is_fp8(key_cache.dtype)
             or not latent_cache(key_cache, value_cache)):
@@ -84,8 +87,8 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
     if (query.device.type == "cuda" and fused.CUDA_KERNELS and triton_importable()
             and key_cache.dtype in KERNEL_CACHE_DTYPES and batch.plan.options.fused_kernels):
         return "kernel"
-    if (batch.num_tokens != batch.num_requests or batch.pieces or torch.compiler.is_compiling()
-            or (query.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+    if (query.device.type != "cpu" or batch.num_tokens != batch.num_requests or batch.pieces
+            or torch.compiler.is_compiling()):
         return None
     return "dense" if decode_layout(batch) is not None else None
 
