@@ -20,9 +20,11 @@ measured in the same run (a sum over a 2 GiB bf16 tensor). Compute floor: the st
 larger of the two floors is what a kernel can approach. Times: CUDA events, median of 20 after 3
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
-Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs, `paths/mla_shared.py` on
+Columns (`--cases` picks scenarios): the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs, `paths/mla_shared.py` on
 the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, on the
-bucket-shaped paths an HPU graph holds: the dense decode route runs on the CPU only),
+bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
+runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
+mla_chunks.py; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
 each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
 generic tiles for every pair (the route before both, `mla_unique_route` and `mla_shared_applies` off),
 vllm-gaudi. `--sweep`: the kernel's constants, each timed; `--consts FILE`: run with the constants in FILE
@@ -42,7 +44,7 @@ import torch
 
 from vllm_gaudi_unified import attention, build_unified_batch
 from vllm_gaudi_unified.mla import mla_attention
-from vllm_gaudi_unified.paths import fused, mla_decode, mla_shared
+from vllm_gaudi_unified.paths import fused, mla_chunks, mla_decode, mla_shared
 
 H, L, R, BS = 128, 512, 64, 128
 SCALE = 192 ** -0.5  # DeepSeek-V3: (qk_nope 128 + rope 64) ** -0.5
@@ -105,6 +107,22 @@ def tiles_only():
     """Every pair on the generic paths (the route before `paths/mla_decode.py` and `paths/mla_shared.py`)."""
     with mock.patch.object(attention, "mla_unique_route", lambda *args: None), generic_shared():
         yield
+
+
+@contextlib.contextmanager
+def gaudi_unique_tiles():
+    """The Gaudi route with the unique pairs on the generic tiles (before `paths/mla_chunks.py`)."""
+    with fused.gaudi_route(), mock.patch.object(attention, "mla_unique_route", lambda *args: None):
+        yield
+
+
+def gaudi_chunk_keys(keys: int):
+    """The Gaudi route with `mla_chunks.MLA_CHUNK_KEYS = keys`."""
+    @contextlib.contextmanager
+    def ctx():
+        with fused.gaudi_route(), mock.patch.object(mla_chunks, "MLA_CHUNK_KEYS", keys):
+            yield
+    return ctx
 
 
 @contextlib.contextmanager
@@ -204,7 +222,7 @@ def sweep(case) -> list:
     return out
 
 
-def measure(case, rates, report, profile=False):
+def measure(case, rates, report, profile=False, chunk_keys=()):
     bandwidth, flop_rate = rates
     entry, err, step = case["entry"], case["err"], case["step"]
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
@@ -212,7 +230,8 @@ def measure(case, rates, report, profile=False):
     routes = {"cuda": contextlib.nullcontext, "cuda_generic_shared": generic_shared,
               "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
               "gaudi_generic_shared": gaudi_generic_shared, "gaudi_product_softmax": gaudi_product_softmax,
-              "tiles": tiles_only}
+              "gaudi_unique_tiles": gaudi_unique_tiles, "tiles": tiles_only,
+              **{f"gaudi_chunks{k}": gaudi_chunk_keys(k) for k in chunk_keys}}
     if "shared" not in case["name"]:  # (no shared pairs: the same as the columns beside them)
         del routes["cuda_generic_shared"], routes["gaudi_generic_shared"], routes["cuda_product_softmax"]
     for route, ctx in routes.items():
@@ -266,6 +285,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the kernel's constants (SWEEP)")
     parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps, 128 x 4k and shared")
     parser.add_argument("--skip-vllm-gaudi", action="store_true", help="(its times do not change from run to run)")
+    parser.add_argument("--cases", help="comma-separated scenario names (default: all)")
+    parser.add_argument("--chunk-keys", default="",
+                        help="comma-separated MLA_CHUNK_KEYS values, each a Gaudi-route column gaudi_chunksN")
     parser.add_argument("--consts", help="kernel constants to run with (JSON: mla_decode_probe --best)")
     args = parser.parse_args()
     start = time.time()
@@ -289,6 +311,14 @@ def main() -> None:
              setup("shared_64x4k+256_keys4096", [4096 + 256] * 64, 4096 // BS, PlanOptions(shared_tile_keys=4096)),
              setup("shared_64x4k+256_h100opts", [4096 + 256] * 64, 4096 // BS,
                    PlanOptions(shared_rows=256, shared_tile_keys=2048))]
+    if args.cases:
+        names = args.cases.split(",")
+        unknown = sorted(set(names) - {c["name"] for c in cases})
+        if unknown:
+            raise ValueError(f"--cases: no scenario {unknown}")
+        cases = [c for c in cases if c["name"] in names]
+    chunk_keys = [int(k) for k in args.chunk_keys.split(",") if k]
+    report["mla_chunk_keys"] = mla_chunks.MLA_CHUNK_KEYS
     if args.sweep:
         rows = [sweep(case) for case in cases[:3]]
         totals = [sum(r[i].get("ms", math.inf) for r in rows) for i in range(len(SWEEP))]
@@ -300,7 +330,8 @@ def main() -> None:
         print("chosen", report["kernel_consts"], flush=True)
     for case in cases:
         case["skip_vllm_gaudi"] = args.skip_vllm_gaudi
-        measure(case, rates, report, args.profile and case["name"] in ("decode_128x4k", "shared_64x4k+256"))
+        measure(case, rates, report, args.profile and case["name"] in ("decode_128x4k", "shared_64x4k+256"),
+                chunk_keys)
         with open(args.out, "w") as f:  # as it goes: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
     if not args.skip_prompt:

@@ -163,7 +163,7 @@ def test_random_steps(data, taken):
 @pytest.mark.parametrize("gaudi", [False, True], ids=["cuda_route", "gaudi_route"])
 def test_on_cuda(gaudi, softmax, taken, monkeypatch):
     """bf16 on CUDA (1e-2 in latent space): every shared step above and the dense decode steps, on the CUDA
-    route (the Triton kernel beside this route) and the Gaudi route (torch ops only: dense decodes)."""
+    route (the Triton kernel beside this route) and the Gaudi route (torch ops only: `mla_chunks.py`)."""
     from test_mla_decode import DECODES
 
     from vllm_gaudi_unified.paths import fused

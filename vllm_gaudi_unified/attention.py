@@ -17,6 +17,7 @@ from vllm_gaudi_unified.paths.decodes import dense_decodes_apply
 from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
 from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_partial
+from vllm_gaudi_unified.paths.mla_chunks import chunks_mla_partial
 from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_unique_route
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
 from vllm_gaudi_unified.paths.prompts import final_rows, grid_rows, prompt_final, prompt_partial, write_rows
@@ -202,8 +203,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
        the blocks as stored (`kernel_unique_applies`: Triton importable; measured faster at
        every block size); else through flash from the measured block size up
        (`fused_unique_applies`); else the matmul tiles. MLA's latent cache (values the first dims of
-       the keys) first: a Triton kernel on CUDA, or one gather and two batched matmuls per decode step
-       (`paths/mla_decode.py: mla_unique_route`).
+       the keys) first: a Triton kernel on CUDA, one gather and two batched matmuls per decode step on
+       the CPU, or chunks of each token's blocks in bucket shapes elsewhere (`paths/mla_decode.py:
+       mla_unique_route`).
     On HPU the causal and shared tiles run through FusedSDPA inside their paths (`hpu.py`).
     fp8 caches are dequantized after each path's gather or slice (`read_blocks`), or inside
     the kernel of 4. A path without work returns None, so the phase string and the tensors
@@ -233,8 +235,8 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
             yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
     if phase[2] == "u":
         if mla:  # MLA's latent: one Partial row per token, the latent read once, the self pair inside
-            run = kernel_mla_partial if mla == "kernel" else dense_mla_partial  # (paths/mla_decode.py)
-            yield run(query, key_cache, value_cache.shape[-1], batch, scale, key)
+            run = {"kernel": kernel_mla_partial, "dense": dense_mla_partial, "chunks": chunks_mla_partial}[mla]
+            yield run(query, key_cache, value_cache.shape[-1], batch, scale, key)  # (paths/mla_decode.py)
         elif flash and kernel_unique_applies(key_cache, value_cache):
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         elif flash and fused_unique_applies(batch, key_cache):

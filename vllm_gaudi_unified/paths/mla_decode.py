@@ -70,16 +70,19 @@ _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (
 
 def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cap,
                      k_scale, v_scale) -> str | None:
-    """'kernel', 'dense' or None (the generic unique paths), all conditions in one place:
+    """'kernel', 'dense', 'chunks' or None (the generic unique paths), all conditions in one place:
 
     1. A latent cache (`latent_cache`), no soft cap, no fp8 cache or scales: else None.
     2. CUDA with its kernels on (not the Gaudi route), Triton importable, a 16-bit cache, the
        plan's fused kernels allowed: 'kernel'.
-    3. On the CPU, a step of decodes only (no split pieces), not under torch.compile, whose padded table
-       is within the bounds of `decodes.decode_layout`: 'dense'. Its shapes and index tensors follow the
-       step, not the bucket, so it runs only where nothing captures it: an HPU graph captured at warmup
-       would replay the warmup step's table for every later step of its bucket (and the Gaudi route's
-       stand-in on CUDA runs what an HPU runs).
+    3. Off the CPU (an HPU, the Gaudi route's stand-in on CUDA, any other device): 'chunks'
+       (`mla_chunks.py`): every shape and index from the bucket, built on the device without a host
+       sync, so an HPU graph captured at warmup (or torch.compile, a CUDA graph) replays it correctly
+       for every later step of its bucket.
+    4. On the CPU, a step of decodes only (no split pieces), not under torch.compile, whose padded table
+       is within the bounds of `decodes.decode_layout`: 'dense' (measured faster there than 'chunks').
+       Its shapes and index tensors follow the step, not the bucket, so it runs only where nothing
+       captures it: a graph captured at warmup would replay the warmup step's table. Else None.
     """
     if (cap is not None or k_scale is not None or v_scale is not None or is_fp8(key_cache.dtype)
             or not latent_cache(key_cache, value_cache)):
@@ -87,7 +90,9 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
     if (query.device.type == "cuda" and fused.CUDA_KERNELS and triton_importable()
             and key_cache.dtype in KERNEL_CACHE_DTYPES and batch.plan.options.fused_kernels):
         return "kernel"
-    if (query.device.type != "cpu" or batch.num_tokens != batch.num_requests or batch.pieces
+    if query.device.type != "cpu":
+        return "chunks"
+    if ( batch.num_tokens != batch.num_requests or batch.pieces
             or torch.compiler.is_compiling()):
         return None
     return "dense" if decode_layout(batch) is not None else None

@@ -1,0 +1,157 @@
+"""MLA's bucket-shaped unique route (`paths/mla_chunks.py`: what an HPU and the Gaudi route run) against the
+dense MLA reference, forced on the CPU (the route picks it off the CPU only): decodes and mixed steps, ragged
+contexts, partial last blocks, shuffled block tables, NaN in every unreadable slot, padded buckets, chunks of
+one block up to whole contexts, and two different steps through one compiled function of their bucket."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import SPECS, Step, assert_matches
+from test_mla import MODES, H, L, mla_case, mla_tensors
+from test_mla_decode import DECODES
+from vllm_gaudi_unified import Bucket, attention, build_unified_batch
+from vllm_gaudi_unified.merge import normalize
+from vllm_gaudi_unified.mla import absorb_query, latent_views, mla_attention
+from vllm_gaudi_unified.paths import mla_chunks, mla_decode
+from vllm_gaudi_unified.reference import reference_attention
+
+#: Every MLA step of the shared specs with unique pairs, and the decode steps of test_mla_decode.py.
+STEPS = {**{f"decode_{k}": v for k, v in DECODES.items()},
+         **{k: SPECS[k] for k in ("seed", "decode", "prefix_caching", "parallel_sampling", "ragged_partial",
+                                  "long_causal")}}
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """The route as it would be off the CPU ('chunks' wherever a latent route applies), each call's kept."""
+    taken = []
+    real = attention.mla_unique_route
+
+    def off_cpu(batch, query, *args):
+        taken.append(real(batch, query.to("meta"), *args))
+        return taken[-1]
+
+    monkeypatch.setattr(attention, "mla_unique_route", off_cpu)
+    return taken
+
+
+@pytest.mark.parametrize("keys", [1, 8, 4096])  # one block per chunk (any block size) .. whole contexts
+@pytest.mark.parametrize("mode", ["default", "gather"])
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_chunks_float64(name, mode, keys, routes, monkeypatch):
+    """Equal to the expanded MLA reference (float64, 1e-6), whatever the chunk size."""
+    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", keys)
+    out, ref, batch, _ = mla_case(STEPS[name], options=MODES[mode])
+    assert "u" in batch.phase and routes == ["chunks"]
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_chunks_bf16(name, routes):
+    """bf16 in latent space against the reference over the same bf16 latents (1e-2)."""
+    step = STEPS[name]
+    _, _, batch, (query, latent, cache, table, scale) = mla_case(step, dtype=torch.bfloat16)
+    routes.clear()
+    lat = mla_attention(query, latent, cache, batch, scale, L)
+    assert routes == ["chunks"] and lat.dtype == torch.bfloat16
+    k, v = latent_views(latent, L)
+    kc, vc = latent_views(cache, L)
+    assert_matches(lat, reference_attention(query, k, v, kc, vc, step.query_lens, step.context_lens, table, scale))
+
+
+@pytest.mark.parametrize("mode", ["default", "gather"])
+def test_chunks_padded_bucket(mode, routes, monkeypatch):
+    """More query rows, requests and unique slots than the step: the padding stays out, and the chunk count
+    is the bucket's bound."""
+    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", 8)
+    step = DECODES["even"]
+    _, _, batch, (_, _, cache, _, _) = mla_case(step, options=MODES[mode])
+    s = batch.shape
+    extra = min(5, cache.shape[0] - s.num_unique_blocks)  # (a slice stays within the cache: its dead slots pad)
+    big = Bucket(s.phase, s.query_len + 3, s.num_shared_blocks, s.num_unique_blocks + extra, s.num_logits + 3,
+                 s.num_causal_tiles, 0, 0, 0)
+    out, ref, pbatch, _ = mla_case(step, options=MODES[mode], bucket=big)
+    assert pbatch.bucket == big and routes[-1] == "chunks"
+    assert_matches(out, ref)
+    keys, visible, token = mla_chunks.chunk_layout(pbatch, big.query_len, step.block_size, torch.device("cpu"))
+    u = pbatch.unique_rows.shape[0]
+    assert keys.shape == visible.shape == (mla_chunks.num_chunks(u, big.query_len, 2), 8) and u >= s.num_unique_blocks
+    assert int(visible.sum()) == sum(step.context_lens)  # every cached key once, nothing else
+
+
+def test_route_off_the_cpu():
+    """'chunks' off the CPU without the CUDA kernel; the CPU keeps 'dense' for its decode steps."""
+    _, _, batch, (query, latent, cache, _, _) = mla_case(DECODES["even"])
+    kc, vc = latent_views(cache, L)
+    assert mla_decode.mla_unique_route(batch, query, kc, vc, None, None, None) == "dense"
+    assert mla_decode.mla_unique_route(batch, query.to("meta"), kc, vc, None, None, None) == "chunks"
+    assert mla_decode.mla_unique_route(batch, query.to("meta"), kc, vc, 5.0, None, None) is None
+
+
+def _bucketed_case(step: Step, bucket, seed, dtype=torch.float64):
+    """A step's latent inputs on a fixed cache size, padded to `bucket`, and its latent-space reference."""
+    table, num_blocks, q_nope, q_pe, w_uk, _, latent, cache = mla_tensors(step, dtype, seed)
+    query = absorb_query(q_nope, q_pe, w_uk)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=num_blocks,
+                                options=MODES["gather"], bucket=bucket)
+    scale = 0.25
+    k, v = latent_views(latent, L)
+    kc, vc = latent_views(cache, L)
+    ref = reference_attention(query, k, v, kc, vc, step.query_lens, step.context_lens, table, scale)
+    return (query, k, v, kc, vc, batch, scale), ref
+
+
+def _joint_bucket(steps):
+    shapes = [build_unified_batch(s.query_lens, s.context_lens, mla_tensors(s, seed=i)[0], s.block_size,
+                                  num_blocks=s.num_blocks, options=MODES["gather"]).shape for i, s in enumerate(steps)]
+    top = lambda f: max(getattr(x, f) for x in shapes)
+    return Bucket("--u", top("query_len"), 0, top("num_unique_blocks"), top("num_logits"), 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_two_steps_one_compiled_bucket(device, monkeypatch):
+    """Two different decode steps padded to one bucket run through one compiled route (torch.compile,
+    dynamic=False, fullgraph: no graph break, no data-dependent Python; no recompile: as an HPU graph
+    captured once per bucket replays it for every later step): both exact. The chunk table is built inside."""
+    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", 8)
+    steps = [Step([1] * 3, [13, 2, 9], 4, num_blocks=24), Step([1] * 3, [1, 22, 7], 4, num_blocks=24)]
+    bucket = _joint_bucket(steps)
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    route = torch.compile(mla_chunks.chunks_mla_partial, dynamic=False, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed, step in enumerate(steps):
+            (query, k, _, kc, _, batch, scale), ref = _bucketed_case(step, bucket, seed, dtype)
+            assert batch.bucket == bucket
+            pad = (0, 0, 0, 0, 0, bucket.query_len - query.shape[0])
+            q, key = (F.pad(x, pad).to(device) for x in (query, k))
+            part = route(q, kc[:, :, 0].to(device), L, batch.to(device), scale, key)
+            assert_matches(normalize(part)[:len(step.query_lens)].cpu().to(dtype), ref)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_steps(data, routes, monkeypatch):
+    """Random steps (ragged decodes, a prompt among them, a shared prefix or not, tokens without cached keys,
+    chunks of 1 to 8 blocks): the chunks route matches the reference (float64, 1e-6)."""
+    n = data.draw(st.integers(1, 6))
+    bs = data.draw(st.sampled_from([2, 4, 8]))
+    ctx = data.draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
+    qlens = [1] * n
+    if data.draw(st.booleans()):
+        qlens[-1] = data.draw(st.integers(1, 5))
+    groups = []
+    if n >= 2 and min(ctx[:2]) >= bs and data.draw(st.booleans()):
+        groups = [([0, 1], min(ctx[:2]) // bs)]
+    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", bs * data.draw(st.sampled_from([1, 2, 3, 8])))
+    routes.clear()
+    mode = data.draw(st.sampled_from(["default", "gather"]))
+    out, ref, batch, _ = mla_case(Step(qlens, ctx, bs, prefix_groups=groups), options=MODES[mode],
+                                  seed=data.draw(st.integers(0, 99)))
+    assert_matches(out, ref)
+    assert routes == (["chunks"] if "u" in batch.phase else [])
