@@ -3,13 +3,16 @@
 The unique path's matmul tiles write one fp32 partial per (block, head):
 `[blocks, 128, 512]` at DeepSeek's shapes, twice the latent cache they read
 (docs/benchmarks.md, MLA). A latent step (`mla.latent_views`: one KV head,
-values the first dims of the keys, views of one cache) takes one of two
+values the first dims of the keys, views of one cache) takes one of three
 routes instead, chosen by `mla_unique_route`:
 
 * 'kernel' (CUDA, Triton, 16-bit): `mla_kernel.py`, the token's slots in one
   program per head group and split, the values taken from the key tile, the
   token's own pair inside (split 0 starts from it).
-* 'dense' (torch ops only: the Gaudi route, the CPU): the token's visible
+* 'chunks' (torch ops only: an HPU, the Gaudi route): `mla_chunks.py`, each
+  token's blocks in chunks whose table is built on the device in the bucket's
+  shapes, so a graph captured once per bucket replays it for every step.
+* 'dense' (torch ops only, the CPU): the token's visible
   slots laid out as one padded `[tokens, keys]` table on the host
   (`decodes.decode_layout`, the CPU decode route's layout), gathered once as
   `[tokens, keys, L + R]`, then two batched matmuls over all query heads
@@ -17,11 +20,11 @@ routes instead, chosen by `mla_unique_route`:
   view of the gathered keys; `mla_shared.latent_attend`, which the shared
   tiles of a latent step run too). A step of decodes only (one token per
   request); its shapes follow the step (the width is rounded up to whole
-  blocks, eight widths per power of two, so a server sees few), so it does
-  not run while torch compiles or a CUDA graph captures: the tiles do.
+  blocks, eight widths per power of two, so a server sees few), so it runs
+  only on the CPU and not while torch compiles: nothing may capture it.
 
-Both return the Partial the merge takes, so the shared prefix stays on the
-shared path (read once per tile of tokens) and the merge is unchanged. Both
+All return the Partial the merge takes, so the shared prefix stays on the
+shared path (read once per tile of tokens) and the merge is unchanged. All
 take each token's own pair as well (the 'dense' route writes the token's
 latent into its row's first padding column), so a decode step has no self
 pair to compute and merge: `attention._run_paths` skips it for them.
