@@ -112,25 +112,81 @@ def _joint_bucket(steps):
     return Bucket("--u", top("query_len"), 0, top("num_unique_blocks"), top("num_logits"), 0, 0, 0, 0)
 
 
+#: What the chunks route reads of a batch (a graph's replay sees these buffers refilled by the next step).
+UNIQUE = ("unique_rows", "unique_blocks", "unique_lo", "unique_hi")
+TWO_STEPS = [Step([1] * 3, [13, 2, 9], 4, num_blocks=24), Step([1] * 3, [1, 22, 7], 4, num_blocks=24)]
+
+
+def _route_inputs(step, bucket, seed, device):
+    """(padded query, padded new latents, key cache, batch, scale) on `device`, and the latent reference."""
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    (query, k, _, kc, _, batch, scale), ref = _bucketed_case(step, bucket, seed, dtype)
+    assert batch.bucket == bucket
+    pad = (0, 0, 0, 0, 0, bucket.query_len - query.shape[0])
+    q, key = (F.pad(x, pad).to(device) for x in (query, k))
+    return (q, key, kc[:, :, 0].to(device), batch.to(device), scale), ref
+
+
+def _check(part, step, ref):
+    assert_matches(normalize(part)[:len(step.query_lens)].cpu().to(ref.dtype), ref)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_two_steps_one_compiled_bucket(device, monkeypatch):
     """Two different decode steps padded to one bucket run through one compiled route (torch.compile,
     dynamic=False, fullgraph: no graph break, no data-dependent Python; no recompile: as an HPU graph
-    captured once per bucket replays it for every later step): both exact. The chunk table is built inside."""
+    captured once per bucket replays it for every later step): both exact, the second also through the
+    first step's batch with its buffers refilled in place. The chunk table is built inside."""
     monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", 8)
-    steps = [Step([1] * 3, [13, 2, 9], 4, num_blocks=24), Step([1] * 3, [1, 22, 7], 4, num_blocks=24)]
-    bucket = _joint_bucket(steps)
-    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    bucket = _joint_bucket(TWO_STEPS)
     route = torch.compile(mla_chunks.chunks_mla_partial, dynamic=False, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for seed, step in enumerate(steps):
-            (query, k, _, kc, _, batch, scale), ref = _bucketed_case(step, bucket, seed, dtype)
-            assert batch.bucket == bucket
-            pad = (0, 0, 0, 0, 0, bucket.query_len - query.shape[0])
-            q, key = (F.pad(x, pad).to(device) for x in (query, k))
-            part = route(q, kc[:, :, 0].to(device), L, batch.to(device), scale, key)
-            assert_matches(normalize(part)[:len(step.query_lens)].cpu().to(dtype), ref)
+        (q, key, kc, first, scale), ref = _route_inputs(TWO_STEPS[0], bucket, 0, device)
+        _check(route(q, kc, L, first, scale, key), TWO_STEPS[0], ref)
+        (q, key, kc, second, scale), ref = _route_inputs(TWO_STEPS[1], bucket, 1, device)
+        _check(route(q, kc, L, second, scale, key), TWO_STEPS[1], ref)
+        for name in UNIQUE:
+            getattr(first, name).copy_(getattr(second, name))
+        _check(route(q, kc, L, first, scale, key), TWO_STEPS[1], ref)
+
+
+def test_eager_call_then_refilled_batch(monkeypatch):
+    """Eager, one batch whose buffers are refilled by a later step of its bucket (what a graph captured after
+    an eager call of the same batch would see): nothing kept from the first call, the second step exact."""
+    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", 8)
+    bucket = _joint_bucket(TWO_STEPS)
+    (q, key, kc, first, scale), ref = _route_inputs(TWO_STEPS[0], bucket, 0, "cpu")
+    _check(mla_chunks.chunks_mla_partial(q, kc, L, first, scale, key), TWO_STEPS[0], ref)
+    (q, key, kc, second, scale), ref = _route_inputs(TWO_STEPS[1], bucket, 1, "cpu")
+    for name in UNIQUE:
+        getattr(first, name).copy_(getattr(second, name))
+    _check(mla_chunks.chunks_mla_partial(q, kc, L, first, scale, key), TWO_STEPS[1], ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_a_later_step(monkeypatch):
+    """A CUDA graph of the route captured on one step, replayed after its buffers (batch, query, new latents,
+    cache) were refilled with another step of the same bucket: the other step's result (bf16, 1e-2)."""
+    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", 8)
+    bucket = _joint_bucket(TWO_STEPS)
+    (q, key, kc, batch, scale), _ = _route_inputs(TWO_STEPS[0], bucket, 0, "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mla_chunks.chunks_mla_partial(q, kc, L, batch, scale, key)  # (warm-up, off the graph)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        part = mla_chunks.chunks_mla_partial(q, kc, L, batch, scale, key)
+    (q2, key2, kc2, batch2, _), ref = _route_inputs(TWO_STEPS[1], bucket, 1, "cuda")
+    for dst, src in zip((q, key, kc), (q2, key2, kc2)):
+        dst.copy_(src)
+    for name in UNIQUE:
+        getattr(batch, name).copy_(getattr(batch2, name))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(part, TWO_STEPS[1], ref)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True,

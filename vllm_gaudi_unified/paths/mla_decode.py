@@ -138,11 +138,12 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
-def _slot_order(batch, n: int, device):
+def _slot_order(batch, n: int, device, keep: bool = True):
     """The unique slots sorted by token and each token's start in that order (`n + 1` starts), on `device`,
-    once per batch eagerly (not kept while torch compiles or a CUDA graph captures: a graph replays with its
-    batch's buffers refilled, so it must sort them itself)."""
-    eager = not (torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+    once per batch eagerly with `keep` (not kept while torch compiles or a CUDA graph captures: a graph
+    replays with its batch's buffers refilled, so it must sort them itself)."""
+    eager = keep and not (torch.compiler.is_compiling()
+                          or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     hit = _ORDERS.get(batch) if eager else None
     if hit is not None and hit[0] == (device, n):
         return hit[1]
