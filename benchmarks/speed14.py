@@ -52,7 +52,8 @@ def _variants(spec: str) -> dict:
 UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_max": ("unique", "KERNEL_MAX_SPLITS"),
                 "uk_keys": ("unique", "KERNEL_KEYS"), "uk_warps": ("unique", "KERNEL_WARPS"),
                 "uk_stages": ("unique", "KERNEL_STAGES"), "uk_progs": ("unique", "KERNEL_MIN_PROGRAMS"),
-                "uk_minsplit": ("unique", "KERNEL_MIN_SPLIT_KEYS"), "uk_shrows": ("unique", "KERNEL_SHARED_MAX_ROWS")}
+                "uk_minsplit": ("unique", "KERNEL_MIN_SPLIT_KEYS"), "uk_shrows": ("unique", "KERNEL_SHARED_MAX_ROWS"),
+                "uk_rank": ("unique", "RANK_SORT_MAX_SLOTS")}
 
 
 @contextlib.contextmanager

@@ -121,3 +121,16 @@ def test_shared_kernel_on_cuda(monkeypatch):
     import shared_kernel_cases
 
     assert shared_kernel_cases.check("cuda", torch.bfloat16, monkeypatch.setattr) == 3 * len(shared_kernel_cases.CASES)
+
+
+@pytest.mark.parametrize("slots", [1, 7, 300, 1500])
+def test_token_order_is_a_stable_sort(monkeypatch, slots):
+    """By rank (up to `RANK_SORT_MAX_SLOTS`) or by sort: the same permutation as a stable sort by row,
+    padding rows (n) last."""
+    rng = np.random.default_rng(slots)
+    n = 40
+    rows = torch.from_numpy(rng.integers(0, n + 1, slots))
+    want = torch.from_numpy(np.argsort(rows.numpy(), kind="stable"))
+    assert torch.equal(unique._token_order(rows, n), want)
+    monkeypatch.setattr(unique, "RANK_SORT_MAX_SLOTS", 0)
+    assert torch.equal(unique._token_order(rows, n), want)

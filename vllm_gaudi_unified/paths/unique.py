@@ -35,6 +35,8 @@ KERNEL_MIN_SPLIT_KEYS = 256
 #: the kernel too, each row reading the tile's blocks itself (`kernel_takes_shared`): the re-reads mostly
 #: hit L2, and the step is one kernel instead of a gather, flash and a scatter merge (docs/benchmarks.md).
 KERNEL_SHARED_MAX_ROWS = 16
+#: Slots up to which the kernel's token order is computed by rank (`_token_order`), not sorted.
+RANK_SORT_MAX_SLOTS = 1024
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
@@ -177,10 +179,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         return None
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
-    # Sorted as 16-bit keys where the rows fit (they are < n + 1, a static bound): a radix sort of int64
-    # keys takes 8 passes, 50 us of a 0.8 ms decode step on an H100 (benchmarks/gpu_kernels.py).
-    key = rows.to(torch.int16 if n < 2**15 - 1 else torch.int32)
-    order = torch.argsort(key, stable=True)
+    order = _token_order(rows, n)
     starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=q.device, dtype=rows.dtype))
     ids = order if slice_ else ids  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
@@ -201,6 +200,21 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         SPLIT_KEYS=0, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     part = Partial(acc, m, total)
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def _token_order(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The slots' indices sorted by token (rows <= n), stable. Up to `RANK_SORT_MAX_SLOTS` slots by rank:
+    a slot's place is the count of slots before it in (row, index) order, one comparison-sum kernel
+    (the sort torch.compile makes of a few hundred keys took 9.5-18.6 us on an H100, docs/benchmarks.md);
+    more slots: a stable sort of 16-bit keys where the rows fit (a radix sort of int64 keys takes 8
+    passes, 50 us of a 0.8 ms decode step, benchmarks/gpu_kernels.py)."""
+    s = rows.shape[0]
+    index = torch.arange(s, device=rows.device, dtype=rows.dtype)
+    if s <= RANK_SORT_MAX_SLOTS:
+        key = rows * s + index  # distinct: the (row, index) order
+        place = (key[None, :] < key[:, None]).sum(1)
+        return torch.empty_like(index).scatter_(0, place, index)
+    return torch.argsort(rows.to(torch.int16 if n < 2**15 - 1 else torch.int32), stable=True)
 
 
 def _splits(keys_per_token: float, programs: int) -> int:
