@@ -209,8 +209,8 @@ def _token_order(rows: torch.Tensor, n: int) -> torch.Tensor:
     more slots: a stable sort of 16-bit keys where the rows fit (a radix sort of int64 keys takes 8
     passes, 50 us of a 0.8 ms decode step, benchmarks/gpu_kernels.py)."""
     s = rows.shape[0]
-    index = torch.arange(s, device=rows.device, dtype=rows.dtype)
     if s <= RANK_SORT_MAX_SLOTS:
+        index = torch.arange(s, device=rows.device, dtype=rows.dtype)
         key = rows * s + index  # distinct: the (row, index) order
         place = (key[None, :] < key[:, None]).sum(1)
         return torch.empty_like(index).scatter_(0, place, index)
