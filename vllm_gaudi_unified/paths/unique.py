@@ -6,6 +6,8 @@ the per-block partials are merged back into their tokens. The blocks are either
 the contiguous cache slice `[0, num_unique_blocks)` read in place (no gather:
 good when most of the slice is live) or the live blocks gathered by id (good
 when block ids are scattered over a large cache); the planner picks per step.
+With the Triton kernel (CUDA), a small group's shared tiles join the kernel's slots too
+(`kernel_takes_shared`): the step's cached keys in one launch.
 """
 from __future__ import annotations
 
@@ -161,7 +163,7 @@ def _slots_with_shared(batch, n: int):
 def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
                           scale: float, k_scale=None, v_scale=None, shared: bool = False) -> Partial | None:
     """`unique_partial` through the Triton kernel: one Partial row per token (its blocks merged in the
-    kernel, in splits merged by `fold_pairwise`). Slots are sorted by token on the device (no sync);
+    kernel, in splits merged by `fold_pairwise`). Slots are put in token order on the device (no sync);
     the split count comes from the bucket (host numbers), so a bucket's graph is fixed.
     `shared`: the shared tiles' (row, block) cells as further slots of their rows (`kernel_takes_shared`).
     On CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1: tests)."""
