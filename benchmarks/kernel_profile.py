@@ -18,7 +18,7 @@ import torch
 
 from benchmarks import gaudi_peer, scenarios as sc_mod
 from benchmarks.gpu_kernels import kernels
-from benchmarks.speed14 import D, _variants, case_tensors
+from benchmarks.speed14 import D, _variants, case_tensors, unique_knobs
 
 
 def _kernels(fn, calls: int = 10) -> list[tuple[str, int, float]]:
@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     over = _variants("v=" + args.variant)["v"]
     gaudi = over.pop("gaudi", False)
+    step_bias = over.pop("step_bias", True)  # the prompt mask made once per step, untimed (speed14's)
+    unique_knobs(over).__enter__()  # module constants of the paths, for the whole run
     device = torch.device("cuda")
     by_name = {s.name: s for s in sc_mod.scenarios()}
     for case in args.cases.split(","):
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
             plan = plan_step(list(sc.query_lens), list(sc.context_lens), lay.block_table, bs,
                              num_blocks=lay.num_blocks, options=opts)
             batch = UnifiedBatch.from_plan(plan, device)
+            if step_bias:
+                batch = batch.with_prompt_bias(q.dtype)
             _print(f"{name} bs{bs} ours {args.variant} bucket {plan.bucket}",
                    _kernels(lambda: compiled_attention(q, k, v, kc, vc, batch, scale)), args.top)
         clear()

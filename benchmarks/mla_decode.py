@@ -21,10 +21,12 @@ larger of the two floors is what a kernel can approach. Times: CUDA events, medi
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
 Columns: the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique pairs, `paths/mla_shared.py` on
-the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, the dense decode route),
+the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, on the
+bucket-shaped paths an HPU graph holds: the dense decode route runs on the CPU only),
 each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
 generic tiles for every pair (the route before both, `mla_unique_route` and `mla_shared_applies` off),
-vllm-gaudi. `--sweep`: the kernel's constants, each timed.
+vllm-gaudi. `--sweep`: the kernel's constants, each timed; `--consts FILE`: run with the constants in FILE
+(JSON, `benchmarks/mla_decode_probe.py --best`).
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ SWEEP = [(bh, keys, warps, stages, split, v_load) for bh, keys, warps, stages in
          [(16, 16, 4, 2), (16, 32, 4, 2), (16, 32, 4, 3), (32, 16, 4, 2), (32, 32, 4, 2), (32, 32, 8, 3),
           (64, 16, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2)] for split in (4096, 16384) for v_load in (0, 1)]
 KERNEL_CONSTS = ("MLA_BLOCK_H", "MLA_KEYS", "MLA_WARPS", "MLA_STAGES", "MLA_SPLIT_KEYS", "MLA_V_LOAD")
+REPORTED_CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP")
 
 
 @contextlib.contextmanager
@@ -179,7 +182,7 @@ def setup(name, seq_lens, shared_blocks, options=None):
              "plan_options": str(options) if options else "default",
              "latent_bytes_read_once": distinct * BS * (L + R) * 2,
              "attention_flops": 2 * H * sum(seq_lens) * (L + R + L)}
-    return dict(name=name, table=table, cache=cache, q=q, seq_lens=seq_lens, entry=entry,
+    return dict(name=name, table=table, cache=cache, q=q, seq_lens=seq_lens, entry=entry, batch=batch,
                 err=lambda out: (out[rows].float() - ref).abs().max().item(),
                 run=lambda: mla_attention(q, latent, cache, batch, SCALE, L),
                 step=lambda: mla_attention(q, latent, cache, batch, SCALE, L, checked=True))
@@ -263,12 +266,19 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the kernel's constants (SWEEP)")
     parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps, 128 x 4k and shared")
     parser.add_argument("--skip-vllm-gaudi", action="store_true", help="(its times do not change from run to run)")
+    parser.add_argument("--consts", help="kernel constants to run with (JSON: mla_decode_probe --best)")
     args = parser.parse_args()
     start = time.time()
+    if args.consts:
+        with open(args.consts) as f:
+            for k, v in json.load(f).items():
+                if not hasattr(mla_decode, k):
+                    raise ValueError(f"--consts: paths/mla_decode.py has no constant {k}")
+                setattr(mla_decode, k, v)
     rates = read_bandwidth(), matmul_rate()
     report = {"device": torch.cuda.get_device_name(), "read_bandwidth_GBps": rates[0] / 1e9,
               "matmul_TFLOPs": rates[1] / 1e12,
-              "kernel_consts": {k: getattr(mla_decode, k) for k in KERNEL_CONSTS}}
+              "kernel_consts": {k: getattr(mla_decode, k) for k in REPORTED_CONSTS}}
     print(report, flush=True)
     from vllm_gaudi_unified import PlanOptions
 

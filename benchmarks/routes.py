@@ -4,8 +4,8 @@
 
 Reads the rows `benchmarks/speed14.py` writes when run with
 `--variants "gaudi=gaudi:1;pflash=prompt_flash:1"`: per scenario and block size, the peer (best
-of its graph and compiled forms), vLLM's Triton kernel (issue 14's measurements,
-`speed14.TRITON_MS`: the device has no vLLM), and ours on the Gaudi route and at the CUDA defaults
+of its graph and compiled forms), vLLM's Triton kernel (`speed14.TRITON_MS`, measured beside ours
+by `benchmarks/triton_peer.py`), and ours on the Gaudi route and at the CUDA defaults
 (and, where run, the prompt route through flash varlen, `attention.PROMPT_FLASH`).
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def table(rows: list[dict]) -> str:
     order = [s.name for s in sc_mod.scenarios()]
     cases = sorted({(k[0], k[1]) for k in best}, key=lambda c: (order.index(c[0]) if c[0] in order else 99, c[1]))
     f = lambda r: "-" if r is None else f"{r['ms']:.3f}"  # noqa: E731
-    lines = ["| scenario | bs | vllm-gaudi ops | Triton (issue 14) | ours Gaudi route | Gaudi / ops (goal) "
+    lines = ["| scenario | bs | vllm-gaudi ops | vLLM Triton (measured, triton_peer) | ours Gaudi route | Gaudi / ops (goal) "
              "| ours CUDA default | CUDA / Triton (goal) | CUDA, prompt route through flash varlen |",
              "|" + "---|" * 9]
     for sc, bs in cases:

@@ -34,6 +34,10 @@ CASES = [
     (SPECS["seed"], "gather", {}),  # prompts and decodes in one step: the kernel takes any unique pairs
     (SPECS["ragged_partial"], "default", {"MLA_KEYS": 32, "MLA_SPLIT_KEYS": 16}),
     (Step([1] * 4, [0, 9, 3, 24], 4), "gather", {"MLA_SPLIT_KEYS": 4}),  # a token without cached keys
+    # key tiles that lie in one slot (MLA_KEYS divides the block size: ONE_SLOT), partial and empty slots
+    (Step([1] * 4, [40, 0, 33, 64], 16), "default", {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 32}),
+    (Step([1] * 3, [70, 17, 50], 32), "gather", {"MLA_KEYS": 16}),
+    (Step([1] * 3, [70, 17, 50], 32), "default", {"MLA_KEYS": 16, "MLA_ONE_SLOT": False, "MLA_Q_LOOP": False}),
 ]
 
 
@@ -49,7 +53,8 @@ def run(device: str = "cpu") -> int:
         return "kernel" if calls[-1] else None
 
     attention.mla_unique_route = route
-    saved = {k: getattr(mla_decode, k) for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD")}
+    saved = {k: getattr(mla_decode, k)
+             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP")}
     try:
         for step, mode, consts in CASES:
             for k, v in consts.items():

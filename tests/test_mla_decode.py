@@ -100,6 +100,10 @@ def test_routes_are_chosen_by_their_conditions(routes):
     assert mla_decode.mla_unique_route(*args, None, 0.5, None) is None
     copy = vc.clone()  # values not a view of the keys: the generic paths
     assert mla_decode.mla_unique_route(batch, query, kc, copy, None, None, None) is None
+    # Off the CPU (an HPU's graphs, the Gaudi route's stand-in) the bucket-shaped paths: the dense
+    # route's table follows the step, and a graph captured at warmup would replay it for later steps.
+    meta = query.to("meta")
+    assert mla_decode.mla_unique_route(batch, meta, kc, vc, None, None, None) is None
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its interpreter runs the kernel on the CPU)")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from conftest import SMALL_TILES, TILES, Step, assert_matches, make_block_table, make_tensors, run_case
 from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.bucket import with_prompts
-from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.plan import pad_plan, plan_step
 from vllm_gaudi_unified.reference import reference_attention
 
 UNFUSED = replace(SMALL_TILES, fused_kernels=False)  # the Partial form through the matmul tiles
@@ -210,3 +210,58 @@ def test_a_nan_in_a_cached_key_of_the_context_reaches_only_its_prompts_rows():
     bad = unified_attention(q, k, v, kc, vc, batch, 0.5)
     assert torch.equal(bad[6:], clean[6:]) and torch.equal(bad[:6, :2], clean[:6, :2])
     assert torch.isnan(bad[:6, 2:]).all()
+
+
+def test_a_step_of_one_prompt_or_of_equal_prompts_is_the_grid_of_its_rows():
+    """`prompt_grid`: the prompts' rows are the step's first rows as `[P, Qp]` (one prompt, or every prompt
+    but the last of `Qp` tokens), only in a step of prompts alone; a step padded to a bucket only with one
+    prompt (every step padded to a bucket of several prompts must take the same code)."""
+    table = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])
+    grid = lambda q, c, **kw: plan_step(q, c, table[: len(q)], 4, **kw).prompt_grid  # noqa: E731
+    assert grid([9], [5]) and grid([6, 6, 6], [0, 3, 9])
+    assert not grid([6, 6, 2], [1, 0, 0])  # the grid's last prompt would run past the step's 14 rows
+    assert not grid([2, 6, 6], [0, 0, 0])  # the first prompt is short: the second does not start at Qp
+    assert not grid([6, 1], [0, 5])  # a decode beside: not a step of prompts alone
+    assert not grid([6, 6], [3, 3], options=PlanOptions(prompt_route="tiles"))
+    one = plan_step([9], [5], table[:1], 4)
+    s = one.shape
+    big = Bucket(s.phase, s.query_len + 7, 0, 0, s.num_logits, 0, 1, s.prompt_len + 3, s.prompt_blocks + 1)
+    assert pad_plan(one, big).prompt_grid
+    two = plan_step([6, 6], [3, 3], table[:2], 4)
+    assert two.prompt_grid and not pad_plan(two, two.shape).prompt_grid  # an exact fit, as if padded
+    s = two.shape
+    assert not pad_plan(two, Bucket(s.phase, s.query_len + 4, 0, 0, 4, 0, 2, 8, 2)).prompt_grid
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+@pytest.mark.parametrize("spec", [Step([9], [6], 4), Step([7, 7, 7], [5, 0, 11], 4), Step([8, 8], [0, 0], 4)],
+                         ids=["one", "equal", "no-context"])
+def test_the_grid_form_gives_the_rows_of_the_gather_form(spec, dtype):
+    """Queries as a view and the output written where it is (`grid_rows`): the same rows as through the
+    gathers, against the reference, also padded to a bucket of one prompt, with the unreadable cache
+    slots and the padding rows' inputs poisoned, and a NaN in one new value reaching only its rows."""
+    spec = replace(spec, num_qo_heads=4, num_kv_heads=2)
+    table, nb = make_block_table(spec, np.random.default_rng(5))
+    q, k, v, kc, vc = make_tensors(spec, table, nb, dtype)
+    ref = reference_attention(q, k, v, kc, vc, spec.query_lens, spec.context_lens, table, 0.41)
+    plan = build_unified_batch(spec.query_lens, spec.context_lens, table, 4, num_blocks=nb, options=SMALL_TILES)
+    assert plan.plan.prompt_grid
+    gathered = replace(plan, plan=replace(plan.plan, prompt_grid=False))
+    out = unified_attention(q, k, v, kc, vc, plan, 0.41)
+    torch.testing.assert_close(out, unified_attention(q, k, v, kc, vc, gathered, 0.41), rtol=0, atol=0)
+    assert_matches(out, ref)
+    if len(spec.query_lens) == 1:  # padded: rows past the prompt hold NaN inputs and come out zero
+        s = plan.shape
+        big = Bucket(s.phase, s.query_len + 6, 0, 0, s.num_logits + 1, 0, 1, s.prompt_len + 4, s.prompt_blocks + 1)
+        padded = build_unified_batch(spec.query_lens, spec.context_lens, table, 4, num_blocks=nb,
+                                     options=SMALL_TILES, bucket=big)
+        assert padded.plan.prompt_grid
+        nan = lambda x: torch.cat([x, torch.full((6, *x.shape[1:]), float("nan"), dtype=x.dtype)])  # noqa: E731
+        pout = unified_attention(nan(q), nan(k), nan(v), kc, vc, padded, 0.41)
+        torch.testing.assert_close(pout[: q.shape[0]], out, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-2)
+        assert (pout[q.shape[0]:] == 0).all()
+    v[2, 1, 3] = float("nan")  # token 2 of the first prompt, KV head 1: its later rows, heads 2 and 3
+    bad = unified_attention(q, k, v, kc, vc, plan, 0.41)
+    first = spec.query_lens[0]
+    assert torch.isnan(bad[2:first, 2:]).all() and torch.equal(bad[:2], out[:2])
+    assert torch.equal(bad[2:first, :2], out[2:first, :2]) and torch.equal(bad[first:], out[first:])

@@ -544,6 +544,7 @@ def test_step_planning_from_hpu_input_batch(runner_setup, monkeypatch, buckets):
     from vllm.v1.request import Request
 
     from vllm_gaudi_unified.batch import UnifiedBatch
+    from vllm_gaudi_unified.paths.prompts import prompt_bias
 
     scheduler, runner = _scheduler_and_runner(runner_setup, monkeypatch, buckets)
     hooks = runner.unified_hooks[0]
@@ -557,7 +558,7 @@ def test_step_planning_from_hpu_input_batch(runner_setup, monkeypatch, buckets):
         scheduler.add_request(Request(rid, p, SamplingParams(max_tokens=4, temperature=0.0), None, block_hasher=hasher))
     tokens = {r: list(p) for r, p in prompts.items()}
     blocks: dict[str, list[int]] = {}
-    seen = {"chunk_over_context": False, "shared_block": False, "decode": False}
+    seen = {"chunk_over_context": False, "shared_block": False, "decode": False, "step_bias": buckets is not None}
     for _ in range(12):
         out = scheduler.schedule()
         if out.total_num_scheduled_tokens == 0:
@@ -578,9 +579,15 @@ def test_step_planning_from_hpu_input_batch(runner_setup, monkeypatch, buckets):
         cpu = _cpu_path_plan(out, blocks, step.req_ids, hooks.options, hooks.bucket_plan)
         assert ours.batch.bucket == cpu.bucket and ours.batch.shape == cpu.shape
         assert len(ours.batch.pieces) == len(cpu.pieces)
-        for f in (f.name for f in UnifiedBatch.__dataclass_fields__.values() if f.name not in ("plan", "pieces")):
+        for f in (f.name for f in UnifiedBatch.__dataclass_fields__.values()
+                  if f.name not in ("plan", "pieces", "prompt_bias")):
             a, b = getattr(ours.batch, f), getattr(cpu, f)
             assert (a is None and b is None) or torch.equal(a, b), f
+        # The prompt route's mask, made once per step in the model's dtype for every layer.
+        bias = prompt_bias(cpu, runner.dtype)
+        assert (ours.batch.prompt_bias is None) == (bias is None)
+        assert bias is None or torch.equal(ours.batch.prompt_bias, bias)
+        seen["step_bias"] |= bias is not None
         # Model inputs: the scheduler's tokens at their positions, K/V slots in the scheduler's blocks.
         padded = ours.batch.bucket.query_len
         exp_tok, exp_pos, exp_slot = [], [], []

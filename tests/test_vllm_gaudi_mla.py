@@ -7,6 +7,8 @@
   `process_weights_after_loading` from a `kv_b_proj`, against the dense expanded MLA reference
   (`reference.reference_mla`): float64 1e-6, bf16 1e-2; ragged steps, a shared prefix, a chunked
   prompt over its context, NaN in every cache slot no request may read (the padding block included);
+  steps with a prompt route through vllm-gaudi's prompt branch (`forward_mha`: prompt rows expanded, the
+  others latent), the others through its absorbed branch (`forward_mqa`), padded to a bucket or not;
 - d. a whole tiny DeepSeek-V2 generation (kv_lora_rank 512 + rope 64, the CPU e2e test's model)
   through vllm-gaudi's platform, worker, runner and MLA layers with the unified runner, against vLLM's
   CPU_MLA (`test_generation_*`).
@@ -14,7 +16,9 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -39,8 +43,22 @@ STEPS = {
     "decodes": Step([1] * 6, [5, 17, 1, 32, 9, 64], 16),
     "chunk_over_context": Step([24], [40], 16),
     "shared_prefix": Step([1, 1, 3, 5], [32, 35, 40, 32], 16, prefix_groups=[([0, 1, 2, 3], 2)]),
+    "prompts_over_context": Step([24, 7, 2, 1], [40, 0, 19, 0], 16),
 }
+#: Which forms each step runs in (vllm-gaudi's layer branches on the metadata's is_prompt): "expanded" the
+#: prompt route's rows (`forward_mha`, `mla_prompt_rows`), "latent" the others (`mla_attention`).
+FORMS = {"mixed_ragged": {"expanded", "latent"}, "decodes": {"latent"}, "chunk_over_context": {"expanded"},
+         "shared_prefix": {"latent"},  # short drafts over a shared prefix stay on the shared tiles
+         "prompts_over_context": {"expanded"}}
 OPTIONS = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=16)
+
+
+class _KvBProj(torch.nn.Linear):
+    """The layer's `kv_b_proj` as vLLM's linear layers call: `(output, output bias)` (the expanded form's
+    `kv_b_proj(c)[0]`, as vllm-gaudi's own `forward_mha`)."""
+
+    def forward(self, x):
+        return super().forward(x), None
 
 
 def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype):
@@ -54,7 +72,7 @@ def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: 
     L, R, P, V, H = shape
     register_hpu_mla_backend()
     # kv_b_proj: latent -> per head [nope | value], as the checkpoint stores it ([H * (P + V), L]).
-    kv_b_proj = torch.nn.Linear(L, H * (P + V), bias=False, dtype=dtype)
+    kv_b_proj = _KvBProj(L, H * (P + V), bias=False, dtype=dtype)
     kv_b_proj.quant_method = None  # unquantized, as vLLM's linear layers say it
     with torch.no_grad():
         kv_b_proj.weight.copy_(torch.cat([w_uk, w_uv.transpose(1, 2)], dim=1).reshape(H * (P + V), L))
@@ -68,9 +86,11 @@ def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: 
     return layer, config
 
 
-def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str = "mla"):
+def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str = "mla", pad: int = 0):
     """-> (vllm-gaudi's MLA layer output [T, H, V], the dense reference, the flat cache, the slots,
-    the cache the impl attended to)."""
+    [(form, the cache it read)] of the impl's latent (`mla_attention`) and expanded (`mla_prompt_rows`)
+    calls). `pad`: the step padded as the runner pads to a bucket (`_padded_bucket`): `pad` more rows of
+    random inputs written to the padding block, the output's first T rows returned."""
     from vllm.forward_context import set_forward_context
 
     from vllm_gaudi_unified.vllm_plugin import hpu_mla
@@ -102,20 +122,27 @@ def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str =
     starts = np.cumsum(step.query_lens) - step.query_lens
     pos = np.asarray(step.context_lens)[req] + np.arange(len(req)) - starts[req]
     slots = torch.from_numpy(table[req, pos // bs] * bs + pos % bs)
+    q_in, kv_c_in, k_pe_in = q, kv_c, k_pe
+    if pad:
+        bucket = _padded_bucket(batch.bucket, pad)
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, options=OPTIONS, bucket=bucket)
+        assert batch.bucket == bucket
+        slots = torch.cat([slots, torch.full((pad,), num_blocks * bs)])  # vllm-gaudi's _PAD_SLOT_ID
+        q_in, kv_c_in, k_pe_in = (torch.cat([x, rand(pad, *x.shape[1:])]) for x in (q, kv_c, k_pe))
     attended = []
-    run = hpu_mla.mla_attention
 
-    def spy(query, latent, latent_cache, *args, **kwargs):
-        attended.append(latent_cache)
-        return run(query, latent, latent_cache, *args, **kwargs)
+    def spy(form, run):
+        def call(q, latent, latent_cache, *args, **kwargs):
+            attended.append((form, latent_cache))
+            return run(q, latent, latent_cache, *args, **kwargs)
+        return call
 
-    hpu_mla.mla_attention = spy
-    try:
-        with set_forward_context({layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=slots)}, config):
-            out = layer(q, kv_c, k_pe, output_shape=torch.Size((t, H * V)))
-    finally:
-        hpu_mla.mla_attention = run
-    assert out.shape == (t, H * V)
+    with mock.patch.object(hpu_mla, "mla_attention", spy("latent", hpu_mla.mla_attention)), \
+            mock.patch.object(hpu_mla, "mla_prompt_rows", spy("expanded", hpu_mla.mla_prompt_rows)), \
+            set_forward_context({layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=slots)}, config):
+        out = layer(q_in, kv_c_in, k_pe_in, output_shape=torch.Size((t + pad, H * V)))
+    assert out.shape == (t + pad, H * V)
+    out = out[:t]
     latent = torch.cat([kv_c, k_pe.flatten(1)], dim=-1)
     ref = reference_mla(q[..., :P], q[..., P:], latent, blocks, w_uk, w_uv, step.query_lens, step.context_lens,
                         table, layer.scale, L)
@@ -125,21 +152,86 @@ def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str =
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("name", sorted(STEPS))
 def test_mla_layer_through_vllm_gaudi_forward(gaudi, name, shape):
-    """fp64: the layer's output (absorbed query, latent attention, W_UV) equals the expanded reference to 1e-6;
-    the impl attended to vllm-gaudi's cache tensor itself (a view, no copy), into which the layer wrote the
+    """fp64: the layer's output equals the expanded reference to 1e-6, in the forms the step's bucket picks
+    (prompt route expanded through `forward_mha`, the other rows latent: absorbed query, latent attention,
+    W_UV); each form read vllm-gaudi's cache tensor itself (a view, no copy), into which the layer wrote the
     step's latents."""
     out, ref, cache, slots, attended = _mla_case(STEPS[name], SHAPES[shape], name=f"b.mla.{name}.{shape}")
     assert_matches(out, ref)
-    assert len(attended) == 1 and attended[0].data_ptr() == cache.data_ptr()
-    assert attended[0].shape == (cache.shape[0] // 16, 16, cache.shape[1])
+    print(name, shape, "max |err| fp64", (out - ref).abs().max().item())
+    assert [form for form, _ in attended] == sorted(FORMS[name], reverse=True)  # latent rows first
+    for _, read in attended:
+        assert read.data_ptr() == cache.data_ptr() and read.shape == (cache.shape[0] // 16, 16, cache.shape[1])
     assert torch.isfinite(cache[slots]).all()
 
 
-@pytest.mark.parametrize("name", ["mixed_ragged", "chunk_over_context", "shared_prefix"])
+def _padded_bucket(bucket, pad: int, prompts: bool = True):
+    """`bucket` with `pad` more rows, unique blocks and a logit row, and (`prompts`) a prompt route's shape
+    larger than the step's (what a bucket plan's bucket or prompt graph adds: fully masked work)."""
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.bucket import phase_of, pow2
+
+    unique = bucket.num_unique_blocks + 1  # (a unique slice may not outgrow the cache)
+    bucket = replace(bucket, phase=phase_of(bucket.num_causal_tiles, bucket.num_shared_blocks, unique),
+                     query_len=bucket.query_len + pad, num_unique_blocks=unique, num_logits=bucket.num_logits + 1)
+    if not prompts:
+        return bucket
+    return replace(bucket, num_prompts=pow2(bucket.num_prompts + 1), prompt_len=pow2(bucket.prompt_len + 1),
+                   prompt_blocks=pow2(bucket.prompt_blocks + 1))
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("name", ["mixed_ragged", "prompts_over_context", "decodes"])
+def test_mla_layer_padded_to_a_bucket(gaudi, name, shape):
+    """fp64, the step padded to a larger bucket (rows, unique blocks, a prompt route's shape), as the
+    runner pads to a bucket plan's: results within 1e-6. The branch is the bucket's (is_prompt): a step of
+    decodes in a bucket with a prompt shape takes vllm-gaudi's prompt branch too, its rows all latent there
+    and the expanded call over padding prompts only (a bucket plan pads it to no such bucket: its prompt
+    graphs take steps with prompts only)."""
+    out, ref, cache, slots, attended = _mla_case(STEPS[name], SHAPES[shape], name=f"b.mla.pad.{name}.{shape}",
+                                                 pad=5)
+    assert_matches(out, ref)
+    assert {form for form, _ in attended} == FORMS[name] | {"expanded"}
+    assert all(read.data_ptr() == cache.data_ptr() for _, read in attended)
+    print(name, shape, "padded: max |err| fp64", (out - ref).abs().max().item())
+
+
+def test_is_prompt_follows_the_bucket(gaudi):
+    """The metadata's is_prompt (vllm-gaudi's MLA branch) is the bucket's: True exactly when it has a prompt
+    route in its final form; the same for a step padded to a larger bucket; False with fused kernels off (the
+    prompt route's partial form, merged with the other paths) and in batch-invariant mode (no prompt route)."""
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
+
+    for name, step in STEPS.items():
+        table, _ = make_block_table(step, np.random.default_rng(0))
+        table = np.where(table < 0, 0, table)
+
+        def is_prompt(options, bucket=None):
+            batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, options=options,
+                                        bucket=bucket)
+            return UnifiedHpuMetadata(batch=batch, slot_mapping=torch.zeros(0)).is_prompt, batch.bucket
+
+        got, bucket = is_prompt(OPTIONS)
+        assert got == ("expanded" in FORMS[name]) == (bucket.num_prompts > 0), name
+        # The bucket decides: padded to one with a prompt shape, a step takes the prompt branch (a step of
+        # decodes too: its rows all latent there, test_mla_layer_padded_to_a_bucket); without one, not.
+        assert is_prompt(OPTIONS, _padded_bucket(bucket, 3))[0], name
+        assert is_prompt(OPTIONS, _padded_bucket(bucket, 3, prompts=False))[0] == got, name
+        assert not is_prompt(replace(OPTIONS, fused_kernels=False))[0], name
+        assert not is_prompt(replace(OPTIONS, batch_invariant=True))[0], name
+
+
+@pytest.mark.parametrize("name", ["mixed_ragged", "chunk_over_context", "shared_prefix", "prompts_over_context"])
 def test_mla_layer_bf16(gaudi, name):
-    out, ref, _, _, _ = _mla_case(STEPS[name], SHAPES["deepseek"], dtype=torch.bfloat16, name=f"b.mla16.{name}")
+    out, ref, _, _, attended = _mla_case(STEPS[name], SHAPES["deepseek"], dtype=torch.bfloat16,
+                                         name=f"b.mla16.{name}")
     assert out.dtype == torch.bfloat16
     assert_matches(out, ref)
+    assert {form for form, _ in attended} == FORMS[name]
+    print(name, "max |err| bf16", (out.double() - ref).abs().max().item())
 
 
 def test_gaudi_platform_selects_the_mla_backend(gaudi):
@@ -179,6 +271,7 @@ def test_sparse_mla_models_are_refused(gaudi):
 
 def test_mla_impl_refusals(gaudi):
     """What the Gaudi MLA impl does not serve stops at construction or names the metadata it was given."""
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
     from vllm_gaudi_unified.vllm_plugin.hpu_mla import UnifiedHpuMLAImpl
 
     shape = SHAPES["small"]
@@ -189,8 +282,16 @@ def test_mla_impl_refusals(gaudi):
         from vllm_gaudi.attention.backends.hpu_attn import HPUAttentionMetadata
         md = HPUAttentionMetadata.__new__(HPUAttentionMetadata)
         impl.forward_mqa(torch.zeros(2, 4, 32), torch.zeros(2, 4, 16), (torch.zeros(32, 48),), md)
-    with pytest.raises(RuntimeError, match="forward_mha reached"):
-        impl.forward_mha(None, None, None, None)
+    with pytest.raises(TypeError, match="forward_mha: attn_metadata of type HPUAttentionMetadata"):
+        impl.forward_mha(torch.zeros(2, 4, 32), torch.zeros(2, 48), (torch.zeros(32, 48),), md)
+    # A step with prompts and decodes outside a forward context: its decodes need the layer's W_UK_T.
+    step = STEPS["mixed_ragged"]
+    table, _ = make_block_table(step, np.random.default_rng(0))
+    batch = build_unified_batch(step.query_lens, step.context_lens, np.where(table < 0, 0, table), 16, options=OPTIONS)
+    md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.zeros(batch.bucket.query_len, dtype=torch.int64))
+    t = batch.bucket.query_len
+    with pytest.raises(RuntimeError, match="no MLA layer with this impl and its W_UK_T in the forward context"):
+        impl.forward_mha(torch.zeros(t, 4, 32), torch.zeros(t, 48), (torch.zeros(64 * 16, 48),), md)
     kwargs = dict(num_heads=4, head_size=48, scale=1.0, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
                   logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, q_lora_rank=None,
                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, qk_head_dim=32, v_head_dim=24,
@@ -218,23 +319,34 @@ def _mla_engine(model: str, out: str, gaudi: bool, **env) -> tuple[dict, str]:
 
 @pytest.fixture(scope="module")
 def mla_generations(tmp_path_factory):
+    from dataclasses import replace
+
     import vllm_model_helpers as M
     from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
     from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
     import vllm_helpers as H
 
     root = tmp_path_factory.mktemp("d_mla")
     model = M.make_tiny_deepseek(str(root / "ds"))
-    # The scenario's server settings (vllm_model_helpers.run_mla: blocks of 16, 8 sequences, 64-token budget).
+    trace = str(root / "trace.jsonl")
+    runs = {"ref": _mla_engine(model, str(root / "ref.json"), gaudi=False),
+            "unified": _mla_engine(model, str(root / "unified.json"), gaudi=True,
+                                   VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace, VLLM_LOGGING_LEVEL="DEBUG")}
+    # The scenario's server settings (vllm_model_helpers.run_mla: blocks of 16, 8 sequences, 64-token budget),
+    # with the prompt graphs of the unpadded run's steps (as `buckets generate --trace` learns them): the
+    # prompt steps padded to one run expanded, the others on the tiled route, latent.
     plan = exponential_plan(ServerSettings(block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
                                            max_model_len=H.MAX_MODEL_LEN, num_blocks=256), base=8.0)
+    graphs, _ = learn_prompt_graphs(plan, read_trace(trace).steps, max_graphs=8)
+    assert graphs, "the unpadded run recorded no step with prompts"
+    plan = replace(plan, prompt_graphs=graphs)
     plan.save(str(root / "plan.json"))
-    return {
-        "ref": _mla_engine(model, str(root / "ref.json"), gaudi=False),
-        "unified": _mla_engine(model, str(root / "unified.json"), gaudi=True),
-        "unified_buckets": _mla_engine(model, str(root / "buckets.json"), gaudi=True,
-                                       VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json")) + (len(plan),),
-    }
+    runs["unified_buckets"] = _mla_engine(model, str(root / "buckets.json"), gaudi=True,
+                                          VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json"),
+                                          VLLM_LOGGING_LEVEL="DEBUG") + (len(plan.buckets) + len(plan.prompt_graphs),)
+    return runs
 
 
 @pytest.mark.slow
@@ -243,18 +355,26 @@ def test_deepseek_v2_generation_through_the_unified_runner(mla_generations, run)
     """The tiny DeepSeek-V2 of the CPU MLA e2e test (kv_lora_rank 512 + rope 64) through vllm-gaudi's platform,
     worker, model runner, MLA layers (`HPUMLAAttention`) and sampling with the unified runner and MLA impl, on
     the CPU stand-in, chunked prefill and prefix caching on (64-token budget): the same tokens as vLLM's CPU_MLA
-    (which runs without either), logprobs within 1e-4. With a bucket plan every bucket runs through the whole
-    model at start-up, then every step is padded to its bucket. n=2: vllm-gaudi's runner draws in its own
-    batch order without a per-request seed off-HPU (vllm_model_helpers.run_mla), so its first token's top
-    logprobs are compared."""
+    (which runs without either), logprobs within 1e-4. Steps with prompts take vllm-gaudi's prompt branch, the
+    impl's `forward_mha`: prompt rows expanded, the others latent. With a bucket plan (prompt graphs included)
+    every bucket runs through the whole model at start-up, then every step is padded to its bucket: steps in a
+    prompt graph expanded, the others latent. n=2: vllm-gaudi's runner draws in its own batch order without a
+    per-request seed off-HPU (vllm_model_helpers.run_mla), so its first token's top logprobs are compared."""
     ref, ref_log = mla_generations["ref"]
     got, log = mla_generations[run][:2]
     assert "Using CPU_MLA backend" in ref_log
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_MLA" in log
     assert "vllm-gaudi's model runner plans every step as one unified batch (backend GAUDI_UNIFIED_HPU_MLA)" in log
     assert got["chunked_prefill"] and got["prefix_caching"] and got["block_size"] == 16
+    assert "unified MLA on Gaudi: prompt rows in the expanded form" in log  # forward_mha ran
+    # Each step's bucket: with a prompt shape (":p") it ran in vllm-gaudi's prompt branch (is_prompt), expanded.
+    buckets = re.findall(r"unified attention step: phase \S+, bucket (\S+), step shape", log)
+    expanded = sum(":p" in b for b in buckets)
+    assert expanded, "no step ran in the expanded form"
+    assert expanded < len(buckets), "no step ran latent alone (decodes)"
     if run == "unified_buckets":
         assert f"warmed {mla_generations[run][2]} buckets through the model" in log
+    print(run, f"{expanded} of {len(buckets)} steps expanded (prompt route), warmed", mla_generations[run][2:])
     import vllm_helpers as H
 
     random_cases = {"parallel_n2"}

@@ -19,7 +19,7 @@ from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_partial
 from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_unique_route
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
-from vllm_gaudi_unified.paths.prompts import final_rows, prompt_final, prompt_partial, write_rows
+from vllm_gaudi_unified.paths.prompts import final_rows, grid_rows, prompt_final, prompt_partial, write_rows
 from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_shared_applies
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
@@ -100,6 +100,8 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
         if not prompt_route:
             return query.new_zeros((padded, query.shape[1], value.shape[-1]))
         rows = prompt_final(query, key, value, key_cache, value_cache, batch, scale, k_scale, v_scale, flash)
+        if batch.plan.prompt_grid:  # the rows are the grid: written where they are, no gather
+            return grid_rows(rows, batch, padded)
         return write_rows(None, batch.prompt_rows, rows, padded)
     if (dense_decodes and not isinstance(batch, InvariantBatch) and (final or not prompts)
             and dense_decodes_apply(batch, query, key_cache, logits_soft_cap, sinks, k_scale)):
@@ -187,7 +189,8 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
 
     0. (in `attend_step`) the prompt route, when the bucket has prompts (`paths/prompts.py`): rows
        final from one fused SDPA call (then a step of prompts alone runs nothing else), or a Partial.
-    1. self (each token with its own key): always; it is elementwise.
+    1. self (each token with its own key): always; it is elementwise. MLA's latent unique routes (4.)
+       take it inside their one Partial row per token, so it does not run beside them.
     2. causal tiles: when the phase has 'c' (a request off the prompt route has two or more new tokens).
        With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (not when the prompt
        route merges a Partial, `prompts_merged`: flash's segments would count its causal pairs again).
@@ -211,13 +214,16 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     phase = batch.phase
     # flash takes one head dim: MLA's latent (values narrower than keys) runs the tiles and the unique kernel
     flash = value.shape[-1] == query.shape[-1] and kernel_for(batch, query, cap) == "flash"
+    mla = new_tokens and phase[2] == "u" and mla_unique_route(batch, query, key_cache, value_cache, cap, k_scale,
+                                                              v_scale)
     if not new_tokens:
         pass
     elif flash and phase[0] == "c" and not batch.plan.bidirectional and not prompts_merged:
         # flash's segments are whole requests (causal ones: an encoder-only step runs the tiles)
         yield fused_causal_partial(query, key, value, batch, scale)
     else:
-        yield self_partial(query, key, value, scale, cap)
+        if not mla:  # (MLA's latent routes take each token's own pair too: paths/mla_decode.py)
+            yield self_partial(query, key, value, scale, cap)
         if phase[0] == "c":
             yield causal_partial(query, key, value, batch, scale, cap)
     # A small group's shared tiles (parallel sampling) as more slots of the unique kernel: one kernel for
@@ -234,10 +240,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         else:
             yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
     if phase[2] == "u" and not shared_in_kernel:
-        mla = new_tokens and mla_unique_route(batch, query, key_cache, value_cache, cap, k_scale, v_scale)
-        if mla:  # MLA's latent: one Partial row per token, the latent read once (paths/mla_decode.py)
-            run = kernel_mla_partial if mla == "kernel" else dense_mla_partial
-            yield run(query, key_cache, value_cache.shape[-1], batch, scale)
+        if mla:  # MLA's latent: one Partial row per token, the latent read once, the self pair inside
+            run = kernel_mla_partial if mla == "kernel" else dense_mla_partial  # (paths/mla_decode.py)
+            yield run(query, key_cache, value_cache.shape[-1], batch, scale, key)
         elif flash and kernel_unique_applies(key_cache, value_cache):
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         elif flash and fused_unique_applies(batch, key_cache):

@@ -26,7 +26,7 @@ def bucket_key(batch, query: torch.Tensor, key_cache: torch.Tensor, **kwargs) ->
     included), shapes, device, which keyword arguments are given."""
     return (batch.bucket, tuple(p.bucket for p in getattr(batch, "pieces", ())), batch.plan.options,
             batch.block_size, batch.sliding_window, batch.unique_layout, batch.plan.shared_prefix_visible,
-            getattr(batch.plan, "prompts_only", False), fused.CUDA_KERNELS,
+            getattr(batch.plan, "prompts_only", False), getattr(batch.plan, "prompt_grid", False), fused.CUDA_KERNELS,
             query.dtype, key_cache.dtype, tuple(query.shape[1:]), tuple(key_cache.shape), str(query.device),
             tuple(sorted((k, v is None) for k, v in kwargs.items())))
 

@@ -28,9 +28,9 @@ up-projection is paid once per key for many rows, and the expanded head dims
 (192 / 128, not 576 / 512) are ones fused kernels take. So the prompt route's
 rows run expanded (`mla_prompts.py`; `mla_attention(..., prompt_route=False)`
 leaves them out here) wherever the caller can split a step's rows by form:
-vLLM's MLA layer on the CPU platform does (`vllm_plugin/mla_backend.py`);
-vllm-gaudi's layer picks one form per step (`vllm_plugin/hpu_mla.py`: latent
-for every token there). Measured on an H100 (docs/benchmarks.md, MLA,
+vLLM's MLA layer on the CPU platform does (`vllm_plugin/mla_backend.py`), and
+the unified impl in vllm-gaudi's layer, which picks one branch per step, does
+on the steps whose bucket has a prompt route (`vllm_plugin/hpu_mla.py`). Measured on an H100 (docs/benchmarks.md, MLA,
 `benchmarks/mla_prompt.py`): a 2048-token prompt, a 2048-token chunk over 4096
 tokens of context, and 64 decodes beside a 2048-token prompt, latent against
 expanded, through this code.

@@ -35,13 +35,20 @@ from vllm_gaudi_unified.batch import InvariantBatch
 from vllm_gaudi_unified.paths.prompts import prompt_final, write_rows
 
 
+def expanded_step(batch) -> bool:
+    """Whether the step's prompt route can run expanded: it has one and runs in its final form
+    (`prompts.final_rows`: fused kernels on; MLA has no soft cap or sinks). A function of the bucket
+    (`num_prompts`) and the plan options alone, so every step padded to one bucket answers the same."""
+    return (not isinstance(batch, InvariantBatch) and batch.bucket.num_prompts > 0
+            and batch.plan.options.fused_kernels)
+
+
 def expanded_first(batch) -> int | None:
     """The first token of the step's expanded rows, from the host plan: when the prompt route runs in its
-    final form (`prompts.final_rows`: fused kernels on; MLA has no soft cap or sinks) and its rows are
-    exactly the step's last tokens (vLLM's MLA layer runs its prefill tokens as a suffix:
-    `MLAAttention.forward_impl`). None: no prompt route, or its rows are not a suffix (then the
-    whole step runs latent)."""
-    if isinstance(batch, InvariantBatch) or batch.bucket.num_prompts == 0 or not batch.plan.options.fused_kernels:
+    final form (`expanded_step`) and its rows are exactly the step's last tokens (vLLM's MLA layer runs
+    its prefill tokens as a suffix: `MLAAttention.forward_impl`). None: no prompt route, or its rows
+    are not a suffix (then the whole step runs latent)."""
+    if not expanded_step(batch):
         return None
     t = batch.num_tokens
     rows = np.asarray(batch.plan.prompt_rows)
@@ -67,14 +74,14 @@ def expand_latents(latent: torch.Tensor, kv_b_proj: Callable[[torch.Tensor], tor
 
 
 def mla_prompt_rows(q: torch.Tensor, latent: torch.Tensor, latent_cache: torch.Tensor, batch, scale: float,
-                    kv_lora_rank: int, kv_b_proj: Callable[[torch.Tensor], torch.Tensor], first: int = 0
-                    ) -> torch.Tensor:
+                    kv_lora_rank: int, kv_b_proj: Callable[[torch.Tensor], torch.Tensor], first: int = 0,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The prompt route's rows in the expanded form (module docstring).
 
     q `[N, H, P + R]` (q_nope, q_pe: not absorbed) and latent `[N, L + R]`: the step's tokens from
     `first` on (`first` = 0: all of them; else every prompt row is at or past it: `expanded_first`); the
     cache `[num_blocks, block_size, L + R]`. Returns `[N, H, V]` in q's dtype: the prompt rows
-    final, the others zero."""
+    final, the others `out`'s (the latent rows' outputs, `[N, H, V]`), or zero without it."""
     n, heads, dk = q.shape
     if latent.dim() != 2 or latent.shape[0] != n or latent_cache.dim() != 3 or \
             latent_cache.shape[-1] != latent.shape[-1]:
@@ -91,4 +98,4 @@ def mla_prompt_rows(q: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
         gathered = latent_cache[batch.prompt_blocks].flatten(1, 2).to(q.dtype)  # [P, Cb * bs, L + R]
         context = expand_latents(gathered, kv_b_proj, kv_lora_rank, heads, nope)
     rows = prompt_final(q, k, v, None, None, batch, scale, context=context, first=first)
-    return write_rows(None, (batch.prompt_rows - first).clamp(min=0, max=n), rows, n)
+    return write_rows(out, (batch.prompt_rows - first).clamp(min=0, max=n), rows, n)

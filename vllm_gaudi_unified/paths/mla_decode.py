@@ -7,7 +7,8 @@ values the first dims of the keys, views of one cache) takes one of two
 routes instead, chosen by `mla_unique_route`:
 
 * 'kernel' (CUDA, Triton, 16-bit): `mla_kernel.py`, the token's slots in one
-  program per head group and split, the values taken from the key tile.
+  program per head group and split, the values taken from the key tile, the
+  token's own pair inside (split 0 starts from it).
 * 'dense' (torch ops only: the Gaudi route, the CPU): the token's visible
   slots laid out as one padded `[tokens, keys]` table on the host
   (`decodes.decode_layout`, the CPU decode route's layout), gathered once as
@@ -20,7 +21,10 @@ routes instead, chosen by `mla_unique_route`:
   not run while torch compiles or a CUDA graph captures: the tiles do.
 
 Both return the Partial the merge takes, so the shared prefix stays on the
-shared path (read once per tile of tokens) and the merge is unchanged.
+shared path (read once per tile of tokens) and the merge is unchanged. Both
+take each token's own pair as well (the 'dense' route writes the token's
+latent into its row's first padding column), so a decode step has no self
+pair to compute and merge: `attention._run_paths` skips it for them.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 
 from vllm_gaudi_unified.merge import Partial, fold_pairwise
 from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.paths.kv_quant import is_fp8
 from vllm_gaudi_unified.paths.mla_shared import latent_attend, latent_cache
@@ -39,17 +44,28 @@ from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, triton_importable
 
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
-#: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an H100 by benchmarks/mla_decode.py's
-#: sweep (docs/benchmarks.md, MLA).
-MLA_BLOCK_H = 32
-MLA_KEYS = 32
+#: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an
+#: H100 by benchmarks/mla_decode_probe.py's sweep at 128 heads (docs/benchmarks.md, MLA, run 6): 64 heads x
+#: 64 keys on 8 warps is the one shape whose products run on Hopper's `wgmma` without spilling (253-255
+#: registers, 216 KB of shared memory: one program per SM). `MLA_WARPS` needs 64 heads per program (two
+#: warpgroups); a program of fewer heads (a tensor-parallel shard) runs 4 warps.
+MLA_BLOCK_H = 64
+MLA_KEYS = 64
 MLA_SPLIT_KEYS = 16384
 MLA_MAX_SPLITS = 32
-MLA_WARPS = 4
+MLA_WARPS = 8
 MLA_STAGES = 2
 MLA_V_LOAD = 0
+#: Whether a key tile that lies in one slot (`MLA_KEYS` divides the block size) reads its slot's block and
+#: bounds once as scalars (`mla_kernel.py`: ONE_SLOT), not once per key (run 6: 1.42 -> 0.91 ms of kernel
+#: at the old 32-head constants, spills 30 -> 2).
+MLA_ONE_SLOT = True
+#: Whether the kernel loads its query tile in every loop step (`mla_kernel.py`: Q_LOOP), not once before
+#: the loop (run 6: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms).
+MLA_Q_LOOP = True
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
+_ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
 
 
 def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cap,
@@ -59,8 +75,11 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
     1. A latent cache (`latent_cache`), no soft cap, no fp8 cache or scales: else None.
     2. CUDA with its kernels on (not the Gaudi route), Triton importable, a 16-bit cache, the
        plan's fused kernels allowed: 'kernel'.
-    3. A step of decodes only (no split pieces), not under torch.compile or a CUDA graph capture, whose
-       padded table is within the bounds of `decodes.decode_layout`: 'dense'.
+    3. On the CPU, a step of decodes only (no split pieces), not under torch.compile, whose padded table
+       is within the bounds of `decodes.decode_layout`: 'dense'. Its shapes and index tensors follow the
+       step, not the bucket, so it runs only where nothing captures it: an HPU graph captured at warmup
+       would replay the warmup step's table for every later step of its bucket (and the Gaudi route's
+       stand-in on CUDA runs what an HPU runs).
     """
     if (cap is not None or k_scale is not None or v_scale is not None or is_fp8(key_cache.dtype)
             or not latent_cache(key_cache, value_cache)):
@@ -68,27 +87,27 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
     if (query.device.type == "cuda" and fused.CUDA_KERNELS and triton_importable()
             and key_cache.dtype in KERNEL_CACHE_DTYPES and batch.plan.options.fused_kernels):
         return "kernel"
-    if (batch.num_tokens != batch.num_requests or batch.pieces or torch.compiler.is_compiling()
-            or (query.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+    if (query.device.type != "cpu" or batch.num_tokens != batch.num_requests or batch.pieces
+            or torch.compiler.is_compiling()):
         return None
     return "dense" if decode_layout(batch) is not None else None
 
 
-def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
-                       ) -> Partial | None:
+def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
+                       key: torch.Tensor | None = None) -> Partial | None:
     """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
-    `fold_pairwise`). Slots sorted by token on the device (no sync); the split count comes from the
+    `fold_pairwise`); with `key` (the new tokens' latents `[n, 1, L + R]`) each token's own pair too, so
+    the step has no separate self pair to compute and merge (`attention._run_paths`). Slots sorted by token
+    on the device (no sync), once per batch (a server's layers share it); the split count comes from the
     bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
     slots = batch.unique_rows.shape[0]
     if slots == 0:
-        return None
+        return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     bs = key_cache.shape[1]
-    rows = batch.unique_rows
-    order = torch.argsort(rows, stable=True)
-    starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=q.device, dtype=rows.dtype))
+    order, starts = _slot_order(batch, n, q.device)
     ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
     splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
@@ -97,33 +116,56 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
     total = torch.empty_like(m)
     q = q if q.stride(-1) == 1 else q.contiguous()
+    k = q if key is None else key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()  # (q: unused)
     block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
+    warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
     dr = d - value_dim
     mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
-        q, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
-        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
+        q, k, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
+        q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
         HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
-        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD, num_warps=MLA_WARPS,
-        num_stages=MLA_STAGES)
+        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
+        ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
+        SELF=key is not None, num_warps=warps, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
-def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
-                      ) -> Partial | None:
+def _slot_order(batch, n: int, device):
+    """The unique slots sorted by token and each token's start in that order (`n + 1` starts), on `device`,
+    once per batch eagerly (not kept while torch compiles or a CUDA graph captures: a graph replays with its
+    batch's buffers refilled, so it must sort them itself)."""
+    eager = not (torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+    hit = _ORDERS.get(batch) if eager else None
+    if hit is not None and hit[0] == (device, n):
+        return hit[1]
+    rows = batch.unique_rows
+    order = torch.argsort(rows, stable=True)
+    starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=device, dtype=rows.dtype))
+    if eager:
+        _ORDERS[batch] = ((device, n), (order, starts))
+    return order, starts
+
+
+def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
+                      key: torch.Tensor | None = None) -> Partial | None:
     """The unique pairs of a decode step as one gather and two batched matmuls over all heads
-    (module docstring); rows past the requests are empty (max -inf, sum 0)."""
-    table, visible, unread, masked = _layout(batch, q.device)
+    (module docstring); rows past the requests are empty (max -inf, sum 0). With `key` (the new tokens'
+    latents `[n, 1, L + R]`) each token's own pair too: its latent is written into the first padding
+    column of its row (`_layout` leaves one), so the step has no separate self pair to compute and merge."""
+    table, visible, unread, masked, self_col = _layout(batch, q.device, key is not None)
     r, width = table.shape
     if width == 0:
-        return None
+        return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     kv = key_cache.view(-1, d)[table]  # [R, keys, L + R]: keys, and values as their first dims
     if unread:  # a row with no cached key read some slot it may not see: zero it (NaN * 0 is NaN)
         kv = torch.where(visible[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
     # (a masked slot of any other row repeats one of its visible slots: `_layout`)
+    if key is not None:
+        kv[torch.arange(r, device=kv.device), self_col] = key[:r, 0].to(kv.dtype)
     bias = None
     if masked:  # some row sees fewer keys than the width (ragged, padded): -inf there
-        bias = torch.zeros((r, 1, 1, width), dtype=product_dtype(q.dtype), device=q.device)
+        bias = torch.zeros((r, 1, 1, table.shape[1]), dtype=product_dtype(q.dtype), device=q.device)
         bias = bias.masked_fill_(~visible[:, None, None, :], float("-inf"))
     acc, m, total = latent_attend(q[:r], kv, bias, value_dim, scale)  # [R, H, L], [R, H]
     if n > r:
@@ -133,22 +175,26 @@ def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, 
     return Partial(acc, m, total)
 
 
-def _layout(batch, device):
+def _layout(batch, device, with_self: bool = False):
     """`decode_layout`'s table and visibility without its self column, the width padded to whole blocks,
-    eight widths per power of two (padding: the row's first slot again, not visible), on `device`;
-    once per batch."""
+    eight widths per power of two (padding: the row's first slot again, not visible), on `device`, and
+    `masked` (some slot not visible); `with_self`: at least one padding column, row r's first one
+    (`self_col[r]`) visible (its token's own latent goes there). Once per batch."""
     hit = _LAYOUTS.get(batch)
-    if hit is not None and hit[0] == device:
+    if hit is not None and hit[0] == (device, with_self):
         return hit[1]
     layout = decode_layout(batch)  # a step of decodes only (`mla_unique_route`): row r is token r
     table, visible, unread = layout.table, layout.visible[:, :-1], layout.unread_rows
     bs, width = batch.block_size, table.shape[1]
-    blocks = math.ceil(width / bs)
+    per_row = visible.sum(1)
+    blocks = math.ceil((width + (with_self and width > 0)) / bs)
     step = max(1, _pow2(blocks) // 8)  # eight widths per octave: under 1/4 padding, few shapes
     padded = bs * step * math.ceil(blocks / step)
     if padded > width:
         table = torch.cat([table, table[:, :1].expand(-1, padded - width)], 1)
         visible = F.pad(visible, (0, padded - width), value=False)
-    out = (table.to(device), visible.to(device), unread, not bool(visible.all()))
-    _LAYOUTS[batch] = (device, out)
+    if with_self and width > 0:
+        visible[torch.arange(table.shape[0]), per_row] = True
+    out = (table.to(device), visible.to(device), unread, not bool(visible.all()), per_row.to(device))
+    _LAYOUTS[batch] = ((device, with_self), out)
     return out

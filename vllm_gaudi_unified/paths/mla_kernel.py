@@ -24,17 +24,21 @@ import triton
 import triton.language as tl
 
 
-def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, scale, splits,
-              sq_t, sq_h, sc_b, sc_s,
+def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, scale, splits,
+              sq_t, sq_h, sk_t, sc_b, sc_s,
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
-              DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr):
+              DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
+              ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
     (strides `sc_b`, `sc_s`, last 1), `order`: slot ids sorted by token, `starts[t]:starts[t+1]` token
     t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block id), `lo`/`hi` its visible
     slots. Out: acc `[n, splits, HQ, DV]`, m/l `[n, splits, HQ]` (fp32 or fp64: acc's dtype); the
     token's keys are cut into `splits` parts of whole `KEYS` tiles. `V_LOAD` 0: the latent tile is loaded
     once and serves both products; 1: loaded as keys transposed and again as values (the second read
-    hits the cache; each load lands in its product's layout)."""
+    hits the cache; each load lands in its product's layout). `ONE_SLOT` (needs `BS % KEYS == 0`): a tile's
+    slot, block and bounds are loaded once as scalars, not per key. `Q_LOOP`: the query tile is loaded in
+    each loop step rather than held from the start (registers against reloads). `SELF`: the new tokens'
+    keys `k` `[n, DV + DR]` (row stride `sk_t`, last 1): split 0 of token t starts from its own pair."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
@@ -52,23 +56,47 @@ def _mla_body(q_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_
     v_ok = offs_v < DV
     r_ok = offs_r < DR
     q_row = q_ptr + t * sq_t + heads[:, None] * sq_h
-    q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
-    q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    if not Q_LOOP:
+        q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+        q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), acc_dtype)
     l_i = tl.zeros([BLOCK_H], acc_dtype)
     acc = tl.zeros([BLOCK_H, DV_PAD], acc_dtype)
+    if SELF:  # split 0 starts from the token's own key (weight 1 at its score): no separate self pair
+        k_row = k_ptr + t * sk_t
+        kn = tl.load(k_row + offs_v, mask=v_ok, other=0.0).to(acc_dtype)
+        kr = tl.load(k_row + DV + offs_r, mask=r_ok, other=0.0).to(acc_dtype)
+        qn = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0).to(acc_dtype)
+        qr = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(acc_dtype)
+        s_self = ((tl.sum(qn * kn[None, :], 1) + tl.sum(qr * kr[None, :], 1)) * scale).to(acc_dtype)
+        here = sp == 0
+        m_i = tl.where(here, s_self, m_i)
+        l_i = tl.where(here, 1.0, l_i).to(acc_dtype)
+        acc = tl.where(here, acc + kn[None, :], acc)
     for start in range(k_begin, k_end, KEYS):
         kk = start + tl.arange(0, KEYS)
         key_ok = kk < k_end
-        slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
-        if SLICE:
-            blk = slot
-        else:
-            blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
         j = kk % BS
-        lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
-        hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
+        if ONE_SLOT:  # KEYS divides BS: the tile lies in one slot, read as scalars (its rows are contiguous)
+            slot = tl.load(order_ptr + first + start // BS)
+            if SLICE:
+                blk = slot
+            else:
+                blk = tl.load(ids_ptr + slot)
+            lo = tl.load(lo_ptr + slot)
+            hi = tl.load(hi_ptr + slot)
+        else:
+            slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
+            if SLICE:
+                blk = slot
+            else:
+                blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
+            lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
+            hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
         vis = key_ok & (j >= lo) & (j < hi)
+        if Q_LOOP:  # the query read again each step (from L1/L2): it streams through shared memory
+            q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+            q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
         base = blk.to(tl.int64) * sc_b + j * sc_s
         row = c_ptr + base[:, None]
         if V_LOAD == 0:  # one load: the tile is the keys (transposed in registers) and the values

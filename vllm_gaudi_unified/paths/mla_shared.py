@@ -72,7 +72,7 @@ def latent_attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, 
         p = torch.sub(s, m_ref[..., None]).exp_()
         total = p.sum(-1)
         p = p.to(op)
-    acc = torch.matmul(p, kv[..., :value_dim]).to(dt)
+    acc = torch.bmm(p, kv[..., :value_dim]).to(dt)  # (bmm: matmul copied the strided values first)
     return Partial(acc, m, total)
 
 

@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.plan.arrays import validate
 from vllm_gaudi_unified.plan.bidirectional import plan_bidirectional
@@ -49,8 +51,8 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
 def pad_plan(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = None) -> StepPlan:
     """The same step padded to `bucket`; padding adds only fully masked work. `buffers`: pad into
     them (default mode; a plan made into them is padded in place)."""
-    if bucket == plan.bucket:
-        return plan
+    if bucket == plan.bucket:  # as if padded: a grid of several prompts depends on their lengths
+        return replace(plan, prompt_grid=False) if plan.prompt_grid and bucket.prompts[0] != 1 else plan
     if isinstance(plan, InvariantPlan):
         return pad_invariant(plan, bucket)
     return pad_default(plan, bucket, buffers)

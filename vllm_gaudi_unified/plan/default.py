@@ -55,7 +55,7 @@ from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, ch
 from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers
 from vllm_gaudi_unified.plan.decode_shared import repeated, split_shared
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
-from vllm_gaudi_unified.plan.prompts import pad_prompts, plan_prompts, prompt_requests
+from vllm_gaudi_unified.plan.prompts import bucket_grid, pad_prompts, plan_prompts, prompt_grid, prompt_requests
 from vllm_gaudi_unified.plan.rules import MAX_SLICE_BLOCKS, causal_spans, shared_pairs, unique_reads_slice
 from vllm_gaudi_unified.plan.shared import plan_shared
 from vllm_gaudi_unified.plan.step_plan import StepPlan
@@ -137,6 +137,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
             np.copyto(seg_start, np.arange(T), where=np.repeat(sel, q))
             causal_q, causal_k, _ = _plan_causal(np.where(sel, 1, q), seg_start, T, W, opts.causal_tile, out)
             causal_needed = int(np.dot(q, q + 1)) // 2
+    only = sel is not None and bool(sel.all())
     shape = _bucket(T, causal_q.size, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R,
                     prompts[1].shape if sel is not None else (0, 0), prompts[0].shape[1])
     return trusted(StepPlan, block_size=bs, sliding_window=W, options=opts.with_tile_rows(shared[0].shape[1]),
@@ -148,7 +149,8 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
                    max_block_id=max_block_id,
                    work_needed=PathWork(causal_needed, shared_needed + prompt_needed, unique_needed),
                    shared_prefix_visible=shared[4], prompt_rows=prompts[0], prompt_blocks=prompts[1],
-                   prompt_ctx=prompts[2], prompt_len=prompts[3], prompts_only=sel is not None and bool(sel.all()))
+                   prompt_ctx=prompts[2], prompt_len=prompts[3], prompts_only=only,
+                   prompt_grid=only and prompt_grid(prompts[0], prompts[3], T))
 
 
 def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
@@ -322,7 +324,8 @@ def pad_default(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = No
             unique_rows=grow(rows(plan.unique_rows), nu, Tp),
             unique_blocks=None if plan.unique_blocks is None else grow(plan.unique_blocks, nu, 0),
             unique_lo=grow(plan.unique_lo, nu, 0), unique_hi=grow(plan.unique_hi, nu, 0),
-            logits_indices=grow(plan.logits_indices, bucket.num_logits, 0), **_pad_prompts(plan, bucket, T, Tp))
+            logits_indices=grow(plan.logits_indices, bucket.num_logits, 0), **_pad_prompts(plan, bucket, T, Tp),
+            prompt_grid=bucket_grid(plan.prompts_only, bucket.prompts, Tp))
 
     def pad(name, n, fill, rows=False):
         a = getattr(plan, name)
@@ -344,7 +347,8 @@ def pad_default(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = No
         unique_rows=pad("unique_rows", nu, Tp, rows=True),
         unique_blocks=None if plan.unique_blocks is None else pad("unique_blocks", nu, 0),
         unique_lo=pad("unique_lo", nu, 0), unique_hi=pad("unique_hi", nu, 0),
-        logits_indices=pad("logits_indices", bucket.num_logits, 0), **_pad_prompts(plan, bucket, T, Tp))
+        logits_indices=pad("logits_indices", bucket.num_logits, 0), **_pad_prompts(plan, bucket, T, Tp),
+        prompt_grid=bucket_grid(plan.prompts_only, bucket.prompts, Tp))
     return trusted(type(plan), **padded)
 
 

@@ -70,6 +70,28 @@ def plan_prompts(sel: np.ndarray, q: np.ndarray, ctx: np.ndarray, nb_ctx: np.nda
     return (rows, blocks, cs.astype(_I64, copy=True), qs.astype(_I64, copy=True)), int(np.dot(qs, cs))
 
 
+def prompt_grid(rows: np.ndarray, lengths: np.ndarray, T: int) -> bool:
+    """Whether a step of prompts alone has its prompts' rows as the grid of its first rows: row `i` of
+    prompt `r` is token `r * Qp + i` wherever `i < lengths[r]`, and the grid fits the step's `T` rows.
+
+    That holds when every prompt but the last has `Qp` tokens (one prompt, or a uniform batch), as
+    vllm-gaudi's runner lays prompts out (`[batch, seq_len]`). The device then takes the queries as a
+    view of the step's rows and writes its output the same way, where a gather each would cost a
+    pass over them (the gather was an eighth of a 4 x 2k prefill on the H100)."""
+    p, qp = rows.shape
+    if p == 0 or qp == 0 or p * qp > T:
+        return False
+    real = np.arange(qp)[None, :] < lengths[:, None]
+    return bool((rows == np.arange(p * qp, dtype=rows.dtype).reshape(p, qp))[real].all())
+
+
+def bucket_grid(prompts_only: bool, prompts: tuple, query_len: int) -> bool:
+    """`prompt_grid` for a step padded to a bucket: one prompt only, so that every step padded to the
+    bucket takes the same code (one graph per bucket; a bucket with several prompts would depend on
+    their lengths). A step of one prompt alone starts at row 0, so its rows are the grid."""
+    return prompts_only and prompts[0] == 1 and 0 < prompts[1] <= query_len
+
+
 def pad_prompts(plan, bucket, T: int, Tp: int):
     """The prompt arrays of `plan` padded to `bucket` (padding prompts have no row, no context, no token)."""
     P, Qp, Cb = bucket.prompts

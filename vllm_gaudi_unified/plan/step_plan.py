@@ -50,6 +50,9 @@ class StepPlan:
     prompt_len: np.ndarray | None = field(default=None, kw_only=True)  #: [num_prompts] new tokens (0: a padding prompt)
     #: every new token is on the prompt route: the step is that one fused call and nothing else
     prompts_only: bool = field(default=False, kw_only=True)
+    #: the prompts' rows are the step's first rows as a `[num_prompts, prompt_len]` grid (`plan/prompts.py:
+    #: prompt_grid`): the device reads the queries and writes the output as views, with no gather
+    prompt_grid: bool = field(default=False, kw_only=True)
 
     @property
     def unique_layout(self) -> str:

@@ -34,6 +34,7 @@ from vllm_gaudi.attention.backends.hpu_attn import HPUAttentionBackend
 from vllm_gaudi.v1.worker.hpu_model_runner import HPUAttentionMetadataProcessor
 
 from vllm_gaudi_unified import UnifiedBatch, unified_attention
+from vllm_gaudi_unified.mla_prompts import expanded_step
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, per_token_scales, quantize
 from vllm_gaudi_unified.vllm_plugin.backend import (
     GaudiUnifiedAttentionBackend,
@@ -113,9 +114,15 @@ class UnifiedHpuMetadata:
 
     batch: UnifiedBatch  #: the plan, padded to its bucket when a bucket plan is active, on the model's device
     slot_mapping: torch.Tensor  #: [T] int64 cache slot of each model input row; padding rows: the padding block
-    #: vllm-gaudi's MLA layer (`HPUMLAAttention.forward_impl`) branches on it: False sends every token of the
-    #: step, prompts included, through its absorbed branch, the impl's `forward_mqa` (`hpu_mla.py`)
-    is_prompt: ClassVar[bool] = False
+
+    @property
+    def is_prompt(self) -> bool:
+        """vllm-gaudi's MLA layer (`HPUMLAAttention.forward_impl`) branches on it: True (the step's bucket
+        has a prompt route in its final form, `mla_prompts.expanded_step`) sends the step to the impl's
+        `forward_mha` (its prompt rows expanded, the others latent), False to its absorbed branch, the
+        impl's `forward_mqa` (`hpu_mla.py`). A function of the bucket, so one graph per bucket holds.
+        Nothing else of vllm-gaudi reads it on the unified runner's path (`hpu_mla.py` lists its readers)."""
+        return expanded_step(self.batch)
 
 
 class UnifiedMetadataProcessor(HPUAttentionMetadataProcessor):

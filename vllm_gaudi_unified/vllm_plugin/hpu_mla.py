@@ -12,27 +12,47 @@ output through `W_UV` (`_v_up_proj`). Its cache is the 4-tuple
 block_size, L + R]` (`HPUMLAAttentionBackend.get_kv_cache_shape`; the extra
 block takes the padding rows' writes).
 
-Here the unified metadata says `is_prompt = False` (`UnifiedHpuMetadata`), so
-the whole step, prompts and chunks included, takes the absorbed branch, and
-`forward_mqa` is one `mla.mla_attention` call over the step's plan, with the
-cache viewed (never copied) as `[num_blocks + 1, block_size, L + R]`. It is
-handed the cache but not the new tokens' latents: the impl's `latent_cache_k`
-(vllm-gaudi's cache write) keeps the latent it has just written.
+Here the unified metadata's `is_prompt` (`UnifiedHpuMetadata`) is True on
+the steps whose bucket has a prompt route in its final form
+(`mla_prompts.expanded_step`: `bucket.num_prompts > 0`, fused kernels on), so
+the branch is a function of the bucket and one HPU graph per bucket holds; the
+bucket key already records it (`num_prompts`). Such a step goes to the impl's
+`forward_mha`, which is handed every row's query unabsorbed and splits the step
+itself, as vLLM's MLA layer does on the CPU path (`mla_backend.py`): the prompt
+route's rows run expanded (`mla_prompts.mla_prompt_rows`: context and new
+latents through `kv_b_proj`, one fused call; faster for prompts: `mla.py`),
+written over the other rows, which run latent: queries absorbed through the
+layer's `W_UK_T`, one `mla.mla_attention(..., prompt_route=False)` call, the
+layer's `_v_up_proj` (the layer's own weights and up-projection, looked up once
+in the forward context: `forward_mha` is not handed the layer). A step of
+prompts alone (`plan.prompts_only`) skips the latent part; in an HPU graph
+the branch of the step it was captured for (warmup's) replays, and a graph of
+a bucket with other paths' work keeps the latent part, masked work that a
+step of prompts alone padded to it writes over. Every other step (decodes, short drafts
+over a shared prefix, batch-invariant mode, fused kernels off) takes the
+absorbed branch: `forward_mqa` is one `mla.mla_attention` call over the step's
+plan. Either way the cache is viewed (never copied) as `[num_blocks + 1,
+block_size, L + R]`. `forward_mqa` is handed the cache but not the new tokens'
+latents: the impl's `latent_cache_k` (vllm-gaudi's cache write) keeps the
+latent it has just written.
+
+Where else `is_prompt` is read (vllm-gaudi 091bbadd), none of it on this
+path: its runner's `_check_config` and `_use_graphs` (in
+`_execute_model_generic`, which the unified runner replaces), its metadata
+processor's biases (`UnifiedMetadataProcessor` passes unified metadata
+through first), its model adapter's `mark_unbacked` of a `block_list` (the
+unified runner hands a dict, with no `block_list`), its own attention impl
+(the unified backends replace it), its Mamba mixer and Qwen3.5's
+linear-attention layers (none in an MLA model). `_configure_lora`'s
+`is_prompt` is an argument of the sampling code, not the metadata's.
 
 The impl is vllm-gaudi's `HPUMLAImpl` (set-up, feature refusals, the model
-runner's view of it) with `forward_mqa` replaced and `forward_mha` unused.
-
-Prompts stay latent here, unlike the CPU path (`mla_backend.py`: the prompt
-route's rows expanded, `mla_prompts.py`, faster for prompts: `mla.py`):
-vllm-gaudi's `forward_impl` picks one branch per step by `is_prompt` and has
-no split of a step's rows between the two forms, and `is_prompt` is read
-beyond the layer (`_configure_lora`, vllm-gaudi's runner), so only a step of
-prompts alone could go expanded, through a `forward_mha` of its calling
-convention: not done.
+runner's view of it) with `forward_mqa` and `forward_mha` replaced.
 """
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import ClassVar
 
 import torch
@@ -40,8 +60,13 @@ from vllm.v1.attention.backend import MultipleOf
 from vllm_gaudi.attention.backends.hpu_attn import HPUMLAAttentionBackend, HPUMLAImpl
 from vllm_gaudi.extension.utils import VLLMKVCache
 
-from vllm_gaudi_unified.mla import mla_attention
+from vllm_gaudi_unified.attention import check_inputs
+from vllm_gaudi_unified.log import get_logger
+from vllm_gaudi_unified.mla import latent_views, mla_attention
+from vllm_gaudi_unified.mla_prompts import mla_prompt_rows
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
+
+logger = get_logger("vllm.gaudi_unified.mla")  # under "vllm": vLLM's log settings
 
 #: The name vLLM's registry knows the Gaudi MLA backend by.
 HPU_MLA_BACKEND_NAME = "GAUDI_UNIFIED_HPU_MLA"
@@ -124,34 +149,93 @@ class UnifiedHpuMLAImpl(HPUMLAImpl):
         super().__init__(*args, **kwargs)
         self.latent_cache_k = LatentWrite()
 
-    def forward_mha(self, q, latent_vec_k, k_cache, attn_metadata) -> torch.Tensor:
-        raise RuntimeError(f"{type(self).__name__}.forward_mha reached with metadata of type "
-                           f"{type(attn_metadata).__name__} (is_prompt={getattr(attn_metadata, 'is_prompt', None)}): "
-                           "the unified runner's metadata sends every token through forward_mqa; vllm-gaudi's own "
-                           "runner or prompt path built this step")
+    def forward_mha(self, q: torch.Tensor, latent_vec_k: torch.Tensor, k_cache, attn_metadata: UnifiedHpuMetadata
+                    ) -> torch.Tensor:
+        """A step whose bucket has a prompt route (`is_prompt`): q `[T, H, P + R]` not absorbed, the step's new
+        latents `[T, L + R]` (written to the cache already), k_cache `(latent_cache, None, None, None)` ->
+        `[T, H * V]`: the prompt route's rows expanded, the others latent (module docstring)."""
+        md = self._check(attn_metadata, "forward_mha")
+        self.latent_cache_k.latent = None  # handed here as latent_vec_k
+        rows = md.slot_mapping.shape[0]
+        heads, nope, rope = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        q = q.reshape(-1, heads, nope + rope)
+        if q.shape[0] != rows or latent_vec_k.shape[0] != rows:
+            raise ValueError(f"query rows {q.shape[0]} / latent rows {latent_vec_k.shape[0]} != planned rows {rows} "
+                             "(slot_mapping): the runner's model inputs and its plan disagree")
+        blocks = self._blocks(k_cache, md)
+        out = None
+        if not md.batch.plan.prompts_only:  # decodes beside the prompts: latent, as forward_impl's other branch
+            layer = self._layer()
+            q_nope, q_pe = q.split([nope, rope], dim=-1)
+            absorbed = torch.bmm(q_nope.transpose(0, 1), layer.W_UK_T).transpose(0, 1)
+            latent = self._attend(absorbed, q_pe, latent_vec_k, blocks, md, prompt_route=False)
+            out = layer._v_up_proj(latent).view(rows, heads, self.v_head_dim)
+        # The new latents as the cache stores them (as their context will be read in later chunks).
+        expanded = mla_prompt_rows(q, latent_vec_k.to(blocks.dtype), blocks, md.batch, self.scale, self.kv_lora_rank,
+                                   lambda c: self.kv_b_proj(c)[0], out=None if out is None else out.to(q.dtype))
+        logger.info_once("unified MLA on Gaudi: prompt rows in the expanded form (kv_b_proj, one fused call), "
+                         "decodes latent")
+        return expanded.reshape(rows, heads * self.v_head_dim)
 
     def forward_mqa(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache, attn_metadata: UnifiedHpuMetadata
                     ) -> torch.Tensor:
         """q_nope `[T, H, L]` (absorbed through W_UK), q_pe `[T, H, R]`, k_cache vllm-gaudi's `(latent_cache,
         None, None, None)` holding the step's new latents already -> `[T, H, L]` latent outputs."""
-        if not isinstance(attn_metadata, UnifiedHpuMetadata):
-            raise TypeError(f"attn_metadata of type {type(attn_metadata).__name__}: the unified MLA impl runs only "
-                            "the steps the unified model runner plans (UnifiedHpuModelRunner)")
+        md = self._check(attn_metadata, "forward_mqa")
         latent, self.latent_cache_k.latent = self.latent_cache_k.latent, None
         if latent is None:
             raise RuntimeError("forward_mqa without the step's latents: the layer did not write them through "
                                "impl.latent_cache_k first (vllm-gaudi's HPUMLAAttention.forward_impl does)")
-        cache = k_cache[0] if isinstance(k_cache, (tuple, list)) else k_cache
-        md = attn_metadata
         rows = md.slot_mapping.shape[0]
         if q_nope.shape[0] != rows or latent.shape[0] != rows:
             raise ValueError(f"query rows {q_nope.shape[0]} / latent rows {latent.shape[0]} != planned rows {rows} "
                              "(slot_mapping): the runner's model inputs and its plan disagree")
+        return self._attend(q_nope, q_pe, latent, self._blocks(k_cache, md), md)
+
+    def _attend(self, q_nope, q_pe, latent, blocks, md, prompt_route: bool = True) -> torch.Tensor:
+        """Latent attention over the step's plan -> `[T, H, L]` in q_nope's dtype; `prompt_route=False`:
+        the prompt route's rows left out (zero), `forward_mha` writes them."""
         query = torch.cat([q_nope, q_pe], dim=-1)
-        if query.dtype != cache.dtype:
-            query, latent = query.to(cache.dtype), latent.to(cache.dtype)
-        # vllm-gaudi's [(num_blocks + 1) * block_size, L + R] as the core's [num_blocks + 1, block_size, L + R]:
-        # view() raises rather than copy.
-        blocks = cache.view(-1, md.batch.block_size, cache.shape[-1])
-        out = mla_attention(query, latent, blocks, md.batch, self.scale, self.kv_lora_rank)
+        if query.dtype != blocks.dtype:
+            query, latent = query.to(blocks.dtype), latent.to(blocks.dtype)
+        if prompt_route:
+            out = mla_attention(query, latent, blocks, md.batch, self.scale, self.kv_lora_rank)
+        else:  # attend_step's keyword: checked here, as unified_attention would
+            (key, value), (key_cache, value_cache) = (latent_views(x, self.kv_lora_rank) for x in (latent, blocks))
+            check_inputs(query, key, value, key_cache, value_cache, md.batch, self.scale, None, None)
+            if query.shape[0] != md.batch.bucket.query_len:
+                raise ValueError(f"query rows {query.shape[0]} != the bucket's {md.batch.bucket.query_len}")
+            out = mla_attention(query, latent, blocks, md.batch, self.scale, self.kv_lora_rank, checked=True,
+                                prompt_route=False)
         return out.to(q_nope.dtype)
+
+    @staticmethod
+    def _check(attn_metadata, where: str) -> UnifiedHpuMetadata:
+        if not isinstance(attn_metadata, UnifiedHpuMetadata):
+            raise TypeError(f"{where}: attn_metadata of type {type(attn_metadata).__name__}: the unified MLA impl "
+                            "runs only the steps the unified model runner plans (UnifiedHpuModelRunner); "
+                            "vllm-gaudi's own runner or prompt path built this step")
+        return attn_metadata
+
+    @staticmethod
+    def _blocks(k_cache, md: UnifiedHpuMetadata) -> torch.Tensor:
+        """vllm-gaudi's `[(num_blocks + 1) * block_size, L + R]` as the core's `[num_blocks + 1, block_size,
+        L + R]`: view() raises rather than copy."""
+        cache = k_cache[0] if isinstance(k_cache, (tuple, list)) else k_cache
+        return cache.view(-1, md.batch.block_size, cache.shape[-1])
+
+    def _layer(self):
+        """The `HPUMLAAttention` owning this impl (its `W_UK_T`, `_v_up_proj`), found once in the forward
+        context's layers: vllm-gaudi's `forward_mha` call does not pass it. Held weakly (the layer holds the
+        impl)."""
+        layer = self._layer_ref() if getattr(self, "_layer_ref", None) is not None else None
+        if layer is None:
+            from vllm.forward_context import get_forward_context, is_forward_context_available
+
+            layers = get_forward_context().no_compile_layers.values() if is_forward_context_available() else ()
+            layer = next((x for x in layers if getattr(x, "impl", None) is self), None)
+            if layer is None or getattr(layer, "W_UK_T", None) is None:
+                raise RuntimeError(f"{type(self).__name__}: no MLA layer with this impl and its W_UK_T in the "
+                                   "forward context (vllm-gaudi's HPUMLAAttention registers itself there)")
+            self._layer_ref = weakref.ref(layer)
+        return layer

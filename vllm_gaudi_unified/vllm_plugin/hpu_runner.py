@@ -192,7 +192,8 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
                                  "the groups' bucket plans must agree on query lengths")
             slots = torch.from_numpy(slot_mapping(step, table, bs, rows, self._PAD_SLOT_ID)).to(self.device)
             for kind, names in kinds.items():
-                md = UnifiedHpuMetadata(batch=batches[kind], slot_mapping=slots)
+                # the prompt route's mask once per step for every layer, as vllm-gaudi makes its attn_bias
+                md = UnifiedHpuMetadata(batch=batches[kind].with_prompt_bias(self.dtype), slot_mapping=slots)
                 metadata.update({name: md for name in names})
         return metadata
 
