@@ -5,7 +5,9 @@ reads it when it is first imported, so the interpreter cannot be switched on ins
 process), float64 queries, against the float64 reference over the dequantized cache at 1e-6. On
 CUDA the same cases run in bf16 through the compiled kernel (1e-2). Every case routes the unique
 path through the kernel (and the others through flash: the exact stand-in on CPU), on a shuffled
-block table whose unreadable slots hold NaN/inf bytes (and NaN per-block scales).
+block table whose unreadable slots hold NaN/inf bytes (and NaN per-block scales). The cases with a
+shared prefix (SMALL_TILES' 4-row tiles) send their shared tiles through the kernel too
+(`unique.kernel_takes_shared`; tests/shared_kernel_cases.py checks that route on its own).
 """
 from __future__ import annotations
 

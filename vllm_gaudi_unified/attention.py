@@ -24,8 +24,8 @@ from vllm_gaudi_unified.paths.prompts import final_rows, grid_rows, prompt_final
 from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_shared_applies
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
-from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_partial, kernel_unique_applies,
-                                             kernel_unique_partial, unique_partial)
+from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_partial, kernel_takes_shared,
+                                             kernel_unique_applies, kernel_unique_partial, unique_partial)
 
 
 #: The prompt route's final form on CUDA through flash varlen (`paths/prompts.py: _flash_rows`) instead of
@@ -195,7 +195,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     2. causal tiles: when the phase has 'c' (a request off the prompt route has two or more new tokens).
        With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (not when the prompt
        route merges a Partial, `prompts_merged`: flash's segments would count its causal pairs again).
-    3. shared tiles: when the phase has 's' (a cached block is seen by several tokens); MLA's latent
+    3. shared tiles: when the phase has 's' (a cached block is seen by several tokens); tiles of a small
+       group (at most `unique.KERNEL_SHARED_MAX_ROWS` rows) with the Triton kernel of 4: as further slots of
+       that one kernel call, each row reading the tile's blocks (4 then runs nothing else); MLA's latent
        cache: each tile's rows x heads as one product (`paths/mla_shared.py`);
        through flash when the plan's tiles each see one key prefix (`shared_prefix_visible`).
     4. unique blocks: when the phase has 'u' (a cached block is seen by one token);
@@ -226,14 +228,20 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
             yield self_partial(query, key, value, scale, cap)
         if phase[0] == "c":
             yield causal_partial(query, key, value, batch, scale, cap)
-    if phase[1] == "s":
+    # A small group's shared tiles (parallel sampling) as more slots of the unique kernel: one kernel for
+    # the step's cached keys (`paths/unique.py: kernel_takes_shared`).
+    shared_in_kernel = (flash and phase[1] == "s" and kernel_takes_shared(batch)
+                        and kernel_unique_applies(key_cache, value_cache))
+    if shared_in_kernel:
+        yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale, shared=True)
+    elif phase[1] == "s":
         if mla_shared_applies(batch, key_cache, value_cache, cap, k_scale, v_scale):  # paths/mla_shared.py
             yield latent_shared_partial(query, key_cache, value_cache.shape[-1], batch, scale)
         elif flash and batch.plan.shared_prefix_visible:
             yield fused_shared_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         else:
             yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
-    if phase[2] == "u":
+    if phase[2] == "u" and not shared_in_kernel:
         if mla:  # MLA's latent: one Partial row per token, the latent read once, the self pair inside
             run = {"kernel": kernel_mla_partial, "dense": dense_mla_partial, "chunks": chunks_mla_partial}[mla]
             yield run(query, key_cache, value_cache.shape[-1], batch, scale, key)  # (paths/mla_decode.py)

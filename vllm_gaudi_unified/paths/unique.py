@@ -6,6 +6,8 @@ the per-block partials are merged back into their tokens. The blocks are either
 the contiguous cache slice `[0, num_unique_blocks)` read in place (no gather:
 good when most of the slice is live) or the live blocks gathered by id (good
 when block ids are scattered over a large cache); the planner picks per step.
+With the Triton kernel (CUDA), a small group's shared tiles join the kernel's slots too
+(`kernel_takes_shared`): the step's cached keys in one launch.
 """
 from __future__ import annotations
 
@@ -27,6 +29,16 @@ KERNEL_SPLIT_KEYS = 8192
 KERNEL_MAX_SPLITS = 32
 KERNEL_WARPS = 4
 KERNEL_STAGES = 2
+#: A launch of fewer (token, KV head, split) programs than this (a few tokens with long contexts: parallel
+#: sampling) cuts each token's keys into more splits, none under `KERNEL_MIN_SPLIT_KEYS` keys.
+KERNEL_MIN_PROGRAMS = 512
+KERNEL_MIN_SPLIT_KEYS = 256
+#: Shared tiles of at most this many rows (a small group: parallel sampling's n <= 16 samples) go through
+#: the kernel too, each row reading the tile's blocks itself (`kernel_takes_shared`): the re-reads mostly
+#: hit L2, and the step is one kernel instead of a gather, flash and a scatter merge (docs/benchmarks.md).
+KERNEL_SHARED_MAX_ROWS = 16
+#: Slots up to which the kernel's token order is computed by rank (`_token_order`), not sorted.
+RANK_SORT_MAX_SLOTS = 1024
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
@@ -125,29 +137,55 @@ def kernel_unique_applies(key_cache: torch.Tensor, value_cache: torch.Tensor) ->
             and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1 and triton_importable())
 
 
+def kernel_takes_shared(batch) -> bool:
+    """Does the kernel take the batch's shared tiles too (`kernel_unique_partial(shared=True)`)? When they
+    have at most `KERNEL_SHARED_MAX_ROWS` rows: a static fact of the bucket and its options (the plan
+    records its tile rows), so a bucket's graph is fixed."""
+    return 0 < batch.shared_rows.shape[0] and batch.shared_rows.shape[1] <= KERNEL_SHARED_MAX_ROWS
+
+
+def _slots_with_shared(batch, n: int):
+    """(rows, block ids, lo, hi) of the unique slots followed by one slot per (shared tile row, tile block):
+    a small group's shared blocks read by each of its rows. Cells with no visible slot (padding rows and
+    columns of a tile) go to row `n`, which the kernel never reads."""
+    t, qt = batch.shared_rows.shape
+    kb = batch.shared_blocks.shape[1]
+    lo, hi = batch.shared_lo.reshape(-1), batch.shared_hi.reshape(-1)
+    rows = torch.where(hi > lo, batch.shared_rows[:, :, None].expand(t, qt, kb).reshape(-1), n)
+    blocks = batch.shared_blocks[:, None, :].expand(t, qt, kb).reshape(-1)
+    u = batch.unique_rows.shape[0]
+    ids = (torch.arange(u, device=blocks.device, dtype=blocks.dtype) if batch.unique_blocks is None
+           else batch.unique_blocks)
+    cat = lambda a, b: torch.cat([a, b.to(a.dtype)])  # noqa: E731
+    return (cat(batch.unique_rows, rows), cat(ids, blocks), cat(batch.unique_lo, lo), cat(batch.unique_hi, hi))
+
+
 def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
-                          scale: float, k_scale=None, v_scale=None) -> Partial | None:
+                          scale: float, k_scale=None, v_scale=None, shared: bool = False) -> Partial | None:
     """`unique_partial` through the Triton kernel: one Partial row per token (its blocks merged in the
-    kernel, in splits merged by `fold_pairwise`). Slots are sorted by token on the device (no sync);
+    kernel, in splits merged by `fold_pairwise`). Slots are put in token order on the device (no sync);
     the split count comes from the bucket (host numbers), so a bucket's graph is fixed.
+    `shared`: the shared tiles' (row, block) cells as further slots of their rows (`kernel_takes_shared`).
     On CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1: tests)."""
     from vllm_gaudi_unified.paths import unique_kernel
 
-    slots = batch.unique_rows.shape[0]
+    n, hq, d = q.shape
+    if shared:
+        rows, ids, lo, hi = _slots_with_shared(batch, n)
+        slice_ = False
+    else:
+        rows, lo, hi = batch.unique_rows, batch.unique_lo, batch.unique_hi
+        ids, slice_ = batch.unique_blocks, batch.unique_blocks is None
+    slots = rows.shape[0]
     if slots == 0:
         return None
-    n, hq, d = q.shape
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
-    rows = batch.unique_rows
-    # Sorted as 16-bit keys where the rows fit (they are < n + 1, a static bound): a radix sort of int64
-    # keys takes 8 passes, 50 us of a 0.8 ms decode step on an H100 (benchmarks/gpu_kernels.py).
-    key = rows.to(torch.int16 if n < 2**15 - 1 else torch.int32)
-    order = torch.argsort(key, stable=True)
+    order = _token_order(rows, n)
     starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=q.device, dtype=rows.dtype))
-    ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
+    ids = order if slice_ else ids  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
-    splits = min(KERNEL_MAX_SPLITS, _pow2(math.ceil(keys_per_token / KERNEL_SPLIT_KEYS)))
+    splits = _splits(keys_per_token, n * hkv)
     dt = compute_dtype(q.dtype)
     acc = torch.empty((n, splits, hq, d), dtype=dt, device=q.device)
     m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
@@ -157,13 +195,38 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     q = q if q.stride(-1) == 1 else q.contiguous()
     unique_kernel.unique_kernel[(n, hkv, splits)](
         q, key_cache, value_cache, key_cache if ks is None else ks, value_cache if vs is None else vs,  # (unused)
-        order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale * k_factor, v_factor,
+        order, starts, ids, lo, hi, acc, m, total, scale * k_factor, v_factor,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
         HQ=hq, G=g, G_PAD=max(16, _pow2(g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
-        SPLITS=splits, SLICE=batch.unique_blocks is None, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
+        SPLITS=splits, SLICE=slice_, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
         SPLIT_KEYS=0, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     part = Partial(acc, m, total)
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def _token_order(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The slots' indices sorted by token (rows <= n), stable. Up to `RANK_SORT_MAX_SLOTS` slots by rank:
+    a slot's place is the count of slots before it in (row, index) order, one comparison-sum kernel
+    (the sort torch.compile makes of a few hundred keys took 9.5-18.6 us on an H100, docs/benchmarks.md);
+    more slots: a stable sort of 16-bit keys where the rows fit (a radix sort of int64 keys takes 8
+    passes, 50 us of a 0.8 ms decode step, benchmarks/gpu_kernels.py)."""
+    s = rows.shape[0]
+    if s <= RANK_SORT_MAX_SLOTS:
+        index = torch.arange(s, device=rows.device, dtype=rows.dtype)
+        key = rows * s + index  # distinct: the (row, index) order
+        place = (key[None, :] < key[:, None]).sum(1)
+        return torch.empty_like(index).scatter_(0, place, index)
+    return torch.argsort(rows.to(torch.int16 if n < 2**15 - 1 else torch.int32), stable=True)
+
+
+def _splits(keys_per_token: float, programs: int) -> int:
+    """Splits per token (a power of two): about `KERNEL_SPLIT_KEYS` keys each, and more while the launch
+    has fewer than `KERNEL_MIN_PROGRAMS` programs and each split keeps `KERNEL_MIN_SPLIT_KEYS` keys."""
+    splits = min(KERNEL_MAX_SPLITS, _pow2(math.ceil(keys_per_token / KERNEL_SPLIT_KEYS)))
+    while (splits < KERNEL_MAX_SPLITS and programs * splits < KERNEL_MIN_PROGRAMS
+           and keys_per_token >= 2 * splits * KERNEL_MIN_SPLIT_KEYS):
+        splits *= 2
+    return splits
 
 
 def _pow2(x: int) -> int:
