@@ -71,7 +71,7 @@ def chunk_layout(batch, n: int, block_size: int, device):
     within = torch.arange(block_size, device=device)
     visible = ((within >= lo) & (within < hi)).flatten(1)  # [Nc, C * bs]
     keys = (blocks.to(torch.int64)[..., None] * block_size + within).flatten(1)
-    first = keys.gather(1, visible.to(torch.uint8).argmax(1, keepdim=True))
+    first = keys.gather(1, visible.to(torch.int32).argmax(1, keepdim=True))  # (the first visible key)
     return torch.where(visible, keys, first), visible, token
 
 
