@@ -48,9 +48,10 @@ def chunk_layout(batch, n: int, block_size: int, device):
 
     Slots sorted by token (`_slot_order`, every call: an HPU graph captured after an eager call on the same
     batch would otherwise hold the kept order, not its sort); token t's chunks start at the running sum of
-    `ceil(c / C)`; chunk j of token t holds its sorted slots `[j * C, (j + 1) * C)`. An entry past the token's slots, or a
-    key outside its slot's visible range, is not visible and reads the chunk's first visible key instead
-    (a finite value the token may see, or one it sees anyway), so no unused slot's NaN reaches `p @ V`."""
+    `ceil(c / C)`; chunk j of token t holds its sorted slots `[j * C, (j + 1) * C)`. An entry past the
+    token's slots, or a key outside its slot's visible range, is not visible and reads the chunk's first
+    visible key instead (a finite value the token may see, or one it sees anyway), so no unused slot's NaN
+    reaches `p @ V`."""
     u = batch.unique_rows.shape[0]
     per_chunk = chunk_blocks(block_size)
     nc = num_chunks(u, n, per_chunk)
