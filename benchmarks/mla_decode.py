@@ -21,8 +21,8 @@ larger of the two floors is what a kernel can approach. Times: CUDA events, medi
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
 Columns (`--cases` picks scenarios): the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique
-pairs, `paths/mla_shared.py` on the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch ops only, on the
-bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
+pairs, `paths/mla_shared.py` on the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
+ops only, on the bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
 runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
 mla_chunks.py; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
 each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
