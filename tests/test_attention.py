@@ -264,3 +264,33 @@ def test_partial_slots_lists_every_partly_seen_slot_once_then_slot_zero():
     assert want.numel() == 3
     assert sel[: want.numel()].tolist() == want.tolist()
     assert (sel[want.numel():] == 0).all() and sel.numel() == min(rows.shape[0], batch.bucket.num_logits)
+
+
+def test_one_compiled_function_serves_every_step_of_a_bucket():
+    """`graphs.compiled_attention` checks and pads eagerly and compiles only the step: decode steps of
+    different sizes (token count, largest block id, contexts) padded to one bucket run one compiled
+    function with no recompile, each matching the reference; a bad step still gets the check's error."""
+    from vllm_gaudi_unified.graphs import clear, compiled_attention
+
+    steps = [Step([1, 1, 1], [5, 9, 3], 4, num_blocks=24), Step([1, 1], [7, 2], 4, num_blocks=24)]
+    cases = []
+    for i, step in enumerate(steps):
+        table, nb = make_block_table(step, np.random.default_rng(i))
+        cases.append((step, table, make_tensors(step, table, nb, seed=i)))
+    first = build_unified_batch(steps[0].query_lens, steps[0].context_lens, cases[0][1], 4, options=SMALL_TILES)
+    s = first.shape
+    bucket = Bucket(s.phase, s.query_len + 2, s.num_shared_blocks, s.num_unique_blocks + 4, s.num_logits + 1,
+                    s.num_causal_tiles)
+    clear()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for step, table, (q, k, v, kc, vc) in cases:
+                batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=SMALL_TILES,
+                                            bucket=bucket)
+                assert batch.bucket == bucket
+                ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+                assert_matches(compiled_attention(q, k, v, kc, vc, batch, 0.37), ref)
+            with pytest.raises(ValueError, match="query has"):
+                compiled_attention(q[:1], k[:1], v[:1], kc, vc, batch, 0.37)
+    finally:
+        clear()

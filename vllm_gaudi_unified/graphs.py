@@ -5,8 +5,9 @@ handed to `torch.compile` with static shapes. A bucket fixes every shape of a
 step, so each bucket gets its own compiled function (and, where the caller
 captures one, its own CUDA graph). Dynamo caches compiled code per code
 object and falls back to eager past a few recompiles, so each bucket compiles
-a private copy of `unified_attention`'s code: a server with many buckets keeps
-one compiled entry per bucket. Nothing here changes what is computed.
+a private copy of `attend_step`'s code (the checks run outside it): a server
+with many buckets keeps one compiled entry per bucket, and every step padded to
+a bucket runs it with no recompile. Nothing here changes what is computed.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import types
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
-from vllm_gaudi_unified.attention import unified_attention
+from vllm_gaudi_unified.attention import attend_step, check_inputs
+from vllm_gaudi_unified.paths.kv_quant import check_scale
 from vllm_gaudi_unified.paths import fused
 
 _COMPILED: dict[tuple, Callable] = {}
@@ -32,15 +35,27 @@ def bucket_key(batch, query: torch.Tensor, key_cache: torch.Tensor, **kwargs) ->
 
 
 def compiled_attention(query, key, value, key_cache, value_cache, batch, scale, **kwargs) -> torch.Tensor:
-    """`unified_attention` through the compiled function of this batch's bucket (compiled on first use)."""
+    """`unified_attention` through the compiled function of this batch's bucket (compiled on first use).
+
+    The checks and the padding to the bucket's rows run here, eagerly; only `attend_step` is compiled.
+    Compiled, the checks would read the step's own sizes (its token count, its largest block id), and
+    dynamo guards every value it reads: each new step of a bucket would compile again, and past a few
+    the bucket would fall back to eager."""
+    check_inputs(query, key, value, key_cache, value_cache, batch, scale, kwargs.get("logits_soft_cap"),
+                 kwargs.get("sinks"))
+    check_scale("k_scale", kwargs.get("k_scale"), key_cache)
+    check_scale("v_scale", kwargs.get("v_scale"), value_cache)
+    t, padded = query.shape[0], batch.bucket.query_len
+    if t < padded:
+        query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
     k = bucket_key(batch, query, key_cache, **kwargs)
     fn = _COMPILED.get(k)
     if fn is None:
-        private = types.FunctionType(unified_attention.__code__.replace(), unified_attention.__globals__,
-                                     "unified_attention", unified_attention.__defaults__, unified_attention.__closure__)
-        private.__kwdefaults__ = unified_attention.__kwdefaults__
+        private = types.FunctionType(attend_step.__code__.replace(), attend_step.__globals__, "attend_step",
+                                     attend_step.__defaults__, attend_step.__closure__)
+        private.__kwdefaults__ = attend_step.__kwdefaults__
         fn = _COMPILED[k] = torch.compile(private, dynamic=False)
-    return fn(query, key, value, key_cache, value_cache, batch, scale, **kwargs)
+    return fn(query, key, value, key_cache, value_cache, batch, scale, **kwargs)[:t]
 
 
 def clear() -> None:
