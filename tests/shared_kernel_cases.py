@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fused_standin  # noqa: E402
 from conftest import SMALL_TILES, Step, assert_matches, make_block_table, make_tensors  # noqa: E402
 
 from vllm_gaudi_unified import Bucket, attention, build_unified_batch, unified_attention  # noqa: E402
-from vllm_gaudi_unified.paths import fused, unique  # noqa: E402
+from vllm_gaudi_unified.paths import unique  # noqa: E402
 from vllm_gaudi_unified.reference import reference_attention  # noqa: E402
+from unique_kernel_cases import kernel_routes  # noqa: E402
 
 #: (name, step, tile rows, constants of `unique`, shared cells through the kernel?)
 CASES = [
@@ -49,11 +49,7 @@ CASES = [
 def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
     """Every case (then every case in a padded bucket) in `query_dtype`, and in fp16 off CUDA / bf16 on
     it; returns the count. `set_attr`: pytest's `monkeypatch.setattr` inside a test process."""
-    set_attr(attention, "kernel_for", lambda batch, q, cap: "flash" if cap is None else None)
-    set_attr(attention, "kernel_unique_applies", lambda kc, vc: True)
-    if device == "cpu":
-        set_attr(fused, "FLASH", fused_standin.flash)
-    set_attr(unique, "KERNEL_KEYS", 16)
+    kernel_routes(device, set_attr)
     calls = []
     inner = unique.kernel_unique_partial
     set_attr(attention, "kernel_unique_partial",

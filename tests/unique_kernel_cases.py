@@ -48,16 +48,22 @@ CASES = [
 SPECS_HERE = dict(SPECS, long_blocks=Step([1, 1, 2], [70, 33, 64], 32, num_qo_heads=8, num_kv_heads=2))
 
 
-def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
-    """Every case, then unquantized caches through the kernel (the query's dtype, fp16, bf16 on CUDA), then
-    a padded bucket; returns the count.
-    Flash (the exact stand-in off CUDA) on every path that takes it, the kernel on the unique path;
-    `set_attr`: pytest's `monkeypatch.setattr` inside a test process."""
+def kernel_routes(device: str, set_attr=setattr) -> None:
+    """Flash (its exact stand-in off CUDA) wherever it applies, the Triton kernel on the unique path, 16 keys
+    a program (several programs per token even in small cases)."""
     set_attr(attention, "kernel_for", lambda batch, q, cap: "flash" if cap is None else None)
     set_attr(attention, "kernel_unique_applies", lambda kc, vc: True)
     if device == "cpu":
         set_attr(fused, "FLASH", fused_standin.flash)
     set_attr(unique, "KERNEL_KEYS", 16)
+
+
+def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
+    """Every case, then unquantized caches through the kernel (the query's dtype, fp16, bf16 on CUDA), then
+    a padded bucket; returns the count.
+    Flash (the exact stand-in off CUDA) on every path that takes it, the kernel on the unique path;
+    `set_attr`: pytest's `monkeypatch.setattr` inside a test process."""
+    kernel_routes(device, set_attr)
     calls = []
     inner = unique.kernel_unique_partial
     set_attr(attention, "kernel_unique_partial", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
