@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import scenarios as sc_mod
-from benchmarks.speed14 import TRITON_MS
+from benchmarks.speed14 import TRITON_MS, median_rows
 
 #: issue 23's goals: Gaudi route / vllm-gaudi ops, CUDA default / Triton.
 GAUDI_GOAL = {"chunked_2x2k_6k": 1.0, "prefill_4x2k": 1.0, "mixed": 0.5, "shared_prefix": 0.2,
@@ -25,11 +25,9 @@ TRITON_GOAL = {"chunked_2x2k_6k": 0.35, "prefill_4x2k": 0.3, "mixed": 1.0, "shar
 
 
 def _best(rows):
+    """Per case and variant the median of its rounds (`speed14.median_rows`); the peer: the best of its forms."""
     best: dict = {}
-    for r in rows:
-        if r.get("ms") is None:
-            continue
-        key = (r["scenario"], r["block_size"], r["method"], r.get("variant"))
+    for key, r in median_rows(rows).items():
         if r["method"] == "peer":  # best of its forms
             key = key[:3] + ("best",)
             if key in best and best[key]["ms"] <= r["ms"]:

@@ -209,3 +209,21 @@ def test_speed14_variant_keys_that_are_not_options_parse_as_flags():
     got = _variants("step=gaudi:1,step_bias:1;rows=shared_rows:16,prompt_route:dense")
     assert got == {"default": {}, "step": {"gaudi": True, "step_bias": True},
                    "rows": {"shared_rows": 16, "prompt_route": "dense"}}
+
+
+def test_speed14_tables_take_the_median_round_and_a_later_run_replaces_an_earlier_one():
+    from benchmarks.routes import _best
+    from benchmarks.speed14 import median_rows
+
+    row = lambda ms, rnd=None, method="ours", variant="gaudi": dict(  # noqa: E731
+        scenario="chunked_2x2k_6k", block_size=128, method=method, variant=variant, ms=ms,
+        **({} if rnd is None else {"round": rnd}))
+    key = ("chunked_2x2k_6k", 128, "ours", "gaudi")
+    rounds = [row(3.0, 0), row(1.0, 1), row(2.0, 2)]
+    got = median_rows(rounds)[key]
+    assert got["ms"] == 2.0 and got["rounds_ms"] == [3.0, 1.0, 2.0]
+    assert median_rows(rounds + [row(5.0, 0), row(4.0, 1)])[key]["ms"] == 4.0  # a later run: lower median
+    assert median_rows([row(1.0), row(7.0)])[key]["ms"] == 7.0  # rows without rounds: the last one wins
+    peer = [row(2.0, 0, "peer", "graph"), row(1.5, 0, "peer", "compiled"), row(1.7, 1, "peer", "compiled"),
+            row(1.6, 2, "peer", "compiled")]
+    assert _best(peer)[("chunked_2x2k_6k", 128, "peer", "best")]["ms"] == 1.6  # the best form's median round
