@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import SPECS, Step, assert_matches
-from test_mla import MODES, H, L, mla_case, mla_tensors
-from test_mla_decode import DECODES
+from test_mla import MODES, L, mla_case, mla_tensors
+from test_mla_decode import DECODES, bf16_latent_route
 from vllm_gaudi_unified import Bucket, attention, build_unified_batch
 from vllm_gaudi_unified.merge import normalize
-from vllm_gaudi_unified.mla import absorb_query, latent_views, mla_attention
+from vllm_gaudi_unified.mla import absorb_query, latent_views
 from vllm_gaudi_unified.paths import mla_chunks, mla_decode
 from vllm_gaudi_unified.reference import reference_attention
 
@@ -53,14 +53,7 @@ def test_chunks_float64(name, mode, keys, routes, monkeypatch):
 @pytest.mark.parametrize("name", sorted(STEPS))
 def test_chunks_bf16(name, routes):
     """bf16 in latent space against the reference over the same bf16 latents (1e-2)."""
-    step = STEPS[name]
-    _, _, batch, (query, latent, cache, table, scale) = mla_case(step, dtype=torch.bfloat16)
-    routes.clear()
-    lat = mla_attention(query, latent, cache, batch, scale, L)
-    assert routes == ["chunks"] and lat.dtype == torch.bfloat16
-    k, v = latent_views(latent, L)
-    kc, vc = latent_views(cache, L)
-    assert_matches(lat, reference_attention(query, k, v, kc, vc, step.query_lens, step.context_lens, table, scale))
+    assert bf16_latent_route(STEPS[name], routes) == ["chunks"]
 
 
 @pytest.mark.parametrize("mode", ["default", "gather"])

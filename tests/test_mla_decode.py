@@ -60,17 +60,23 @@ def test_dense_route_float64(name, mode, routes):
     assert_matches(out, ref)
 
 
-@pytest.mark.parametrize("name", sorted(DECODES))
-def test_dense_route_bf16(name, routes):
-    """bf16 in latent space against the reference over the same bf16 latents (1e-2)."""
-    step = DECODES[name]
+def bf16_latent_route(step: Step, routes: list) -> list:
+    """One bf16 call in latent space, checked against the reference over the same bf16 latents (1e-2);
+    returns the routes it took (`routes`: the test's route spy)."""
     _, _, batch, (query, latent, cache, table, scale) = mla_case(step, dtype=torch.bfloat16)
     routes.clear()
     lat = mla_attention(query, latent, cache, batch, scale, L)
-    assert routes == ["dense"] and lat.dtype == torch.bfloat16 and lat.shape == (len(step.query_lens), H, L)
+    assert lat.dtype == torch.bfloat16 and lat.shape == (sum(step.query_lens), H, L)
     k, v = latent_views(latent, L)
     kc, vc = latent_views(cache, L)
     assert_matches(lat, reference_attention(query, k, v, kc, vc, step.query_lens, step.context_lens, table, scale))
+    return list(routes)
+
+
+@pytest.mark.parametrize("name", sorted(DECODES))
+def test_dense_route_bf16(name, routes):
+    """bf16 in latent space against the reference over the same bf16 latents (1e-2)."""
+    assert bf16_latent_route(DECODES[name], routes) == ["dense"]
 
 
 def test_dense_route_padded_bucket(routes):
