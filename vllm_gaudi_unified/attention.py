@@ -58,14 +58,24 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     them (dequantized) for results that do not depend on how a prompt was
     chunked (the vLLM plugin does).
     """
+    t = query.shape[0]
+    query, key, value = checked_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks,
+                                     k_scale, v_scale)
+    return attend_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap=logits_soft_cap,
+                       sinks=sinks, k_scale=k_scale, v_scale=v_scale)[:t]
+
+
+def checked_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap=None, sinks=None,
+                 k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `unified_attention` does before `attend_step`, host-side and eager (`graphs.compiled_attention`
+    too, outside its compiled function): the checks, then q/k/v padded to the bucket's rows."""
     check_inputs(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks)
     check_scale("k_scale", k_scale, key_cache)
     check_scale("v_scale", v_scale, value_cache)
     t, padded = query.shape[0], batch.bucket.query_len
     if t < padded:
         query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
-    return attend_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap=logits_soft_cap,
-                       sinks=sinks, k_scale=k_scale, v_scale=v_scale)[:t]
+    return query, key, value
 
 
 def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

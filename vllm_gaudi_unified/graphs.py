@@ -15,10 +15,8 @@ import types
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from vllm_gaudi_unified.attention import attend_step, check_inputs
-from vllm_gaudi_unified.paths.kv_quant import check_scale
+from vllm_gaudi_unified.attention import attend_step, checked_step
 from vllm_gaudi_unified.paths import fused
 
 _COMPILED: dict[tuple, Callable] = {}
@@ -41,13 +39,9 @@ def compiled_attention(query, key, value, key_cache, value_cache, batch, scale, 
     Compiled, the checks would read the step's own sizes (its token count, its largest block id), and
     dynamo guards every value it reads: each new step of a bucket would compile again, and past a few
     the bucket would fall back to eager."""
-    check_inputs(query, key, value, key_cache, value_cache, batch, scale, kwargs.get("logits_soft_cap"),
-                 kwargs.get("sinks"))
-    check_scale("k_scale", kwargs.get("k_scale"), key_cache)
-    check_scale("v_scale", kwargs.get("v_scale"), value_cache)
-    t, padded = query.shape[0], batch.bucket.query_len
-    if t < padded:
-        query, key, value = (F.pad(x, (0, 0, 0, 0, 0, padded - t)) for x in (query, key, value))
+    t = query.shape[0]
+    query, key, value = checked_step(query, key, value, key_cache, value_cache, batch, scale,
+                                     *(kwargs.get(k) for k in ("logits_soft_cap", "sinks", "k_scale", "v_scale")))
     k = bucket_key(batch, query, key_cache, **kwargs)
     fn = _COMPILED.get(k)
     if fn is None:

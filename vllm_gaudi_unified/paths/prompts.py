@@ -71,7 +71,7 @@ def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: boo
     new_bad = None
     if clean:
         zero = torch.zeros((), dtype=kn.dtype, device=kn.device)
-        finite = torch.isfinite(kn).all(-1) & torch.isfinite(vn).all(-1)  # [P, Qp, Hkv]
+        finite = _finite_tokens(kn, vn)  # [P, Qp, Hkv]
         real = (torch.arange(kn.shape[1], device=q.device)[None, :] < length)[..., None]
         new_bad = real & ~finite
         keep = (real & finite)[..., None]
@@ -141,7 +141,7 @@ def _clean_keys(q, k, v, key_cache, value_cache, batch):
 
 
 def _finite_tokens(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`[n, Hkv]` whether token `t`'s key and value for a head are finite: `x * 0` is 0 for a finite `x`
+    """`[..., Hkv]` whether a token's key and value for a head are finite: `x * 0` is 0 for a finite `x`
     and NaN otherwise, so one sum per head says it (one reduction over both, not four passes)."""
     zero_k = (k * 0).sum(-1, dtype=torch.float32)
     zero_v = zero_k if v is k else (v * 0).sum(-1, dtype=torch.float32)

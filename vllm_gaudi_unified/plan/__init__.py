@@ -22,6 +22,7 @@ from vllm_gaudi_unified.plan.bidirectional import plan_bidirectional
 from vllm_gaudi_unified.plan.buffers import PlanBuffers
 from vllm_gaudi_unified.plan.default import pad_default, plan_default
 from vllm_gaudi_unified.plan.invariant import InvariantPlan, pad_invariant, plan_invariant
+from vllm_gaudi_unified.plan.prompts import bucket_grid
 from vllm_gaudi_unified.plan.options import DEFAULT_OPTIONS, UNIQUE_LAYOUTS, PathWork, PlanOptions
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
@@ -51,8 +52,9 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
 def pad_plan(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = None) -> StepPlan:
     """The same step padded to `bucket`; padding adds only fully masked work. `buffers`: pad into
     them (default mode; a plan made into them is padded in place)."""
-    if bucket == plan.bucket:  # as if padded: a grid of several prompts depends on their lengths
-        return replace(plan, prompt_grid=False) if plan.prompt_grid and bucket.prompts[0] != 1 else plan
+    if bucket == plan.bucket:  # as if padded: the grid by the bucket's rule (`plan/prompts.py: bucket_grid`)
+        grid = bucket_grid(plan.prompts_only, bucket.prompts, bucket.query_len)
+        return plan if grid == plan.prompt_grid else replace(plan, prompt_grid=grid)
     if isinstance(plan, InvariantPlan):
         return pad_invariant(plan, bucket)
     return pad_default(plan, bucket, buffers)
