@@ -155,3 +155,21 @@ def skip_unless_interpreter_indexes_loop_bounds() -> None:
 
     if tuple(int(x) for x in version("triton").split(".")[:2]) < (3, 9):
         pytest.skip("this Triton's interpreter cannot run the kernel's loop (needs Triton >= 3.9)")
+
+
+def run_interpreted(script: str) -> list[str]:
+    """`tests/<script>` (a kernel's case runner) in a process of its own under Triton's interpreter
+    (TRITON_INTERPRET=1 must be set before triton is first imported): the words it printed, after a
+    clean exit. Skips where the interpreter cannot run the kernels' loops."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    skip_unless_interpreter_indexes_loop_bounds()
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(tests / script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout.split()

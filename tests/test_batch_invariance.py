@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import skip_unless_interpreter_indexes_loop_bounds
+from conftest import run_interpreted
 from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, plan_step, unified_attention
 from vllm_gaudi_unified.bucket import phase_of
 from vllm_gaudi_unified.reference import reference_attention
@@ -328,15 +328,5 @@ def test_long_contexts_on_cuda(target, dtype):
 def test_fast_route_interpreted():
     """The fast route under Triton's interpreter and the exact flash stand-in, in a process of its own
     (tests/invariant_fast_cases.py): alone = in batch, and the float64 reference, every scenario."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("triton")
-    skip_unless_interpreter_indexes_loop_bounds()
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(here.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    run = subprocess.run([sys.executable, str(here / "invariant_fast_cases.py")], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip() == f"ok {len(SCENARIOS)}", run.stdout + run.stderr
+    assert run_interpreted("invariant_fast_cases.py") == ["ok", str(len(SCENARIOS))]

@@ -8,11 +8,7 @@ kernel cases run compiled, in bf16 (1e-2).
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,14 +16,13 @@ import torch
 
 import fused_standin
 from conftest import (SMALL_TILES, SPECS, Step, assert_matches, make_block_table, make_tensors,
-                      skip_unless_interpreter_indexes_loop_bounds)
+                      run_interpreted)
 from test_fp8_kv_cache import FP8, SCALE_FORMS, _Conversions, _fp8_case
 from vllm_gaudi_unified import PlanOptions, attention, build_unified_batch, unified_attention
 from vllm_gaudi_unified.paths import fused, unique
 from vllm_gaudi_unified.paths.kv_quant import quantize
 from vllm_gaudi_unified.reference import reference_attention
 
-TESTS = Path(__file__).resolve().parent
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -113,15 +108,10 @@ def test_unique_route_choice(routes, monkeypatch):
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its interpreter runs the kernel on the CPU)")
 def test_unique_kernel_interpreted():
     """The Triton kernel's body under the interpreter, float64, every case of unique_kernel_cases.py."""
-    skip_unless_interpreter_indexes_loop_bounds()
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(TESTS / "unique_kernel_cases.py")], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    words = run_interpreted("unique_kernel_cases.py")
     import unique_kernel_cases
 
-    assert run.stdout.split() == ["ok", str(len(unique_kernel_cases.CASES) + 3)]
+    assert words == ["ok", str(len(unique_kernel_cases.CASES) + 3)]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")

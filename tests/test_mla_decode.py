@@ -5,17 +5,13 @@ shuffled block tables, NaN in every unreadable slot, padded buckets."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SPECS, Step, assert_matches, skip_unless_interpreter_indexes_loop_bounds
+from conftest import SPECS, Step, assert_matches, run_interpreted
 from test_mla import MODES, H, L, mla_case
 from vllm_gaudi_unified import Bucket, attention
 from vllm_gaudi_unified.mla import latent_views, mla_attention
@@ -23,7 +19,6 @@ from vllm_gaudi_unified.paths import mla_decode
 from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.reference import reference_attention
 
-TESTS = Path(__file__).resolve().parent
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 #: Decode steps within the dense layout's padding bound (phases with SMALL_TILES in the comments).
@@ -115,15 +110,10 @@ def test_routes_are_chosen_by_their_conditions(routes):
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its interpreter runs the kernel on the CPU)")
 def test_mla_kernel_interpreted():
     """The Triton kernel's body under the interpreter, float64 (1e-6), every case of mla_kernel_cases.py."""
-    skip_unless_interpreter_indexes_loop_bounds()
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(TESTS / "mla_kernel_cases.py")], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    words = run_interpreted("mla_kernel_cases.py")
     import mla_kernel_cases
 
-    assert run.stdout.split() == ["ok", str(len(mla_kernel_cases.CASES))]
+    assert words == ["ok", str(len(mla_kernel_cases.CASES))]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")

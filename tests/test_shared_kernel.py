@@ -8,11 +8,7 @@ routes without the kernel (the Gaudi route, soft cap) still take the shared path
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,12 +16,11 @@ import torch
 
 import fused_standin
 from conftest import SMALL_TILES, Step, assert_matches, make_block_table, make_tensors, \
-    skip_unless_interpreter_indexes_loop_bounds
+    run_interpreted
 from vllm_gaudi_unified import attention, build_unified_batch, unified_attention
 from vllm_gaudi_unified.paths import fused, unique
 from vllm_gaudi_unified.reference import reference_attention
 
-TESTS = Path(__file__).resolve().parent
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SAMPLING = Step([1] * 6, [13, 14, 17, 21, 12, 30], 4, prefix_groups=[([0, 1, 2, 3, 4], 3)], num_qo_heads=8,
                 num_kv_heads=2)
@@ -104,15 +99,10 @@ def test_routes_without_the_kernel_keep_the_shared_path(monkeypatch, route):
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its interpreter runs the kernel on the CPU)")
 def test_shared_kernel_interpreted():
     """The kernel with the shared cells under the interpreter, every case of shared_kernel_cases.py."""
-    skip_unless_interpreter_indexes_loop_bounds()
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(TESTS / "shared_kernel_cases.py")], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    words = run_interpreted("shared_kernel_cases.py")
     import shared_kernel_cases
 
-    assert run.stdout.split() == ["ok", str(3 * len(shared_kernel_cases.CASES))]
+    assert words == ["ok", str(3 * len(shared_kernel_cases.CASES))]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from unittest import mock
 
 import numpy as np
