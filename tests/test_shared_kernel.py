@@ -116,11 +116,13 @@ def test_shared_kernel_on_cuda(monkeypatch):
 @pytest.mark.parametrize("slots", [1, 7, 300, 1500])
 def test_token_order_is_a_stable_sort(monkeypatch, slots):
     """By rank (up to `RANK_SORT_MAX_SLOTS`) or by sort: the same permutation as a stable sort by row,
-    padding rows (n) last."""
+    padding rows (n) last, and each token's first place in it."""
     rng = np.random.default_rng(slots)
     n = 40
     rows = torch.from_numpy(rng.integers(0, n + 1, slots))
     want = torch.from_numpy(np.argsort(rows.numpy(), kind="stable"))
-    assert torch.equal(unique._token_order(rows, n), want)
-    monkeypatch.setattr(unique, "RANK_SORT_MAX_SLOTS", 0)
-    assert torch.equal(unique._token_order(rows, n), want)
+    starts = torch.from_numpy(np.searchsorted(np.sort(rows.numpy()), np.arange(n + 1)))
+    for rank_max in (unique.RANK_SORT_MAX_SLOTS, 0):
+        monkeypatch.setattr(unique, "RANK_SORT_MAX_SLOTS", rank_max)
+        order, got = unique.token_order(rows, n)
+        assert torch.equal(order, want) and torch.equal(got, starts)

@@ -44,7 +44,7 @@ from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.paths.kv_quant import is_fp8
 from vllm_gaudi_unified.paths.mla_shared import latent_attend, latent_cache
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
-from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, triton_importable
+from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, token_order, triton_importable
 
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
 #: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an
@@ -95,8 +95,7 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
         return "kernel"
     if query.device.type != "cpu":
         return "chunks"
-    if ( batch.num_tokens != batch.num_requests or batch.pieces
-            or torch.compiler.is_compiling()):
+    if batch.num_tokens != batch.num_requests or batch.pieces or torch.compiler.is_compiling():
         return None
     return "dense" if decode_layout(batch) is not None else None
 
@@ -147,9 +146,7 @@ def _slot_order(batch, n: int, device, keep: bool = True):
     hit = _ORDERS.get(batch) if eager else None
     if hit is not None and hit[0] == (device, n):
         return hit[1]
-    rows = batch.unique_rows
-    order = torch.argsort(rows, stable=True)
-    starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=device, dtype=rows.dtype))
+    order, starts = token_order(batch.unique_rows, n)
     if eager:
         _ORDERS[batch] = ((device, n), (order, starts))
     return order, starts

@@ -37,7 +37,7 @@ KERNEL_MIN_SPLIT_KEYS = 256
 #: the kernel too, each row reading the tile's blocks itself (`kernel_takes_shared`): the re-reads mostly
 #: hit L2, and the step is one kernel instead of a gather, flash and a scatter merge (docs/benchmarks.md).
 KERNEL_SHARED_MAX_ROWS = 16
-#: Slots up to which the kernel's token order is computed by rank (`_token_order`), not sorted.
+#: Slots up to which the kernel's token order is computed by rank (`token_order`), not sorted.
 RANK_SORT_MAX_SLOTS = 1024
 
 
@@ -181,8 +181,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         return None
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
-    order = _token_order(rows, n)
-    starts = torch.searchsorted(rows[order], torch.arange(n + 1, device=q.device, dtype=rows.dtype))
+    order, starts = token_order(rows, n)
     ids = order if slice_ else ids  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
     splits = _splits(keys_per_token, n * hkv)
@@ -204,9 +203,11 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
-def _token_order(rows: torch.Tensor, n: int) -> torch.Tensor:
-    """The slots' indices sorted by token (rows <= n), stable. Up to `RANK_SORT_MAX_SLOTS` slots by rank:
-    a slot's place is the count of slots before it in (row, index) order, one comparison-sum kernel
+def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots' indices sorted by token (rows <= n), stable, and each token's first place in that order
+    (`n + 1` starts: token t's slots are `order[starts[t]:starts[t + 1]]`; the unique kernel's and the MLA
+    routes'). Up to `RANK_SORT_MAX_SLOTS` slots by rank: a slot's place is the count of slots before it in
+    (row, index) order, one comparison-sum kernel
     (the sort torch.compile makes of a few hundred keys took 9.5-18.6 us on an H100, docs/benchmarks.md);
     more slots: a stable sort of 16-bit keys where the rows fit (a radix sort of int64 keys takes 8
     passes, 50 us of a 0.8 ms decode step, benchmarks/gpu_kernels.py)."""
@@ -215,8 +216,10 @@ def _token_order(rows: torch.Tensor, n: int) -> torch.Tensor:
         index = torch.arange(s, device=rows.device, dtype=rows.dtype)
         key = rows * s + index  # distinct: the (row, index) order
         place = (key[None, :] < key[:, None]).sum(1)
-        return torch.empty_like(index).scatter_(0, place, index)
-    return torch.argsort(rows.to(torch.int16 if n < 2**15 - 1 else torch.int32), stable=True)
+        order = torch.empty_like(index).scatter_(0, place, index)
+    else:
+        order = torch.argsort(rows.to(torch.int16 if n < 2**15 - 1 else torch.int32), stable=True)
+    return order, torch.searchsorted(rows[order], torch.arange(n + 1, device=rows.device, dtype=rows.dtype))
 
 
 def _splits(keys_per_token: float, programs: int) -> int:
