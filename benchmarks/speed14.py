@@ -49,12 +49,14 @@ def _variants(spec: str) -> dict:
     return out
 
 
-#: Variant keys that set module constants of the paths (the unique kernel's) for that variant alone: key -> (module of `vllm_gaudi_unified.paths`, constant).
+#: Variant keys that set module constants of the paths (the unique kernel's; `prompt_split:0` the prompt route's
+#: one call with the full bias instead of the split form) for that variant alone: key -> (module of
+#: `vllm_gaudi_unified.paths`, constant).
 UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_max": ("unique", "KERNEL_MAX_SPLITS"),
                 "uk_keys": ("unique", "KERNEL_KEYS"), "uk_warps": ("unique", "KERNEL_WARPS"),
                 "uk_stages": ("unique", "KERNEL_STAGES"), "uk_progs": ("unique", "KERNEL_MIN_PROGRAMS"),
                 "uk_minsplit": ("unique", "KERNEL_MIN_SPLIT_KEYS"), "uk_shrows": ("unique", "KERNEL_SHARED_MAX_ROWS"),
-                "uk_rank": ("unique", "RANK_SORT_MAX_SLOTS")}
+                "uk_rank": ("unique", "RANK_SORT_MAX_SLOTS"), "prompt_split": ("prompts", "SPLIT_CONTEXT")}
 
 
 @contextlib.contextmanager

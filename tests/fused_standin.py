@@ -62,9 +62,14 @@ def flash(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_
 
 def sdpa_recomp_fwd(q, k, v, bias, dropout_p, scale, is_causal, requires_backward, softmax_mode, valid_len,
                     padding_side):
-    """q/k/v `[B, H, S, D]`, additive `bias` -> (out, m `[B, H, S, 1]`, linv `[B, H, S, 1]`, seed)."""
-    assert requires_backward and not is_causal and dropout_p == 0.0
-    s = (q.double() @ k.double().transpose(-1, -2)) * scale + bias.double()
+    """q/k/v `[B, H, S, D]`, additive `bias` (or None), `is_causal` top-left -> (out, m `[B, H, S, 1]`,
+    linv `[B, H, S, 1]`, seed)."""
+    assert requires_backward and dropout_p == 0.0
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.double()
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).tril().logical_not(), float("-inf"))
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - m)
     total = p.sum(-1, keepdim=True)

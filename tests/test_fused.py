@@ -250,3 +250,25 @@ def test_split_steps_through_flash(flash_calls, pad):
         out = unified_attention(q, k, v, kc, vc, batch, 0.37)
         assert_matches(out, reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37))
     assert flash_calls and any(flash_calls) and not all(flash_calls)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bias", "causal"])
+def test_fused_sdpa_statistics_give_the_lse_the_split_prompt_form_merges(causal):
+    """`recomp_stats` (FusedSDPA's forward with statistics, heads-major, GQA by an expanded view) as the
+    split prompt form reads it on a Gaudi: normalised rows and LSE = m - log(linv), against the dense
+    softmax; and the CPU kernel `sdpa_lse` uses and its matmul fallback give the same."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 6, 5, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = None if causal else torch.zeros(2, 1, 1, 5, dtype=torch.float64).index_fill_(-1, torch.tensor([3, 4]),
+                                                                                        float("-inf"))
+    out, m, linv = fused.recomp_stats(fused_standin.sdpa_recomp_fwd, q, k, v, bias, 0.3, causal)
+    s = (q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 0.3
+    s = s.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf")) if causal else s + bias
+    want = torch.softmax(s, -1) @ v.repeat_interleave(3, 1)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(m - torch.log(linv), s.logsumexp(-1), rtol=0, atol=1e-12)
+    for got_out, got_lse in (fused.sdpa_lse(q, k, v, bias, 0.3, causal=causal),
+                             fused.sdpa_lse_matmul(q, k, v, bias, 0.3, causal=causal)):
+        torch.testing.assert_close(got_out, want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got_lse, s.logsumexp(-1), rtol=0, atol=1e-12)

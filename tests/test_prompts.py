@@ -87,15 +87,23 @@ def test_low_precision(dtype, options):
 
 def test_a_step_of_prompts_runs_one_call_and_no_other_path(monkeypatch):
     from vllm_gaudi_unified import attention, hpu
+    from vllm_gaudi_unified.paths import fused, prompts
 
     calls = []
-    real = hpu.sdpa_final
+    real, real_lse = hpu.sdpa_final, fused.sdpa_lse
     monkeypatch.setattr(hpu, "sdpa_final", lambda *a: calls.append(a[3] is None) or real(*a))
+    monkeypatch.setattr(fused, "sdpa_lse", lambda *a, **kw: calls.append(("lse", kw.get("causal", False),
+                                                                          a[3] is None)) or real_lse(*a, **kw))
     monkeypatch.setattr(attention, "_run_paths", lambda *a, **k: pytest.fail("another path ran"))
     out, ref, _ = run_case(Step([7, 16, 3, 1], [0, 0, 0, 0], 4))
     assert calls == [True]  # one call, causal without a mask (no context)
     assert_matches(out, ref)
     calls.clear()
+    out, ref, _ = run_case(Step([12, 5], [20, 9], 4))
+    assert calls == [("lse", False, False), ("lse", True, True)]  # split: context with its padding bias, new causal
+    assert_matches(out, ref)
+    calls.clear()
+    monkeypatch.setattr(prompts, "SPLIT_CONTEXT", False)
     out, ref, _ = run_case(Step([12, 5], [20, 9], 4))
     assert calls == [False]  # one call, with the context's mask
     assert_matches(out, ref)
@@ -165,10 +173,15 @@ def test_warmup_builds_a_batch_for_a_bucket_with_prompts(phase):
     assert torch.isfinite(unified_attention(q, k, v, kc, vc, batch, 0.5)).all()
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "single"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
-def test_the_steps_prompt_bias_gives_the_same_rows_padded_and_poisoned(dtype):
-    """`with_prompt_bias` (the mask made once per step, as vllm-gaudi's `attn_bias`) changes no bit: a
-    padded bucket with partial last blocks, a decode beside the prompts, unreadable slots poisoned."""
+def test_the_steps_prompt_bias_gives_the_same_rows_padded_and_poisoned(dtype, split, monkeypatch):
+    """`with_prompt_bias` (the mask made once per step, as vllm-gaudi's `attn_bias`; split: the context
+    keys' padding bias) changes no bit: a padded bucket with partial last blocks, a decode beside the
+    prompts, unreadable slots poisoned."""
+    from vllm_gaudi_unified.paths import prompts
+
+    monkeypatch.setattr(prompts, "SPLIT_CONTEXT", split)
     step = Step([9, 1, 4, 12], [6, 11, 0, 21], 4, num_qo_heads=4, num_kv_heads=2)
     table, nb = make_block_table(step, np.random.default_rng(3))
     q, k, v, kc, vc = make_tensors(step, table, nb, dtype)
@@ -181,8 +194,10 @@ def test_the_steps_prompt_bias_gives_the_same_rows_padded_and_poisoned(dtype):
     ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
     for batch in (plain, padded):
         biased = batch.with_prompt_bias(dtype)
+        b = batch.bucket
         assert biased.prompt_bias.dtype == dtype and biased.prompt_bias.shape == (
-            batch.bucket.num_prompts, 1, batch.bucket.prompt_len, batch.bucket.prompt_blocks * 4 + batch.bucket.prompt_len)
+            (b.num_prompts, 1, 1, b.prompt_blocks * 4) if split else
+            (b.num_prompts, 1, b.prompt_len, b.prompt_blocks * 4 + b.prompt_len))
         out = unified_attention(q, k, v, kc, vc, biased, 0.37)
         torch.testing.assert_close(out, unified_attention(q, k, v, kc, vc, batch, 0.37), rtol=0, atol=0)
         assert_matches(out, ref)
@@ -265,3 +280,148 @@ def test_the_grid_form_gives_the_rows_of_the_gather_form(spec, dtype):
     first = spec.query_lens[0]
     assert torch.isnan(bad[2:first, 2:]).all() and torch.equal(bad[:2], out[:2])
     assert torch.equal(bad[2:first, :2], out[2:first, :2]) and torch.equal(bad[first:], out[first:])
+
+
+SPLIT_CASES = {
+    # ragged contexts with partial last blocks, a prompt with context 0 beside ones with context
+    "ragged": Step([9, 13, 5, 1], [7, 0, 21, 3], 4, num_qo_heads=4, num_kv_heads=2),
+    "gqa-one-block": Step([16, 3], [4, 12], 4, num_qo_heads=8, num_kv_heads=2),  # whole blocks, GQA 4
+    "mqa": Step([6, 11, 2], [0, 9, 17], 8, num_qo_heads=3, num_kv_heads=1),
+}
+
+
+def _split_and_single(spec, dtype, bucket_pad: bool, poison: bool, seed: int = 7):
+    """(split, single, reference) for a step of prompts, padded to a bigger bucket (padding prompts,
+    padding blocks, padding rows) and with the unreadable cache slots poisoned when asked."""
+    from vllm_gaudi_unified.paths import prompts
+
+    table, nb = make_block_table(spec, np.random.default_rng(seed))
+    q, k, v, kc, vc = make_tensors(spec, table, nb, dtype)
+    ref = reference_attention(q, k, v, kc, vc, spec.query_lens, spec.context_lens, table, 0.37)
+    batch = build_unified_batch(spec.query_lens, spec.context_lens, table, spec.block_size, num_blocks=nb,
+                                options=SMALL_TILES)
+    if bucket_pad:
+        s = batch.shape
+        big = Bucket(s.phase, s.query_len + 5, s.num_shared_blocks, s.num_unique_blocks + 2 * (s.phase[2] == "u"),
+                     s.num_logits + 2, s.num_causal_tiles, s.num_prompts + 1, s.prompt_len + 3, s.prompt_blocks + 2)
+        batch = build_unified_batch(spec.query_lens, spec.context_lens, table, spec.block_size, num_blocks=nb,
+                                    options=SMALL_TILES, bucket=big)
+    if poison:  # every slot no row may read: past each context in its last block, and unused blocks
+        used = torch.zeros(kc.shape[:2], dtype=torch.bool)
+        for r, c in enumerate(spec.context_lens):
+            for p in range(c):
+                used[table[r, p // spec.block_size], p % spec.block_size] = True
+        kc[~used], vc[~used] = float("nan"), float("inf")
+    assert prompts.split_context(batch)
+    split = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    saved, prompts.SPLIT_CONTEXT = prompts.SPLIT_CONTEXT, False
+    try:
+        single = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    finally:
+        prompts.SPLIT_CONTEXT = saved
+    return split, single, ref, (q, k, v, kc, vc, batch, table)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_the_split_form_matches_the_reference_and_the_single_call(name, pad, dtype):
+    """The split form (context call + causal new-key call + merge) against the float64 reference (1e-6;
+    bf16 1e-2) and the single call with the full bias: ragged contexts, context 0 beside context > 0,
+    partial last blocks, padding prompts/blocks/rows, unused slots poisoned, GQA and MQA."""
+    split, single, ref, _ = _split_and_single(SPLIT_CASES[name], dtype, pad, poison=True)
+    assert torch.isfinite(split).all()
+    assert_matches(split, ref)  # conftest: 1e-6 in float64, 1e-2 in bf16
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    torch.testing.assert_close(split, single, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_the_split_form_contains_a_bad_new_key_and_a_bad_context_key(dtype):
+    """A NaN new value reaches only the rows at or after it (its KV head's query heads); a NaN real context
+    key reaches every row of its prompt (that KV head) and no other prompt's rows; a NaN in an unused slot
+    (poisoned above) reaches nothing."""
+    spec = SPLIT_CASES["ragged"]
+    split, _, _, (q, k, v, kc, vc, batch, table) = _split_and_single(spec, dtype, False, poison=True)
+    v[2, 1, 3] = float("nan")  # token 2 of prompt 0 (9 tokens), KV head 1: rows 2..8, heads 2 and 3
+    bad = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    assert torch.isnan(bad[2:9, 2:]).all() and torch.equal(bad[:2], split[:2])
+    assert torch.equal(bad[2:9, :2], split[2:9, :2]) and torch.equal(bad[9:], split[9:])
+    v[2, 1, 3] = 0.5
+    clean = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    kc[table[2, 1], 2, 0, 1] = float("nan")  # position 6 of prompt 2 (context 21), KV head 0
+    bad = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    start, stop = 9 + 13, 9 + 13 + 5
+    assert torch.isnan(bad[start:stop, :2]).all() and torch.equal(bad[start:stop, 2:], clean[start:stop, 2:])
+    assert torch.equal(bad[:start], clean[:start]) and torch.equal(bad[stop:], clean[stop:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_the_split_form_on_the_grid(dtype):
+    """A step of equal prompts is the grid of its rows (`prompt_grid`): the split form gives the rows of
+    the gather form and of the single call, a prompt with context 0 among them."""
+    from vllm_gaudi_unified.paths import prompts
+
+    spec = Step([7, 7, 7], [5, 0, 11], 4, num_qo_heads=4, num_kv_heads=2)
+    table, nb = make_block_table(spec, np.random.default_rng(5))
+    q, k, v, kc, vc = make_tensors(spec, table, nb, dtype)
+    ref = reference_attention(q, k, v, kc, vc, spec.query_lens, spec.context_lens, table, 0.41)
+    plan = build_unified_batch(spec.query_lens, spec.context_lens, table, 4, num_blocks=nb, options=SMALL_TILES)
+    assert plan.plan.prompt_grid and prompts.split_context(plan)
+    gathered = replace(plan, plan=replace(plan.plan, prompt_grid=False))
+    out = unified_attention(q, k, v, kc, vc, plan.with_prompt_bias(dtype), 0.41)
+    assert plan.with_prompt_bias(dtype).prompt_bias.shape == (3, 1, 1, 12)  # the split form's key bias
+    torch.testing.assert_close(out, unified_attention(q, k, v, kc, vc, gathered, 0.41), rtol=0, atol=0)
+    assert_matches(out, ref)
+
+
+def test_the_split_stats_kernel_gives_the_lse_on_a_fully_masked_row_selected_away():
+    """`fused.sdpa_lse` on the CPU (the flash kernel with its logsumexp) against the dense softmax, GQA,
+    causal top-left, and what it gives for a row whose keys are all masked (0 with LSE 0: why the split
+    form selects context-0 prompts away instead of weighting them)."""
+    from vllm_gaudi_unified.paths import fused
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = torch.zeros(2, 1, 1, 5, dtype=torch.float64)
+    bias[0, ..., 3:] = float("-inf")
+    bias[1] = float("-inf")
+    for causal in (False, True):
+        out, lse = fused.sdpa_lse(q, k, v, None if causal else bias, 0.3, causal=causal)
+        s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
+        s = s.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf")) if causal else s + bias
+        rows = slice(None) if causal else 0
+        want = torch.softmax(s, -1) @ v.repeat_interleave(2, 1)
+        torch.testing.assert_close(out[rows], want[rows], rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse[rows], s.logsumexp(-1)[rows], rtol=0, atol=1e-12)
+    assert torch.isfinite(out).all()
+    out, lse = fused.sdpa_lse(q, k, v, bias, 0.3)
+    assert (out[1] == 0).all() and (lse[1] == 0).all()  # fully masked: not -inf, so it is never weighted
+
+
+def test_the_split_form_compiles_once_per_bucket_and_the_key_carries_the_form(monkeypatch):
+    """Two chunked steps padded to one bucket run one compiled function (no recompile), each matching the
+    reference; the single-call form is another compiled function (`graphs.bucket_key` carries the form)."""
+    from vllm_gaudi_unified.graphs import bucket_key, clear, compiled_attention
+    from vllm_gaudi_unified.paths import prompts
+
+    steps = [Step([9, 5], [6, 0], 4, num_blocks=24, num_qo_heads=4, num_kv_heads=2),
+             Step([3, 7], [13, 2], 4, num_blocks=24, num_qo_heads=4, num_kv_heads=2)]
+    bucket = Bucket("---", 32, 0, 0, 2, 0, 2, 16, 4)
+    clear()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i, step in enumerate(steps):
+                table, nb = make_block_table(step, np.random.default_rng(i))
+                q, k, v, kc, vc = make_tensors(step, table, nb, seed=i)
+                batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=SMALL_TILES,
+                                            bucket=bucket).with_prompt_bias(q.dtype)
+                assert batch.bucket == bucket and prompts.split_context(batch)
+                ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+                assert_matches(compiled_attention(q, k, v, kc, vc, batch, 0.37), ref)
+        split_key = bucket_key(batch, q, kc)
+        monkeypatch.setattr(prompts, "SPLIT_CONTEXT", False)
+        assert bucket_key(batch, q, kc) != split_key
+    finally:
+        clear()

@@ -162,13 +162,75 @@ def sdpa_stats_partial(op, q, k, v, mask, scale) -> Partial:
     row_bad = (mask[:, :, :, None] & key_bad[:, None]).any(2).reshape(t * r, hkv)
     k = torch.where(torch.isfinite(k), k, zero)
     v = torch.where(mask.any(1)[:, :, None, None] & torch.isfinite(v), v, zero)
-    heads = lambda x: x.permute(0, 2, 1, 3)[:, :, None].expand(t, hkv, hq // hkv, -1, d).reshape(t, hq, -1, d)  # noqa: E731
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))[:, None]
-    out, m, linv = op(q.permute(0, 2, 1, 3), heads(k), heads(v), bias, 0.0, scale, False, True, "fast", None,
-                      "right")[:3]
+    out, m, linv = recomp_stats(op, q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), bias, scale)
     rows = lambda x: x.permute(0, 2, 1, *range(3, x.dim())).reshape(t * r, hq, *x.shape[3:]).to(dt)  # noqa: E731
-    out, m, linv = rows(out), rows(m.reshape(t, hq, r)), rows(linv.reshape(t, hq, r))
+    out, m, linv = rows(out), rows(m), rows(linv)
     any_key = mask.any(-1).reshape(t * r, 1)
     total = torch.where(any_key, 1.0 / linv, 0.0)
     return mark_bad_rows(Partial(torch.where(any_key[..., None], out * total[..., None], 0.0),
                                  torch.where(any_key, m, float("-inf")), total), row_bad)
+
+
+def recomp_stats(op, q, k, v, bias, scale, causal: bool = False):
+    """FusedSDPA's forward with statistics (`op`: `torch.ops.hpu.sdpa_recomp_fwd` or a stand-in) on
+    heads-major q `[B, Hq, S, D]`, k/v `[B, Hkv, K, D]`, additive `bias` broadcastable to `[B, 1, S, K]`
+    or None, `causal` top-left (row i sees keys 0..i): the normalised rows `[B, Hq, S, D]`, the row max
+    and the inverse row sum `[B, Hq, S]`, as vllm-gaudi's `SlicedFusedSDPA` merges its chunks with.
+    K/V are expanded to the query heads (a view; no GQA reshape to get wrong)."""
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    heads = lambda x: x[:, :, None].expand(b, hkv, hq // hkv, *x.shape[2:]).reshape(b, hq, *x.shape[2:])  # noqa: E731
+    out, m, linv = op(q, heads(k), heads(v), bias, 0.0, scale, causal, True, "fast", None, "right")[:3]
+    return out, m.reshape(b, hq, s), linv.reshape(b, hq, s)
+
+
+#: The CUDA stand-in for `sdpa_recomp_fwd` on the Gaudi route: cuDNN's SDPA with its LSE (a bias and GQA
+#: natively, as FusedSDPA takes them); a module attribute so a test can count the calls.
+CUDNN = torch.ops.aten._scaled_dot_product_cudnn_attention
+
+
+def sdpa_lse(q, k, v, bias, scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused SDPA call that returns the statistics the exact merge needs: q `[B, Hq, S, D]`, k/v
+    `[B, Hkv, K, D]` (GQA), additive `bias` in q's dtype broadcastable to `[B, 1, S, K]` or None,
+    `causal` top-left. Returns the normalised rows `[B, Hq, S, D]` in q's dtype and the LSE `[B, Hq, S]`
+    in the compute dtype. A row that sees no key is undefined (kernels differ: NaN, or 0 with LSE 0):
+    callers select such rows away.
+
+    Per device: a Gaudi, FusedSDPA with statistics (`recomp_stats`: LSE = m - log(linv)); CUDA, cuDNN
+    (16-bit, head dim a multiple of 8 up to 128); elsewhere the CPU's flash kernel (any float dtype, GQA
+    natively, returns its logsumexp)."""
+    dt = compute_dtype(q.dtype)
+    if q.device.type == "hpu":  # pragma: no cover - needs a Gaudi
+        import habana_frameworks.torch  # noqa: F401  (registers torch.ops.hpu)
+
+        out, m, linv = recomp_stats(torch.ops.hpu.sdpa_recomp_fwd, q, k, v, bias, scale, causal)
+        return out.to(q.dtype), m.to(dt) - torch.log(linv.to(dt))
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 \
+            and q.shape[-1] <= 128:
+        if bias is not None:  # cuDNN reads a bias of the full score shape (a broadcast view is enough)
+            bias = bias.expand(q.shape[0], 1, q.shape[2], k.shape[2])
+        out, lse = CUDNN(q, k, v, bias, True, 0.0, causal, False, scale=scale)[:2]
+        return out, lse.reshape(q.shape[:3]).to(dt)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                             scale=scale)
+        return out.to(q.dtype), lse.to(dt)
+    return sdpa_lse_matmul(q, k, v, bias, scale, causal)
+
+
+def sdpa_lse_matmul(q, k, v, bias, scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sdpa_lse` where no kernel with statistics runs (CUDA in float32, head dims cuDNN does not take):
+    the scores in the compute dtype, the query heads of a KV head as one matmul."""
+    dt = compute_dtype(q.dtype)
+    b, hq, s, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    scores = (q.reshape(b, hkv, hq // hkv * s, d).to(dt) @ k.to(dt).transpose(-1, -2)).view(b, hkv, -1, s, n) * scale
+    if bias is not None:
+        scores = scores + bias.to(dt)[:, :, None]
+    if causal:
+        hide = torch.arange(n, device=q.device)[None, :] > torch.arange(s, device=q.device)[:, None]
+        scores = scores.masked_fill(hide, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.exp(scores - lse[..., None]).flatten(2, 3) @ v.to(dt)
+    return out.reshape(b, hq, s, -1).to(q.dtype), lse.reshape(b, hq, s)

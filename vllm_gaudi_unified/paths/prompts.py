@@ -15,6 +15,11 @@ Two ways to finish, chosen by `final_rows` (all conditions there):
   flash / cuDNN / memory-efficient on CUDA, math on the CPU); a batch whose
   prompts have no context is `is_causal` with no mask at all. The rows come out
   normalised and are written over the step's output: no LSE, no merge.
+  With context blocks in the bucket, **split** (`split_context`): two fused calls with statistics
+  (`fused.sdpa_lse`: FusedSDPA's forward with statistics on a Gaudi, cuDNN on CUDA), the context keys
+  under a key-padding bias `[P, 1, 1, Cb*bs]` and the new keys `is_causal` with no mask, and the exact
+  merge of the two in the compute dtype: no `[P, 1, Qp, Kp]` bias read per tile and half the new-key
+  pairs not computed. A prompt without context takes the new keys' rows alone.
 * **partial** (soft cap, sinks, float reference runs with fused kernels off):
   the same batch through the matmul tiles (`tiles.attend`), strict-causal (the
   self pair is the self path's), as a `Partial` the exact merge folds in.
@@ -32,6 +37,8 @@ calls. So a bad value reaches only the rows that attend to it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm_gaudi_unified.merge import Partial, scatter_merge
@@ -44,6 +51,24 @@ def final_rows(batch, query: torch.Tensor, soft_cap: float | None, sinks) -> boo
     """Whether the prompt route writes its rows final (one fused SDPA call) or hands a `Partial` to the
     merge: final unless a soft cap or sinks need the statistics, or fused kernels are off."""
     return soft_cap is None and sinks is None and batch.plan.options.fused_kernels
+
+
+#: The split form for buckets with context blocks (`split_context`); `VLLM_GAUDI_UNIFIED_PROMPT_SPLIT=0`: the one
+#: call with the full bias instead (the before of benchmarks/results/split_ctx_h100). Graphs and compiled
+#: functions keep the form they were made under (`graphs.bucket_key` includes it).
+SPLIT_CONTEXT = os.environ.get("VLLM_GAUDI_UNIFIED_PROMPT_SPLIT", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def split_context(batch, same_head_dims: bool = True) -> bool:
+    """Whether the final form runs split (context keys, then new keys causal, merged) rather than one
+    call with a `[P, 1, Qp, Kp]` bias: a function of the bucket alone (context blocks in it), so one
+    graph per bucket holds, and only where values have the keys' head dim (MLA's latent form keeps the
+    one call: the CPU and cuDNN kernels with statistics take one head dim).
+
+    Measured (H100, Gaudi route, chunked prefill 2 x 2048 over 6144, benchmarks/results/split_ctx_h100):
+    see docs/benchmarks.md, issue 23, "split context"."""
+    blocks = getattr(batch, "prompt_blocks", None)
+    return SPLIT_CONTEXT and same_head_dims and blocks is not None and blocks.shape[0] > 0 and blocks.shape[1] > 0
 
 
 def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: bool = True, clean: bool = False,
@@ -167,14 +192,47 @@ def _mask(batch, seq: torch.Tensor, valid: torch.Tensor, qp: int) -> torch.Tenso
 def prompt_bias(batch, dtype: torch.dtype) -> torch.Tensor | None:
     """The final form's mask as the additive bias SDPA takes (0 visible, -inf not) in `dtype`, for the
     whole step (`UnifiedBatch.with_prompt_bias`); None when the batch has no prompt with context blocks
-    (its call is causal with no mask)."""
+    (its call is causal with no mask). Split (`split_context`): the context keys' padding bias alone."""
     blocks = getattr(batch, "prompt_blocks", None)
     if blocks is None or blocks.shape[0] == 0 or blocks.shape[1] == 0:
         return None
+    if split_context(batch):
+        return _key_bias(batch, blocks.shape[1] * batch.block_size, dtype)
     qp = batch.prompt_rows.shape[1]
     seq, valid = _positions(batch, blocks.shape[1] * batch.block_size, qp)
     mask = _mask(batch, seq, valid, qp)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _key_bias(batch, keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[P, 1, 1, keys]`: 0 for the context slots below each prompt's context, -inf past it."""
+    used = torch.arange(keys, device=batch.prompt_ctx.device)[None, :] < batch.prompt_ctx[:, None]
+    return torch.zeros(used.shape, dtype=dtype, device=used.device).masked_fill(~used, float("-inf"))[:, None, None]
+
+
+def _split_rows(qr, kall, vall, batch, scale) -> torch.Tensor:
+    """The split form (`split_context`) on the non-compact layout: `[P, Hq, Qp, D]` normalised rows.
+
+    Two fused calls with statistics (`fused.sdpa_lse`): the context keys (the first `Cb * bs`) under the
+    key-padding bias, the new keys `is_causal` (top-left: row i sees new keys 0..i) with no mask; then
+    the exact merge by max and LSE in the compute dtype. A prompt with context 0 sees no context key:
+    its context call's row is undefined (NaN, or 0 with LSE 0, by kernel), so it is selected away, not
+    weighted. A NaN real context key still reaches every row of its prompt (through the LSE or the row)."""
+    p, qp = qr.shape[:2]
+    keys = kall.shape[1] - qp
+    q, k, v = qr.transpose(1, 2), kall.transpose(1, 2), vall.transpose(1, 2)
+    bias = batch.prompt_bias
+    if bias is None or bias.dtype != q.dtype or tuple(bias.shape) != (p, 1, 1, keys):
+        bias = _key_bias(batch, keys, q.dtype)
+    out_c, lse_c = fused.sdpa_lse(q, k[:, :, :keys], v[:, :, :keys], bias, scale)
+    out_n, lse_n = fused.sdpa_lse(q, k[:, :, keys:], v[:, :, keys:], None, scale, causal=True)
+    has = (batch.prompt_ctx > 0)[:, None, None]  # [P, 1, 1]
+    lse_c = torch.where(has, lse_c, float("-inf"))
+    top = torch.maximum(lse_c, lse_n)  # NaN stays NaN
+    w_c, w_n = torch.exp(lse_c - top), torch.exp(lse_n - top)
+    dt = lse_n.dtype
+    acc = torch.where(has[..., None], out_c.to(dt) * w_c[..., None], 0.0) + out_n.to(dt) * w_n[..., None]
+    return (acc / (w_c + w_n)[..., None]).to(q.dtype)
 
 
 def prompt_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None) -> Partial:
@@ -195,7 +253,8 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
     `context`, `first`: as `_keys`).
 
     `flash` (CUDA kernels allowed): one flash varlen call, each prompt a segment of its real rows
-    against its first `ctx + len` keys, causal bottom-right aligned: no mask at all. Else one SDPA call
+    against its first `ctx + len` keys, causal bottom-right aligned: no mask at all. Else, with context
+    blocks, the split form (`split_context`: two calls with statistics and a merge); else one SDPA call
     (`hpu.sdpa_final`: FusedSDPA on a Gaudi) over the padded batch, with the mask the layout needs."""
     from vllm_gaudi_unified.hpu import sdpa_final
 
@@ -209,11 +268,14 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
     i = torch.arange(qp, device=q.device)
     if flash:
         out = _flash_rows(qr, kall, vall, batch, scale)
+    elif split_context(batch, vall.shape[-1] == d):
+        out = _split_rows(qr, kall, vall, batch, scale).transpose(1, 2).reshape(p * qp, hq, d)
     else:
         mask = None  # (none without context: causal)
-        if batch.prompt_blocks.shape[1]:  # the step's bias when made for this dtype, else made here
+        if batch.prompt_blocks.shape[1]:  # the step's bias when made for this dtype and shape, else made here
             bias = batch.prompt_bias
-            mask = bias if bias is not None and bias.dtype == qr.dtype else _mask(batch, seq, valid, qp)
+            full = bias is not None and bias.dtype == qr.dtype and bias.shape[2:] == (qp, kall.shape[1])
+            mask = bias if full else _mask(batch, seq, valid, qp)
         out = sdpa_final(qr.transpose(1, 2), kall.transpose(1, 2), vall.transpose(1, 2), mask, scale)
         out = out.transpose(1, 2).reshape(p * qp, hq, vall.shape[-1])  # MLA: values narrower than keys
     # rows that see a bad new key: those at or past the first one (a reduction over the new keys, no scan)
