@@ -52,7 +52,10 @@ def main(argv=None) -> int:
     over = _variants("v=" + args.variant)["v"]
     gaudi = over.pop("gaudi", False)
     step_bias = over.pop("step_bias", True)  # the prompt mask made once per step, untimed (speed14's)
-    unique_knobs(over).__enter__()  # module constants of the paths, for the whole run
+    # module constants of the paths, for the whole run: the context manager is kept (an unreferenced one is
+    # collected at once, and its exit put the constants back: the knobs never applied before)
+    knobs = unique_knobs(over)
+    knobs.__enter__()
     device = torch.device("cuda")
     by_name = {s.name: s for s in sc_mod.scenarios()}
     for case in args.cases.split(","):
