@@ -194,8 +194,8 @@ def sdpa_lse(q, k, v, bias, scale: float, causal: bool = False) -> tuple[torch.T
     """One fused SDPA call that returns the statistics the exact merge needs: q `[B, Hq, S, D]`, k/v
     `[B, Hkv, K, D]` (GQA), additive `bias` in q's dtype broadcastable to `[B, 1, S, K]` or None,
     `causal` top-left. Returns the normalised rows `[B, Hq, S, D]` in q's dtype and the LSE `[B, Hq, S]`
-    in the compute dtype. A row that sees no key is undefined (kernels differ: NaN, or 0 with LSE 0):
-    callers select such rows away.
+    in the compute dtype. A row that sees no key is the kernel's choice (cuDNN on the H100: 0 with LSE
+    -inf; the CPU's flash: 0 with LSE 0; the matmul fallback: NaN): callers select such rows away.
 
     Per device: a Gaudi, FusedSDPA with statistics (`recomp_stats`: LSE = m - log(linv)); CUDA, cuDNN
     (16-bit, head dim a multiple of 8 up to 128); elsewhere the CPU's flash kernel (any float dtype, GQA

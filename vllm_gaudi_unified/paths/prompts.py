@@ -218,8 +218,9 @@ def _split_rows(qr, kall, vall, batch, scale) -> torch.Tensor:
     Two fused calls with statistics (`fused.sdpa_lse`): the context keys (the first `Cb * bs`) under the
     key-padding bias, the new keys `is_causal` (top-left: row i sees new keys 0..i) with no mask; then
     the exact merge by max and LSE in the compute dtype. A prompt with context 0 sees no context key:
-    its context call's row is undefined (NaN, or 0 with LSE 0, by kernel), so it is selected away, not
-    weighted. A NaN real context key still reaches every row of its prompt (through the LSE or the row)."""
+    its context call's row is the kernel's choice (cuDNN: 0 with LSE -inf; the CPU's flash: 0 with LSE
+    0), so it is selected away, not weighted. A NaN real context key still reaches every row of its
+    prompt (through the LSE or the row)."""
     p, qp = qr.shape[:2]
     keys = kall.shape[1] - qp
     q, k, v = qr.transpose(1, 2), kall.transpose(1, 2), vall.transpose(1, 2)
