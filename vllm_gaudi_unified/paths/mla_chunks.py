@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, merge, scatter_merge
+import torch.nn.functional as F
+
+from vllm_gaudi_unified.merge import Partial, scatter_max
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.mla_decode import _slot_order
-from vllm_gaudi_unified.paths.mla_shared import latent_attend
-from vllm_gaudi_unified.paths.tiles import product_dtype
+from vllm_gaudi_unified.paths.mla_shared import finite_shift, latent_scores, latent_values
+from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 
 #: Keys a chunk aims at (`C = max(1, MLA_CHUNK_KEYS // block_size)` blocks). Smaller chunks waste fewer keys
 #: on the bound's padding (`n` chunks' worth at most), larger ones write fewer partials `[chunks, H, L]` to
@@ -79,16 +81,32 @@ def chunk_layout(batch, n: int, block_size: int, device):
 def chunks_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
                        key: torch.Tensor | None = None) -> Partial | None:
     """The unique pairs of any step, one Partial row per token (module docstring); with `key` (the new
-    tokens' latents `[n, 1, L + R]`) each token's own pair merged in too (`attention._run_paths` skips
-    the self path beside a latent route)."""
-    own = None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
+    tokens' latents `[n, 1, L + R]`) each token's own pair too, as one more key of the token (`attention._run_paths`
+    skips the self path beside a latent route)."""
     if batch.unique_rows.shape[0] == 0:
-        return own
+        return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
+    dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
     keys, visible, token = chunk_layout(batch, n, key_cache.shape[1], q.device)
-    kv = key_cache.view(-1, d)[keys]  # [Nc, C * bs, L + R]: keys, and values as their first dims
-    bias = torch.zeros(visible.shape, dtype=product_dtype(q.dtype), device=q.device)
+    kv = key_cache.view(-1, d)[keys].to(op)  # [Nc, C * bs, L + R]: keys, and values as their first dims
+    bias = torch.zeros(visible.shape, dtype=op, device=q.device)
     bias = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
-    part = latent_attend(q[token.clamp(max=n - 1)], kv, bias, value_dim, scale)  # [Nc, H, L], [Nc, H]
-    part = scatter_merge(part, token, n)
-    return part if own is None else merge(part, own)
+    s = latent_scores(q[token.clamp(max=n - 1)], kv, bias, scale)  # [Nc, H, C * bs]
+    # the token's max over its chunks and its own key (row n: the padding chunks'), the shift of every e^
+    start = torch.full((n + 1, hq), float("-inf"), dtype=dt, device=q.device)
+    if key is not None:
+        own = latent_scores(q, key.to(op), None, scale)[..., 0].to(dt)  # [n, H], rounded as the chunks' scores
+        start = torch.cat([own, start[n:]])
+    top = scatter_max(s.amax(-1).to(dt), token, start)  # [n + 1, H] (exact: maxima of product-dtype values)
+    shift = finite_shift(top)
+    acc, total = latent_values(s, shift[token], kv, value_dim)  # [Nc, H, L] product dtype, [Nc, H]
+    if key is None:
+        out = torch.zeros((n + 1, hq, value_dim), dtype=dt, device=q.device)
+        out_sum = torch.zeros_like(shift)
+    else:  # the own key's weight and value start the token's sums
+        w = torch.exp(own - shift[:n])
+        out = F.pad(w[..., None] * key[..., :value_dim].to(dt), (0, 0, 0, 0, 0, 1))
+        out_sum = F.pad(w, (0, 0, 0, 1))
+    out = out.index_add_(0, token, acc.to(dt))
+    out_sum = out_sum.index_add_(0, token, total)
+    return Partial(out[:n], top[:n], out_sum[:n])
