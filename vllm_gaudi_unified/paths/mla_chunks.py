@@ -12,16 +12,22 @@ chunks is built on the device by sorts, cumulative sums and gathers of
 bucket-shaped tensors, with no host sync and no shape that follows the data.
 
 Per chunk, the latents are gathered once as `[chunks, C * block_size, L + R]`
-(the values: their first `L` dims) and attended by all query heads of the
-chunk's token in two batched products (`mla_shared.latent_attend`); the chunks
-are merged into their tokens (`merge.scatter_merge`) and the token's own pair
-is merged in (`causal.self_partial`), so it returns what the other latent
-routes return: one Partial row per token, the self pair inside.
+(the values: their first `L` dims) and scored by all query heads of the
+chunk's token in one batched product (`mla_shared.latent_scores`). The chunks
+then share their token's max instead of keeping their own: the chunk maxima
+and the token's own score (its own pair is one more key, scored by the same
+product) go into a per-token max by `merge.scatter_max` (`[n, H]`, small), so
+every chunk's `e^(s - max)` is on its token's scale (`mla_shared.latent_values`,
+in place), its values product is written in the product dtype, and one
+`index_add` of `[chunks, H, L]` into a fp32 `[n, H, L]` (the own key's weighted
+value in it from the start) and one of the row sums `[chunks, H]` give each
+token's Partial: no fp32 partial per chunk, no rescale passes, no separate merge
+of the self pair (docs/benchmarks.md, MLA, run 8). It returns what the other
+latent routes return: one Partial row per token, the self pair inside.
 """
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from vllm_gaudi_unified.merge import Partial, scatter_max

@@ -10,8 +10,9 @@ rows (a prefix is read once per row chunk of its group: `plan/shared.py`). The
 generic tiles computed the same pairs with the heads permuted in front of the
 rows and more passes over fp32 scores (docs/benchmarks.md, MLA).
 
-`latent_attend` is the product the torch latent routes share (this one, the
-dense decode route of `mla_decode.py` and the chunks of `mla_chunks.py`), written for few passes over the
+`latent_attend` is the product the torch latent routes share (this one and the
+dense decode route of `mla_decode.py`; the chunks of `mla_chunks.py` run its two
+halves, `latent_scores` and `latent_values`, with their token's max between them), written for few passes over the
 scores: the scale goes into the first product (`baddbmm_` into an empty
 buffer, beta 0), the mask is one in-place add of a bias (none when every row
 sees every key), the max is exact in bf16, and `e^(s - max)` is taken in place
