@@ -37,8 +37,8 @@ from vllm_gaudi_unified.paths.mla_shared import finite_shift, latent_scores, lat
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 
 #: Keys a chunk aims at (`C = max(1, MLA_CHUNK_KEYS // block_size)` blocks). Smaller chunks waste fewer keys
-#: on the bound's padding (`n` chunks' worth at most), larger ones write fewer partials `[chunks, H, L]` to
-#: merge. Measured on an H100 under the Gaudi route (docs/benchmarks.md, MLA, run 7).
+#: on the bound's padding (`n` chunks' worth at most), larger ones write fewer values products `[chunks, H, L]`
+#: to sum. Measured on an H100 under the Gaudi route (docs/benchmarks.md, MLA, runs 7 and 8).
 MLA_CHUNK_KEYS = 1024
 
 
