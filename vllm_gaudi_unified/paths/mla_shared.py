@@ -11,9 +11,9 @@ generic tiles computed the same pairs with the heads permuted in front of the
 rows and more passes over fp32 scores (docs/benchmarks.md, MLA).
 
 `latent_attend` is the product the torch latent routes share (this one and the
-dense decode route of `mla_decode.py`; the chunks of `mla_chunks.py` run its two
-halves, `latent_scores` and `latent_values`, with their token's max between them), written for few passes over the
-scores: the scale goes into the first product (`baddbmm_` into an empty
+dense decode route of `mla_decode.py`; the chunks of `mla_chunks.py` run its
+two halves, `latent_scores` and `latent_values`, with their token's max between
+them), written for few passes over the scores: the scale goes into the first product (`baddbmm_` into an empty
 buffer, beta 0), the mask is one in-place add of a bias (none when every row
 sees every key), the max is exact in bf16, and `e^(s - max)` is taken in place
 in bf16 and summed in fp32, so `sum` and `acc` see the same rounded
