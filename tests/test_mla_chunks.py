@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import SPECS, Step, assert_matches
-from test_mla import MODES, L, mla_case, mla_tensors
+from test_mla import MODES, H, L, R, mla_case, mla_tensors
 from test_mla_decode import DECODES, bf16_latent_route
 from vllm_gaudi_unified import Bucket, attention, build_unified_batch
 from vllm_gaudi_unified.merge import normalize
@@ -121,7 +121,10 @@ def _route_inputs(step, bucket, seed, device):
 
 
 def _check(part, step, ref):
-    assert_matches(normalize(part)[:len(step.query_lens)].cpu().to(ref.dtype), ref)
+    """At the inputs' tolerance (`_route_inputs`: float64 on the CPU, 1e-6; bf16 on CUDA, 1e-2: the route's
+    fp32 output rounded to bf16 as the layer's output is; `ref` is float64 either way)."""
+    dtype = torch.float64 if part.acc.dtype == torch.float64 else torch.bfloat16
+    assert_matches(normalize(part)[:len(step.query_lens)].cpu().to(dtype), ref)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -204,3 +207,48 @@ def test_random_steps(data, routes, monkeypatch):
                                   seed=data.draw(st.integers(0, 99)))
     assert_matches(out, ref)
     assert routes == (["chunks"] if "u" in batch.phase else [])
+
+
+def _direct(step: Step, seed: int, scales=(), own_scale=1.0, bucket=None):
+    """The route called directly (float64): its Partial, the latent-space reference and the batch. `scales`
+    multiplies the latents of token 0's context in runs of 2 blocks (one chunk at 8 keys over blocks of 4),
+    `own_scale` every new latent: chunk maxima and own scores far apart."""
+    table, num_blocks, q_nope, q_pe, w_uk, _, latent, cache = mla_tensors(step, torch.float64, seed)
+    for j, f in enumerate(scales):
+        cache[table[0, 2 * j:2 * j + 2]] *= f
+    latent *= own_scale
+    query = absorb_query(q_nope, q_pe, w_uk)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=num_blocks,
+                                options=MODES["gather"], bucket=bucket)
+    (k, v), (kc, vc) = latent_views(latent, L), latent_views(cache, L)
+    ref = reference_attention(query, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.25)
+    pad = (0, 0, 0, 0, 0, batch.shape.query_len - query.shape[0])  # (the bucket's query rows)
+    part = mla_chunks.chunks_mla_partial(F.pad(query, pad), kc[:, :, 0], L, batch, 0.25, F.pad(k, pad))
+    return part, ref, batch
+
+
+@pytest.mark.parametrize("own_scale", [1.0, 40.0])
+def test_chunk_maxima_far_apart(own_scale, monkeypatch):
+    """One token's chunks with scores hundreds to thousands apart (the lower ones' e^ on the token's max
+    underflow to exactly 0), a token with no cached key (its own pair alone), and own keys above or below
+    every cached score: exact in float64 (1e-6), the Partial's max the token's."""
+    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", 8)
+    step = Step([1, 1, 1], [40, 0, 17], 4, num_blocks=24)
+    part, ref, _ = _direct(step, 3, scales=(1.0, 60.0, 0.01, 300.0, 5.0), own_scale=own_scale)
+    assert_matches(normalize(part), ref)
+    assert torch.isfinite(part.max).all() and (part.sum >= 1).all()  # the top key's own e^0 is in every sum
+
+
+def test_every_chunk_padding():
+    """A bucket with unique slots but a step with no cached key (every cache slot NaN): every chunk is
+    padding; with the own keys each token is its own pair, without them every row is empty (max -inf,
+    sum 0, acc 0), no NaN anywhere."""
+    step = Step([1, 1], [0, 0], 4, num_blocks=8)
+    bucket = Bucket("--u", 4, 0, 3, 4, 0, 0, 0, 0)
+    part, ref, batch = _direct(step, 5, bucket=bucket)
+    cache = latent_views(mla_tensors(step, seed=5)[-1], L)[0][:, :, 0]
+    _, visible, token = mla_chunks.chunk_layout(batch, 4, 4, torch.device("cpu"))
+    assert cache.isnan().all() and token.numel() > 0 and (token == 4).all() and not visible.any()
+    assert_matches(normalize(part)[:2], ref)
+    empty = mla_chunks.chunks_mla_partial(torch.randn(4, H, L + R, dtype=torch.float64), cache, L, batch, 0.25)
+    assert (empty.max == float("-inf")).all() and (empty.sum == 0).all() and (empty.acc == 0).all()

@@ -63,13 +63,18 @@ def fold_pairwise(slots: Partial) -> Partial:
     return Partial(acc[:, 0], m[:, 0], s[:, 0])
 
 
+def scatter_max(rows_max: torch.Tensor, index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """`start` `[num_out + 1, heads]` with row i's max `rows_max[i]` taken in at `index[i]` (`num_out`: drop)."""
+    idx = index.reshape(-1, 1).expand(-1, rows_max.shape[1])
+    return start.scatter_reduce(0, idx, rows_max, reduce="amax", include_self=True)
+
+
 def scatter_merge(rows: Partial, index: torch.Tensor, num_out: int) -> Partial:
     """Merge rows into `num_out` destinations; `index[i]` is row i's destination, `num_out` = drop."""
     heads = rows.max.shape[1]
-    idx = index.reshape(-1, 1).expand(-1, heads)
-    new_max = torch.full((num_out + 1, heads), float("-inf"), dtype=rows.max.dtype, device=rows.max.device)
-    new_max = new_max.scatter_reduce(0, idx, rows.max, reduce="amax", include_self=True)
-    row_acc, row_sum = _scaled(rows, new_max.gather(0, idx))
+    start = torch.full((num_out + 1, heads), float("-inf"), dtype=rows.max.dtype, device=rows.max.device)
+    new_max = scatter_max(rows.max, index, start)
+    row_acc, row_sum = _scaled(rows, new_max.gather(0, index.reshape(-1, 1).expand(-1, heads)))
     acc = torch.zeros((num_out + 1,) + rows.acc.shape[1:], dtype=rows.acc.dtype, device=rows.acc.device)
     acc = acc.index_add(0, index, row_acc)
     total = torch.zeros_like(new_max).index_add(0, index, row_sum)

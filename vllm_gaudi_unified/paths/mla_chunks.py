@@ -12,25 +12,33 @@ chunks is built on the device by sorts, cumulative sums and gathers of
 bucket-shaped tensors, with no host sync and no shape that follows the data.
 
 Per chunk, the latents are gathered once as `[chunks, C * block_size, L + R]`
-(the values: their first `L` dims) and attended by all query heads of the
-chunk's token in two batched products (`mla_shared.latent_attend`); the chunks
-are merged into their tokens (`merge.scatter_merge`) and the token's own pair
-is merged in (`causal.self_partial`), so it returns what the other latent
-routes return: one Partial row per token, the self pair inside.
+(the values: their first `L` dims) and scored by all query heads of the
+chunk's token in one batched product (`mla_shared.latent_scores`). The chunks
+then share their token's max instead of keeping their own: the chunk maxima
+and the token's own score (its own pair is one more key, scored by the same
+product) go into a per-token max by `merge.scatter_max` (`[n, H]`, small), so
+every chunk's `e^(s - max)` is on its token's scale (`mla_shared.latent_values`,
+in place), its values product is written in the product dtype, and one
+`index_add` of `[chunks, H, L]` into a fp32 `[n, H, L]` (the own key's weighted
+value in it from the start) and one of the row sums `[chunks, H]` give each
+token's Partial: no fp32 partial per chunk, no rescale passes, no separate merge
+of the self pair (docs/benchmarks.md, MLA, run 8). It returns what the other
+latent routes return: one Partial row per token, the self pair inside.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from vllm_gaudi_unified.merge import Partial, merge, scatter_merge
+from vllm_gaudi_unified.merge import Partial, scatter_max
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.mla_decode import _slot_order
-from vllm_gaudi_unified.paths.mla_shared import latent_attend
-from vllm_gaudi_unified.paths.tiles import product_dtype
+from vllm_gaudi_unified.paths.mla_shared import finite_shift, latent_scores, latent_values
+from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 
 #: Keys a chunk aims at (`C = max(1, MLA_CHUNK_KEYS // block_size)` blocks). Smaller chunks waste fewer keys
-#: on the bound's padding (`n` chunks' worth at most), larger ones write fewer partials `[chunks, H, L]` to
-#: merge. Measured on an H100 under the Gaudi route (docs/benchmarks.md, MLA, run 7).
+#: on the bound's padding (`n` chunks' worth at most), larger ones write fewer values products `[chunks, H, L]`
+#: to sum. Measured on an H100 under the Gaudi route (docs/benchmarks.md, MLA, runs 7 and 8).
 MLA_CHUNK_KEYS = 1024
 
 
@@ -79,16 +87,32 @@ def chunk_layout(batch, n: int, block_size: int, device):
 def chunks_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
                        key: torch.Tensor | None = None) -> Partial | None:
     """The unique pairs of any step, one Partial row per token (module docstring); with `key` (the new
-    tokens' latents `[n, 1, L + R]`) each token's own pair merged in too (`attention._run_paths` skips
-    the self path beside a latent route)."""
-    own = None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
+    tokens' latents `[n, 1, L + R]`) each token's own pair too, as one more key of the token (`attention._run_paths`
+    skips the self path beside a latent route)."""
     if batch.unique_rows.shape[0] == 0:
-        return own
+        return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
+    dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
     keys, visible, token = chunk_layout(batch, n, key_cache.shape[1], q.device)
-    kv = key_cache.view(-1, d)[keys]  # [Nc, C * bs, L + R]: keys, and values as their first dims
-    bias = torch.zeros(visible.shape, dtype=product_dtype(q.dtype), device=q.device)
+    kv = key_cache.view(-1, d)[keys].to(op)  # [Nc, C * bs, L + R]: keys, and values as their first dims
+    bias = torch.zeros(visible.shape, dtype=op, device=q.device)
     bias = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
-    part = latent_attend(q[token.clamp(max=n - 1)], kv, bias, value_dim, scale)  # [Nc, H, L], [Nc, H]
-    part = scatter_merge(part, token, n)
-    return part if own is None else merge(part, own)
+    s = latent_scores(q[token.clamp(max=n - 1)], kv, bias, scale)  # [Nc, H, C * bs]
+    # the token's max over its chunks and its own key (row n: the padding chunks'), the shift of every e^
+    start = torch.full((n + 1, hq), float("-inf"), dtype=dt, device=q.device)
+    if key is not None:
+        own = latent_scores(q, key.to(op), None, scale)[..., 0].to(dt)  # [n, H], rounded as the chunks' scores
+        start = torch.cat([own, start[n:]])
+    top = scatter_max(s.amax(-1).to(dt), token, start)  # [n + 1, H] (exact: maxima of product-dtype values)
+    shift = finite_shift(top)
+    acc, total = latent_values(s, shift[token], kv, value_dim)  # [Nc, H, L] product dtype, [Nc, H]
+    if key is None:
+        out = torch.zeros((n + 1, hq, value_dim), dtype=dt, device=q.device)
+        out_sum = torch.zeros_like(shift)
+    else:  # the own key's weight and value start the token's sums
+        w = torch.exp(own - shift[:n])
+        out = F.pad(w[..., None] * key[..., :value_dim].to(dt), (0, 0, 0, 0, 0, 1))
+        out_sum = F.pad(w, (0, 0, 0, 1))
+    out = out.index_add_(0, token, acc.to(dt))
+    out_sum = out_sum.index_add_(0, token, total)
+    return Partial(out[:n], top[:n], out_sum[:n])

@@ -10,9 +10,10 @@ rows (a prefix is read once per row chunk of its group: `plan/shared.py`). The
 generic tiles computed the same pairs with the heads permuted in front of the
 rows and more passes over fp32 scores (docs/benchmarks.md, MLA).
 
-`latent_attend` is the product the torch latent routes share (this one, the
-dense decode route of `mla_decode.py` and the chunks of `mla_chunks.py`), written for few passes over the
-scores: the scale goes into the first product (`baddbmm_` into an empty
+`latent_attend` is the product the torch latent routes share (this one and the
+dense decode route of `mla_decode.py`; the chunks of `mla_chunks.py` run its
+two halves, `latent_scores` and `latent_values`, with their token's max between
+them), written for few passes over the scores: the scale goes into the first product (`baddbmm_` into an empty
 buffer, beta 0), the mask is one in-place add of a bias (none when every row
 sees every key), the max is exact in bf16, and `e^(s - max)` is taken in place
 in bf16 and summed in fp32, so `sum` and `acc` see the same rounded
@@ -48,14 +49,9 @@ def mla_shared_applies(batch, key_cache: torch.Tensor, value_cache: torch.Tensor
             and batch.shared_rows.shape[0] > 0 and latent_cache(key_cache, value_cache))
 
 
-def latent_attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, value_dim: int, scale: float
-                  ) -> Partial:
-    """q `[B, M, D]` (M = rows x heads, row-major), latents `[B, K, D]` (values: the first `value_dim` dims),
-    `bias` None (every row sees every key) or `[B, rows, 1, K]` in q's product dtype (0 visible, -inf not,
-    NaN: a bad value the row sees), added to all heads of its row -> Partial `[B, M, value_dim]`, `[B, M]` in
-    the compute dtype. The latents must hold no non-finite value a row may not see (`p = 0` times NaN is
-    NaN): the callers zero those."""
-    dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
+def latent_scores(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`scale * q @ kv^T` `[B, M, K]` in q's product dtype, `bias` (`latent_attend`) added in place."""
+    op = product_dtype(q.dtype)
     b, mrows, _ = q.shape
     kv = kv.to(op)
     # scale * q.k straight out of the product (beta 0: the buffer is not read), then the mask in place
@@ -63,17 +59,42 @@ def latent_attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, 
         q.to(op), kv.transpose(1, 2), beta=0.0, alpha=scale)
     if bias is not None:
         s.view(b, bias.shape[1], -1, kv.shape[1]).add_(bias)
-    m = s.amax(-1).to(dt)  # (exact: a max of the product dtype's values)
-    m_ref = torch.where(m == float("-inf"), torch.zeros((), dtype=dt, device=m.device), m)
+    return s
+
+
+def latent_values(s: torch.Tensor, shift: torch.Tensor, kv: torch.Tensor, value_dim: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores `[B, M, K]` (`latent_scores`, overwritten) against `shift` `[B, M]` (the compute dtype, finite)
+    -> (`sum_k e^(s - shift) v_k` `[B, M, value_dim]` in the product dtype, `sum_k e^(s - shift)` `[B, M]` in
+    the compute dtype): both over the same rounded probabilities (`LATENT_SOFTMAX`)."""
+    op, dt = s.dtype, shift.dtype
     if LATENT_SOFTMAX == "product" or op == dt:  # in place, in the product dtype: two passes fewer
-        p = s.sub_(m_ref[..., None].to(op)).exp_()
+        p = s.sub_(shift[..., None].to(op)).exp_()
         total = p.sum(-1, dtype=dt)
-    else:  # e^(s - max) in the compute dtype, rounded once for `p @ V` (the generic tiles' numerics)
-        p = torch.sub(s, m_ref[..., None]).exp_()
+    else:  # e^(s - shift) in the compute dtype, rounded once for `p @ V` (the generic tiles' numerics)
+        p = torch.sub(s, shift[..., None]).exp_()
         total = p.sum(-1)
         p = p.to(op)
-    acc = torch.bmm(p, kv[..., :value_dim]).to(dt)  # (bmm: matmul copied the strided values first)
-    return Partial(acc, m, total)
+    return torch.bmm(p, kv.to(op)[..., :value_dim]), total  # (bmm: matmul copied the strided values first)
+
+
+def finite_shift(m: torch.Tensor) -> torch.Tensor:
+    """A max as the shift of `e^(s - shift)`: 0 where it is -inf (no key seen: every e^ is 0 anyway)."""
+    return torch.where(m == float("-inf"), torch.zeros((), dtype=m.dtype, device=m.device), m)
+
+
+def latent_attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, value_dim: int, scale: float
+                  ) -> Partial:
+    """q `[B, M, D]` (M = rows x heads, row-major), latents `[B, K, D]` (values: the first `value_dim` dims),
+    `bias` None (every row sees every key) or `[B, rows, 1, K]` in q's product dtype (0 visible, -inf not,
+    NaN: a bad value the row sees), added to all heads of its row -> Partial `[B, M, value_dim]`, `[B, M]` in
+    the compute dtype. The latents must hold no non-finite value a row may not see (`p = 0` times NaN is
+    NaN): the callers zero those."""
+    kv = kv.to(product_dtype(q.dtype))  # (once: the two products' operand)
+    s = latent_scores(q, kv, bias, scale)
+    m = s.amax(-1).to(compute_dtype(q.dtype))  # (exact: a max of the product dtype's values)
+    acc, total = latent_values(s, finite_shift(m), kv, value_dim)
+    return Partial(acc.to(m.dtype), m, total)
 
 
 def latent_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
