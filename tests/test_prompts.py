@@ -213,6 +213,20 @@ def test_no_prompt_bias_without_context_or_prompts():
     assert dec.with_prompt_bias(torch.float64) is dec
 
 
+def test_a_step_of_expanded_mla_prompts_gets_the_one_calls_mask():
+    """Values narrower than keys (MLA's expanded prompts) keep the one call (`split_context`), so the
+    runners ask for its full `[P, 1, Qp, Kp]` mask once per step (`same_head_dims=False`), not the split
+    form's key bias that every layer call would then have to replace."""
+    from vllm_gaudi_unified.paths import prompts
+
+    batch = build_unified_batch([6, 3], [5, 9], np.array([[1, 2, 0], [3, 4, 5]]), 4)
+    assert prompts.split_context(batch) and not prompts.split_context(batch, same_head_dims=False)
+    p, qp = batch.prompt_rows.shape
+    keys = batch.prompt_blocks.shape[1] * 4
+    assert batch.with_prompt_bias(torch.float64).prompt_bias.shape == (p, 1, 1, keys)
+    assert batch.with_prompt_bias(torch.float64, same_head_dims=False).prompt_bias.shape == (p, 1, qp, keys + qp)
+
+
 def test_a_nan_in_a_cached_key_of_the_context_reaches_only_its_prompts_rows():
     """A real context slot of request 0 holds NaN in K: every row of request 0 sees it (its KV head's
     query heads), request 1's rows and the other KV head's heads stay bitwise as in the clean run."""

@@ -49,12 +49,13 @@ class UnifiedBatch:
     #: call makes it (a `[P, Qp, Kp]` write per layer: 48 us of a 2 x 2k over 6k chunk's 1.75 ms, H100)
     prompt_bias: torch.Tensor | None = field(default=None, kw_only=True)
 
-    def with_prompt_bias(self, dtype: torch.dtype) -> "UnifiedBatch":
+    def with_prompt_bias(self, dtype: torch.dtype, same_head_dims: bool = True) -> "UnifiedBatch":
         """This batch with `prompt_bias` made for queries of `dtype` (itself when the prompt route has no
-        context: that call needs no mask)."""
+        context: that call needs no mask); `same_head_dims` False (MLA's expanded prompts: values narrower
+        than keys) makes the one call's full mask, the form those prompts take (`split_context`)."""
         from vllm_gaudi_unified.paths.prompts import prompt_bias
 
-        bias = prompt_bias(self, dtype)
+        bias = prompt_bias(self, dtype, same_head_dims)
         return self if bias is None else replace(self, prompt_bias=bias)
 
     @classmethod

@@ -191,14 +191,15 @@ def _mask(batch, seq: torch.Tensor, valid: torch.Tensor, qp: int) -> torch.Tenso
     return ((seq[:, None, :] <= last[..., None]) & valid[:, None, :])[:, None]
 
 
-def prompt_bias(batch, dtype: torch.dtype) -> torch.Tensor | None:
+def prompt_bias(batch, dtype: torch.dtype, same_head_dims: bool = True) -> torch.Tensor | None:
     """The final form's mask as the additive bias SDPA takes (0 visible, -inf not) in `dtype`, for the
     whole step (`UnifiedBatch.with_prompt_bias`); None when the batch has no prompt with context blocks
-    (its call is causal with no mask). Split (`split_context`): the context keys' padding bias alone."""
+    (its call is causal with no mask). Split (`split_context`, which `same_head_dims` goes to): the
+    context keys' padding bias alone."""
     blocks = getattr(batch, "prompt_blocks", None)
     if blocks is None or blocks.shape[0] == 0 or blocks.shape[1] == 0:
         return None
-    if split_context(batch):
+    if split_context(batch, same_head_dims):
         return _key_bias(batch, blocks.shape[1] * batch.block_size, dtype)
     qp = batch.prompt_rows.shape[1]
     seq, valid = _positions(batch, blocks.shape[1] * batch.block_size, qp)

@@ -192,6 +192,8 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         #: the model's dtype: the prompt route's mask is made in it once per step, for every layer
         dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
         self.model_dtype = dtype if isinstance(dtype, torch.dtype) else None
+        #: MLA's expanded prompts have values narrower than keys: their step mask is the one call's (`split_context`)
+        self.same_head_dims = not getattr(getattr(vllm_config, "model_config", None), "use_mla", False)
         self.sliding_window = _group_sliding_window(vllm_config, layer_names)
         # One group's steps go to the trace: a full-attention group's if the model has one.
         may_record = self.sliding_window is None or not _model_has_full_attention(vllm_config)
@@ -222,7 +224,7 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         if not self.encoder_only:
             self.hooks.after_plan(batch, query_lens, context_lens, block_table)
             if self.model_dtype is not None:
-                batch = batch.with_prompt_bias(self.model_dtype)
+                batch = batch.with_prompt_bias(self.model_dtype, self.same_head_dims)
         num_tokens = batch.num_tokens
         slots = cm.slot_mapping[:num_tokens].long()
         cached = slots.device.type == "cpu" and bool((slots >= 0).all())

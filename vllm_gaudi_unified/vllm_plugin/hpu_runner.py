@@ -193,7 +193,9 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
             slots = torch.from_numpy(slot_mapping(step, table, bs, rows, self._PAD_SLOT_ID)).to(self.device)
             for kind, names in kinds.items():
                 # the prompt route's mask once per step for every layer, as vllm-gaudi makes its attn_bias
-                md = UnifiedHpuMetadata(batch=batches[kind].with_prompt_bias(self.dtype), slot_mapping=slots)
+                # (MLA's expanded prompts, values narrower than keys: the one call's full mask)
+                planned = batches[kind].with_prompt_bias(self.dtype, same_head_dims=not self.model_config.use_mla)
+                md = UnifiedHpuMetadata(batch=planned, slot_mapping=slots)
                 metadata.update({name: md for name in names})
         return metadata
 
