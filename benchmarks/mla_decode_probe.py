@@ -28,32 +28,42 @@ from benchmarks.mla_decode import timed
 from vllm_gaudi_unified.paths import fused, mla_decode, mla_kernel
 from vllm_gaudi_unified.paths.mla_shared import latent_attend
 
-#: (heads per program, keys per step, warps, stages, keys a split aims at, V_LOAD, ONE_SLOT[, Q_LOOP])
+#: (heads per program, keys per step, warps, stages, keys a split aims at, V_LOAD, ONE_SLOT[, Q_LOOP, SPLIT_V,
+#: DESC, LOOP_STAGES, WS]): run 6's rows, then run 8's (the latent in halves, tensor descriptors, the loop's own
+#: pipelining, warp specialisation, more splits, fewer heads per program)
 KERNELS = [
-    (32, 32, 4, 2, 16384, 0, False),  # run 5's constants (before ONE_SLOT)
-    (32, 32, 4, 2, 16384, 0, True),
-    (64, 64, 8, 1, 16384, 0, True),
+    (64, 64, 8, 2, 16384, 0, True, True),  # run 6's best (the constants before run 8)
+    (64, 64, 8, 2, 16384, 0, True, True, True),
+    (64, 64, 8, 2, 16384, 0, True, True, True, True),
+    (64, 64, 8, 2, 16384, 0, True, False, True, True),
+    (64, 64, 8, 2, 16384, 0, True, False, True),
+    (64, 64, 8, 2, 16384, 0, True, True, True, True, 2),
+    (64, 64, 8, 2, 16384, 0, True, True, True, True, 2, True),
+    (64, 32, 8, 3, 16384, 0, True, True, True, True),
+    (64, 32, 8, 4, 16384, 0, True, True, True, True),
+    (64, 64, 8, 2, 2048, 0, True, True, True, True),
+    (64, 64, 8, 2, 1024, 0, True, True, True, True),
+    (64, 64, 8, 1, 16384, 0, True, True, True, True),
+    (64, 64, 8, 2, 16384, 0, True, True, True, False, 2),
+    (64, 64, 8, 2, 16384, 0, True, True, False, False, 2, True),
+    (64, 32, 8, 3, 16384, 0, True, False, True, True, 3),
+    (64, 128, 8, 1, 16384, 0, True, True, True, True),
+    (32, 64, 4, 2, 16384, 0, True, True, True, True),
+    (32, 32, 4, 3, 16384, 0, True, True, True, True),
     (64, 64, 8, 2, 16384, 0, True),
-    (64, 32, 8, 2, 16384, 0, True),
-    (64, 32, 8, 3, 16384, 0, True),
-    (64, 32, 8, 4, 16384, 0, True),
-    (64, 32, 8, 3, 2048, 0, True),
-    (64, 64, 8, 2, 2048, 0, True),
-    (64, 32, 8, 2, 16384, 1, True),
-    (64, 64, 8, 2, 16384, 0, True, True),
-    (64, 32, 8, 3, 16384, 0, True, True),
-    (64, 128, 8, 1, 16384, 0, True),
-    (32, 64, 4, 2, 16384, 0, True),
 ]
-CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP")
+CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_SPLIT_V", "MLA_DESC", "MLA_LOOP_STAGES", "MLA_WS")
+SWITCH_DEFAULTS = (False, False, False, 0, False)  # (Q_LOOP, SPLIT_V, DESC, LOOP_STAGES, WS) a row leaves out
 
 
 @contextlib.contextmanager
 def extra_consts(consts):
-    """`mla_decode.kernel_consts` and the two switches after them (CONSTS)."""
+    """`mla_decode.kernel_consts` and the switches after them (CONSTS)."""
     n = len(KERNEL_CONSTS)
-    with kernel_consts(consts[:n]), mock.patch.object(mla_decode, "MLA_ONE_SLOT", consts[n]), \
-            mock.patch.object(mla_decode, "MLA_Q_LOOP", consts[n + 1]):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(kernel_consts(consts[:n]))
+        for name, value in zip(CONSTS[n:], consts[n:]):
+            stack.enter_context(mock.patch.object(mla_decode, name, value))
         yield
 
 
@@ -82,6 +92,8 @@ def compiled_facts(k) -> dict:
         asm = k.asm
         out["wgmma"] = "wgmma" in asm.get("ptx", "")
         out["mma_sync"] = "mma.sync" in asm.get("ptx", "")
+        out["tma"] = "cp.async.bulk.tensor" in asm.get("ptx", "")
+        out["warp_specialized"] = "setmaxnreg" in asm.get("ptx", "")
     except Exception as exc:  # reported, not hidden
         out["facts_error"] = f"{type(exc).__name__}: {exc}"[:200]
     return out
@@ -146,7 +158,7 @@ def kernels(case, report, flops, best_path=None):
     rows = []
     launches = Launches(mla_kernel.mla_kernel)
     for consts in KERNELS:
-        consts = (*consts, False) if len(consts) == len(CONSTS) - 1 else consts
+        consts = (*consts, *SWITCH_DEFAULTS[len(consts) - len(CONSTS) + len(SWITCH_DEFAULTS):])
         row = dict(zip(CONSTS, consts))
         try:
             with extra_consts(consts), mock.patch.object(mla_kernel, "mla_kernel", launches):
@@ -172,6 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--best", help="write the fastest correct constants here (JSON, for mla_decode --consts)")
+    parser.add_argument("--kernels-only", action="store_true", help="the kernel's sweep alone (no Gaudi route parts)")
     args = parser.parse_args()
     rates = read_bandwidth(), matmul_rate()
     report = {"device": torch.cuda.get_device_name(), "read_bandwidth_GBps": rates[0] / 1e9,
@@ -188,6 +201,8 @@ def main() -> None:
 
     best = kernels(case, report, entry["attention_flops"], args.best)
     save()
+    if args.kernels_only:
+        return
     try:
         with fused.gaudi_route():
             report["gaudi_ms"] = timed(case["step"])

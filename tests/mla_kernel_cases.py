@@ -38,6 +38,15 @@ CASES = [
     (Step([1] * 4, [40, 0, 33, 64], 16), "default", {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 32}),
     (Step([1] * 3, [70, 17, 50], 32), "gather", {"MLA_KEYS": 16}),
     (Step([1] * 3, [70, 17, 50], 32), "default", {"MLA_KEYS": 16, "MLA_ONE_SLOT": False, "MLA_Q_LOOP": False}),
+    # the latent in two halves (SPLIT_V), through tensor descriptors over the visible rows (DESC), the loop's
+    # own pipelining: partial and empty slots, a token without cached keys, both layouts, the query held
+    (Step([1] * 4, [40, 0, 33, 64], 16), "default", {"MLA_KEYS": 16, "MLA_SPLIT_V": True, "MLA_SPLIT_KEYS": 32}),
+    (Step([1] * 4, [40, 0, 33, 64], 16), "gather", {"MLA_KEYS": 16, "MLA_SPLIT_V": True, "MLA_DESC": True,
+                                                    "MLA_STAGES": 1, "MLA_SPLIT_KEYS": 32}),
+    (Step([1] * 3, [70, 17, 50], 32), "default", {"MLA_KEYS": 16, "MLA_SPLIT_V": True, "MLA_DESC": True,
+                                                  "MLA_STAGES": 1, "MLA_Q_LOOP": False}),
+    (Step([1] * 3, [70, 17, 50], 32), "gather", {"MLA_KEYS": 16, "MLA_SPLIT_V": True, "MLA_LOOP_STAGES": 2}),
+    (SPECS["ragged_partial"], "gather", {"MLA_SPLIT_V": True, "MLA_SPLIT_KEYS": 16}),
 ]
 
 
@@ -54,7 +63,8 @@ def run(device: str = "cpu") -> int:
 
     attention.mla_unique_route = route
     saved = {k: getattr(mla_decode, k)
-             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP")}
+             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_SPLIT_V",
+                      "MLA_DESC", "MLA_LOOP_STAGES", "MLA_STAGES")}
     try:
         for step, mode, consts in CASES:
             for k, v in consts.items():

@@ -66,6 +66,14 @@ MLA_ONE_SLOT = True
 #: Whether the kernel loads its query tile in every loop step (`mla_kernel.py`: Q_LOOP), not once before
 #: the loop (run 6: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms).
 MLA_Q_LOOP = True
+#: Whether the latent is cut in two halves with an accumulator each (`mla_kernel.py`: SPLIT_V, with
+#: `MLA_V_LOAD` 0), whether its parts come through tensor descriptors (DESC: needs ONE_SLOT and 16-byte
+#: alignment, else the pointer loads), the key loop's own pipelining depth (0: the kernel's `MLA_STAGES` on
+#: the dots' operands only) and Triton's warp specialisation of it (`MLA_WS`, with `MLA_LOOP_STAGES`).
+MLA_SPLIT_V = False
+MLA_DESC = False
+MLA_LOOP_STAGES = 0
+MLA_WS = False
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
@@ -126,15 +134,41 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     k = q if key is None else key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()  # (q: unused)
     block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
     warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
-    dr = d - value_dim
+    dr, dv_pad = d - value_dim, max(16, _pow2(value_dim))
+    one_slot = MLA_ONE_SLOT and bs % MLA_KEYS == 0
+    split_v = MLA_SPLIT_V and MLA_V_LOAD == 0
+    # (Triton 3.6 cannot pipeline a descriptor built in the loop: 'tensormap_create ... pipeliner doesn't know
+    # how to predicate this op', run 8; so only unpipelined)
+    desc = (MLA_DESC and split_v and one_slot and MLA_STAGES <= 1 and MLA_LOOP_STAGES == 0
+            and _descriptor_ok(key_cache, value_dim))
     mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
         q, k, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
-        HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
-        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
-        ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
-        SELF=key is not None, num_warps=warps, num_stages=MLA_STAGES)
+        HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=dv_pad, DA=max(16, dv_pad // 2) if split_v else dv_pad,
+        DR=dr, DR_PAD=max(16, _pow2(dr)), BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None,
+        V_LOAD=MLA_V_LOAD, ONE_SLOT=one_slot, Q_LOOP=MLA_Q_LOOP, SELF=key is not None, SPLIT_V=split_v,
+        DESC=desc, LOOP_STAGES=MLA_LOOP_STAGES, WS=MLA_WS and MLA_LOOP_STAGES > 0,
+        num_warps=warps, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def _descriptor_ok(key_cache: torch.Tensor, value_dim: int) -> bool:
+    """Whether the kernel's tensor descriptors may address the cache (the copy engine's rule: base and row
+    strides 16-byte aligned, the rope part's start too); on CUDA the descriptors built in the kernel need
+    Triton's scratch allocator, set here (torch's caching allocator, graph pools included)."""
+    size = key_cache.element_size()
+    if (key_cache.data_ptr() % 16 or (key_cache.stride(0) * size) % 16 or (key_cache.stride(1) * size) % 16
+            or (value_dim * size) % 16):
+        return False
+    if key_cache.device.type == "cuda":
+        import triton
+        triton.set_allocator(_scratch)
+    return True
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Device memory for the descriptors Triton builds in a kernel (`_descriptor_ok`)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _slot_order(batch, n: int, device, keep: bool = True):
