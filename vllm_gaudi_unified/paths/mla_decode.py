@@ -66,14 +66,14 @@ MLA_ONE_SLOT = True
 #: Whether the kernel loads its query tile in every loop step (`mla_kernel.py`: Q_LOOP), not once before
 #: the loop (run 6: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms).
 MLA_Q_LOOP = True
-#: Whether the latent is cut in two halves with an accumulator each (`mla_kernel.py`: SPLIT_V, with
-#: `MLA_V_LOAD` 0), whether its parts come through tensor descriptors (DESC: needs ONE_SLOT and 16-byte
-#: alignment, else the pointer loads), the key loop's own pipelining depth (0: the kernel's `MLA_STAGES` on
-#: the dots' operands only) and Triton's warp specialisation of it (`MLA_WS`, with `MLA_LOOP_STAGES`).
-MLA_SPLIT_V = False
-MLA_DESC = False
-MLA_LOOP_STAGES = 0
-MLA_WS = False
+#: The products transposed (`mla_kernel.py`: TRANS, with `MLA_V_LOAD` 0), the softmax's sums kept per key
+#: column until the end (LAZY_SUM), the values product added inside the matmul (ACC_DOT).
+MLA_TRANS = False
+MLA_LAZY_SUM = False
+MLA_ACC_DOT = False
+#: Whether each token's wholly visible slots come first and run without bounds or masks (FULL_FIRST; with
+#: ONE_SLOT): in a decode step every slot but each token's last.
+MLA_FULL_FIRST = False
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
@@ -122,7 +122,9 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     bs = key_cache.shape[1]
-    order, starts = _slot_order(batch, n, q.device)
+    one_slot = MLA_ONE_SLOT and bs % MLA_KEYS == 0
+    full_first = MLA_FULL_FIRST and one_slot
+    order, starts, full = _slot_order(batch, n, q.device, block_size=bs if full_first else None)
     ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
     splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
@@ -133,57 +135,42 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = q if key is None else key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()  # (q: unused)
     block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
-    warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
-    dr, dv_pad = d - value_dim, max(16, _pow2(value_dim))
-    one_slot = MLA_ONE_SLOT and bs % MLA_KEYS == 0
-    split_v = MLA_SPLIT_V and MLA_V_LOAD == 0
-    # (Triton 3.6 cannot pipeline a descriptor built in the loop: 'tensormap_create ... pipeliner doesn't know
-    # how to predicate this op', run 8; so only unpipelined)
-    desc = (MLA_DESC and split_v and one_slot and MLA_STAGES <= 1 and MLA_LOOP_STAGES == 0
-            and _descriptor_ok(key_cache, value_dim))
+    trans = MLA_TRANS and MLA_V_LOAD == 0
+    # (8 warps: two warpgroups of 64 rows: heads, or with TRANS the latent dims)
+    warps = MLA_WARPS if block_h >= 64 or trans else min(MLA_WARPS, 4)
+    dr = d - value_dim
     mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
-        q, k, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
+        q, k, key_cache, order, starts, starts if full is None else full, ids, batch.unique_lo, batch.unique_hi,
+        acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
-        HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=dv_pad, DA=max(16, dv_pad // 2) if split_v else dv_pad,
-        DR=dr, DR_PAD=max(16, _pow2(dr)), BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None,
-        V_LOAD=MLA_V_LOAD, ONE_SLOT=one_slot, Q_LOOP=MLA_Q_LOOP, SELF=key is not None, SPLIT_V=split_v,
-        DESC=desc, LOOP_STAGES=MLA_LOOP_STAGES, WS=MLA_WS and MLA_LOOP_STAGES > 0,
-        num_warps=warps, num_stages=MLA_STAGES)
+        HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
+        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
+        ONE_SLOT=one_slot, Q_LOOP=MLA_Q_LOOP, FULL_FIRST=full_first,
+        SELF=key is not None, TRANS=trans, LAZY_SUM=MLA_LAZY_SUM, ACC_DOT=MLA_ACC_DOT, num_warps=warps,
+        num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
-def _descriptor_ok(key_cache: torch.Tensor, value_dim: int) -> bool:
-    """Whether the kernel's tensor descriptors may address the cache (the copy engine's rule: base and row
-    strides 16-byte aligned, the rope part's start too); on CUDA the descriptors built in the kernel need
-    Triton's scratch allocator, set here (torch's caching allocator, graph pools included)."""
-    size = key_cache.element_size()
-    if (key_cache.data_ptr() % 16 or (key_cache.stride(0) * size) % 16 or (key_cache.stride(1) * size) % 16
-            or (value_dim * size) % 16):
-        return False
-    if key_cache.device.type == "cuda":
-        import triton
-        triton.set_allocator(_scratch)
-    return True
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Device memory for the descriptors Triton builds in a kernel (`_descriptor_ok`)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _slot_order(batch, n: int, device, keep: bool = True):
+def _slot_order(batch, n: int, device, keep: bool = True, block_size: int | None = None):
     """The unique slots sorted by token and each token's start in that order (`n + 1` starts), on `device`,
     once per batch eagerly with `keep` (not kept while torch compiles or a CUDA graph captures: a graph
-    replays with its batch's buffers refilled, so it must sort them itself)."""
+    replays with its batch's buffers refilled, so it must sort them itself). With `block_size` (the
+    kernel's FULL_FIRST): within each token the slots it sees whole (`lo` 0, `hi` the block size) first,
+    and a third value, their count per token (`[n + 1]`); without, the third value is None."""
     eager = keep and not (torch.compiler.is_compiling()
                           or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     hit = _ORDERS.get(batch) if eager else None
-    if hit is not None and hit[0] == (device, n):
+    if hit is not None and hit[0] == (device, n, block_size):
         return hit[1]
-    order, starts = token_order(batch.unique_rows, n)
+    if block_size is None:
+        out = (*token_order(batch.unique_rows, n), None)
+    else:  # sorted by (token, partial): starts of both halves of every token
+        partial = (batch.unique_lo != 0) | (batch.unique_hi != block_size)
+        order, halves = token_order(batch.unique_rows * 2 + partial.to(batch.unique_rows.dtype), 2 * n + 1)
+        out = (order, halves[0::2].contiguous(), halves[1::2] - halves[0:-1:2])
     if eager:
-        _ORDERS[batch] = ((device, n), (order, starts))
-    return order, starts
+        _ORDERS[batch] = ((device, n, block_size), out)
+    return out
 
 
 def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
