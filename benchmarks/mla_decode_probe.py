@@ -12,7 +12,11 @@ keys, `benchmarks/mla_decode.py`'s scenario).
   over chunks of requests whose gathered latents fit in L2;
 * `kernel`: each constant set of `KERNELS` on the whole step (error against the dense reference, median
   time, kernel time alone, TFLOP/s of the kernel, its registers, spills and shared memory); `--best FILE`
-  keeps the fastest correct set for `benchmarks.mla_decode --consts FILE`.
+  keeps the fastest correct set for `benchmarks.mla_decode --consts FILE`; `--kernels-only` stops there.
+
+`--once FILE` runs three steps of the CUDA route with the constants in FILE and nothing else: the process
+to hand a profiler (`ncu -k regex:mla_body -c 1 ... python -m benchmarks.mla_decode_probe --out /dev/null
+--once FILE`, run 9).
 """
 from __future__ import annotations
 
@@ -28,54 +32,33 @@ from benchmarks.mla_decode import timed
 from vllm_gaudi_unified.paths import fused, mla_decode, mla_kernel
 from vllm_gaudi_unified.paths.mla_shared import latent_attend
 
-CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_TRANS", "MLA_LAZY_SUM", "MLA_ACC_DOT", "MLA_FULL_FIRST")
-
-
-def _row(heads, keys, warps, stages, split_keys=16384, one_slot=True, q_loop=True, **switches) -> tuple:
-    """A constant set in CONSTS' order: the switches named in upper case without `MLA_` (TRANS=True ...)."""
-    names = CONSTS[len(KERNEL_CONSTS) + 2:]
-    unknown = set(switches) - {n[4:] for n in names}
-    if unknown:
-        raise ValueError(f"_row: no switch {sorted(unknown)}")
-    return (heads, keys, warps, stages, split_keys, 0, one_slot, q_loop, *(switches.get(n[4:], False) for n in names))
-
-
-#: Run 9's sweep (run 8's switches, measured slower or ignored on Triton 3.6, are gone: docs/benchmarks.md).
-#: Shared memory and registers in the comments: Triton 3.6's compiler for sm_90 (the probe reports them).
+#: (heads per program, keys per step, warps, stages, keys a split aims at, V_LOAD, ONE_SLOT[, Q_LOOP]): run 6's
+#: sweep; runs 8 and 9 swept switches since removed (their rows: benchmarks/results/mla_h100/run8_*, run9_*)
 KERNELS = [
-    _row(64, 64, 8, 2),  # run 6's best (the constants before run 9): 216 KB, 255 registers
-    _row(64, 64, 8, 2, FULL_FIRST=True),
-    _row(64, 64, 8, 2, FULL_FIRST=True, ACC_DOT=True),
-    _row(64, 64, 8, 2, q_loop=False, FULL_FIRST=True),
-    _row(64, 64, 8, 2, q_loop=False, FULL_FIRST=True, ACC_DOT=True),
-    _row(64, 64, 8, 2, ACC_DOT=True),
-    _row(64, 64, 8, 2, LAZY_SUM=True),
-    _row(64, 64, 8, 2, 2048, FULL_FIRST=True),
-    _row(64, 32, 8, 2, FULL_FIRST=True),
-    _row(64, 32, 8, 3, FULL_FIRST=True),
-    _row(64, 64, 8, 2, TRANS=True),  # the products transposed: 224 KB
-    _row(64, 32, 8, 2, TRANS=True),  # 112 KB, 208 registers
-    _row(32, 64, 4, 2, TRANS=True),  # 184 KB
-    _row(32, 64, 8, 2, TRANS=True),
-    _row(32, 32, 4, 2, TRANS=True),  # 74 KB, 254 registers: two programs per SM
-    _row(32, 32, 4, 2, TRANS=True, FULL_FIRST=True),
-    _row(32, 32, 4, 2, q_loop=False, TRANS=True),
-    _row(32, 32, 8, 2, TRANS=True),
-    _row(16, 32, 4, 2, TRANS=True),  # 55 KB, 151 registers: three programs per SM
-    _row(16, 32, 4, 2, TRANS=True, FULL_FIRST=True),
-    _row(16, 64, 4, 2, TRANS=True),
-    _row(64, 64, 8, 2),  # run 6's best again (the spread between two timings)
+    (32, 32, 4, 2, 16384, 0, False),  # run 5's constants (before ONE_SLOT)
+    (32, 32, 4, 2, 16384, 0, True),
+    (64, 64, 8, 1, 16384, 0, True),
+    (64, 64, 8, 2, 16384, 0, True),
+    (64, 32, 8, 2, 16384, 0, True),
+    (64, 32, 8, 3, 16384, 0, True),
+    (64, 32, 8, 4, 16384, 0, True),
+    (64, 32, 8, 3, 2048, 0, True),
+    (64, 64, 8, 2, 2048, 0, True),
+    (64, 32, 8, 2, 16384, 1, True),
+    (64, 64, 8, 2, 16384, 0, True, True),
+    (64, 32, 8, 3, 16384, 0, True, True),
+    (64, 128, 8, 1, 16384, 0, True),
+    (32, 64, 4, 2, 16384, 0, True),
 ]
+CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP")
 
 
 @contextlib.contextmanager
 def extra_consts(consts):
-    """`mla_decode.kernel_consts` and the switches after them (CONSTS)."""
+    """`mla_decode.kernel_consts` and the two switches after them (CONSTS)."""
     n = len(KERNEL_CONSTS)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(kernel_consts(consts[:n]))
-        for name, value in zip(CONSTS[n:], consts[n:]):
-            stack.enter_context(mock.patch.object(mla_decode, name, value))
+    with kernel_consts(consts[:n]), mock.patch.object(mla_decode, "MLA_ONE_SLOT", consts[n]), \
+            mock.patch.object(mla_decode, "MLA_Q_LOOP", consts[n + 1]):
         yield
 
 
@@ -168,6 +151,7 @@ def kernels(case, report, flops, best_path=None):
     rows = []
     launches = Launches(mla_kernel.mla_kernel)
     for consts in KERNELS:
+        consts = (*consts, False) if len(consts) == len(CONSTS) - 1 else consts
         row = dict(zip(CONSTS, consts))
         try:
             with extra_consts(consts), mock.patch.object(mla_kernel, "mla_kernel", launches):
@@ -195,7 +179,7 @@ def main() -> None:
     parser.add_argument("--best", help="write the fastest correct constants here (JSON, for mla_decode --consts)")
     parser.add_argument("--kernels-only", action="store_true", help="the kernel's sweep alone (no Gaudi route parts)")
     parser.add_argument("--once", help="constants (JSON, as --best writes): three steps of the CUDA route, nothing "
-                                       "else (for a profiler such as ncu)")
+                                       "else (for a profiler)")
     args = parser.parse_args()
     if args.once:
         with open(args.once) as f:

@@ -38,24 +38,6 @@ CASES = [
     (Step([1] * 4, [40, 0, 33, 64], 16), "default", {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 32}),
     (Step([1] * 3, [70, 17, 50], 32), "gather", {"MLA_KEYS": 16}),
     (Step([1] * 3, [70, 17, 50], 32), "default", {"MLA_KEYS": 16, "MLA_ONE_SLOT": False, "MLA_Q_LOOP": False}),
-    # the products transposed (TRANS), the sums kept per key column (LAZY_SUM), the values added in the matmul
-    # (ACC_DOT): partial and empty slots, a token without cached keys, both layouts, the query held or reloaded
-    (Step([1] * 4, [40, 0, 33, 64], 16), "default", {"MLA_KEYS": 16, "MLA_TRANS": True, "MLA_SPLIT_KEYS": 32}),
-    (Step([1] * 4, [40, 0, 33, 64], 16), "gather", {"MLA_KEYS": 16, "MLA_TRANS": True, "MLA_LAZY_SUM": True,
-                                                    "MLA_Q_LOOP": False, "MLA_SPLIT_KEYS": 32}),
-    (Step([1] * 3, [70, 17, 50], 32), "default", {"MLA_KEYS": 16, "MLA_LAZY_SUM": True, "MLA_ACC_DOT": True}),
-    (SPECS["ragged_partial"], "gather", {"MLA_LAZY_SUM": True, "MLA_SPLIT_KEYS": 16}),
-    (SPECS["decode"], "default", {"MLA_TRANS": True, "MLA_ONE_SLOT": False, "MLA_SPLIT_KEYS": 8}),
-    # each token's whole slots first, without masks (FULL_FIRST): partial, empty and whole slots, splits that
-    # end inside the whole ones or past them, both layouts, with the other switches
-    (Step([1] * 4, [40, 0, 33, 64], 16), "default", {"MLA_KEYS": 16, "MLA_FULL_FIRST": True, "MLA_SPLIT_KEYS": 16}),
-    (Step([1] * 4, [40, 0, 33, 64], 16), "gather", {"MLA_KEYS": 16, "MLA_FULL_FIRST": True, "MLA_SPLIT_KEYS": 8,
-                                                    "MLA_TRANS": True}),
-    (Step([1] * 3, [70, 17, 50], 32), "default", {"MLA_KEYS": 16, "MLA_FULL_FIRST": True, "MLA_Q_LOOP": False,
-                                                  "MLA_ACC_DOT": True}),
-    (Step([6, 1, 3], [40, 33, 17], 16), "gather", {"MLA_KEYS": 16, "MLA_FULL_FIRST": True}),  # prompt chunks
-    (Step([6, 1, 3], [40, 33, 17], 16), "default", {"MLA_KEYS": 16, "MLA_FULL_FIRST": True, "MLA_LAZY_SUM": True,
-                                                    "MLA_SPLIT_KEYS": 16}),
 ]
 
 
@@ -72,8 +54,7 @@ def run(device: str = "cpu") -> int:
 
     attention.mla_unique_route = route
     saved = {k: getattr(mla_decode, k)
-             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_TRANS",
-                      "MLA_LAZY_SUM", "MLA_ACC_DOT", "MLA_FULL_FIRST")}
+             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP")}
     try:
         for step, mode, consts in CASES:
             for k, v in consts.items():

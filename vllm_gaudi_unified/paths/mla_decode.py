@@ -64,16 +64,13 @@ MLA_V_LOAD = 0
 #: at the old 32-head constants, spills 30 -> 2).
 MLA_ONE_SLOT = True
 #: Whether the kernel loads its query tile in every loop step (`mla_kernel.py`: Q_LOOP), not once before
-#: the loop (run 6: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms).
+#: the loop (run 6: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms; Triton hoists the load out of
+#: the loop either way, run 9's SASS).
 MLA_Q_LOOP = True
-#: The products transposed (`mla_kernel.py`: TRANS, with `MLA_V_LOAD` 0), the softmax's sums kept per key
-#: column until the end (LAZY_SUM), the values product added inside the matmul (ACC_DOT).
-MLA_TRANS = False
-MLA_LAZY_SUM = False
-MLA_ACC_DOT = False
-#: Whether each token's wholly visible slots come first and run without bounds or masks (FULL_FIRST; with
-#: ONE_SLOT): in a decode step every slot but each token's last.
-MLA_FULL_FIRST = False
+#: Runs 8 and 9 (docs/benchmarks.md, MLA) kept these constants: the cache's row stride made a compile-time
+#: constant took the kernel from 0.67 to 0.62 ms; every other variant swept (the latent in halves, tensor
+#: descriptors, loop pipelining, warp specialisation, the products transposed for 16 or 32 heads per program,
+#: unmasked whole slots first, sums per key, 32-key tiles, two splits) ran 0.62-2.1 ms.
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
@@ -122,9 +119,7 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     bs = key_cache.shape[1]
-    one_slot = MLA_ONE_SLOT and bs % MLA_KEYS == 0
-    full_first = MLA_FULL_FIRST and one_slot
-    order, starts, full = _slot_order(batch, n, q.device, block_size=bs if full_first else None)
+    order, starts = _slot_order(batch, n, q.device)
     ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
     splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
@@ -135,42 +130,31 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = q if key is None else key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()  # (q: unused)
     block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
-    trans = MLA_TRANS and MLA_V_LOAD == 0
-    # (8 warps: two warpgroups of 64 rows: heads, or with TRANS the latent dims)
-    warps = MLA_WARPS if block_h >= 64 or trans else min(MLA_WARPS, 4)
+    warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
     dr = d - value_dim
     mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
-        q, k, key_cache, order, starts, starts if full is None else full, ids, batch.unique_lo, batch.unique_hi,
-        acc, m, total, scale, splits,
+        q, k, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
         HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
         BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
-        ONE_SLOT=one_slot, Q_LOOP=MLA_Q_LOOP, FULL_FIRST=full_first,
-        SELF=key is not None, TRANS=trans, LAZY_SUM=MLA_LAZY_SUM, ACC_DOT=MLA_ACC_DOT, num_warps=warps,
-        num_stages=MLA_STAGES)
+        ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
+        SELF=key is not None, num_warps=warps, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
-def _slot_order(batch, n: int, device, keep: bool = True, block_size: int | None = None):
+def _slot_order(batch, n: int, device, keep: bool = True):
     """The unique slots sorted by token and each token's start in that order (`n + 1` starts), on `device`,
     once per batch eagerly with `keep` (not kept while torch compiles or a CUDA graph captures: a graph
-    replays with its batch's buffers refilled, so it must sort them itself). With `block_size` (the
-    kernel's FULL_FIRST): within each token the slots it sees whole (`lo` 0, `hi` the block size) first,
-    and a third value, their count per token (`[n + 1]`); without, the third value is None."""
+    replays with its batch's buffers refilled, so it must sort them itself)."""
     eager = keep and not (torch.compiler.is_compiling()
                           or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     hit = _ORDERS.get(batch) if eager else None
-    if hit is not None and hit[0] == (device, n, block_size):
+    if hit is not None and hit[0] == (device, n):
         return hit[1]
-    if block_size is None:
-        out = (*token_order(batch.unique_rows, n), None)
-    else:  # sorted by (token, partial): starts of both halves of every token
-        partial = (batch.unique_lo != 0) | (batch.unique_hi != block_size)
-        order, halves = token_order(batch.unique_rows * 2 + partial.to(batch.unique_rows.dtype), 2 * n + 1)
-        out = (order, halves[0::2].contiguous(), halves[1::2] - halves[0:-1:2])
+    order, starts = token_order(batch.unique_rows, n)
     if eager:
-        _ORDERS[batch] = ((device, n, block_size), out)
-    return out
+        _ORDERS[batch] = ((device, n), (order, starts))
+    return order, starts
 
 
 def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,

@@ -15,16 +15,13 @@ launched next to each other (grid axis 0), so the tile is read from HBM once
 and from L2 by the others. Each (token, split) writes one `Partial` row; the
 splits (a power of two) are merged by `merge.fold_pairwise`.
 
-`TRANS` computes the same products transposed (scores `[keys, heads]` as
-`tile @ q^T`, the output `[L, heads]` as `tile^T @ p^T`): the values product's
-rows are then the latent dims (512 rows: each warpgroup of 8 warps takes its
-own half of them, as FlashMLA splits V) rather than the heads. `LAZY_SUM`
-keeps the softmax's denominators per (head, key column) and sums them once at
-the end (one cross-warp reduction less per tile); `ACC_DOT` adds the values
-product into the accumulator inside the matmul. `FULL_FIRST`: each token's
-slots that it sees whole come first (sorted so on the host's side), and their
-tiles run in a loop of their own without bounds reads or masks (in a decode
-step, every slot but the last of each token).
+The cache's row stride is a compile-time constant (one value per model), so a
+tile's addresses are constant offsets from one base (run 9: 0.67 -> 0.62 ms at
+128 x 4096 keys on an H100, 255 -> 246 registers). Variants measured slower
+and removed (docs/benchmarks.md, MLA runs 8 and 9): the latent in two halves,
+tensor-descriptor loads, Triton's loop pipelining and warp specialisation, the
+products transposed, the sums kept per key, wholly visible slots first and
+unmasked.
 
 Only the slots a row may see are loaded (`lo <= slot < hi`): a NaN in an
 unreadable slot is never read. Imported only where Triton is.
@@ -36,49 +33,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _per_head(x, TRANS: tl.constexpr):
-    """A `[BLOCK_H]` vector broadcast along the keys (or latent dims) of a tile in the kernel's orientation."""
-    if TRANS:
-        return x[None, :]
-    else:
-        return x[:, None]
-
-
-@triton.jit
-def _over_keys_max(s, TRANS: tl.constexpr):
-    """Each head's max over a tile's keys."""
-    if TRANS:
-        return tl.max(s, 0)
-    else:
-        return tl.max(s, 1)
-
-
-@triton.jit
-def _over_keys_sum(s, TRANS: tl.constexpr):
-    """Each head's sum over a tile's keys."""
-    if TRANS:
-        return tl.sum(s, 0)
-    else:
-        return tl.sum(s, 1)
-
-
-@triton.jit
-def _per_key(x, TRANS: tl.constexpr):
-    """A `[KEYS]` (or `[DV]`) vector broadcast along the heads of a tile in the kernel's orientation."""
-    if TRANS:
-        return x[:, None]
-    else:
-        return x[None, :]
-
-
-@triton.jit
 def _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr, sc_b, sc_s, scale, h_ok, m_i, l_i, acc,
           q_nope, q_pe, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr, DR_PAD: tl.constexpr,
           BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr, ONE_SLOT: tl.constexpr,
-          Q_LOOP: tl.constexpr, TRANS: tl.constexpr, LAZY_SUM: tl.constexpr, ACC_DOT: tl.constexpr,
-          MASKED: tl.constexpr):
-    """Keys `[start, start + KEYS)` of the token folded into (m, l, acc). Not `MASKED` (`ONE_SLOT`, and
-    every key of the tile visible to the token, `k_end` past it): no bounds read, no masks."""
+          Q_LOOP: tl.constexpr):
+    """Keys `[start, start + KEYS)` of the token (only those below `k_end`) folded into (m, l, acc)."""
     acc_dtype = acc.dtype
     offs_v = tl.arange(0, DV_PAD)
     offs_r = tl.arange(0, DR_PAD)
@@ -93,9 +52,8 @@ def _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr,
             blk = slot
         else:
             blk = tl.load(ids_ptr + slot)
-        if MASKED:
-            lo = tl.load(lo_ptr + slot)
-            hi = tl.load(hi_ptr + slot)
+        lo = tl.load(lo_ptr + slot)
+        hi = tl.load(hi_ptr + slot)
     else:
         slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
         if SLICE:
@@ -104,21 +62,14 @@ def _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr,
             blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
         lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
         hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
-    if MASKED:
-        vis = key_ok & (j >= lo) & (j < hi)
-    else:
-        vis = tl.full([KEYS], 1, tl.int1)
+    vis = key_ok & (j >= lo) & (j < hi)
     if Q_LOOP:  # the query read again each step (from L1/L2): it streams through shared memory
         q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
         q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     base = blk.to(tl.int64) * sc_b + j * sc_s
     row = c_ptr + base[:, None]
     k_pe = tl.load(row + DV + offs_r[None, :], mask=vis[:, None] & r_ok[None, :], other=0.0)
-    if TRANS:  # scores [KEYS, BLOCK_H]: the tile is the left operand of both products
-        c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
-        s = tl.dot(c, tl.trans(q_nope)).to(acc_dtype)
-        s += tl.dot(k_pe, tl.trans(q_pe)).to(acc_dtype)
-    elif V_LOAD == 0:  # one load: the tile is the keys (transposed in registers) and the values
+    if V_LOAD == 0:  # one load: the tile is the keys (transposed in registers) and the values
         c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
         s = tl.dot(q_nope, tl.trans(c)).to(acc_dtype)
         s += tl.dot(q_pe, tl.trans(k_pe)).to(acc_dtype)
@@ -127,49 +78,34 @@ def _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr,
         s = tl.dot(q_nope, c_t).to(acc_dtype)
         s += tl.dot(q_pe, tl.trans(k_pe)).to(acc_dtype)
     # cast after scaling: under torch.compile a float argument is fp64 (the loop carries acc's dtype)
-    s = tl.where(_per_key(vis, TRANS), (s * scale).to(acc_dtype), float("-inf"))  # [BLOCK_H, KEYS] (or ^T)
-    m_new = tl.maximum(m_i, _over_keys_max(s, TRANS))
+    s = tl.where(vis[None, :], (s * scale).to(acc_dtype), float("-inf"))  # [BLOCK_H, KEYS]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - _per_head(m_safe, TRANS))
-    if LAZY_SUM:
-        l_i = l_i * _per_head(alpha, TRANS) + p
-    else:
-        l_i = l_i * alpha + _over_keys_sum(p, TRANS)
-    if TRANS:
-        acc = tl.dot(tl.trans(c), p.to(c.dtype), acc * alpha[None, :])
-    else:
-        if V_LOAD != 0:
-            c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
-        if ACC_DOT:
-            acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None])
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c).to(acc_dtype)
-    m_i = m_new
-    return m_i, l_i, acc
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_LOAD != 0:
+        c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
+    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c).to(acc_dtype)
+    return m_new, l_i, acc
 
 
-def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, full_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
-              scale, splits, sq_t, sq_h, sk_t, sc_b, sc_s: tl.constexpr,
+def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, scale, splits,
+              sq_t, sq_h, sk_t, sc_b, sc_s: tl.constexpr,
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
               DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
-              ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False,
-              TRANS: tl.constexpr = False, LAZY_SUM: tl.constexpr = False, ACC_DOT: tl.constexpr = False,
-              FULL_FIRST: tl.constexpr = False):
+              ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
-    (strides `sc_b`, `sc_s`, last 1; `sc_s` a constant: a tile's addresses are offsets from one base),
-    `order`: slot ids sorted by token, `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per
-    slot (unless `SLICE`: slot = block id), `lo`/`hi` its visible slots. Out: acc `[n, splits, HQ, DV]`,
-    m/l `[n, splits, HQ]` (fp32 or fp64: acc's dtype); the token's keys are cut into `splits` parts of
-    whole `KEYS` tiles. `V_LOAD` 0: the latent tile is loaded
-    once and serves both products; 1: loaded as keys transposed and again as values (the second read
-    hits the cache; each load lands in its product's layout). `ONE_SLOT` (needs `BS % KEYS == 0`): a tile's
-    slot, block and bounds are loaded once as scalars, not per key. `Q_LOOP`: the query tile is loaded in
-    each loop step rather than held from the start (registers against reloads). `SELF`: the new tokens'
-    keys `k` `[n, DV + DR]` (row stride `sk_t`, last 1): split 0 of token t starts from its own pair.
-    `TRANS` (with `V_LOAD` 0), `LAZY_SUM`, `ACC_DOT`: the module docstring. `FULL_FIRST` (with `ONE_SLOT`):
-    each token's slots that it sees whole come first in `order`, `full[t]` of them: their tiles are read
-    without bounds or masks."""
+    (strides `sc_b`, `sc_s`, last 1; `sc_s` a compile-time constant), `order`: slot ids sorted by token,
+    `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block
+    id), `lo`/`hi` its visible slots. Out: acc `[n, splits, HQ, DV]`, m/l `[n, splits, HQ]` (fp32 or
+    fp64: acc's dtype); the token's keys are cut into `splits` parts of whole `KEYS` tiles. `V_LOAD` 0:
+    the latent tile is loaded once and serves both products; 1: loaded as keys transposed and again as
+    values (the second read hits the cache; each load lands in its product's layout). `ONE_SLOT` (needs
+    `BS % KEYS == 0`): a tile's slot, block and bounds are loaded once as scalars, not per key. `Q_LOOP`:
+    the query tile is loaded in each loop step rather than held from the start (registers against
+    reloads). `SELF`: the new tokens' keys `k` `[n, DV + DR]` (row stride `sk_t`, last 1): split 0 of
+    token t starts from its own pair."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
@@ -194,14 +130,7 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, full_ptr, ids_ptr, lo_
         q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), acc_dtype)
     l_i = tl.zeros([BLOCK_H], acc_dtype)
-    if TRANS:
-        acc = tl.zeros([DV_PAD, BLOCK_H], acc_dtype)
-        if LAZY_SUM:
-            l_i = tl.zeros([KEYS, BLOCK_H], acc_dtype)
-    else:
-        acc = tl.zeros([BLOCK_H, DV_PAD], acc_dtype)
-        if LAZY_SUM:
-            l_i = tl.zeros([BLOCK_H, KEYS], acc_dtype)
+    acc = tl.zeros([BLOCK_H, DV_PAD], acc_dtype)
     if SELF:  # split 0 starts from the token's own key (weight 1 at its score): no separate self pair
         k_row = k_ptr + t * sk_t
         kn = tl.load(k_row + offs_v, mask=v_ok, other=0.0).to(acc_dtype)
@@ -211,29 +140,14 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, full_ptr, ids_ptr, lo_
         s_self = ((tl.sum(qn * kn[None, :], 1) + tl.sum(qr * kr[None, :], 1)) * scale).to(acc_dtype)
         here = sp == 0
         m_i = tl.where(here, s_self, m_i)
-        if LAZY_SUM:  # (the weight 1 in the first key column)
-            l_i = tl.where(here & _per_key(tl.arange(0, KEYS) == 0, TRANS), 1.0, l_i).to(acc_dtype)
-        else:
-            l_i = tl.where(here, 1.0, l_i).to(acc_dtype)
-        acc = tl.where(here, acc + _per_key(kn, TRANS), acc)
-    k_mid = k_begin  # keys before k_mid: in slots the token sees whole (FULL_FIRST), read without masks
-    if FULL_FIRST:
-        k_mid = tl.minimum(tl.maximum(tl.load(full_ptr + t) * BS, k_begin), k_end)
-        for start in range(k_begin, k_mid, KEYS):
-            m_i, l_i, acc = _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr, sc_b, sc_s,
-                                  scale, h_ok, m_i, l_i, acc, q_nope, q_pe, DV, DV_PAD, DR, DR_PAD, BS, KEYS, SLICE,
-                                  V_LOAD, ONE_SLOT, Q_LOOP, TRANS, LAZY_SUM, ACC_DOT, False)
-    for start in tl.range(k_mid, k_end, KEYS, disable_licm=FULL_FIRST):  # (the tail: nothing hoisted past it)
+        l_i = tl.where(here, 1.0, l_i).to(acc_dtype)
+        acc = tl.where(here, acc + kn[None, :], acc)
+    for start in range(k_begin, k_end, KEYS):
         m_i, l_i, acc = _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr, sc_b, sc_s,
                               scale, h_ok, m_i, l_i, acc, q_nope, q_pe, DV, DV_PAD, DR, DR_PAD, BS, KEYS, SLICE,
-                              V_LOAD, ONE_SLOT, Q_LOOP, TRANS, LAZY_SUM, ACC_DOT, True)
-    if LAZY_SUM:
-        l_i = _over_keys_sum(l_i, TRANS)
+                              V_LOAD, ONE_SLOT, Q_LOOP)
     out = (t * splits + sp) * HQ + heads
-    if TRANS:
-        tl.store(acc_ptr + out[None, :] * DV + offs_v[:, None], acc, mask=h_ok[None, :] & v_ok[:, None])
-    else:
-        tl.store(acc_ptr + out[:, None] * DV + offs_v[None, :], acc, mask=h_ok[:, None] & v_ok[None, :])
+    tl.store(acc_ptr + out[:, None] * DV + offs_v[None, :], acc, mask=h_ok[:, None] & v_ok[None, :])
     tl.store(m_ptr + out, m_i, mask=h_ok)
     tl.store(l_ptr + out, l_i, mask=h_ok)
 
