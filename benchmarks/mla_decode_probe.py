@@ -12,7 +12,11 @@ keys, `benchmarks/mla_decode.py`'s scenario).
   over chunks of requests whose gathered latents fit in L2;
 * `kernel`: each constant set of `KERNELS` on the whole step (error against the dense reference, median
   time, kernel time alone, TFLOP/s of the kernel, its registers, spills and shared memory); `--best FILE`
-  keeps the fastest correct set for `benchmarks.mla_decode --consts FILE`.
+  keeps the fastest correct set for `benchmarks.mla_decode --consts FILE`; `--kernels-only` stops there.
+
+`--once FILE` runs three steps of the CUDA route with the constants in FILE and nothing else: the process
+to hand a profiler (`ncu -k regex:mla_body -c 1 ... python -m benchmarks.mla_decode_probe --out /dev/null
+--once FILE`, run 9).
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ from benchmarks.mla_decode import timed
 from vllm_gaudi_unified.paths import fused, mla_decode, mla_kernel
 from vllm_gaudi_unified.paths.mla_shared import latent_attend
 
-#: (heads per program, keys per step, warps, stages, keys a split aims at, V_LOAD, ONE_SLOT[, Q_LOOP])
+#: (heads per program, keys per step, warps, stages, keys a split aims at, V_LOAD, ONE_SLOT[, Q_LOOP]): run 6's
+#: sweep; runs 8 and 9 swept switches since removed (their rows: benchmarks/results/mla_h100/run8_*, run9_*)
 KERNELS = [
     (32, 32, 4, 2, 16384, 0, False),  # run 5's constants (before ONE_SLOT)
     (32, 32, 4, 2, 16384, 0, True),
@@ -172,7 +177,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--best", help="write the fastest correct constants here (JSON, for mla_decode --consts)")
+    parser.add_argument("--kernels-only", action="store_true", help="the kernel's sweep alone (no Gaudi route parts)")
+    parser.add_argument("--once", help="constants (JSON, as --best writes): three steps of the CUDA route, nothing "
+                                       "else (for a profiler)")
     args = parser.parse_args()
+    if args.once:
+        with open(args.once) as f:
+            consts = json.load(f)
+        case = setup("decode_128x4k", [4096] * 128, 0)
+        with extra_consts(tuple(consts[k] for k in CONSTS)):
+            for _ in range(3):
+                case["step"]()
+        torch.cuda.synchronize()
+        return
     rates = read_bandwidth(), matmul_rate()
     report = {"device": torch.cuda.get_device_name(), "read_bandwidth_GBps": rates[0] / 1e9,
               "matmul_TFLOPs": rates[1] / 1e12}
@@ -188,6 +205,8 @@ def main() -> None:
 
     best = kernels(case, report, entry["attention_flops"], args.best)
     save()
+    if args.kernels_only:
+        return
     try:
         with fused.gaudi_route():
             report["gaudi_ms"] = timed(case["step"])

@@ -64,8 +64,13 @@ MLA_V_LOAD = 0
 #: at the old 32-head constants, spills 30 -> 2).
 MLA_ONE_SLOT = True
 #: Whether the kernel loads its query tile in every loop step (`mla_kernel.py`: Q_LOOP), not once before
-#: the loop (run 6: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms).
+#: the loop (run 6: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms; Triton hoists the load out of
+#: the loop either way, run 9's SASS).
 MLA_Q_LOOP = True
+#: Runs 8 and 9 (docs/benchmarks.md, MLA) kept these constants: the cache's row stride made a compile-time
+#: constant took the kernel from 0.67 to 0.62 ms; every other variant swept (the latent in halves, tensor
+#: descriptors, loop pipelining, warp specialisation, the products transposed for 16 or 32 heads per program,
+#: unmasked whole slots first, sums per key, 32-key tiles, two splits) ran 0.62-2.1 ms.
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)

@@ -15,6 +15,14 @@ launched next to each other (grid axis 0), so the tile is read from HBM once
 and from L2 by the others. Each (token, split) writes one `Partial` row; the
 splits (a power of two) are merged by `merge.fold_pairwise`.
 
+The cache's row stride is a compile-time constant (one value per model), so a
+tile's addresses are constant offsets from one base (run 9: 0.67 -> 0.62 ms at
+128 x 4096 keys on an H100, 255 -> 246 registers). Variants measured slower
+and removed (docs/benchmarks.md, MLA runs 8 and 9): the latent in two halves,
+tensor-descriptor loads, Triton's loop pipelining and warp specialisation, the
+products transposed, the sums kept per key, wholly visible slots first and
+unmasked.
+
 Only the slots a row may see are loaded (`lo <= slot < hi`): a NaN in an
 unreadable slot is never read. Imported only where Triton is.
 """
@@ -24,21 +32,80 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr, sc_b, sc_s, scale, h_ok, m_i, l_i, acc,
+          q_nope, q_pe, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr, DR_PAD: tl.constexpr,
+          BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr, ONE_SLOT: tl.constexpr,
+          Q_LOOP: tl.constexpr):
+    """Keys `[start, start + KEYS)` of the token (only those below `k_end`) folded into (m, l, acc)."""
+    acc_dtype = acc.dtype
+    offs_v = tl.arange(0, DV_PAD)
+    offs_r = tl.arange(0, DR_PAD)
+    v_ok = offs_v < DV
+    r_ok = offs_r < DR
+    kk = start + tl.arange(0, KEYS)
+    key_ok = kk < k_end
+    j = kk % BS
+    if ONE_SLOT:  # KEYS divides BS: the tile lies in one slot, read as scalars (its rows are contiguous)
+        slot = tl.load(order_ptr + first + start // BS)
+        if SLICE:
+            blk = slot
+        else:
+            blk = tl.load(ids_ptr + slot)
+        lo = tl.load(lo_ptr + slot)
+        hi = tl.load(hi_ptr + slot)
+    else:
+        slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
+        if SLICE:
+            blk = slot
+        else:
+            blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
+        lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
+        hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
+    vis = key_ok & (j >= lo) & (j < hi)
+    if Q_LOOP:  # the query read again each step (from L1/L2): it streams through shared memory
+        q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+        q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    base = blk.to(tl.int64) * sc_b + j * sc_s
+    row = c_ptr + base[:, None]
+    k_pe = tl.load(row + DV + offs_r[None, :], mask=vis[:, None] & r_ok[None, :], other=0.0)
+    if V_LOAD == 0:  # one load: the tile is the keys (transposed in registers) and the values
+        c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
+        s = tl.dot(q_nope, tl.trans(c)).to(acc_dtype)
+        s += tl.dot(q_pe, tl.trans(k_pe)).to(acc_dtype)
+    else:  # keys loaded transposed, values loaded again (from L1/L2): each load in its dot's layout
+        c_t = tl.load(c_ptr + base[None, :] + offs_v[:, None], mask=vis[None, :] & v_ok[:, None], other=0.0)
+        s = tl.dot(q_nope, c_t).to(acc_dtype)
+        s += tl.dot(q_pe, tl.trans(k_pe)).to(acc_dtype)
+    # cast after scaling: under torch.compile a float argument is fp64 (the loop carries acc's dtype)
+    s = tl.where(vis[None, :], (s * scale).to(acc_dtype), float("-inf"))  # [BLOCK_H, KEYS]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_LOAD != 0:
+        c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
+    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c).to(acc_dtype)
+    return m_new, l_i, acc
+
+
 def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, scale, splits,
-              sq_t, sq_h, sk_t, sc_b, sc_s,
+              sq_t, sq_h, sk_t, sc_b, sc_s: tl.constexpr,
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
               DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
               ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
-    (strides `sc_b`, `sc_s`, last 1), `order`: slot ids sorted by token, `starts[t]:starts[t+1]` token
-    t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block id), `lo`/`hi` its visible
-    slots. Out: acc `[n, splits, HQ, DV]`, m/l `[n, splits, HQ]` (fp32 or fp64: acc's dtype); the
-    token's keys are cut into `splits` parts of whole `KEYS` tiles. `V_LOAD` 0: the latent tile is loaded
-    once and serves both products; 1: loaded as keys transposed and again as values (the second read
-    hits the cache; each load lands in its product's layout). `ONE_SLOT` (needs `BS % KEYS == 0`): a tile's
-    slot, block and bounds are loaded once as scalars, not per key. `Q_LOOP`: the query tile is loaded in
-    each loop step rather than held from the start (registers against reloads). `SELF`: the new tokens'
-    keys `k` `[n, DV + DR]` (row stride `sk_t`, last 1): split 0 of token t starts from its own pair."""
+    (strides `sc_b`, `sc_s`, last 1; `sc_s` a compile-time constant), `order`: slot ids sorted by token,
+    `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block
+    id), `lo`/`hi` its visible slots. Out: acc `[n, splits, HQ, DV]`, m/l `[n, splits, HQ]` (fp32 or
+    fp64: acc's dtype); the token's keys are cut into `splits` parts of whole `KEYS` tiles. `V_LOAD` 0:
+    the latent tile is loaded once and serves both products; 1: loaded as keys transposed and again as
+    values (the second read hits the cache; each load lands in its product's layout). `ONE_SLOT` (needs
+    `BS % KEYS == 0`): a tile's slot, block and bounds are loaded once as scalars, not per key. `Q_LOOP`:
+    the query tile is loaded in each loop step rather than held from the start (registers against
+    reloads). `SELF`: the new tokens' keys `k` `[n, DV + DR]` (row stride `sk_t`, last 1): split 0 of
+    token t starts from its own pair."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
@@ -56,6 +123,8 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
     v_ok = offs_v < DV
     r_ok = offs_r < DR
     q_row = q_ptr + t * sq_t + heads[:, None] * sq_h
+    q_nope = h_ok  # (placeholders: Q_LOOP loads the query in each step)
+    q_pe = h_ok
     if not Q_LOOP:
         q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
         q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
@@ -74,50 +143,9 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
         l_i = tl.where(here, 1.0, l_i).to(acc_dtype)
         acc = tl.where(here, acc + kn[None, :], acc)
     for start in range(k_begin, k_end, KEYS):
-        kk = start + tl.arange(0, KEYS)
-        key_ok = kk < k_end
-        j = kk % BS
-        if ONE_SLOT:  # KEYS divides BS: the tile lies in one slot, read as scalars (its rows are contiguous)
-            slot = tl.load(order_ptr + first + start // BS)
-            if SLICE:
-                blk = slot
-            else:
-                blk = tl.load(ids_ptr + slot)
-            lo = tl.load(lo_ptr + slot)
-            hi = tl.load(hi_ptr + slot)
-        else:
-            slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
-            if SLICE:
-                blk = slot
-            else:
-                blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
-            lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
-            hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
-        vis = key_ok & (j >= lo) & (j < hi)
-        if Q_LOOP:  # the query read again each step (from L1/L2): it streams through shared memory
-            q_nope = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
-            q_pe = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-        base = blk.to(tl.int64) * sc_b + j * sc_s
-        row = c_ptr + base[:, None]
-        if V_LOAD == 0:  # one load: the tile is the keys (transposed in registers) and the values
-            c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
-            s = tl.dot(q_nope, tl.trans(c)).to(acc_dtype)
-        else:  # keys loaded transposed, values loaded again (from L1/L2): each load in its dot's layout
-            c_t = tl.load(c_ptr + base[None, :] + offs_v[:, None], mask=vis[None, :] & v_ok[:, None], other=0.0)
-            s = tl.dot(q_nope, c_t).to(acc_dtype)
-        k_pe = tl.load(row + DV + offs_r[None, :], mask=vis[:, None] & r_ok[None, :], other=0.0)
-        s += tl.dot(q_pe, tl.trans(k_pe)).to(acc_dtype)
-        # cast after scaling: under torch.compile a float argument is fp64 (the loop carries acc's dtype)
-        s = tl.where(vis[None, :], (s * scale).to(acc_dtype), float("-inf"))  # [BLOCK_H, KEYS]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_LOAD != 0:
-            c = tl.load(row + offs_v[None, :], mask=vis[:, None] & v_ok[None, :], other=0.0)  # [KEYS, DV]
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c).to(acc_dtype)
-        m_i = m_new
+        m_i, l_i, acc = _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr, sc_b, sc_s,
+                              scale, h_ok, m_i, l_i, acc, q_nope, q_pe, DV, DV_PAD, DR, DR_PAD, BS, KEYS, SLICE,
+                              V_LOAD, ONE_SLOT, Q_LOOP)
     out = (t * splits + sp) * HQ + heads
     tl.store(acc_ptr + out[:, None] * DV + offs_v[None, :], acc, mask=h_ok[:, None] & v_ok[None, :])
     tl.store(m_ptr + out, m_i, mask=h_ok)
