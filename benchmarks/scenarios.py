@@ -80,6 +80,14 @@ def scenarios(scale: float = 1.0, seed: int = 0) -> list[Scenario]:
                  prefix=((0, 16, s(2048)),), target_ms=0.03, triton_ms=0.066),
         Scenario("scattered", "decode 256 x 2k, blocks over a 6x cache", _rep(s(256), 1), _rep(s(256), s(2048)),
                  spread=6.0, dense_twin="decode_256x2k"),
+        # prompt shapes beside issue 23's (its goals are re-measured "with cases you have not seen"): one long
+        # chunk, many short ones, ragged chunks over ragged contexts with a fresh prompt among them (partial
+        # last blocks, a context of 0 in a bucket with context), ragged prompts without context
+        Scenario("chunked_1x4k_12k", "chunked prefill 1 x 4k over 12k", (s(4096),), (s(12288),)),
+        Scenario("chunked_8x512_2k", "chunked prefill 8 x 512 over 2k", _rep(8, s(512)), _rep(8, s(2048))),
+        Scenario("chunked_ragged", "chunked prefill 256/1k/1.9k/700 over 7k/300/1.5k/0",
+                 (s(256), s(1024), s(1900), s(700)), (s(7000), s(300), s(1500), 0)),
+        Scenario("prefill_ragged", "prefill 100/1.5k/3k/700", (s(100), s(1500), s(3000), s(700)), _rep(4, 0)),
     ]
 
 
