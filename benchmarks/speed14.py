@@ -37,7 +37,8 @@ def _variants(spec: str) -> dict:
     """name -> PlanOptions overrides of the default ('default': none). Keys that are not options:
     `gaudi:1` runs the variant on the Gaudi route (`paths.fused.gaudi_route`: no flash varlen, no
     Triton), `device_table:1` starts from the device's measured options (`device_options.py`),
-    `prompt_flash:1` the prompt route through flash varlen, `step_bias:0` makes the prompt route's mask
+    `prompt_flash:1` / `prompt_flash:0` the prompt route through flash varlen always / never (default: for
+    ragged prompts, `StepPlan.prompt_ragged`), `step_bias:0` makes the prompt route's mask
     in each call instead of once per step (`UnifiedBatch.with_prompt_bias`, untimed, as the peer's
     `attn_bias`; both runners make it once per step)."""
     out = {"default": {}}
@@ -163,7 +164,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
             over = dict(over)
             gaudi, table_ = over.pop("gaudi", False), over.pop("device_table", False)
             step_bias = over.pop("step_bias", True)
-            attention.PROMPT_FLASH = over.pop("prompt_flash", False)
+            attention.PROMPT_FLASH = over.pop("prompt_flash", None)
             kind = device_kind(device.type, torch.cuda.get_device_name(device)) if table_ else ""
             knobs = unique_knobs(over)
             knobs.__enter__()
@@ -208,7 +209,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
         finally:
             route.__exit__(None, None, None)
             knobs.__exit__(None, None, None)
-            attention.PROMPT_FLASH = False
+            attention.PROMPT_FLASH = None
         graphs.clear()
         torch._dynamo.reset()
         gc.collect()

@@ -56,7 +56,8 @@ def test_flash_paths_read_fp8_through_read_blocks(routes, fmt, spec_name):
         out = unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
         assert_matches(out, reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37))
         assert "fused_unique_partial" in routes if batch.phase[2] == "u" else "unique_partial" not in routes
-        assert routes.count("flash") == sum(p != "-" for p in batch.phase)  # shared and unique through flash
+        # shared and unique through flash, and the prompt route where its prompts are ragged
+        assert routes.count("flash") == sum(p != "-" for p in batch.phase) + batch.plan.prompt_ragged
         routes.clear()
 
 

@@ -39,8 +39,8 @@ def flash_calls(monkeypatch):
 def test_every_spec_through_flash(flash_calls, spec_name, options):
     out, ref, batch = run_case(SPECS[spec_name], options=options)
     assert_matches(out, ref)
-    # one call per path with work (the prompt route takes torch SDPA unless `attention.PROMPT_FLASH`)
-    assert len(flash_calls) == sum(p != "-" for p in batch.phase)
+    # one call per path with work, and the prompt route's flash call when its prompts are ragged (else SDPA)
+    assert len(flash_calls) == sum(p != "-" for p in batch.phase) + batch.plan.prompt_ragged
 
 
 @pytest.mark.parametrize("options", [SMALL_TILES, PlanOptions()], ids=["small", "default"])
@@ -272,3 +272,33 @@ def test_fused_sdpa_statistics_give_the_lse_the_split_prompt_form_merges(causal)
                              fused.sdpa_lse_matmul(q, k, v, bias, 0.3, causal=causal)):
         torch.testing.assert_close(got_out, want, rtol=0, atol=1e-12)
         torch.testing.assert_close(got_lse, s.logsumexp(-1), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("setting", [None, False], ids=["default", "never"])
+def test_ragged_prompts_take_flash_by_default(flash_calls, monkeypatch, setting):
+    """`StepPlan.prompt_ragged` (the prompts fill less than `RAGGED_FILL` of their padded grid): on CUDA
+    the final form is one flash varlen call over their real rows (`attention.prompt_flash`) unless
+    `PROMPT_FLASH` is False; prompts that fill their grid keep the grid's SDPA calls. Padded to a bucket,
+    the bucket's grid decides."""
+    from vllm_gaudi_unified.plan.prompts import RAGGED_FILL, prompt_ragged
+
+    monkeypatch.setattr(attention, "PROMPT_FLASH", setting)
+    ragged = Step([2, 11, 3], [29, 0, 6], 4)  # short chunks over long contexts beside a fresh prompt
+    out, ref, batch = run_case(ragged, options=PlanOptions())
+    assert_matches(out, ref)
+    assert batch.plan.prompts_only and batch.plan.prompt_ragged
+    assert flash_calls == ([False] if setting is None else [])
+    flash_calls.clear()
+    even = Step([6, 6], [8, 8], 4)
+    out, ref, batch = run_case(even, options=PlanOptions())
+    assert_matches(out, ref)
+    assert not batch.plan.prompt_ragged and flash_calls == []
+    big = Bucket(batch.bucket.phase, 64, 0, 0, 2, 0, 2, 24, 16)  # the same prompts in a far larger grid
+    out, ref, padded = run_case(even, options=PlanOptions(), bucket=big)
+    assert_matches(out, ref)
+    assert padded.plan.prompt_ragged and flash_calls == ([False] if setting is None else [])
+    # the rule: real pairs (each row's context and, causal, its new keys) against the grid's
+    lengths, ctx = np.array([6, 6]), np.array([8, 8])
+    real = 2 * (6 * 8 + 21)
+    assert prompt_ragged(lengths, ctx, (2, 6, 2), 4) is (real < RAGGED_FILL * 2 * 6 * (8 + 3.5))
+    assert prompt_ragged(lengths, ctx, (2, 24, 16), 4) and not prompt_ragged(lengths[:0], ctx[:0], (0, 0, 0), 4)

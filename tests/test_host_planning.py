@@ -105,8 +105,8 @@ def digest(plan: StepPlan) -> str:
     h = hashlib.sha1()
     for f in fields(StepPlan):
         v = getattr(plan, f.name)
-        if f.name == "prompt_grid":  # derived from the prompt arrays, which are hashed (test_prompts checks it)
-            continue
+        if f.name in ("prompt_grid", "prompt_ragged"):  # derived from the prompt arrays, which are hashed
+            continue  # (test_prompts and test_fused check them)
         if (f.name.startswith("prompt_") and (v is None or v.size == 0)) or (f.name == "prompts_only" and not v):
             continue
         if f.name == "options" and not v.batch_invariant:

@@ -29,9 +29,19 @@ from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_
 
 
 #: The prompt route's final form on CUDA through flash varlen (`paths/prompts.py: _flash_rows`) instead of
-#: torch SDPA. Off: measured on the H100 (docs/benchmarks.md, issue 23), torch SDPA (flash / cuDNN /
-#: memory-efficient, the same call the Gaudi route makes) was faster in graphs of eager calls.
-PROMPT_FLASH = False
+#: the grid's SDPA calls: None (default) when the plan says the prompts are ragged (`StepPlan.prompt_ragged`:
+#: flash computes their real rows alone, the grid pads every prompt to the longest); True always, False
+#: never. Measured on the H100 (docs/benchmarks.md, issue 23): the grid's SDPA calls (cuDNN, the calls the
+#: Gaudi route makes) are faster for prompts that fill it, flash for ragged ones.
+PROMPT_FLASH: bool | None = None
+
+
+def prompt_flash(batch, query: torch.Tensor, value_dim: int, soft_cap: float | None) -> bool:
+    """Whether the prompt route's final form is one flash varlen call (`PROMPT_FLASH`): flash takes the
+    step (CUDA kernels on, 16-bit, one head dim for keys and values) and the prompts are ragged."""
+    if value_dim != query.shape[-1] or kernel_for(batch, query, soft_cap) != "flash":
+        return False
+    return bool(getattr(batch.plan, "prompt_ragged", False)) if PROMPT_FLASH is None else PROMPT_FLASH
 
 
 def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -105,8 +115,7 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     if not prompt_route and prompts and not final:
         raise ValueError("prompt_route=False needs the prompt route's final form (no soft cap or sinks, fused "
                          "kernels on): its partial form is merged with the other paths")
-    flash = (final and PROMPT_FLASH and value.shape[-1] == query.shape[-1]  # flash takes one head dim
-             and kernel_for(batch, query, logits_soft_cap) == "flash")
+    flash = final and prompt_flash(batch, query, value.shape[-1], logits_soft_cap)
     if final and batch.plan.prompts_only:  # every token on the prompt route: one call, nothing else
         if not prompt_route:
             return query.new_zeros((padded, query.shape[1], value.shape[-1]))

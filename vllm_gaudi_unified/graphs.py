@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from vllm_gaudi_unified import attention
 from vllm_gaudi_unified.attention import attend_step, checked_step
 from vllm_gaudi_unified.paths import fused, prompts
 
@@ -24,12 +25,13 @@ _COMPILED: dict[tuple, Callable] = {}
 
 def bucket_key(batch, query: torch.Tensor, key_cache: torch.Tensor, **kwargs) -> tuple:
     """Everything that changes the compiled code: bucket, plan options, layout, dtypes (an fp8 cache
-    included), shapes, device, the route and the prompt route's form (`prompts.SPLIT_CONTEXT`), which
-    keyword arguments are given."""
+    included), shapes, device, the route and the prompt route's form (`prompts.SPLIT_CONTEXT`,
+    `attention.PROMPT_FLASH`, and on CUDA the plan's `prompt_ragged`), which keyword arguments are given."""
     return (batch.bucket, tuple(p.bucket for p in getattr(batch, "pieces", ())), batch.plan.options,
             batch.block_size, batch.sliding_window, batch.unique_layout, batch.plan.shared_prefix_visible,
             getattr(batch.plan, "prompts_only", False), getattr(batch.plan, "prompt_grid", False), fused.CUDA_KERNELS,
-            prompts.SPLIT_CONTEXT, query.dtype, key_cache.dtype, tuple(query.shape[1:]), tuple(key_cache.shape),
+            prompts.SPLIT_CONTEXT, attention.PROMPT_FLASH,
+            fused.CUDA_KERNELS and query.device.type == "cuda" and getattr(batch.plan, "prompt_ragged", False), query.dtype, key_cache.dtype, tuple(query.shape[1:]), tuple(key_cache.shape),
             str(query.device),
             tuple(sorted((k, v is None) for k, v in kwargs.items())))
 

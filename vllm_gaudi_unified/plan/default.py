@@ -55,7 +55,8 @@ from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, ch
 from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers
 from vllm_gaudi_unified.plan.decode_shared import repeated, split_shared
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
-from vllm_gaudi_unified.plan.prompts import bucket_grid, pad_prompts, plan_prompts, prompt_grid, prompt_requests
+from vllm_gaudi_unified.plan.prompts import (bucket_grid, pad_prompts, plan_prompts, prompt_grid, prompt_ragged,
+                                             prompt_requests)
 from vllm_gaudi_unified.plan.rules import MAX_SLICE_BLOCKS, causal_spans, shared_pairs, unique_reads_slice
 from vllm_gaudi_unified.plan.shared import plan_shared
 from vllm_gaudi_unified.plan.step_plan import StepPlan
@@ -150,7 +151,8 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
                    work_needed=PathWork(causal_needed, shared_needed + prompt_needed, unique_needed),
                    shared_prefix_visible=shared[4], prompt_rows=prompts[0], prompt_blocks=prompts[1],
                    prompt_ctx=prompts[2], prompt_len=prompts[3], prompts_only=only,
-                   prompt_grid=only and prompt_grid(prompts[0], prompts[3], T))
+                   prompt_grid=only and prompt_grid(prompts[0], prompts[3], T),
+                   prompt_ragged=prompt_ragged(prompts[3], prompts[2], shape.prompts, bs))
 
 
 def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
@@ -325,7 +327,8 @@ def pad_default(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = No
             unique_blocks=None if plan.unique_blocks is None else grow(plan.unique_blocks, nu, 0),
             unique_lo=grow(plan.unique_lo, nu, 0), unique_hi=grow(plan.unique_hi, nu, 0),
             logits_indices=grow(plan.logits_indices, bucket.num_logits, 0), **_pad_prompts(plan, bucket, T, Tp),
-            prompt_grid=bucket_grid(plan.prompts_only, bucket.prompts, Tp))
+            prompt_grid=bucket_grid(plan.prompts_only, bucket.prompts, Tp),
+            prompt_ragged=_ragged(plan, bucket))
 
     def pad(name, n, fill, rows=False):
         a = getattr(plan, name)
@@ -348,8 +351,14 @@ def pad_default(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = No
         unique_blocks=None if plan.unique_blocks is None else pad("unique_blocks", nu, 0),
         unique_lo=pad("unique_lo", nu, 0), unique_hi=pad("unique_hi", nu, 0),
         logits_indices=pad("logits_indices", bucket.num_logits, 0), **_pad_prompts(plan, bucket, T, Tp),
-        prompt_grid=bucket_grid(plan.prompts_only, bucket.prompts, Tp))
+        prompt_grid=bucket_grid(plan.prompts_only, bucket.prompts, Tp), prompt_ragged=_ragged(plan, bucket))
     return trusted(type(plan), **padded)
+
+
+def _ragged(plan, bucket) -> bool:
+    """`prompt_ragged` of the step's prompts in the bucket's grid."""
+    return plan.prompt_len is not None and prompt_ragged(plan.prompt_len, plan.prompt_ctx, bucket.prompts,
+                                                         plan.block_size)
 
 
 def _pad_prompts(plan, bucket, T, Tp) -> dict:

@@ -85,6 +85,25 @@ def prompt_grid(rows: np.ndarray, lengths: np.ndarray, T: int) -> bool:
     return bool((rows == np.arange(p * qp, dtype=rows.dtype).reshape(p, qp))[real].all())
 
 
+#: `prompt_ragged`'s bound: below this share of real pairs in the padded grid, CUDA's final form takes flash
+#: varlen (segments of real rows, no padding computed; `attention.prompt_flash`) instead of the grid's SDPA
+#: calls. Measured on an H100 (docs/benchmarks.md, issue 23, final run): ragged chunks at 1/8 of their grid
+#: took 2.50 ms as a grid against vLLM's Triton 1.72; uniform prompts (fill 1) are faster as the grid.
+RAGGED_FILL = 0.5
+
+
+def prompt_ragged(lengths: np.ndarray, ctx: np.ndarray, prompts: tuple, block_size: int) -> bool:
+    """Whether the prompts' pairs fill less than `RAGGED_FILL` of the grid `prompts` = `(P, Qp, Cb)` pads
+    them to: each of `P * Qp` rows against `Cb` context blocks and, causal, half of `Qp` new keys. A
+    function of the step and its bucket (host numbers), recorded in the plan and the graph key."""
+    p, qp, cb = prompts
+    if p == 0 or qp == 0 or lengths.size == 0:
+        return False
+    n = lengths.astype(np.float64)
+    real = float(np.dot(n, ctx) + np.dot(n, n + 1) / 2)
+    return real < RAGGED_FILL * p * qp * (cb * block_size + (qp + 1) / 2)
+
+
 def bucket_grid(prompts_only: bool, prompts: tuple, query_len: int) -> bool:
     """`prompt_grid` for a step padded to a bucket: one prompt only, so that every step padded to the
     bucket takes the same code (one graph per bucket; a bucket with several prompts would depend on

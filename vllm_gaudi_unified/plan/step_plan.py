@@ -53,6 +53,9 @@ class StepPlan:
     #: the prompts' rows are the step's first rows as a `[num_prompts, prompt_len]` grid (`plan/prompts.py:
     #: prompt_grid`): the device reads the queries and writes the output as views, with no gather
     prompt_grid: bool = field(default=False, kw_only=True)
+    #: the prompts fill less than `plan/prompts.py: RAGGED_FILL` of their padded grid (ragged lengths or
+    #: contexts): where flash varlen exists (CUDA) the final form computes the real rows alone
+    prompt_ragged: bool = field(default=False, kw_only=True)
 
     @property
     def unique_layout(self) -> str:
