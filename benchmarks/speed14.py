@@ -50,8 +50,8 @@ def _variants(spec: str) -> dict:
     return out
 
 
-#: Variant keys that set module constants of the paths (the unique kernel's; `prompt_split:0` the prompt route's
-#: one call with the full bias instead of the split form) for that variant alone: key -> (module of
+#: Variant keys that set module constants of the paths (the unique kernel's; `prompt_split:0` / `:1` the prompt
+#: route's one call with the full bias / its split form, whatever the grid's size) for that variant alone: key -> (module of
 #: `vllm_gaudi_unified.paths`, constant).
 UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_max": ("unique", "KERNEL_MAX_SPLITS"),
                 "uk_keys": ("unique", "KERNEL_KEYS"), "uk_warps": ("unique", "KERNEL_WARPS"),

@@ -136,6 +136,7 @@ def test_two_steps_one_compiled_bucket(device, monkeypatch):
     first step's batch with its buffers refilled in place. The chunk table is built inside."""
     monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", 8)
     bucket = _joint_bucket(TWO_STEPS)
+    torch._dynamo.reset()  # dynamo keys its cache by the code object: the other device's run would count
     route = torch.compile(mla_chunks.chunks_mla_partial, dynamic=False, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         (q, key, kc, first, scale), ref = _route_inputs(TWO_STEPS[0], bucket, 0, device)

@@ -19,7 +19,15 @@ from conftest import SMALL_TILES, TILES, Step, assert_matches, make_block_table,
 from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.bucket import with_prompts
 from vllm_gaudi_unified.plan import pad_plan, plan_step
+from vllm_gaudi_unified.paths import prompts as prompt_paths
 from vllm_gaudi_unified.reference import reference_attention
+
+
+@pytest.fixture(autouse=True)
+def _split_whatever_the_grid(monkeypatch):
+    """The split form on these small grids too (by default it starts at `SPLIT_MIN_PAIRS`): tests of the
+    one call set `SPLIT_CONTEXT` False, `test_the_split_form_starts_at_its_grid_size` the default."""
+    monkeypatch.setattr(prompt_paths, "SPLIT_CONTEXT", True)
 
 UNFUSED = replace(SMALL_TILES, fused_kernels=False)  # the Partial form through the matmul tiles
 
@@ -439,3 +447,27 @@ def test_the_split_form_compiles_once_per_bucket_and_the_key_carries_the_form(mo
         assert bucket_key(batch, q, kc) != split_key
     finally:
         clear()
+
+
+def test_the_split_form_starts_at_its_grid_size(monkeypatch):
+    """By default (`SPLIT_CONTEXT` None) a bucket's grid takes the split form from `SPLIT_MIN_PAIRS` rows x
+    context keys on (a function of the bucket: one graph each), the one call below it; forced either way
+    by `SPLIT_CONTEXT` (a benchmark's `prompt_split:0` gives 0); MLA's expanded prompts never split."""
+    monkeypatch.setattr(prompt_paths, "SPLIT_CONTEXT", None)
+    step = Step([6, 3], [5, 9], 4)
+    table, nb = make_block_table(step, np.random.default_rng(0))
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=nb)
+    p, qp = batch.prompt_rows.shape
+    pairs = p * qp * batch.prompt_blocks.shape[1] * 4
+    monkeypatch.setattr(prompt_paths, "SPLIT_MIN_PAIRS", pairs + 1)
+    assert not prompt_paths.split_context(batch)
+    assert batch.with_prompt_bias(torch.float64).prompt_bias.shape == (p, 1, qp, pairs // (p * qp) + qp)
+    monkeypatch.setattr(prompt_paths, "SPLIT_MIN_PAIRS", pairs)
+    assert prompt_paths.split_context(batch) and not prompt_paths.split_context(batch, same_head_dims=False)
+    q, k, v, kc, vc = make_tensors(step, table, nb)
+    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+    assert_matches(unified_attention(q, k, v, kc, vc, batch, 0.37), ref)
+    for forced, want in ((0, False), (False, False), (1, True), (True, True)):
+        monkeypatch.setattr(prompt_paths, "SPLIT_MIN_PAIRS", 1 << 40 if want else 0)
+        monkeypatch.setattr(prompt_paths, "SPLIT_CONTEXT", forced)
+        assert prompt_paths.split_context(batch) is want

@@ -53,10 +53,18 @@ def final_rows(batch, query: torch.Tensor, soft_cap: float | None, sinks) -> boo
     return soft_cap is None and sinks is None and batch.plan.options.fused_kernels
 
 
-#: The split form for buckets with context blocks (`split_context`); `VLLM_GAUDI_UNIFIED_PROMPT_SPLIT=0`: the one
-#: call with the full bias instead (the before of benchmarks/results/split_ctx_h100). Graphs and compiled
-#: functions keep the form they were made under (`graphs.bucket_key` includes it).
-SPLIT_CONTEXT = os.environ.get("VLLM_GAUDI_UNIFIED_PROMPT_SPLIT", "").strip().lower() not in ("0", "false", "no", "off")
+#: The split form for buckets with context blocks (`split_context`): None (default) from `SPLIT_MIN_PAIRS` on;
+#: `VLLM_GAUDI_UNIFIED_PROMPT_SPLIT=1` always, `=0` never (the one call with the full bias: the before of
+#: benchmarks/results/split_ctx_h100). Graphs and compiled functions keep the form they were made under
+#: (`graphs.bucket_key` includes it).
+SPLIT_CONTEXT: bool | None = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False,
+                              "no": False, "off": False}.get(
+    os.environ.get("VLLM_GAUDI_UNIFIED_PROMPT_SPLIT", "").strip().lower())
+#: The grid's rows x context keys (`P * Qp * Cb * block_size`) from which the split form is the default. Below
+#: it the second call, the merge and the copies cost more than the masked pairs they save: measured on an
+#: H100 over 200 steps of the chat trace (docs/benchmarks.md, issue 23, final run; 32 query heads), the split
+#: form lost 20-100 us a step up to 2M such pairs and won from 4M (2 x 2k over 6k, 25M: 1.69 -> 1.24 ms).
+SPLIT_MIN_PAIRS = 1 << 22
 
 
 def split_context(batch, same_head_dims: bool = True) -> bool:
@@ -68,9 +76,13 @@ def split_context(batch, same_head_dims: bool = True) -> bool:
     Measured (H100, chunked prefill 2 x 2048 over 6144, block 128, benchmarks/results/split_ctx_h100, 5
     rounds): 1.236 ms split against 1.689 ms for the one call (vllm-gaudi's ops 1.686): the one call reads
     its `[P, 1, Qp, Kp]` bias in every tile and computes every pair above the diagonal; cuDNN's time went
-    from 1581 to 1077 us for the two calls. Mixed steps (4 x 512 over 1.5k) 1.931 against 1.933 ms."""
-    blocks = getattr(batch, "prompt_blocks", None)
-    return SPLIT_CONTEXT and same_head_dims and blocks is not None and blocks.shape[0] > 0 and blocks.shape[1] > 0
+    from 1581 to 1077 us for the two calls. Mixed steps (4 x 512 over 1.5k) 1.931 against 1.933 ms. Small
+    grids keep the one call (`SPLIT_MIN_PAIRS`), unless `SPLIT_CONTEXT` forces either form."""
+    blocks, forced = getattr(batch, "prompt_blocks", None), SPLIT_CONTEXT
+    if (forced is not None and not forced) or not same_head_dims or blocks is None or 0 in blocks.shape:
+        return False
+    p, qp = batch.prompt_rows.shape
+    return bool(forced) or p * qp * blocks.shape[1] * batch.block_size >= SPLIT_MIN_PAIRS
 
 
 def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: bool = True, clean: bool = False,
