@@ -111,6 +111,11 @@ def test_a_step_of_prompts_runs_one_call_and_no_other_path(monkeypatch):
     assert calls == [("lse", False, False), ("lse", True, True)]  # split: context with its padding bias, new causal
     assert_matches(out, ref)
     calls.clear()
+    monkeypatch.setattr(fused, "lse_kernel_for", lambda q: False)  # no fused kernel with statistics for these
+    out, ref, _ = run_case(Step([12, 5], [20, 9], 4))             # queries (CUDA, float32): the one call
+    assert calls == [False]
+    assert_matches(out, ref)
+    calls.clear()
     monkeypatch.setattr(prompts, "SPLIT_CONTEXT", False)
     out, ref, _ = run_case(Step([12, 5], [20, 9], 4))
     assert calls == [False]  # one call, with the context's mask

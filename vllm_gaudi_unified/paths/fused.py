@@ -206,8 +206,7 @@ def sdpa_lse(q, k, v, bias, scale: float, causal: bool = False) -> tuple[torch.T
 
         out, m, linv = recomp_stats(torch.ops.hpu.sdpa_recomp_fwd, q, k, v, bias, scale, causal)
         return out.to(q.dtype), m.to(dt) - torch.log(linv.to(dt))
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 \
-            and q.shape[-1] <= 128:
+    if q.device.type == "cuda" and lse_kernel_for(q):
         if bias is not None:  # cuDNN reads a bias of the full score shape (a broadcast view is enough)
             bias = bias.expand(q.shape[0], 1, q.shape[2], k.shape[2])
         out, lse = CUDNN(q, k, v, bias, True, 0.0, causal, False, scale=scale)[:2]
@@ -217,6 +216,16 @@ def sdpa_lse(q, k, v, bias, scale: float, causal: bool = False) -> tuple[torch.T
                                                                              scale=scale)
         return out.to(q.dtype), lse.to(dt)
     return sdpa_lse_matmul(q, k, v, bias, scale, causal)
+
+
+def lse_kernel_for(q: torch.Tensor) -> bool:
+    """Whether `sdpa_lse` runs a fused kernel for queries like `q` (a Gaudi, the CPU, CUDA's cuDNN at 16
+    bits and head dims it takes), not `sdpa_lse_matmul`, which holds every score of the call in memory:
+    the prompt route's split form is for fused kernels only (`paths/prompts.py: prompt_final`)."""
+    if q.device.type in ("hpu", "cpu"):
+        return True
+    return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 \
+        and q.shape[-1] <= 128
 
 
 def sdpa_lse_matmul(q, k, v, bias, scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -284,7 +284,7 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
     i = torch.arange(qp, device=q.device)
     if flash:
         out = _flash_rows(qr, kall, vall, batch, scale)
-    elif split_context(batch, vall.shape[-1] == d):
+    elif split_context(batch, vall.shape[-1] == d and fused.lse_kernel_for(qr)):  # (no split of every score)
         out = _split_rows(qr, kall, vall, batch, scale).transpose(1, 2).reshape(p * qp, hq, d)
     else:
         mask = None  # (none without context: causal)
