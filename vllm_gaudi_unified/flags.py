@@ -1,4 +1,5 @@
-"""Checked flag types: every numeric flag of every command says its range, so nonsense stops at the parser.
+"""Checked flag types: every numeric flag of every command says its range, so nonsense stops at the parser;
+and `env_flag`, the one reading of a boolean environment variable.
 
 `--margin nan`, `--limit -1` or `--resolution 1e9` used to run (for minutes, or
 to a silly result). A `CheckedType` is an argparse `type=` that converts and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from vllm_gaudi_unified.plan.options import TILE_LIMITS
 
@@ -66,6 +68,23 @@ JOBS = int_in(1, 1024)
 
 #: The planner's tile options as flags, each with the planner's own range.
 TILE = {name: int_in(1, limit) for name, limit in TILE_LIMITS.items()}
+
+
+ENV_TRUE = ("1", "true", "yes", "on")
+ENV_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, environ=os.environ) -> bool | None:
+    """True / False for a set boolean variable, None when unset or empty; anything else is an error (a
+    misspelt value never silently means either)."""
+    raw = environ.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw in ENV_TRUE:
+        return True
+    if raw in ENV_FALSE:
+        return False
+    raise ValueError(f"{name}={environ[name]!r}: expected one of {ENV_TRUE + ENV_FALSE}")
 
 
 def comma_ints(text: str) -> str:

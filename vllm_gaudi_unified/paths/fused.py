@@ -21,10 +21,10 @@ sum = 1 (so acc / sum = out and the row's weight is e^LSE).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
+from vllm_gaudi_unified.flags import env_flag
 from vllm_gaudi_unified.merge import Partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 
@@ -33,7 +33,7 @@ FLASH = torch.ops.aten._flash_attention_forward
 #: CUDA-only kernels (flash varlen, the unique path's Triton kernel) allowed. Off (`gaudi_route()`, or
 #: `VLLM_GAUDI_UNIFIED_GAUDI_ROUTE=1`): a CUDA device runs what an HPU runs, the matmul tiles and the
 #: prompt route's plain SDPA call (FusedSDPA on a Gaudi), for side-by-side measurements (issue 23).
-CUDA_KERNELS = os.environ.get("VLLM_GAUDI_UNIFIED_GAUDI_ROUTE", "").strip().lower() not in ("1", "true", "yes", "on")
+CUDA_KERNELS = not env_flag("VLLM_GAUDI_UNIFIED_GAUDI_ROUTE")
 #: CUDA grid limit on the batch dimension of flash's non-varlen launch (the unique path's one block per segment).
 MAX_FLASH_BATCH = 65535
 #: Unique path through flash (one segment per block) from this block size up: measured on an H100

@@ -37,10 +37,9 @@ calls. So a bad value reaches only the rows that attend to it.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm_gaudi_unified.flags import env_flag
 from vllm_gaudi_unified.merge import Partial, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
@@ -57,9 +56,7 @@ def final_rows(batch, query: torch.Tensor, soft_cap: float | None, sinks) -> boo
 #: `VLLM_GAUDI_UNIFIED_PROMPT_SPLIT=1` always, `=0` never (the one call with the full bias: the before of
 #: benchmarks/results/split_ctx_h100). Graphs and compiled functions keep the form they were made under
 #: (`graphs.bucket_key` includes it).
-SPLIT_CONTEXT: bool | None = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False,
-                              "no": False, "off": False}.get(
-    os.environ.get("VLLM_GAUDI_UNIFIED_PROMPT_SPLIT", "").strip().lower())
+SPLIT_CONTEXT: bool | None = env_flag("VLLM_GAUDI_UNIFIED_PROMPT_SPLIT")
 #: The grid's rows x context keys (`P * Qp * Cb * block_size`) from which the split form is the default. Below
 #: it the second call, the merge and the copies cost more than the masked pairs they save: measured on an
 #: H100 over 200 steps of the chat trace (docs/benchmarks.md, issue 23, final run; 32 query heads), the split

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from vllm_gaudi_unified.flags import env_flag
 from vllm_gaudi_unified.hpu import habana_importable
 
 #: "1" activates the plugin off Gaudi (CPU platform + unified backend); "0" keeps it off even
@@ -32,21 +33,6 @@ ENV_DEVICE_OPTIONS = "VLLM_GAUDI_UNIFIED_DEVICE_OPTIONS"
 
 ALL_ENV_VARS = (ENV_ENABLE, ENV_BUCKETS, ENV_WARMUP, ENV_RECORD_TRACE, ENV_BATCH_INVARIANT, ENV_DEVICE_OPTIONS)
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _flag(name: str, environ) -> bool | None:
-    """True / False for a set boolean variable, None when unset or empty; anything else is an error."""
-    raw = environ.get(name, "").strip().lower()
-    if not raw:
-        return None
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{name}={environ[name]!r}: expected one of {_TRUE + _FALSE}")
-
 
 @dataclass(frozen=True)
 class PluginConfig:
@@ -62,17 +48,17 @@ class PluginConfig:
     @classmethod
     def from_env(cls, environ=None) -> "PluginConfig":
         env = os.environ if environ is None else environ
-        batch_invariant = _flag(ENV_BATCH_INVARIANT, env)
+        batch_invariant = env_flag(ENV_BATCH_INVARIANT, env)
         if batch_invariant is None:
-            batch_invariant = bool(_flag("VLLM_BATCH_INVARIANT", env))
-        warmup = _flag(ENV_WARMUP, env)
+            batch_invariant = bool(env_flag("VLLM_BATCH_INVARIANT", env))
+        warmup = env_flag(ENV_WARMUP, env)
         return cls(
-            enable=_flag(ENV_ENABLE, env),
+            enable=env_flag(ENV_ENABLE, env),
             buckets=env.get(ENV_BUCKETS) or None,
             warmup=True if warmup is None else warmup,
             record_trace=env.get(ENV_RECORD_TRACE) or None,
             batch_invariant=batch_invariant,
-            device_options=bool(_flag(ENV_DEVICE_OPTIONS, env)),
+            device_options=bool(env_flag(ENV_DEVICE_OPTIONS, env)),
         )
 
 
