@@ -52,6 +52,21 @@ ROUTES = {"cuda": contextlib.nullcontext, "gaudi": fused.gaudi_route}
 #: Host planning is timed this many times a step and the median kept: one timing of a few ms catches the
 #: collector or the compile workers of the step before now and then (10+ ms spikes on the H100's host).
 PLAN_REPEATS = 3
+
+
+def _median_ms(make, device=None):
+    """(median host ms of `PLAN_REPEATS` calls of `make`, its last result); with `device`, each call
+    starts and ends on an idle device (the copy `build_unified_batch` makes is part of its time)."""
+    times = []
+    for _ in range(PLAN_REPEATS):
+        if device is not None:
+            sync(device)
+        t0 = time.perf_counter()
+        out = make()
+        if device is not None:
+            sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), out
 PLAN_ROUTES = ("gaudi_bucketed", "gaudi_bucketed_tiles")
 
 
@@ -106,35 +121,25 @@ def run(args) -> dict:
             row["peer_err"] = _rel_err(peer_out, ref)
         for name, route in ROUTES.items():
             with route():
-                plans, times = [], []
-                for _ in range(PLAN_REPEATS):
-                    t0 = time.perf_counter()
-                    plans.append(plan_step(ql, cl, table, bs, num_blocks=num_blocks))
-                    times.append((time.perf_counter() - t0) * 1e3)
-                plan_ms = statistics.median(times)
+                plan_ms, step_plan = _median_ms(lambda: plan_step(ql, cl, table, bs, num_blocks=num_blocks))
                 t0 = time.perf_counter()
-                batch = UnifiedBatch.from_plan(plans[-1], device)
+                batch = UnifiedBatch.from_plan(step_plan, device)
                 sync(device)
                 h2d_ms = (time.perf_counter() - t0) * 1e3
                 ms, out = _device_ms(lambda: unified_attention(q, k, v, kc, vc, batch, scale), device)
             row[f"{name}_plan_ms"], row[f"{name}_h2d_ms"], row[f"{name}_ms"] = plan_ms, h2d_ms, ms
             row[f"{name}_step_ms"] = plan_ms + h2d_ms + ms
-            row[f"{name}_bucket"] = str(plans[-1].bucket)
+            row[f"{name}_bucket"] = str(step_plan.bucket)
             row[f"{name}_vs_peer_err"] = _rel_err(out, peer_out)
             if ref is not None:
                 row[f"{name}_err"] = _rel_err(out, ref)
             del batch, out
         for name, (options, plan) in plan_routes.items():
             with fused.gaudi_route():
-                times = []
-                for _ in range(PLAN_REPEATS):
-                    sync(device)
-                    t0 = time.perf_counter()
-                    batch = build_unified_batch(ql, cl, table, bs, num_blocks=num_blocks, options=options,
-                                                bucket=plan, device=device)
-                    sync(device)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                row[f"{name}_plan_ms"], row[f"{name}_h2d_ms"] = statistics.median(times), 0.0
+                ms, batch = _median_ms(lambda: build_unified_batch(ql, cl, table, bs, num_blocks=num_blocks,
+                                                                    options=options, bucket=plan, device=device),
+                                       device)
+                row[f"{name}_plan_ms"], row[f"{name}_h2d_ms"] = ms, 0.0
                 row[f"{name}_ms"], out = _device_ms(lambda: unified_attention(q, k, v, kc, vc, batch, scale), device)
             row[f"{name}_step_ms"] = row[f"{name}_plan_ms"] + row[f"{name}_ms"]
             row[f"{name}_bucket"] = str(batch.bucket)

@@ -31,8 +31,8 @@ def bucket_key(batch, query: torch.Tensor, key_cache: torch.Tensor, **kwargs) ->
             batch.block_size, batch.sliding_window, batch.unique_layout, batch.plan.shared_prefix_visible,
             getattr(batch.plan, "prompts_only", False), getattr(batch.plan, "prompt_grid", False), fused.CUDA_KERNELS,
             prompts.SPLIT_CONTEXT, attention.PROMPT_FLASH,
-            fused.CUDA_KERNELS and query.device.type == "cuda" and getattr(batch.plan, "prompt_ragged", False), query.dtype, key_cache.dtype, tuple(query.shape[1:]), tuple(key_cache.shape),
-            str(query.device),
+            fused.CUDA_KERNELS and query.device.type == "cuda" and getattr(batch.plan, "prompt_ragged", False),
+            query.dtype, key_cache.dtype, tuple(query.shape[1:]), tuple(key_cache.shape), str(query.device),
             tuple(sorted((k, v is None) for k, v in kwargs.items())))
 
 
