@@ -20,8 +20,9 @@ measured in the same run (a sum over a 2 GiB bf16 tensor). Compute floor: the st
 larger of the two floors is what a kernel can approach. Times: CUDA events, median of 20 after 3
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
-Columns (`--cases` picks scenarios): the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique
-pairs, `paths/mla_shared.py` on the shared ones), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
+Columns (`--cases` picks scenarios): the CUDA route (`paths/mla_decode.py`'s kernel on the unique
+pairs, `paths/mla_shared.py` on the shared ones; `cuda_triton` / `cuda_gluon`: with the Triton kernel or the
+Gluon kernel, `paths/mla_gluon.py`, whatever the default), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
 ops only, on the bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
 runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
 mla_chunks.py; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
@@ -82,7 +83,8 @@ SWEEP = [(bh, keys, warps, stages, split, v_load) for bh, keys, warps, stages in
          [(16, 16, 4, 2), (16, 32, 4, 2), (16, 32, 4, 3), (32, 16, 4, 2), (32, 32, 4, 2), (32, 32, 8, 3),
           (64, 16, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2)] for split in (4096, 16384) for v_load in (0, 1)]
 KERNEL_CONSTS = ("MLA_BLOCK_H", "MLA_KEYS", "MLA_WARPS", "MLA_STAGES", "MLA_SPLIT_KEYS", "MLA_V_LOAD")
-REPORTED_CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP")
+REPORTED_CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_GLUON", "MLA_GLUON_KEYS", "MLA_GLUON_STAGES",
+                   "MLA_GLUON_PIPE")
 
 
 @contextlib.contextmanager
@@ -95,6 +97,17 @@ def kernel_consts(values):
     finally:
         for k, v in zip(KERNEL_CONSTS, saved):
             setattr(mla_decode, k, v)
+
+
+def gluon_kernel():
+    """The CUDA route with the unique pairs on the Gluon kernel (`paths/mla_gluon.py`, sm_90; where it does not
+    apply, the Triton kernel runs and the column repeats `cuda`)."""
+    return mock.patch.object(mla_decode, "MLA_GLUON", True)
+
+
+def triton_kernel():
+    """The CUDA route with the unique pairs on the Triton kernel (`paths/mla_kernel.py`) whatever the default."""
+    return mock.patch.object(mla_decode, "MLA_GLUON", False)
 
 
 def generic_shared():
@@ -227,7 +240,8 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
     entry, err, step = case["entry"], case["err"], case["step"]
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
     entry["compute_floor_ms"] = entry["attention_flops"] / flop_rate * 1e3
-    routes = {"cuda": contextlib.nullcontext, "cuda_generic_shared": generic_shared,
+    routes = {"cuda": contextlib.nullcontext, "cuda_triton": triton_kernel, "cuda_gluon": gluon_kernel,
+              "cuda_generic_shared": generic_shared,
               "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
               "gaudi_generic_shared": gaudi_generic_shared, "gaudi_product_softmax": gaudi_product_softmax,
               "gaudi_unique_tiles": gaudi_unique_tiles, "tiles": tiles_only,

@@ -14,6 +14,9 @@ keys, `benchmarks/mla_decode.py`'s scenario).
   time, kernel time alone, TFLOP/s of the kernel, its registers, spills and shared memory); `--best FILE`
   keeps the fastest correct set for `benchmarks.mla_decode --consts FILE`; `--kernels-only` stops there.
 
+`--gluon`: the kernel part for the shipped Triton constants and the Gluon kernel's variants (`GLUON`,
+`paths/mla_gluon.py`) side by side, nothing else (run 10).
+
 `--once FILE` runs three steps of the CUDA route with the constants in FILE and nothing else: the process
 to hand a profiler (`ncu -k regex:mla_body -c 1 ... python -m benchmarks.mla_decode_probe --out /dev/null
 --once FILE`, run 9).
@@ -51,6 +54,12 @@ KERNELS = [
     (32, 64, 4, 2, 16384, 0, True),
 ]
 CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP")
+#: The Gluon kernel's variants (run 10): keys per tile, ring stages, the next scores issued before the softmax
+#: (`PIPE`), keys a split aims at (16384: one split at 4096 keys; 2048: two)
+GLUON = [dict(MLA_GLUON_KEYS=keys, MLA_GLUON_STAGES=stages, MLA_GLUON_PIPE=pipe, MLA_SPLIT_KEYS=split)
+         for keys, stages, pipe, split in [(64, 2, False, 16384), (64, 2, True, 16384), (64, 2, False, 2048),
+                                           (64, 2, True, 2048), (32, 3, False, 16384), (32, 4, True, 16384),
+                                           (32, 4, True, 2048)]]
 
 
 @contextlib.contextmanager
@@ -105,14 +114,15 @@ def op_table(step, rows=25) -> str:
 
 
 def kernel_ms(step) -> float:
-    """GPU time per step of the `_mla_body` kernel alone (3 profiled steps)."""
+    """GPU time per step of the MLA kernel alone (`_mla_body` or the Gluon kernel; 3 profiled steps)."""
     step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if "mla_body" in e.key) / 3 / 1e3
+    return sum(e.device_time_total for e in prof.key_averages()
+               if "mla_body" in e.key or "mla_gluon" in e.key) / 3 / 1e3
 
 
 def pieces(case, report):
@@ -145,6 +155,38 @@ def pieces(case, report):
                                                                     SCALE))
     report["pieces"] = out
     print("pieces", json.dumps(out), flush=True)
+
+
+def gluon_kernels(case, report, flops):
+    """The shipped Triton kernel, then each Gluon variant (`GLUON`) on the same step (error, times, facts)."""
+    from vllm_gaudi_unified.paths import mla_gluon
+
+    rows = []
+    variants = [("triton", {})] + [("gluon", dict(v, MLA_GLUON=True)) for v in GLUON]
+    launches = {"triton": Launches(mla_kernel.mla_kernel), "gluon": Launches(mla_gluon.mla_gluon_kernel)}
+    for kind, consts in variants:
+        row = dict(kernel=kind, **consts)
+        try:
+            with contextlib.ExitStack() as stack:
+                for k, v in consts.items():
+                    stack.enter_context(mock.patch.object(mla_decode, k, v))
+                stack.enter_context(mock.patch.object(mla_kernel, "mla_kernel", launches["triton"]))
+                stack.enter_context(mock.patch.object(mla_gluon, "mla_gluon_kernel", launches["gluon"]))
+                launches[kind].last = None
+                row["max_err"] = case["err"](case["run"]())
+                if launches[kind].last is None:
+                    raise RuntimeError(f"the {kind} kernel did not run")
+                row.update(compiled_facts(launches[kind].last))
+                row["ms"] = timed(case["step"], iters=10)
+                row["kernel_ms"] = kernel_ms(case["step"])
+                row["kernel_TFLOPs"] = flops / (row["kernel_ms"] * 1e-3) / 1e12
+                row["x_floor"] = row["kernel_ms"] / report["case"]["floor_ms"]
+        except Exception as exc:  # reported, not hidden
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        rows.append(row)
+        print("kernel", json.dumps(row), flush=True)
+        report["kernel"] = rows
+    return rows
 
 
 def kernels(case, report, flops, best_path=None):
@@ -180,6 +222,7 @@ def main() -> None:
     parser.add_argument("--kernels-only", action="store_true", help="the kernel's sweep alone (no Gaudi route parts)")
     parser.add_argument("--once", help="constants (JSON, as --best writes): three steps of the CUDA route, nothing "
                                        "else (for a profiler)")
+    parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
     args = parser.parse_args()
     if args.once:
         with open(args.once) as f:
@@ -203,6 +246,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
+    if args.gluon:
+        gluon_kernels(case, report, entry["attention_flops"])
+        save()
+        return
     best = kernels(case, report, entry["attention_flops"], args.best)
     save()
     if args.kernels_only:

@@ -127,6 +127,36 @@ def test_mla_kernel_on_cuda():
     assert mla_decode.mla_unique_route(batch.to("cuda"), query.cuda(), kc, vc, None, None, None) == "kernel"
 
 
+def gluon_on_hopper() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and mla_decode._gluon() is not None)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
+def test_mla_gluon_on_hopper():
+    """The Gluon kernel (sm_90), bf16 at 128 heads against the reference (1e-2), every case of
+    mla_gluon_cases.py; without the own pairs against the Triton kernel's Partial. Elsewhere it never applies."""
+    if not gluon_on_hopper():
+        q = torch.zeros(1, 128, 576, dtype=torch.bfloat16, device="cuda")
+        cache = torch.zeros(2, 128, 576, dtype=torch.bfloat16, device="cuda")
+        assert not mla_decode.gluon_applies(q, cache, 512)
+        pytest.skip("needs an sm_90 GPU and Triton with Gluon")
+    import mla_gluon_cases
+
+    assert mla_gluon_cases.run() == len(mla_gluon_cases.CASES)
+
+
+def test_gluon_not_taken_off_cuda(monkeypatch):
+    """Switched on, the Gluon kernel still applies only to CUDA tensors (the CPU and other devices keep their
+    routes), and the switch off keeps the Triton kernel everywhere."""
+    monkeypatch.setattr(mla_decode, "MLA_GLUON", True)
+    q = torch.zeros(1, 128, 576, dtype=torch.bfloat16)
+    assert not mla_decode.gluon_applies(q, torch.zeros(2, 128, 576, dtype=torch.bfloat16), 512)
+    monkeypatch.setattr(mla_decode, "MLA_GLUON", False)
+    assert not mla_decode.gluon_applies(q.to("meta"), torch.zeros(2, 128, 576, dtype=torch.bfloat16,
+                                                                   device="meta"), 512)
+
+
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())

@@ -37,6 +37,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from vllm_gaudi_unified.flags import env_flag
 from vllm_gaudi_unified.merge import Partial, fold_pairwise
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
@@ -71,6 +72,19 @@ MLA_Q_LOOP = True
 #: constant took the kernel from 0.67 to 0.62 ms; every other variant swept (the latent in halves, tensor
 #: descriptors, loop pipelining, warp specialisation, the products transposed for 16 or 32 heads per program,
 #: unmasked whole slots first, sums per key, 32-key tiles, two splits) ran 0.62-2.1 ms.
+
+#: The Gluon kernel (`mla_gluon.py`: key tiles by TMA, both warpgroups on disjoint halves of the scores and of
+#: the values, docs/benchmarks.md, MLA, run 10) where it applies (`gluon_applies`: sm_90, 16-bit, 64-head groups,
+#: the values 512 dims or fewer, whole key tiles per block). `VLLM_GAUDI_UNIFIED_MLA_GLUON=1` on, `=0` off, unset:
+#: `MLA_GLUON_DEFAULT`; read once at import. Its keys per tile, ring stages and whether the next tile's scores
+#: are issued before this tile's softmax (`PIPE`).
+MLA_GLUON_DEFAULT = False
+_GLUON_ENV = env_flag("VLLM_GAUDI_UNIFIED_MLA_GLUON")
+MLA_GLUON: bool = MLA_GLUON_DEFAULT if _GLUON_ENV is None else _GLUON_ENV
+MLA_GLUON_KEYS = 64
+MLA_GLUON_STAGES = 2
+MLA_GLUON_PIPE = False
+_GLUON: list = []  # [module or None]: `mla_gluon` once imported (None: Gluon not importable)
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
@@ -132,6 +146,10 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
     warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
     dr = d - value_dim
+    if gluon_applies(q, key_cache, value_dim):
+        _launch_gluon(q, k, key_cache, order, starts, ids, batch, acc, m, total, scale, splits, value_dim,
+                      key is not None)
+        return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
     mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
         q, k, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
@@ -140,6 +158,51 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
         SELF=key is not None, num_warps=warps, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def _gluon():
+    """`mla_gluon` imported once, or None where Triton has no Gluon (or no Hopper module)."""
+    if not _GLUON:
+        try:
+            from vllm_gaudi_unified.paths import mla_gluon
+        except ImportError:
+            mla_gluon = None
+        _GLUON.append(mla_gluon)
+    return _GLUON[0]
+
+
+def gluon_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int) -> bool:
+    """Whether `kernel_mla_partial` takes the Gluon kernel: switched on (`MLA_GLUON`), an sm_90 GPU, a 16-bit
+    cache and query of one dtype, query heads in groups of 64, the values 64-512 dims and the rope part
+    16-256 (powers of two) (the TMA boxes and `wgmma` shapes), whole tiles per block, cache rows
+    contiguous blocks 16-byte aligned (the TMA descriptors), and Gluon importable."""
+    if not (MLA_GLUON and q.device.type == "cuda" and key_cache.dtype in KERNEL_CACHE_DTYPES
+            and q.dtype == key_cache.dtype):
+        return False
+    n, hq, d = q.shape
+    bs, dr = key_cache.shape[1], d - value_dim
+    keys = MLA_GLUON_KEYS
+    if (hq % 64 or value_dim not in (64, 128, 256, 512) or dr not in (16, 32, 64, 128, 256) or bs % keys
+            or key_cache.shape[-1] != d):
+        return False
+    sc_s = key_cache.stride(1)
+    if (key_cache.stride(-1) != 1 or sc_s % 8 or key_cache.stride(0) != bs * sc_s
+            or key_cache.data_ptr() % 16 or q.stride(1) % 8 or q.stride(0) % 8):
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and _gluon() is not None
+
+
+def _launch_gluon(q, k, key_cache, order, starts, ids, batch, acc, m, total, scale, splits, value_dim,
+                  with_self):
+    """`mla_gluon.mla_gluon_kernel` on the same arguments as the Triton kernel, the cache as TMA descriptors."""
+    g = _gluon()
+    n, hq, _ = q.shape
+    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS)
+    g.mla_gluon_kernel[(hq // 64, splits, n)](
+        q, k, kn_desc, kr_desc, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
+        q.stride(0), q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=q.shape[-1] - value_dim, BS=key_cache.shape[1],
+        KEYS=MLA_GLUON_KEYS, STAGES=MLA_GLUON_STAGES, SLICE=batch.unique_blocks is None, SELF=with_self,
+        PIPE=MLA_GLUON_PIPE, num_warps=8)
 
 
 def _slot_order(batch, n: int, device, keep: bool = True):
