@@ -84,7 +84,7 @@ SWEEP = [(bh, keys, warps, stages, split, v_load) for bh, keys, warps, stages in
           (64, 16, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2)] for split in (4096, 16384) for v_load in (0, 1)]
 KERNEL_CONSTS = ("MLA_BLOCK_H", "MLA_KEYS", "MLA_WARPS", "MLA_STAGES", "MLA_SPLIT_KEYS", "MLA_V_LOAD")
 REPORTED_CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_GLUON", "MLA_GLUON_KEYS", "MLA_GLUON_STAGES",
-                   "MLA_GLUON_PIPE")
+                   "MLA_GLUON_PIPE", "MLA_GLUON_LAZY_SUM")
 
 
 @contextlib.contextmanager

@@ -54,12 +54,16 @@ KERNELS = [
     (32, 64, 4, 2, 16384, 0, True),
 ]
 CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP")
-#: The Gluon kernel's variants (run 10): keys per tile, ring stages, the next scores issued before the softmax
-#: (`PIPE`), keys a split aims at (16384: one split at 4096 keys; 2048: two)
-GLUON = [dict(MLA_GLUON_KEYS=keys, MLA_GLUON_STAGES=stages, MLA_GLUON_PIPE=pipe, MLA_SPLIT_KEYS=split)
-         for keys, stages, pipe, split in [(64, 2, False, 16384), (64, 2, True, 16384), (64, 2, False, 2048),
-                                           (64, 2, True, 2048), (32, 3, False, 16384), (32, 4, True, 16384),
-                                           (32, 4, True, 2048)]]
+#: The Gluon kernel's variants (run 10): keys per tile, ring stages, when the next tile's scores are issued
+#: (`PIPE`: 0 after this tile, 1 before its softmax, 2 after its values product), sums per key column
+#: (`LAZY_SUM`), keys a split aims at (16384: one split at 4096 keys; 2048: two)
+GLUON = [dict(MLA_GLUON_KEYS=keys, MLA_GLUON_STAGES=stages, MLA_GLUON_PIPE=pipe, MLA_GLUON_LAZY_SUM=lazy,
+              MLA_SPLIT_KEYS=split)
+         for keys, stages, pipe, lazy, split in [(64, 2, 0, False, 16384), (64, 2, 0, True, 16384),
+                                                 (64, 2, 1, False, 16384), (64, 2, 2, False, 16384),
+                                                 (64, 2, 2, True, 16384), (64, 2, 1, True, 16384),
+                                                 (32, 4, 2, True, 16384), (32, 4, 1, True, 16384),
+                                                 (64, 2, 2, True, 2048)]]
 
 
 @contextlib.contextmanager
@@ -157,6 +161,21 @@ def pieces(case, report):
     print("pieces", json.dumps(out), flush=True)
 
 
+def host_ms(step, iters=20) -> float:
+    """CPU time per step call (launches queued, no sync in between): what the host spends, which the step's
+    wall-clock shows when it exceeds the GPU time."""
+    import time
+
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / iters * 1e3
+
+
 def gluon_kernels(case, report, flops):
     """The shipped Triton kernel, then each Gluon variant (`GLUON`) on the same step (error, times, facts)."""
     from vllm_gaudi_unified.paths import mla_gluon
@@ -178,6 +197,7 @@ def gluon_kernels(case, report, flops):
                     raise RuntimeError(f"the {kind} kernel did not run")
                 row.update(compiled_facts(launches[kind].last))
                 row["ms"] = timed(case["step"], iters=10)
+                row["host_ms"] = host_ms(case["step"])
                 row["kernel_ms"] = kernel_ms(case["step"])
                 row["kernel_TFLOPs"] = flops / (row["kernel_ms"] * 1e-3) / 1e12
                 row["x_floor"] = row["kernel_ms"] / report["case"]["floor_ms"]
@@ -228,7 +248,11 @@ def main() -> None:
         with open(args.once) as f:
             consts = json.load(f)
         case = setup("decode_128x4k", [4096] * 128, 0)
-        with extra_consts(tuple(consts[k] for k in CONSTS)):
+        with contextlib.ExitStack() as stack:  # (any of paths/mla_decode.py's constants: the Gluon kernel's too)
+            for k, v in consts.items():
+                if not hasattr(mla_decode, k):
+                    raise ValueError(f"--once: paths/mla_decode.py has no constant {k}")
+                stack.enter_context(mock.patch.object(mla_decode, k, v))
             for _ in range(3):
                 case["step"]()
         torch.cuda.synchronize()

@@ -28,11 +28,13 @@ CASES = [
     (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64), {}),
     (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), {"MLA_SPLIT_KEYS": 64}),  # prompts too
     (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_SPLIT_KEYS": 256}),
-    (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_GLUON_PIPE": True, "MLA_SPLIT_KEYS": 128}),
+    (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_GLUON_PIPE": 1, "MLA_SPLIT_KEYS": 128}),
+    (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_GLUON_PIPE": 2, "MLA_GLUON_LAZY_SUM": True}),
     (Step([1] * 3, [500, 129, 64], 128), "gather", (512, 64), {"MLA_GLUON_KEYS": 32, "MLA_GLUON_STAGES": 3}),
     (Step([1] * 3, [500, 129, 64], 128), "gather", (512, 64),
-     {"MLA_GLUON_KEYS": 32, "MLA_GLUON_STAGES": 4, "MLA_GLUON_PIPE": True}),
-    (Step([1] * 4, [90, 33, 200, 7], 64), "default", (128, 32), {"MLA_SPLIT_KEYS": 64}),
+     {"MLA_GLUON_KEYS": 32, "MLA_GLUON_STAGES": 4, "MLA_GLUON_PIPE": 2, "MLA_GLUON_LAZY_SUM": True}),
+    (Step([1] * 4, [90, 33, 200, 7], 64), "default", (128, 32), {"MLA_SPLIT_KEYS": 64, "MLA_GLUON_PIPE": 2}),
+    (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 32), {"MLA_GLUON_LAZY_SUM": True, "MLA_GLUON_PIPE": 1}),
 ]
 
 
@@ -64,7 +66,8 @@ def run() -> int:
     attention.mla_unique_route = lambda b, q, kc, vc, cap, *s: "kernel" if mla_decode.latent_cache(kc, vc) else None
     mla_decode._launch_gluon = launch
     saved = {k: getattr(mla_decode, k) for k in ("MLA_GLUON", "MLA_SPLIT_KEYS", "MLA_GLUON_KEYS",
-                                                  "MLA_GLUON_STAGES", "MLA_GLUON_PIPE")}
+                                                  "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
+                                                  "MLA_GLUON_LAZY_SUM")}
     try:
         for step, mode, (L, R), consts in CASES:
             mla_decode.MLA_GLUON = True

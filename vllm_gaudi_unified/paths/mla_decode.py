@@ -76,14 +76,15 @@ MLA_Q_LOOP = True
 #: The Gluon kernel (`mla_gluon.py`: key tiles by TMA, both warpgroups on disjoint halves of the scores and of
 #: the values, docs/benchmarks.md, MLA, run 10) where it applies (`gluon_applies`: sm_90, 16-bit, 64-head groups,
 #: the values 512 dims or fewer, whole key tiles per block). `VLLM_GAUDI_UNIFIED_MLA_GLUON=1` on, `=0` off, unset:
-#: `MLA_GLUON_DEFAULT`; read once at import. Its keys per tile, ring stages and whether the next tile's scores
-#: are issued before this tile's softmax (`PIPE`).
+#: `MLA_GLUON_DEFAULT`; read once at import. Its keys per tile, ring stages, when the next tile's scores are
+#: issued and whether the softmax sums are kept per key (`mla_gluon.py`: PIPE, LAZY_SUM).
 MLA_GLUON_DEFAULT = False
 _GLUON_ENV = env_flag("VLLM_GAUDI_UNIFIED_MLA_GLUON")
 MLA_GLUON: bool = MLA_GLUON_DEFAULT if _GLUON_ENV is None else _GLUON_ENV
 MLA_GLUON_KEYS = 64
 MLA_GLUON_STAGES = 2
-MLA_GLUON_PIPE = False
+MLA_GLUON_PIPE = 0
+MLA_GLUON_LAZY_SUM = False
 _GLUON: list = []  # [module or None]: `mla_gluon` once imported (None: Gluon not importable)
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
@@ -202,7 +203,7 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, batch, acc, m, total, sca
         q, k, kn_desc, kr_desc, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=q.shape[-1] - value_dim, BS=key_cache.shape[1],
         KEYS=MLA_GLUON_KEYS, STAGES=MLA_GLUON_STAGES, SLICE=batch.unique_blocks is None, SELF=with_self,
-        PIPE=MLA_GLUON_PIPE, num_warps=8)
+        PIPE=MLA_GLUON_PIPE, LAZY_SUM=MLA_GLUON_LAZY_SUM, num_warps=8)
 
 
 def _slot_order(batch, n: int, device, keep: bool = True):

@@ -12,8 +12,10 @@ states the layouts, shared memory and barriers explicitly, so here:
   half of the key columns, none of it twice), the row maximum crosses the warpgroups once per tile;
 * the probabilities go to shared memory (bf16) and both warpgroups multiply them by the same latent tile, each
   owning half of the 512 value columns of the fp32 accumulator (128 registers per thread);
-* `PIPE`: the next tile's scores are issued (asynchronous `wgmma`) before this tile's softmax, so the tensor
-  cores work under the exponentials.
+* `PIPE` 1: the next tile's scores are issued (asynchronous `wgmma`) before this tile's softmax, so the
+  tensor cores work under the exponentials; 2: right after this tile's values product, so the two run back to
+  back on the tensor cores; `LAZY_SUM`: the softmax sums kept per key column, reduced once at the end (one
+  reduction across the warpgroups per tile fewer).
 
 TMA cannot skip rows: a tile's rows a token may not see (`j < lo` or `j >= hi` of its slot, which may hold NaN)
 are masked to -inf in the scores and zeroed in shared memory before the values product (only in tiles that have
@@ -61,7 +63,7 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
                      l_ptr, scale, splits, sq_t, sq_h, sk_t,
                      HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr,
                      STAGES: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, PIPE: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     LAZY_SUM: gl.constexpr, num_warps: gl.constexpr):
     """One (head group of 64, split, token), 8 warps: `mla_kernel._mla_body`'s arguments, with the cache as two
     TMA descriptors over its rows `[blocks * BS, DV + DR]` (latent `[KEYS, DV]` and rope `[KEYS, DR]` boxes)."""
     gl.static_assert(num_warps == 8)
@@ -132,7 +134,8 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
     jj = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
     rows_ld = gl.arange(0, KEYS, layout=gl.SliceLayout(1, ld_layout))
     s_next = warpgroup_mma_init(gl.zeros([64, KEYS], gl.float32, s_layout))  # (an accumulator in flight)
-    if PIPE:
+    l_keys = gl.zeros([64, KEYS], gl.float32, s_layout)  # (LAZY_SUM: the sums per key column, reduced at the end)
+    if PIPE != 0:
         if n_tiles > 0:
             mbarrier.wait(bars.index(0), 0)
             s_next = _scores(qn_s, qr_s, kn_s.index(0), kr_s.index(0), s_layout, KEYS)
@@ -140,12 +143,13 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
         stage = i % STAGES
         start = k_begin + i * KEYS
         kn_t = kn_s.index(stage)
-        if PIPE:  # this tile's scores were issued last step; issue the next tile's before the softmax
+        if PIPE != 0:  # this tile's scores were issued last step
             s = warpgroup_mma_wait(0, deps=(s_next, ))
-            if i + 1 < n_tiles:
-                nxt = (i + 1) % STAGES
-                mbarrier.wait(bars.index(nxt), ((i + 1) // STAGES) & 1)
-                s_next = _scores(qn_s, qr_s, kn_s.index(nxt), kr_s.index(nxt), s_layout, KEYS)
+            if PIPE == 1:  # the next tile's, before this softmax
+                if i + 1 < n_tiles:
+                    nxt = (i + 1) % STAGES
+                    mbarrier.wait(bars.index(nxt), ((i + 1) // STAGES) & 1)
+                    s_next = _scores(qn_s, qr_s, kn_s.index(nxt), kr_s.index(nxt), s_layout, KEYS)
         else:
             mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
             s = _scores(qn_s, qr_s, kn_t, kr_s.index(stage), s_layout, KEYS)
@@ -161,7 +165,11 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
+        if LAZY_SUM:  # no reduction across the warpgroups for the sum in the loop
+            l_i = l_i * alpha
+            l_keys = l_keys * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         if (lo > j0) | (hi < j0 + KEYS):  # rows this token may not see (NaN allowed there): zero them
             jr = j0 + rows_ld
@@ -174,15 +182,23 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
         fence_async_shared()
         gl.thread_barrier()
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(p_s, kn_t, acc, is_async=True)
-        if PIPE:  # (the next tile's scores, issued before this product, are complete too)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        pv = warpgroup_mma(p_s, kn_t, acc, is_async=True)
+        if PIPE == 2:  # the next tile's scores queued behind this product: no gap on the tensor cores
+            if i + 1 < n_tiles:
+                nxt = (i + 1) % STAGES
+                mbarrier.wait(bars.index(nxt), ((i + 1) // STAGES) & 1)
+                s_next = _scores(qn_s, qr_s, kn_s.index(nxt), kr_s.index(nxt), s_layout, KEYS)
+                acc = warpgroup_mma_wait(2, deps=(pv, ))  # (the product done, the two score groups may run)
+            else:
+                acc = warpgroup_mma_wait(0, deps=(pv, ))
         else:
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            acc = warpgroup_mma_wait(0, deps=(pv, ))
         gl.thread_barrier()  # both warpgroups are done with this stage and with P
         if i + STAGES < n_tiles:
             _issue(start + STAGES * KEYS, kn_desc, kr_desc, kn_s, kr_s, bars, order_ptr, ids_ptr, first, stage, BS,
                    KEYS, SLICE)
+    if LAZY_SUM:
+        l_i = l_i + gl.sum(l_keys, 1)
     for b in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(b))
 
