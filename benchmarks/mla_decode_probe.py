@@ -64,6 +64,12 @@ GLUON = [dict(MLA_GLUON_KEYS=keys, MLA_GLUON_STAGES=stages, MLA_GLUON_PIPE=pipe,
                                                  (64, 2, 2, True, 16384), (64, 2, 1, True, 16384),
                                                  (32, 4, 2, True, 16384), (32, 4, 1, True, 16384),
                                                  (64, 2, 2, True, 2048)]]
+#: Run 10's third call: META_AHEAD (`mla_gluon.py`) beside the best of the second, and the warp-specialised
+#: kernel (`mla_gluon_ws.py`) last (`--gluon-ws`: a hang or fault there stops nothing before it)
+GLUON_C = [dict(MLA_GLUON_PIPE=pipe, MLA_GLUON_LAZY_SUM=lazy, MLA_GLUON_META_AHEAD=ahead)
+           for pipe, lazy, ahead in [(2, True, False), (2, True, True), (0, True, True), (1, True, True)]]
+GLUON_WS = [dict(MLA_GLUON_WS=True, MLA_GLUON_WS_REGS=regs, MLA_SPLIT_KEYS=split)
+            for regs, split in [(240, 16384), (232, 16384), (240, 2048)]]
 
 
 @contextlib.contextmanager
@@ -176,13 +182,14 @@ def host_ms(step, iters=20) -> float:
     return (t1 - t0) / iters * 1e3
 
 
-def gluon_kernels(case, report, flops):
+def gluon_kernels(case, report, flops, gluon_rows=GLUON):
     """The shipped Triton kernel, then each Gluon variant (`GLUON`) on the same step (error, times, facts)."""
-    from vllm_gaudi_unified.paths import mla_gluon
+    from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_ws
 
     rows = []
-    variants = [("triton", {})] + [("gluon", dict(v, MLA_GLUON=True)) for v in GLUON]
-    launches = {"triton": Launches(mla_kernel.mla_kernel), "gluon": Launches(mla_gluon.mla_gluon_kernel)}
+    variants = [("triton", {})] + [("gluon", dict(v, MLA_GLUON=True)) for v in gluon_rows]
+    launches = {"triton": Launches(mla_kernel.mla_kernel), "gluon": Launches(mla_gluon.mla_gluon_kernel),
+                "ws": Launches(mla_gluon_ws.mla_gluon_ws_kernel)}
     for kind, consts in variants:
         row = dict(kernel=kind, **consts)
         try:
@@ -191,11 +198,13 @@ def gluon_kernels(case, report, flops):
                     stack.enter_context(mock.patch.object(mla_decode, k, v))
                 stack.enter_context(mock.patch.object(mla_kernel, "mla_kernel", launches["triton"]))
                 stack.enter_context(mock.patch.object(mla_gluon, "mla_gluon_kernel", launches["gluon"]))
-                launches[kind].last = None
+                stack.enter_context(mock.patch.object(mla_gluon_ws, "mla_gluon_ws_kernel", launches["ws"]))
+                which = "ws" if consts.get("MLA_GLUON_WS") else kind
+                launches[which].last = None
                 row["max_err"] = case["err"](case["run"]())
-                if launches[kind].last is None:
-                    raise RuntimeError(f"the {kind} kernel did not run")
-                row.update(compiled_facts(launches[kind].last))
+                if launches[which].last is None:
+                    raise RuntimeError(f"the {which} kernel did not run")
+                row.update(compiled_facts(launches[which].last))
                 row["ms"] = timed(case["step"], iters=10)
                 row["host_ms"] = host_ms(case["step"])
                 row["kernel_ms"] = kernel_ms(case["step"])
@@ -243,6 +252,8 @@ def main() -> None:
     parser.add_argument("--once", help="constants (JSON, as --best writes): three steps of the CUDA route, nothing "
                                        "else (for a profiler)")
     parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
+    parser.add_argument("--gluon-rows", default="GLUON", choices=["GLUON", "GLUON_C", "GLUON_WS"],
+                        help="which list of Gluon variants --gluon runs")
     args = parser.parse_args()
     if args.once:
         with open(args.once) as f:
@@ -271,7 +282,7 @@ def main() -> None:
             json.dump(report, f, indent=1)
 
     if args.gluon:
-        gluon_kernels(case, report, entry["attention_flops"])
+        gluon_kernels(case, report, entry["attention_flops"], globals()[args.gluon_rows])
         save()
         return
     best = kernels(case, report, entry["attention_flops"], args.best)

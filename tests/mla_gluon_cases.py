@@ -35,6 +35,21 @@ CASES = [
      {"MLA_GLUON_KEYS": 32, "MLA_GLUON_STAGES": 4, "MLA_GLUON_PIPE": 2, "MLA_GLUON_LAZY_SUM": True}),
     (Step([1] * 4, [90, 33, 200, 7], 64), "default", (128, 32), {"MLA_SPLIT_KEYS": 64, "MLA_GLUON_PIPE": 2}),
     (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 32), {"MLA_GLUON_LAZY_SUM": True, "MLA_GLUON_PIPE": 1}),
+    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64),
+     {"MLA_GLUON_META_AHEAD": True, "MLA_GLUON_PIPE": 2, "MLA_GLUON_LAZY_SUM": True, "MLA_SPLIT_KEYS": 128}),
+    (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_GLUON_META_AHEAD": True}),
+]
+
+#: The warp-specialised kernel (`mla_gluon_ws.py`: 64-key tiles, rope 64): odd and even tile counts, a token
+#: without cached keys, a shared prefix, prompts in the step, several splits, both unique layouts.
+WS = {"MLA_GLUON_WS": True}
+WS_CASES = [
+    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), WS),
+    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), dict(WS, MLA_SPLIT_KEYS=128)),
+    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64), WS),
+    (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), dict(WS, MLA_SPLIT_KEYS=64)),
+    (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), dict(WS, MLA_SPLIT_KEYS=256)),
+    (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), WS),
 ]
 
 
@@ -54,7 +69,7 @@ def tensors(step: Step, lr: tuple, seed: int = 0):
     return table, num_blocks, query, latent, cache
 
 
-def run() -> int:
+def run(cases=CASES) -> int:
     """Every case on CUDA through the Gluon kernel against the reference (bf16, 1e-2); returns the count."""
     real_route, real_launch = attention.mla_unique_route, mla_decode._launch_gluon
     launches = []
@@ -67,9 +82,9 @@ def run() -> int:
     mla_decode._launch_gluon = launch
     saved = {k: getattr(mla_decode, k) for k in ("MLA_GLUON", "MLA_SPLIT_KEYS", "MLA_GLUON_KEYS",
                                                   "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
-                                                  "MLA_GLUON_LAZY_SUM")}
+                                                  "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_WS")}
     try:
-        for step, mode, (L, R), consts in CASES:
+        for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True
             for k, v in consts.items():
                 setattr(mla_decode, k, v)
@@ -91,7 +106,7 @@ def run() -> int:
         attention.mla_unique_route, mla_decode._launch_gluon = real_route, real_launch
         for k, v in saved.items():
             setattr(mla_decode, k, v)
-    return len(CASES)
+    return len(cases)
 
 
 def self_off(query, cache, batch, scale, L):

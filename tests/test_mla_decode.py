@@ -146,6 +146,16 @@ def test_mla_gluon_on_hopper():
     assert mla_gluon_cases.run() == len(mla_gluon_cases.CASES)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
+def test_mla_gluon_ws_on_hopper():
+    """The warp-specialised Gluon kernel (sm_90), the same checks over mla_gluon_cases.WS_CASES."""
+    if not gluon_on_hopper():
+        pytest.skip("needs an sm_90 GPU and Triton with Gluon")
+    import mla_gluon_cases
+
+    assert mla_gluon_cases.run(mla_gluon_cases.WS_CASES) == len(mla_gluon_cases.WS_CASES)
+
+
 def test_gluon_not_taken_off_cuda(monkeypatch):
     """Switched on, the Gluon kernel still applies only to CUDA tensors (the CPU and other devices keep their
     routes), and the switch off keeps the Triton kernel everywhere."""

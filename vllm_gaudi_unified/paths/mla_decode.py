@@ -78,13 +78,18 @@ MLA_Q_LOOP = True
 #: the values 512 dims or fewer, whole key tiles per block). `VLLM_GAUDI_UNIFIED_MLA_GLUON=1` on, `=0` off, unset:
 #: `MLA_GLUON_DEFAULT`; read once at import. Its keys per tile, ring stages, when the next tile's scores are
 #: issued and whether the softmax sums are kept per key (`mla_gluon.py`: PIPE, LAZY_SUM).
-MLA_GLUON_DEFAULT = False
+MLA_GLUON_DEFAULT = True
 _GLUON_ENV = env_flag("VLLM_GAUDI_UNIFIED_MLA_GLUON")
 MLA_GLUON: bool = MLA_GLUON_DEFAULT if _GLUON_ENV is None else _GLUON_ENV
 MLA_GLUON_KEYS = 64
 MLA_GLUON_STAGES = 2
-MLA_GLUON_PIPE = 0
-MLA_GLUON_LAZY_SUM = False
+MLA_GLUON_PIPE = 2
+MLA_GLUON_LAZY_SUM = True
+MLA_GLUON_META_AHEAD = True
+#: The warp-specialised variant (`mla_gluon_ws.py`: FlashMLA's ping-pong of the two warpgroups over alternate
+#: tiles, a producer partition) where its shapes allow (64-key tiles, rope 64), and its consumers' registers.
+MLA_GLUON_WS = False
+MLA_GLUON_WS_REGS = 240
 _GLUON: list = []  # [module or None]: `mla_gluon` once imported (None: Gluon not importable)
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
@@ -197,13 +202,21 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, batch, acc, m, total, sca
                   with_self):
     """`mla_gluon.mla_gluon_kernel` on the same arguments as the Triton kernel, the cache as TMA descriptors."""
     g = _gluon()
-    n, hq, _ = q.shape
+    n, hq, d = q.shape
     kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS)
+    if MLA_GLUON_WS and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128:
+        from vllm_gaudi_unified.paths import mla_gluon_ws
+
+        mla_gluon_ws.mla_gluon_ws_kernel[(hq // 64, splits, n)](
+            q, k, kn_desc, kr_desc, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale,
+            splits, q.stride(0), q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64,
+            SLICE=batch.unique_blocks is None, SELF=with_self, REGS=MLA_GLUON_WS_REGS, num_warps=4)
+        return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
         q, k, kn_desc, kr_desc, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=q.shape[-1] - value_dim, BS=key_cache.shape[1],
         KEYS=MLA_GLUON_KEYS, STAGES=MLA_GLUON_STAGES, SLICE=batch.unique_blocks is None, SELF=with_self,
-        PIPE=MLA_GLUON_PIPE, LAZY_SUM=MLA_GLUON_LAZY_SUM, num_warps=8)
+        PIPE=MLA_GLUON_PIPE, LAZY_SUM=MLA_GLUON_LAZY_SUM, META_AHEAD=MLA_GLUON_META_AHEAD, num_warps=8)
 
 
 def _slot_order(batch, n: int, device, keep: bool = True):

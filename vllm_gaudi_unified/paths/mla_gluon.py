@@ -15,7 +15,8 @@ states the layouts, shared memory and barriers explicitly, so here:
 * `PIPE` 1: the next tile's scores are issued (asynchronous `wgmma`) before this tile's softmax, so the
   tensor cores work under the exponentials; 2: right after this tile's values product, so the two run back to
   back on the tensor cores; `LAZY_SUM`: the softmax sums kept per key column, reduced once at the end (one
-  reduction across the warpgroups per tile fewer).
+  reduction across the warpgroups per tile fewer); `META_AHEAD`: a tile's slot bounds and the cache row of
+  the tile to fetch next are loaded a step ahead (two dependent global loads off the critical path).
 
 TMA cannot skip rows: a tile's rows a token may not see (`j < lo` or `j >= hi` of its slot, which may hold NaN)
 are masked to -inf in the scores and zeroed in shared memory before the values product (only in tiles that have
@@ -35,15 +36,25 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _issue(t_start, kn_desc, kr_desc, kn_s, kr_s, bars, order_ptr, ids_ptr, first, stage,
-           BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr):
-    """TMA of the key tile starting at token key `t_start` (one slot) into ring buffer `stage`."""
-    slot = gl.load(order_ptr + first + t_start // BS)
+def _meta(tile, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS: gl.constexpr, KEYS: gl.constexpr,
+          SLICE: gl.constexpr):
+    """Tile `tile`'s slot bounds `lo`, `hi` and its first cache row (0, 0, 0 past the token's tiles: nothing
+    read out of bounds)."""
+    ok = tile < n_tiles
+    start = k_begin + tile * KEYS
+    slot = gl.load(order_ptr + first + start // BS, mask=ok, other=0)
     if SLICE:
         blk = slot
     else:
-        blk = gl.load(ids_ptr + slot)
-    row = (blk * BS + t_start % BS).to(gl.int32)
+        blk = gl.load(ids_ptr + slot, mask=ok, other=0)
+    lo = gl.load(lo_ptr + slot, mask=ok, other=0)
+    hi = gl.load(hi_ptr + slot, mask=ok, other=0)
+    return lo, hi, (blk * BS + start % BS).to(gl.int32)
+
+
+@gluon.jit
+def _issue(row, kn_desc, kr_desc, kn_s, kr_s, bars, stage):
+    """TMA of the key tile at cache row `row` (`KEYS` rows of one slot) into ring buffer `stage`."""
     bar = bars.index(stage)
     mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn_s.index(stage))
@@ -63,7 +74,7 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
                      l_ptr, scale, splits, sq_t, sq_h, sk_t,
                      HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr,
                      STAGES: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, PIPE: gl.constexpr,
-                     LAZY_SUM: gl.constexpr, num_warps: gl.constexpr):
+                     LAZY_SUM: gl.constexpr, META_AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """One (head group of 64, split, token), 8 warps: `mla_kernel._mla_body`'s arguments, with the cache as two
     TMA descriptors over its rows `[blocks * BS, DV + DR]` (latent `[KEYS, DV]` and rope `[KEYS, DR]` boxes)."""
     gl.static_assert(num_warps == 8)
@@ -101,8 +112,10 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
     fence_async_shared()
     for b in gl.static_range(STAGES):  # the first tiles fly while the query is staged
         if b < n_tiles:
-            _issue(k_begin + b * KEYS, kn_desc, kr_desc, kn_s, kr_s, bars, order_ptr, ids_ptr, first, b, BS, KEYS,
-                   SLICE)
+            _issue(_meta(b, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2],
+                   kn_desc, kr_desc, kn_s, kr_s, bars, b)
+    # META_AHEAD: tile i's bounds are loaded during tile i - 1, tile i + STAGES's row at the start of tile i
+    lo_n, hi_n, _ = _meta(0, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
 
     heads_ld = hg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld_layout))
     q_row = q_ptr + t * sq_t + heads_ld[:, None] * sq_h
@@ -154,9 +167,15 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
             mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
             s = _scores(qn_s, qr_s, kn_t, kr_s.index(stage), s_layout, KEYS)
             s = warpgroup_mma_wait(0, deps=(s, ))
-        slot = gl.load(order_ptr + first + start // BS)
-        lo = gl.load(lo_ptr + slot)
-        hi = gl.load(hi_ptr + slot)
+        if META_AHEAD:
+            lo = lo_n
+            hi = hi_n
+            lo_n, hi_n, _ = _meta(i + 1, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS,
+                                  SLICE)
+            row_n = _meta(i + STAGES, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS,
+                          SLICE)[2]
+        else:
+            lo, hi, _ = _meta(i, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
         j0 = start % BS
         j = j0 + jj
         vis = (j >= lo) & (j < hi)
@@ -195,8 +214,10 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
             acc = warpgroup_mma_wait(0, deps=(pv, ))
         gl.thread_barrier()  # both warpgroups are done with this stage and with P
         if i + STAGES < n_tiles:
-            _issue(start + STAGES * KEYS, kn_desc, kr_desc, kn_s, kr_s, bars, order_ptr, ids_ptr, first, stage, BS,
-                   KEYS, SLICE)
+            if not META_AHEAD:
+                row_n = _meta(i + STAGES, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS,
+                              SLICE)[2]
+            _issue(row_n, kn_desc, kr_desc, kn_s, kr_s, bars, stage)
     if LAZY_SUM:
         l_i = l_i + gl.sum(l_keys, 1)
     for b in gl.static_range(STAGES):
