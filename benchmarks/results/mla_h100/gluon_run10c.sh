@@ -13,9 +13,9 @@ timeout 150 python3 -m benchmarks.mla_decode --skip-prompt --skip-vllm-gaudi --p
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 echo '{}' > /tmp/d.json; echo '{"MLA_GLUON_WS": true}' > /tmp/w.json
 timeout 60 $NCU --clock-control none -k regex:"mla_gluon" -c 1 --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats python3 -m benchmarks.mla_decode_probe --out /dev/null --once /tmp/d.json > $O/${P}_ncu.txt 2>&1; echo ncu default $?
-timeout 120 python3 -m benchmarks.mla_decode_probe --gluon --gluon-rows GLUON_WS --out $O/${P}_ws_probe.json > $O/${P}_ws_log.txt 2>&1; echo ws probe $?
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode.py -k "ws" >> $O/${P}_ws_log.txt 2>&1; echo ws pytest $?; tail -2 $O/${P}_ws_log.txt
-timeout 60 $NCU --clock-control none -k regex:"mla_gluon" -c 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats python3 -m benchmarks.mla_decode_probe --out /dev/null --once /tmp/w.json >> $O/${P}_ncu.txt 2>&1; echo ncu ws $?
+timeout 80 python3 -m benchmarks.mla_decode_probe --gluon --gluon-rows GLUON_WS --out $O/${P}_ws_probe.json > $O/${P}_ws_log.txt 2>&1; echo ws probe $?
+timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode.py -k "ws" >> $O/${P}_ws_log.txt 2>&1; echo ws pytest $?; tail -2 $O/${P}_ws_log.txt
+timeout 45 $NCU --clock-control none -k regex:"mla_gluon" -c 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats python3 -m benchmarks.mla_decode_probe --out /dev/null --once /tmp/w.json >> $O/${P}_ncu.txt 2>&1; echo ncu ws $?
 python3 - "$O" "$P" <<'PY'
 import json, sys
 O, P = sys.argv[1:]
