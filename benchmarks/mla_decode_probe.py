@@ -187,7 +187,7 @@ def gluon_kernels(case, report, flops, gluon_rows=GLUON):
     from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_ws
 
     rows = []
-    variants = [("triton", {})] + [("gluon", dict(v, MLA_GLUON=True)) for v in gluon_rows]
+    variants = [("triton", {"MLA_GLUON": False})] + [("gluon", dict(v, MLA_GLUON=True)) for v in gluon_rows]
     launches = {"triton": Launches(mla_kernel.mla_kernel), "gluon": Launches(mla_gluon.mla_gluon_kernel),
                 "ws": Launches(mla_gluon_ws.mla_gluon_ws_kernel)}
     for kind, consts in variants:

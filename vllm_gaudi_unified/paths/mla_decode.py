@@ -8,7 +8,8 @@ routes instead, chosen by `mla_unique_route`:
 
 * 'kernel' (CUDA, Triton, 16-bit): `mla_kernel.py`, the token's slots in one
   program per head group and split, the values taken from the key tile, the
-  token's own pair inside (split 0 starts from it).
+  token's own pair inside (split 0 starts from it); on sm_90 `mla_gluon.py`
+  (the same contract in Gluon: TMA, no replicated score work; `gluon_applies`).
 * 'chunks' (torch ops only: an HPU, the Gaudi route): `mla_chunks.py`, each
   token's blocks in chunks whose table is built on the device in the bucket's
   shapes, so a graph captured once per bucket replays it for every step.
