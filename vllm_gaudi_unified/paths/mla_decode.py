@@ -182,10 +182,10 @@ def gluon_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int) -> b
     """Whether `kernel_mla_partial` takes the Gluon kernel: switched on (`MLA_GLUON`), an sm_90 GPU, a 16-bit
     cache and query of one dtype, query heads in groups of 64, the values 64-512 dims and the rope part
     16-256 (powers of two) (the TMA boxes and `wgmma` shapes), whole tiles per block, cache rows
-    contiguous blocks 16-byte aligned (the TMA descriptors), and Gluon importable."""
+    contiguous blocks 16-byte aligned (the TMA descriptors), Gluon importable, and not while torch compiles."""
     if not (MLA_GLUON and q.device.type == "cuda" and key_cache.dtype in KERNEL_CACHE_DTYPES
-            and q.dtype == key_cache.dtype):
-        return False
+            and q.dtype == key_cache.dtype) or torch.compiler.is_compiling():
+        return False  # (under torch.compile the Triton kernel, which dynamo traces; Gluon's TMA launch is untested)
     n, hq, d = q.shape
     bs, dr = key_cache.shape[1], d - value_dim
     keys = MLA_GLUON_KEYS
