@@ -38,6 +38,12 @@ CASES = [
     (Step([1] * 4, [40, 0, 33, 64], 16), "default", {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 32}),
     (Step([1] * 3, [70, 17, 50], 32), "gather", {"MLA_KEYS": 16}),
     (Step([1] * 3, [70, 17, 50], 32), "default", {"MLA_KEYS": 16, "MLA_ONE_SLOT": False, "MLA_Q_LOOP": False}),
+    # the shared tiles as more slots of their rows (`mla_kernel_takes_shared`, from 4 heads here): -su, csu, -s-
+    (SPECS["parallel_sampling"], "default", {"MLA_SHARED_MIN_HEADS": 1, "MLA_SPLIT_KEYS": 8}),
+    (SPECS["prefix_caching"], "gather", {"MLA_SHARED_MIN_HEADS": 4}),
+    (SPECS["seed"], "default", {"MLA_SHARED_MIN_HEADS": 1, "MLA_KEYS": 16}),
+    (Step([1] * 9, [21] * 9, 4, prefix_groups=[(list(range(9)), 5)]), "gather", {"MLA_SHARED_MIN_HEADS": 1}),
+    (Step([1] * 3, [8, 8, 8], 4, prefix_groups=[([0, 1, 2], 2)]), "default", {"MLA_SHARED_MIN_HEADS": 1}),
 ]
 
 
@@ -53,15 +59,23 @@ def run(device: str = "cpu") -> int:
         return "kernel" if calls[-1] else None
 
     attention.mla_unique_route = route
+    real_shared, shared_calls = attention.latent_shared_partial, []
+
+    def shared_route(q, *args):
+        shared_calls.append(q.device.type == device)
+        return real_shared(q, *args)
+
+    attention.latent_shared_partial = shared_route
     saved = {k: getattr(mla_decode, k)
-             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP")}
+             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_SHARED_MIN_HEADS")}
     try:
         for step, mode, consts in CASES:
             for k, v in consts.items():
                 setattr(mla_decode, k, v)
             calls.clear()
+            shared_calls.clear()
             if device == "cpu":
-                out, ref, _, _ = mla_case(step, options=MODES[mode])
+                out, ref, batch, _ = mla_case(step, options=MODES[mode])
                 assert_matches(out, ref)
             else:
                 _, _, batch, (query, latent, cache, table, scale) = mla_case(step, dtype=torch.bfloat16,
@@ -74,10 +88,13 @@ def run(device: str = "cpu") -> int:
                 assert_matches(lat.cpu(), reference_attention(query, k, v, kc, vc, step.query_lens,
                                                               step.context_lens, table, scale))
             assert calls and all(calls), f"the kernel did not run: {calls}"
+            if "MLA_SHARED_MIN_HEADS" in consts:  # the kernel took the shared tiles, the shared route did not run
+                assert batch.phase[1] == "s" and not any(shared_calls), (batch.phase, shared_calls)
             for k, v in saved.items():
                 setattr(mla_decode, k, v)
     finally:
         attention.mla_unique_route = real
+        attention.latent_shared_partial = real_shared
         for k, v in saved.items():
             setattr(mla_decode, k, v)
     return len(CASES)

@@ -44,7 +44,8 @@ from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.paths.kv_quant import is_fp8
 from vllm_gaudi_unified.paths.mla_shared import latent_attend, latent_cache
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
-from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, token_order, triton_importable
+from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, _slots_with_shared, token_order
+from vllm_gaudi_unified.paths.unique import triton_importable
 
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
 #: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an
@@ -71,6 +72,13 @@ MLA_Q_LOOP = True
 #: constant took the kernel from 0.67 to 0.62 ms; every other variant swept (the latent in halves, tensor
 #: descriptors, loop pipelining, warp specialisation, the products transposed for 16 or 32 heads per program,
 #: unmasked whole slots first, sums per key, 32-key tiles, two splits) ran 0.62-2.1 ms.
+
+#: The kernel takes a step's shared tiles too, as more slots of each tile row's token (`kernel_mla_partial(shared=
+#: True)`), from this many query heads a token: a token's heads then fill the program's rows (`MLA_BLOCK_H`), so
+#: grouping a tile's tokens into one product (`mla_shared.py`) loads no key tile fewer; the tokens of a group
+#: read their prefix from L2 at about the same time, and the step runs one kernel with no shared partials to
+#: merge (docs/benchmarks.md, MLA, run 11). Fewer heads (a tensor-parallel shard): the shared route.
+MLA_SHARED_MIN_HEADS = MLA_BLOCK_H
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
@@ -105,22 +113,32 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
     return "dense" if decode_layout(batch) is not None else None
 
 
+def mla_kernel_takes_shared(batch, query: torch.Tensor) -> bool:
+    """Does `kernel_mla_partial` take the step's shared tiles too (`MLA_SHARED_MIN_HEADS`)? A static fact of
+    the bucket and the model, so a bucket's graph is fixed."""
+    return batch.shared_rows.shape[0] > 0 and query.shape[1] >= MLA_SHARED_MIN_HEADS
+
+
 def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
-                       key: torch.Tensor | None = None) -> Partial | None:
+                       key: torch.Tensor | None = None, shared: bool = False) -> Partial | None:
     """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
     `fold_pairwise`); with `key` (the new tokens' latents `[n, 1, L + R]`) each token's own pair too, so
-    the step has no separate self pair to compute and merge (`attention._run_paths`). Slots sorted by token
-    on the device (no sync), once per batch (a server's layers share it); the split count comes from the
-    bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
+    the step has no separate self pair to compute and merge (`attention._run_paths`); with `shared` the
+    shared tiles' (row, block) cells as more slots of their rows (`mla_kernel_takes_shared`). Slots sorted
+    by token on the device (no sync), once per batch (a server's layers share it); the split count comes
+    from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
-    slots = batch.unique_rows.shape[0]
+    slots = batch.unique_rows.shape[0] + (batch.shared_lo.numel() if shared else 0)
     if slots == 0:
         return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     bs = key_cache.shape[1]
-    order, starts = _slot_order(batch, n, q.device)
-    ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
+    order, starts = _slot_order(batch, n, q.device, shared=shared)
+    if shared:
+        _, ids, lo, hi = _slots_with_shared(batch, n)
+    else:  # (ids unused for the slice)
+        ids, lo, hi = order if batch.unique_blocks is None else batch.unique_blocks, batch.unique_lo, batch.unique_hi
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
     splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
     dt = compute_dtype(q.dtype)
@@ -133,27 +151,28 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
     dr = d - value_dim
     mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
-        q, k, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
+        q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
         HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
-        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
+        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None and not shared, V_LOAD=MLA_V_LOAD,
         ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
         SELF=key is not None, num_warps=warps, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
-def _slot_order(batch, n: int, device, keep: bool = True):
-    """The unique slots sorted by token and each token's start in that order (`n + 1` starts), on `device`,
-    once per batch eagerly with `keep` (not kept while torch compiles or a CUDA graph captures: a graph
-    replays with its batch's buffers refilled, so it must sort them itself)."""
+def _slot_order(batch, n: int, device, keep: bool = True, shared: bool = False):
+    """The unique slots (with `shared`: then the shared cells, `_slots_with_shared`) sorted by token and each
+    token's start in that order (`n + 1` starts), on `device`, once per batch eagerly with `keep` (not kept
+    while torch compiles or a CUDA graph captures: a graph replays with its batch's buffers refilled, so it
+    must sort them itself)."""
     eager = keep and not (torch.compiler.is_compiling()
                           or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     hit = _ORDERS.get(batch) if eager else None
-    if hit is not None and hit[0] == (device, n):
+    if hit is not None and hit[0] == (device, n, shared):
         return hit[1]
-    order, starts = token_order(batch.unique_rows, n)
+    order, starts = token_order(_slots_with_shared(batch, n)[0] if shared else batch.unique_rows, n)
     if eager:
-        _ORDERS[batch] = ((device, n), (order, starts))
+        _ORDERS[batch] = ((device, n, shared), (order, starts))
     return order, starts
 
 
