@@ -21,7 +21,7 @@ torch.cuda.synchronize()
 PY
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 for which in shared unshared; do
-  timeout 200 $NCU --clock-control none --metrics dram__bytes_read.sum,gpu__time_duration.sum -k regex:mla_body -s 2 -c 1 \
-    env PYTHONPATH=$PWD python3 /tmp/dram.py $which > $OUT/run11_ncu_$which.txt 2>&1; tail -6 $OUT/run11_ncu_$which.txt
+  PYTHONPATH=$PWD timeout 200 $NCU --clock-control none --metrics dram__bytes_read.sum,gpu__time_duration.sum -k regex:mla_body -s 2 -c 1 \
+    python3 /tmp/dram.py $which > $OUT/run11_ncu_$which.txt 2>&1; tail -6 $OUT/run11_ncu_$which.txt
 done
 timeout 240 python3 -m pytest -q -x tests/test_mla_decode.py tests/test_mla_shared.py -p no:cacheprovider > $OUT/run11_pytest.txt 2>&1; tail -3 $OUT/run11_pytest.txt
