@@ -21,8 +21,7 @@ larger of the two floors is what a kernel can approach. Times: CUDA events, medi
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
 Columns (`--cases` picks scenarios): the CUDA route (`paths/mla_decode.py`'s Triton kernel on the unique
-pairs, and since run 11 on the shared ones too at 64 heads or more; `cuda_shared_route`: those on
-`paths/mla_shared.py`; `cuda_kernel_shared`: on the kernel whatever the heads), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
+pairs, and since run 11 on the shared ones too; `cuda_shared_route`: those on `paths/mla_shared.py`), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
 ops only, on the bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
 runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
 mla_chunks.py; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
@@ -98,14 +97,9 @@ def kernel_consts(values):
             setattr(mla_decode, k, v)
 
 
-def kernel_takes_shared():
-    """The MLA kernel takes the shared tiles whatever the heads (`MLA_SHARED_MIN_HEADS`: from 64 by default)."""
-    return mock.patch.object(mla_decode, "MLA_SHARED_MIN_HEADS", 1)
-
-
 def shared_route():
     """The CUDA route's shared pairs on `paths/mla_shared.py` (before run 11 the kernel never took them)."""
-    return mock.patch.object(mla_decode, "MLA_SHARED_MIN_HEADS", 1 << 30)
+    return mock.patch.object(mla_decode, "MLA_KERNEL_SHARED", False)
 
 
 @contextlib.contextmanager
@@ -240,15 +234,14 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
     entry, err, step = case["entry"], case["err"], case["step"]
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
     entry["compute_floor_ms"] = entry["attention_flops"] / flop_rate * 1e3
-    routes = {"cuda": contextlib.nullcontext, "cuda_shared_route": shared_route, "cuda_kernel_shared": kernel_takes_shared,
-              "cuda_generic_shared": generic_shared,
+    routes = {"cuda": contextlib.nullcontext, "cuda_shared_route": shared_route, "cuda_generic_shared": generic_shared,
               "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
               "gaudi_generic_shared": gaudi_generic_shared, "gaudi_product_softmax": gaudi_product_softmax,
               "gaudi_unique_tiles": gaudi_unique_tiles, "tiles": tiles_only,
               **{f"gaudi_chunks{k}": gaudi_chunk_keys(k) for k in chunk_keys}}
     if "shared" not in case["name"]:  # (no shared pairs: the same as the columns beside them)
         del routes["cuda_generic_shared"], routes["gaudi_generic_shared"], routes["cuda_product_softmax"]
-        del routes["cuda_shared_route"], routes["cuda_kernel_shared"]
+        del routes["cuda_shared_route"]
     for route, ctx in routes.items():
         try:
             with ctx():

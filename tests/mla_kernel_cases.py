@@ -38,12 +38,14 @@ CASES = [
     (Step([1] * 4, [40, 0, 33, 64], 16), "default", {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 32}),
     (Step([1] * 3, [70, 17, 50], 32), "gather", {"MLA_KEYS": 16}),
     (Step([1] * 3, [70, 17, 50], 32), "default", {"MLA_KEYS": 16, "MLA_ONE_SLOT": False, "MLA_Q_LOOP": False}),
-    # the shared tiles as more slots of their rows (`mla_kernel_takes_shared`, from 4 heads here): -su, csu, -s-
-    (SPECS["parallel_sampling"], "default", {"MLA_SHARED_MIN_HEADS": 1, "MLA_SPLIT_KEYS": 8}),
-    (SPECS["prefix_caching"], "gather", {"MLA_SHARED_MIN_HEADS": 4}),
-    (SPECS["seed"], "default", {"MLA_SHARED_MIN_HEADS": 1, "MLA_KEYS": 16}),
-    (Step([1] * 9, [21] * 9, 4, prefix_groups=[(list(range(9)), 5)]), "gather", {"MLA_SHARED_MIN_HEADS": 1}),
-    (Step([1] * 3, [8, 8, 8], 4, prefix_groups=[([0, 1, 2], 2)]), "default", {"MLA_SHARED_MIN_HEADS": 1}),
+    # the shared tiles as more slots of their rows (`mla_kernel_takes_shared`; also above): csu, -s-, a big group,
+    # and the shared route beside the kernel (`MLA_KERNEL_SHARED` off)
+    (SPECS["prefix_caching"], "gather", {}),
+    (SPECS["seed"], "default", {"MLA_KEYS": 16}),
+    (Step([1] * 9, [21] * 9, 4, prefix_groups=[(list(range(9)), 5)]), "gather", {}),
+    (Step([1] * 3, [8, 8, 8], 4, prefix_groups=[([0, 1, 2], 2)]), "default", {}),
+    (SPECS["parallel_sampling"], "default", {"MLA_KERNEL_SHARED": False}),
+    (SPECS["prefix_caching"], "gather", {"MLA_KERNEL_SHARED": False}),
 ]
 
 
@@ -67,7 +69,7 @@ def run(device: str = "cpu") -> int:
 
     attention.latent_shared_partial = shared_route
     saved = {k: getattr(mla_decode, k)
-             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_SHARED_MIN_HEADS")}
+             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_KERNEL_SHARED")}
     try:
         for step, mode, consts in CASES:
             for k, v in consts.items():
@@ -88,8 +90,8 @@ def run(device: str = "cpu") -> int:
                 assert_matches(lat.cpu(), reference_attention(query, k, v, kc, vc, step.query_lens,
                                                               step.context_lens, table, scale))
             assert calls and all(calls), f"the kernel did not run: {calls}"
-            if "MLA_SHARED_MIN_HEADS" in consts:  # the kernel took the shared tiles, the shared route did not run
-                assert batch.phase[1] == "s" and not any(shared_calls), (batch.phase, shared_calls)
+            if batch.phase[1] == "s":  # the kernel took the shared tiles unless switched off
+                assert any(shared_calls) == (not mla_decode.MLA_KERNEL_SHARED), (batch.phase, shared_calls)
             for k, v in saved.items():
                 setattr(mla_decode, k, v)
     finally:

@@ -227,8 +227,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
        (`fused_unique_applies`); else the matmul tiles. MLA's latent cache (values the first dims of
        the keys) first: a Triton kernel on CUDA, one gather and two batched matmuls per decode step on
        the CPU, or chunks of each token's blocks in bucket shapes elsewhere (`paths/mla_decode.py:
-       mla_unique_route`); the kernel takes the shared tiles of 3. too when a token's heads fill its
-       program (`mla_kernel_takes_shared`).
+       mla_unique_route`); the kernel takes the shared tiles of 3. too (`mla_kernel_takes_shared`).
     On HPU the causal and shared tiles run through FusedSDPA inside their paths (`hpu.py`).
     fp8 caches are dequantized after each path's gather or slice (`read_blocks`), or inside
     the kernel of 4. A path without work returns None, so the phase string and the tensors
@@ -237,9 +236,8 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     phase = batch.phase
     # flash takes one head dim: MLA's latent (values narrower than keys) runs the tiles and the unique kernel
     flash = value.shape[-1] == query.shape[-1] and kernel_for(batch, query, cap) == "flash"
-    # MLA's shared tiles go to its kernel with the unique pairs when a token's heads fill a program
-    # (`paths/mla_decode.py: mla_kernel_takes_shared`)
-    shared_to_kernel = phase[1] == "s" and mla_kernel_takes_shared(batch, query)
+    # MLA's shared tiles go to its kernel with the unique pairs (`paths/mla_decode.py: mla_kernel_takes_shared`)
+    shared_to_kernel = phase[1] == "s" and mla_kernel_takes_shared(batch)
     mla = (mla_unique_route(batch, query, key_cache, value_cache, cap, k_scale, v_scale)
            if new_tokens and (phase[2] == "u" or shared_to_kernel) else None)
     mla_shared_in_kernel = shared_to_kernel and mla == "kernel"

@@ -74,11 +74,13 @@ MLA_Q_LOOP = True
 #: unmasked whole slots first, sums per key, 32-key tiles, two splits) ran 0.62-2.1 ms.
 
 #: The kernel takes a step's shared tiles too, as more slots of each tile row's token (`kernel_mla_partial(shared=
-#: True)`), from this many query heads a token: a token's heads then fill the program's rows (`MLA_BLOCK_H`), so
-#: grouping a tile's tokens into one product (`mla_shared.py`) loads no key tile fewer; the tokens of a group
-#: read their prefix from L2 at about the same time, and the step runs one kernel with no shared partials to
-#: merge (docs/benchmarks.md, MLA, run 11). Fewer heads (a tensor-parallel shard): the shared route.
-MLA_SHARED_MIN_HEADS = MLA_BLOCK_H
+#: True)`): one kernel, no shared partials to write and merge. Grouping a tile's tokens into one product
+#: (`mla_shared.py`) reads the prefix once per tile; here each token's program reads it, but the tokens of a
+#: group read it at about the same time, so HBM serves it once and L2 the rest. Measured on an H100
+#: (docs/benchmarks.md, MLA, runs 11 and 12; 64 decodes x (4096 shared + 256)): 0.37 against 1.34 ms of GPU
+#: time at 128 heads, 0.54 against 3.20 ms wall-clock at a tensor-parallel shard's 16; the prefix read once
+#: (33 MB from HBM against 330 MB unshared). False: the shared route beside the kernel (benchmarks, tests).
+MLA_KERNEL_SHARED = True
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
 _ORDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, kernel's slot order)
@@ -113,10 +115,10 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
     return "dense" if decode_layout(batch) is not None else None
 
 
-def mla_kernel_takes_shared(batch, query: torch.Tensor) -> bool:
-    """Does `kernel_mla_partial` take the step's shared tiles too (`MLA_SHARED_MIN_HEADS`)? A static fact of
-    the bucket and the model, so a bucket's graph is fixed."""
-    return batch.shared_rows.shape[0] > 0 and query.shape[1] >= MLA_SHARED_MIN_HEADS
+def mla_kernel_takes_shared(batch) -> bool:
+    """Does `kernel_mla_partial` take the step's shared tiles too (`MLA_KERNEL_SHARED`)? A static fact of
+    the bucket, so a bucket's graph is fixed."""
+    return MLA_KERNEL_SHARED and batch.shared_rows.shape[0] > 0
 
 
 def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
