@@ -19,7 +19,6 @@ import json
 
 import numpy as np
 
-from vllm_gaudi_unified import plan_step
 from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
 from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS, ServerSettings
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import AttentionKind, _plan_kind, largest_shape, step_bucket

@@ -21,8 +21,9 @@ larger of the two floors is what a kernel can approach. Times: CUDA events, medi
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
 Columns (`--cases` picks scenarios): the CUDA route (`paths/mla_decode.py`'s kernel on the unique
-pairs, `paths/mla_shared.py` on the shared ones; `cuda_triton` / `cuda_gluon`: with the Triton kernel or the
-Gluon kernel, `paths/mla_gluon.py`, whatever the default), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
+pairs, and since run 11 on the shared ones too; `cuda_shared_route`: those on `paths/mla_shared.py`;
+`cuda_triton` / `cuda_gluon`: the Triton kernel or the Gluon kernel, `paths/mla_gluon.py`, whatever the
+default), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
 ops only, on the bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
 runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
 mla_chunks.py; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
@@ -84,7 +85,8 @@ SWEEP = [(bh, keys, warps, stages, split, v_load) for bh, keys, warps, stages in
           (64, 16, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2)] for split in (4096, 16384) for v_load in (0, 1)]
 KERNEL_CONSTS = ("MLA_BLOCK_H", "MLA_KEYS", "MLA_WARPS", "MLA_STAGES", "MLA_SPLIT_KEYS", "MLA_V_LOAD")
 REPORTED_CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_GLUON", "MLA_GLUON_KEYS", "MLA_GLUON_STAGES",
-                   "MLA_GLUON_PIPE", "MLA_GLUON_LAZY_SUM")
+                   "MLA_GLUON_PIPE", "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_SHARED",
+                   "MLA_KERNEL_SHARED")
 
 
 @contextlib.contextmanager
@@ -110,9 +112,16 @@ def triton_kernel():
     return mock.patch.object(mla_decode, "MLA_GLUON", False)
 
 
+def shared_route():
+    """The CUDA route's shared pairs on `paths/mla_shared.py` (before run 11 the kernel never took them)."""
+    return mock.patch.object(mla_decode, "MLA_KERNEL_SHARED", False)
+
+
+@contextlib.contextmanager
 def generic_shared():
     """The shared pairs on the generic tiles (the route before `paths/mla_shared.py`)."""
-    return mock.patch.object(attention, "mla_shared_applies", lambda *args: False)
+    with shared_route(), mock.patch.object(attention, "mla_shared_applies", lambda *args: False):
+        yield
 
 
 @contextlib.contextmanager
@@ -241,13 +250,14 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
     entry["compute_floor_ms"] = entry["attention_flops"] / flop_rate * 1e3
     routes = {"cuda": contextlib.nullcontext, "cuda_triton": triton_kernel, "cuda_gluon": gluon_kernel,
-              "cuda_generic_shared": generic_shared,
+              "cuda_shared_route": shared_route, "cuda_generic_shared": generic_shared,
               "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
               "gaudi_generic_shared": gaudi_generic_shared, "gaudi_product_softmax": gaudi_product_softmax,
               "gaudi_unique_tiles": gaudi_unique_tiles, "tiles": tiles_only,
               **{f"gaudi_chunks{k}": gaudi_chunk_keys(k) for k in chunk_keys}}
     if "shared" not in case["name"]:  # (no shared pairs: the same as the columns beside them)
         del routes["cuda_generic_shared"], routes["gaudi_generic_shared"], routes["cuda_product_softmax"]
+        del routes["cuda_shared_route"]
     for route, ctx in routes.items():
         try:
             with ctx():
@@ -303,7 +313,12 @@ def main() -> None:
     parser.add_argument("--chunk-keys", default="",
                         help="comma-separated MLA_CHUNK_KEYS values, each a Gaudi-route column gaudi_chunksN")
     parser.add_argument("--consts", help="kernel constants to run with (JSON: mla_decode_probe --best)")
+    parser.add_argument("--heads", type=int, default=H,
+                        help="query heads a token (128: DeepSeek-V3; 16: its tensor-parallel shard on 8 devices)")
     args = parser.parse_args()
+    if args.heads < 1:
+        raise ValueError(f"--heads must be at least 1, got {args.heads}")
+    globals()["H"] = args.heads
     start = time.time()
     if args.consts:
         with open(args.consts) as f:
@@ -312,7 +327,7 @@ def main() -> None:
                     raise ValueError(f"--consts: paths/mla_decode.py has no constant {k}")
                 setattr(mla_decode, k, v)
     rates = read_bandwidth(), matmul_rate()
-    report = {"device": torch.cuda.get_device_name(), "read_bandwidth_GBps": rates[0] / 1e9,
+    report = {"device": torch.cuda.get_device_name(), "heads": H, "read_bandwidth_GBps": rates[0] / 1e9,
               "matmul_TFLOPs": rates[1] / 1e12,
               "kernel_consts": {k: getattr(mla_decode, k) for k in REPORTED_CONSTS}}
     print(report, flush=True)

@@ -37,7 +37,8 @@ def load():
         sys.modules.setdefault(name, types.ModuleType(name))
     out = []
     for mod in ("mla_gluon", "mla_gluon_ws"):
-        spec = importlib.util.spec_from_file_location(f"vllm_gaudi_unified.paths.{mod}", os.path.join(PATHS, f"{mod}.py"))
+        name = f"vllm_gaudi_unified.paths.{mod}"
+        spec = importlib.util.spec_from_file_location(name, os.path.join(PATHS, f"{mod}.py"))
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)

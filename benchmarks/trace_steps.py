@@ -35,7 +35,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from benchmarks import baselines, gaudi_peer

@@ -4,7 +4,9 @@ The Gluon kernel covers DeepSeek's latent shapes only (64-head groups, values 64
 block sizes a multiple of its key tile), so these cases are built at 128 query heads (two head groups)
 with latents of 512 + 64 or 128 + 32, in bf16, on shuffled block tables whose unreadable slots hold NaN:
 ragged decodes, partial last blocks, a token without cached keys, a shared prefix, prompts in the step,
-both unique layouts, several splits, and each of the kernel's variants (key tile, stages, `PIPE`).
+both unique layouts, several splits, and each of the kernel's variants (key tile, stages, `PIPE`). The cases
+with `MLA_GLUON_SHARED` (the shared cells as more slots of the Gluon kernel) were added after run 10's device
+calls: not yet run on a device.
 """
 from __future__ import annotations
 
@@ -25,7 +27,14 @@ H = 128
 CASES = [
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), {}),
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), {"MLA_SPLIT_KEYS": 128}),
-    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64), {}),
+    # a shared prefix: on the shared route beside the Gluon kernel (as run 10 tested), and as more slots of the
+    # Gluon kernel (`MLA_GLUON_SHARED`, main's shared cells: not yet run on a device)
+    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
+     {"MLA_KERNEL_SHARED": False}),
+    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
+     {"MLA_GLUON_SHARED": True}),
+    (Step([3, 1, 1, 1], [70, 130, 130, 9], 64, prefix_groups=[([1, 2], 2)]), "default", (512, 64),
+     {"MLA_GLUON_SHARED": True, "MLA_SPLIT_KEYS": 64}),
     (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), {"MLA_SPLIT_KEYS": 64}),  # prompts too
     (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_SPLIT_KEYS": 256}),
     (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_GLUON_PIPE": 1, "MLA_SPLIT_KEYS": 128}),
@@ -46,7 +55,10 @@ WS = {"MLA_GLUON_WS": True}
 WS_CASES = [
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), WS),
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), dict(WS, MLA_SPLIT_KEYS=128)),
-    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64), WS),
+    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
+     dict(WS, MLA_KERNEL_SHARED=False)),
+    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
+     dict(WS, MLA_GLUON_SHARED=True)),
     (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), dict(WS, MLA_SPLIT_KEYS=64)),
     (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), dict(WS, MLA_SPLIT_KEYS=256)),
     (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), WS),
@@ -82,7 +94,8 @@ def run(cases=CASES) -> int:
     mla_decode._launch_gluon = launch
     saved = {k: getattr(mla_decode, k) for k in ("MLA_GLUON", "MLA_SPLIT_KEYS", "MLA_GLUON_KEYS",
                                                   "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
-                                                  "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_WS")}
+                                                  "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_WS",
+                                                  "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED")}
     try:
         for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True

@@ -38,6 +38,14 @@ CASES = [
     (Step([1] * 4, [40, 0, 33, 64], 16), "default", {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 32}),
     (Step([1] * 3, [70, 17, 50], 32), "gather", {"MLA_KEYS": 16}),
     (Step([1] * 3, [70, 17, 50], 32), "default", {"MLA_KEYS": 16, "MLA_ONE_SLOT": False, "MLA_Q_LOOP": False}),
+    # the shared tiles as more slots of their rows (`mla_kernel_takes_shared`; also above): csu, -s-, a big group,
+    # and the shared route beside the kernel (`MLA_KERNEL_SHARED` off)
+    (SPECS["prefix_caching"], "gather", {}),
+    (SPECS["seed"], "default", {"MLA_KEYS": 16}),
+    (Step([1] * 9, [21] * 9, 4, prefix_groups=[(list(range(9)), 5)]), "gather", {}),
+    (Step([1] * 3, [8, 8, 8], 4, prefix_groups=[([0, 1, 2], 2)]), "default", {}),
+    (SPECS["parallel_sampling"], "default", {"MLA_KERNEL_SHARED": False}),
+    (SPECS["prefix_caching"], "gather", {"MLA_KERNEL_SHARED": False}),
 ]
 
 
@@ -53,15 +61,23 @@ def run(device: str = "cpu") -> int:
         return "kernel" if calls[-1] else None
 
     attention.mla_unique_route = route
+    real_shared, shared_calls = attention.latent_shared_partial, []
+
+    def shared_route(q, *args):
+        shared_calls.append(q.device.type == device)
+        return real_shared(q, *args)
+
+    attention.latent_shared_partial = shared_route
     saved = {k: getattr(mla_decode, k)
-             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP")}
+             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_KERNEL_SHARED")}
     try:
         for step, mode, consts in CASES:
             for k, v in consts.items():
                 setattr(mla_decode, k, v)
             calls.clear()
+            shared_calls.clear()
             if device == "cpu":
-                out, ref, _, _ = mla_case(step, options=MODES[mode])
+                out, ref, batch, _ = mla_case(step, options=MODES[mode])
                 assert_matches(out, ref)
             else:
                 _, _, batch, (query, latent, cache, table, scale) = mla_case(step, dtype=torch.bfloat16,
@@ -74,10 +90,13 @@ def run(device: str = "cpu") -> int:
                 assert_matches(lat.cpu(), reference_attention(query, k, v, kc, vc, step.query_lens,
                                                               step.context_lens, table, scale))
             assert calls and all(calls), f"the kernel did not run: {calls}"
+            if batch.phase[1] == "s":  # the kernel took the shared tiles unless switched off
+                assert any(shared_calls) == (not mla_decode.MLA_KERNEL_SHARED), (batch.phase, shared_calls)
             for k, v in saved.items():
                 setattr(mla_decode, k, v)
     finally:
         attention.mla_unique_route = real
+        attention.latent_shared_partial = real_shared
         for k, v in saved.items():
             setattr(mla_decode, k, v)
     return len(CASES)

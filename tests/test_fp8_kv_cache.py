@@ -17,6 +17,7 @@ from conftest import SMALL_TILES, SPECS, assert_matches, make_block_table, make_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
+from vllm_gaudi_unified.paths import prompts
 from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, dequantize, quantize
 from vllm_gaudi_unified.reference import reference_attention
 
@@ -52,14 +53,22 @@ def _fp8_case(step, fp8, k_form, v_form, seed=0, options=SMALL_TILES, query_dtyp
     return (q.to(query_dtype), k.to(query_dtype), v.to(query_dtype), kq, vq, ks, vs, kd, vd, table, nb)
 
 
+@pytest.mark.parametrize("split", [None, True], ids=["default", "split"])
 @pytest.mark.parametrize("fmt", sorted(FP8))
 @pytest.mark.parametrize("spec_name", ["seed", "decode", "chunked_prefill", "prefix_caching", "gqa"])
-def test_every_path_against_the_dequantized_reference(fmt, spec_name):
+def test_every_path_against_the_dequantized_reference(fmt, spec_name, split, monkeypatch):
+    """`split`: the prompt route's split form on these small grids too (`prompts.SPLIT_CONTEXT`), its
+    context and new keys read from the fp8 cache as two parts (`prompts._keys(split=True)`)."""
     step = SPECS[spec_name]
     q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8[fmt], "per_slot_head", "float")
     batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
                                 options=SMALL_TILES)
+    monkeypatch.setattr(prompts, "SPLIT_CONTEXT", split)
+    ran = []
+    real = prompts._split_rows
+    monkeypatch.setattr(prompts, "_split_rows", lambda *a: ran.append(1) or real(*a))
     out = unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
+    assert bool(ran) == bool(split and prompts.split_context(batch))
     ref = reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37)
     assert_matches(out, ref)
 

@@ -76,6 +76,19 @@ def test_chunks_padded_bucket(mode, routes, monkeypatch):
     assert int(visible.sum()) == sum(step.context_lens)  # every cached key once, nothing else
 
 
+def test_the_chunk_bound_is_reached(routes, monkeypatch):
+    """Every token's last chunk holds one slot (3 blocks a token, chunks of 2): the step fills the bound
+    `num_chunks` exactly, with every cached key seen once, and matches the reference (float64, 1e-6)."""
+    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", 8)
+    step = Step([1] * 4, [12, 10, 11, 9], 4)  # 3 blocks each (the new token's slot in the last one)
+    out, ref, batch, _ = mla_case(step, options=MODES["gather"])
+    assert routes[-1] == "chunks" and batch.unique_rows.shape[0] == 12
+    assert_matches(out, ref)
+    keys, visible, token = mla_chunks.chunk_layout(batch, 4, step.block_size, torch.device("cpu"))
+    assert keys.shape[0] == mla_chunks.num_chunks(12, 4, 2) == 8 and bool((token < 4).all())
+    assert int(visible.sum()) == sum(step.context_lens)
+
+
 def test_route_off_the_cpu():
     """'chunks' off the CPU without the CUDA kernel; the CPU keeps 'dense' for its decode steps."""
     _, _, batch, (query, latent, cache, _, _) = mla_case(DECODES["even"])

@@ -168,7 +168,11 @@ def test_on_cuda(gaudi, softmax, taken, monkeypatch):
 
     from vllm_gaudi_unified.paths import fused
 
+    from vllm_gaudi_unified.paths import mla_decode
+
     monkeypatch.setattr(mla_shared, "LATENT_SOFTMAX", softmax)
+    # (on the CUDA route the MLA kernel takes the shared tiles by default: mla_kernel_cases.py checks it there)
+    monkeypatch.setattr(mla_decode, "MLA_KERNEL_SHARED", False)
     cases = [SHARED[k] for k in sorted(SHARED)] + [(DECODES[k], "default") for k in sorted(DECODES)]
     with fused.gaudi_route() if gaudi else contextlib.nullcontext():
         for step, mode in cases:

@@ -18,7 +18,8 @@ from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial
 from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_partial
 from vllm_gaudi_unified.paths.mla_chunks import chunks_mla_partial
-from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_unique_route
+from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_kernel_takes_shared
+from vllm_gaudi_unified.paths.mla_decode import mla_unique_route
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
 from vllm_gaudi_unified.paths.prompts import final_rows, grid_rows, prompt_final, prompt_partial, write_rows
 from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_shared_applies
@@ -226,7 +227,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
        (`fused_unique_applies`); else the matmul tiles. MLA's latent cache (values the first dims of
        the keys) first: a Triton kernel on CUDA, one gather and two batched matmuls per decode step on
        the CPU, or chunks of each token's blocks in bucket shapes elsewhere (`paths/mla_decode.py:
-       mla_unique_route`).
+       mla_unique_route`); the kernel takes the shared tiles of 3. too (`mla_kernel_takes_shared`).
     On HPU the causal and shared tiles run through FusedSDPA inside their paths (`hpu.py`).
     fp8 caches are dequantized after each path's gather or slice (`read_blocks`), or inside
     the kernel of 4. A path without work returns None, so the phase string and the tensors
@@ -235,8 +236,12 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     phase = batch.phase
     # flash takes one head dim: MLA's latent (values narrower than keys) runs the tiles and the unique kernel
     flash = value.shape[-1] == query.shape[-1] and kernel_for(batch, query, cap) == "flash"
-    mla = new_tokens and phase[2] == "u" and mla_unique_route(batch, query, key_cache, value_cache, cap, k_scale,
-                                                              v_scale)
+    # MLA's shared tiles go to its kernel with the unique pairs (`paths/mla_decode.py: mla_kernel_takes_shared`)
+    shared_to_kernel = phase[1] == "s" and mla_kernel_takes_shared(batch)
+    mla = (mla_unique_route(batch, query, key_cache, value_cache, cap, k_scale, v_scale)
+           if new_tokens and (phase[2] == "u" or shared_to_kernel) else None)
+    mla_shared_in_kernel = shared_to_kernel and mla == "kernel"
+    mla = mla if phase[2] == "u" or mla_shared_in_kernel else None
     if not new_tokens:
         pass
     elif flash and phase[0] == "c" and not batch.plan.bidirectional and not prompts_merged:
@@ -253,17 +258,18 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
                         and kernel_unique_applies(key_cache, value_cache))
     if shared_in_kernel:
         yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale, shared=True)
-    elif phase[1] == "s":
+    elif phase[1] == "s" and not mla_shared_in_kernel:
         if mla_shared_applies(batch, key_cache, value_cache, cap, k_scale, v_scale):  # paths/mla_shared.py
             yield latent_shared_partial(query, key_cache, value_cache.shape[-1], batch, scale)
         elif flash and batch.plan.shared_prefix_visible:
             yield fused_shared_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         else:
             yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
-    if phase[2] == "u" and not shared_in_kernel:
+    if (phase[2] == "u" or mla_shared_in_kernel) and not shared_in_kernel:
         if mla:  # MLA's latent: one Partial row per token, the latent read once, the self pair inside
             run = {"kernel": kernel_mla_partial, "dense": dense_mla_partial, "chunks": chunks_mla_partial}[mla]
-            yield run(query, key_cache, value_cache.shape[-1], batch, scale, key)  # (paths/mla_decode.py)
+            shared = {"shared": True} if mla_shared_in_kernel else {}
+            yield run(query, key_cache, value_cache.shape[-1], batch, scale, key, **shared)  # paths/mla_decode.py
         elif flash and kernel_unique_applies(key_cache, value_cache):
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         elif flash and fused_unique_applies(batch, key_cache):

@@ -6,8 +6,8 @@ captured at warmup would replay the warmup step's table. Here each token's
 unique blocks (the unique path's bucket-sized arrays: `unique_rows`,
 `unique_blocks`, `unique_lo`/`unique_hi`) are cut into chunks of `C` blocks
 (`MLA_CHUNK_KEYS` keys) that never hold two tokens. A token with `c` slots
-takes `ceil(c / C)` chunks, so a step has at most `ceil(u / C) + min(n, u)`
-of them (u unique slots, n query rows: both the bucket's); the table of
+takes `ceil(c / C)` chunks, so a step has at most `(u + min(n, u) (C - 1)) // C`
+of them (u unique slots, n query rows: both the bucket's; `num_chunks`); the table of
 chunks is built on the device by sorts, cumulative sums and gathers of
 bucket-shaped tensors, with no host sync and no shape that follows the data.
 
@@ -47,8 +47,10 @@ def chunk_blocks(block_size: int) -> int:
 
 
 def num_chunks(slots: int, rows: int, per_chunk: int) -> int:
-    """The bound from the bucket: `sum_t ceil(c_t / C) <= ceil(u / C) + (tokens with a slot)`."""
-    return -(-slots // per_chunk) + min(rows, slots)
+    """The bound from the bucket: `sum_t ceil(c_t / C) <= sum_t (c_t + C - 1) / C <= (u + T (C - 1)) / C`,
+    T = `min(rows, slots)` tokens with a slot (an integer, so its floor); reached when every token's last
+    chunk holds one slot (16 chunks fewer than `ceil(u / C) + T` at 128 decodes x 32 blocks, C = 8)."""
+    return (slots + min(rows, slots) * (per_chunk - 1)) // per_chunk
 
 
 def chunk_layout(batch, n: int, block_size: int, device):

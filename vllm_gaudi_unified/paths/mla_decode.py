@@ -46,7 +46,8 @@ from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.paths.kv_quant import is_fp8
 from vllm_gaudi_unified.paths.mla_shared import latent_attend, latent_cache
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
-from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, token_order, triton_importable
+from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, _slots_with_shared, token_order
+from vllm_gaudi_unified.paths.unique import triton_importable
 
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
 #: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an
@@ -74,6 +75,14 @@ MLA_Q_LOOP = True
 #: descriptors, loop pipelining, warp specialisation, the products transposed for 16 or 32 heads per program,
 #: unmasked whole slots first, sums per key, 32-key tiles, two splits) ran 0.62-2.1 ms.
 
+#: The kernel takes a step's shared tiles too, as more slots of each tile row's token (`kernel_mla_partial(shared=
+#: True)`): one kernel, no shared partials to write and merge. Grouping a tile's tokens into one product
+#: (`mla_shared.py`) reads the prefix once per tile; here each token's program reads it, but the tokens of a
+#: group read it at about the same time, so HBM serves it once and L2 the rest. Measured on an H100
+#: (docs/benchmarks.md, MLA, runs 11 and 12; 64 decodes x (4096 shared + 256)): 0.37 against 1.34 ms of GPU
+#: time at 128 heads, 0.54 against 3.20 ms wall-clock at a tensor-parallel shard's 16; the prefix read once
+#: (33 MB from HBM against 330 MB unshared). False: the shared route beside the kernel (benchmarks, tests).
+MLA_KERNEL_SHARED = True
 #: The Gluon kernel (`mla_gluon.py`: key tiles by TMA, both warpgroups on disjoint halves of the scores and of
 #: the values, docs/benchmarks.md, MLA, run 10) where it applies (`gluon_applies`: sm_90, 16-bit, 64-head groups,
 #: the values 512 dims or fewer, whole key tiles per block). `VLLM_GAUDI_UNIFIED_MLA_GLUON=1` on, `=0` off, unset:
@@ -91,6 +100,11 @@ MLA_GLUON_META_AHEAD = True
 #: tiles, a producer partition) where its shapes allow (64-key tiles, rope 64), and its consumers' registers.
 MLA_GLUON_WS = False
 MLA_GLUON_WS_REGS = 240
+#: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
+#: per token). Off: run 10 tested and timed the Gluon kernel before the kernel took shared cells (run 11), so a
+#: step with shared cells in the kernel keeps the Triton kernel until a device run checks this (the CUDA test's
+#: cases with it on are in tests/mla_gluon_cases.py).
+MLA_GLUON_SHARED = False
 _GLUON: list = []  # [module or None]: `mla_gluon` once imported (None: Gluon not importable)
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
@@ -126,22 +140,32 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
     return "dense" if decode_layout(batch) is not None else None
 
 
+def mla_kernel_takes_shared(batch) -> bool:
+    """Does `kernel_mla_partial` take the step's shared tiles too (`MLA_KERNEL_SHARED`)? A static fact of
+    the bucket, so a bucket's graph is fixed."""
+    return MLA_KERNEL_SHARED and batch.shared_rows.shape[0] > 0
+
+
 def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
-                       key: torch.Tensor | None = None) -> Partial | None:
+                       key: torch.Tensor | None = None, shared: bool = False) -> Partial | None:
     """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
     `fold_pairwise`); with `key` (the new tokens' latents `[n, 1, L + R]`) each token's own pair too, so
-    the step has no separate self pair to compute and merge (`attention._run_paths`). Slots sorted by token
-    on the device (no sync), once per batch (a server's layers share it); the split count comes from the
-    bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
+    the step has no separate self pair to compute and merge (`attention._run_paths`); with `shared` the
+    shared tiles' (row, block) cells as more slots of their rows (`mla_kernel_takes_shared`). Slots sorted
+    by token on the device (no sync), once per batch (a server's layers share it); the split count comes
+    from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
-    slots = batch.unique_rows.shape[0]
+    slots = batch.unique_rows.shape[0] + (batch.shared_lo.numel() if shared else 0)
     if slots == 0:
         return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     bs = key_cache.shape[1]
-    order, starts = _slot_order(batch, n, q.device)
-    ids = order if batch.unique_blocks is None else batch.unique_blocks  # (unused for the slice)
+    order, starts = _slot_order(batch, n, q.device, shared=shared)
+    if shared:
+        _, ids, lo, hi = _slots_with_shared(batch, n)
+    else:  # (ids unused for the slice)
+        ids, lo, hi = order if batch.unique_blocks is None else batch.unique_blocks, batch.unique_lo, batch.unique_hi
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
     splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
     dt = compute_dtype(q.dtype)
@@ -153,15 +177,15 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
     warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
     dr = d - value_dim
-    if gluon_applies(q, key_cache, value_dim):
-        _launch_gluon(q, k, key_cache, order, starts, ids, batch, acc, m, total, scale, splits, value_dim,
-                      key is not None)
+    if (MLA_GLUON_SHARED or not shared) and gluon_applies(q, key_cache, value_dim):
+        _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, batch.unique_blocks is None and not shared, acc,
+                      m, total, scale, splits, value_dim, key is not None)
         return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
     mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
-        q, k, key_cache, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
+        q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
         HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
-        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None, V_LOAD=MLA_V_LOAD,
+        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None and not shared, V_LOAD=MLA_V_LOAD,
         ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
         SELF=key is not None, num_warps=warps, num_stages=MLA_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
@@ -199,9 +223,10 @@ def gluon_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int) -> b
     return torch.cuda.get_device_capability(q.device) == (9, 0) and _gluon() is not None
 
 
-def _launch_gluon(q, k, key_cache, order, starts, ids, batch, acc, m, total, scale, splits, value_dim,
+def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, total, scale, splits, value_dim,
                   with_self):
-    """`mla_gluon.mla_gluon_kernel` on the same arguments as the Triton kernel, the cache as TMA descriptors."""
+    """`mla_gluon.mla_gluon_kernel` on the same arguments as the Triton kernel (the slots' `ids`, `lo`, `hi`: the
+    unique slots', or with the shared cells after them), the cache as TMA descriptors."""
     g = _gluon()
     n, hq, d = q.shape
     kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS)
@@ -209,29 +234,30 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, batch, acc, m, total, sca
         from vllm_gaudi_unified.paths import mla_gluon_ws
 
         mla_gluon_ws.mla_gluon_ws_kernel[(hq // 64, splits, n)](
-            q, k, kn_desc, kr_desc, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale,
-            splits, q.stride(0), q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64,
-            SLICE=batch.unique_blocks is None, SELF=with_self, REGS=MLA_GLUON_WS_REGS, num_warps=4)
+            q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
+            q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
+            SELF=with_self, REGS=MLA_GLUON_WS_REGS, num_warps=4)
         return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
-        q, k, kn_desc, kr_desc, order, starts, ids, batch.unique_lo, batch.unique_hi, acc, m, total, scale, splits,
+        q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=q.shape[-1] - value_dim, BS=key_cache.shape[1],
-        KEYS=MLA_GLUON_KEYS, STAGES=MLA_GLUON_STAGES, SLICE=batch.unique_blocks is None, SELF=with_self,
+        KEYS=MLA_GLUON_KEYS, STAGES=MLA_GLUON_STAGES, SLICE=slice_, SELF=with_self,
         PIPE=MLA_GLUON_PIPE, LAZY_SUM=MLA_GLUON_LAZY_SUM, META_AHEAD=MLA_GLUON_META_AHEAD, num_warps=8)
 
 
-def _slot_order(batch, n: int, device, keep: bool = True):
-    """The unique slots sorted by token and each token's start in that order (`n + 1` starts), on `device`,
-    once per batch eagerly with `keep` (not kept while torch compiles or a CUDA graph captures: a graph
-    replays with its batch's buffers refilled, so it must sort them itself)."""
+def _slot_order(batch, n: int, device, keep: bool = True, shared: bool = False):
+    """The unique slots (with `shared`: then the shared cells, `_slots_with_shared`) sorted by token and each
+    token's start in that order (`n + 1` starts), on `device`, once per batch eagerly with `keep` (not kept
+    while torch compiles or a CUDA graph captures: a graph replays with its batch's buffers refilled, so it
+    must sort them itself)."""
     eager = keep and not (torch.compiler.is_compiling()
                           or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     hit = _ORDERS.get(batch) if eager else None
-    if hit is not None and hit[0] == (device, n):
+    if hit is not None and hit[0] == (device, n, shared):
         return hit[1]
-    order, starts = token_order(batch.unique_rows, n)
+    order, starts = token_order(_slots_with_shared(batch, n)[0] if shared else batch.unique_rows, n)
     if eager:
-        _ORDERS[batch] = ((device, n), (order, starts))
+        _ORDERS[batch] = ((device, n, shared), (order, starts))
     return order, starts
 
 

@@ -3,8 +3,8 @@
 Why (docs/benchmarks.md, MLA, run 10): in `mla_gluon.py` both warpgroups run one instruction stream, so the
 tensor cores wait through every softmax and barrier (41 % busy on an H100). Here (`gl.warp_specialize`):
 
-* a producer (the kernel's own 4 warps, 40 registers) loads key tiles by TMA into two buffers (tile t into buffer t % 2) once both warpgroups
-  are done with the buffer's previous tile;
+* a producer (the kernel's own 4 warps, the registers the consumers leave) loads key tiles by TMA into two
+  buffers (tile t into buffer t % 2) once both warpgroups are done with the buffer's previous tile;
 * warpgroup 0 owns the even tiles, warpgroup 1 the odd ones: each computes its tile's whole `[64, 64]` scores
   (no split of the tile, `N = 64` per `wgmma`), while the other is in its softmax or values product;
 * the running maximum passes from tile to tile through shared memory (tile t's softmax needs tile t - 1's

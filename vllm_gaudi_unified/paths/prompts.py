@@ -83,7 +83,7 @@ def split_context(batch, same_head_dims: bool = True) -> bool:
 
 
 def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: bool = True, clean: bool = False,
-          context=None, first: int = 0):
+          context=None, first: int = 0, split: bool = False):
     """Query rows `[P, Qp, Hq, D]`, keys/values `[P, Kp, Hkv, D]` and, per key position `[P, Kp]`: whether
     it is a real key of the prompt, and its position in the prompt's sequence (a row at sequence
     position `ctx + i` sees keys at positions `<= ctx + i`); with `clean`, also `[P, Qp, Hkv]`: the new
@@ -93,7 +93,9 @@ def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: boo
     else the context blocks as gathered, then the new keys at `Cb * bs` (one copy less: a mask
     handles the gap after a partly filled last block). `context`: the context keys/values `[P, Cb*bs,
     Hkv, D]` already gathered (MLA's expanded form: `mla_prompts.py`), else read from the caches;
-    `first`: q/k/v hold the step's tokens from `first` on (every prompt row is at or past it).
+    `first`: q/k/v hold the step's tokens from `first` on (every prompt row is at or past it); `split`
+    (the split form, non-compact, with context blocks): keys and values as (context, new) pairs, not
+    concatenated.
 
     `clean` (the final form's containment, module docstring): context slots past a prompt's context and
     new keys past its tokens are zeroed, and so are non-finite new keys and values. Elementwise on the
@@ -124,6 +126,9 @@ def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: boo
     if clean:  # the unused slots of a partial last block and the padding blocks (id 0) never reach a row
         used = (torch.arange(keys, device=q.device)[None, :] < ctx)[..., None, None]
         kc, vc = torch.where(used, kc, zero), torch.where(used, vc, zero)
+    if split:
+        seq, real = _positions(batch, keys, kn.shape[1])
+        return qr, (kc, kn), (vc, vn), real, seq, new_bad
     kall, vall = torch.cat([kc, kn], 1), torch.cat([vc, vn], 1)
     pos = torch.arange(keys + kn.shape[1], device=q.device)[None, :]
     if compact:
@@ -135,13 +140,16 @@ def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: boo
     return qr, kall, vall, real, seq, new_bad
 
 
-def _clean_keys(q, k, v, key_cache, value_cache, batch):
+def _clean_keys(q, k, v, key_cache, value_cache, batch, split: bool = False):
     """`_keys(compact=False, clean=True)` for an unquantized cache, as one gather: key `p < Cb * bs` of
     prompt `r` is cache slot `p % bs` of its block `p // bs` (zero past its context), key `Cb * bs + j`
     its token `j` (zero past its tokens, or where not finite). Both sources are indexed per output
     element, so the compiled function writes K and V in SDPA's layout in one pass, with no
     concatenated or cleaned copy in between. On a grid step (`plan.prompt_grid`) the rows are
-    arithmetic, not read, and the queries are a view of the step's rows."""
+    arithmetic, not read, and the queries are a view of the step's rows. `split` (the split form, with
+    context blocks): keys and values as (context `[P, Cb * bs]`, new `[P, Qp]`) pairs, each written in
+    its fused call's layout by its own pass (slices of one tensor were copied before each call: 2 x 34 +
+    2 x 16 us on a chunked step of 2 x 2k over 6k, H100)."""
     n, dev = q.shape[0], q.device
     p, qp = batch.prompt_rows.shape
     grid = batch.plan.prompt_grid
@@ -171,8 +179,14 @@ def _clean_keys(q, k, v, key_cache, value_cache, batch):
     seq, valid = _positions(batch, keys, qp)
     # written heads-major, SDPA's `[P, Hkv, Kp, D]` contiguous, by the same pass (cuDNN: 0.3-1 % faster on
     # the chunked prefill than the token-major copy, H100)
-    kall, vall = (pick(c, x).transpose(1, 2).contiguous().transpose(1, 2)
-                  for c, x in ((key_cache, k), (value_cache, v)))
+    heads_major = lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+    if split and cb:  # the same elements, context and new keys in two tensors
+        ctx_part = lambda cache: torch.where(use_ctx[:, :keys], cache[blk[:, :keys], off[:, :keys]], zero)  # noqa: E731
+        new_part = lambda new: torch.where(use_new[:, keys:, :, None], new[rows], zero)  # noqa: E731
+        kall, vall = ((heads_major(ctx_part(c)), heads_major(new_part(x))) for c, x in ((key_cache, k),
+                                                                                      (value_cache, v)))
+        return qr, kall, vall, valid, seq, new_bad
+    kall, vall = (heads_major(pick(c, x)) for c, x in ((key_cache, k), (value_cache, v)))
     return qr, kall, vall, valid, seq, new_bad
 
 
@@ -223,7 +237,8 @@ def _key_bias(batch, keys: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _split_rows(qr, kall, vall, batch, scale) -> torch.Tensor:
-    """The split form (`split_context`) on the non-compact layout: `[P, Hq, Qp, D]` normalised rows.
+    """The split form (`split_context`): `[P, Hq, Qp, D]` normalised rows; `kall`, `vall` (context
+    `[P, Cb * bs, Hkv, D]`, new `[P, Qp, Hkv, D]`) pairs (`_keys` / `_clean_keys` with `split`).
 
     Two fused calls with statistics (`fused.sdpa_lse`): the context keys (the first `Cb * bs`) under the
     key-padding bias, the new keys `is_causal` (top-left: row i sees new keys 0..i) with no mask; then
@@ -232,13 +247,14 @@ def _split_rows(qr, kall, vall, batch, scale) -> torch.Tensor:
     0), so it is selected away, not weighted. A NaN real context key still reaches every row of its
     prompt (through the LSE or the row)."""
     p, qp = qr.shape[:2]
-    keys = kall.shape[1] - qp
-    q, k, v = qr.transpose(1, 2), kall.transpose(1, 2), vall.transpose(1, 2)
+    (kc, kn), (vc, vn) = ((a.transpose(1, 2), b.transpose(1, 2)) for a, b in (kall, vall))
+    keys = kc.shape[2]
+    q = qr.transpose(1, 2)
     bias = batch.prompt_bias
     if bias is None or bias.dtype != q.dtype or tuple(bias.shape) != (p, 1, 1, keys):
         bias = _key_bias(batch, keys, q.dtype)
-    out_c, lse_c = fused.sdpa_lse(q, k[:, :, :keys], v[:, :, :keys], bias, scale)
-    out_n, lse_n = fused.sdpa_lse(q, k[:, :, keys:], v[:, :, keys:], None, scale, causal=True)
+    out_c, lse_c = fused.sdpa_lse(q, kc, vc, bias, scale)
+    out_n, lse_n = fused.sdpa_lse(q, kn, vn, None, scale, causal=True)
     has = (batch.prompt_ctx > 0)[:, None, None]  # [P, 1, 1]
     lse_c = torch.where(has, lse_c, float("-inf"))
     top = torch.maximum(lse_c, lse_n)  # NaN stays NaN
@@ -271,17 +287,21 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
     (`hpu.sdpa_final`: FusedSDPA on a Gaudi) over the padded batch, with the mask the layout needs."""
     from vllm_gaudi_unified.hpu import sdpa_final
 
+    value_dim = (v if context is None else context[1]).shape[-1]
+    split = not flash and split_context(batch, value_dim == q.shape[-1] and fused.lse_kernel_for(q))
+    # (split: only where a kernel returns the statistics, never a matmul over every score)
     if not flash and context is None and not first and key_cache is not None and not is_fp8(key_cache.dtype):
-        qr, kall, vall, valid, seq, new_bad = _clean_keys(q, k, v, key_cache, value_cache, batch)
+        qr, kall, vall, valid, seq, new_bad = _clean_keys(q, k, v, key_cache, value_cache, batch, split)
     else:
         qr, kall, vall, valid, seq, new_bad = _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale,
-                                                    compact=flash, clean=True, context=context, first=first)
+                                                    compact=flash, clean=True, context=context, first=first,
+                                                    split=split)
     p, qp, hq, d = qr.shape
-    hkv = kall.shape[2]
+    hkv = k.shape[1]
     i = torch.arange(qp, device=q.device)
     if flash:
         out = _flash_rows(qr, kall, vall, batch, scale)
-    elif split_context(batch, vall.shape[-1] == d and fused.lse_kernel_for(qr)):  # (no split of every score)
+    elif split:
         out = _split_rows(qr, kall, vall, batch, scale).transpose(1, 2).reshape(p * qp, hq, d)
     else:
         mask = None  # (none without context: causal)

@@ -31,9 +31,6 @@ ENV_BATCH_INVARIANT = "VLLM_GAUDI_UNIFIED_BATCH_INVARIANT"
 #: explicit override; by default every device plans with the same options (the planner picks routes).
 ENV_DEVICE_OPTIONS = "VLLM_GAUDI_UNIFIED_DEVICE_OPTIONS"
 
-ALL_ENV_VARS = (ENV_ENABLE, ENV_BUCKETS, ENV_WARMUP, ENV_RECORD_TRACE, ENV_BATCH_INVARIANT, ENV_DEVICE_OPTIONS)
-
-
 @dataclass(frozen=True)
 class PluginConfig:
     """What the user asked for; `from_env()` is the only constructor vLLM processes use."""
