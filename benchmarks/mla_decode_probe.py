@@ -70,6 +70,11 @@ GLUON_C = [dict(MLA_GLUON_PIPE=pipe, MLA_GLUON_LAZY_SUM=lazy, MLA_GLUON_META_AHE
            for pipe, lazy, ahead in [(2, True, False), (2, True, True), (0, True, True), (1, True, True)]]
 GLUON_WS = [dict(MLA_GLUON_WS=True, MLA_GLUON_WS_REGS=regs, MLA_SPLIT_KEYS=split)
             for regs, split in [(240, 16384), (232, 16384), (240, 2048)]]
+#: Run 13: the default with and without the kept TMA descriptors, the warp-specialised kernel with its 4-warp and
+#: its 1-warp producer
+GLUON_13 = [dict(MLA_GLUON_DESC_CACHE=True), dict(MLA_GLUON_DESC_CACHE=False),
+            dict(MLA_GLUON_WS=True, MLA_GLUON_WS_PRODUCER_WARPS=4),
+            dict(MLA_GLUON_WS=True, MLA_GLUON_WS_PRODUCER_WARPS=1, MLA_GLUON_WS_REGS=224)]
 
 
 @contextlib.contextmanager
@@ -182,6 +187,35 @@ def host_ms(step, iters=20) -> float:
     return (t1 - t0) / iters * 1e3
 
 
+def launch_host_us(case, iters=300) -> dict:
+    """Host microseconds per call of the kernel route's partial (`kernel_mla_partial`: slot order kept, buffers,
+    the launch) with and without the kept TMA descriptors, and of building the descriptors alone (run 13)."""
+    import time
+
+    from vllm_gaudi_unified.mla import latent_views
+    from vllm_gaudi_unified.paths import mla_gluon
+
+    kc = latent_views(case["cache"], L)[0]
+    out = {}
+    for rnd in range(2):
+        for keep in (False, True):
+            with mock.patch.object(mla_decode, "MLA_GLUON_DESC_CACHE", keep):
+                call = lambda: mla_decode.kernel_mla_partial(case["q"], kc, L, case["batch"], SCALE)  # noqa: E731
+                call()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    call()
+                out[f"partial_keep{int(keep)}_r{rnd}_us"] = (time.perf_counter() - t0) / iters * 1e6
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                mla_gluon.cache_descriptors(kc, L, mla_decode.MLA_GLUON_KEYS, keep)
+            out[f"descriptors_keep{int(keep)}_r{rnd}_us"] = (time.perf_counter() - t0) / iters * 1e6
+    print("host", json.dumps(out), flush=True)
+    return out
+
+
 def gluon_kernels(case, report, flops, gluon_rows=GLUON):
     """The shipped Triton kernel, then each Gluon variant (`GLUON`) on the same step (error, times, facts)."""
     from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_ws
@@ -252,7 +286,7 @@ def main() -> None:
     parser.add_argument("--once", help="constants (JSON, as --best writes): three steps of the CUDA route, nothing "
                                        "else (for a profiler)")
     parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
-    parser.add_argument("--gluon-rows", default="GLUON", choices=["GLUON", "GLUON_C", "GLUON_WS"],
+    parser.add_argument("--gluon-rows", default="GLUON", choices=["GLUON", "GLUON_C", "GLUON_WS", "GLUON_13"],
                         help="which list of Gluon variants --gluon runs")
     args = parser.parse_args()
     if args.once:
@@ -282,6 +316,8 @@ def main() -> None:
             json.dump(report, f, indent=1)
 
     if args.gluon:
+        if args.gluon_rows == "GLUON_13":
+            report["host"] = launch_host_us(case)
         gluon_kernels(case, report, entry["attention_flops"], globals()[args.gluon_rows])
         save()
         return
