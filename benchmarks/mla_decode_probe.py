@@ -19,7 +19,8 @@ keys, `benchmarks/mla_decode.py`'s scenario).
 
 `--once FILE` runs three steps of the CUDA route with the constants in FILE and nothing else: the process
 to hand a profiler (`ncu -k regex:mla_body -c 1 ... python -m benchmarks.mla_decode_probe --out /dev/null
---once FILE`, run 9).
+--once FILE`, run 9); `--once-shared`: on the shared step (run 13: how many bytes the Gluon kernel reads from HBM).
+`--gluon-rows GLUON_13` also times the host's share of a launch with and without the kept TMA descriptors.
 """
 from __future__ import annotations
 
@@ -285,6 +286,8 @@ def main() -> None:
     parser.add_argument("--kernels-only", action="store_true", help="the kernel's sweep alone (no Gaudi route parts)")
     parser.add_argument("--once", help="constants (JSON, as --best writes): three steps of the CUDA route, nothing "
                                        "else (for a profiler)")
+    parser.add_argument("--once-shared", action="store_true",
+                        help="--once on the shared step (64 x (4096 shared + 256)) instead of 128 x 4096")
     parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
     parser.add_argument("--gluon-rows", default="GLUON", choices=["GLUON", "GLUON_C", "GLUON_WS", "GLUON_13"],
                         help="which list of Gluon variants --gluon runs")
@@ -292,7 +295,8 @@ def main() -> None:
     if args.once:
         with open(args.once) as f:
             consts = json.load(f)
-        case = setup("decode_128x4k", [4096] * 128, 0)
+        case = (setup("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS) if args.once_shared
+                else setup("decode_128x4k", [4096] * 128, 0))
         with contextlib.ExitStack() as stack:  # (any of paths/mla_decode.py's constants: the Gluon kernel's too)
             for k, v in consts.items():
                 if not hasattr(mla_decode, k):

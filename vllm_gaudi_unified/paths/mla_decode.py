@@ -102,12 +102,14 @@ MLA_GLUON_WS = False
 MLA_GLUON_WS_REGS = 240
 MLA_GLUON_WS_PRODUCER_WARPS = 4
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
-#: per token). Off: run 10 tested and timed the Gluon kernel before the kernel took shared cells (run 11), so a
-#: step with shared cells in the kernel keeps the Triton kernel until a device run checks this (the CUDA test's
-#: cases with it on are in tests/mla_gluon_cases.py).
-MLA_GLUON_SHARED = False
+#: per token). Measured on an H100 (docs/benchmarks.md, MLA, kernel run 13; 64 decodes x (4096 shared + 256), 128
+#: heads): kernel 0.189 against the Triton kernel's 0.326 ms, GPU time per step 0.228 against 0.365 ms, the same
+#: error (0.002); its CUDA test cases (tests/mla_gluon_cases.py, shared prefixes, NaN in unread slots) pass.
+#: False: such a step keeps the Triton kernel.
+MLA_GLUON_SHARED = True
 #: Whether a launch finds the cache's two TMA descriptors built by an earlier launch (`mla_gluon.cache_descriptors`:
 #: looked up by the cache's device, address, shape, strides and dtype; none kept while a CUDA graph captures).
+#: Run 13: building them costs the host 33-34 us a launch, finding them 3 us; `kernel_mla_partial` 208 -> 153 us.
 MLA_GLUON_DESC_CACHE = True
 _GLUON: list = []  # [module or None]: `mla_gluon` once imported (None: Gluon not importable)
 
