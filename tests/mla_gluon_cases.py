@@ -28,7 +28,7 @@ CASES = [
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), {}),
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), {"MLA_SPLIT_KEYS": 128}),
     # a shared prefix: on the shared route beside the Gluon kernel (as run 10 tested), and as more slots of the
-    # Gluon kernel (`MLA_GLUON_SHARED`, main's shared cells: not yet run on a device)
+    # Gluon kernel (`MLA_GLUON_SHARED`, main's shared cells: first run on a device in run 13)
     (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
      {"MLA_KERNEL_SHARED": False}),
     (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),

@@ -13,6 +13,10 @@ tensor cores wait through every softmax and barrier (41 % busy on an H100). Here
 * each warpgroup owns half of the 512 value columns of the fp32 accumulator (128 registers per thread) and
   multiplies every tile's probabilities, its own and the other's, by its half of the tile, in tile order.
 
+`PRODUCER_WARPS` 1 makes consumer 0 the default partition and the producer one worker warp (run 13: Triton 3.6
+still pads the kernel to 12 warps, so the consumers gain no registers; 98 spill instructions, 0.519 ms against
+0.466 ms with the 4-warp producer: kept off, `mla_decode.MLA_GLUON_WS_PRODUCER_WARPS`).
+
 Same contract, rows a token may not see handled as in `mla_gluon.py` (scores -inf, the value rows zeroed
 by the tile's owner before its barrier). Covered: 16-bit, 64-head groups, DV 512 (or 128/256), DR = KEYS = 64.
 """
