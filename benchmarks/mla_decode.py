@@ -23,7 +23,8 @@ warm-ups. Errors: max |out - float32 dense reference| over four requests.
 Columns (`--cases` picks scenarios): the CUDA route (`paths/mla_decode.py`'s kernel on the unique
 pairs, and since run 11 on the shared ones too; `cuda_shared_route`: those on `paths/mla_shared.py`;
 `cuda_triton` / `cuda_gluon`: the Triton kernel or the Gluon kernel, `paths/mla_gluon.py`, whatever the
-default), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
+default; `cuda_gluon_shared` / `cuda_triton_shared`: a step's shared cells on the Gluon or the Triton kernel,
+`MLA_GLUON_SHARED` on or off), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
 ops only, on the bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
 runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
 mla_chunks.py; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
@@ -86,7 +87,7 @@ SWEEP = [(bh, keys, warps, stages, split, v_load) for bh, keys, warps, stages in
 KERNEL_CONSTS = ("MLA_BLOCK_H", "MLA_KEYS", "MLA_WARPS", "MLA_STAGES", "MLA_SPLIT_KEYS", "MLA_V_LOAD")
 REPORTED_CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_GLUON", "MLA_GLUON_KEYS", "MLA_GLUON_STAGES",
                    "MLA_GLUON_PIPE", "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_SHARED",
-                   "MLA_KERNEL_SHARED")
+                   "MLA_GLUON_DESC_CACHE", "MLA_KERNEL_SHARED")
 
 
 @contextlib.contextmanager
@@ -110,6 +111,19 @@ def gluon_kernel():
 def triton_kernel():
     """The CUDA route with the unique pairs on the Triton kernel (`paths/mla_kernel.py`) whatever the default."""
     return mock.patch.object(mla_decode, "MLA_GLUON", False)
+
+
+def gluon_shared():
+    """The CUDA route with a step's shared cells on the Gluon kernel too (`MLA_GLUON_SHARED`, run 13)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(mla_decode, "MLA_GLUON", True))
+    stack.enter_context(mock.patch.object(mla_decode, "MLA_GLUON_SHARED", True))
+    return stack
+
+
+def triton_shared():
+    """The CUDA route with a step's shared cells on the Triton kernel (`MLA_GLUON_SHARED` off, before run 13)."""
+    return mock.patch.object(mla_decode, "MLA_GLUON_SHARED", False)
 
 
 def shared_route():
@@ -250,6 +264,7 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
     entry["compute_floor_ms"] = entry["attention_flops"] / flop_rate * 1e3
     routes = {"cuda": contextlib.nullcontext, "cuda_triton": triton_kernel, "cuda_gluon": gluon_kernel,
+              "cuda_gluon_shared": gluon_shared, "cuda_triton_shared": triton_shared,
               "cuda_shared_route": shared_route, "cuda_generic_shared": generic_shared,
               "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
               "gaudi_generic_shared": gaudi_generic_shared, "gaudi_product_softmax": gaudi_product_softmax,
@@ -257,7 +272,7 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
               **{f"gaudi_chunks{k}": gaudi_chunk_keys(k) for k in chunk_keys}}
     if "shared" not in case["name"]:  # (no shared pairs: the same as the columns beside them)
         del routes["cuda_generic_shared"], routes["gaudi_generic_shared"], routes["cuda_product_softmax"]
-        del routes["cuda_shared_route"]
+        del routes["cuda_shared_route"], routes["cuda_gluon_shared"], routes["cuda_triton_shared"]
     for route, ctx in routes.items():
         try:
             with ctx():

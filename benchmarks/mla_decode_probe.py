@@ -19,7 +19,8 @@ keys, `benchmarks/mla_decode.py`'s scenario).
 
 `--once FILE` runs three steps of the CUDA route with the constants in FILE and nothing else: the process
 to hand a profiler (`ncu -k regex:mla_body -c 1 ... python -m benchmarks.mla_decode_probe --out /dev/null
---once FILE`, run 9).
+--once FILE`, run 9); `--once-shared`: on the shared step (run 13: how many bytes the Gluon kernel reads from HBM).
+`--gluon-rows GLUON_13` also times the host's share of a launch with and without the kept TMA descriptors.
 """
 from __future__ import annotations
 
@@ -70,6 +71,11 @@ GLUON_C = [dict(MLA_GLUON_PIPE=pipe, MLA_GLUON_LAZY_SUM=lazy, MLA_GLUON_META_AHE
            for pipe, lazy, ahead in [(2, True, False), (2, True, True), (0, True, True), (1, True, True)]]
 GLUON_WS = [dict(MLA_GLUON_WS=True, MLA_GLUON_WS_REGS=regs, MLA_SPLIT_KEYS=split)
             for regs, split in [(240, 16384), (232, 16384), (240, 2048)]]
+#: Run 13: the default with and without the kept TMA descriptors, the warp-specialised kernel with its 4-warp and
+#: its 1-warp producer
+GLUON_13 = [dict(MLA_GLUON_DESC_CACHE=True), dict(MLA_GLUON_DESC_CACHE=False),
+            dict(MLA_GLUON_WS=True, MLA_GLUON_WS_PRODUCER_WARPS=4),
+            dict(MLA_GLUON_WS=True, MLA_GLUON_WS_PRODUCER_WARPS=1, MLA_GLUON_WS_REGS=224)]
 
 
 @contextlib.contextmanager
@@ -182,6 +188,35 @@ def host_ms(step, iters=20) -> float:
     return (t1 - t0) / iters * 1e3
 
 
+def launch_host_us(case, iters=300) -> dict:
+    """Host microseconds per call of the kernel route's partial (`kernel_mla_partial`: slot order kept, buffers,
+    the launch) with and without the kept TMA descriptors, and of building the descriptors alone (run 13)."""
+    import time
+
+    from vllm_gaudi_unified.mla import latent_views
+    from vllm_gaudi_unified.paths import mla_gluon
+
+    kc = latent_views(case["cache"], L)[0]
+    out = {}
+    for rnd in range(2):
+        for keep in (False, True):
+            with mock.patch.object(mla_decode, "MLA_GLUON_DESC_CACHE", keep):
+                call = lambda: mla_decode.kernel_mla_partial(case["q"], kc, L, case["batch"], SCALE)  # noqa: E731
+                call()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    call()
+                out[f"partial_keep{int(keep)}_r{rnd}_us"] = (time.perf_counter() - t0) / iters * 1e6
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                mla_gluon.cache_descriptors(kc, L, mla_decode.MLA_GLUON_KEYS, keep)
+            out[f"descriptors_keep{int(keep)}_r{rnd}_us"] = (time.perf_counter() - t0) / iters * 1e6
+    print("host", json.dumps(out), flush=True)
+    return out
+
+
 def gluon_kernels(case, report, flops, gluon_rows=GLUON):
     """The shipped Triton kernel, then each Gluon variant (`GLUON`) on the same step (error, times, facts)."""
     from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_ws
@@ -251,14 +286,17 @@ def main() -> None:
     parser.add_argument("--kernels-only", action="store_true", help="the kernel's sweep alone (no Gaudi route parts)")
     parser.add_argument("--once", help="constants (JSON, as --best writes): three steps of the CUDA route, nothing "
                                        "else (for a profiler)")
+    parser.add_argument("--once-shared", action="store_true",
+                        help="--once on the shared step (64 x (4096 shared + 256)) instead of 128 x 4096")
     parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
-    parser.add_argument("--gluon-rows", default="GLUON", choices=["GLUON", "GLUON_C", "GLUON_WS"],
+    parser.add_argument("--gluon-rows", default="GLUON", choices=["GLUON", "GLUON_C", "GLUON_WS", "GLUON_13"],
                         help="which list of Gluon variants --gluon runs")
     args = parser.parse_args()
     if args.once:
         with open(args.once) as f:
             consts = json.load(f)
-        case = setup("decode_128x4k", [4096] * 128, 0)
+        case = (setup("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS) if args.once_shared
+                else setup("decode_128x4k", [4096] * 128, 0))
         with contextlib.ExitStack() as stack:  # (any of paths/mla_decode.py's constants: the Gluon kernel's too)
             for k, v in consts.items():
                 if not hasattr(mla_decode, k):
@@ -282,6 +320,8 @@ def main() -> None:
             json.dump(report, f, indent=1)
 
     if args.gluon:
+        if args.gluon_rows == "GLUON_13":
+            report["host"] = launch_host_us(case)
         gluon_kernels(case, report, entry["attention_flops"], globals()[args.gluon_rows])
         save()
         return

@@ -28,7 +28,7 @@ from mla_kernel_sass import facts  # noqa: E402
 PATHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm_gaudi_unified", "paths")
 SHIPPED = dict(HQ=128, DV=512, DR=64, BS=128, KEYS=64, SLICE=False, SELF=True)
 PLAIN = dict(STAGES=2, PIPE=2, LAZY_SUM=True, META_AHEAD=True, num_warps=8)
-WS = dict(REGS=240, num_warps=4)
+WS = dict(REGS=240, PRODUCER_WARPS=4, PRODUCER_REGS=40, num_warps=4)
 
 
 def load():

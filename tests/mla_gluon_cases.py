@@ -4,9 +4,9 @@ The Gluon kernel covers DeepSeek's latent shapes only (64-head groups, values 64
 block sizes a multiple of its key tile), so these cases are built at 128 query heads (two head groups)
 with latents of 512 + 64 or 128 + 32, in bf16, on shuffled block tables whose unreadable slots hold NaN:
 ragged decodes, partial last blocks, a token without cached keys, a shared prefix, prompts in the step,
-both unique layouts, several splits, and each of the kernel's variants (key tile, stages, `PIPE`). The cases
-with `MLA_GLUON_SHARED` (the shared cells as more slots of the Gluon kernel) were added after run 10's device
-calls: not yet run on a device.
+both unique layouts, several splits, and each of the kernel's variants (key tile, stages, `PIPE`), with the
+shared cells as more slots of the Gluon kernel (`MLA_GLUON_SHARED`, first run on a device in run 13) and with the
+TMA descriptors built per launch (`MLA_GLUON_DESC_CACHE` off). `run` prints each case's max error.
 """
 from __future__ import annotations
 
@@ -28,13 +28,17 @@ CASES = [
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), {}),
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), {"MLA_SPLIT_KEYS": 128}),
     # a shared prefix: on the shared route beside the Gluon kernel (as run 10 tested), and as more slots of the
-    # Gluon kernel (`MLA_GLUON_SHARED`, main's shared cells: not yet run on a device)
+    # Gluon kernel (`MLA_GLUON_SHARED`, main's shared cells: first run on a device in run 13)
     (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
      {"MLA_KERNEL_SHARED": False}),
     (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
      {"MLA_GLUON_SHARED": True}),
     (Step([3, 1, 1, 1], [70, 130, 130, 9], 64, prefix_groups=[([1, 2], 2)]), "default", (512, 64),
      {"MLA_GLUON_SHARED": True, "MLA_SPLIT_KEYS": 64}),
+    (Step([1] * 5, [300, 300, 300, 129, 64], 128, prefix_groups=[([0, 1, 2], 2)]), "default", (512, 64),
+     {"MLA_GLUON_SHARED": True, "MLA_SPLIT_KEYS": 128}),
+    (Step([1] * 4, [90, 90, 200, 7], 64, prefix_groups=[([0, 1], 1)]), "gather", (128, 32),
+     {"MLA_GLUON_SHARED": True, "MLA_GLUON_DESC_CACHE": False}),
     (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), {"MLA_SPLIT_KEYS": 64}),  # prompts too
     (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_SPLIT_KEYS": 256}),
     (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_GLUON_PIPE": 1, "MLA_SPLIT_KEYS": 128}),
@@ -62,6 +66,10 @@ WS_CASES = [
     (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), dict(WS, MLA_SPLIT_KEYS=64)),
     (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), dict(WS, MLA_SPLIT_KEYS=256)),
     (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), WS),
+    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64),
+     dict(WS, MLA_GLUON_WS_PRODUCER_WARPS=1, MLA_GLUON_WS_REGS=224)),
+    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
+     dict(WS, MLA_GLUON_SHARED=True, MLA_GLUON_WS_PRODUCER_WARPS=1, MLA_GLUON_WS_REGS=224)),
 ]
 
 
@@ -95,7 +103,9 @@ def run(cases=CASES) -> int:
     saved = {k: getattr(mla_decode, k) for k in ("MLA_GLUON", "MLA_SPLIT_KEYS", "MLA_GLUON_KEYS",
                                                   "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
                                                   "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_WS",
-                                                  "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED")}
+                                                  "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED",
+                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_WS_PRODUCER_WARPS",
+                                                  "MLA_GLUON_WS_REGS")}
     try:
         for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True
@@ -110,8 +120,9 @@ def run(cases=CASES) -> int:
             assert launches, f"the Gluon kernel did not run: {step}, {consts}"
             k, v = latent_views(latent, L)
             kc, vc = latent_views(cache, L)
-            assert_matches(out.cpu(), reference_attention(query, k, v, kc, vc, step.query_lens,
-                                                          step.context_lens, table, scale))
+            ref = reference_attention(query, k, v, kc, vc, step.query_lens, step.context_lens, table, scale)
+            print(f"gluon case {step.context_lens} {consts}: max err {(out.cpu().double() - ref).abs().max():.2e}")
+            assert_matches(out.cpu(), ref)
             self_off(query, cache, batch, scale, L)
             for k, v in saved.items():
                 setattr(mla_decode, k, v)

@@ -167,6 +167,33 @@ def test_gluon_not_taken_off_cuda(monkeypatch):
                                                                    device="meta"), 512)
 
 
+def test_gluon_descriptors_kept_by_geometry():
+    """The Gluon launch's kept TMA descriptors (`mla_gluon.cache_descriptors`): found again for the same cache,
+    never for another address, shape, stride or box; the rows and boxes the launch needs; no reference to the
+    cache kept (its memory is freed with it). Needs only Triton with Gluon (no GPU)."""
+    import gc
+    import weakref
+
+    if mla_decode._gluon() is None:
+        pytest.skip("needs Triton with Gluon")
+    g = mla_decode._gluon()
+    cache = torch.zeros(4, 128, 576, dtype=torch.bfloat16)
+    kn, kr = g.cache_descriptors(cache, 512, 64)
+    assert g.cache_descriptors(cache, 512, 64) == (kn, kr) and g.cache_descriptors(cache, 512, 64)[0] is kn
+    assert (list(kn.shape), list(kn.strides), list(kn.block_shape)) == ([512, 512], [576, 1], [64, 512])
+    assert (list(kr.shape), list(kr.block_shape)) == ([512, 64], [64, 64])
+    assert (kn.base.data_ptr(), kr.base.data_ptr()) == (cache.data_ptr(), cache.data_ptr() + 1024)
+    other = torch.zeros_like(cache)
+    for c, dv, keys in ((other, 512, 64), (cache[:2], 512, 64), (cache[..., :544], 512, 64), (cache, 512, 32),
+                        (torch.zeros(4, 128, 640, dtype=torch.bfloat16)[..., :576], 512, 64)):
+        assert g.cache_descriptors(c, dv, keys)[0] is not kn
+    assert g.cache_descriptors(cache, 512, 64, keep=False)[0] is not kn
+    gone = weakref.ref(other)
+    del other
+    gc.collect()
+    assert gone() is None
+
+
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())

@@ -100,11 +100,17 @@ MLA_GLUON_META_AHEAD = True
 #: tiles, a producer partition) where its shapes allow (64-key tiles, rope 64), and its consumers' registers.
 MLA_GLUON_WS = False
 MLA_GLUON_WS_REGS = 240
+MLA_GLUON_WS_PRODUCER_WARPS = 4
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
-#: per token). Off: run 10 tested and timed the Gluon kernel before the kernel took shared cells (run 11), so a
-#: step with shared cells in the kernel keeps the Triton kernel until a device run checks this (the CUDA test's
-#: cases with it on are in tests/mla_gluon_cases.py).
-MLA_GLUON_SHARED = False
+#: per token). Measured on an H100 (docs/benchmarks.md, MLA, kernel run 13; 64 decodes x (4096 shared + 256), 128
+#: heads): kernel 0.189 against the Triton kernel's 0.326 ms, GPU time per step 0.228 against 0.365 ms, the same
+#: error (0.002); its CUDA test cases (tests/mla_gluon_cases.py, shared prefixes, NaN in unread slots) pass.
+#: False: such a step keeps the Triton kernel.
+MLA_GLUON_SHARED = True
+#: Whether a launch finds the cache's two TMA descriptors built by an earlier launch (`mla_gluon.cache_descriptors`:
+#: looked up by the cache's device, address, shape, strides and dtype; none kept while a CUDA graph captures).
+#: Run 13: building them costs the host 33-34 us a launch, finding them 3 us; `kernel_mla_partial` 208 -> 153 us.
+MLA_GLUON_DESC_CACHE = True
 _GLUON: list = []  # [module or None]: `mla_gluon` once imported (None: Gluon not importable)
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
@@ -229,14 +235,16 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
     unique slots', or with the shared cells after them), the cache as TMA descriptors."""
     g = _gluon()
     n, hq, d = q.shape
-    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS)
+    keep = MLA_GLUON_DESC_CACHE and not torch.cuda.is_current_stream_capturing()
+    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep)
     if MLA_GLUON_WS and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128:
         from vllm_gaudi_unified.paths import mla_gluon_ws
 
         mla_gluon_ws.mla_gluon_ws_kernel[(hq // 64, splits, n)](
             q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
             q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
-            SELF=with_self, REGS=MLA_GLUON_WS_REGS, num_warps=4)
+            SELF=with_self, REGS=MLA_GLUON_WS_REGS, PRODUCER_WARPS=MLA_GLUON_WS_PRODUCER_WARPS, PRODUCER_REGS=40,
+            num_warps=4)
         return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
         q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits,

@@ -233,18 +233,49 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
     gl.store(l_ptr + out_s, l_i)
 
 
-def cache_descriptors(key_cache, value_dim: int, keys: int):
+class _Base:
+    """What a TMA descriptor reads of its tensor at launch (the address and dtype: Triton's launcher encodes the
+    tensor map from them, `shape` and `strides`), without holding the tensor: a kept descriptor keeps no memory
+    alive, and one built again from a tensor of the same address, dtype and geometry is the same descriptor."""
+
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+_DESCRIPTORS: dict = {}  # (device, address, shape, strides, dtype, value dims, keys) -> the two descriptors
+DESCRIPTORS_KEPT = 256  # (more distinct caches than this: all forgotten, then kept again; a model has ~60 layers)
+
+
+def cache_descriptors(key_cache, value_dim: int, keys: int, keep: bool = True):
     """Two TMA descriptors over the cache's rows `[blocks * BS, DV + DR]` (`sc_b == BS * sc_s` is the caller's
-    check): the latent part in `[keys, DV]` boxes, the rope part in `[keys, DR]` boxes."""
+    check): the latent part in `[keys, DV]` boxes, the rope part in `[keys, DR]` boxes. With `keep` looked up by
+    everything a descriptor is made of (device, address, shape, strides, dtype, the box), so a launch does not
+    build them again (run 13: the host's share of a launch) and another cache or geometry never finds a stale
+    one; the descriptors hold no reference to the cache (`_Base`)."""
     import torch
     from triton.experimental.gluon import language as gl_
 
+    key = (key_cache.device, key_cache.data_ptr(), tuple(key_cache.shape), tuple(key_cache.stride()),
+           key_cache.dtype, value_dim, keys)
+    hit = _DESCRIPTORS.get(key) if keep else None
+    if hit is not None:
+        return hit
     nb, bs = key_cache.shape[0], key_cache.shape[1]
     d, sc_s = key_cache.shape[-1], key_cache.stride(1)
-    rows = torch.as_strided(key_cache, (nb * bs, d), (sc_s, 1))
     elem = gl_.bfloat16 if key_cache.dtype == torch.bfloat16 else gl_.float16
-    kn, kr = rows[:, :value_dim], rows[:, value_dim:]
+    rows, ptr, size = nb * bs, key_cache.data_ptr(), key_cache.element_size()
     kn_l = gl_.NVMMASharedLayout.get_default_for([keys, value_dim], elem)
     kr_l = gl_.NVMMASharedLayout.get_default_for([keys, d - value_dim], elem)
-    return (TensorDescriptor(kn, list(kn.shape), list(kn.stride()), [keys, value_dim], kn_l),
-            TensorDescriptor(kr, list(kr.shape), list(kr.stride()), [keys, d - value_dim], kr_l))
+    out = (TensorDescriptor(_Base(ptr, key_cache.dtype), [rows, value_dim], [sc_s, 1], [keys, value_dim], kn_l),
+           TensorDescriptor(_Base(ptr + value_dim * size, key_cache.dtype), [rows, d - value_dim], [sc_s, 1],
+                            [keys, d - value_dim], kr_l))
+    if keep:
+        if len(_DESCRIPTORS) >= DESCRIPTORS_KEPT:
+            _DESCRIPTORS.clear()
+        _DESCRIPTORS[key] = out
+    return out

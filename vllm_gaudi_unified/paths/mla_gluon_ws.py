@@ -13,6 +13,10 @@ tensor cores wait through every softmax and barrier (41 % busy on an H100). Here
 * each warpgroup owns half of the 512 value columns of the fp32 accumulator (128 registers per thread) and
   multiplies every tile's probabilities, its own and the other's, by its half of the tile, in tile order.
 
+`PRODUCER_WARPS` 1 makes consumer 0 the default partition and the producer one worker warp (run 13: Triton 3.6
+still pads the kernel to 12 warps, so the consumers gain no registers; 98 spill instructions, 0.519 ms against
+0.466 ms with the 4-warp producer: kept off, `mla_decode.MLA_GLUON_WS_PRODUCER_WARPS`).
+
 Same contract, rows a token may not see handled as in `mla_gluon.py` (scores -inf, the value rows zeroed
 by the tile's owner before its barrier). Covered: 16-bit, 64-head groups, DV 512 (or 128/256), DR = KEYS = 64.
 """
@@ -127,7 +131,9 @@ def _consumer(qn_s, qr_s, kn_s, kr_s, stats, ready, free, pdone, n_tiles, k_begi
 def mla_gluon_ws_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr,
                         m_ptr, l_ptr, scale, splits, sq_t, sq_h, sk_t,
                         HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr,
-                        SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                        SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr,
+                        num_warps: gl.constexpr):
     """`mla_gluon.mla_gluon_kernel`'s arguments; 4 warps here (the producer), two warpgroups more (the consumers)."""
     gl.static_assert(num_warps == 4)
     gl.static_assert(DR == KEYS)  # (P is written over a tile's rope part)
@@ -176,13 +182,23 @@ def mla_gluon_ws_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, i
     fence_async_shared()
     gl.thread_barrier()
     out_row = (t * splits + sp) * HQ + hg * 64
-    # the producer is the default partition (the kernel's 4 warps, the registers left over: 40), the two
-    # consumers the workers (their own warpgroups, REGS registers each)
-    gl.warp_specialize([(_producer, (kn_desc, kr_desc, kn_s, kr_s, ready, free, n_tiles, k_begin, first, order_ptr,
-                                     ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)),
-                        (_consumer, (qn_s, qr_s, kn_s, kr_s, stats, ready, free, pdone, n_tiles, k_begin, first,
-                                     order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row,
-                                     self_on, gl.constexpr(0), DV, BS, KEYS, SLICE)),
-                        (_consumer, (qn_s, qr_s, kn_s, kr_s, stats, ready, free, pdone, n_tiles, k_begin, first,
-                                     order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row,
-                                     self_on, gl.constexpr(1), DV, BS, KEYS, SLICE))], [4, 4], [REGS, REGS])
+    if PRODUCER_WARPS == 4:  # the producer is the default partition (the kernel's 4 warps, the registers left
+        # over: 40), the two consumers the workers (their own warpgroups, REGS registers each)
+        gl.warp_specialize([(_producer, (kn_desc, kr_desc, kn_s, kr_s, ready, free, n_tiles, k_begin, first,
+                                         order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)),
+                            (_consumer, (qn_s, qr_s, kn_s, kr_s, stats, ready, free, pdone, n_tiles, k_begin, first,
+                                         order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0,
+                                         k_row, self_on, gl.constexpr(0), DV, BS, KEYS, SLICE)),
+                            (_consumer, (qn_s, qr_s, kn_s, kr_s, stats, ready, free, pdone, n_tiles, k_begin, first,
+                                         order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0,
+                                         k_row, self_on, gl.constexpr(1), DV, BS, KEYS, SLICE))], [4, 4], [REGS, REGS])
+    else:  # consumer 0 is the default partition, the producer PRODUCER_WARPS worker warps (9 warps: ~224 each)
+        gl.warp_specialize([(_consumer, (qn_s, qr_s, kn_s, kr_s, stats, ready, free, pdone, n_tiles, k_begin, first,
+                                         order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0,
+                                         k_row, self_on, gl.constexpr(0), DV, BS, KEYS, SLICE)),
+                            (_consumer, (qn_s, qr_s, kn_s, kr_s, stats, ready, free, pdone, n_tiles, k_begin, first,
+                                         order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0,
+                                         k_row, self_on, gl.constexpr(1), DV, BS, KEYS, SLICE)),
+                            (_producer, (kn_desc, kr_desc, kn_s, kr_s, ready, free, n_tiles, k_begin, first,
+                                         order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE))],
+                           [4, PRODUCER_WARPS], [REGS, PRODUCER_REGS])
