@@ -20,7 +20,7 @@ keys, `benchmarks/mla_decode.py`'s scenario).
 `--once FILE` runs three steps of the CUDA route with the constants in FILE and nothing else: the process
 to hand a profiler (`ncu -k regex:mla_body -c 1 ... python -m benchmarks.mla_decode_probe --out /dev/null
 --once FILE`, run 9); `--once-shared`: on the shared step (run 13: how many bytes the Gluon kernel reads from HBM).
-`--gluon-rows GLUON_13` also times the host's share of a launch with and without the kept TMA descriptors.
+`--gluon-shared`: the Gluon rows also on the shared step (run 14). `--gluon-rows GLUON_13` also times the host's share of a launch with and without the kept TMA descriptors.
 """
 from __future__ import annotations
 
@@ -76,6 +76,10 @@ GLUON_WS = [dict(MLA_GLUON_WS=True, MLA_GLUON_WS_REGS=regs, MLA_SPLIT_KEYS=split
 GLUON_13 = [dict(MLA_GLUON_DESC_CACHE=True), dict(MLA_GLUON_DESC_CACHE=False),
             dict(MLA_GLUON_WS=True, MLA_GLUON_WS_PRODUCER_WARPS=4),
             dict(MLA_GLUON_WS=True, MLA_GLUON_WS_PRODUCER_WARPS=1, MLA_GLUON_WS_REGS=224)]
+#: Run 14: the default beside the ping-pong kernel without a producer (`mla_gluon_pp.py`), its worker warpgroup at
+#: 240 and 256 registers, and at two splits
+GLUON_14 = [dict(), dict(MLA_GLUON_PP=True), dict(MLA_GLUON_PP=True, MLA_GLUON_PP_REGS=256),
+            dict(MLA_GLUON_PP=True, MLA_SPLIT_KEYS=2048)]
 
 
 @contextlib.contextmanager
@@ -217,14 +221,14 @@ def launch_host_us(case, iters=300) -> dict:
     return out
 
 
-def gluon_kernels(case, report, flops, gluon_rows=GLUON):
+def gluon_kernels(case, report, flops, gluon_rows=GLUON, key="kernel"):
     """The shipped Triton kernel, then each Gluon variant (`GLUON`) on the same step (error, times, facts)."""
-    from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_ws
+    from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_pp, mla_gluon_ws
 
     rows = []
     variants = [("triton", {"MLA_GLUON": False})] + [("gluon", dict(v, MLA_GLUON=True)) for v in gluon_rows]
     launches = {"triton": Launches(mla_kernel.mla_kernel), "gluon": Launches(mla_gluon.mla_gluon_kernel),
-                "ws": Launches(mla_gluon_ws.mla_gluon_ws_kernel)}
+                "ws": Launches(mla_gluon_ws.mla_gluon_ws_kernel), "pp": Launches(mla_gluon_pp.mla_gluon_pp_kernel)}
     for kind, consts in variants:
         row = dict(kernel=kind, **consts)
         try:
@@ -234,7 +238,8 @@ def gluon_kernels(case, report, flops, gluon_rows=GLUON):
                 stack.enter_context(mock.patch.object(mla_kernel, "mla_kernel", launches["triton"]))
                 stack.enter_context(mock.patch.object(mla_gluon, "mla_gluon_kernel", launches["gluon"]))
                 stack.enter_context(mock.patch.object(mla_gluon_ws, "mla_gluon_ws_kernel", launches["ws"]))
-                which = "ws" if consts.get("MLA_GLUON_WS") else kind
+                stack.enter_context(mock.patch.object(mla_gluon_pp, "mla_gluon_pp_kernel", launches["pp"]))
+                which = "ws" if consts.get("MLA_GLUON_WS") else "pp" if consts.get("MLA_GLUON_PP") else kind
                 launches[which].last = None
                 row["max_err"] = case["err"](case["run"]())
                 if launches[which].last is None:
@@ -244,12 +249,12 @@ def gluon_kernels(case, report, flops, gluon_rows=GLUON):
                 row["host_ms"] = host_ms(case["step"])
                 row["kernel_ms"] = kernel_ms(case["step"])
                 row["kernel_TFLOPs"] = flops / (row["kernel_ms"] * 1e-3) / 1e12
-                row["x_floor"] = row["kernel_ms"] / report["case"]["floor_ms"]
+                row["x_floor"] = row["kernel_ms"] / report["case" if key == "kernel" else f"case_{key}"]["floor_ms"]
         except Exception as exc:  # reported, not hidden
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         rows.append(row)
-        print("kernel", json.dumps(row), flush=True)
-        report["kernel"] = rows
+        print(key, json.dumps(row), flush=True)
+        report[key] = rows
     return rows
 
 
@@ -289,8 +294,12 @@ def main() -> None:
     parser.add_argument("--once-shared", action="store_true",
                         help="--once on the shared step (64 x (4096 shared + 256)) instead of 128 x 4096")
     parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
-    parser.add_argument("--gluon-rows", default="GLUON", choices=["GLUON", "GLUON_C", "GLUON_WS", "GLUON_13"],
+    parser.add_argument("--gluon-rows", default="GLUON",
+                        choices=["GLUON", "GLUON_C", "GLUON_WS", "GLUON_13", "GLUON_14"],
                         help="which list of Gluon variants --gluon runs")
+    parser.add_argument("--gluon-shared", action="store_true",
+                        help="--gluon also on the shared step (64 x (4096 shared + 256)); its floor: the larger of "
+                             "the HBM and the compute floor")
     args = parser.parse_args()
     if args.once:
         with open(args.once) as f:
@@ -324,6 +333,15 @@ def main() -> None:
             report["host"] = launch_host_us(case)
         gluon_kernels(case, report, entry["attention_flops"], globals()[args.gluon_rows])
         save()
+        if args.gluon_shared:
+            del case
+            torch.cuda.empty_cache()
+            shared = setup("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS)
+            e = shared["entry"]
+            e["floor_ms"] = max(e["latent_bytes_read_once"] / rates[0], e["attention_flops"] / rates[1]) * 1e3
+            report["case_shared"] = e
+            gluon_kernels(shared, report, e["attention_flops"], globals()[args.gluon_rows], key="shared")
+            save()
         return
     best = kernels(case, report, entry["attention_flops"], args.best)
     save()

@@ -4,7 +4,7 @@ The Gluon kernel covers DeepSeek's latent shapes only (64-head groups, values 64
 block sizes a multiple of its key tile), so these cases are built at 128 query heads (two head groups)
 with latents of 512 + 64 or 128 + 32, in bf16, on shuffled block tables whose unreadable slots hold NaN:
 ragged decodes, partial last blocks, a token without cached keys, a shared prefix, prompts in the step,
-both unique layouts, several splits, and each of the kernel's variants (key tile, stages, `PIPE`), with the
+both unique layouts, several splits, and each of the kernel's variants (key tile, stages, `PIPE`; the warp-specialised and the ping-pong kernels), with the
 shared cells as more slots of the Gluon kernel (`MLA_GLUON_SHARED`, first run on a device in run 13) and with the
 TMA descriptors built per launch (`MLA_GLUON_DESC_CACHE` off). `run` prints each case's max error.
 """
@@ -72,6 +72,29 @@ WS_CASES = [
      dict(WS, MLA_GLUON_SHARED=True, MLA_GLUON_WS_PRODUCER_WARPS=1, MLA_GLUON_WS_REGS=224)),
 ]
 
+#: The ping-pong kernel without a producer (`mla_gluon_pp.py`, `MLA_GLUON_PP`: 64-key tiles, rope 64): odd and
+#: even tile counts per warpgroup, a token without cached keys, partial last blocks, shared prefixes (on the shared
+#: route and as more slots), prompts in the step, several splits, both unique layouts, latents 512 / 256 / 128,
+#: the worker's registers, the descriptors built per launch.
+PP = {"MLA_GLUON_PP": True}
+PP_CASES = [
+    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), PP),
+    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), dict(PP, MLA_SPLIT_KEYS=128)),
+    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
+     dict(PP, MLA_KERNEL_SHARED=False)),
+    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
+     dict(PP, MLA_GLUON_SHARED=True)),
+    (Step([3, 1, 1, 1], [70, 130, 130, 9], 64, prefix_groups=[([1, 2], 2)]), "default", (512, 64),
+     dict(PP, MLA_GLUON_SHARED=True, MLA_SPLIT_KEYS=64)),
+    (Step([1] * 5, [300, 300, 300, 129, 64], 128, prefix_groups=[([0, 1, 2], 2)]), "default", (512, 64),
+     dict(PP, MLA_GLUON_SHARED=True, MLA_SPLIT_KEYS=128)),
+    (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), dict(PP, MLA_SPLIT_KEYS=64)),
+    (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), dict(PP, MLA_SPLIT_KEYS=256)),
+    (Step([1] * 3, [1000, 129, 700], 128), "gather", (512, 64), dict(PP, MLA_GLUON_PP_REGS=256)),
+    (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), dict(PP, MLA_GLUON_DESC_CACHE=False)),
+    (Step([1] * 4, [90, 33, 200, 7], 128), "default", (256, 64), PP),
+]
+
 
 def tensors(step: Step, lr: tuple, seed: int = 0):
     """bf16 query `[T, H, L + R]`, new latents, the cache with NaN in every slot no request may read."""
@@ -105,7 +128,7 @@ def run(cases=CASES) -> int:
                                                   "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_WS",
                                                   "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED",
                                                   "MLA_GLUON_DESC_CACHE", "MLA_GLUON_WS_PRODUCER_WARPS",
-                                                  "MLA_GLUON_WS_REGS")}
+                                                  "MLA_GLUON_WS_REGS", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS")}
     try:
         for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True

@@ -156,6 +156,17 @@ def test_mla_gluon_ws_on_hopper():
     assert mla_gluon_cases.run(mla_gluon_cases.WS_CASES) == len(mla_gluon_cases.WS_CASES)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
+def test_mla_gluon_pp_on_hopper():
+    """The ping-pong Gluon kernel without a producer (`mla_gluon_pp.py`, sm_90), the same checks over
+    mla_gluon_cases.PP_CASES (bf16 1e-2 against the reference, NaN in unread slots, with and without own pairs)."""
+    if not gluon_on_hopper():
+        pytest.skip("needs an sm_90 GPU and Triton with Gluon")
+    import mla_gluon_cases
+
+    assert mla_gluon_cases.run(mla_gluon_cases.PP_CASES) == len(mla_gluon_cases.PP_CASES)
+
+
 def test_gluon_not_taken_off_cuda(monkeypatch):
     """Switched on, the Gluon kernel still applies only to CUDA tensors (the CPU and other devices keep their
     routes), and the switch off keeps the Triton kernel everywhere."""
@@ -188,6 +199,9 @@ def test_gluon_descriptors_kept_by_geometry():
                         (torch.zeros(4, 128, 640, dtype=torch.bfloat16)[..., :576], 512, 64)):
         assert g.cache_descriptors(c, dv, keys)[0] is not kn
     assert g.cache_descriptors(cache, 512, 64, keep=False)[0] is not kn
+    half, kr2 = g.cache_descriptors(cache, 512, 64, halves=True)  # (the ping-pong kernel's boxes: a key of its own)
+    assert half is not kn and list(half.block_shape) == [64, 256] and list(half.shape) == [512, 512]
+    assert list(kr2.block_shape) == [64, 64] and g.cache_descriptors(cache, 512, 64, halves=True)[0] is half
     gone = weakref.ref(other)
     del other
     gc.collect()

@@ -101,6 +101,10 @@ MLA_GLUON_META_AHEAD = True
 MLA_GLUON_WS = False
 MLA_GLUON_WS_REGS = 240
 MLA_GLUON_WS_PRODUCER_WARPS = 4
+#: The ping-pong variant without a producer (`mla_gluon_pp.py`: 8 warps, each warpgroup fetching its own tiles
+#: in three parts) where its shapes allow (64-key tiles, rope 64), and its worker warpgroup's registers.
+MLA_GLUON_PP = False
+MLA_GLUON_PP_REGS = 240
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
 #: per token). Measured on an H100 (docs/benchmarks.md, MLA, kernel run 13; 64 decodes x (4096 shared + 256), 128
 #: heads): kernel 0.189 against the Triton kernel's 0.326 ms, GPU time per step 0.228 against 0.365 ms, the same
@@ -236,7 +240,16 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
     g = _gluon()
     n, hq, d = q.shape
     keep = MLA_GLUON_DESC_CACHE and not torch.cuda.is_current_stream_capturing()
-    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep)
+    pp = MLA_GLUON_PP and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128
+    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep, halves=pp)
+    if pp:
+        from vllm_gaudi_unified.paths import mla_gluon_pp
+
+        mla_gluon_pp.mla_gluon_pp_kernel[(hq // 64, splits, n)](
+            q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
+            q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
+            SELF=with_self, REGS=MLA_GLUON_PP_REGS, num_warps=4)
+        return
     if MLA_GLUON_WS and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128:
         from vllm_gaudi_unified.paths import mla_gluon_ws
 
