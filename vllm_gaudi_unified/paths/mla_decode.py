@@ -102,7 +102,9 @@ MLA_GLUON_WS = False
 MLA_GLUON_WS_REGS = 240
 MLA_GLUON_WS_PRODUCER_WARPS = 4
 #: The ping-pong variant without a producer (`mla_gluon_pp.py`: 8 warps, each warpgroup fetching its own tiles
-#: in three parts) where its shapes allow (64-key tiles, rope 64), and its worker warpgroup's registers.
+#: in three parts) where its shapes allow (64-key tiles, rope 64), and its worker warpgroup's registers. Off:
+#: measured on an H100 (docs/benchmarks.md, MLA, kernel run 14) correct and as fast as the default, not faster
+#: (128 x 4096: 0.356-0.357 against 0.354 ms; the shared step 0.189-0.190 against 0.190 ms).
 MLA_GLUON_PP = False
 MLA_GLUON_PP_REGS = 240
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
