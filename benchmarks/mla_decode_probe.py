@@ -20,7 +20,8 @@ keys, `benchmarks/mla_decode.py`'s scenario).
 `--once FILE` runs three steps of the CUDA route with the constants in FILE and nothing else: the process
 to hand a profiler (`ncu -k regex:mla_body -c 1 ... python -m benchmarks.mla_decode_probe --out /dev/null
 --once FILE`, run 9); `--once-shared`: on the shared step (run 13: how many bytes the Gluon kernel reads from HBM).
-`--gluon-shared`: the Gluon rows also on the shared step (run 14). `--gluon-rows GLUON_13` also times the host's share of a launch with and without the kept TMA descriptors.
+`--gluon-shared`: the Gluon rows also on the shared step (run 14). `--gluon-rows GLUON_13` also times the host's
+share of a launch with and without the kept TMA descriptors.
 """
 from __future__ import annotations
 
@@ -65,17 +66,12 @@ GLUON = [dict(MLA_GLUON_KEYS=keys, MLA_GLUON_STAGES=stages, MLA_GLUON_PIPE=pipe,
                                                  (64, 2, 2, True, 16384), (64, 2, 1, True, 16384),
                                                  (32, 4, 2, True, 16384), (32, 4, 1, True, 16384),
                                                  (64, 2, 2, True, 2048)]]
-#: Run 10's third call: META_AHEAD (`mla_gluon.py`) beside the best of the second, and the warp-specialised
-#: kernel (`mla_gluon_ws.py`) last (`--gluon-ws`: a hang or fault there stops nothing before it)
+#: Run 10's third call: META_AHEAD (`mla_gluon.py`) beside the best of the second (its warp-specialised rows: a
+#: variant since removed, docs/benchmarks.md, MLA, kernel runs 10 and 13)
 GLUON_C = [dict(MLA_GLUON_PIPE=pipe, MLA_GLUON_LAZY_SUM=lazy, MLA_GLUON_META_AHEAD=ahead)
            for pipe, lazy, ahead in [(2, True, False), (2, True, True), (0, True, True), (1, True, True)]]
-GLUON_WS = [dict(MLA_GLUON_WS=True, MLA_GLUON_WS_REGS=regs, MLA_SPLIT_KEYS=split)
-            for regs, split in [(240, 16384), (232, 16384), (240, 2048)]]
-#: Run 13: the default with and without the kept TMA descriptors, the warp-specialised kernel with its 4-warp and
-#: its 1-warp producer
-GLUON_13 = [dict(MLA_GLUON_DESC_CACHE=True), dict(MLA_GLUON_DESC_CACHE=False),
-            dict(MLA_GLUON_WS=True, MLA_GLUON_WS_PRODUCER_WARPS=4),
-            dict(MLA_GLUON_WS=True, MLA_GLUON_WS_PRODUCER_WARPS=1, MLA_GLUON_WS_REGS=224)]
+#: Run 13: the default with and without the kept TMA descriptors
+GLUON_13 = [dict(MLA_GLUON_DESC_CACHE=True), dict(MLA_GLUON_DESC_CACHE=False)]
 #: Run 14: the default beside the ping-pong kernel without a producer (`mla_gluon_pp.py`), its worker warpgroup at
 #: 240 and 256 registers, and at two splits
 GLUON_14 = [dict(), dict(MLA_GLUON_PP=True), dict(MLA_GLUON_PP=True, MLA_GLUON_PP_REGS=256),
@@ -223,12 +219,12 @@ def launch_host_us(case, iters=300) -> dict:
 
 def gluon_kernels(case, report, flops, gluon_rows=GLUON, key="kernel"):
     """The shipped Triton kernel, then each Gluon variant (`GLUON`) on the same step (error, times, facts)."""
-    from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_pp, mla_gluon_ws
+    from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_pp
 
     rows = []
     variants = [("triton", {"MLA_GLUON": False})] + [("gluon", dict(v, MLA_GLUON=True)) for v in gluon_rows]
     launches = {"triton": Launches(mla_kernel.mla_kernel), "gluon": Launches(mla_gluon.mla_gluon_kernel),
-                "ws": Launches(mla_gluon_ws.mla_gluon_ws_kernel), "pp": Launches(mla_gluon_pp.mla_gluon_pp_kernel)}
+                "pp": Launches(mla_gluon_pp.mla_gluon_pp_kernel)}
     for kind, consts in variants:
         row = dict(kernel=kind, **consts)
         try:
@@ -237,9 +233,8 @@ def gluon_kernels(case, report, flops, gluon_rows=GLUON, key="kernel"):
                     stack.enter_context(mock.patch.object(mla_decode, k, v))
                 stack.enter_context(mock.patch.object(mla_kernel, "mla_kernel", launches["triton"]))
                 stack.enter_context(mock.patch.object(mla_gluon, "mla_gluon_kernel", launches["gluon"]))
-                stack.enter_context(mock.patch.object(mla_gluon_ws, "mla_gluon_ws_kernel", launches["ws"]))
                 stack.enter_context(mock.patch.object(mla_gluon_pp, "mla_gluon_pp_kernel", launches["pp"]))
-                which = "ws" if consts.get("MLA_GLUON_WS") else "pp" if consts.get("MLA_GLUON_PP") else kind
+                which = "pp" if consts.get("MLA_GLUON_PP") else kind
                 launches[which].last = None
                 row["max_err"] = case["err"](case["run"]())
                 if launches[which].last is None:
@@ -295,7 +290,7 @@ def main() -> None:
                         help="--once on the shared step (64 x (4096 shared + 256)) instead of 128 x 4096")
     parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
     parser.add_argument("--gluon-rows", default="GLUON",
-                        choices=["GLUON", "GLUON_C", "GLUON_WS", "GLUON_13", "GLUON_14"],
+                        choices=["GLUON", "GLUON_C", "GLUON_13", "GLUON_14"],
                         help="which list of Gluon variants --gluon runs")
     parser.add_argument("--gluon-shared", action="store_true",
                         help="--gluon also on the shared step (64 x (4096 shared + 256)); its floor: the larger of "

@@ -53,25 +53,6 @@ CASES = [
     (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_GLUON_META_AHEAD": True}),
 ]
 
-#: The warp-specialised kernel (`mla_gluon_ws.py`: 64-key tiles, rope 64): odd and even tile counts, a token
-#: without cached keys, a shared prefix, prompts in the step, several splits, both unique layouts.
-WS = {"MLA_GLUON_WS": True}
-WS_CASES = [
-    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), WS),
-    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), dict(WS, MLA_SPLIT_KEYS=128)),
-    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
-     dict(WS, MLA_KERNEL_SHARED=False)),
-    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
-     dict(WS, MLA_GLUON_SHARED=True)),
-    (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), dict(WS, MLA_SPLIT_KEYS=64)),
-    (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), dict(WS, MLA_SPLIT_KEYS=256)),
-    (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), WS),
-    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64),
-     dict(WS, MLA_GLUON_WS_PRODUCER_WARPS=1, MLA_GLUON_WS_REGS=224)),
-    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
-     dict(WS, MLA_GLUON_SHARED=True, MLA_GLUON_WS_PRODUCER_WARPS=1, MLA_GLUON_WS_REGS=224)),
-]
-
 #: The ping-pong kernel without a producer (`mla_gluon_pp.py`, `MLA_GLUON_PP`: 64-key tiles, rope 64): odd and
 #: even tile counts per warpgroup, a token without cached keys, partial last blocks, shared prefixes (on the shared
 #: route and as more slots), prompts in the step, several splits, both unique layouts, latents 512 / 256 / 128,
@@ -125,10 +106,9 @@ def run(cases=CASES) -> int:
     mla_decode._launch_gluon = launch
     saved = {k: getattr(mla_decode, k) for k in ("MLA_GLUON", "MLA_SPLIT_KEYS", "MLA_GLUON_KEYS",
                                                   "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
-                                                  "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_WS",
+                                                  "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD",
                                                   "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED",
-                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_WS_PRODUCER_WARPS",
-                                                  "MLA_GLUON_WS_REGS", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS")}
+                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS")}
     try:
         for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True

@@ -147,16 +147,6 @@ def test_mla_gluon_on_hopper():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
-def test_mla_gluon_ws_on_hopper():
-    """The warp-specialised Gluon kernel (sm_90), the same checks over mla_gluon_cases.WS_CASES."""
-    if not gluon_on_hopper():
-        pytest.skip("needs an sm_90 GPU and Triton with Gluon")
-    import mla_gluon_cases
-
-    assert mla_gluon_cases.run(mla_gluon_cases.WS_CASES) == len(mla_gluon_cases.WS_CASES)
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
 def test_mla_gluon_pp_on_hopper():
     """The ping-pong Gluon kernel without a producer (`mla_gluon_pp.py`, sm_90), the same checks over
     mla_gluon_cases.PP_CASES (bf16 1e-2 against the reference, NaN in unread slots, with and without own pairs)."""

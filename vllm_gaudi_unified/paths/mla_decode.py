@@ -96,15 +96,12 @@ MLA_GLUON_STAGES = 2
 MLA_GLUON_PIPE = 2
 MLA_GLUON_LAZY_SUM = True
 MLA_GLUON_META_AHEAD = True
-#: The warp-specialised variant (`mla_gluon_ws.py`: FlashMLA's ping-pong of the two warpgroups over alternate
-#: tiles, a producer partition) where its shapes allow (64-key tiles, rope 64), and its consumers' registers.
-MLA_GLUON_WS = False
-MLA_GLUON_WS_REGS = 240
-MLA_GLUON_WS_PRODUCER_WARPS = 4
 #: The ping-pong variant without a producer (`mla_gluon_pp.py`: 8 warps, each warpgroup fetching its own tiles
 #: in three parts) where its shapes allow (64-key tiles, rope 64), and its worker warpgroup's registers. Off:
 #: measured on an H100 (docs/benchmarks.md, MLA, kernel run 14) correct and as fast as the default, not faster
-#: (128 x 4096: 0.356-0.357 against 0.354 ms; the shared step 0.189-0.190 against 0.190 ms).
+#: (128 x 4096: 0.356-0.357 against 0.354 ms; the shared step 0.189-0.190 against 0.190 ms). It replaced a
+#: warp-specialised variant with a producer partition (kernel runs 10 and 13: 0.465-0.519 ms, its consumers
+#: spilled under Triton 3.6's 12-warp register cap).
 MLA_GLUON_PP = False
 MLA_GLUON_PP_REGS = 240
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
@@ -251,15 +248,6 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
             q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
             q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
             SELF=with_self, REGS=MLA_GLUON_PP_REGS, num_warps=4)
-        return
-    if MLA_GLUON_WS and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128:
-        from vllm_gaudi_unified.paths import mla_gluon_ws
-
-        mla_gluon_ws.mla_gluon_ws_kernel[(hq // 64, splits, n)](
-            q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
-            q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
-            SELF=with_self, REGS=MLA_GLUON_WS_REGS, PRODUCER_WARPS=MLA_GLUON_WS_PRODUCER_WARPS, PRODUCER_REGS=40,
-            num_warps=4)
         return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
         q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits,

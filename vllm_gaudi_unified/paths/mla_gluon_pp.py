@@ -2,8 +2,9 @@
 MLA, kernel run 14).
 
 Why: `mla_gluon.py` runs both warpgroups on one instruction stream (the tensor cores idle through each softmax)
-and splits each score tile between them (`N = 32`, the query read twice from shared memory); `mla_gluon_ws.py`
-fixed both with a producer partition, but Triton 3.6 then pads to 12 warps and the consumers spill. Here there are
+and splits each score tile between them (`N = 32`, the query read twice from shared memory); a warp-specialised
+variant with a producer partition fixed both, but Triton 3.6 then pads to 12 warps and its consumers spilled
+(kernel runs 10 and 13: 0.465-0.519 ms; removed). Here there are
 8 warps, two partitions of one warpgroup each (`gl.warp_specialize`, no producer):
 
 * warpgroup X owns the key tiles X, X + 2, ... and keeps them in its own buffer X (two buffers of 64 keys);
@@ -13,7 +14,7 @@ fixed both with a producer partition, but Triton 3.6 then pads to 12 warps and t
   it is the last reader of that half and fetches the next tile's half X right after its own product, without
   waiting for the other warpgroup; the rope part (where the tile's P is written) is fetched by the non-owner
   after both products (`pvdone`);
-* the running maximum, rescale factors and row sums pass through shared memory as in `mla_gluon_ws.py`.
+* the running maximum, rescale factors and row sums pass through shared memory with mbarriers.
 
 Measured (run 14, H100): correct, 0.356-0.357 ms at 128 x 4096 against the default's 0.354: not faster, so off.
 Same contract and NaN rule as `mla_gluon.py` (invisible rows: -inf scores, value rows zeroed by the owner before
@@ -94,7 +95,7 @@ def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_des
     for t in range(X, n_tiles, 2):
         ph = (t // 2) & 1
         b = t % 2  # (== X; taken from t so that the operands' descriptors are not hoisted out of the loop:
-        # in the worker partition they would sit in ordinary registers and spill, as in `mla_gluon_ws.py`)
+        # in the worker partition they would sit in ordinary registers and spill, as in the removed producer variant)
         lo, hi, _ = _meta(t, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
         mbarrier.wait(rdy.index(b * 3 + b), ph)  # (own half first: fetched earliest)
         s = warpgroup_mma(qn_s.index(b), kn_s.index(b * 3).permute((1, 0)),
