@@ -45,6 +45,14 @@ def force_from_env() -> None:
     (call before importing vLLM, which reads them at import and at engine start)."""
     if forced() is None:
         return
+    # Inductor's compiled kernels follow the probes, but its on-disk cache does not key on them: a kernel
+    # compiled natively (AVX-512) and reused by a run told it has AVX2 mixes the two and can crash. A cache
+    # of its own per forced level (unless the caller chose one) keeps the runs apart.
+    import getpass
+    import tempfile
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{forced()}"))
     import torch
 
     for name in ABOVE_AVX2:
