@@ -65,7 +65,7 @@ def chunk_layout(batch, n: int, block_size: int, device):
     u = batch.unique_rows.shape[0]
     per_chunk = chunk_blocks(block_size)
     nc = num_chunks(u, n, per_chunk)
-    order, starts = _slot_order(batch, n, device, keep=False)  # (an HPU graph's capture is not detectable)
+    order, starts, _ = _slot_order(batch, n, device, keep=False)  # (an HPU graph's capture is not detectable)
     count = starts[1:] - starts[:-1]  # [n] slots per token
     chunks = (count + per_chunk - 1) // per_chunk
     ends = torch.cumsum(chunks, 0)

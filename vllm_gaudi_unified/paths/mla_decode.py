@@ -170,11 +170,7 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     bs = key_cache.shape[1]
-    order, starts = _slot_order(batch, n, q.device, shared=shared)
-    if shared:
-        _, ids, lo, hi = _slots_with_shared(batch, n)
-    else:  # (ids unused for the slice)
-        ids, lo, hi = order if batch.unique_blocks is None else batch.unique_blocks, batch.unique_lo, batch.unique_hi
+    order, starts, (ids, lo, hi) = _slot_order(batch, n, q.device, shared=shared)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
     splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
     dt = compute_dtype(q.dtype)
@@ -257,19 +253,26 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
 
 
 def _slot_order(batch, n: int, device, keep: bool = True, shared: bool = False):
-    """The unique slots (with `shared`: then the shared cells, `_slots_with_shared`) sorted by token and each
-    token's start in that order (`n + 1` starts), on `device`, once per batch eagerly with `keep` (not kept
-    while torch compiles or a CUDA graph captures: a graph replays with its batch's buffers refilled, so it
-    must sort them itself)."""
+    """The unique slots (with `shared`: then the shared cells, `_slots_with_shared`) sorted by token, each
+    token's start in that order (`n + 1` starts) and the slots' (block ids, lo, hi) (the ids unused for the
+    slice layout), on `device`, once per batch eagerly with `keep` (not kept while torch compiles or a CUDA
+    graph captures: a graph replays with its batch's buffers refilled, so it must sort them itself)."""
     eager = keep and not (torch.compiler.is_compiling()
                           or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     hit = _ORDERS.get(batch) if eager else None
     if hit is not None and hit[0] == (device, n, shared):
         return hit[1]
-    order, starts = token_order(_slots_with_shared(batch, n)[0] if shared else batch.unique_rows, n)
+    if shared:
+        rows, *slots = _slots_with_shared(batch, n)
+    else:
+        rows, slots = batch.unique_rows, [batch.unique_blocks, batch.unique_lo, batch.unique_hi]
+    order, starts = token_order(rows, n)
+    if slots[0] is None:
+        slots[0] = order
+    out = order, starts, tuple(slots)
     if eager:
-        _ORDERS[batch] = ((device, n, shared), (order, starts))
-    return order, starts
+        _ORDERS[batch] = ((device, n, shared), out)
+    return out
 
 
 def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,

@@ -53,6 +53,17 @@ def _meta(tile, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS:
 
 
 @gluon.jit
+def _split_tiles(starts_ptr, t, sp, splits, BS: gl.constexpr, KEYS: gl.constexpr):
+    """Token `t`'s first place in the slot order, and split `sp`'s first key and its number of `KEYS` tiles
+    (the token's keys cut into `splits` parts of whole tiles, as `mla_kernel._mla_body` cuts them)."""
+    first = gl.load(starts_ptr + t)
+    n_keys = (gl.load(starts_ptr + t + 1) - first).to(gl.int32) * BS
+    per_split = gl.cdiv(n_keys, splits * KEYS) * KEYS
+    k_begin = sp * per_split
+    return first, k_begin, gl.maximum(gl.cdiv(gl.minimum(n_keys, k_begin + per_split) - k_begin, KEYS), 0)
+
+
+@gluon.jit
 def _issue(row, kn_desc, kr_desc, kn_s, kr_s, bars, stage):
     """TMA of the key tile at cache row `row` (`KEYS` rows of one slot) into ring buffer `stage`."""
     bar = bars.index(stage)
@@ -81,12 +92,7 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
     hg = gl.program_id(0)
     sp = gl.program_id(1)
     t = gl.program_id(2).to(gl.int64)
-    first = gl.load(starts_ptr + t)
-    n_keys = (gl.load(starts_ptr + t + 1) - first).to(gl.int32) * BS
-    per_split = gl.cdiv(n_keys, splits * KEYS) * KEYS
-    k_begin = sp * per_split
-    k_end = gl.minimum(n_keys, k_begin + per_split)
-    n_tiles = gl.maximum(gl.cdiv(k_end - k_begin, KEYS), 0)
+    first, k_begin, n_tiles = _split_tiles(starts_ptr, t, sp, splits, BS, KEYS)
 
     # layouts: scores [64, KEYS] and the accumulator [64, DV] on wgmma, the warpgroups side by side (columns)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],

@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from vllm_gaudi_unified.paths.mla_gluon import LOG2E, _meta
+from vllm_gaudi_unified.paths.mla_gluon import LOG2E, _meta, _split_tiles
 
 
 @gluon.jit
@@ -160,11 +160,7 @@ def mla_gluon_pp_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, i
     hg = gl.program_id(0)
     sp = gl.program_id(1)
     t = gl.program_id(2).to(gl.int64)
-    first = gl.load(starts_ptr + t)
-    n_keys = (gl.load(starts_ptr + t + 1) - first).to(gl.int32) * BS
-    per_split = gl.cdiv(n_keys, splits * KEYS) * KEYS
-    k_begin = sp * per_split
-    n_tiles = gl.maximum(gl.cdiv(gl.minimum(n_keys, k_begin + per_split) - k_begin, KEYS), 0)
+    first, k_begin, n_tiles = _split_tiles(starts_ptr, t, sp, splits, BS, KEYS)
 
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     dtype: gl.constexpr = kn_desc.dtype
