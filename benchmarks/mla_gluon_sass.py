@@ -13,7 +13,6 @@ variant, its keys the kernel's constexpr parameters (`PP`: the ping-pong kernel 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 import types
@@ -24,7 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mla_kernel_sass import facts  # noqa: E402
+from mla_kernel_sass import print_variants  # noqa: E402
 
 PATHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm_gaudi_unified", "paths")
 SHIPPED = dict(HQ=128, DV=512, DR=64, BS=128, KEYS=64, SLICE=False, SELF=True)
@@ -73,12 +72,7 @@ def compile_variant(kernels, variant: dict):
 
 def main() -> None:
     kernels = load()
-    print("triton", triton.__version__)
-    for arg in sys.argv[1:] or ["{}"]:
-        try:
-            print(arg, json.dumps(facts(compile_variant(kernels, json.loads(arg)))), flush=True)
-        except Exception as exc:  # reported, not hidden: the other variants still compile
-            print(arg, "error:", f"{type(exc).__name__}: {exc}"[:600], flush=True)
+    print_variants(lambda variant: compile_variant(kernels, variant), error_chars=600)
 
 
 if __name__ == "__main__":

@@ -108,14 +108,19 @@ def loops(sass: str, min_len: int = 1000) -> list[dict]:
     return out
 
 
-def main() -> None:
-    kernel = load_kernel(os.environ.get("MLA_KERNEL_FILE", KERNEL))
+def print_variants(compile_one, error_chars: int = 300) -> None:
+    """Each command-line JSON variant (default `{}`) compiled by `compile_one(dict)` and its `facts` printed."""
     print("triton", triton.__version__)
     for arg in sys.argv[1:] or ["{}"]:
         try:
-            print(arg, json.dumps(facts(compile_variant(kernel, json.loads(arg)))), flush=True)
+            print(arg, json.dumps(facts(compile_one(json.loads(arg)))), flush=True)
         except Exception as exc:  # reported, not hidden: the other variants still compile
-            print(arg, "error:", f"{type(exc).__name__}: {exc}"[:300], flush=True)
+            print(arg, "error:", f"{type(exc).__name__}: {exc}"[:error_chars], flush=True)
+
+
+def main() -> None:
+    kernel = load_kernel(os.environ.get("MLA_KERNEL_FILE", KERNEL))
+    print_variants(lambda variant: compile_variant(kernel, variant))
 
 
 if __name__ == "__main__":
