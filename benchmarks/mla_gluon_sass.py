@@ -23,7 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mla_kernel_sass import print_variants  # noqa: E402
+from mla_kernel_sass import print_variants, signature_of  # noqa: E402
 
 PATHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm_gaudi_unified", "paths")
 SHIPPED = dict(HQ=128, DV=512, DR=64, BS=128, KEYS=64, SLICE=False, SELF=True)
@@ -57,14 +57,7 @@ def compile_variant(kernels, variant: dict):
               "scale": "fp32"}
     for name, cols in (("kn_desc", consts["DV"] // (2 if pp else 1)), ("kr_desc", consts["DR"])):
         types_[name] = f"tensordesc<bf16[{consts['KEYS']}, {cols}],{layout([consts['KEYS'], cols])}>"
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = types_.get(name, "*i64" if name.endswith("_ptr") else "i32")
-        if name.endswith("_ptr") or name.startswith(("sq_", "sk_")):
-            attrs[(i,)] = [["tt.divisibility", 16]]  # (what the launcher's arguments specialise to)
+    signature, attrs = signature_of(kernel, consts, types_)
     options = {"num_warps": consts["num_warps"], **({"maxnreg": maxnreg} if maxnreg else {})}
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -48,6 +48,20 @@ def load_kernel(path: str = KERNEL):
     return module.mla_kernel
 
 
+def signature_of(kernel, consts: dict, types: dict) -> tuple[dict, dict]:
+    """(signature, attrs) of a launch: `consts` as constexprs, pointers and scalars by `types` (other pointers
+    int64 tables, other scalars int32), pointers and row strides divisible by 16 as the launcher specialises."""
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = types.get(name, "*i64" if name.endswith("_ptr") else "i32")
+        if name.endswith("_ptr") or name.startswith(("sq_", "sk_", "sc_")):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # (what the launcher's arguments specialise to)
+    return signature, attrs
+
+
 def compile_variant(kernel, variant: dict):
     """Compiled for sm_90 as the benchmark launches it, with `variant`'s constants and warps / stages."""
     variant = dict(variant)
@@ -56,14 +70,7 @@ def compile_variant(kernel, variant: dict):
     for p in kernel.params:
         if p.is_constexpr and p.name not in consts:
             consts[p.name] = p.default
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = TYPES.get(name, "*i64" if name.endswith("_ptr") else "i32")
-        if name.endswith("_ptr") or name.startswith(("sq_", "sk_", "sc_")):
-            attrs[(i,)] = [["tt.divisibility", 16]]  # (what the launcher's arguments specialise to)
+    signature, attrs = signature_of(kernel, consts, TYPES)
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
