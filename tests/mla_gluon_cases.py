@@ -74,6 +74,9 @@ PP_CASES = [
     (Step([1] * 3, [1000, 129, 700], 128), "gather", (512, 64), dict(PP, MLA_GLUON_PP_REGS=256)),
     (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), dict(PP, MLA_GLUON_DESC_CACHE=False)),
     (Step([1] * 4, [90, 33, 200, 7], 128), "default", (256, 64), PP),
+    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), dict(PP, MLA_GLUON_PP_AHEAD=False)),
+    (Step([2, 1, 1], [64, 511, 65], 64), "gather", (512, 64), dict(PP, MLA_GLUON_PP_AHEAD=False,
+                                                                   MLA_SPLIT_KEYS=128)),
 ]
 
 
@@ -98,9 +101,9 @@ def run(cases=CASES) -> int:
     real_route, real_launch = attention.mla_unique_route, mla_decode._launch_gluon
     launches = []
 
-    def launch(*args):
+    def launch(*args, **kwargs):
         launches.append(args[-1])  # (with the token's own pair or not)
-        return real_launch(*args)
+        return real_launch(*args, **kwargs)
 
     attention.mla_unique_route = lambda b, q, kc, vc, cap, *s: "kernel" if mla_decode.latent_cache(kc, vc) else None
     mla_decode._launch_gluon = launch
@@ -108,7 +111,8 @@ def run(cases=CASES) -> int:
                                                   "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
                                                   "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD",
                                                   "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED",
-                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS")}
+                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS",
+                                                  "MLA_GLUON_PP_AHEAD")}
     try:
         for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True

@@ -20,6 +20,7 @@ from conftest import SPECS, Step, assert_matches  # noqa: E402
 from test_mla import MODES, L, mla_case  # noqa: E402
 
 from vllm_gaudi_unified import attention  # noqa: E402
+from vllm_gaudi_unified.merge import Final, normalize  # noqa: E402
 from vllm_gaudi_unified.mla import latent_views, mla_attention  # noqa: E402
 from vllm_gaudi_unified.reference import reference_attention  # noqa: E402
 from vllm_gaudi_unified.paths import mla_decode  # noqa: E402
@@ -68,6 +69,18 @@ def run(device: str = "cpu") -> int:
         return real_shared(q, *args)
 
     attention.latent_shared_partial = shared_route
+    real_kernel, forms = attention.kernel_mla_partial, []
+
+    def kernel_route(q, *args, **kwargs):  # each Final (the step's only path) against its Partial normalized
+        out = real_kernel(q, *args, **kwargs)
+        forms.append(type(out).__name__)
+        if isinstance(out, Final):
+            p = real_kernel(q, *args, **dict(kwargs, final=False))
+            tol = (1e-12, 0.0) if out.out.dtype == torch.float64 else (1e-3, 2 ** -7)  # (16-bit: one rounding)
+            torch.testing.assert_close(out.out, normalize(p, out.out.dtype), atol=tol[0], rtol=tol[1])
+        return out
+
+    attention.kernel_mla_partial = kernel_route
     saved = {k: getattr(mla_decode, k)
              for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_KERNEL_SHARED")}
     try:
@@ -94,9 +107,11 @@ def run(device: str = "cpu") -> int:
                 assert any(shared_calls) == (not mla_decode.MLA_KERNEL_SHARED), (batch.phase, shared_calls)
             for k, v in saved.items():
                 setattr(mla_decode, k, v)
+        assert {"Final", "Partial"} <= set(forms), forms  # (one split and alone: Final; else Partial)
     finally:
         attention.mla_unique_route = real
         attention.latent_shared_partial = real_shared
+        attention.kernel_mla_partial = real_kernel
         for k, v in saved.items():
             setattr(mla_decode, k, v)
     return len(CASES)

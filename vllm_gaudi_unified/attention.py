@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch
-from vllm_gaudi_unified.merge import Partial, merge_all, normalize
+from vllm_gaudi_unified.merge import Final, Partial, merge_all, normalize
 from vllm_gaudi_unified.paths.decodes import dense_decodes as dense_decodes_attention
 from vllm_gaudi_unified.paths.decodes import dense_decodes_apply
 from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
@@ -136,8 +136,10 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
         partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
                                       k_scale, v_scale)]
     else:
+        alone = not prompts and sinks is None and not batch.pieces  # (the paths' results are all there is)
         partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
-                                          k_scale, v_scale, prompts_merged=prompts and not final) if p is not None]
+                                          k_scale, v_scale, prompts_merged=prompts and not final, alone=alone)
+                    if p is not None]
         if prompts and not final:
             partials.append(prompt_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
                                            k_scale, v_scale))
@@ -149,7 +151,10 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
             padded = t
     if sinks is not None:
         partials.append(_sink_partial(sinks, padded, value.shape[2], compute_dtype(query.dtype)))
-    out = normalize(merge_all(partials)).to(query.dtype)
+    if isinstance(partials[0], Final):  # (only given alone: `_run_paths`)
+        out = partials[0].out
+    else:
+        out = normalize(merge_all(partials), query.dtype)
     if out.shape[0] < query.shape[0]:  # a split step: the rows past its tokens are padding
         out = F.pad(out, (0, 0, 0, 0, 0, query.shape[0] - out.shape[0]))
     if final and prompt_route:  # the prompt route's rows are final: written over what the other paths gave them
@@ -204,9 +209,10 @@ def _piece_partials(query, key, value, key_cache, value_cache, pieces, scale, ca
 
 
 def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_scale=None, v_scale=None,
-               new_tokens: bool = True, prompts_merged: bool = False):
+               new_tokens: bool = True, prompts_merged: bool = False, alone: bool = False):
     """Which paths run, all conditions in one place (`new_tokens=False`: the further pieces of a split
-    step, whose self and causal pairs are in the first piece: 1 and 2 do not run):
+    step, whose self and causal pairs are in the first piece: 1 and 2 do not run; `alone`: the caller
+    merges nothing else, so a path that turns out to be the only one may return its rows `Final`):
 
     0. (in `attend_step`) the prompt route, when the bucket has prompts (`paths/prompts.py`): rows
        final from one fused SDPA call (then a step of prompts alone runs nothing else), or a Partial.
@@ -268,8 +274,10 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     if (phase[2] == "u" or mla_shared_in_kernel) and not shared_in_kernel:
         if mla:  # MLA's latent: one Partial row per token, the latent read once, the self pair inside
             run = {"kernel": kernel_mla_partial, "dense": dense_mla_partial, "chunks": chunks_mla_partial}[mla]
-            shared = {"shared": True} if mla_shared_in_kernel else {}
-            yield run(query, key_cache, value_cache.shape[-1], batch, scale, key, **shared)  # paths/mla_decode.py
+            extra = {"shared": True} if mla_shared_in_kernel else {}
+            if mla == "kernel" and alone and phase[0] == "-" and (phase[1] == "-" or mla_shared_in_kernel):
+                extra["final"] = True  # (the only path: the kernel normalizes its rows itself)
+            yield run(query, key_cache, value_cache.shape[-1], batch, scale, key, **extra)  # paths/mla_decode.py
         elif flash and kernel_unique_applies(key_cache, value_cache):
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         elif flash and fused_unique_applies(batch, key_cache):

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_gaudi_unified.flags import env_flag
-from vllm_gaudi_unified.merge import Partial, fold_pairwise
+from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.decodes import decode_layout
@@ -104,6 +104,9 @@ MLA_GLUON_META_AHEAD = True
 #: spilled under Triton 3.6's 12-warp register cap).
 MLA_GLUON_PP = False
 MLA_GLUON_PP_REGS = 240
+#: Whether the ping-pong kernel loads an iteration's slot bounds and fetch rows one iteration ahead (else at the
+#: iteration's start).
+MLA_GLUON_PP_AHEAD = True
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
 #: per token). Measured on an H100 (docs/benchmarks.md, MLA, kernel run 13; 64 decodes x (4096 shared + 256), 128
 #: heads): kernel 0.189 against the Triton kernel's 0.326 ms, GPU time per step 0.228 against 0.365 ms, the same
@@ -156,11 +159,14 @@ def mla_kernel_takes_shared(batch) -> bool:
 
 
 def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
-                       key: torch.Tensor | None = None, shared: bool = False) -> Partial | None:
+                       key: torch.Tensor | None = None, shared: bool = False,
+                       final: bool = False) -> Partial | Final | None:
     """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
     `fold_pairwise`); with `key` (the new tokens' latents `[n, 1, L + R]`) each token's own pair too, so
     the step has no separate self pair to compute and merge (`attention._run_paths`); with `shared` the
-    shared tiles' (row, block) cells as more slots of their rows (`mla_kernel_takes_shared`). Slots sorted
+    shared tiles' (row, block) cells as more slots of their rows (`mla_kernel_takes_shared`); with `final`
+    (this is the step's only path) and one split, the rows normalized by the kernel in q's dtype (`Final`:
+    no fp32 partial written and read again). Slots sorted
     by token on the device (no sync), once per batch (a server's layers share it); the split count comes
     from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
@@ -174,7 +180,9 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
     splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
     dt = compute_dtype(q.dtype)
-    acc = torch.empty((n, splits, hq, value_dim), dtype=dt, device=q.device)
+    final = final and splits == 1
+    acc = (torch.empty((n, hq, value_dim), dtype=q.dtype, device=q.device) if final  # (`FINAL`: rows in q's dtype)
+           else torch.empty((n, splits, hq, value_dim), dtype=dt, device=q.device))
     m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
     total = torch.empty_like(m)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -184,15 +192,17 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     dr = d - value_dim
     if (MLA_GLUON_SHARED or not shared) and gluon_applies(q, key_cache, value_dim):
         _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, batch.unique_blocks is None and not shared, acc,
-                      m, total, scale, splits, value_dim, key is not None)
-        return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
-    mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
-        q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
-        q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
-        HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
-        BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None and not shared, V_LOAD=MLA_V_LOAD,
-        ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
-        SELF=key is not None, num_warps=warps, num_stages=MLA_STAGES)
+                      m, total, scale, splits, value_dim, key is not None, final=final)
+    else:
+        mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
+            q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
+            q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
+            HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr,
+            DR_PAD=max(16, _pow2(dr)), BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None and not shared,
+            V_LOAD=MLA_V_LOAD, ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
+            SELF=key is not None, FINAL=final, num_warps=warps, num_stages=MLA_STAGES)
+    if final:
+        return Final(acc)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
@@ -229,7 +239,7 @@ def gluon_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int) -> b
 
 
 def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, total, scale, splits, value_dim,
-                  with_self):
+                  with_self, final=False):
     """`mla_gluon.mla_gluon_kernel` on the same arguments as the Triton kernel (the slots' `ids`, `lo`, `hi`: the
     unique slots', or with the shared cells after them), the cache as TMA descriptors."""
     g = _gluon()
@@ -243,13 +253,13 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
         mla_gluon_pp.mla_gluon_pp_kernel[(hq // 64, splits, n)](
             q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
             q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
-            SELF=with_self, REGS=MLA_GLUON_PP_REGS, num_warps=4)
+            SELF=with_self, REGS=MLA_GLUON_PP_REGS, AHEAD=MLA_GLUON_PP_AHEAD, FINAL=final, num_warps=4)
         return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
         q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=q.shape[-1] - value_dim, BS=key_cache.shape[1],
         KEYS=MLA_GLUON_KEYS, STAGES=MLA_GLUON_STAGES, SLICE=slice_, SELF=with_self,
-        PIPE=MLA_GLUON_PIPE, LAZY_SUM=MLA_GLUON_LAZY_SUM, META_AHEAD=MLA_GLUON_META_AHEAD, num_warps=8)
+        PIPE=MLA_GLUON_PIPE, LAZY_SUM=MLA_GLUON_LAZY_SUM, META_AHEAD=MLA_GLUON_META_AHEAD, FINAL=final, num_warps=8)
 
 
 def _slot_order(batch, n: int, device, keep: bool = True, shared: bool = False):

@@ -85,9 +85,11 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
                      l_ptr, scale, splits, sq_t, sq_h, sk_t,
                      HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr,
                      STAGES: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, PIPE: gl.constexpr,
-                     LAZY_SUM: gl.constexpr, META_AHEAD: gl.constexpr, num_warps: gl.constexpr):
-    """One (head group of 64, split, token), 8 warps: `mla_kernel._mla_body`'s arguments, with the cache as two
-    TMA descriptors over its rows `[blocks * BS, DV + DR]` (latent `[KEYS, DV]` and rope `[KEYS, DR]` boxes)."""
+                     LAZY_SUM: gl.constexpr, META_AHEAD: gl.constexpr, FINAL: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """One (head group of 64, split, token), 8 warps: `mla_kernel._mla_body`'s arguments (`FINAL` too), with the
+    cache as two TMA descriptors over its rows `[blocks * BS, DV + DR]` (latent `[KEYS, DV]` and rope `[KEYS, DR]`
+    boxes)."""
     gl.static_assert(num_warps == 8)
     hg = gl.program_id(0)
     sp = gl.program_id(1)
@@ -232,11 +234,15 @@ def mla_gluon_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_
     heads_o = hg * 64 + gl.arange(0, 64, layout=row_o)
     out = (t * splits + sp) * HQ + heads_o
     cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
-    gl.store(acc_ptr + out[:, None] * DV + cols_o[None, :], acc)
-    heads_s = hg * 64 + gl.arange(0, 64, layout=row_s)
-    out_s = (t * splits + sp) * HQ + heads_s
-    gl.store(m_ptr + out_s, m_i * (1.0 / LOG2E))
-    gl.store(l_ptr + out_s, l_i)
+    if FINAL:  # (one split: the rows normalized in acc's dtype)
+        o = acc * gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), row_o)[:, None]  # (64 divisions)
+        gl.store(acc_ptr + out[:, None] * DV + cols_o[None, :], o.to(acc_ptr.dtype.element_ty))
+    else:
+        gl.store(acc_ptr + out[:, None] * DV + cols_o[None, :], acc)
+        heads_s = hg * 64 + gl.arange(0, 64, layout=row_s)
+        out_s = (t * splits + sp) * HQ + heads_s
+        gl.store(m_ptr + out_s, m_i * (1.0 / LOG2E))
+        gl.store(l_ptr + out_s, l_i)
 
 
 class _Base:

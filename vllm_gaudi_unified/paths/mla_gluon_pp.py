@@ -31,10 +31,8 @@ from vllm_gaudi_unified.paths.mla_gluon import LOG2E, _meta, _split_tiles
 
 
 @gluon.jit
-def _fetch(C: gl.constexpr, t, b, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, kn_desc, kr_desc,
-           kn_s, kr_s, rdy, DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr):
-    """Part `C` of tile `t` (0, 1: the latent's halves, 2: the rope part) into buffer `b`."""
-    row = _meta(t, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
+def _fetch(C: gl.constexpr, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV: gl.constexpr):
+    """Part `C` of the tile at cache row `row` (0, 1: the latent's halves, 2: the rope part) into buffer `b`."""
     bar = rdy.index(b * 3 + C)
     if C == 2:
         mbarrier.expect(bar, kr_desc.block_type.nbytes)
@@ -45,11 +43,11 @@ def _fetch(C: gl.constexpr, t, b, n_tiles, k_begin, first, order_ptr, ids_ptr, l
 
 
 @gluon.jit
-def _values(acc, l_i, t, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles, k_begin, first,
-            order_ptr, ids_ptr, lo_ptr, hi_ptr, X: gl.constexpr, OWN: gl.constexpr, DV: gl.constexpr,
-            BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr, row_o: gl.constexpr, row_s: gl.constexpr):
+def _values(acc, l_i, t, row, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles,
+            X: gl.constexpr, OWN: gl.constexpr, DV: gl.constexpr, row_o: gl.constexpr, row_s: gl.constexpr):
     """Tile t's values product on half X of the columns after its owner published P; then this half of tile
-    t + 2 is fetched (the last reader was this product), and by the non-owner the rope part once both are done."""
+    t + 2 (at cache row `row`) is fetched (the last reader was this product), and by the non-owner the rope
+    part once both are done."""
     b = t % 2
     mbarrier.wait(pdone.index(b), (t // 2) & 1)
     alpha = stats.index(2 * b + 1).load(row_s)
@@ -59,23 +57,24 @@ def _values(acc, l_i, t, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc
     acc = warpgroup_mma_wait(0, deps=(pv, ))
     nt = t + 2
     if nt < n_tiles:
-        _fetch(X, nt, b, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, kn_desc, kr_desc, kn_s, kr_s,
-               rdy, DV, BS, KEYS, SLICE)
+        _fetch(X, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
     if OWN:
         mbarrier.arrive(pvdone.index(b))
     else:
         if nt < n_tiles:
             mbarrier.wait(pvdone.index(b), (t // 2) & 1)
-            _fetch(2, nt, b, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, kn_desc, kr_desc, kn_s,
-                   kr_s, rdy, DV, BS, KEYS, SLICE)
+            _fetch(2, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
     return acc, l_i
 
 
 @gluon.jit
 def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_desc, n_tiles, k_begin, first,
               order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row, self_on,
-              X: gl.constexpr, DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr):
-    """Warpgroup X: scores and softmax of tiles X, X + 2, ...; the values product of every tile on half X."""
+              X: gl.constexpr, DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr,
+              AHEAD: gl.constexpr, FINAL: gl.constexpr):
+    """Warpgroup X: scores and softmax of tiles X, X + 2, ...; the values product of every tile on half X.
+    `AHEAD`: the slot bounds and cache rows an iteration needs are loaded one iteration before (two dependent
+    global loads each, else on the critical path: before a tile's mask and before each fetch)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -92,11 +91,26 @@ def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_des
     l_i = gl.zeros([64], gl.float32, row_s) + l0
     jj = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
     rows_ld = gl.arange(0, KEYS, layout=gl.SliceLayout(1, ld_layout))
+    lo_n, hi_n, _ = _meta(X, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
+    row1_n = _meta(X + 1, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
+    row2_n = _meta(X + 2, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
     for t in range(X, n_tiles, 2):
         ph = (t // 2) & 1
         b = t % 2  # (== X; taken from t so that the operands' descriptors are not hoisted out of the loop:
         # in the worker partition they would sit in ordinary registers and spill, as in the removed producer variant)
-        lo, hi, _ = _meta(t, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
+        if AHEAD:  # this iteration's from the last one; the next one's issued now
+            lo = lo_n
+            hi = hi_n
+            row1 = row1_n  # (tile t + 1's, fetched after the values product on tile t - 1)
+            row2 = row2_n  # (tile t + 2's, after the one on tile t)
+            lo_n, hi_n, _ = _meta(t + 2, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS,
+                                  SLICE)
+            row1_n = _meta(t + 3, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
+            row2_n = _meta(t + 4, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
+        else:
+            lo, hi, _ = _meta(t, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
+            row1 = _meta(t + 1, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
+            row2 = _meta(t + 2, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
         mbarrier.wait(rdy.index(b * 3 + b), ph)  # (own half first: fetched earliest)
         s = warpgroup_mma(qn_s.index(b), kn_s.index(b * 3).permute((1, 0)),
                           gl.zeros([64, KEYS], gl.float32, s_layout), use_acc=False, is_async=True)
@@ -128,21 +142,21 @@ def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_des
         fence_async_shared()
         mbarrier.arrive(pdone.index(X))
         if t > 0:
-            acc, l_i = _values(acc, l_i, t - 1, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles,
-                               k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, X, False, DV, BS, KEYS, SLICE,
-                               row_o, row_s)
-        acc, l_i = _values(acc, l_i, t, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles, k_begin,
-                           first, order_ptr, ids_ptr, lo_ptr, hi_ptr, X, True, DV, BS, KEYS, SLICE, row_o, row_s)
+            acc, l_i = _values(acc, l_i, t - 1, row1, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc,
+                               n_tiles, X, False, DV, row_o, row_s)
+        acc, l_i = _values(acc, l_i, t, row2, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles, X,
+                           True, DV, row_o, row_s)
     last = n_tiles - 1
-    if (last >= 0) & (last % 2 != X):  # the other warpgroup's last tile
-        acc, l_i = _values(acc, l_i, last, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles,
-                           k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, X, False, DV, BS, KEYS, SLICE,
-                           row_o, row_s)
+    if (last >= 0) & (last % 2 != X):  # the other warpgroup's last tile (nothing left to fetch: row 0)
+        acc, l_i = _values(acc, l_i, last, 0, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles, X,
+                           False, DV, row_o, row_s)
         m_i = stats.index(2 * (1 - X)).load(row_s)
     rows_o = out_row + gl.arange(0, 64, layout=row_o)
     cols_o = X * H + gl.arange(0, H, layout=gl.SliceLayout(0, o_layout))
-    gl.store(acc_ptr + rows_o[:, None] * DV + cols_o[None, :], acc)
-    if X == 0:
+    if FINAL:  # (one split: the rows normalized in acc's dtype)
+        o = acc * gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), row_o)[:, None]  # (64 divisions)
+        gl.store(acc_ptr + rows_o[:, None] * DV + cols_o[None, :], o.to(acc_ptr.dtype.element_ty))
+    elif X == 0:
         rows_s = out_row + gl.arange(0, 64, layout=row_s)
         gl.store(m_ptr + rows_s, m_i * (1.0 / LOG2E))
         gl.store(l_ptr + rows_s, l_i)
@@ -152,7 +166,8 @@ def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_des
 def mla_gluon_pp_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr,
                         m_ptr, l_ptr, scale, splits, sq_t, sq_h, sk_t,
                         HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr,
-                        SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr, num_warps: gl.constexpr):
+                        SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr, AHEAD: gl.constexpr,
+                        FINAL: gl.constexpr, num_warps: gl.constexpr):
     """`mla_gluon.mla_gluon_kernel`'s arguments, the latent descriptor in `[KEYS, DV // 2]` boxes
     (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more."""
     gl.static_assert(num_warps == 4)
@@ -181,9 +196,9 @@ def mla_gluon_pp_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, i
     fence_async_shared()
     for b in gl.static_range(2):  # the first two tiles fly while the query is staged
         if b < n_tiles:
+            row = _meta(b, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
             for c in gl.static_range(3):
-                _fetch(c, b, b, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, kn_desc, kr_desc, kn_s,
-                       kr_s, rdy, DV, BS, KEYS, SLICE)
+                _fetch(c, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
 
     heads = hg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld_layout))
     q_row = q_ptr + t * sq_t + heads[:, None] * sq_h
@@ -208,8 +223,10 @@ def mla_gluon_pp_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, i
     out_row = (t * splits + sp) * HQ + hg * 64
     gl.warp_specialize([(_consumer, (qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_desc, n_tiles,
                                      k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
-                                     out_row, qk, l0, k_row, self_on, gl.constexpr(0), DV, BS, KEYS, SLICE)),
+                                     out_row, qk, l0, k_row, self_on, gl.constexpr(0), DV, BS, KEYS, SLICE, AHEAD,
+                                     FINAL)),
                         (_consumer, (qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_desc, n_tiles,
                                      k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
-                                     out_row, qk, l0, k_row, self_on, gl.constexpr(1), DV, BS, KEYS, SLICE))],
+                                     out_row, qk, l0, k_row, self_on, gl.constexpr(1), DV, BS, KEYS, SLICE, AHEAD,
+                                     FINAL))],
                        [4], [REGS])

@@ -94,7 +94,8 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
               sq_t, sq_h, sk_t, sc_b, sc_s: tl.constexpr,
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
               DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
-              ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False):
+              ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False,
+              FINAL: tl.constexpr = False):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
     (strides `sc_b`, `sc_s`, last 1; `sc_s` a compile-time constant), `order`: slot ids sorted by token,
     `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block
@@ -105,7 +106,8 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
     `BS % KEYS == 0`): a tile's slot, block and bounds are loaded once as scalars, not per key. `Q_LOOP`:
     the query tile is loaded in each loop step rather than held from the start (registers against
     reloads). `SELF`: the new tokens' keys `k` `[n, DV + DR]` (row stride `sk_t`, last 1): split 0 of
-    token t starts from its own pair."""
+    token t starts from its own pair. `FINAL` (one split): acc `[n, HQ, DV]` in its own dtype gets the rows
+    normalized (acc / l; 0 where no key was seen), m and l are not written."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
@@ -115,7 +117,7 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
     k_begin = sp * per_split
     k_end = tl.minimum(n_keys, k_begin + per_split)
 
-    acc_dtype = acc_ptr.dtype.element_ty
+    acc_dtype = m_ptr.dtype.element_ty  # (the compute dtype; with FINAL acc_ptr's is the output's)
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < HQ
     offs_v = tl.arange(0, DV_PAD)
@@ -147,9 +149,14 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
                               scale, h_ok, m_i, l_i, acc, q_nope, q_pe, DV, DV_PAD, DR, DR_PAD, BS, KEYS, SLICE,
                               V_LOAD, ONE_SLOT, Q_LOOP)
     out = (t * splits + sp) * HQ + heads
-    tl.store(acc_ptr + out[:, None] * DV + offs_v[None, :], acc, mask=h_ok[:, None] & v_ok[None, :])
-    tl.store(m_ptr + out, m_i, mask=h_ok)
-    tl.store(l_ptr + out, l_i, mask=h_ok)
+    if FINAL:
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(acc_ptr + out[:, None] * DV + offs_v[None, :], acc.to(acc_ptr.dtype.element_ty),
+                 mask=h_ok[:, None] & v_ok[None, :])
+    else:
+        tl.store(acc_ptr + out[:, None] * DV + offs_v[None, :], acc, mask=h_ok[:, None] & v_ok[None, :])
+        tl.store(m_ptr + out, m_i, mask=h_ok)
+        tl.store(l_ptr + out, l_i, mask=h_ok)
 
 
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter (tests).
