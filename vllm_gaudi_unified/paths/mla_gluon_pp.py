@@ -156,10 +156,12 @@ def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_des
     if FINAL:  # (one split: the rows normalized in acc's dtype)
         o = acc * gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), row_o)[:, None]  # (64 divisions)
         gl.store(acc_ptr + rows_o[:, None] * DV + cols_o[None, :], o.to(acc_ptr.dtype.element_ty))
-    elif X == 0:
-        rows_s = out_row + gl.arange(0, 64, layout=row_s)
-        gl.store(m_ptr + rows_s, m_i * (1.0 / LOG2E))
-        gl.store(l_ptr + rows_s, l_i)
+    else:
+        gl.store(acc_ptr + rows_o[:, None] * DV + cols_o[None, :], acc)
+        if X == 0:
+            rows_s = out_row + gl.arange(0, 64, layout=row_s)
+            gl.store(m_ptr + rows_s, m_i * (1.0 / LOG2E))
+            gl.store(l_ptr + rows_s, l_i)
 
 
 @gluon.jit
