@@ -76,14 +76,6 @@ GLUON_13 = [dict(MLA_GLUON_DESC_CACHE=True), dict(MLA_GLUON_DESC_CACHE=False)]
 #: 240 and 256 registers, and at two splits
 GLUON_14 = [dict(), dict(MLA_GLUON_PP=True), dict(MLA_GLUON_PP=True, MLA_GLUON_PP_REGS=256),
             dict(MLA_GLUON_PP=True, MLA_SPLIT_KEYS=2048)]
-#: Run 15: the default beside the ping-pong kernel with its slot bounds and fetch rows loaded an iteration ahead
-#: (`MLA_GLUON_PP_AHEAD`) and at the iteration's start
-GLUON_15 = [dict(), dict(MLA_GLUON_PP=True), dict(MLA_GLUON_PP=True, MLA_GLUON_PP_AHEAD=False),
-            dict(MLA_GLUON_PP=True, MLA_GLUON_PP_REGS=256)]
-#: Run 18: the default (its rows normalized in the kernel: FINAL) beside the ping-pong kernel fetching each half of
-#: a tile in 1, 2 or 4 pieces (`MLA_GLUON_PP_PIECES`)
-GLUON_18 = [dict(), dict(MLA_GLUON_PP=True), dict(MLA_GLUON_PP=True, MLA_GLUON_PP_PIECES=2),
-            dict(MLA_GLUON_PP=True, MLA_GLUON_PP_PIECES=4)]
 
 
 @contextlib.contextmanager
@@ -298,7 +290,7 @@ def main() -> None:
                         help="--once on the shared step (64 x (4096 shared + 256)) instead of 128 x 4096")
     parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
     parser.add_argument("--gluon-rows", default="GLUON",
-                        choices=["GLUON", "GLUON_C", "GLUON_13", "GLUON_14", "GLUON_15", "GLUON_18"],
+                        choices=["GLUON", "GLUON_C", "GLUON_13", "GLUON_14"],
                         help="which list of Gluon variants --gluon runs")
     parser.add_argument("--gluon-shared", action="store_true",
                         help="--gluon also on the shared step (64 x (4096 shared + 256)); its floor: the larger of "

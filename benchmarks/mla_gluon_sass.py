@@ -28,7 +28,7 @@ from mla_kernel_sass import print_variants, signature_of  # noqa: E402
 PATHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vllm_gaudi_unified", "paths")
 SHIPPED = dict(HQ=128, DV=512, DR=64, BS=128, KEYS=64, SLICE=False, SELF=True)
 PLAIN = dict(STAGES=2, PIPE=2, LAZY_SUM=True, META_AHEAD=True, FINAL=False, num_warps=8)
-PP = dict(REGS=240, AHEAD=True, FINAL=False, NP=1, num_warps=4)
+PP = dict(REGS=240, FINAL=False, num_warps=4)
 
 
 def load():
@@ -56,7 +56,7 @@ def compile_variant(kernels, variant: dict):
     types_ = {"q_ptr": "*bf16", "k_ptr": "*bf16", "acc_ptr": "*bf16" if consts["FINAL"] else "*fp32",
               "m_ptr": "*fp32", "l_ptr": "*fp32",
               "scale": "fp32"}
-    for name, cols in (("kn_desc", consts["DV"] // (2 * consts["NP"] if pp else 1)), ("kr_desc", consts["DR"])):
+    for name, cols in (("kn_desc", consts["DV"] // (2 if pp else 1)), ("kr_desc", consts["DR"])):
         types_[name] = f"tensordesc<bf16[{consts['KEYS']}, {cols}],{layout([consts['KEYS'], cols])}>"
     signature, attrs = signature_of(kernel, consts, types_)
     options = {"num_warps": consts["num_warps"], **({"maxnreg": maxnreg} if maxnreg else {})}

@@ -74,13 +74,7 @@ PP_CASES = [
     (Step([1] * 3, [1000, 129, 700], 128), "gather", (512, 64), dict(PP, MLA_GLUON_PP_REGS=256)),
     (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), dict(PP, MLA_GLUON_DESC_CACHE=False)),
     (Step([1] * 4, [90, 33, 200, 7], 128), "default", (256, 64), PP),
-    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), dict(PP, MLA_GLUON_PP_AHEAD=False)),
-    (Step([2, 1, 1], [64, 511, 65], 64), "gather", (512, 64), dict(PP, MLA_GLUON_PP_AHEAD=False,
-                                                                   MLA_SPLIT_KEYS=128)),
-    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), dict(PP, MLA_GLUON_PP_PIECES=4)),
-    (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
-     dict(PP, MLA_GLUON_PP_PIECES=2, MLA_SPLIT_KEYS=128)),
-    (Step([1] * 4, [90, 33, 200, 7], 128), "default", (256, 64), dict(PP, MLA_GLUON_PP_PIECES=2)),
+    (Step([2, 1, 1], [64, 511, 65], 64), "gather", (512, 64), dict(PP, MLA_SPLIT_KEYS=128)),
 ]
 
 
@@ -115,8 +109,7 @@ def run(cases=CASES) -> int:
                                                   "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
                                                   "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD",
                                                   "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED",
-                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS",
-                                                  "MLA_GLUON_PP_AHEAD", "MLA_GLUON_PP_PIECES")}
+                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS")}
     try:
         for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True

@@ -104,12 +104,6 @@ MLA_GLUON_META_AHEAD = True
 #: spilled under Triton 3.6's 12-warp register cap).
 MLA_GLUON_PP = False
 MLA_GLUON_PP_REGS = 240
-#: Whether the ping-pong kernel loads an iteration's slot bounds and fetch rows one iteration ahead (else at the
-#: iteration's start).
-MLA_GLUON_PP_AHEAD = True
-#: The pieces each half of a tile's latent is fetched in by the ping-pong kernel (a barrier each: its scores start
-#: on a tile's first piece, not its whole half; FlashMLA fetches 64-column pieces).
-MLA_GLUON_PP_PIECES = 1
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
 #: per token). Measured on an H100 (docs/benchmarks.md, MLA, kernel run 13; 64 decodes x (4096 shared + 256), 128
 #: heads): kernel 0.189 against the Triton kernel's 0.326 ms, GPU time per step 0.228 against 0.365 ms, the same
@@ -249,16 +243,14 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
     n, hq, d = q.shape
     keep = MLA_GLUON_DESC_CACHE and not torch.cuda.is_current_stream_capturing()
     pp = MLA_GLUON_PP and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128
-    pieces = MLA_GLUON_PP_PIECES if pp and value_dim // 2 % (64 * MLA_GLUON_PP_PIECES) == 0 else 1
-    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep, halves=pp, pieces=pieces)
+    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep, halves=pp)
     if pp:
         from vllm_gaudi_unified.paths import mla_gluon_pp
 
         mla_gluon_pp.mla_gluon_pp_kernel[(hq // 64, splits, n)](
             q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
             q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
-            SELF=with_self, REGS=MLA_GLUON_PP_REGS, AHEAD=MLA_GLUON_PP_AHEAD, FINAL=final, NP=pieces,
-            num_warps=4)
+            SELF=with_self, REGS=MLA_GLUON_PP_REGS, FINAL=final, num_warps=4)
         return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
         q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits,

@@ -259,15 +259,14 @@ class _Base:
         return self.ptr
 
 
-_DESCRIPTORS: dict = {}  # (device, address, shape, strides, dtype, value dims, keys, halves, pieces) -> descriptors
+_DESCRIPTORS: dict = {}  # (device, address, shape, strides, dtype, value dims, keys, halves) -> the two descriptors
 DESCRIPTORS_KEPT = 256  # (more distinct caches than this: all forgotten, then kept again; a model has ~60 layers)
 
 
-def cache_descriptors(key_cache, value_dim: int, keys: int, keep: bool = True, halves: bool = False,
-                      pieces: int = 1):
+def cache_descriptors(key_cache, value_dim: int, keys: int, keep: bool = True, halves: bool = False):
     """Two TMA descriptors over the cache's rows `[blocks * BS, DV + DR]` (`sc_b == BS * sc_s` is the caller's
-    check): the latent part in `[keys, DV]` boxes (`halves`: `[keys, DV // 2 // pieces]`, `mla_gluon_pp.py`),
-    the rope part in `[keys, DR]` boxes. With `keep` looked up by
+    check): the latent part in `[keys, DV]` boxes (`halves`: `[keys, DV // 2]`, `mla_gluon_pp.py`), the rope
+    part in `[keys, DR]` boxes. With `keep` looked up by
     everything a descriptor is made of (device, address, shape, strides, dtype, the box), so a launch does not
     build them again (run 13: the host's share of a launch) and another cache or geometry never finds a stale
     one; the descriptors hold no reference to the cache (`_Base`)."""
@@ -275,7 +274,7 @@ def cache_descriptors(key_cache, value_dim: int, keys: int, keep: bool = True, h
     from triton.experimental.gluon import language as gl_
 
     key = (key_cache.device, key_cache.data_ptr(), tuple(key_cache.shape), tuple(key_cache.stride()),
-           key_cache.dtype, value_dim, keys, halves, pieces)
+           key_cache.dtype, value_dim, keys, halves)
     hit = _DESCRIPTORS.get(key) if keep else None
     if hit is not None:
         return hit
@@ -283,7 +282,7 @@ def cache_descriptors(key_cache, value_dim: int, keys: int, keep: bool = True, h
     d, sc_s = key_cache.shape[-1], key_cache.stride(1)
     elem = gl_.bfloat16 if key_cache.dtype == torch.bfloat16 else gl_.float16
     rows, ptr, size = nb * bs, key_cache.data_ptr(), key_cache.element_size()
-    box = value_dim // 2 // pieces if halves else value_dim
+    box = value_dim // 2 if halves else value_dim
     kn_l = gl_.NVMMASharedLayout.get_default_for([keys, box], elem)
     kr_l = gl_.NVMMASharedLayout.get_default_for([keys, d - value_dim], elem)
     out = (TensorDescriptor(_Base(ptr, key_cache.dtype), [rows, value_dim], [sc_s, 1], [keys, box], kn_l),

@@ -31,26 +31,20 @@ from vllm_gaudi_unified.paths.mla_gluon import LOG2E, _meta, _split_tiles
 
 
 @gluon.jit
-def _fetch(C: gl.constexpr, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV: gl.constexpr, NP: gl.constexpr):
-    """Part `C` of the tile at cache row `row` (0, 1: the latent's halves, each in `NP` pieces with a barrier
-    each; 2: the rope part) into buffer `b` (barriers `rdy[b * (2 NP + 1) + c]`, c: half C's pieces, then rope)."""
+def _fetch(C: gl.constexpr, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV: gl.constexpr):
+    """Part `C` of the tile at cache row `row` (0, 1: the latent's halves, 2: the rope part) into buffer `b`."""
+    bar = rdy.index(b * 3 + C)
     if C == 2:
-        bar = rdy.index(b * (2 * NP + 1) + 2 * NP)
         mbarrier.expect(bar, kr_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(kr_desc, [row, 0], bar, kr_s.index(b))
     else:
-        W: gl.constexpr = DV // 2 // NP
-        for q in gl.static_range(NP):
-            bar = rdy.index(b * (2 * NP + 1) + C * NP + q)
-            mbarrier.expect(bar, kn_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kn_desc, [row, C * (DV // 2) + q * W], bar,
-                                            kn_s.index(b * 2 + C).slice(q * W, W, dim=1))
+        mbarrier.expect(bar, kn_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_desc, [row, C * (DV // 2)], bar, kn_s.index(b * 2 + C))
 
 
 @gluon.jit
 def _values(acc, l_i, t, row, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles,
-            X: gl.constexpr, OWN: gl.constexpr, DV: gl.constexpr, NP: gl.constexpr, row_o: gl.constexpr,
-            row_s: gl.constexpr):
+            X: gl.constexpr, OWN: gl.constexpr, DV: gl.constexpr, row_o: gl.constexpr, row_s: gl.constexpr):
     """Tile t's values product on half X of the columns after its owner published P; then this half of tile
     t + 2 (at cache row `row`) is fetched (the last reader was this product), and by the non-owner the rope
     part once both are done."""
@@ -63,13 +57,13 @@ def _values(acc, l_i, t, row, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr
     acc = warpgroup_mma_wait(0, deps=(pv, ))
     nt = t + 2
     if nt < n_tiles:
-        _fetch(X, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV, NP)
+        _fetch(X, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
     if OWN:
         mbarrier.arrive(pvdone.index(b))
     else:
         if nt < n_tiles:
             mbarrier.wait(pvdone.index(b), (t // 2) & 1)
-            _fetch(2, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV, NP)
+            _fetch(2, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
     return acc, l_i
 
 
@@ -77,10 +71,10 @@ def _values(acc, l_i, t, row, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr
 def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_desc, n_tiles, k_begin, first,
               order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row, self_on,
               X: gl.constexpr, DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr,
-              AHEAD: gl.constexpr, FINAL: gl.constexpr, NP: gl.constexpr):
+              FINAL: gl.constexpr):
     """Warpgroup X: scores and softmax of tiles X, X + 2, ...; the values product of every tile on half X.
-    `AHEAD`: the slot bounds and cache rows an iteration needs are loaded one iteration before (two dependent
-    global loads each, else on the critical path: before a tile's mask and before each fetch)."""
+    An iteration's slot bounds and fetch rows are loaded at its start (one iteration ahead measured no faster:
+    kernel run 15)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -97,39 +91,20 @@ def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_des
     l_i = gl.zeros([64], gl.float32, row_s) + l0
     jj = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
     rows_ld = gl.arange(0, KEYS, layout=gl.SliceLayout(1, ld_layout))
-    lo_n, hi_n, _ = _meta(X, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
-    row1_n = _meta(X + 1, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
-    row2_n = _meta(X + 2, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
     for t in range(X, n_tiles, 2):
         ph = (t // 2) & 1
         b = t % 2  # (== X; taken from t so that the operands' descriptors are not hoisted out of the loop:
         # in the worker partition they would sit in ordinary registers and spill, as in the removed producer variant)
-        if AHEAD:  # this iteration's from the last one; the next one's issued now
-            lo = lo_n
-            hi = hi_n
-            row1 = row1_n  # (tile t + 1's, fetched after the values product on tile t - 1)
-            row2 = row2_n  # (tile t + 2's, after the one on tile t)
-            lo_n, hi_n, _ = _meta(t + 2, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS,
-                                  SLICE)
-            row1_n = _meta(t + 3, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
-            row2_n = _meta(t + 4, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
-        else:
-            lo, hi, _ = _meta(t, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
-            row1 = _meta(t + 1, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
-            row2 = _meta(t + 2, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
-        W: gl.constexpr = H // NP
-        base = b * (2 * NP + 1)
-        s = gl.zeros([64, KEYS], gl.float32, s_layout)
-        for q in gl.static_range(NP):  # own half first (fetched earliest), a piece as soon as it lands
-            mbarrier.wait(rdy.index(base + b * NP + q), ph)
-            s = warpgroup_mma(qn_s.index(b).slice(q * W, W, dim=1),
-                              kn_s.index(b * 3).slice(q * W, W, dim=1).permute((1, 0)), s, use_acc=q > 0,
-                              is_async=True)
-        for q in gl.static_range(NP):
-            mbarrier.wait(rdy.index(base + (1 - b) * NP + q), ph)
-            s = warpgroup_mma(qn_s.index(1 - b).slice(q * W, W, dim=1),
-                              kn_s.index(b + 1).slice(q * W, W, dim=1).permute((1, 0)), s, is_async=True)
-        mbarrier.wait(rdy.index(base + 2 * NP), ph)
+        lo, hi, _ = _meta(t, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
+        # (the rows of tiles t + 1 and t + 2, fetched after the values products on tiles t - 1 and t)
+        row1 = _meta(t + 1, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
+        row2 = _meta(t + 2, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
+        mbarrier.wait(rdy.index(b * 3 + b), ph)  # (own half first: fetched earliest)
+        s = warpgroup_mma(qn_s.index(b), kn_s.index(b * 3).permute((1, 0)),
+                          gl.zeros([64, KEYS], gl.float32, s_layout), use_acc=False, is_async=True)
+        mbarrier.wait(rdy.index(b * 2 + 1), ph)
+        s = warpgroup_mma(qn_s.index(1 - b), kn_s.index(b + 1).permute((1, 0)), s, is_async=True)
+        mbarrier.wait(rdy.index(b * 3 + 2), ph)
         s = warpgroup_mma(qr_s, kr_s.index(b).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
         if t > 0:  # the running maximum after tile t - 1 (the other warpgroup's)
@@ -156,13 +131,13 @@ def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_des
         mbarrier.arrive(pdone.index(X))
         if t > 0:
             acc, l_i = _values(acc, l_i, t - 1, row1, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc,
-                               n_tiles, X, False, DV, NP, row_o, row_s)
+                               n_tiles, X, False, DV, row_o, row_s)
         acc, l_i = _values(acc, l_i, t, row2, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles, X,
-                           True, DV, NP, row_o, row_s)
+                           True, DV, row_o, row_s)
     last = n_tiles - 1
     if (last >= 0) & (last % 2 != X):  # the other warpgroup's last tile (nothing left to fetch: row 0)
         acc, l_i = _values(acc, l_i, last, 0, kn_s, kr_s, stats, pdone, pvdone, rdy, kn_desc, kr_desc, n_tiles, X,
-                           False, DV, NP, row_o, row_s)
+                           False, DV, row_o, row_s)
         m_i = stats.index(2 * (1 - X)).load(row_s)
     rows_o = out_row + gl.arange(0, 64, layout=row_o)
     cols_o = X * H + gl.arange(0, H, layout=gl.SliceLayout(0, o_layout))
@@ -181,11 +156,10 @@ def _consumer(qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_des
 def mla_gluon_pp_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr,
                         m_ptr, l_ptr, scale, splits, sq_t, sq_h, sk_t,
                         HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr,
-                        SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr, AHEAD: gl.constexpr,
-                        FINAL: gl.constexpr, NP: gl.constexpr, num_warps: gl.constexpr):
-    """`mla_gluon.mla_gluon_kernel`'s arguments, the latent descriptor in `[KEYS, DV // 2 // NP]` boxes
-    (`mla_gluon.cache_descriptors(..., halves=True, pieces=NP)`: each half of a tile fetched in `NP` pieces);
-    4 warps here (warpgroup 0), one worker warpgroup more."""
+                        SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr, FINAL: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """`mla_gluon.mla_gluon_kernel`'s arguments, the latent descriptor in `[KEYS, DV // 2]` boxes
+    (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more."""
     gl.static_assert(num_warps == 4)
     gl.static_assert(DR == KEYS)  # (P is written over a tile's rope part)
     hg = gl.program_id(0)
@@ -201,11 +175,10 @@ def mla_gluon_pp_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, i
     kn_s = gl.allocate_shared_memory(dtype, [4, KEYS, H], kn_desc.layout)  # (buffer b, half h: index 2 b + h)
     kr_s = gl.allocate_shared_memory(dtype, [2, KEYS, DR], kr_desc.layout)
     stats = gl.allocate_shared_memory(gl.float32, [7, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    PARTS: gl.constexpr = 2 * NP + 1  # (a buffer's barriers: each half's pieces, the rope part)
-    rdy = gl.allocate_shared_memory(gl.int64, [2 * PARTS, 1], mbarrier.MBarrierLayout())
+    rdy = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # (buffer b, part c: 3 b + c)
     pdone = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     pvdone = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(2 * PARTS):
+    for b in gl.static_range(6):
         mbarrier.init(rdy.index(b), count=1)
     for b in gl.static_range(2):
         mbarrier.init(pdone.index(b), count=1)
@@ -215,7 +188,7 @@ def mla_gluon_pp_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, i
         if b < n_tiles:
             row = _meta(b, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
             for c in gl.static_range(3):
-                _fetch(c, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV, NP)
+                _fetch(c, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
 
     heads = hg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld_layout))
     q_row = q_ptr + t * sq_t + heads[:, None] * sq_h
@@ -240,10 +213,8 @@ def mla_gluon_pp_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, i
     out_row = (t * splits + sp) * HQ + hg * 64
     gl.warp_specialize([(_consumer, (qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_desc, n_tiles,
                                      k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
-                                     out_row, qk, l0, k_row, self_on, gl.constexpr(0), DV, BS, KEYS, SLICE, AHEAD,
-                                     FINAL, NP)),
+                                     out_row, qk, l0, k_row, self_on, gl.constexpr(0), DV, BS, KEYS, SLICE, FINAL)),
                         (_consumer, (qn_s, qr_s, kn_s, kr_s, stats, rdy, pdone, pvdone, kn_desc, kr_desc, n_tiles,
                                      k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
-                                     out_row, qk, l0, k_row, self_on, gl.constexpr(1), DV, BS, KEYS, SLICE, AHEAD,
-                                     FINAL, NP))],
+                                     out_row, qk, l0, k_row, self_on, gl.constexpr(1), DV, BS, KEYS, SLICE, FINAL))],
                        [4], [REGS])
