@@ -14,6 +14,8 @@ a fully masked row never produces NaN; a row that met a NaN (a bad value it may
 see) keeps it, for its own token alone. `merge_all` is a fold over `merge` in a given order;
 `fold_pairwise` the same over slots in a fixed tree (the batch-invariant mode);
 `scatter_merge` the same merge when many rows (tiles, blocks) feed one destination token.
+`normalize` turns the merged Partial into the rows; a path that is a step's only one may return its rows
+already normalized (`Final`), and then nothing here runs.
 """
 from __future__ import annotations
 

@@ -101,7 +101,9 @@ MLA_GLUON_META_AHEAD = True
 #: measured on an H100 (docs/benchmarks.md, MLA, kernel run 14) correct and as fast as the default, not faster
 #: (128 x 4096: 0.356-0.357 against 0.354 ms; the shared step 0.189-0.190 against 0.190 ms). It replaced a
 #: warp-specialised variant with a producer partition (kernel runs 10 and 13: 0.465-0.519 ms, its consumers
-#: spilled under Triton 3.6's 12-warp register cap).
+#: spilled under Triton 3.6's 12-warp register cap). Kernel runs 15-18: its fetch rows a tile ahead, no faster;
+#: each half in 2 or 4 pieces (FlashMLA's fine-grained copies), spilling (0.358, 0.440 ms); still 2 % slower than
+#: the default at 128 x 4096 (0.356 against 0.349) and 4 % faster on the shared step (0.178 against 0.186).
 MLA_GLUON_PP = False
 MLA_GLUON_PP_REGS = 240
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
