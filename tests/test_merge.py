@@ -1,6 +1,7 @@
 """The merge on its own: exact, order independent, absent paths and empty rows contribute nothing."""
 import itertools
 
+import pytest
 import torch
 
 from vllm_gaudi_unified.merge import Partial, merge, merge_all, normalize, scatter_merge
@@ -54,3 +55,18 @@ def test_scatter_merge_equals_merging_each_destination():
                                                      out.sum[dest:dest + 1])), normalize(want), atol=1e-12, rtol=0)
     assert torch.isinf(out.max[1]).all() and (out.sum[1] == 0).all()
     assert torch.equal(normalize(out)[1], torch.zeros(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_normalize_writes_the_output_dtype_in_one_rounding(dtype):
+    """`normalize(p, dtype)` divides straight into `dtype`: the same values as dividing in the partial's dtype and
+    converting after (one rounding either way), and rows that saw no key give 0."""
+    g = torch.Generator().manual_seed(0)
+    acc, m = torch.randn(5, 3, 8, generator=g), torch.randn(5, 3, generator=g)
+    total = torch.rand(5, 3, generator=g) + 0.5
+    total[1] = 0  # (a row that saw no key: its acc holds zeros)
+    acc[1] = 0
+    out = normalize(Partial(acc, m, total), dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out, normalize(Partial(acc, m, total)).to(dtype))
+    assert torch.equal(out[1], torch.zeros(3, 8, dtype=dtype))
