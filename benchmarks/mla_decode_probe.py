@@ -76,6 +76,9 @@ GLUON_13 = [dict(MLA_GLUON_DESC_CACHE=True), dict(MLA_GLUON_DESC_CACHE=False)]
 #: 240 and 256 registers, and at two splits
 GLUON_14 = [dict(), dict(MLA_GLUON_PP=True), dict(MLA_GLUON_PP=True, MLA_GLUON_PP_REGS=256),
             dict(MLA_GLUON_PP=True, MLA_SPLIT_KEYS=2048)]
+#: Run 20: the default beside the ping-pong and FlashMLA's seesaw (`mla_gluon_seesaw.py`), its worker at 240 and 256
+GLUON_20 = [dict(), dict(MLA_GLUON_PP=True), dict(MLA_GLUON_SEESAW=True),
+            dict(MLA_GLUON_SEESAW=True, MLA_GLUON_SEESAW_REGS=256)]
 
 
 @contextlib.contextmanager
@@ -219,12 +222,13 @@ def launch_host_us(case, iters=300) -> dict:
 
 def gluon_kernels(case, report, flops, gluon_rows=GLUON, key="kernel"):
     """The shipped Triton kernel, then each Gluon variant (`GLUON`) on the same step (error, times, facts)."""
-    from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_pp
+    from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_pp, mla_gluon_seesaw
 
     rows = []
     variants = [("triton", {"MLA_GLUON": False})] + [("gluon", dict(v, MLA_GLUON=True)) for v in gluon_rows]
     launches = {"triton": Launches(mla_kernel.mla_kernel), "gluon": Launches(mla_gluon.mla_gluon_kernel),
-                "pp": Launches(mla_gluon_pp.mla_gluon_pp_kernel)}
+                "pp": Launches(mla_gluon_pp.mla_gluon_pp_kernel),
+                "seesaw": Launches(mla_gluon_seesaw.mla_gluon_seesaw_kernel)}
     for kind, consts in variants:
         row = dict(kernel=kind, **consts)
         try:
@@ -234,7 +238,9 @@ def gluon_kernels(case, report, flops, gluon_rows=GLUON, key="kernel"):
                 stack.enter_context(mock.patch.object(mla_kernel, "mla_kernel", launches["triton"]))
                 stack.enter_context(mock.patch.object(mla_gluon, "mla_gluon_kernel", launches["gluon"]))
                 stack.enter_context(mock.patch.object(mla_gluon_pp, "mla_gluon_pp_kernel", launches["pp"]))
-                which = "pp" if consts.get("MLA_GLUON_PP") else kind
+                stack.enter_context(mock.patch.object(mla_gluon_seesaw, "mla_gluon_seesaw_kernel",
+                                                      launches["seesaw"]))
+                which = "seesaw" if consts.get("MLA_GLUON_SEESAW") else "pp" if consts.get("MLA_GLUON_PP") else kind
                 launches[which].last = None
                 row["max_err"] = case["err"](case["run"]())
                 if launches[which].last is None:
@@ -290,7 +296,7 @@ def main() -> None:
                         help="--once on the shared step (64 x (4096 shared + 256)) instead of 128 x 4096")
     parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
     parser.add_argument("--gluon-rows", default="GLUON",
-                        choices=["GLUON", "GLUON_C", "GLUON_13", "GLUON_14"],
+                        choices=["GLUON", "GLUON_C", "GLUON_13", "GLUON_14", "GLUON_20"],
                         help="which list of Gluon variants --gluon runs")
     parser.add_argument("--gluon-shared", action="store_true",
                         help="--gluon also on the shared step (64 x (4096 shared + 256)); its floor: the larger of "

@@ -32,25 +32,26 @@ PP = dict(REGS=240, FINAL=False, num_warps=4)
 
 
 def load():
-    """(mla_gluon_kernel, mla_gluon_pp_kernel) from their files (the package's __init__
+    """(mla_gluon_kernel, mla_gluon_pp_kernel, mla_gluon_seesaw_kernel) from their files (the package's __init__
     needs torch)."""
     for name in ("vllm_gaudi_unified", "vllm_gaudi_unified.paths"):
         sys.modules.setdefault(name, types.ModuleType(name))
     out = []
-    for mod in ("mla_gluon", "mla_gluon_pp"):
+    for mod in ("mla_gluon", "mla_gluon_pp", "mla_gluon_seesaw"):
         name = f"vllm_gaudi_unified.paths.{mod}"
         spec = importlib.util.spec_from_file_location(name, os.path.join(PATHS, f"{mod}.py"))
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         out.append(module)
-    return out[0].mla_gluon_kernel, out[1].mla_gluon_pp_kernel
+    return out[0].mla_gluon_kernel, out[1].mla_gluon_pp_kernel, out[2].mla_gluon_seesaw_kernel
 
 
 def compile_variant(kernels, variant: dict):
     variant = dict(variant)
-    pp, maxnreg = variant.pop("PP", False), variant.pop("maxnreg", None)
-    kernel = kernels[1] if pp else kernels[0]
+    seesaw = variant.pop("SEESAW", False)
+    pp, maxnreg = variant.pop("PP", False) or seesaw, variant.pop("maxnreg", None)
+    kernel = kernels[2] if seesaw else kernels[1] if pp else kernels[0]
     consts = {**SHIPPED, **(PP if pp else PLAIN), **variant}
     layout = lambda shape: repr(gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16))  # noqa: E731
     types_ = {"q_ptr": "*bf16", "k_ptr": "*bf16", "acc_ptr": "*bf16" if consts["FINAL"] else "*fp32",

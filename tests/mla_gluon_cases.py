@@ -77,6 +77,11 @@ PP_CASES = [
     (Step([2, 1, 1], [64, 511, 65], 64), "gather", (512, 64), dict(PP, MLA_SPLIT_KEYS=128)),
 ]
 
+#: The seesaw kernel (`mla_gluon_seesaw.py`, `MLA_GLUON_SEESAW`): the ping-pong's cases (odd and even tile counts,
+#: so a last pair without its odd tile; tokens without cached keys; shared prefixes; splits; latents 512 / 256 / 128).
+SEESAW_CASES = [(step, mode, lr, {**{k: v for k, v in consts.items() if k != "MLA_GLUON_PP"}, "MLA_GLUON_SEESAW": True})
+                for step, mode, lr, consts in PP_CASES]
+
 
 def tensors(step: Step, lr: tuple, seed: int = 0):
     """bf16 query `[T, H, L + R]`, new latents, the cache with NaN in every slot no request may read."""
@@ -109,7 +114,8 @@ def run(cases=CASES) -> int:
                                                   "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
                                                   "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD",
                                                   "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED",
-                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS")}
+                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS",
+                                                  "MLA_GLUON_SEESAW")}
     try:
         for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True

@@ -157,6 +157,16 @@ def test_mla_gluon_pp_on_hopper():
     assert mla_gluon_cases.run(mla_gluon_cases.PP_CASES) == len(mla_gluon_cases.PP_CASES)
 
 
+def test_mla_gluon_seesaw_on_hopper():
+    """FlashMLA's seesaw schedule in Gluon (`mla_gluon_seesaw.py`, sm_90), the same checks over
+    mla_gluon_cases.SEESAW_CASES (bf16 1e-2 against the reference, NaN in unread slots, with and without own pairs)."""
+    if not gluon_on_hopper():
+        pytest.skip("needs an sm_90 GPU and Triton with Gluon")
+    import mla_gluon_cases
+
+    assert mla_gluon_cases.run(mla_gluon_cases.SEESAW_CASES) == len(mla_gluon_cases.SEESAW_CASES)
+
+
 def test_gluon_not_taken_off_cuda(monkeypatch):
     """Switched on, the Gluon kernel still applies only to CUDA tensors (the CPU and other devices keep their
     routes), and the switch off keeps the Triton kernel everywhere."""

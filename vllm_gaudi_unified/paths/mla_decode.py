@@ -106,6 +106,10 @@ MLA_GLUON_META_AHEAD = True
 #: the default at 128 x 4096 (0.356 against 0.349) and 4 % faster on the shared step (0.178 against 0.186).
 MLA_GLUON_PP = False
 MLA_GLUON_PP_REGS = 240
+#: FlashMLA's "seesaw" schedule (`mla_gluon_seesaw.py`: tiles in pairs, each warpgroup's own P from registers first,
+#: so the halves it last reads are refetched early) where the ping-pong's shapes allow; its worker's registers.
+MLA_GLUON_SEESAW = False
+MLA_GLUON_SEESAW_REGS = 240
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
 #: per token). Measured on an H100 (docs/benchmarks.md, MLA, kernel run 13; 64 decodes x (4096 shared + 256), 128
 #: heads): kernel 0.189 against the Triton kernel's 0.326 ms, GPU time per step 0.228 against 0.365 ms, the same
@@ -244,8 +248,17 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
     g = _gluon()
     n, hq, d = q.shape
     keep = MLA_GLUON_DESC_CACHE and not torch.cuda.is_current_stream_capturing()
-    pp = MLA_GLUON_PP and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128
-    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep, halves=pp)
+    halves = MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128
+    seesaw, pp = halves and MLA_GLUON_SEESAW, halves and MLA_GLUON_PP and not MLA_GLUON_SEESAW
+    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep, halves=pp or seesaw)
+    if seesaw:
+        from vllm_gaudi_unified.paths import mla_gluon_seesaw
+
+        mla_gluon_seesaw.mla_gluon_seesaw_kernel[(hq // 64, splits, n)](
+            q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
+            q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
+            SELF=with_self, REGS=MLA_GLUON_SEESAW_REGS, FINAL=final, num_warps=4)
+        return
     if pp:
         from vllm_gaudi_unified.paths import mla_gluon_pp
 

@@ -1,0 +1,252 @@
+"""MLA's Gluon kernel with FlashMLA's "seesaw" schedule (`MLA_GLUON_SEESAW`, docs/benchmarks.md, MLA, kernel run 20).
+
+Why (kernel runs 16 and 17): the default kernel (`mla_gluon.py`) runs each tile's softmax in series with its
+products (one `[64, 512]` fp32 accumulator per SM leaves no room for two), and the ping-pong kernel
+(`mla_gluon_pp.py`) overlaps them but waits on every tile's fetch: each warpgroup can refetch its half of a buffer
+only after its product on it, the last thing it does before it needs the next tile. FlashMLA's answer: tiles in
+pairs, warpgroup 0 owning the even tile and the left half of the value columns, warpgroup 1 the odd tile and the
+right half, and the running maximum flowing even -> odd within the pair:
+
+    [0] S0 = q K0^T; m0 = max(m, rowmax S0); a0 = e^(m - m0); P0 = e^(S0 - m0); O_L = O_L a0 + P0 V0_L
+    [1] S1 = q K1^T; m1 = max(m0, rowmax S1); a1 = e^(m0 - m1); P1 = e^(S1 - m1); O_R = O_R a0 a1 + P1 V1_R
+    [0] O_L = O_L a1 + P1 V1_L                       [1] O_R = O_R + (P0 a1) V0_R
+
+Each warpgroup multiplies its own tile's P from registers first (`wgmma` with A in registers), so the half of
+the buffer it is the last reader of is refetched early; the other tile's P comes through shared memory (P1 over
+its tile's rope part, which only the scores read; P0 a1 in a buffer of its own, so the even tile's rope part is
+refetched right after its scores). A tile's three parts (the latent's halves, the rope part) arrive by TMA with
+a barrier each, and each warpgroup's scores take them in the order they were fetched. The statistics pass
+through shared memory under three mbarriers (m0 ready, P1 ready, P0 a1 ready). Same contract and NaN rule as
+`mla_gluon.py` (invisible rows: -inf scores, value rows zeroed by the tile's owner before its P is published);
+covered: 16-bit, 64-head groups, DV 128-512, DR = KEYS = 64.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+
+from vllm_gaudi_unified.paths.mla_gluon import LOG2E, _meta, _split_tiles
+from vllm_gaudi_unified.paths.mla_gluon_pp import _fetch
+
+
+@gluon.jit
+def _softmax(s, m_i, lo, hi, j0, qk, jj):
+    """The tile's scores masked to its visible rows (log2 units): the new running max, the old terms' scale
+    `e^(m_i - m_new)` and P (0 and 0 for a row that has seen nothing)."""
+    j = j0 + jj
+    s = gl.where(((j >= lo) & (j < hi))[None, :], s * qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, gl.exp2(m_i - m_safe), gl.exp2(s - m_safe[:, None])
+
+
+@gluon.jit
+def _zero_unseen(kn_s, b, lo, hi, j0, rows_ld, ld_layout: gl.constexpr, DV: gl.constexpr, KEYS: gl.constexpr):
+    """Buffer b's value rows the token may not see (NaN allowed there) set to 0, in both halves."""
+    if (lo > j0) | (hi < j0 + KEYS):
+        keep = ((j0 + rows_ld) >= lo) & ((j0 + rows_ld) < hi)
+        for c in gl.static_range(DV // 64):
+            part = kn_s.index(b * 2 + c // (DV // 128)).slice((c % (DV // 128)) * 64, 64, dim=1)
+            tile = part.load(ld_layout)
+            part.store(gl.where(keep[:, None], tile, gl.zeros_like(tile)))
+
+
+@gluon.jit
+def _warpgroup(qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles, k_begin, first, order_ptr,
+               ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row, self_on, X: gl.constexpr,
+               DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr, FINAL: gl.constexpr):
+    """Warpgroup X of the seesaw (module docstring): tiles 2j + X, value columns half X. `bars`: m0 ready, P1
+    ready, P0 a1 ready; `stats`: m0, a0, rowsum P0, m1, a1, rowsum P1, the own pair's score."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DV // 2, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = qn_s.dtype
+    H: gl.constexpr = DV // 2
+    cols = X * H + gl.arange(0, H, layout=gl.SliceLayout(0, o_layout))
+    kn = gl.load(k_row + cols, mask=(cols < DV) & self_on, other=0.0).to(gl.float32)
+    acc = gl.zeros([64, H], gl.float32, o_layout) + kn[None, :]  # (the own pair: weight 1, or nothing)
+    m_i = stats.index(6).load(row_s)  # (the own pair's score, or -inf)
+    l_i = gl.zeros([64], gl.float32, row_s) + l0
+    jj = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+    rows_ld = gl.arange(0, KEYS, layout=gl.SliceLayout(1, ld_layout))
+    for t0 in range(0, n_tiles, 2):
+        ph = (t0 // 2) & 1
+        t1 = t0 + 1
+        has1 = t1 < n_tiles
+        b0 = t0 % 2  # (== 0 and 1: from the loop counter, so that the operands' descriptors stay in the loop)
+        b1 = t1 % 2
+        mine = t0 + X
+        b = mine % 2
+        lo, hi, _ = _meta(mine, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)
+        row_next = _meta(mine + 2, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
+        row_other = _meta(t0 + 3 - X, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS,
+                          SLICE)[2]  # (the other tile of the next pair: warpgroup X fetches part of it)
+        if X == 0:
+            s = gl.zeros([64, KEYS], gl.float32, s_layout)
+        else:  # (kept in flight behind P0's product)
+            s = warpgroup_mma_init(gl.zeros([64, KEYS], gl.float32, s_layout))
+        # (indices from b == X, not X: operands' descriptors computed in the loop, not held in registers across it)
+        if mine < n_tiles:  # the scores, the parts in the order they were fetched: own half, then ...
+            mbarrier.wait(rdy.index(b * 3 + b), ph)
+            s = warpgroup_mma(qn_s.index(b), kn_s.index(b * 3).permute((1, 0)),
+                              gl.zeros([64, KEYS], gl.float32, s_layout), use_acc=False, is_async=True)
+            if X == 0:  # ... the rope part (refetched right after the scores), the other half (after [1]'s product)
+                mbarrier.wait(rdy.index(b * 3 + 2), ph)
+                s = warpgroup_mma(qr_s, kr_s.index(b).permute((1, 0)), s, is_async=True)
+                mbarrier.wait(rdy.index(b * 2 + 1), ph)
+                s = warpgroup_mma(qn_s.index(1 - b), kn_s.index(b + 1).permute((1, 0)), s, is_async=True)
+            else:  # ... the other half and the rope part (both refetched after [0]'s last product)
+                mbarrier.wait(rdy.index(b * 2 + 1), ph)
+                s = warpgroup_mma(qn_s.index(1 - b), kn_s.index(b + 1).permute((1, 0)), s, is_async=True)
+                mbarrier.wait(rdy.index(b * 3 + 2), ph)
+                s = warpgroup_mma(qr_s, kr_s.index(b).permute((1, 0)), s, is_async=True)
+            if X == 0:
+                s = warpgroup_mma_wait(0, deps=(s, ))
+        j0 = (k_begin + mine * KEYS) % BS
+        if X == 0:
+            if t0 + 2 < n_tiles:  # the rope part's only reader was the scores
+                _fetch(2, row_next, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
+            m0, a0, p0 = _softmax(s, m_i, lo, hi, j0, qk, jj)
+            sum0 = gl.sum(p0, 1)
+            pa = p0.to(dtype)
+            p0_s.index(b).store(pa)
+            stats.index(0).store(m0)
+            stats.index(1).store(a0)
+            stats.index(2).store(sum0)
+            _zero_unseen(kn_s, b, lo, hi, j0, rows_ld, ld_layout, DV, KEYS)
+            fence_async_shared()
+            mbarrier.arrive(bars.index(0))
+            acc = acc * gl.convert_layout(a0, row_o)[:, None]
+            pa = gl.convert_layout(pa, p_layout)
+            pv = warpgroup_mma(pa, kn_s.index(b * 2), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(pv, pa))[0]
+            if t0 + 2 < n_tiles:  # (the left half's last reader: this product)
+                _fetch(0, row_next, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
+            l_i = l_i * a0 + sum0
+            m_i = m0
+            if has1:
+                mbarrier.wait(bars.index(1), ph)
+                m_i = stats.index(3).load(row_s)
+                a1 = stats.index(4).load(row_s)
+                l_i = l_i * a1 + stats.index(5).load(row_s)
+                acc = acc * gl.convert_layout(a1, row_o)[:, None]
+                pv = warpgroup_mma(kr_s.index(b1), kn_s.index(b1 * 2), acc, is_async=True)  # (P1 over its rope part)
+                acc = warpgroup_mma_wait(0, deps=(pv, ))
+                if t1 + 2 < n_tiles:  # (the odd tile's left half and rope part: last read by this product)
+                    _fetch(0, row_other, b1, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
+                    _fetch(2, row_other, b1, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
+        else:
+            mbarrier.wait(bars.index(0), ph)
+            m_i = stats.index(0).load(row_s)
+            a0 = stats.index(1).load(row_s)
+            l_i = l_i * a0 + stats.index(2).load(row_s)
+            acc = acc * gl.convert_layout(a0, row_o)[:, None]
+            pv = warpgroup_mma(p0_s.index(b0), kn_s.index(b0 * 2 + 1), acc, is_async=True)  # (P0, behind the scores)
+            if has1:
+                s1 = warpgroup_mma_wait(1, deps=(s, ))  # (the scores done, P0's product still running)
+                m1, a1, p1 = _softmax(s1, m_i, lo, hi, j0, qk, jj)
+                sum1 = gl.sum(p1, 1)
+                _zero_unseen(kn_s, b, lo, hi, j0, rows_ld, ld_layout, DV, KEYS)
+                pa = p1.to(dtype)
+                kr_s.index(b).store(pa)  # (P1 over the tile's rope part: the scores were its only reader)
+                stats.index(3).store(m1)
+                stats.index(4).store(a1)
+                stats.index(5).store(sum1)
+                acc = warpgroup_mma_wait(0, deps=(pv, ))  # (P0's buffer free before [0] may write the next P0)
+                fence_async_shared()
+                mbarrier.arrive(bars.index(1))
+                if t0 + 2 < n_tiles:  # (the even tile's right half: last read by P0's product)
+                    _fetch(1, row_other, b0, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
+                acc = acc * gl.convert_layout(a1, row_o)[:, None]
+                pa = gl.convert_layout(pa, p_layout)
+                pv = warpgroup_mma(pa, kn_s.index(b * 2 + 1), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(pv, pa))[0]
+                if t1 + 2 < n_tiles:  # (the right half's last reader: this product)
+                    _fetch(1, row_next, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
+                l_i = l_i * a1 + sum1
+                m_i = m1
+            else:
+                acc = warpgroup_mma_wait(0, deps=(pv, ))
+    rows_o = out_row + gl.arange(0, 64, layout=row_o)
+    if FINAL:  # (one split: the rows normalized in acc's dtype)
+        o = acc * gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), row_o)[:, None]  # (64 divisions)
+        gl.store(acc_ptr + rows_o[:, None] * DV + cols[None, :], o.to(acc_ptr.dtype.element_ty))
+    else:
+        gl.store(acc_ptr + rows_o[:, None] * DV + cols[None, :], acc)
+        if X == 0:
+            rows_s = out_row + gl.arange(0, 64, layout=row_s)
+            gl.store(m_ptr + rows_s, m_i * (1.0 / LOG2E))
+            gl.store(l_ptr + rows_s, l_i)
+
+
+@gluon.jit
+def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr,
+                            m_ptr, l_ptr, scale, splits, sq_t, sq_h, sk_t,
+                            HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr,
+                            KEYS: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr,
+                            FINAL: gl.constexpr, num_warps: gl.constexpr):
+    """`mla_gluon_pp.mla_gluon_pp_kernel`'s arguments (the latent descriptor in `[KEYS, DV // 2]` boxes); 4 warps
+    here (warpgroup 0), one worker warpgroup more."""
+    gl.static_assert(num_warps == 4)
+    gl.static_assert(DR == KEYS)  # (P1 is written over its tile's rope part)
+    hg = gl.program_id(0)
+    sp = gl.program_id(1)
+    t = gl.program_id(2).to(gl.int64)
+    first, k_begin, n_tiles = _split_tiles(starts_ptr, t, sp, splits, BS, KEYS)
+
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    dtype: gl.constexpr = kn_desc.dtype
+    H: gl.constexpr = DV // 2
+    qn_s = gl.allocate_shared_memory(dtype, [2, 64, H], gl.NVMMASharedLayout.get_default_for([64, H], gl.bfloat16))
+    qr_s = gl.allocate_shared_memory(dtype, [64, DR], gl.NVMMASharedLayout.get_default_for([64, DR], gl.bfloat16))
+    kn_s = gl.allocate_shared_memory(dtype, [4, KEYS, H], kn_desc.layout)  # (buffer b, half h: index 2 b + h)
+    kr_s = gl.allocate_shared_memory(dtype, [2, KEYS, DR], kr_desc.layout)
+    p0_s = gl.allocate_shared_memory(dtype, [1, 64, KEYS], kr_desc.layout)  # (index 0 from the loop counter)
+    stats = gl.allocate_shared_memory(gl.float32, [7, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    rdy = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # (buffer b, part c: 3 b + c)
+    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(6):
+        mbarrier.init(rdy.index(b), count=1)
+    for b in gl.static_range(3):
+        mbarrier.init(bars.index(b), count=1)
+    fence_async_shared()
+    for b in gl.static_range(2):  # the first two tiles fly while the query is staged
+        if b < n_tiles:
+            row = _meta(b, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS, KEYS, SLICE)[2]
+            for c in gl.static_range(3):
+                _fetch(c, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV)
+
+    heads = hg * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld_layout))
+    q_row = q_ptr + t * sq_t + heads[:, None] * sq_h
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ld_layout))
+    qk = scale * LOG2E
+    k_row = k_ptr + t * sk_t
+    self_on = SELF & (sp == 0)
+    s_self = gl.zeros([64], gl.float32, gl.SliceLayout(1, ld_layout))
+    for c in gl.static_range((DV + DR) // 64):  # the query staged 64 columns at a time (few registers)
+        q = gl.load(q_row + c * 64 + cols[None, :])
+        if c * 64 < DV:
+            qn_s.index(c // (H // 64)).slice((c % (H // 64)) * 64, 64, dim=1).store(q)
+        else:
+            qr_s.slice(c * 64 - DV, 64, dim=1).store(q)
+        kc = gl.load(k_row + c * 64 + cols, mask=self_on, other=0.0).to(gl.float32)
+        s_self += gl.sum(q.to(gl.float32) * kc[None, :], 1)
+    stats.index(6).store(gl.where(self_on, s_self * qk, float("-inf")))
+    l0 = gl.where(self_on, 1.0, 0.0)
+    fence_async_shared()
+    gl.thread_barrier()
+    out_row = (t * splits + sp) * HQ + hg * 64
+    gl.warp_specialize([(_warpgroup, (qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles,
+                                      k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
+                                      out_row, qk, l0, k_row, self_on, gl.constexpr(0), DV, BS, KEYS, SLICE, FINAL)),
+                        (_warpgroup, (qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles,
+                                      k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
+                                      out_row, qk, l0, k_row, self_on, gl.constexpr(1), DV, BS, KEYS, SLICE, FINAL))],
+                       [4], [REGS])
