@@ -72,12 +72,9 @@ GLUON_C = [dict(MLA_GLUON_PIPE=pipe, MLA_GLUON_LAZY_SUM=lazy, MLA_GLUON_META_AHE
            for pipe, lazy, ahead in [(2, True, False), (2, True, True), (0, True, True), (1, True, True)]]
 #: Run 13: the default with and without the kept TMA descriptors
 GLUON_13 = [dict(MLA_GLUON_DESC_CACHE=True), dict(MLA_GLUON_DESC_CACHE=False)]
-#: Run 14: the default beside the ping-pong kernel without a producer (`mla_gluon_pp.py`), its worker warpgroup at
-#: 240 and 256 registers, and at two splits
-GLUON_14 = [dict(), dict(MLA_GLUON_PP=True), dict(MLA_GLUON_PP=True, MLA_GLUON_PP_REGS=256),
-            dict(MLA_GLUON_PP=True, MLA_SPLIT_KEYS=2048)]
-#: Run 20: the default beside the ping-pong and FlashMLA's seesaw (`mla_gluon_seesaw.py`), its worker at 240 and 256
-GLUON_20 = [dict(), dict(MLA_GLUON_PP=True), dict(MLA_GLUON_SEESAW=True),
+#: Run 20: the one-stream kernel beside FlashMLA's seesaw (`mla_gluon_seesaw.py`, the default since), its worker at
+#: 240 and 256 registers (run 20 also had the ping-pong kernel, since removed: 0.357 / 0.179 ms)
+GLUON_20 = [dict(MLA_GLUON_SEESAW=False), dict(MLA_GLUON_SEESAW=True, MLA_GLUON_SEESAW_REGS=240),
             dict(MLA_GLUON_SEESAW=True, MLA_GLUON_SEESAW_REGS=256)]
 
 
@@ -222,12 +219,12 @@ def launch_host_us(case, iters=300) -> dict:
 
 def gluon_kernels(case, report, flops, gluon_rows=GLUON, key="kernel"):
     """The shipped Triton kernel, then each Gluon variant (`GLUON`) on the same step (error, times, facts)."""
-    from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_pp, mla_gluon_seesaw
+    from vllm_gaudi_unified.paths import mla_gluon, mla_gluon_seesaw
 
     rows = []
-    variants = [("triton", {"MLA_GLUON": False})] + [("gluon", dict(v, MLA_GLUON=True)) for v in gluon_rows]
+    variants = [("triton", {"MLA_GLUON": False})] + [("gluon", dict({"MLA_GLUON_SEESAW": False}, **v, MLA_GLUON=True))
+                                                     for v in gluon_rows]  # (a row without the switch: one-stream)
     launches = {"triton": Launches(mla_kernel.mla_kernel), "gluon": Launches(mla_gluon.mla_gluon_kernel),
-                "pp": Launches(mla_gluon_pp.mla_gluon_pp_kernel),
                 "seesaw": Launches(mla_gluon_seesaw.mla_gluon_seesaw_kernel)}
     for kind, consts in variants:
         row = dict(kernel=kind, **consts)
@@ -237,10 +234,9 @@ def gluon_kernels(case, report, flops, gluon_rows=GLUON, key="kernel"):
                     stack.enter_context(mock.patch.object(mla_decode, k, v))
                 stack.enter_context(mock.patch.object(mla_kernel, "mla_kernel", launches["triton"]))
                 stack.enter_context(mock.patch.object(mla_gluon, "mla_gluon_kernel", launches["gluon"]))
-                stack.enter_context(mock.patch.object(mla_gluon_pp, "mla_gluon_pp_kernel", launches["pp"]))
                 stack.enter_context(mock.patch.object(mla_gluon_seesaw, "mla_gluon_seesaw_kernel",
                                                       launches["seesaw"]))
-                which = "seesaw" if consts.get("MLA_GLUON_SEESAW") else "pp" if consts.get("MLA_GLUON_PP") else kind
+                which = "seesaw" if consts.get("MLA_GLUON_SEESAW") else kind
                 launches[which].last = None
                 row["max_err"] = case["err"](case["run"]())
                 if launches[which].last is None:
@@ -296,7 +292,7 @@ def main() -> None:
                         help="--once on the shared step (64 x (4096 shared + 256)) instead of 128 x 4096")
     parser.add_argument("--gluon", action="store_true", help="the shipped Triton kernel and the Gluon variants only")
     parser.add_argument("--gluon-rows", default="GLUON",
-                        choices=["GLUON", "GLUON_C", "GLUON_13", "GLUON_14", "GLUON_20"],
+                        choices=["GLUON", "GLUON_C", "GLUON_13", "GLUON_20"],
                         help="which list of Gluon variants --gluon runs")
     parser.add_argument("--gluon-shared", action="store_true",
                         help="--gluon also on the shared step (64 x (4096 shared + 256)); its floor: the larger of "

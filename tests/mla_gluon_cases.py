@@ -53,34 +53,29 @@ CASES = [
     (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), {"MLA_GLUON_META_AHEAD": True}),
 ]
 
-#: The ping-pong kernel without a producer (`mla_gluon_pp.py`, `MLA_GLUON_PP`: 64-key tiles, rope 64): odd and
-#: even tile counts per warpgroup, a token without cached keys, partial last blocks, shared prefixes (on the shared
-#: route and as more slots), prompts in the step, several splits, both unique layouts, latents 512 / 256 / 128,
-#: the worker's registers, the descriptors built per launch.
-PP = {"MLA_GLUON_PP": True}
-PP_CASES = [
-    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), PP),
-    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), dict(PP, MLA_SPLIT_KEYS=128)),
+#: The seesaw kernel (`mla_gluon_seesaw.py`, `MLA_GLUON_SEESAW`: 64-key tiles, rope 64): odd and even tile counts
+#: (a last pair without its odd tile), a token without cached keys, partial last blocks, shared prefixes (on the
+#: shared route and as more slots), prompts in the step, several splits, both unique layouts, latents 512 / 256 /
+#: 128, the worker's registers, the descriptors built per launch.
+SEESAW = {"MLA_GLUON_SEESAW": True}
+SEESAW_CASES = [
+    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), SEESAW),
+    (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), dict(SEESAW, MLA_SPLIT_KEYS=128)),
     (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
-     dict(PP, MLA_KERNEL_SHARED=False)),
+     dict(SEESAW, MLA_KERNEL_SHARED=False)),
     (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
-     dict(PP, MLA_GLUON_SHARED=True)),
+     dict(SEESAW, MLA_GLUON_SHARED=True)),
     (Step([3, 1, 1, 1], [70, 130, 130, 9], 64, prefix_groups=[([1, 2], 2)]), "default", (512, 64),
-     dict(PP, MLA_GLUON_SHARED=True, MLA_SPLIT_KEYS=64)),
+     dict(SEESAW, MLA_GLUON_SHARED=True, MLA_SPLIT_KEYS=64)),
     (Step([1] * 5, [300, 300, 300, 129, 64], 128, prefix_groups=[([0, 1, 2], 2)]), "default", (512, 64),
-     dict(PP, MLA_GLUON_SHARED=True, MLA_SPLIT_KEYS=128)),
-    (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), dict(PP, MLA_SPLIT_KEYS=64)),
-    (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), dict(PP, MLA_SPLIT_KEYS=256)),
-    (Step([1] * 3, [1000, 129, 700], 128), "gather", (512, 64), dict(PP, MLA_GLUON_PP_REGS=256)),
-    (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), dict(PP, MLA_GLUON_DESC_CACHE=False)),
-    (Step([1] * 4, [90, 33, 200, 7], 128), "default", (256, 64), PP),
-    (Step([2, 1, 1], [64, 511, 65], 64), "gather", (512, 64), dict(PP, MLA_SPLIT_KEYS=128)),
+     dict(SEESAW, MLA_GLUON_SHARED=True, MLA_SPLIT_KEYS=128)),
+    (Step([5, 1, 1, 3], [70, 130, 9, 0], 64), "default", (512, 64), dict(SEESAW, MLA_SPLIT_KEYS=64)),
+    (Step([1] * 3, [500, 129, 64], 128), "default", (512, 64), dict(SEESAW, MLA_SPLIT_KEYS=256)),
+    (Step([1] * 3, [1000, 129, 700], 128), "gather", (512, 64), dict(SEESAW, MLA_GLUON_SEESAW_REGS=240)),
+    (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), dict(SEESAW, MLA_GLUON_DESC_CACHE=False)),
+    (Step([1] * 4, [90, 33, 200, 7], 128), "default", (256, 64), SEESAW),
+    (Step([2, 1, 1], [64, 511, 65], 64), "gather", (512, 64), dict(SEESAW, MLA_SPLIT_KEYS=128)),
 ]
-
-#: The seesaw kernel (`mla_gluon_seesaw.py`, `MLA_GLUON_SEESAW`): the ping-pong's cases (odd and even tile counts,
-#: so a last pair without its odd tile; tokens without cached keys; shared prefixes; splits; latents 512 / 256 / 128).
-SEESAW_CASES = [(step, mode, lr, {**{k: v for k, v in consts.items() if k != "MLA_GLUON_PP"}, "MLA_GLUON_SEESAW": True})
-                for step, mode, lr, consts in PP_CASES]
 
 
 def tensors(step: Step, lr: tuple, seed: int = 0):
@@ -114,11 +109,12 @@ def run(cases=CASES) -> int:
                                                   "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
                                                   "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD",
                                                   "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED",
-                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_PP", "MLA_GLUON_PP_REGS",
-                                                  "MLA_GLUON_SEESAW")}
+                                                  "MLA_GLUON_DESC_CACHE", "MLA_GLUON_SEESAW",
+                                                  "MLA_GLUON_SEESAW_REGS")}
     try:
         for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True
+            mla_decode.MLA_GLUON_SEESAW = False  # (CASES: the one-stream kernel; SEESAW_CASES switch it on)
             for k, v in consts.items():
                 setattr(mla_decode, k, v)
             table, num_blocks, query, latent, cache = tensors(step, (L, R))

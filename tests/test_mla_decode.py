@@ -134,8 +134,9 @@ def gluon_on_hopper() -> bool:
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
 def test_mla_gluon_on_hopper():
-    """The Gluon kernel (sm_90), bf16 at 128 heads against the reference (1e-2), every case of
-    mla_gluon_cases.py; without the own pairs against the Triton kernel's Partial. Elsewhere it never applies."""
+    """The one-stream Gluon kernel (`mla_gluon.py`, sm_90), bf16 at 128 heads against the reference (1e-2), every
+    case of mla_gluon_cases.CASES; without the own pairs against the Triton kernel's Partial. Elsewhere it never
+    applies."""
     if not gluon_on_hopper():
         q = torch.zeros(1, 128, 576, dtype=torch.bfloat16, device="cuda")
         cache = torch.zeros(2, 128, 576, dtype=torch.bfloat16, device="cuda")
@@ -147,16 +148,6 @@ def test_mla_gluon_on_hopper():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
-def test_mla_gluon_pp_on_hopper():
-    """The ping-pong Gluon kernel without a producer (`mla_gluon_pp.py`, sm_90), the same checks over
-    mla_gluon_cases.PP_CASES (bf16 1e-2 against the reference, NaN in unread slots, with and without own pairs)."""
-    if not gluon_on_hopper():
-        pytest.skip("needs an sm_90 GPU and Triton with Gluon")
-    import mla_gluon_cases
-
-    assert mla_gluon_cases.run(mla_gluon_cases.PP_CASES) == len(mla_gluon_cases.PP_CASES)
-
-
 def test_mla_gluon_seesaw_on_hopper():
     """FlashMLA's seesaw schedule in Gluon (`mla_gluon_seesaw.py`, sm_90), the same checks over
     mla_gluon_cases.SEESAW_CASES (bf16 1e-2 against the reference, NaN in unread slots, with and without own pairs)."""

@@ -8,8 +8,9 @@ routes instead, chosen by `mla_unique_route`:
 
 * 'kernel' (CUDA, Triton, 16-bit): `mla_kernel.py`, the token's slots in one
   program per head group and split, the values taken from the key tile, the
-  token's own pair inside (split 0 starts from it); on sm_90 `mla_gluon.py`
-  (the same contract in Gluon: TMA, no replicated score work; `gluon_applies`).
+  token's own pair inside (split 0 starts from it); on sm_90 a Gluon kernel
+  (`gluon_applies`: the same contract, TMA): FlashMLA's seesaw (`mla_gluon_seesaw.py`)
+  where its shapes allow, else `mla_gluon.py`.
 * 'chunks' (torch ops only: an HPU, the Gaudi route): `mla_chunks.py`, each
   token's blocks in chunks whose table is built on the device in the bucket's
   shapes, so a graph captured once per bucket replays it for every step.
@@ -96,20 +97,14 @@ MLA_GLUON_STAGES = 2
 MLA_GLUON_PIPE = 2
 MLA_GLUON_LAZY_SUM = True
 MLA_GLUON_META_AHEAD = True
-#: The ping-pong variant without a producer (`mla_gluon_pp.py`: 8 warps, each warpgroup fetching its own tiles
-#: in three parts) where its shapes allow (64-key tiles, rope 64), and its worker warpgroup's registers. Off:
-#: measured on an H100 (docs/benchmarks.md, MLA, kernel run 14) correct and as fast as the default, not faster
-#: (128 x 4096: 0.356-0.357 against 0.354 ms; the shared step 0.189-0.190 against 0.190 ms). It replaced a
-#: warp-specialised variant with a producer partition (kernel runs 10 and 13: 0.465-0.519 ms, its consumers
-#: spilled under Triton 3.6's 12-warp register cap). Kernel runs 15-18: its fetch rows a tile ahead, no faster;
-#: each half in 2 or 4 pieces (FlashMLA's fine-grained copies), spilling (0.358, 0.440 ms); still 2 % slower than
-#: the default at 128 x 4096 (0.356 against 0.349) and 4 % faster on the shared step (0.178 against 0.186).
-MLA_GLUON_PP = False
-MLA_GLUON_PP_REGS = 240
-#: FlashMLA's "seesaw" schedule (`mla_gluon_seesaw.py`: tiles in pairs, each warpgroup's own P from registers first,
-#: so the halves it last reads are refetched early) where the ping-pong's shapes allow; its worker's registers.
-MLA_GLUON_SEESAW = False
-MLA_GLUON_SEESAW_REGS = 240
+#: FlashMLA's "seesaw" schedule (`mla_gluon_seesaw.py`: tiles in pairs, one warpgroup's softmax under the other's
+#: products) where its shapes allow (64-key tiles, rope 64, values 128-512), and its worker warpgroup's registers.
+#: Measured on an H100 (docs/benchmarks.md, MLA, kernel run 20; kernel time, one process): 128 x 4096 0.289 ms
+#: (1.43x the HBM floor) against 0.350 for `mla_gluon.py`'s one-stream kernel and 0.357 for a ping-pong that
+#: overlapped the softmax but waited on every fetch (removed); the shared step 64 x (4096 shared + 256) 0.153
+#: against 0.187 and 0.179. Off: `mla_gluon.py`'s kernel for every shape.
+MLA_GLUON_SEESAW = True
+MLA_GLUON_SEESAW_REGS = 256
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
 #: per token). Measured on an H100 (docs/benchmarks.md, MLA, kernel run 13; 64 decodes x (4096 shared + 256), 128
 #: heads): kernel 0.189 against the Triton kernel's 0.326 ms, GPU time per step 0.228 against 0.365 ms, the same
@@ -243,14 +238,14 @@ def gluon_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int) -> b
 
 def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, total, scale, splits, value_dim,
                   with_self, final=False):
-    """`mla_gluon.mla_gluon_kernel` on the same arguments as the Triton kernel (the slots' `ids`, `lo`, `hi`: the
+    """`mla_gluon_seesaw.mla_gluon_seesaw_kernel` (`MLA_GLUON_SEESAW`, where its shapes allow) or
+    `mla_gluon.mla_gluon_kernel` on the same arguments as the Triton kernel (the slots' `ids`, `lo`, `hi`: the
     unique slots', or with the shared cells after them), the cache as TMA descriptors."""
     g = _gluon()
     n, hq, d = q.shape
     keep = MLA_GLUON_DESC_CACHE and not torch.cuda.is_current_stream_capturing()
-    halves = MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128
-    seesaw, pp = halves and MLA_GLUON_SEESAW, halves and MLA_GLUON_PP and not MLA_GLUON_SEESAW
-    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep, halves=pp or seesaw)
+    seesaw = MLA_GLUON_SEESAW and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128
+    kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep, halves=seesaw)
     if seesaw:
         from vllm_gaudi_unified.paths import mla_gluon_seesaw
 
@@ -258,14 +253,6 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
             q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
             q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
             SELF=with_self, REGS=MLA_GLUON_SEESAW_REGS, FINAL=final, num_warps=4)
-        return
-    if pp:
-        from vllm_gaudi_unified.paths import mla_gluon_pp
-
-        mla_gluon_pp.mla_gluon_pp_kernel[(hq // 64, splits, n)](
-            q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
-            q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
-            SELF=with_self, REGS=MLA_GLUON_PP_REGS, FINAL=final, num_warps=4)
         return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
         q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits,

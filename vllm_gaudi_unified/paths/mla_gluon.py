@@ -265,7 +265,7 @@ DESCRIPTORS_KEPT = 256  # (more distinct caches than this: all forgotten, then k
 
 def cache_descriptors(key_cache, value_dim: int, keys: int, keep: bool = True, halves: bool = False):
     """Two TMA descriptors over the cache's rows `[blocks * BS, DV + DR]` (`sc_b == BS * sc_s` is the caller's
-    check): the latent part in `[keys, DV]` boxes (`halves`: `[keys, DV // 2]`, `mla_gluon_pp.py`), the rope
+    check): the latent part in `[keys, DV]` boxes (`halves`: `[keys, DV // 2]`, `mla_gluon_seesaw.py`), the rope
     part in `[keys, DR]` boxes. With `keep` looked up by
     everything a descriptor is made of (device, address, shape, strides, dtype, the box), so a launch does not
     build them again (run 13: the host's share of a launch) and another cache or geometry never finds a stale

@@ -1,34 +1,49 @@
-"""MLA's Gluon kernel with FlashMLA's "seesaw" schedule (`MLA_GLUON_SEESAW`, docs/benchmarks.md, MLA, kernel run 20).
+"""MLA's Gluon kernel with FlashMLA's "seesaw" schedule (`MLA_GLUON_SEESAW`, the default on Hopper where its shapes
+allow; docs/benchmarks.md, MLA, kernel runs 16, 17 and 20).
 
-Why (kernel runs 16 and 17): the default kernel (`mla_gluon.py`) runs each tile's softmax in series with its
-products (one `[64, 512]` fp32 accumulator per SM leaves no room for two), and the ping-pong kernel
-(`mla_gluon_pp.py`) overlaps them but waits on every tile's fetch: each warpgroup can refetch its half of a buffer
-only after its product on it, the last thing it does before it needs the next tile. FlashMLA's answer: tiles in
-pairs, warpgroup 0 owning the even tile and the left half of the value columns, warpgroup 1 the odd tile and the
-right half, and the running maximum flowing even -> odd within the pair:
+Why: the one-stream kernel (`mla_gluon.py`) runs each tile's softmax in series with its products (one `[64, 512]`
+fp32 accumulator per SM leaves no room for two: 0.35 ms at 128 x 4096, 1.73x the HBM floor), and a ping-pong that
+overlapped them (removed after run 20) waited on every tile's fetch: each warpgroup could refetch its half of a
+buffer only after its product on it, the last thing it did before it needed the next tile. FlashMLA's answer
+(0.289 ms, 1.43x): tiles in pairs, warpgroup 0 owning the even tile and the left half of the value columns,
+warpgroup 1 the odd tile and the right half, the running maximum flowing even -> odd within the pair:
 
     [0] S0 = q K0^T; m0 = max(m, rowmax S0); a0 = e^(m - m0); P0 = e^(S0 - m0); O_L = O_L a0 + P0 V0_L
-    [1] S1 = q K1^T; m1 = max(m0, rowmax S1); a1 = e^(m0 - m1); P1 = e^(S1 - m1); O_R = O_R a0 a1 + P1 V1_R
-    [0] O_L = O_L a1 + P1 V1_L                       [1] O_R = O_R + (P0 a1) V0_R
+    [1] S1 = q K1^T; O_R = O_R a0 + P0 V0_R; m1 = max(m0, rowmax S1); a1 = e^(m0 - m1); P1 = e^(S1 - m1);
+        O_R = O_R a1 + P1 V1_R
+    [0] O_L = O_L a1 + P1 V1_L
 
-Each warpgroup multiplies its own tile's P from registers first (`wgmma` with A in registers), so the half of
-the buffer it is the last reader of is refetched early; the other tile's P comes through shared memory (P1 over
-its tile's rope part, which only the scores read; P0 a1 in a buffer of its own, so the even tile's rope part is
-refetched right after its scores). A tile's three parts (the latent's halves, the rope part) arrive by TMA with
-a barrier each, and each warpgroup's scores take them in the order they were fetched. The statistics pass
-through shared memory under three mbarriers (m0 ready, P1 ready, P0 a1 ready). Same contract and NaN rule as
-`mla_gluon.py` (invisible rows: -inf scores, value rows zeroed by the tile's owner before its P is published);
-covered: 16-bit, 64-head groups, DV 128-512, DR = KEYS = 64.
+So one warpgroup's softmax runs under the other's products. Warpgroup 0 multiplies its own P0 from registers
+(`wgmma` with A in registers) before P1; warpgroup 1 multiplies P0 (through a buffer of its own) behind its scores,
+under its softmax, then its own P1 from registers. The even tile's parts are refetched early (the rope part right
+after its scores, the left half after [0]'s product, the right half after [1]'s P0 product), so warpgroup 0 never
+waits for its next tile; the odd tile's come at the pair's end (P1 lies over its rope part until [0]'s product),
+while warpgroup 1 first waits for [0]'s softmax anyway. A tile's three parts arrive by TMA with a barrier each,
+each warpgroup's scores taking them in the order they were fetched; the statistics pass through shared memory
+under two mbarriers (m0 and P0 ready, P1 ready; P0's buffer is free once [1]'s product on it is done, before
+it signals P1). Same contract and NaN rule as `mla_gluon.py` (invisible rows: -inf scores, value rows zeroed by
+the tile's owner before its P is published); covered: 16-bit, 64-head groups, DV 128-512, DR = KEYS = 64.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from vllm_gaudi_unified.paths.mla_gluon import LOG2E, _meta, _split_tiles
-from vllm_gaudi_unified.paths.mla_gluon_pp import _fetch
+
+
+@gluon.jit
+def _fetch(C: gl.constexpr, row, b, kn_desc, kr_desc, kn_s, kr_s, rdy, DV: gl.constexpr):
+    """Part `C` of the tile at cache row `row` (0, 1: the latent's halves, 2: the rope part) into buffer `b`."""
+    bar = rdy.index(b * 3 + C)
+    if C == 2:
+        mbarrier.expect(bar, kr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kr_desc, [row, 0], bar, kr_s.index(b))
+    else:
+        mbarrier.expect(bar, kn_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_desc, [row, C * (DV // 2)], bar, kn_s.index(b * 2 + C))
 
 
 @gluon.jit
@@ -57,8 +72,8 @@ def _zero_unseen(kn_s, b, lo, hi, j0, rows_ld, ld_layout: gl.constexpr, DV: gl.c
 def _warpgroup(qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles, k_begin, first, order_ptr,
                ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row, self_on, X: gl.constexpr,
                DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr, FINAL: gl.constexpr):
-    """Warpgroup X of the seesaw (module docstring): tiles 2j + X, value columns half X. `bars`: m0 ready, P1
-    ready, P0 a1 ready; `stats`: m0, a0, rowsum P0, m1, a1, rowsum P1, the own pair's score."""
+    """Warpgroup X of the seesaw (module docstring): tiles 2j + X, value columns half X. `bars`: m0 and P0 ready,
+    P1 ready; `stats`: m0, a0, rowsum P0, m1, a1, rowsum P1, the own pair's score."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -192,8 +207,8 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
                             HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr,
                             KEYS: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr,
                             FINAL: gl.constexpr, num_warps: gl.constexpr):
-    """`mla_gluon_pp.mla_gluon_pp_kernel`'s arguments (the latent descriptor in `[KEYS, DV // 2]` boxes); 4 warps
-    here (warpgroup 0), one worker warpgroup more."""
+    """`mla_gluon.mla_gluon_kernel`'s arguments (`FINAL` too), the latent descriptor in `[KEYS, DV // 2]` boxes
+    (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more."""
     gl.static_assert(num_warps == 4)
     gl.static_assert(DR == KEYS)  # (P1 is written over its tile's rope part)
     hg = gl.program_id(0)
@@ -211,10 +226,10 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
     p0_s = gl.allocate_shared_memory(dtype, [1, 64, KEYS], kr_desc.layout)  # (index 0 from the loop counter)
     stats = gl.allocate_shared_memory(gl.float32, [7, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     rdy = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # (buffer b, part c: 3 b + c)
-    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(6):
         mbarrier.init(rdy.index(b), count=1)
-    for b in gl.static_range(3):
+    for b in gl.static_range(2):
         mbarrier.init(bars.index(b), count=1)
     fence_async_shared()
     for b in gl.static_range(2):  # the first two tiles fly while the query is staged
