@@ -22,8 +22,8 @@ warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
 Columns (`--cases` picks scenarios): the CUDA route (`paths/mla_decode.py`'s kernel on the unique
 pairs, and since run 11 on the shared ones too; `cuda_shared_route`: those on `paths/mla_shared.py`;
-`cuda_triton` / `cuda_gluon`: the Triton kernel or the Gluon kernel, `paths/mla_gluon.py`, whatever the
-default; `cuda_gluon_shared` / `cuda_triton_shared`: a step's shared cells on the Gluon or the Triton kernel,
+`cuda_triton` / `cuda_gluon`: the Triton kernel or a Gluon kernel (`paths/mla_gluon_seesaw.py` where it
+applies, else `paths/mla_gluon.py`), whatever the default; `cuda_gluon_shared` / `cuda_triton_shared`: a step's shared cells on the Gluon or the Triton kernel,
 `MLA_GLUON_SHARED` on or off), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
 ops only, on the bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
 runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
@@ -103,8 +103,8 @@ def kernel_consts(values):
 
 
 def gluon_kernel():
-    """The CUDA route with the unique pairs on the Gluon kernel (`paths/mla_gluon.py`, sm_90; where it does not
-    apply, the Triton kernel runs and the column repeats `cuda`)."""
+    """The CUDA route with the unique pairs on a Gluon kernel (sm_90: `paths/mla_gluon_seesaw.py` where its shapes
+    allow, else `paths/mla_gluon.py`; where neither applies, the Triton kernel runs and the column repeats `cuda`)."""
     return mock.patch.object(mla_decode, "MLA_GLUON", True)
 
 
