@@ -9,6 +9,8 @@ space against the HBM floor of reading the latent cache once, and vllm-gaudi's `
 * `shared_64x4k+256`: 64 decodes whose first 4096 tokens are one shared prefix (the same 32 blocks),
   then 256 of their own (4352 each);
 * `unshared_64x4352`: the same lengths with no block in common (what the prefix costs when it is not shared);
+* `decode_4x32k`, `decode_16x8k`: few decodes over long contexts (a step whose tokens' programs leave SMs idle
+  unless their keys are split further: `mla_decode.MLA_FILL_SMS`; column `cuda_no_fill` without it);
 * `shared_64x4k+256_*`: the shared one under other shared tile sizes (`PlanOptions`): `tiles64` one tile of
   64 rows x 4096 keys, `keys4096` 8 tiles of 8 rows x 4096 keys, `h100opts` the H100's server options
   (`bucket_plans/device_options.py`: 256 rows x 2048 keys, 2 tiles).
@@ -106,6 +108,11 @@ def gluon_kernel():
     """The CUDA route with the unique pairs on a Gluon kernel (sm_90: `paths/mla_gluon_seesaw.py` where its shapes
     allow, else `paths/mla_gluon.py`; where neither applies, the Triton kernel runs and the column repeats `cuda`)."""
     return mock.patch.object(mla_decode, "MLA_GLUON", True)
+
+
+def no_fill():
+    """The CUDA route with splits by keys alone (`mla_decode.MLA_FILL_SMS` off)."""
+    return mock.patch.object(mla_decode, "MLA_FILL_SMS", False)
 
 
 def triton_kernel():
@@ -263,7 +270,8 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
     entry, err, step = case["entry"], case["err"], case["step"]
     entry["floor_ms"] = entry["latent_bytes_read_once"] / bandwidth * 1e3
     entry["compute_floor_ms"] = entry["attention_flops"] / flop_rate * 1e3
-    routes = {"cuda": contextlib.nullcontext, "cuda_triton": triton_kernel, "cuda_gluon": gluon_kernel,
+    routes = {"cuda": contextlib.nullcontext, "cuda_no_fill": no_fill, "cuda_triton": triton_kernel,
+              "cuda_gluon": gluon_kernel,
               "cuda_gluon_shared": gluon_shared, "cuda_triton_shared": triton_shared,
               "cuda_shared_route": shared_route, "cuda_generic_shared": generic_shared,
               "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
@@ -349,7 +357,8 @@ def main() -> None:
     from vllm_gaudi_unified import PlanOptions
 
     cases = [setup("decode_128x4k", [4096] * 128, 0), setup("shared_64x4k+256", [4096 + 256] * 64, 4096 // BS),
-             setup("unshared_64x4352", [4096 + 256] * 64, 0),
+             setup("unshared_64x4352", [4096 + 256] * 64, 0), setup("decode_4x32k", [32768] * 4, 0),
+             setup("decode_16x8k", [8192] * 16, 0),
              setup("shared_64x4k+256_tiles64", [4096 + 256] * 64, 4096 // BS,
                    PlanOptions(shared_rows=64, shared_tile_keys=4096)),
              setup("shared_64x4k+256_keys4096", [4096 + 256] * 64, 4096 // BS, PlanOptions(shared_tile_keys=4096)),
@@ -374,7 +383,7 @@ def main() -> None:
         print("chosen", report["kernel_consts"], flush=True)
     for case in cases:
         case["skip_vllm_gaudi"] = args.skip_vllm_gaudi
-        measure(case, rates, report, args.profile and case["name"] in ("decode_128x4k", "shared_64x4k+256"),
+        measure(case, rates, report, args.profile and "+256_" not in case["name"] and case["name"] != "unshared_64x4352",
                 chunk_keys)
         with open(args.out, "w") as f:  # as it goes: a run cut short keeps what it measured
             json.dump(report, f, indent=1)

@@ -219,3 +219,17 @@ def test_random_decode_steps(data, routes):
     assert_matches(out, ref)
     if "u" in batch.phase:
         assert routes == ["dense" if decode_layout(batch) is not None else None]
+
+
+def test_mla_splits_fill_the_sms_without_a_new_wave(monkeypatch):
+    """`mla_splits`: by the keys alone where the step's programs fill the SMs (128 decodes x 4k at 128 heads:
+    256 programs on 132 SMs), else the most splits that still fit the SMs once, each of at least
+    `MLA_SPLIT_MIN_KEYS` keys, a power of two, at most `MLA_MAX_SPLITS`; off CUDA (or switched off) by the keys."""
+    monkeypatch.setitem(mla_decode._SMS, 0, 132)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cases = {(4096, 256): 1, (4352, 128): 1, (4096, 64): 2, (8192, 32): 4, (32768, 8): 16, (65536, 2): 32,
+             (512, 8): 1, (3000, 8): 2, (40000, 300): 4}
+    assert {c: mla_decode.mla_splits(*c, cuda) for c in cases} == cases
+    assert mla_decode.mla_splits(32768, 8, cpu) == 2  # (by the keys: 16384 a split)
+    monkeypatch.setattr(mla_decode, "MLA_FILL_SMS", False)
+    assert mla_decode.mla_splits(32768, 8, cuda) == 2

@@ -60,6 +60,11 @@ MLA_BLOCK_H = 64
 MLA_KEYS = 64
 MLA_SPLIT_KEYS = 16384
 MLA_MAX_SPLITS = 32
+#: Whether a step of few tokens splits their keys further, so that its programs (head groups x tokens x splits)
+#: fill the GPU's SMs once (flash decoding: 4 decodes x 32k keys are 8 programs of 64 heads on 132 SMs), each
+#: split keeping at least `MLA_SPLIT_MIN_KEYS` keys (its query staged and its rows merged once).
+MLA_FILL_SMS = True
+MLA_SPLIT_MIN_KEYS = 1024
 MLA_WARPS = 8
 MLA_STAGES = 2
 MLA_V_LOAD = 0
@@ -176,7 +181,7 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     bs = key_cache.shape[1]
     order, starts, (ids, lo, hi) = _slot_order(batch, n, q.device, shared=shared)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
-    splits = min(MLA_MAX_SPLITS, _pow2(math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
+    splits = mla_splits(keys_per_token, n * -(-hq // MLA_BLOCK_H), q.device)
     dt = compute_dtype(q.dtype)
     final = final and splits == 1
     acc = (torch.empty((n, hq, value_dim), dtype=q.dtype, device=q.device) if final  # (`FINAL`: rows in q's dtype)
@@ -202,6 +207,32 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     if final:
         return Final(acc)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def mla_splits(keys_per_token: float, programs: int, device) -> int:
+    """Splits of each token's keys: by the keys a split aims at (`MLA_SPLIT_KEYS`), more where the step's
+    `programs` (head groups x tokens) leave SMs idle (`MLA_FILL_SMS`: the most that still fit the SMs once, so
+    no split adds a wave, each at least `MLA_SPLIT_MIN_KEYS` keys); a power of two, at most `MLA_MAX_SPLITS`. Host
+    numbers from the bucket and the device, so a bucket's graph has one split count."""
+    splits = _pow2(max(1, math.ceil(keys_per_token / MLA_SPLIT_KEYS)))
+    sms = _sm_count(device) if MLA_FILL_SMS else 0
+    fill = min(sms // max(1, programs), int(keys_per_token // MLA_SPLIT_MIN_KEYS))
+    if fill > 1:  # (the largest power of two not above it)
+        splits = max(splits, 1 << (fill.bit_length() - 1))
+    return min(MLA_MAX_SPLITS, splits)
+
+
+_SMS: dict = {}  # CUDA device index -> its SM count
+
+
+def _sm_count(device) -> int:
+    """The device's SM count (0 off CUDA: the interpreter's splits follow the keys alone)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def _gluon():
