@@ -330,7 +330,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-prompt", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's constants (SWEEP)")
-    parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps, 128 x 4k and shared")
+    parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps (the decode_* and shared steps)")
     parser.add_argument("--skip-vllm-gaudi", action="store_true", help="(its times do not change from run to run)")
     parser.add_argument("--cases", help="comma-separated scenario names (default: all)")
     parser.add_argument("--chunk-keys", default="",
@@ -383,7 +383,8 @@ def main() -> None:
         print("chosen", report["kernel_consts"], flush=True)
     for case in cases:
         case["skip_vllm_gaudi"] = args.skip_vllm_gaudi
-        measure(case, rates, report, args.profile and "+256_" not in case["name"] and case["name"] != "unshared_64x4352",
+        profiled = args.profile and "+256_" not in case["name"] and case["name"] != "unshared_64x4352"
+        measure(case, rates, report, profiled,
                 chunk_keys)
         with open(args.out, "w") as f:  # as it goes: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
