@@ -20,7 +20,7 @@ from conftest import SPECS, Step, assert_matches  # noqa: E402
 from test_mla import MODES, L, mla_case  # noqa: E402
 
 from vllm_gaudi_unified import attention  # noqa: E402
-from vllm_gaudi_unified.merge import Final, normalize  # noqa: E402
+from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, normalize  # noqa: E402
 from vllm_gaudi_unified.mla import latent_views, mla_attention  # noqa: E402
 from vllm_gaudi_unified.reference import reference_attention  # noqa: E402
 from vllm_gaudi_unified.paths import mla_decode  # noqa: E402
@@ -108,6 +108,7 @@ def run(device: str = "cpu") -> int:
             for k, v in saved.items():
                 setattr(mla_decode, k, v)
         assert {"Final", "Partial"} <= set(forms), forms  # (one split and alone: Final; else Partial)
+        combine_matches_the_merge(device)
     finally:
         attention.mla_unique_route = real
         attention.latent_shared_partial = real_shared
@@ -115,6 +116,35 @@ def run(device: str = "cpu") -> int:
         for k, v in saved.items():
             setattr(mla_decode, k, v)
     return len(CASES)
+
+
+def combine_matches_the_merge(device: str) -> None:
+    """`mla_decode._combine` (one pass over a token's splits) against `merge.fold_pairwise` (the merge's own tree):
+    a split that saw no key (max -inf) adds nothing even with NaN in its acc, a NaN max stays in its own row only;
+    the merged Partial, and the Final rows against its normalization."""
+    dt = torch.float64 if device == "cpu" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    n, splits, hq, dv = 3, 4, 5, 24
+    acc = torch.randn(n, splits, hq, dv, generator=g, dtype=dt)
+    m, total = torch.randn(n, splits, hq, generator=g, dtype=dt), torch.rand(n, splits, hq, generator=g, dtype=dt)
+    m[0, 1], acc[0, 1] = float("-inf"), float("nan")  # (a split without keys: garbage in its acc)
+    m[1, :, 2] = float("-inf")  # (a head of a token that saw no key at all)
+    total[1, :, 2] = 0
+    m[2, 3, 4] = float("nan")  # (a bad value: its row only)
+    acc, m, total = (x.to(device) for x in (acc, m, total))
+    want = fold_pairwise(Partial(acc, m, total))
+    got = mla_decode._combine(acc, m, total, None)
+    tol = dict(atol=1e-12 if device == "cpu" else 1e-5, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(got.acc, want.acc, **tol)
+    torch.testing.assert_close(got.sum, want.sum, **tol)
+    clean = ~torch.isnan(want.max)  # (the merge's max keeps the NaN, the kernel's max skips it: acc and sum keep it)
+    torch.testing.assert_close(got.max[clean], want.max[clean], **tol)
+    assert torch.isnan(got.acc[2, 4]).all() and torch.isnan(got.sum[2, 4])
+    assert torch.isfinite(got.acc[:2]).all() and torch.isfinite(got.acc[2, :4]).all()
+    rows = mla_decode._combine(acc, m, total, dt)
+    assert isinstance(rows, Final)
+    torch.testing.assert_close(rows.out, normalize(want, dt), atol=1e-12 if device == "cpu" else 1e-5, rtol=1e-6,
+                               equal_nan=True)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_gaudi_unified.flags import env_flag
-from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise
+from vllm_gaudi_unified.merge import Final, Partial
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.decodes import decode_layout
@@ -165,7 +165,7 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
                        key: torch.Tensor | None = None, shared: bool = False,
                        final: bool = False) -> Partial | Final | None:
     """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
-    `fold_pairwise`); with `key` (the new tokens' latents `[n, 1, L + R]`) each token's own pair too, so
+    `split_combine`); with `key` (the new tokens' latents `[n, 1, L + R]`) each token's own pair too, so
     the step has no separate self pair to compute and merge (`attention._run_paths`); with `shared` the
     shared tiles' (row, block) cells as more slots of their rows (`mla_kernel_takes_shared`); with `final`
     (this is the step's only path) and one split, the rows normalized by the kernel in q's dtype (`Final`:
@@ -183,8 +183,8 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)
     splits = mla_splits(keys_per_token, n * -(-hq // MLA_BLOCK_H), q.device)
     dt = compute_dtype(q.dtype)
-    final = final and splits == 1
-    acc = (torch.empty((n, hq, value_dim), dtype=q.dtype, device=q.device) if final  # (`FINAL`: rows in q's dtype)
+    fused_final = final and splits == 1  # (one split: the kernel writes the rows itself; more: `split_combine`)
+    acc = (torch.empty((n, hq, value_dim), dtype=q.dtype, device=q.device) if fused_final  # (`FINAL`: q's dtype)
            else torch.empty((n, splits, hq, value_dim), dtype=dt, device=q.device))
     m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
     total = torch.empty_like(m)
@@ -195,7 +195,7 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     dr = d - value_dim
     if (MLA_GLUON_SHARED or not shared) and gluon_applies(q, key_cache, value_dim):
         _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, batch.unique_blocks is None and not shared, acc,
-                      m, total, scale, splits, value_dim, key is not None, final=final)
+                      m, total, scale, splits, value_dim, key is not None, final=fused_final)
     else:
         mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
             q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
@@ -203,10 +203,25 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
             HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr,
             DR_PAD=max(16, _pow2(dr)), BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None and not shared,
             V_LOAD=MLA_V_LOAD, ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
-            SELF=key is not None, FINAL=final, num_warps=warps, num_stages=MLA_STAGES)
-    if final:
+            SELF=key is not None, FINAL=fused_final, num_warps=warps, num_stages=MLA_STAGES)
+    if fused_final:
         return Final(acc)
-    return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+    if splits == 1:
+        return Partial(acc[:, 0], m[:, 0], total[:, 0])
+    return _combine(acc, m, total, q.dtype if final else None)
+
+
+def _combine(acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, out_dtype) -> Partial | Final:
+    """A token's split rows merged in one pass (`mla_kernel.split_combine`): `Final` rows in `out_dtype`, or with
+    None the merged Partial."""
+    from vllm_gaudi_unified.paths import mla_kernel
+
+    n, splits, hq, dv = acc.shape
+    out = torch.empty((n, hq, dv), dtype=out_dtype or acc.dtype, device=acc.device)
+    om, ol = torch.empty((n, hq), dtype=m.dtype, device=m.device), torch.empty((n, hq), dtype=m.dtype, device=m.device)
+    mla_kernel.split_combine[(n * hq, )](acc, m, total, out, om, ol, S=splits, S_PAD=max(2, splits), HQ=hq, DV=dv,
+                                         DV_PAD=max(16, _pow2(dv)), FINAL=out_dtype is not None)
+    return Final(out) if out_dtype is not None else Partial(out, om, ol)
 
 
 def mla_splits(keys_per_token: float, programs: int, device) -> int:

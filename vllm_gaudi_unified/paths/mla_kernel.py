@@ -13,7 +13,7 @@ q_pe . k_pe`, and multiplies the probabilities by the same `[KEYS, L]` tile
 (sorted by token beforehand). The head groups of one (token, split) are
 launched next to each other (grid axis 0), so the tile is read from HBM once
 and from L2 by the others. Each (token, split) writes one `Partial` row; the
-splits (a power of two) are merged by `merge.fold_pairwise`.
+splits (a power of two) are merged by `split_combine` (one pass over them: call 22).
 
 The cache's row stride is a compile-time constant (one value per model), so a
 tile's addresses are constant offsets from one base (run 9: 0.67 -> 0.62 ms at
@@ -159,5 +159,36 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
         tl.store(l_ptr + out, l_i, mask=h_ok)
 
 
+def _combine_body(acc_ptr, m_ptr, l_ptr, out_ptr, om_ptr, ol_ptr, S: tl.constexpr, S_PAD: tl.constexpr, HQ,
+                  DV: tl.constexpr, DV_PAD: tl.constexpr, FINAL: tl.constexpr):
+    """One (token, head): its `S` split rows (acc `[n, S, HQ, DV]`, m/l `[n, S, HQ]`, natural-log units) merged
+    as `merge.merge` does (a split that saw no key, max -inf, adds exactly nothing whatever its acc holds; a NaN
+    max is seen, its row keeps it), into out `[n, HQ, DV]`: normalized in out's dtype with `FINAL`, else the
+    merged acc with its max and sum (om/ol `[n, HQ]`). Why: `merge.fold_pairwise` over 16 splits of 4 decodes x
+    32k keys took 0.15 ms of elementwise passes beside the kernel's 0.09 (call 22)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = row // HQ
+    h = row % HQ
+    sp = tl.arange(0, S_PAD)
+    sp_ok = sp < S
+    at = (t * S + sp) * HQ + h  # [S_PAD] the splits' rows
+    m = tl.load(m_ptr + at, mask=sp_ok, other=float("-inf"))
+    seen = m != float("-inf")
+    top = tl.max(m, 0)
+    w = tl.where(seen, tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0.0)
+    total = tl.sum(w * tl.load(l_ptr + at, mask=sp_ok & seen, other=0.0), 0)
+    d = tl.arange(0, DV_PAD)
+    a = tl.load(acc_ptr + at[:, None] * DV + d[None, :], mask=(sp_ok & seen)[:, None] & (d < DV)[None, :], other=0.0)
+    acc = tl.sum(w[:, None] * a, 0)
+    if FINAL:
+        acc = acc / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + row * DV + d, acc.to(out_ptr.dtype.element_ty), mask=d < DV)
+    else:
+        tl.store(out_ptr + row * DV + d, acc, mask=d < DV)
+        tl.store(om_ptr + row, top)
+        tl.store(ol_ptr + row, total)
+
+
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter (tests).
 mla_kernel = triton.jit(_mla_body)
+split_combine = triton.jit(_combine_body)
