@@ -1,12 +1,14 @@
-"""Cases for MLA's Gluon kernel (paths/mla_gluon.py, sm_90 only), used by test_mla_decode.py on an H100.
+"""Cases for MLA's Gluon kernels (paths/mla_gluon.py, paths/mla_gluon_seesaw.py, sm_90 only), used by
+test_mla_decode.py on an H100.
 
-The Gluon kernel covers DeepSeek's latent shapes only (64-head groups, values 64-512 dims, rope 16-256,
+The Gluon kernels cover DeepSeek's latent shapes only (64-head groups, values 64-512 dims, rope 16-256,
 block sizes a multiple of its key tile), so these cases are built at 128 query heads (two head groups)
 with latents of 512 + 64 or 128 + 32, in bf16, on shuffled block tables whose unreadable slots hold NaN:
 ragged decodes, partial last blocks, a token without cached keys, a shared prefix, prompts in the step,
-both unique layouts, several splits, and each of the kernel's variants (key tile, stages, `PIPE`; the warp-specialised and the ping-pong kernels), with the
-shared cells as more slots of the Gluon kernel (`MLA_GLUON_SHARED`, first run on a device in run 13) and with the
-TMA descriptors built per launch (`MLA_GLUON_DESC_CACHE` off). `run` prints each case's max error.
+both unique layouts, several splits, and each of the one-stream kernel's variants (key tile, stages, `PIPE`;
+the seesaw kernel: `SEESAW_CASES`), with the shared cells as more slots of the Gluon kernel
+(`MLA_GLUON_SHARED`, first run on a device in run 13) and with the TMA descriptors built per launch
+(`MLA_GLUON_DESC_CACHE` off). `run` prints each case's max error.
 """
 from __future__ import annotations
 

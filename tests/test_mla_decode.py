@@ -190,7 +190,7 @@ def test_gluon_descriptors_kept_by_geometry():
                         (torch.zeros(4, 128, 640, dtype=torch.bfloat16)[..., :576], 512, 64)):
         assert g.cache_descriptors(c, dv, keys)[0] is not kn
     assert g.cache_descriptors(cache, 512, 64, keep=False)[0] is not kn
-    half, kr2 = g.cache_descriptors(cache, 512, 64, halves=True)  # (the ping-pong kernel's boxes: a key of its own)
+    half, kr2 = g.cache_descriptors(cache, 512, 64, halves=True)  # (the seesaw kernel's boxes: a key of its own)
     assert half is not kn and list(half.block_shape) == [64, 256] and list(half.shape) == [512, 512]
     assert list(kr2.block_shape) == [64, 64] and g.cache_descriptors(cache, 512, 64, halves=True)[0] is half
     gone = weakref.ref(other)

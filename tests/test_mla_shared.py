@@ -166,9 +166,7 @@ def test_on_cuda(gaudi, softmax, taken, monkeypatch):
     route (the Triton kernel beside this route) and the Gaudi route (torch ops only: `mla_chunks.py`)."""
     from test_mla_decode import DECODES
 
-    from vllm_gaudi_unified.paths import fused
-
-    from vllm_gaudi_unified.paths import mla_decode
+    from vllm_gaudi_unified.paths import fused, mla_decode
 
     monkeypatch.setattr(mla_shared, "LATENT_SOFTMAX", softmax)
     # (on the CUDA route the MLA kernel takes the shared tiles by default: mla_kernel_cases.py checks it there)

@@ -195,15 +195,16 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
     warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
     dr = d - value_dim
+    slice_ = batch.unique_blocks is None and not shared  # (a slot is its block id: `ids` unread)
     if (MLA_GLUON_SHARED or not shared) and gluon_applies(q, key_cache, value_dim):
-        _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, batch.unique_blocks is None and not shared, acc,
-                      m, total, scale, splits, value_dim, key is not None, final=fused_final)
+        _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, total, scale, splits, value_dim,
+                      key is not None, final=fused_final)
     else:
         mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
             q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
             q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
             HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr,
-            DR_PAD=max(16, _pow2(dr)), BS=bs, KEYS=MLA_KEYS, SLICE=batch.unique_blocks is None and not shared,
+            DR_PAD=max(16, _pow2(dr)), BS=bs, KEYS=MLA_KEYS, SLICE=slice_,
             V_LOAD=MLA_V_LOAD, ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
             SELF=key is not None, FINAL=fused_final, num_warps=warps, num_stages=MLA_STAGES)
     if fused_final:
@@ -220,7 +221,7 @@ def _combine(acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, out_dtype)
 
     n, splits, hq, dv = acc.shape
     out = torch.empty((n, hq, dv), dtype=out_dtype or acc.dtype, device=acc.device)
-    om, ol = torch.empty((n, hq), dtype=m.dtype, device=m.device), torch.empty((n, hq), dtype=m.dtype, device=m.device)
+    om, ol = torch.empty((2, n, hq), dtype=m.dtype, device=m.device)  # (the merged max and sum, without FINAL)
     mla_kernel.split_combine[(n * hq, )](acc, m, total, out, om, ol, S=splits, S_PAD=max(2, splits), HQ=hq, DV=dv,
                                          DV_PAD=max(16, _pow2(dv)), FINAL=out_dtype is not None)
     return Final(out) if out_dtype is not None else Partial(out, om, ol)
