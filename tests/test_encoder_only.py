@@ -72,6 +72,23 @@ def test_padding_to_a_larger_bucket_changes_nothing():
     torch.testing.assert_close(padded, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("lens", [[7, 2, 5], [1, 1, 1], [16], [33, 1, 9, 4, 2]])
+def test_power_of_two_buckets_as_the_gaudi_runner_pads(lens):
+    """`bucket.pow2_bucket` (the Gaudi runner's encoder-only steps, `hpu_kinds.plan_encoder_only`): the same
+    phase, every size the next power of two (under 2x), and the padded step gives the unpadded rows exactly."""
+    from vllm_gaudi_unified.bucket import pow2_bucket
+
+    out, ref, batch, _ = encoder_case(lens)
+    s = batch.shape
+    b = pow2_bucket(s)
+    assert b.phase == s.phase and b.covers(s)
+    assert all(n == 0 if m == 0 else m <= n < 2 * m and n & (n - 1) == 0 for n, m in zip(b.sizes, s.sizes))
+    padded, _, pbatch, _ = encoder_case(lens, bucket=b)
+    assert pbatch.bucket == b
+    torch.testing.assert_close(padded, out, rtol=0, atol=0)
+    assert_matches(padded, ref)
+
+
 def test_tiles_hold_each_pair_of_a_request_once():
     """Every (row, key) pair of one request, self excepted, lies in exactly one tile."""
     q = np.array([9, 1, 4, 2])

@@ -274,8 +274,9 @@ IMPL_STEPS = {
 
 
 def _attention_layer(name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                     sliding_window: int | None = None):
-    """A vLLM `Attention` layer with the unified HPU backend, made as a model would make it."""
+                     sliding_window: int | None = None, **kwargs):
+    """A vLLM `Attention` layer with the unified HPU backend, made as a model would make it (`kwargs`:
+    more of `Attention`'s arguments, e.g. `attn_type`)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
@@ -285,7 +286,7 @@ def _attention_layer(name: str, num_heads: int, num_kv_heads: int, head_dim: int
     config = VllmConfig()
     with set_current_vllm_config(config):
         layer = Attention(num_heads, head_dim, scale, num_kv_heads, per_layer_sliding_window=sliding_window,
-                          prefix=name, attn_backend=UnifiedHpuAttentionBackend)
+                          prefix=name, attn_backend=UnifiedHpuAttentionBackend, **kwargs)
     # This process's platform is vLLM's CPU one, which wraps attention in an opaque op; vllm-gaudi's
     # HpuPlatform does not (Platform.opaque_attention_op() is False), so its forward calls the impl directly.
     layer.use_direct_call = True
@@ -342,6 +343,42 @@ def test_impl_sliding_window(gaudi):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     full, _, _, _ = _impl_case(step, sliding_window=None, name="b.nowindow")
     assert (full - out).abs().max() > 1e-2, "the window made no difference: not applied"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_impl_encoder_only(gaudi, dtype):
+    """An encoder-only layer (BERT-style: `AttentionType.ENCODER_ONLY`) through vllm-gaudi's `Attention.forward`:
+    no cache bound (vLLM's empty `kv_cache`), the step planned as the runner plans it (`hpu_kinds.plan_encoder_only`:
+    bidirectional, padded to powers of two). Every token sees its whole request; the padding rows hold NaN and
+    reach no real row."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backend import AttentionType
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
+    from vllm_gaudi_unified.vllm_plugin.hpu_kinds import plan_encoder_only
+
+    query_lens, hq, hkv, d = np.array([7, 1, 16, 3]), 8, 2, 32
+    t = int(query_lens.sum())
+    layer, config = _attention_layer(f"b.encoder.{dtype}", hq, hkv, d, d ** -0.5, attn_type=AttentionType.ENCODER_ONLY)
+    assert layer.kv_cache.numel() == 0  # nothing bound: vllm-gaudi gives encoder-only layers no cache
+    batch = plan_encoder_only(query_lens, np.zeros(4, np.int64), 16, PlanOptions(causal_tile=4), "cpu")
+    rows = batch.bucket.query_len
+    assert batch.plan.bidirectional and (rows, batch.bucket.num_logits) == (32, 4) and batch.shape.query_len == t
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(rows, h, d, generator=g) for h in (hq, hkv, hkv))
+    for x in (q, k, v):
+        x[t:] = float("nan")  # padding rows
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    metadata = {layer.layer_name: UnifiedHpuMetadata(batch=batch, slot_mapping=torch.full((rows,), -1))}
+    with set_forward_context(metadata, config):
+        out = layer(q.reshape(1, rows, -1), k.reshape(1, rows, -1), v.reshape(1, rows, -1))
+    empty = torch.empty((0, 16, hkv, d), dtype=torch.float64)
+    ref = reference_attention(q[:t].double(), k[:t].double(), v[:t].double(), empty, empty, query_lens, [0] * 4,
+                              np.zeros((4, 0), np.int64), d ** -0.5, causal=False)
+    out = out.reshape(rows, hq, d)[:t]
+    assert torch.isfinite(out).all(), "a padding row reached a real one"
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
 FP8_STEPS = ("gqa_mixed", "chunk_over_context", "shared_prefix", "decodes")

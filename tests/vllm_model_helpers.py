@@ -77,11 +77,20 @@ def embed_prompts() -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in EMBED_LENGTHS]
 
 
-def run_embed(model: str, out: str) -> None:
+def run_embed(model: str, out: str, gaudi_standin: bool = False) -> None:
     """Every prompt in one batch, twice: the per-token hidden states (`token_embed`: every row of the
     attention output reaches them) and the pooled, normalised embeddings (`embed`), each engine in
-    this process (no engine subprocess)."""
+    this process (no engine subprocess). `gaudi_standin`: through vllm-gaudi's platform on the CPU
+    (`vllm_helpers.gaudi_standin_context`)."""
+    import contextlib
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    device = vllm_helpers.gaudi_standin_context("float32") if gaudi_standin else contextlib.nullcontext()
+    with device:
+        _run_embed(model, out)
+
+
+def _run_embed(model: str, out: str) -> None:
     from vllm import LLM
     from vllm.config import PoolerConfig
 
@@ -143,12 +152,15 @@ def mla_prompts() -> list[dict]:
     return [wave1, wave2]
 
 
-def run_mla(model: str, out: str, ngram: int = 0, gaudi_standin: bool = False) -> None:
+def run_mla(model: str, out: str, ngram: int = 0, gaudi_standin: bool = False, kv_cache_dtype: str = "auto",
+            e4m3_latents: bool = False) -> None:
     """Both waves with one engine in this process; greedy but n=2 (temperature 0.8, seed 5 per request).
     `gaudi_standin`: through vllm-gaudi's platform on the CPU (`vllm_helpers.gaudi_standin_context`), blocks
     of 16 as vLLM's CPU platform gives MLA models, and the n=2 request without its own seed: vllm-gaudi's
     runner makes a seeded request's generator with `torch.Generator(device="hpu")`, which the stand-in's
-    CPU cannot ("Backend doesn`t support getNewGenerator()"); it draws from the engine's seed instead."""
+    CPU cannot ("Backend doesn`t support getNewGenerator()"); it draws from the engine's seed instead.
+    `e4m3_latents` (with `gaudi_standin`): every new latent rounded to e4m3 as vllm-gaudi's MLA layer makes it
+    (`_e4m3_latents`), in a full-precision cache: the exact reference of an `fp8_inc` latent cache's run."""
     import contextlib
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -158,7 +170,31 @@ def run_mla(model: str, out: str, ngram: int = 0, gaudi_standin: bool = False) -
             # vllm-gaudi's 03.hpu_custom_models plugin (left out here: it imports torchvision) patches vLLM's
             # DeepseekV2Model.forward for its [batch, seq] inputs; this module of it is that patch alone.
             import vllm_gaudi.models.deepseek_v2  # noqa: F401
-        _run_mla(model, out, ngram, dict(block_size=16) if gaudi_standin else {}, request_seed=not gaudi_standin)
+            if e4m3_latents:
+                _e4m3_latents()
+        extra = dict(block_size=16) if gaudi_standin else {}
+        if kv_cache_dtype != "auto":
+            extra["kv_cache_dtype"] = kv_cache_dtype
+        _run_mla(model, out, ngram, extra, request_seed=not gaudi_standin)
+
+
+def _e4m3_latents() -> None:
+    """vllm-gaudi's `HPUMLAAttention.forward_impl` handed each new token's latent (`k_c_normed`, `k_pe`) rounded
+    to e4m3 and back, as an `fp8_inc` cache stores it (round to nearest, saturating at `FP8_MAX`, scale 1):
+    everything after it (cache, both branches, the tokens' own pairs) then sees the values an fp8 run reads."""
+    import torch
+    from vllm_gaudi.attention.oot_mla import HPUMLAAttention
+    from vllm_gaudi.extension.ops import FP8_MAX
+
+    from vllm_gaudi_unified.paths.kv_quant import quantize
+
+    original = HPUMLAAttention.forward_impl
+    rounded = lambda x: quantize(x, torch.float8_e4m3fn, saturate_at=FP8_MAX).to(x.dtype)  # noqa: E731
+
+    def forward_impl(self, q, k_c_normed, k_pe, *args, **kwargs):
+        return original(self, q, rounded(k_c_normed), rounded(k_pe), *args, **kwargs)
+
+    HPUMLAAttention.forward_impl = forward_impl
 
 
 def _run_mla(model: str, out: str, ngram: int, extra: dict, request_seed: bool = True) -> None:
@@ -202,10 +238,16 @@ def main(argv=None) -> int:
     em = sub.add_parser("embed", help="embed the ragged prompts with one engine")
     em.add_argument("--model", required=True)
     em.add_argument("--out", required=True)
+    em.add_argument("--gaudi-standin", action="store_true",
+                    help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
+                         "VLLM_GAUDI_UNIFIED for the unified runner)")
     ml = sub.add_parser("mla", help="generate the MLA scenario with one engine")
     ml.add_argument("--model", required=True)
     ml.add_argument("--out", required=True)
     ml.add_argument("--ngram", type=int, default=0, help="ngram speculative tokens (0: none)")
+    ml.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (fp8_inc: e4m3 latents on Gaudi)")
+    ml.add_argument("--e4m3-latents", action="store_true",
+                    help="with --gaudi-standin: every new latent rounded to e4m3 (an fp8_inc run's exact reference)")
     ml.add_argument("--gaudi-standin", action="store_true",
                     help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
                          "VLLM_GAUDI_UNIFIED for the unified runner)")
@@ -215,9 +257,9 @@ def main(argv=None) -> int:
     elif args.cmd == "make-deepseek":
         make_tiny_deepseek(args.path)
     elif args.cmd == "embed":
-        run_embed(args.model, args.out)
+        run_embed(args.model, args.out, args.gaudi_standin)
     else:
-        run_mla(args.model, args.out, args.ngram, args.gaudi_standin)
+        run_mla(args.model, args.out, args.ngram, args.gaudi_standin, args.kv_cache_dtype, args.e4m3_latents)
     return 0
 
 

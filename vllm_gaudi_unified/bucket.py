@@ -107,6 +107,12 @@ def pow2(n: int) -> int:
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
 
 
+def pow2_bucket(shape: Bucket) -> Bucket:
+    """`shape` with every size rounded up to a power of two (its phase unchanged: an empty path stays
+    empty): the buckets of steps no bucket plan describes, a few shapes, each compiled once."""
+    return Bucket(shape.phase, *(pow2(n) for n in shape.sizes), *(pow2(n) for n in shape.prompts))
+
+
 def with_prompts(bucket: Bucket, step: Bucket) -> Bucket:
     """`bucket` (found by its five sizes) with the prompt route's shape of `step`, each dimension
     rounded up to a power of two (an exponential bucketing of the prompt route: a few graphs);

@@ -19,7 +19,8 @@ vllm-gaudi's own shapes. So on Gaudi the pieces differ from the CPU path
   new K/V quantized the HPU cast's way (round to nearest, saturating at vllm-gaudi's `FP8_MAX`)
   with the layer's per-tensor scales, or with per-token scales stored in `k_scales` / `v_scales[0]`
   when vllm-gaudi allocated them (its dynamic KV quantization); the paths dequantize what they
-  gather with the same scales (`paths/kv_quant.py`).
+  gather with the same scales (`paths/kv_quant.py`). An encoder-only layer has no cache (vLLM's empty
+  `kv_cache`): it attends to the step's new tokens alone, as the CPU path's impl does.
 - `UnifiedMetadataProcessor`: vllm-gaudi's model adapter post-processes the metadata of every
   forward (biases, block mappings for its own kernels); ours passes through unchanged.
 """
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.v1.attention.backend import AttentionLayer, MultipleOf
+from vllm.v1.attention.backend import AttentionLayer, AttentionType, MultipleOf
 from vllm_gaudi.attention.backends.hpu_attn import HPUAttentionBackend
 from vllm_gaudi.v1.worker.hpu_model_runner import HPUAttentionMetadataProcessor
 
@@ -84,6 +85,10 @@ class UnifiedHpuAttentionBackend(HPUAttentionBackend):
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return GaudiUnifiedAttentionBackend.get_supported_head_sizes()
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return GaudiUnifiedAttentionBackend.supports_attn_type(attn_type)  # decoders and encoder-only layers
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -160,7 +165,8 @@ class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the unified backend")
         shape = query.shape
-        if attn_metadata is None or kv_cache is None:
+        encoder_only = self.attn_type == AttentionType.ENCODER_ONLY  # no cache: vllm-gaudi binds none
+        if attn_metadata is None or (kv_cache is None and not encoder_only):
             # vllm-gaudi's memory profiling forwards carry no cache (its own impl returns zeros there too).
             return torch.zeros(shape, dtype=query.dtype, device=query.device)
         if not isinstance(attn_metadata, UnifiedHpuMetadata):
@@ -174,6 +180,12 @@ class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
         q = query.reshape(-1, self.num_heads, self.head_size)
         k = key.reshape(-1, self.num_kv_heads, self.head_size)
         v = value.reshape(-1, self.num_kv_heads, self.head_size)
+        if encoder_only:  # the new tokens alone (the plan is bidirectional: `hpu_runner.plan_step`)
+            if q.shape[0] != attn_metadata.slot_mapping.shape[0]:
+                raise ValueError(f"query rows {q.shape[0]} != planned rows {attn_metadata.slot_mapping.shape[0]}: "
+                                 "the runner's model inputs and its plan disagree")
+            empty = k.new_empty((0, attn_metadata.batch.block_size, *k.shape[1:]))
+            return unified_attention(q, k, v, empty, empty, attn_metadata.batch, self.scale).reshape(shape)
         key_cache, value_cache, k_scales, v_scales = kv_cache
         bs = attn_metadata.batch.block_size
         key_cache = UnifiedHpuAttentionBackend.block_view(key_cache, bs)

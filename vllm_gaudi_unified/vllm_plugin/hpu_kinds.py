@@ -11,6 +11,9 @@ One graph per bucket still holds: every kind's plan pads to one bucket, the smal
 them (`plan_kinds`). The cost: a windowed or chunked layer then gathers as many block slots as the
 full layers (the extra ones fully masked); the window saves memory reads only where the bucket plan
 has a smaller bucket for the whole step (docs/usage.md gives the numbers).
+
+Encoder-only layers (BERT-style embedders) are the one kind vllm-gaudi puts in a group of their own, with
+no cache and no block table (`table_indices`); their steps are planned bidirectional (`plan_encoder_only`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_gaudi_unified import Bucket, build_unified_batch, pad_plan, plan_step
+from vllm_gaudi_unified.bucket import pow2_bucket
 from vllm_gaudi_unified.batch import UnifiedBatch, prompt_graph_for
 from vllm_gaudi_unified.plan.options import on_route
 from vllm_gaudi_unified.plan.local_chunks import local_chunks, with_request_logits
@@ -65,6 +69,31 @@ def group_kinds(vllm_config, layer_names) -> dict[AttentionKind, list[str]]:
     for name in layer_names:  # a layer that is no `Attention` (e.g. MLA's) attends to everything: full
         kinds.setdefault(layer_kind(layers[name]) if name in layers else FULL, []).append(name)
     return dict(sorted(kinds.items()))
+
+
+def table_indices(groups) -> list[int | None]:
+    """Per KV cache group, the index of its block table in vllm-gaudi's input batch, None for an
+    encoder-only group (`EncoderOnlyAttentionSpec`: no cache, so vllm-gaudi keeps no table for it)."""
+    from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
+
+    indices, next_table = [], 0
+    for group in groups:
+        if isinstance(group.kv_cache_spec, EncoderOnlyAttentionSpec):
+            indices.append(None)
+        else:
+            indices.append(next_table)
+            next_table += 1
+    return indices
+
+
+def plan_encoder_only(query_lens, context_lens, block_size: int, options, device) -> UnifiedBatch:
+    """An encoder-only step (every token sees its whole request, no cache, so `context_lens` all 0 and no
+    block table: `plan/bidirectional.py`) padded to `bucket.pow2_bucket` of its shape: bucket plans describe
+    cached steps, and an HPU compiles a graph per shape, so the step's sizes are rounded to a few shapes (at
+    most 2x each) rather than left as they come."""
+    plan = plan_step(query_lens, context_lens, np.zeros((len(query_lens), 0), np.int64), block_size,
+                     options=options, causal=False)
+    return UnifiedBatch.from_plan(pad_plan(plan, pow2_bucket(plan.shape)), device)
 
 
 def plan_kinds(query_lens, context_lens, block_table, block_size: int, kinds, options, bucket,

@@ -19,7 +19,8 @@ defragmenter) and replaces the step's forward plan:
   `load_model`), and computes the logits of the requests that sample;
 - `warmup_model` (`hpu_warmup.py`): the bucket plan's buckets through the whole model on the real KV caches (HPU graphs
   in lazy mode), instead of vllm-gaudi's prompt/decode buckets;
-- `initialize_kv_cache`: one `StepHooks` per KV cache group, its layers by attention kind (`hpu_kinds.py`);
+- `initialize_kv_cache`: one `StepHooks` per KV cache group, its layers by attention kind (`hpu_kinds.py`;
+  an encoder-only group, which has no block table, plans bidirectional steps);
 - `_configure_lora`, `_get_prompt_logprobs_dict`: LoRA adapters per token of the flat step (`hpu_lora.py`).
 
 vllm-gaudi's `sample_tokens` then samples and returns outputs as it always does:
@@ -40,6 +41,7 @@ from vllm_gaudi.v1.worker.hpu_model_runner import (
 )
 
 from vllm_gaudi_unified.log import get_logger
+from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
 from vllm_gaudi_unified.vllm_plugin.backend import refuse_unsupported_config
 from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
@@ -48,7 +50,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
     is_unified_metadata,
 )
 from vllm_gaudi_unified.vllm_plugin.hpu_eagle import EAGLE_METHODS, drafter_adapter, propose_eagle
-from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_kinds
+from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_encoder_only, plan_kinds, table_indices
 from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, prompt_logprobs_by_request
 from vllm_gaudi_unified.vllm_plugin.hpu_warmup import UnifiedWarmup
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
@@ -72,6 +74,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         super().__init__(vllm_config, device=device, is_driver_worker=is_driver_worker)
         self.unified_hooks: list[StepHooks] = []  #: per KV cache group (made in initialize_kv_cache)
         self.unified_kinds: list[dict] = []  #: per KV cache group: its layers by AttentionKind (hpu_kinds.py)
+        self.unified_tables: list[int | None] = []  #: per KV cache group: its block table's index; None: encoder-only
         self.unified_warmed: set = set()  #: buckets run through the whole model at warmup
         self.last_step: HpuStep | None = None  #: the last step planned (tests, debugging)
         self.num_listed_decodes = 0  #: the step's first requests, which vllm-gaudi's sampling treats as decodes
@@ -107,24 +110,34 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
 
     def make_unified_hooks(self) -> None:
         """Bucket plan, trace and debug log per KV cache group of `self.kv_cache_config`; the group's
-        layers by attention kind (vllm-gaudi puts sliding-window, chunked and full layers in one group)."""
+        layers by attention kind (vllm-gaudi puts sliding-window, chunked and full layers in one group).
+        An encoder-only group (BERT-style embedders: vllm-gaudi appends it, `EncoderOnlyAttentionSpec`,
+        with no cache and no block table) plans its steps bidirectional and unpadded, as the CPU path's
+        builder does (`backend.GaudiUnifiedMetadataBuilder`): bucket plans and traces describe cached steps."""
         config = PluginConfig.from_env()
         groups = self.kv_cache_config.kv_cache_groups
+        self.unified_tables = table_indices(groups)
         tables = len(self.input_batch.block_table.block_tables)
-        if len(groups) != tables:
+        cached = sum(t is not None for t in self.unified_tables)
+        if 0 < cached < len(groups):
+            raise NotImplementedError("encoder-only attention layers beside layers with a KV cache in one model: "
+                                      "the unified runner pads encoder-only steps to their own buckets, so the "
+                                      "two kinds of layer would get different row counts")
+        if cached != tables:
             # vllm-gaudi keeps one block table for attention-only models and handles windows inside it.
-            raise NotImplementedError(f"{len(groups)} KV cache groups (e.g. sliding-window beside full attention "
-                                      f"layers) but vllm-gaudi's input batch keeps {tables} block table(s): not "
-                                      "supported by the unified runner yet")
+            raise NotImplementedError(f"{cached} KV cache groups with a cache (e.g. sliding-window beside full "
+                                      f"attention layers) but vllm-gaudi's input batch keeps {tables} block "
+                                      "table(s): not supported by the unified runner yet")
         self.unified_kinds = [group_kinds(self.vllm_config, g.layer_names) for g in groups]
         # A group of one plain kind gets that window's bucket plan; several kinds share the full one.
         windows = [next(iter(k)).window if len(k) == 1 and not next(iter(k)).chunk_size else None
                    for k in self.unified_kinds]
         recorder = next((i for i, k in enumerate(self.unified_kinds) if FULL in k), 0)
         self.unified_hooks = [
+            StepHooks(options=DEFAULT_OPTIONS) if t is None else
             StepHooks.create(config, self.vllm_config, g.kv_cache_spec, torch.device(self.device),
                              sliding_window=w, may_record=(i == recorder))
-            for i, (g, w) in enumerate(zip(groups, windows))]
+            for i, (g, w, t) in enumerate(zip(groups, windows, self.unified_tables))]
         for kinds in self.unified_kinds:
             if len(kinds) > 1:
                 logger.info("Unified attention: one KV cache group, one plan per attention kind per step (%s), "
@@ -176,12 +189,18 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         pad to one bucket (`hpu_kinds.plan_kinds`). Every group pads to the same rows.
         """
         metadata, padded = {}, None
-        for gid, (group, hooks, kinds) in enumerate(zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
-                                                        self.unified_kinds)):
+        for gid, (group, hooks, kinds, t) in enumerate(zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
+                                                           self.unified_kinds, self.unified_tables)):
             bs = group.kv_cache_spec.block_size
-            table = step.block_tables[gid]
-            batches = plan_kinds(step.query_lens, step.context_lens, table, bs, kinds, hooks.options,
-                                 bucket_override if bucket_override is not None else hooks.bucket_plan, self.device)
+            if t is None:  # encoder-only: every token sees its whole request, no cache (`make_unified_hooks`)
+                table = np.zeros((len(step.query_lens), 0), dtype=np.int64)
+                batches = {kind: plan_encoder_only(step.query_lens, step.context_lens, bs, hooks.options,
+                                                   self.device) for kind in kinds}
+            else:
+                table = step.block_tables[t]
+                batches = plan_kinds(step.query_lens, step.context_lens, table, bs, kinds, hooks.options,
+                                     bucket_override if bucket_override is not None else hooks.bucket_plan,
+                                     self.device)
             batch = next(iter(batches.values()))
             hooks.after_plan(batch, step.query_lens, step.context_lens, table)
             rows = batch.bucket.query_len
@@ -190,7 +209,8 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
             elif rows != padded:
                 raise ValueError(f"KV cache group {gid} padded the step to {rows} rows, group 0 to {padded}: "
                                  "the groups' bucket plans must agree on query lengths")
-            slots = torch.from_numpy(slot_mapping(step, table, bs, rows, self._PAD_SLOT_ID)).to(self.device)
+            slots = (torch.full((rows,), self._PAD_SLOT_ID, dtype=torch.int64) if t is None else  # (nothing cached)
+                     torch.from_numpy(slot_mapping(step, table, bs, rows, self._PAD_SLOT_ID))).to(self.device)
             for kind, names in kinds.items():
                 # the prompt route's mask once per step for every layer, as vllm-gaudi makes its attn_bias
                 # (MLA's expanded prompts, values narrower than keys: the one call's full mask)

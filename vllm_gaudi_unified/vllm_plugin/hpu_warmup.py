@@ -38,7 +38,8 @@ class UnifiedWarmup:
         is nothing to warm (every step runs at its own shape, eagerly)."""
         if self.unified_warmed:  # vllm-gaudi's worker asks twice (initialize_from_config, then the engine)
             return
-        self.defragmenter = OnlineDefragmenter(self.kv_caches, self.block_size)  # vllm-gaudi makes it here too
+        if self.kv_caches:  # (vllm-gaudi makes it here too; an encoder-only model has no cache to defragment)
+            self.defragmenter = OnlineDefragmenter(self.kv_caches, self.block_size)
         plans = {id(h.bucket_plan): h for h in self.unified_hooks if h.bucket_plan is not None}
         if not plans or not all(h.warmup_enabled for h in self.unified_hooks):
             logger.info("Unified attention: no bucket plan to warm (%s)",
