@@ -9,9 +9,10 @@
   prompt over its context, NaN in every cache slot no request may read (the padding block included);
   steps with a prompt route through vllm-gaudi's prompt branch (`forward_mha`: prompt rows expanded, the
   others latent), the others through its absorbed branch (`forward_mqa`), padded to a bucket or not;
+  over vllm-gaudi's `fp8_inc` latent cache too;
 - d. a whole tiny DeepSeek-V2 generation (kv_lora_rank 512 + rope 64, the CPU e2e test's model)
   through vllm-gaudi's platform, worker, runner and MLA layers with the unified runner, against vLLM's
-  CPU_MLA (`test_generation_*`).
+  CPU_MLA (`test_generation_*`); with an `fp8_inc` cache against the same runner over e4m3-rounded latents.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from test_vllm_gaudi import GAUDI_PLUGINS, _env, gaudi  # noqa: F401, I001 (also
 from conftest import Step, assert_matches, make_block_table
 
 from vllm_gaudi_unified import PlanOptions, build_unified_batch
+from vllm_gaudi_unified.paths.kv_quant import dequantize, quantize
 from vllm_gaudi_unified.reference import reference_mla
 
 pytestmark = pytest.mark.vllm
@@ -60,10 +62,11 @@ class _KvBProj(torch.nn.Linear):
         return super().forward(x), None
 
 
-def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype):
+def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype,
+               kv_cache_dtype: str = "auto"):
     """vllm-gaudi's `HPUMLAAttention` with the unified MLA backend, made as its wrapper makes it; W_UK / W_UV
     packed from a `kv_b_proj` by the layer's own `process_weights_after_loading`."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
     from vllm_gaudi.attention.oot_mla import HPUMLAAttention
 
     from vllm_gaudi_unified.vllm_plugin.hpu_mla import UnifiedHpuMLABackend, register_hpu_mla_backend
@@ -79,17 +82,19 @@ def _mla_layer(name: str, shape, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: 
     with set_current_vllm_config(config):
         layer = HPUMLAAttention(num_heads=H, scale=(P + R) ** -0.5, qk_nope_head_dim=P, qk_rope_head_dim=R,
                                 v_head_dim=V, q_lora_rank=None, kv_lora_rank=L, kv_b_proj=kv_b_proj, prefix=name,
-                                attn_backend=UnifiedHpuMLABackend)
+                                attn_backend=UnifiedHpuMLABackend, cache_config=CacheConfig(cache_dtype=kv_cache_dtype))
         layer.process_weights_after_loading(dtype)
     layer.use_direct_call = True  # vllm-gaudi's platform has no opaque attention op: the layer calls its impl
     return layer, config
 
 
-def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str = "mla", pad: int = 0):
+def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str = "mla", pad: int = 0,
+              fp8: bool = False):
     """-> (vllm-gaudi's MLA layer output [T, H, V], the dense reference, the flat cache, the slots,
     [(form, the cache it read)] of the impl's latent (`mla_attention`) and expanded (`mla_prompt_rows`)
     calls). `pad`: the step padded as the runner pads to a bucket (`_padded_bucket`): `pad` more rows of
-    random inputs written to the padding block, the output's first T rows returned."""
+    random inputs written to the padding block, the output's first T rows returned. `fp8`: vllm-gaudi's
+    `fp8_inc` latent cache (e4m3), the reference over its dequantized bytes and the new latents as stored."""
     from vllm.forward_context import set_forward_context
 
     from vllm_gaudi_unified.vllm_plugin import hpu_mla
@@ -114,7 +119,10 @@ def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str =
     # vllm-gaudi's MLA cache: num_blocks + 1 blocks flattened to slots, the extra one NaN too.
     cache = torch.full(((num_blocks + 1) * bs, L + R), float("nan"), dtype=dtype)
     cache[:num_blocks * bs] = blocks.reshape(-1, L + R)
-    layer, config = _mla_layer(name, shape, w_uk, w_uv, dtype)
+    if fp8:  # (scale 1: vllm-gaudi's fp8_inc without INC; NaN slots stay NaN bytes)
+        cache = quantize(cache, torch.float8_e4m3fn)
+        blocks = dequantize(cache[:num_blocks * bs], None).view(num_blocks, bs, L + R)
+    layer, config = _mla_layer(name, shape, w_uk, w_uv, dtype, "fp8_inc" if fp8 else "auto")
     layer.kv_cache = (cache, None, None, None)  # what vllm-gaudi's runner binds to an MLA layer
     batch = build_unified_batch(step.query_lens, step.context_lens, table, bs, options=OPTIONS)
     req = np.repeat(np.arange(len(step.query_lens)), step.query_lens)
@@ -143,6 +151,8 @@ def _mla_case(step: Step, shape, dtype=torch.float64, seed: int = 0, name: str =
     assert out.shape == (t + pad, H * V)
     out = out[:t]
     latent = torch.cat([kv_c, k_pe.flatten(1)], dim=-1)
+    if fp8:  # as stored: what later steps read, and what the step's own tokens attend to
+        latent = dequantize(quantize(latent, torch.float8_e4m3fn), None)
     ref = reference_mla(q[..., :P], q[..., P:], latent, blocks, w_uk, w_uv, step.query_lens, step.context_lens,
                         table, layer.scale, L)
     return out.reshape(t, H, V), ref, cache, slots, attended
@@ -233,6 +243,25 @@ def test_mla_layer_bf16(gaudi, name):
     print(name, "max |err| bf16", (out.double() - ref).abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_mla_layer_fp8_latent_cache(gaudi, name, dtype):
+    """vllm-gaudi's `fp8_inc` latent cache (e4m3, scale 1): the layer writes the step's latents rounded to
+    nearest (the HPU cast's way) and every form reads the cache's bytes, dequantized as gathered: against the
+    reference over the dequantized cache, float64 1e-6 and bf16 1e-2, padded to a bucket too; NaN bytes in
+    every unreadable slot."""
+    for pad in (0, 5):
+        out, ref, cache, slots, attended = _mla_case(STEPS[name], SHAPES["deepseek"], dtype=dtype, pad=pad, fp8=True,
+                                                     name=f"b.mla.fp8.{name}.{dtype}.{pad}")
+        assert cache.dtype == torch.float8_e4m3fn and out.dtype == dtype
+        assert_matches(out, ref)
+        assert {form for form, _ in attended} == FORMS[name] | ({"expanded"} if pad else set())
+        assert all(read.data_ptr() == cache.data_ptr() for _, read in attended)
+        written = dequantize(cache[slots], None)
+        assert torch.isfinite(written).all()
+        print(name, dtype, pad, "fp8 latents: max |err|", (out.double() - ref).abs().max().item())
+
+
 def test_gaudi_platform_selects_the_mla_backend(gaudi):
     """vllm-gaudi's platform with unified attention picks the Gaudi MLA backend for MLA layers (it refused them
     before: "MLA not supported" from the decoder backend); what that backend does not serve fails at selection."""
@@ -246,7 +275,8 @@ def test_gaudi_platform_selects_the_mla_backend(gaudi):
 
     assert select() == "vllm_gaudi_unified.vllm_plugin.hpu_mla.UnifiedHpuMLABackend"
     assert select(kv_cache_dtype="bfloat16", block_size=16, dtype=torch.float32)
-    for kw, reason in ((dict(kv_cache_dtype="fp8_inc"), "kv_cache_dtype not supported"),
+    assert select(kv_cache_dtype="fp8_inc")  # e4m3 latents (test_mla_layer_fp8_latent_cache)
+    for kw, reason in ((dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype not supported"),
                        (dict(head_size=20), "head_size not supported"), (dict(block_size=8), "block_size not supported"),
                        (dict(use_sparse=True), "sparse not supported"), (dict(has_sink=True), "sinks not supported")):
         with pytest.raises(ValueError, match=reason):
@@ -304,16 +334,17 @@ def test_mla_impl_refusals(gaudi):
 LOGPROB_ATOL = 1e-4  # the CPU e2e tests' bound (tests/test_vllm_e2e.py explains it)
 
 
-def _mla_engine(model: str, out: str, gaudi: bool, **env) -> tuple[dict, str]:
-    """`vllm_model_helpers.py mla` (the CPU MLA e2e scenario) in a subprocess; through vllm-gaudi's platform,
-    worker, runner and MLA layers on the stand-in with the unified runner when `gaudi`."""
+def _mla_engine(model: str, out: str, gaudi: bool, extra: tuple = (), **env) -> tuple[dict, str]:
+    """`vllm_model_helpers.py mla` (the CPU MLA e2e scenario; `extra`: more of its arguments) in a subprocess;
+    through vllm-gaudi's platform, worker, runner and MLA layers on the stand-in with the unified runner when
+    `gaudi`."""
     import vllm_model_helpers as M
 
     if not gaudi:
-        return M.run_engine("mla", model, out)
+        return M.run_engine("mla", model, out, *extra)
     path = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])
-    return M.run_engine("mla", model, out, "--gaudi-standin", VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1",
-                        PYTHONPATH=path, **env)
+    return M.run_engine("mla", model, out, "--gaudi-standin", *extra, VLLM_PLUGINS=GAUDI_PLUGINS,
+                        VLLM_GAUDI_UNIFIED="1", PYTHONPATH=path, **env)
 
 
 @pytest.fixture(scope="module")
@@ -392,3 +423,30 @@ def test_deepseek_v2_generation_through_the_unified_runner(mla_generations, run)
         worst = max(worst, r["max_abs_logprob_diff"])
     assert worst <= LOGPROB_ATOL, worst
     print(run, "max |dlogprob| vs vLLM CPU_MLA", worst)
+
+
+@pytest.mark.slow
+def test_deepseek_v2_fp8_latent_cache_through_the_unified_runner(mla_generations, tmp_path):
+    """`kv_cache_dtype="fp8_inc"` (vllm-gaudi's e4m3 cache): the latents are stored rounded to nearest (scale 1)
+    and every form reads the bytes back. Its exact reference is the same runner over a float32 cache whose new
+    latents vllm-gaudi's MLA layer rounds to e4m3 first (`vllm_model_helpers._e4m3_latents`): the same tokens,
+    the same logprobs (1e-4; measured equal). Against the unquantized run the tokens change (the rounding is
+    real: e4m3 keeps 3 mantissa bits of a random tiny model's latents)."""
+    import vllm_helpers as H
+    import vllm_model_helpers as M
+
+    model = M.make_tiny_deepseek(str(tmp_path / "ds"))
+    fp8, log = _mla_engine(model, str(tmp_path / "fp8.json"), gaudi=True, extra=["--kv-cache-dtype", "fp8_inc"])
+    rounded, _ = _mla_engine(model, str(tmp_path / "rounded.json"), gaudi=True, extra=["--e4m3-latents"])
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_MLA" in log
+    assert "unified MLA on Gaudi: fp8 latent cache (torch.float8_e4m3fn, scale 1.0)" in log
+    assert "unified MLA on Gaudi: prompt rows in the expanded form" in log  # forward_mha ran, over fp8 context
+    worst = 0.0
+    for case, r in H.compare_results(fp8, rounded).items():
+        assert r["tokens_identical"], (case, r)
+        worst = max(worst, r["max_abs_logprob_diff"])
+    assert worst <= LOGPROB_ATOL, worst
+    unquantized = H.compare_results(fp8, mla_generations["unified"][0])
+    assert not all(r["tokens_identical"] for r in unquantized.values())
+    print("fp8 latents: max |dlogprob| vs e4m3-rounded float32 latents", worst, "; cases whose tokens the rounding "
+          "changed", sum(not r["tokens_identical"] for r in unquantized.values()), "of", len(unquantized))

@@ -266,7 +266,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale, shared=True)
     elif phase[1] == "s" and not mla_shared_in_kernel:
         if mla_shared_applies(batch, key_cache, value_cache, cap, k_scale, v_scale):  # paths/mla_shared.py
-            yield latent_shared_partial(query, key_cache, value_cache.shape[-1], batch, scale)
+            yield latent_shared_partial(query, key_cache, value_cache.shape[-1], batch, scale, k_scale)
         elif flash and batch.plan.shared_prefix_visible:
             yield fused_shared_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         else:
@@ -274,7 +274,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     if (phase[2] == "u" or mla_shared_in_kernel) and not shared_in_kernel:
         if mla:  # MLA's latent: one Partial row per token, the latent read once, the self pair inside
             run = {"kernel": kernel_mla_partial, "dense": dense_mla_partial, "chunks": chunks_mla_partial}[mla]
-            extra = {"shared": True} if mla_shared_in_kernel else {}
+            extra = {"shared": True} if mla_shared_in_kernel else {"kv_scale": k_scale} if mla != "kernel" else {}
             if mla == "kernel" and alone and phase[0] == "-" and (phase[1] == "-" or mla_shared_in_kernel):
                 extra["final"] = True  # (the only path: the kernel normalizes its rows itself)
             yield run(query, key_cache, value_cache.shape[-1], batch, scale, key, **extra)  # paths/mla_decode.py

@@ -53,19 +53,21 @@ def latent_views(latent: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor,
 
 
 def mla_attention(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.Tensor, batch, scale: float,
-                  kv_lora_rank: int, *, checked: bool = False, **kwargs) -> torch.Tensor:
+                  kv_lora_rank: int, *, checked: bool = False, kv_scale=None, **kwargs) -> torch.Tensor:
     """Latent-space attention of a step: query `[T, H, L + R]` (absorbed, `absorb_query`), the new
     tokens' latents `[T, L + R]`, the cache `[num_blocks, block_size, L + R]` (new tokens already
     written or not: the planner reads positions below each context length only) -> `[T, H, L]`.
 
+    `kv_scale`: an fp8 cache's scale (`stored = latent / kv_scale`; a float or a one-element tensor), the
+    keys' and the values' alike (they are the same stored bytes); `latent` then as stored, dequantized.
     `checked`: the inputs were checked for this step already and q/latent have the bucket's rows
     (a server's layers after the first: `attention.attend_step`). Other keywords go to the core
-    (`k_scale`/`v_scale`, `logits_soft_cap`, `sinks`; with `checked`, `prompt_route=False`: the prompt
-    route's rows left to the expanded form, `mla_prompts.py`)."""
+    (`logits_soft_cap`, `sinks`; with `checked`, `prompt_route=False`: the prompt route's rows left to the
+    expanded form, `mla_prompts.py`)."""
     key, value = latent_views(latent, kv_lora_rank)
     key_cache, value_cache = latent_views(latent_cache, kv_lora_rank)
     run = attend_step if checked else unified_attention
-    return run(query, key, value, key_cache, value_cache, batch, scale, **kwargs)
+    return run(query, key, value, key_cache, value_cache, batch, scale, k_scale=kv_scale, v_scale=kv_scale, **kwargs)
 
 
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from vllm_gaudi_unified.batch import InvariantBatch
+from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.prompts import prompt_final, write_rows
 
 
@@ -75,13 +76,14 @@ def expand_latents(latent: torch.Tensor, kv_b_proj: Callable[[torch.Tensor], tor
 
 def mla_prompt_rows(q: torch.Tensor, latent: torch.Tensor, latent_cache: torch.Tensor, batch, scale: float,
                     kv_lora_rank: int, kv_b_proj: Callable[[torch.Tensor], torch.Tensor], first: int = 0,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, kv_scale=None) -> torch.Tensor:
     """The prompt route's rows in the expanded form (module docstring).
 
     q `[N, H, P + R]` (q_nope, q_pe: not absorbed) and latent `[N, L + R]`: the step's tokens from
     `first` on (`first` = 0: all of them; else every prompt row is at or past it: `expanded_first`); the
     cache `[num_blocks, block_size, L + R]`. Returns `[N, H, V]` in q's dtype: the prompt rows
-    final, the others `out`'s (the latent rows' outputs, `[N, H, V]`), or zero without it."""
+    final, the others `out`'s (the latent rows' outputs, `[N, H, V]`), or zero without it. An fp8 cache is
+    dequantized as gathered, with its one scale `kv_scale` (`latent` as stored, dequantized already)."""
     n, heads, dk = q.shape
     if latent.dim() != 2 or latent.shape[0] != n or latent_cache.dim() != 3 or \
             latent_cache.shape[-1] != latent.shape[-1]:
@@ -95,7 +97,7 @@ def mla_prompt_rows(q: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
     k, v = expand_latents(latent.to(q.dtype), kv_b_proj, kv_lora_rank, heads, nope)
     context = None
     if batch.prompt_blocks.shape[1]:
-        gathered = latent_cache[batch.prompt_blocks].flatten(1, 2).to(q.dtype)  # [P, Cb * bs, L + R]
+        gathered = read_blocks(latent_cache, batch.prompt_blocks, kv_scale, q.dtype).flatten(1, 2).to(q.dtype)
         context = expand_latents(gathered, kv_b_proj, kv_lora_rank, heads, nope)
     rows = prompt_final(q, k, v, None, None, batch, scale, context=context, first=first)
     return write_rows(out, (batch.prompt_rows - first).clamp(min=0, max=n), rows, n)

@@ -59,8 +59,19 @@ def check_scale(name: str, scale, cache: torch.Tensor) -> None:
         raise ValueError(f"{name} must be None, a finite positive float or a tensor, got {scale!r}")
 
 
+def one_tensor_scale(k_scale, v_scale) -> bool:
+    """Whether a latent cache's scales are one per-tensor scale (or none): MLA's keys and values are the same
+    stored bytes (`mla.latent_views`), so its latent routes dequantize them once, with one scale. The same
+    object or equal floats, each None, a float or a one-element tensor (host facts only: no device sync)."""
+    per_tensor = lambda s: s is None or not isinstance(s, torch.Tensor) or s.numel() == 1  # noqa: E731
+    same = k_scale is v_scale or not isinstance(k_scale, torch.Tensor) and not isinstance(v_scale, torch.Tensor) \
+        and k_scale == v_scale
+    return same and per_tensor(k_scale)
+
+
 def read_blocks(cache: torch.Tensor, blocks: torch.Tensor | int, scale, dtype: torch.dtype) -> torch.Tensor:
     """Cache blocks `cache[blocks]` (`blocks` an index tensor, or a count: the slice `cache[:blocks]`) in `dtype`.
+    Any first axis will do with a per-tensor scale (MLA's latent routes read slots of `cache.view(-1, D)`).
 
     Unquantized caches are returned as gathered (a view for the slice). An fp8
     cache is converted after the gather, and multiplied by its scale (per

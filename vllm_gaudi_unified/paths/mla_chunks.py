@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from vllm_gaudi_unified.merge import Partial, scatter_max
 from vllm_gaudi_unified.paths.causal import self_partial
+from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.mla_decode import _slot_order
 from vllm_gaudi_unified.paths.mla_shared import finite_shift, latent_scores, latent_values
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
@@ -87,16 +88,17 @@ def chunk_layout(batch, n: int, block_size: int, device):
 
 
 def chunks_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
-                       key: torch.Tensor | None = None) -> Partial | None:
-    """The unique pairs of any step, one Partial row per token (module docstring); with `key` (the new
-    tokens' latents `[n, 1, L + R]`) each token's own pair too, as one more key of the token (`attention._run_paths`
-    skips the self path beside a latent route)."""
+                       key: torch.Tensor | None = None, kv_scale=None) -> Partial | None:
+    """The unique pairs of any step, one Partial row per token (module docstring); with `key` (the new tokens'
+    latents `[n, 1, L + R]`) each token's own pair too, as one more key of the token (`attention._run_paths`
+    skips the self path beside a latent route). An fp8 cache is dequantized as gathered, with its one scale
+    `kv_scale` (`kv_quant.read_blocks`: the cast to the product dtype it needs anyway, and one multiply)."""
     if batch.unique_rows.shape[0] == 0:
         return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
     keys, visible, token = chunk_layout(batch, n, key_cache.shape[1], q.device)
-    kv = key_cache.view(-1, d)[keys].to(op)  # [Nc, C * bs, L + R]: keys, and values as their first dims
+    kv = read_blocks(key_cache.view(-1, d), keys, kv_scale, op).to(op)  # [Nc, C * bs, L + R]: keys; values their dims
     bias = torch.zeros(visible.shape, dtype=op, device=q.device)
     bias = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
     s = latent_scores(q[token.clamp(max=n - 1)], kv, bias, scale)  # [Nc, H, C * bs]

@@ -44,7 +44,7 @@ from vllm_gaudi_unified.merge import Final, Partial
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.decodes import decode_layout
-from vllm_gaudi_unified.paths.kv_quant import is_fp8
+from vllm_gaudi_unified.paths.kv_quant import one_tensor_scale, read_blocks
 from vllm_gaudi_unified.paths.mla_shared import latent_attend, latent_cache
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, _slots_with_shared, token_order
@@ -132,7 +132,8 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
                      k_scale, v_scale) -> str | None:
     """'kernel', 'dense', 'chunks' or None (the generic unique paths), all conditions in one place:
 
-    1. A latent cache (`latent_cache`), no soft cap, no fp8 cache or scales: else None.
+    1. A latent cache (`latent_cache`), no soft cap, at most one per-tensor scale (an fp8 cache:
+       `kv_quant.one_tensor_scale`, read by 'chunks' and 'dense'): else None.
     2. CUDA with its kernels on (not the Gaudi route), Triton importable, a 16-bit cache, the
        plan's fused kernels allowed: 'kernel'.
     3. Off the CPU (an HPU, the Gaudi route's stand-in on CUDA, any other device): 'chunks'
@@ -144,8 +145,7 @@ def mla_unique_route(batch, query: torch.Tensor, key_cache: torch.Tensor, value_
        Its shapes and index tensors follow the step, not the bucket, so it runs only where nothing
        captures it: a graph captured at warmup would replay the warmup step's table. Else None.
     """
-    if (cap is not None or k_scale is not None or v_scale is not None or is_fp8(key_cache.dtype)
-            or not latent_cache(key_cache, value_cache)):
+    if cap is not None or not one_tensor_scale(k_scale, v_scale) or not latent_cache(key_cache, value_cache):
         return None
     if (query.device.type == "cuda" and fused.CUDA_KERNELS and triton_importable()
             and key_cache.dtype in KERNEL_CACHE_DTYPES and batch.plan.options.fused_kernels):
@@ -334,17 +334,18 @@ def _slot_order(batch, n: int, device, keep: bool = True, shared: bool = False):
 
 
 def dense_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
-                      key: torch.Tensor | None = None) -> Partial | None:
+                      key: torch.Tensor | None = None, kv_scale=None) -> Partial | None:
     """The unique pairs of a decode step as one gather and two batched matmuls over all heads
     (module docstring); rows past the requests are empty (max -inf, sum 0). With `key` (the new tokens'
     latents `[n, 1, L + R]`) each token's own pair too: its latent is written into the first padding
-    column of its row (`_layout` leaves one), so the step has no separate self pair to compute and merge."""
+    column of its row (`_layout` leaves one), so the step has no separate self pair to compute and merge.
+    An fp8 cache is dequantized as gathered, with its one scale `kv_scale` (`kv_quant.read_blocks`)."""
     table, visible, unread, masked, self_col = _layout(batch, q.device, key is not None)
     r, width = table.shape
     if width == 0:
         return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
-    kv = key_cache.view(-1, d)[table]  # [R, keys, L + R]: keys, and values as their first dims
+    kv = read_blocks(key_cache.view(-1, d), table, kv_scale, q.dtype)  # [R, keys, L + R]: keys, values their dims
     if unread:  # a row with no cached key read some slot it may not see: zero it (NaN * 0 is NaN)
         kv = torch.where(visible[..., None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
     # (a masked slot of any other row repeats one of its visible slots: `_layout`)

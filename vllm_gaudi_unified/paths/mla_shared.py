@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_unified.merge import Partial, scatter_merge
-from vllm_gaudi_unified.paths.kv_quant import is_fp8
+from vllm_gaudi_unified.paths.kv_quant import one_tensor_scale, read_blocks
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype, slot_mask
 
 
@@ -44,9 +44,10 @@ def latent_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
 
 
 def mla_shared_applies(batch, key_cache: torch.Tensor, value_cache: torch.Tensor, cap, k_scale, v_scale) -> bool:
-    """A latent cache (`latent_cache`), no soft cap, no fp8 cache or scales, some shared tile."""
-    return (cap is None and k_scale is None and v_scale is None and not is_fp8(key_cache.dtype)
-            and batch.shared_rows.shape[0] > 0 and latent_cache(key_cache, value_cache))
+    """A latent cache (`latent_cache`), no soft cap, at most one per-tensor scale (`kv_quant.one_tensor_scale`:
+    an fp8 cache is dequantized as gathered), some shared tile."""
+    return (cap is None and one_tensor_scale(k_scale, v_scale) and batch.shared_rows.shape[0] > 0
+            and latent_cache(key_cache, value_cache))
 
 
 def latent_scores(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -97,18 +98,19 @@ def latent_attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, 
     return Partial(acc.to(m.dtype), m, total)
 
 
-def latent_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float
-                          ) -> Partial | None:
+def latent_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
+                          kv_scale=None) -> Partial | None:
     """The shared tiles of a latent step (`key_cache` `[blocks, block_size, 1, L + R]`): per tile, its
     rows' heads against its gathered latents, merged into the tokens by `scatter_merge`. A latent no
     row of its tile may see, or one that is not finite, is zeroed; the rows that may see a non-finite
-    one get NaN scores (they alone carry it, as on the generic tiles)."""
+    one get NaN scores (they alone carry it, as on the generic tiles). An fp8 cache is dequantized as
+    gathered, with its one scale `kv_scale`."""
     if batch.shared_rows.shape[0] == 0:
         return None
     n, hq, d = q.shape
     tiles, rows = batch.shared_rows.shape
     bs = key_cache.shape[1]
-    kv = key_cache[batch.shared_blocks].reshape(tiles, -1, d)  # [tiles, K, L + R], each tile's blocks once
+    kv = read_blocks(key_cache, batch.shared_blocks, kv_scale, q.dtype).reshape(tiles, -1, d)  # each tile's blocks
     visible = slot_mask(batch.shared_lo, batch.shared_hi, bs).flatten(2)  # [tiles, rows, K]
     finite = torch.isfinite(kv).all(-1)  # [tiles, K]
     zero = torch.zeros((), dtype=kv.dtype, device=kv.device)

@@ -47,7 +47,9 @@ linear-attention layers (none in an MLA model). `_configure_lora`'s
 `is_prompt` is an argument of the sampling code, not the metadata's.
 
 The impl is vllm-gaudi's `HPUMLAImpl` (set-up, feature refusals, the model
-runner's view of it) with `forward_mqa` and `forward_mha` replaced.
+runner's view of it) with `forward_mqa`, `forward_mha` and its cache write
+(`LatentWrite`: an `fp8_inc` cache's latents stored as vllm-gaudi stores them,
+read back by every form with the cache's one scale) replaced.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ from vllm_gaudi_unified.attention import check_inputs
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.mla import latent_views, mla_attention
 from vllm_gaudi_unified.mla_prompts import mla_prompt_rows
+from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8, quantize, read_blocks
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
 
 logger = get_logger("vllm.gaudi_unified.mla")  # under "vllm": vLLM's log settings
@@ -86,9 +89,10 @@ class UnifiedHpuMLABackend(HPUMLAAttentionBackend):
     swap; the unified MLA backend's declarations."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
-    # vllm-gaudi's runner names an unquantized cache by its dtype, vLLM's config by "auto". No fp8: vllm-gaudi
-    # quantizes MLA latents through INC only (fp8_inc with its own matmuls), which is not wired here.
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32"]
+    # vllm-gaudi's runner names an unquantized cache by its dtype, vLLM's config by "auto"; an fp8 latent cache
+    # is e4m3 ("fp8_inc" is vllm-gaudi's name for it), one per-tensor scale (`LatentWrite`).
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
+                                                 "fp8_inc"]
 
     @staticmethod
     def get_name() -> str:
@@ -121,14 +125,46 @@ class UnifiedHpuMLABackend(HPUMLAAttentionBackend):
 
 
 class LatentWrite(VLLMKVCache):
-    """vllm-gaudi's cache write (`index_copy_` of the new latents at their slots), keeping the latents written
-    for the layer's `forward_mqa`, which is handed only the cache."""
+    """vllm-gaudi's cache write (`index_copy_` of the new latents at their slots), keeping the latents written,
+    as stored, for the layer's `forward_mqa`, which is handed only the cache.
+
+    An fp8 cache (`fp8_inc`) stores `latent / SCALE` rounded to nearest and saturated at vllm-gaudi's `FP8_MAX`,
+    as the HPU cast of its own `VLLMFP8KVCache` does (whose default scale, 1.0, it uses without INC; INC's
+    calibrated scales are not used, as for the other attention layers: `hpu_backend.py`)."""
 
     latent: torch.Tensor | None = None
+    #: the latent cache's one per-tensor scale (`stored = latent / SCALE`)
+    SCALE: ClassVar[float] = 1.0
 
     def forward(self, input, cache, slot_mapping, *args, **kwargs):
-        self.latent = input
-        return super().forward(input, cache, slot_mapping, *args, **kwargs)
+        if not is_fp8(cache.dtype):
+            self.latent = input
+            return super().forward(input, cache, slot_mapping, *args, **kwargs)
+        from vllm_gaudi.extension.ops import FP8_MAX  # 240 on Gaudi2 (e4m3 with that range), else 448
+
+        logger.info_once("unified MLA on Gaudi: fp8 latent cache (%s, scale %s)", cache.dtype, self.SCALE)
+        stored = quantize(input, cache.dtype, self.SCALE, saturate_at=FP8_MAX)
+        cache.view(torch.uint8).index_copy_(0, slot_mapping, stored.view(torch.uint8))  # (no fp8 index_copy_ on CPU)
+        self.latent = as_stored(stored, input.dtype)
+        return cache
+
+
+def as_stored(latent: torch.Tensor, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The new latents as the cache holds them, in `dtype`: an fp8 latent (or one bound for an fp8 cache of
+    `cache_dtype`) quantized as `LatentWrite` stores it and dequantized; the new tokens attend to each other as
+    their later steps will read them."""
+    if cache_dtype is not None and is_fp8(cache_dtype) and not is_fp8(latent.dtype):
+        from vllm_gaudi.extension.ops import FP8_MAX
+
+        latent = quantize(latent, cache_dtype, LatentWrite.SCALE, saturate_at=FP8_MAX)
+    if is_fp8(latent.dtype):
+        return read_blocks(latent, latent.shape[0], latent_scale(), dtype)
+    return latent.to(dtype)
+
+
+def latent_scale() -> float | None:
+    """The `kv_scale` the core takes for the latent cache (None: 1.0, nothing to multiply)."""
+    return None if LatentWrite.SCALE == 1.0 else LatentWrite.SCALE
 
 
 class UnifiedHpuMLAImpl(HPUMLAImpl):
@@ -168,11 +204,13 @@ class UnifiedHpuMLAImpl(HPUMLAImpl):
             layer = self._layer()
             q_nope, q_pe = q.split([nope, rope], dim=-1)
             absorbed = torch.bmm(q_nope.transpose(0, 1), layer.W_UK_T).transpose(0, 1)
-            latent = self._attend(absorbed, q_pe, latent_vec_k, blocks, md, prompt_route=False)
+            latent = self._attend(absorbed, q_pe, as_stored(latent_vec_k, q.dtype, blocks.dtype), blocks, md,
+                                  prompt_route=False)
             out = layer._v_up_proj(latent).view(rows, heads, self.v_head_dim)
         # The new latents as the cache stores them (as their context will be read in later chunks).
-        expanded = mla_prompt_rows(q, latent_vec_k.to(blocks.dtype), blocks, md.batch, self.scale, self.kv_lora_rank,
-                                   lambda c: self.kv_b_proj(c)[0], out=None if out is None else out.to(q.dtype))
+        expanded = mla_prompt_rows(q, as_stored(latent_vec_k, self._compute_dtype(q, blocks), blocks.dtype), blocks,
+                                   md.batch, self.scale, self.kv_lora_rank, lambda c: self.kv_b_proj(c)[0],
+                                   out=None if out is None else out.to(q.dtype), kv_scale=latent_scale())
         logger.info_once("unified MLA on Gaudi: prompt rows in the expanded form (kv_b_proj, one fused call), "
                          "decodes latent")
         return expanded.reshape(rows, heads * self.v_head_dim)
@@ -196,18 +234,25 @@ class UnifiedHpuMLAImpl(HPUMLAImpl):
         """Latent attention over the step's plan -> `[T, H, L]` in q_nope's dtype; `prompt_route=False`:
         the prompt route's rows left out (zero), `forward_mha` writes them."""
         query = torch.cat([q_nope, q_pe], dim=-1)
-        if query.dtype != blocks.dtype:
-            query, latent = query.to(blocks.dtype), latent.to(blocks.dtype)
+        dtype = self._compute_dtype(query, blocks)
+        query, latent, kv_scale = query.to(dtype), latent.to(dtype), latent_scale()
         if prompt_route:
-            out = mla_attention(query, latent, blocks, md.batch, self.scale, self.kv_lora_rank)
+            out = mla_attention(query, latent, blocks, md.batch, self.scale, self.kv_lora_rank, kv_scale=kv_scale)
         else:  # attend_step's keyword: checked here, as unified_attention would
             (key, value), (key_cache, value_cache) = (latent_views(x, self.kv_lora_rank) for x in (latent, blocks))
             check_inputs(query, key, value, key_cache, value_cache, md.batch, self.scale, None, None)
+            check_scale("kv_scale", kv_scale, key_cache)
             if query.shape[0] != md.batch.bucket.query_len:
                 raise ValueError(f"query rows {query.shape[0]} != the bucket's {md.batch.bucket.query_len}")
             out = mla_attention(query, latent, blocks, md.batch, self.scale, self.kv_lora_rank, checked=True,
-                                prompt_route=False)
+                                kv_scale=kv_scale, prompt_route=False)
         return out.to(q_nope.dtype)
+
+    @staticmethod
+    def _compute_dtype(query: torch.Tensor, blocks: torch.Tensor) -> torch.dtype:
+        """The cache's dtype (vllm-gaudi's impl attends in it: float32 activations over a bf16 cache), or the
+        query's over an fp8 cache (dequantized as read)."""
+        return query.dtype if is_fp8(blocks.dtype) else blocks.dtype
 
     @staticmethod
     def _check(attn_metadata, where: str) -> UnifiedHpuMetadata:
