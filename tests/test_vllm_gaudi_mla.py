@@ -325,8 +325,10 @@ def test_mla_impl_refusals(gaudi):
                   logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, q_lora_rank=None,
                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, qk_head_dim=32, v_head_dim=24,
                   kv_b_proj=layer.kv_b_proj)
-    with pytest.raises(NotImplementedError, match="kv_cache_dtype 'fp8_inc'"):
-        UnifiedHpuMLAImpl(kv_cache_dtype="fp8_inc", **kwargs)
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype 'fp8_e5m2'"):  # (fp8_inc: e4m3, served)
+        UnifiedHpuMLAImpl(kv_cache_dtype="fp8_e5m2", **kwargs)
+    with pytest.raises(NotImplementedError, match="attention sinks in an MLA layer"):
+        UnifiedHpuMLAImpl(kv_cache_dtype="auto", sinks=torch.zeros(4), **kwargs)
 
 
 # ---------------------------------------------------------------------------------------- d. generation
