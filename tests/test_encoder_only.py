@@ -15,8 +15,9 @@ TILES = {"small": SMALL_TILES, "unit": PlanOptions(causal_tile=1), "default": Pl
          "odd": PlanOptions(causal_tile=3)}
 
 
-def encoder_case(query_lens, hq=4, hkv=2, d=8, dtype=torch.float64, seed=0, options=SMALL_TILES, bucket=None):
-    """-> (output, float64 reference, batch); an empty cache (encoders read none)."""
+def encoder_case(query_lens, hq=4, hkv=2, d=8, dtype=torch.float64, seed=0, options=SMALL_TILES, bucket=None,
+                 window=None):
+    """-> (output, float64 reference, batch); an empty cache (encoders read none); `window`: two-sided."""
     g = torch.Generator().manual_seed(seed)
     t = sum(query_lens)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
@@ -24,9 +25,11 @@ def encoder_case(query_lens, hq=4, hkv=2, d=8, dtype=torch.float64, seed=0, opti
     cache = torch.empty((0, 16, hkv, d), dtype=dtype)
     table = np.zeros((len(query_lens), 1), np.int64)
     zeros = [0] * len(query_lens)
-    batch = build_unified_batch(query_lens, zeros, table, 16, options=options, bucket=bucket, causal=False)
+    batch = build_unified_batch(query_lens, zeros, table, 16, options=options, bucket=bucket, causal=False,
+                                sliding_window=window)
     out = unified_attention(q, k, v, cache, cache, batch, 0.41)
-    ref = reference_attention(q, k, v, cache, cache, query_lens, zeros, table, 0.41, causal=False)
+    ref = reference_attention(q, k, v, cache, cache, query_lens, zeros, table, 0.41, causal=False,
+                              sliding_window=window)
     return out, ref, batch, (q, k, v)
 
 
@@ -103,9 +106,46 @@ def test_tiles_hold_each_pair_of_a_request_once():
     assert (seen[pairs] == 1).all()
 
 
+@pytest.mark.parametrize("window", [1, 2, 3, 6, 40])
+@pytest.mark.parametrize("tiles", sorted(TILES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_two_sided_windows(tiles, dtype, window):
+    """A sliding window in an encoder-only step (ModernBERT's local layers) is two-sided: keys less than W
+    positions away on either side, inside the request; tiles only within reach of their tokens."""
+    lens = [7, 1, 16, 3, 2, 9]
+    out, ref, batch, _ = encoder_case(lens, dtype=dtype, options=TILES[tiles], window=window)
+    assert batch.sliding_window == window and batch.plan.bidirectional
+    assert batch.work_needed.causal == sum(min(i + window, n) - max(i - window + 1, 0) for n in lens for i in range(n))
+    assert_matches(out, ref)
+    if window < 16:  # the window matters: whole-request attention differs
+        full = encoder_case(lens, dtype=dtype, options=TILES[tiles])[0]
+        assert (full - out).abs().max() > 1e-2
+    if window == 1:  # each token alone: its own value
+        assert batch.shape.num_causal_tiles == 0
+
+
+def test_window_tiles_hold_each_pair_in_reach_once():
+    """With a window, every (row, key) pair of one request within W - 1 (self excepted) lies in exactly one
+    tile, and whole tiles out of reach are not listed."""
+    q, w, tile = np.array([20, 3, 9]), 3, 4
+    opts = PlanOptions(causal_tile=tile)
+    batch = build_unified_batch(q, [0] * 3, np.zeros((3, 1), np.int64), 16, options=opts, causal=False,
+                                sliding_window=w)
+    unwindowed = build_unified_batch(q, [0] * 3, np.zeros((3, 1), np.int64), 16, options=opts, causal=False)
+    assert batch.shape.num_causal_tiles < unwindowed.shape.num_causal_tiles
+    owner = np.repeat(np.arange(3), q)
+    t = int(q.sum())
+    seen = np.zeros((t + tile, t + tile), int)
+    for qs, ks in zip(batch.plan.causal_q_start, batch.plan.causal_k_start):
+        seen[qs:qs + tile, ks:ks + tile] += 1
+    idx = np.arange(t)
+    pairs = (owner[:, None] == owner[None, :]) & (np.abs(idx[:, None] - idx[None, :]) < w) & ~np.eye(t, dtype=bool)
+    assert (seen[:t, :t][pairs] == 1).all()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(context_lens=[0, 3]), r"context_lens\[1\] = 3 must be 0"),
-    (dict(sliding_window=4), "sliding_window = 4"),
+    (dict(sliding_window=0), "sliding_window"),
     (dict(options=PlanOptions(batch_invariant=True)), "batch_invariant"),
 ])
 def test_refusals_name_the_field(kwargs, match):
@@ -117,11 +157,13 @@ def test_refusals_name_the_field(kwargs, match):
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(lens=st.lists(st.integers(1, 13), min_size=1, max_size=5), tile=st.sampled_from([1, 2, 4, 5, 64]),
-       hkv=st.sampled_from([1, 2]), poison=st.integers(0, 10**6), seed=st.integers(0, 1000))
-def test_random_steps_and_containment(lens, tile, hkv, poison, seed):
-    """Random ragged steps match the reference; a NaN in one token's value reaches its request alone."""
+       hkv=st.sampled_from([1, 2]), poison=st.integers(0, 10**6), seed=st.integers(0, 1000),
+       window=st.sampled_from([None, 1, 2, 5]))
+def test_random_steps_and_containment(lens, tile, hkv, poison, seed, window):
+    """Random ragged steps match the reference; a NaN in one token's value reaches the tokens that see it
+    alone (its request's, within the window)."""
     opts = PlanOptions(causal_tile=tile)
-    out, ref, batch, (q, k, v) = encoder_case(lens, hq=2 * hkv, hkv=hkv, options=opts, seed=seed)
+    out, ref, batch, (q, k, v) = encoder_case(lens, hq=2 * hkv, hkv=hkv, options=opts, seed=seed, window=window)
     assert_matches(out, ref)
     t = sum(lens)
     bad = poison % t
@@ -129,7 +171,8 @@ def test_random_steps_and_containment(lens, tile, hkv, poison, seed):
     cache = torch.empty((0, 16, hkv, 8), dtype=torch.float64)
     poisoned = unified_attention(q, k, v, cache, cache, batch, 0.41)
     owner = np.repeat(np.arange(len(lens)), lens)
-    others = torch.from_numpy(owner != owner[bad])
+    sees = (owner == owner[bad]) & (np.abs(np.arange(t) - bad) < (window or t))
+    others = torch.from_numpy(~sees)
     assert torch.isfinite(poisoned[others]).all()
     torch.testing.assert_close(poisoned[others], out[others], rtol=0, atol=0)
-    assert not torch.isfinite(poisoned[torch.from_numpy(owner == owner[bad])]).all(-1).all(-1).any()
+    assert not torch.isfinite(poisoned[torch.from_numpy(sees)]).all(-1).all(-1).any()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import SMALL_TILES, SPECS, assert_matches
-from test_mla import MODES, H, L, P, R, mla_tensors
+from test_mla import MODES, L, P, R, mla_tensors
 from test_mla_prompts import SUFFIX, kv_b_weight
 from vllm_gaudi_unified import attention, build_unified_batch, unified_attention
 from vllm_gaudi_unified.mla import absorb_query, expand_output, latent_views, mla_attention

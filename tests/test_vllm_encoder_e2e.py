@@ -1,5 +1,6 @@
 """Real vLLM (CPU build): a BERT-style embedding model (encoder-only attention) with this plugin against
-vLLM's own CPU attention; no mocks.
+vLLM's own CPU attention; no mocks. Also a ModernBERT (global and local encoder-only layers in one KV cache
+group: the local ones with a two-sided sliding window).
 
 `tests/vllm_model_helpers.py embed` runs a tiny random-weight `BertModel` with `runner="pooling"` and
 embeds seven prompts of ragged lengths (1 to 130 tokens) in one batch, once with each backend: the
@@ -39,3 +40,21 @@ def test_bert_embeddings_match_vllm_cpu_attention(tmp_path):
             a, b = np.asarray(a), np.asarray(b)
             assert a.shape == b.shape and (task == "embed" or a.shape[0] == n)
             np.testing.assert_allclose(a, b, rtol=0, atol=ATOL, err_msg=f"{task}, prompt of {n} tokens")
+
+
+def test_modernbert_embeddings_match_vllm_cpu_attention(tmp_path):
+    """A tiny ModernBERT: one global layer, two local ones (each token sees keys within 8 positions on either
+    side: vLLM's two-sided window of 9), all in vLLM's one encoder-only KV cache group; the plugin plans the
+    step once per window of the group's layers. Per-token states and pooled embeddings within 1e-5 of vLLM's
+    CPU attention; the same weights with a window wider than every prompt give other states."""
+    model = M.make_tiny_modernbert(str(tmp_path / "mb"))
+    wide = M.make_tiny_modernbert(str(tmp_path / "mb_wide"), window=1024)
+    ref, _ = _embed(model, str(tmp_path / "ref.json"))
+    ours, log = _embed(model, str(tmp_path / "plugin.json"), VLLM_GAUDI_UNIFIED="1")
+    unwindowed, _ = _embed(wide, str(tmp_path / "wide.json"))
+    assert "Using the unified attention backend" in log
+    for task in ("token_embed", "embed"):
+        for n, a, b in zip(M.EMBED_LENGTHS, ours[task], ref[task], strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=ATOL, err_msg=f"{task}, {n} tokens")
+    longest = M.EMBED_LENGTHS.index(max(M.EMBED_LENGTHS))  # 130 tokens: far wider than the window
+    assert np.abs(np.asarray(unwindowed["token_embed"][longest]) - np.asarray(ref["token_embed"][longest])).max() > 1e-3

@@ -135,38 +135,55 @@ def test_embeddings_through_the_unified_runner(tmp_path):
     print("embeddings: max |d| vs vLLM CPU attention", max(diffs))
 
 
-@pytest.mark.slow
-def test_bert_embeddings_through_the_unified_runner(tmp_path):
-    """A tiny BERT (`runner="pooling"`, encoder-only attention): vllm-gaudi gives its layers an encoder-only
-    KV cache group with no cache and no block table; the unified runner plans each step bidirectional
-    (every token sees its whole request) and pads it to a power-of-two bucket. Seven ragged prompts in
-    one step: per-token states and pooled embeddings as vLLM's CPU attention gives them (1e-5)."""
+def _embeddings(tmp_path, model: str, name: str, gaudi: bool) -> dict:
+    """`vllm_model_helpers.py embed` of `model` in a subprocess, through the unified runner when `gaudi`."""
     import sys
 
-    import numpy as np
     import vllm_model_helpers as MH
     from test_vllm_gaudi import _run_engine
 
-    model = MH.make_tiny_bert(str(tmp_path / "bert"))
-    runs = {}
-    for name, gaudi in (("ref", False), ("unified", True)):
-        out = str(tmp_path / f"{name}.json")
-        runs[name] = _run_engine([sys.executable, MH.__file__, "embed", "--model", model, "--out", out], out, gaudi,
-                                 VLLM_LOGGING_LEVEL="DEBUG")
-    got, ref = runs["unified"], runs["ref"]
-    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
+    out = str(tmp_path / f"{name}.json")
+    return _run_engine([sys.executable, MH.__file__, "embed", "--model", model, "--out", out], out, gaudi,
+                       VLLM_LOGGING_LEVEL="DEBUG")
+
+
+def _largest_difference(got: dict, ref: dict) -> float:
+    import numpy as np
+    import vllm_model_helpers as MH
+
     worst = 0.0
     for task in ("token_embed", "embed"):
         for n, a, b in zip(MH.EMBED_LENGTHS, got[task], ref[task], strict=True):
             a, b = np.asarray(a), np.asarray(b)
             assert a.shape == b.shape and (task == "embed" or a.shape[0] == n)
             worst = max(worst, float(np.abs(a - b).max()))
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_encoder_embeddings_through_the_unified_runner(tmp_path, arch):
+    """Encoder-only models (`runner="pooling"`): vllm-gaudi gives their layers an encoder-only KV cache group
+    with no cache and no block table; the unified runner plans each step bidirectional (every token sees its
+    whole request) per attention kind and pads it to a power-of-two bucket. A tiny BERT, and a tiny ModernBERT
+    (a global layer and two local ones, each token seeing keys within 8 positions on either side: a two-sided
+    window of 9 in the same group). Seven ragged prompts in one step: per-token states and pooled embeddings
+    as vLLM's CPU attention gives them (1e-5)."""
+    import vllm_model_helpers as MH
+
+    model = (MH.make_tiny_bert if arch == "bert" else MH.make_tiny_modernbert)(str(tmp_path / arch))
+    got, ref = _embeddings(tmp_path, model, "unified", True), _embeddings(tmp_path, model, "ref", False)
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
+    worst = _largest_difference(got, ref)
     assert worst <= 1e-5, worst
     # one step of the seven prompts (259 tokens) for each task, bidirectional, padded to powers of two
     steps = re.findall(r"unified attention step: phase c--, bucket (c--:q512:s0:u0:l8:c\d+), step shape "
                        r"c--:q259:s0:u0:l7:c(\d+), 7 requests, 259 tokens", got["log"])
     assert len(steps) == 2, re.findall(r"unified attention step: .*", got["log"])
-    print("BERT through the unified runner: max |d| vs vLLM CPU attention", worst, "steps", steps)
+    if arch == "modernbert":
+        assert ("one plan per attention kind per step (full: 1 layers, sliding window 9: 2 layers), encoder-only"
+                in got["log"])
+    print(arch, "through the unified runner: max |d| vs vLLM CPU attention", worst, "steps", steps)
 
 
 # ---------------------------------------------------------------------------------------- async scheduling

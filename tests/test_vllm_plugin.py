@@ -139,12 +139,17 @@ def test_unsupported_features_fail_at_selection(kw, reason):
     (dict(alibi_slopes=[1.0, 0.5]), "ALiBi"),
     (dict(attn_type=AttentionType.ENCODER), "decoder and encoder-only only: cross-attention"),
     (dict(attn_type=AttentionType.ENCODER_DECODER), "decoder and encoder-only only: cross-attention"),
-    (dict(attn_type=AttentionType.ENCODER_ONLY, sliding_window=8), "sliding window in an encoder-only layer"),
     (dict(kv_sharing_target_layer_name="model.layers.0.self_attn.attn"), "KV cache sharing"),
 ])
 def test_unsupported_layer_arguments_fail_at_construction(kw, reason):
     with pytest.raises(NotImplementedError, match=reason):
         GaudiUnifiedAttentionImpl(2, 64, 0.125, 2, **kw)
+
+
+def test_an_encoder_only_layer_takes_a_window():
+    """ModernBERT's local layers: an encoder-only layer with a (two-sided) sliding window is served."""
+    impl = GaudiUnifiedAttentionImpl(2, 64, 0.125, 2, attn_type=AttentionType.ENCODER_ONLY, sliding_window=8)
+    assert impl.sliding_window == 8
 
 
 # ---------------------------------------------------------------------------------------- builder

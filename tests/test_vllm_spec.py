@@ -12,7 +12,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID  # noqa: E402
 
-from vllm_gaudi_unified.vllm_plugin.backend import step_lengths, write_kv  # noqa: E402
+from vllm_gaudi_unified.vllm_plugin.backend import step_lengths  # noqa: E402
+from vllm_gaudi_unified.vllm_plugin.cache_write import write_kv  # noqa: E402
 from vllm_gaudi_unified.vllm_plugin.platform import select_unified_backend  # noqa: E402
 
 pytestmark = pytest.mark.vllm

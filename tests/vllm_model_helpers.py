@@ -61,6 +61,25 @@ def make_tiny_bert(path: str, hidden: int = 128, layers: int = 2, heads: int = 4
     return path
 
 
+def make_tiny_modernbert(path: str, hidden: int = 128, layers: int = 3, heads: int = 4, window: int = 16,
+                         seed: int = 0) -> str:
+    """Save a random-weight ModernBertModel (float32) to `path`: a global layer, then local ones whose tokens see
+    keys within `window // 2` positions on either side (vLLM gives them a two-sided sliding window of
+    `window // 2 + 1`); returns `path`."""
+    import torch
+    from transformers import ModernBertConfig, ModernBertModel
+
+    config = ModernBertConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=layers, num_attention_heads=heads, local_attention=window,
+                              global_attn_every_n_layers=layers, max_position_embeddings=512, pad_token_id=0,
+                              bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3, torch_dtype="float32",
+                              architectures=["ModernBertModel"])
+    torch.manual_seed(seed)
+    ModernBertModel(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    _save_word_tokenizer(path)
+    return path
+
+
 def _save_word_tokenizer(path: str) -> None:
     """A BERT word-piece tokenizer over `VOCAB` made-up words (no download)."""
     from transformers import BertTokenizerFast
@@ -233,7 +252,7 @@ def main(argv=None) -> int:
     vllm_helpers.keep_vllm_gaudi_out()
     parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("make-bert", "make-deepseek"):
+    for name in ("make-bert", "make-modernbert", "make-deepseek"):
         sub.add_parser(name).add_argument("path")
     em = sub.add_parser("embed", help="embed the ragged prompts with one engine")
     em.add_argument("--model", required=True)
@@ -254,6 +273,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "make-bert":
         make_tiny_bert(args.path)
+    elif args.cmd == "make-modernbert":
+        make_tiny_modernbert(args.path)
     elif args.cmd == "make-deepseek":
         make_tiny_deepseek(args.path)
     elif args.cmd == "embed":

@@ -14,8 +14,10 @@ def reference_attention(query, key, value, key_cache, value_cache, query_lens, c
                         sinks: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """Same contract as `unified_attention`, computed in float64 one request at a time (on the CPU).
 
-    `causal=False`: encoder-only, every token sees its whole request. Values may have a head dim of
-    their own (MLA: keys are the whole latent, values its first dims); the output has the values'."""
+    `causal=False`: encoder-only, every token sees its whole request; a `sliding_window` W is then two-sided,
+    keys less than W positions away on either side (ModernBERT's local layers, as vLLM's CPU attention and
+    Hugging Face's model apply it). Values may have a head dim of their own (MLA: keys are the whole latent,
+    values its first dims); the output has the values'."""
     bs = key_cache.shape[1]
     group = query.shape[1] // key.shape[1]
     out = torch.zeros((*query.shape[:2], value.shape[-1]), dtype=torch.float64)
@@ -34,7 +36,7 @@ def reference_attention(query, key, value, key_cache, value_cache, query_lens, c
         pos_k = torch.arange(ctx + q_len)[None, :]
         visible = pos_k <= pos_q if causal else torch.ones(q_len, ctx + q_len, dtype=torch.bool)
         if sliding_window is not None:
-            visible &= pos_k > pos_q - sliding_window
+            visible &= (pos_k > pos_q - sliding_window) & (causal or pos_k < pos_q + sliding_window)
         s = s.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             s = torch.cat([s, sinks.cpu().double()[:, None, None].expand(-1, q_len, 1)], dim=-1)

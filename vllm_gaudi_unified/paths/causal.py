@@ -8,7 +8,7 @@ computed, so every real row sees at least one key. The strict-causal pairs come
 in square tiles on the flattened token axis, listed by the planner only where
 some pair is needed; a mask per tile keeps pairs inside one request, in order,
 and inside the sliding window; in an encoder-only step (`plan/bidirectional.py`) inside one request,
-in any order.
+in any order (a window: on either side).
 """
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, sca
         mask = (batch.token_seg_start[keys_in][:, None, :] == seg) & (kk != r) & (kk < n) & (r < n)
     else:
         mask = (kk >= seg) & (kk < r) & (r < n)
-    if batch.sliding_window is not None:
-        mask &= r - kk < batch.sliding_window
+    if batch.sliding_window is not None:  # two-sided in an encoder-only step (`plan/bidirectional.py`)
+        mask &= ((r - kk).abs() if batch.plan.bidirectional else r - kk) < batch.sliding_window
     tile_attend = attend
     if fused.kernel_for(batch, q, soft_cap, v.shape[-1]) == "hpu":  # FusedSDPA with statistics on the same tiles
         tile_attend = fused.sdpa_attend

@@ -58,7 +58,8 @@ from vllm_gaudi_unified import UnifiedBatch, build_unified_batch
 from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
 from vllm_gaudi_unified.attention import BucketRows, attend_step, check_inputs
 from vllm_gaudi_unified.batch import StepBuffers
-from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, is_fp8, quantize
+from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, quantize
+from vllm_gaudi_unified.vllm_plugin.cache_write import write_kv
 from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
 from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
 
@@ -170,6 +171,13 @@ class GaudiUnifiedMetadata:
     #: reads the decodes' new keys from the cache with the rest (`paths/decodes.py`)
     self_slots: torch.Tensor | None = None
     checked: bool = False  #: the step's inputs were checked (by its first layer)
+    #: an encoder-only group's plan per sliding window of its layers (vLLM puts every encoder-only layer in one
+    #: group: ModernBERT's global and local layers), `batch` the first; None: every layer reads `batch`
+    window_batches: dict | None = None
+
+    def batch_for(self, sliding_window: int | None) -> UnifiedBatch:
+        """The plan a layer with this window reads."""
+        return self.batch if self.window_batches is None else self.window_batches[sliding_window]
 
 
 class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]):
@@ -194,7 +202,10 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         self.model_dtype = dtype if isinstance(dtype, torch.dtype) else None
         #: MLA's expanded prompts have values narrower than keys: their step mask is the one call's (`split_context`)
         self.same_head_dims = not getattr(getattr(vllm_config, "model_config", None), "use_mla", False)
-        self.sliding_window = _group_sliding_window(vllm_config, layer_names)
+        #: an encoder-only group plans each of its layers' windows (two-sided: `plan/bidirectional.py`)
+        self.encoder_windows = sorted(_group_windows(vllm_config, layer_names), key=lambda w: w or 0) \
+            if self.encoder_only else None
+        self.sliding_window = None if self.encoder_only else _group_sliding_window(vllm_config, layer_names)
         # One group's steps go to the trace: a full-attention group's if the model has one.
         may_record = self.sliding_window is None or not _model_has_full_attention(vllm_config)
         if self.encoder_only:  # the bucket plans and traces describe cached (decoder) steps
@@ -218,10 +229,16 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
                                       f"{'encoder-only' if self.encoder_only else 'decoder'} KV cache group: it "
                                       "runs causal decoder groups and bidirectional encoder-only groups")
         query_lens, context_lens, block_table = step_lengths(cm, exact_seq_lens=self.speculative)
-        batch = build_unified_batch(query_lens, context_lens, block_table, self.block_size,
-                                    sliding_window=self.sliding_window, options=self.hooks.options,
-                                    bucket=self.hooks.bucket_plan, buffers=self.buffers, causal=not self.encoder_only)
-        if not self.encoder_only:
+        window_batches = None
+        if self.encoder_only:  # unpadded, one plan per window (no kept buffers: each build would overwrite them)
+            window_batches = {w: build_unified_batch(query_lens, context_lens, block_table, self.block_size,
+                                                     sliding_window=w, options=self.hooks.options, causal=False)
+                              for w in self.encoder_windows}
+            batch = window_batches[self.encoder_windows[0]]
+        else:
+            batch = build_unified_batch(query_lens, context_lens, block_table, self.block_size,
+                                        sliding_window=self.sliding_window, options=self.hooks.options,
+                                        bucket=self.hooks.bucket_plan, buffers=self.buffers)
             self.hooks.after_plan(batch, query_lens, context_lens, block_table)
             if self.model_dtype is not None:
                 batch = batch.with_prompt_bias(self.model_dtype, self.same_head_dims)
@@ -229,7 +246,9 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         slots = cm.slot_mapping[:num_tokens].long()
         cached = slots.device.type == "cpu" and bool((slots >= 0).all())
         return GaudiUnifiedMetadata(batch=batch, slot_mapping=slots, num_tokens=num_tokens, rows=self.rows,
-                                    self_slots=slots if cached else None)
+                                    self_slots=slots if cached else None,
+                                    window_batches=window_batches if window_batches and len(window_batches) > 1
+                                    else None)
 
 
 def step_lengths(cm: CommonAttentionMetadata, exact_seq_lens: bool = False
@@ -282,10 +301,15 @@ def refuse_unsupported_config(vllm_config: VllmConfig) -> None:
                                   + ". Unset VLLM_GAUDI_UNIFIED to use vLLM's own backend.")
 
 
-def _group_sliding_window(vllm_config: VllmConfig, layer_names: list[str]) -> int | None:
-    """The window of this group's layers; the plan is shared by the group, so they must agree."""
+def _group_windows(vllm_config: VllmConfig, layer_names: list[str]) -> set:
+    """The sliding windows (None: none) of this group's layers."""
     layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-    windows = {layer.impl.sliding_window for layer in layers.values()}
+    return {layer.impl.sliding_window for layer in layers.values()}
+
+
+def _group_sliding_window(vllm_config: VllmConfig, layer_names: list[str]) -> int | None:
+    """The window of this group's decoder layers; the plan is shared by the group, so they must agree."""
+    windows = _group_windows(vllm_config, layer_names)
     if len(windows) > 1:
         raise NotImplementedError(f"layers sharing one KV cache group have different sliding windows {windows}; "
                                   "the unified backend plans one window per step (enable vLLM's hybrid KV cache "
@@ -314,8 +338,6 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             (f"attention type {attn_type!r} (decoder and encoder-only only: cross-attention reads another "
              "sequence's cache, which the planner does not model)",
              attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY)),
-            ("a sliding window in an encoder-only layer",
-             attn_type == AttentionType.ENCODER_ONLY and sliding_window is not None),
             ("KV cache sharing between layers", kv_sharing_target_layer_name is not None),
             (f"kv_cache_dtype {kv_cache_dtype!r}", kv_cache_dtype not in self.backend.supported_kv_cache_dtypes),
         ) if present]
@@ -368,33 +390,10 @@ class GaudiUnifiedAttentionImpl(AttentionImpl[GaudiUnifiedMetadata]):
             check_inputs(query, key, value, key_cache, value_cache, md.batch, self.scale, self.logits_soft_cap,
                          self.sinks)
             md.checked = True
-        output[:t] = attend_step(query, key, value, key_cache, value_cache, md.batch, self.scale,
+        batch = md.batch_for(self.sliding_window)  # (an encoder-only group plans each window of its layers)
+        output[:t] = attend_step(query, key, value, key_cache, value_cache, batch, self.scale,
                                  logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
                                  k_scale=k_scale, v_scale=v_scale,
                                  dense_decodes=not encoder_only,  # it reads the new tokens from the cache
                                  self_slots=md.self_slots)[:t]
         return output
-
-
-def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V at their slots. key/value `[T, Hkv, D]`; caches
-    `[num_blocks, block_size, Hkv, D]` (views whose block and slot axes flatten
-    without a copy); slot_mapping `[T]` int64.
-
-    Writing before attending is safe: the planner reads positions below a
-    request's context_len from the cache and the new tokens from key/value, so
-    no key is counted twice (the bug of the earlier Gaudi implementation).
-
-    A slot of -1 (vLLM's `PADDING_SLOT_ID`) means "do not cache this token": a
-    drafter's rows for the drafts the target rejected, positions past
-    max_model_len. Such tokens write into slot 0 of block 0 instead, vLLM's
-    null block, which no request's context ever reads (its content is never
-    used, so colliding writes there do not matter); one fixed-shape write, no
-    host sync, no data-dependent shape."""
-    slots = slot_mapping.clamp(min=0)
-    for new, cache in ((key, key_cache), (value, value_cache)):
-        if is_fp8(cache.dtype):  # stored as bytes: index_copy_ has no fp8 kernel on the CPU
-            new, cache = new.view(torch.uint8), cache.view(torch.uint8)
-        # view(), not flatten(): a silent copy would drop the write; view() raises instead.
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)

@@ -37,11 +37,8 @@ from vllm_gaudi.v1.worker.hpu_model_runner import HPUAttentionMetadataProcessor
 from vllm_gaudi_unified import UnifiedBatch, unified_attention
 from vllm_gaudi_unified.mla_prompts import expanded_step
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, per_token_scales, quantize
-from vllm_gaudi_unified.vllm_plugin.backend import (
-    GaudiUnifiedAttentionBackend,
-    GaudiUnifiedAttentionImpl,
-    write_kv,
-)
+from vllm_gaudi_unified.vllm_plugin.backend import GaudiUnifiedAttentionBackend, GaudiUnifiedAttentionImpl
+from vllm_gaudi_unified.vllm_plugin.cache_write import write_kv
 
 #: The name vLLM's registry knows the Gaudi backend by (`backend.BACKEND_NAME` is the CPU path's).
 HPU_BACKEND_NAME = "GAUDI_UNIFIED_HPU_ATTN"

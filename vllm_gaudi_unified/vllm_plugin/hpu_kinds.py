@@ -86,13 +86,16 @@ def table_indices(groups) -> list[int | None]:
     return indices
 
 
-def plan_encoder_only(query_lens, context_lens, block_size: int, options, device) -> UnifiedBatch:
-    """An encoder-only step (every token sees its whole request, no cache, so `context_lens` all 0 and no
-    block table: `plan/bidirectional.py`) padded to `bucket.pow2_bucket` of its shape: bucket plans describe
-    cached steps, and an HPU compiles a graph per shape, so the step's sizes are rounded to a few shapes (at
-    most 2x each) rather than left as they come."""
+def plan_encoder_only(query_lens, context_lens, block_size: int, options, device,
+                      kind: AttentionKind = FULL) -> UnifiedBatch:
+    """An encoder-only step (every token sees its whole request, within the kind's two-sided window; no cache,
+    so `context_lens` all 0 and no block table: `plan/bidirectional.py`) padded to `bucket.pow2_bucket` of its
+    shape: bucket plans describe cached steps, and an HPU compiles a graph per shape, so the step's sizes are
+    rounded to a few shapes (at most 2x each) rather than left as they come. Every kind pads to the same rows."""
+    if kind.chunk_size:
+        raise NotImplementedError(f"chunked local attention ({kind.chunk_size}) in an encoder-only layer")
     plan = plan_step(query_lens, context_lens, np.zeros((len(query_lens), 0), np.int64), block_size,
-                     options=options, causal=False)
+                     sliding_window=kind.window, options=options, causal=False)
     return UnifiedBatch.from_plan(pad_plan(plan, pow2_bucket(plan.shape)), device)
 
 

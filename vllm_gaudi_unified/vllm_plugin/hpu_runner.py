@@ -112,8 +112,9 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         """Bucket plan, trace and debug log per KV cache group of `self.kv_cache_config`; the group's
         layers by attention kind (vllm-gaudi puts sliding-window, chunked and full layers in one group).
         An encoder-only group (BERT-style embedders: vllm-gaudi appends it, `EncoderOnlyAttentionSpec`,
-        with no cache and no block table) plans its steps bidirectional and unpadded, as the CPU path's
-        builder does (`backend.GaudiUnifiedMetadataBuilder`): bucket plans and traces describe cached steps."""
+        with no cache and no block table) plans its steps bidirectional per attention kind (ModernBERT's global
+        and local layers), padded to powers of two (`hpu_kinds.plan_encoder_only`): bucket plans and traces
+        describe cached steps."""
         config = PluginConfig.from_env()
         groups = self.kv_cache_config.kv_cache_groups
         self.unified_tables = table_indices(groups)
@@ -138,10 +139,12 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
             StepHooks.create(config, self.vllm_config, g.kv_cache_spec, torch.device(self.device),
                              sliding_window=w, may_record=(i == recorder))
             for i, (g, w, t) in enumerate(zip(groups, windows, self.unified_tables))]
-        for kinds in self.unified_kinds:
+        for kinds, t in zip(self.unified_kinds, self.unified_tables):
             if len(kinds) > 1:
                 logger.info("Unified attention: one KV cache group, one plan per attention kind per step (%s), "
-                            "all padded to one bucket", ", ".join(f"{k}: {len(v)} layers" for k, v in kinds.items()))
+                            "%s", ", ".join(f"{k}: {len(v)} layers" for k, v in kinds.items()),
+                            "all padded to one bucket" if t is not None else "encoder-only, two-sided windows, "
+                            "each padded to powers of two")
 
     # ------------------------------------------------------------------ one step
 
@@ -195,7 +198,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
             if t is None:  # encoder-only: every token sees its whole request, no cache (`make_unified_hooks`)
                 table = np.zeros((len(step.query_lens), 0), dtype=np.int64)
                 batches = {kind: plan_encoder_only(step.query_lens, step.context_lens, bs, hooks.options,
-                                                   self.device) for kind in kinds}
+                                                   self.device, kind) for kind in kinds}
             else:
                 table = step.block_tables[t]
                 batches = plan_kinds(step.query_lens, step.context_lens, table, bs, kinds, hooks.options,
