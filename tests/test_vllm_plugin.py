@@ -146,6 +146,16 @@ def test_unsupported_layer_arguments_fail_at_construction(kw, reason):
         GaudiUnifiedAttentionImpl(2, 64, 0.125, 2, **kw)
 
 
+def test_encoder_only_groups_refuse_the_batch_invariant_mode():
+    """An encoder step's tiles follow its batch: in the batch-invariant mode an encoder-only group stops at
+    start-up, naming the mode, rather than run rows that depend on their batch."""
+    from vllm_gaudi_unified.vllm_plugin.steps import StepHooks
+
+    assert not StepHooks.encoder_only(PluginConfig()).options.batch_invariant
+    with pytest.raises(NotImplementedError, match="batch-invariant mode .*encoder-only attention layers"):
+        StepHooks.encoder_only(PluginConfig(batch_invariant=True))
+
+
 def test_an_encoder_only_layer_takes_a_window():
     """ModernBERT's local layers: an encoder-only layer with a (two-sided) sliding window is served."""
     impl = GaudiUnifiedAttentionImpl(2, 64, 0.125, 2, attn_type=AttentionType.ENCODER_ONLY, sliding_window=8)

@@ -55,7 +55,6 @@ from vllm.v1.kv_cache_interface import AttentionSpec, EncoderOnlyAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_gaudi_unified import UnifiedBatch, build_unified_batch
-from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
 from vllm_gaudi_unified.attention import BucketRows, attend_step, check_inputs
 from vllm_gaudi_unified.batch import StepBuffers
 from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, quantize
@@ -208,11 +207,9 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         self.sliding_window = None if self.encoder_only else _group_sliding_window(vllm_config, layer_names)
         # One group's steps go to the trace: a full-attention group's if the model has one.
         may_record = self.sliding_window is None or not _model_has_full_attention(vllm_config)
-        if self.encoder_only:  # the bucket plans and traces describe cached (decoder) steps
-            self.hooks = StepHooks(options=DEFAULT_OPTIONS)
-        else:
-            self.hooks = StepHooks.create(PluginConfig.from_env(), vllm_config, kv_cache_spec, device,
-                                          sliding_window=self.sliding_window, may_record=may_record)
+        config = PluginConfig.from_env()
+        self.hooks = StepHooks.encoder_only(config) if self.encoder_only else StepHooks.create(
+            config, vllm_config, kv_cache_spec, device, sliding_window=self.sliding_window, may_record=may_record)
         # Kept from step to step: the plan's arrays (sized by the largest bucket: a step allocates nothing and
         # a bucket's graph sees the same addresses every step) and the q/k/v rows of padded steps.
         plan = self.hooks.bucket_plan

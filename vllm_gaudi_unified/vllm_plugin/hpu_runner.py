@@ -41,7 +41,6 @@ from vllm_gaudi.v1.worker.hpu_model_runner import (
 )
 
 from vllm_gaudi_unified.log import get_logger
-from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
 from vllm_gaudi_unified.vllm_plugin.backend import refuse_unsupported_config
 from vllm_gaudi_unified.vllm_plugin.config import PluginConfig
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
@@ -135,7 +134,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
                    for k in self.unified_kinds]
         recorder = next((i for i, k in enumerate(self.unified_kinds) if FULL in k), 0)
         self.unified_hooks = [
-            StepHooks(options=DEFAULT_OPTIONS) if t is None else
+            StepHooks.encoder_only(config) if t is None else
             StepHooks.create(config, self.vllm_config, g.kv_cache_spec, torch.device(self.device),
                              sliding_window=w, may_record=(i == recorder))
             for i, (g, w, t) in enumerate(zip(groups, windows, self.unified_tables))]

@@ -26,6 +26,7 @@ import torch
 
 from vllm_gaudi_unified import PlanOptions, UnifiedBatch
 from vllm_gaudi_unified.log import get_logger
+from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
 from vllm_gaudi_unified.vllm_plugin.config import ENV_BATCH_INVARIANT, ENV_BUCKETS, PluginConfig
 
 logger = get_logger("vllm.gaudi_unified.steps")
@@ -59,6 +60,17 @@ class StepHooks:
         if hooks.trace_path:
             _start_trace(hooks.trace_path, vllm_config, kv_cache_spec, sliding_window)
         return hooks
+
+    @classmethod
+    def encoder_only(cls, config: PluginConfig) -> "StepHooks":
+        """Hooks of an encoder-only KV cache group: default options, no bucket plan and no trace (both describe
+        cached steps). The batch-invariant mode is refused: its planner plans causal steps only, and an
+        encoder step's tiles follow its batch, so its rows would not be batch-invariant."""
+        if config.batch_invariant:
+            raise NotImplementedError(f"the batch-invariant mode ({ENV_BATCH_INVARIANT} or VLLM_BATCH_INVARIANT) "
+                                      "with encoder-only attention layers: the batch-invariant planner plans causal "
+                                      "steps only; serve this model without it")
+        return cls(options=DEFAULT_OPTIONS)
 
     def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, num_qo_heads: int,
                 dtype: torch.dtype | None = None) -> None:
