@@ -171,7 +171,7 @@ class GaudiUnifiedMetadata:
     self_slots: torch.Tensor | None = None
     checked: bool = False  #: the step's inputs were checked (by its first layer)
     #: an encoder-only group's plan per sliding window of its layers (vLLM puts every encoder-only layer in one
-    #: group: ModernBERT's global and local layers), `batch` the first; None: every layer reads `batch`
+    #: group: ModernBERT's global and local layers), `batch` the first; None (decoders): every layer reads `batch`
     window_batches: dict | None = None
 
     def batch_for(self, sliding_window: int | None) -> UnifiedBatch:
@@ -243,9 +243,7 @@ class GaudiUnifiedMetadataBuilder(AttentionMetadataBuilder[GaudiUnifiedMetadata]
         slots = cm.slot_mapping[:num_tokens].long()
         cached = slots.device.type == "cpu" and bool((slots >= 0).all())
         return GaudiUnifiedMetadata(batch=batch, slot_mapping=slots, num_tokens=num_tokens, rows=self.rows,
-                                    self_slots=slots if cached else None,
-                                    window_batches=window_batches if window_batches and len(window_batches) > 1
-                                    else None)
+                                    self_slots=slots if cached else None, window_batches=window_batches)
 
 
 def step_lengths(cm: CommonAttentionMetadata, exact_seq_lens: bool = False

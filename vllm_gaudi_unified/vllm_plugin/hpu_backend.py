@@ -177,20 +177,17 @@ class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
         q = query.reshape(-1, self.num_heads, self.head_size)
         k = key.reshape(-1, self.num_kv_heads, self.head_size)
         v = value.reshape(-1, self.num_kv_heads, self.head_size)
+        t = attn_metadata.slot_mapping.shape[0]
+        if q.shape[0] != t:
+            raise ValueError(f"query rows {q.shape[0]} != planned rows {t} (slot_mapping): the runner's model "
+                             "inputs and its plan disagree")
         if encoder_only:  # the new tokens alone (the plan is bidirectional: `hpu_runner.plan_step`)
-            if q.shape[0] != attn_metadata.slot_mapping.shape[0]:
-                raise ValueError(f"query rows {q.shape[0]} != planned rows {attn_metadata.slot_mapping.shape[0]}: "
-                                 "the runner's model inputs and its plan disagree")
             empty = k.new_empty((0, attn_metadata.batch.block_size, *k.shape[1:]))
             return unified_attention(q, k, v, empty, empty, attn_metadata.batch, self.scale).reshape(shape)
         key_cache, value_cache, k_scales, v_scales = kv_cache
         bs = attn_metadata.batch.block_size
         key_cache = UnifiedHpuAttentionBackend.block_view(key_cache, bs)
         value_cache = UnifiedHpuAttentionBackend.block_view(value_cache, bs)
-        t = attn_metadata.slot_mapping.shape[0]
-        if q.shape[0] != t:
-            raise ValueError(f"query rows {q.shape[0]} != planned rows {t} (slot_mapping): the runner's model "
-                             "inputs and its plan disagree")
         k_scale = v_scale = None
         if is_fp8(key_cache.dtype):
             (k_q, k_rows, k_scale), (v_q, v_rows, v_scale) = self._quantize_new_kv(

@@ -140,13 +140,19 @@ class LatentWrite(VLLMKVCache):
         if not is_fp8(cache.dtype):
             self.latent = input
             return super().forward(input, cache, slot_mapping, *args, **kwargs)
-        from vllm_gaudi.extension.ops import FP8_MAX  # 240 on Gaudi2 (e4m3 with that range), else 448
-
         logger.info_once("unified MLA on Gaudi: fp8 latent cache (%s, scale %s)", cache.dtype, self.SCALE)
-        stored = quantize(input, cache.dtype, self.SCALE, saturate_at=FP8_MAX)
+        stored = quantize_latent(input, cache.dtype)
         cache.view(torch.uint8).index_copy_(0, slot_mapping, stored.view(torch.uint8))  # (no fp8 index_copy_ on CPU)
         self.latent = as_stored(stored, input.dtype)
         return cache
+
+
+def quantize_latent(latent: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """`latent` as `LatentWrite` stores it in an fp8 cache: `latent / SCALE`, rounded to nearest, saturated at
+    vllm-gaudi's `FP8_MAX` (240 on Gaudi2, whose e4m3 has that range, else 448)."""
+    from vllm_gaudi.extension.ops import FP8_MAX
+
+    return quantize(latent, fp8_dtype, LatentWrite.SCALE, saturate_at=FP8_MAX)
 
 
 def as_stored(latent: torch.Tensor, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -154,9 +160,7 @@ def as_stored(latent: torch.Tensor, dtype: torch.dtype, cache_dtype: torch.dtype
     `cache_dtype`) quantized as `LatentWrite` stores it and dequantized; the new tokens attend to each other as
     their later steps will read them."""
     if cache_dtype is not None and is_fp8(cache_dtype) and not is_fp8(latent.dtype):
-        from vllm_gaudi.extension.ops import FP8_MAX
-
-        latent = quantize(latent, cache_dtype, LatentWrite.SCALE, saturate_at=FP8_MAX)
+        latent = quantize_latent(latent, cache_dtype)
     if is_fp8(latent.dtype):
         return read_blocks(latent, latent.shape[0], latent_scale(), dtype)
     return latent.to(dtype)
@@ -199,17 +203,17 @@ class UnifiedHpuMLAImpl(HPUMLAImpl):
             raise ValueError(f"query rows {q.shape[0]} / latent rows {latent_vec_k.shape[0]} != planned rows {rows} "
                              "(slot_mapping): the runner's model inputs and its plan disagree")
         blocks = self._blocks(k_cache, md)
+        # The new latents as the cache stores them (as their context will be read in later chunks).
+        stored = as_stored(latent_vec_k, q.dtype, blocks.dtype)
         out = None
         if not md.batch.plan.prompts_only:  # decodes beside the prompts: latent, as forward_impl's other branch
             layer = self._layer()
             q_nope, q_pe = q.split([nope, rope], dim=-1)
             absorbed = torch.bmm(q_nope.transpose(0, 1), layer.W_UK_T).transpose(0, 1)
-            latent = self._attend(absorbed, q_pe, as_stored(latent_vec_k, q.dtype, blocks.dtype), blocks, md,
-                                  prompt_route=False)
+            latent = self._attend(absorbed, q_pe, stored, blocks, md, prompt_route=False)
             out = layer._v_up_proj(latent).view(rows, heads, self.v_head_dim)
-        # The new latents as the cache stores them (as their context will be read in later chunks).
-        expanded = mla_prompt_rows(q, as_stored(latent_vec_k, self._compute_dtype(q, blocks), blocks.dtype), blocks,
-                                   md.batch, self.scale, self.kv_lora_rank, lambda c: self.kv_b_proj(c)[0],
+        expanded = mla_prompt_rows(q, stored.to(self._compute_dtype(q, blocks)), blocks, md.batch, self.scale,
+                                   self.kv_lora_rank, lambda c: self.kv_b_proj(c)[0],
                                    out=None if out is None else out.to(q.dtype), kv_scale=latent_scale())
         logger.info_once("unified MLA on Gaudi: prompt rows in the expanded form (kv_b_proj, one fused call), "
                          "decodes latent")
