@@ -1,4 +1,4 @@
-"""The dense design this project started from (issue 8), as work counts and as a plan the device code runs.
+"""The dense design this project started from, as work counts and as a plan the device code runs.
 
 The dense design: the causal path in 512-row slices over the flattened batch
 (every key slice at or below the query slice, cross-request tiles included),
@@ -31,7 +31,7 @@ def dense_work(plan: StepPlan) -> PathWork:
 
 
 def dense_plan(query_lens, context_lens, block_table, block_size: int, num_blocks: int) -> StepPlan:
-    """The dense design of issue 8 as a `StepPlan` (no sliding window): see the module docstring."""
+    """The dense design as a `StepPlan` (no sliding window): see the module docstring."""
     q, ctx = np.asarray(query_lens, np.int64), np.asarray(context_lens, np.int64)
     bt, bs = np.asarray(block_table, np.int64), int(block_size)
     base = plan_step(q, ctx, bt, bs, num_blocks=num_blocks,

@@ -1,9 +1,8 @@
 """MLA decode at DeepSeek-V3 shapes (128 query heads, latent 512 + rope 64, bf16): unified attention in latent
 space against the HBM floor of reading the latent cache once, and vllm-gaudi's `flat_pa_mla` run as torch ops
-(loaded as `benchmarks/gaudi_peer.py` loads its ops.py). Also one prompt: latent form vs expanded form
-(`benchmarks/mla_prompt.py`).
+(loaded as `benchmarks/gaudi_peer.py` loads its ops.py).
 
-`python -m benchmarks.mla_decode --out FILE.json` (CUDA). Scenarios:
+`python -m benchmarks.mla_decode --out FILE.json [--profile] [--cases ...]` (CUDA). Scenarios:
 
 * `decode_128x4k`: 128 decodes, 4096 tokens each (context 4095 + the new token);
 * `shared_64x4k+256`: 64 decodes whose first 4096 tokens are one shared prefix (the same 32 blocks),
@@ -23,7 +22,7 @@ larger of the two floors is what a kernel can approach. Times: CUDA events, medi
 warm-ups. Errors: max |out - float32 dense reference| over four requests.
 
 Columns (`--cases` picks scenarios): the CUDA route (`paths/mla_decode.py`'s kernel on the unique
-pairs, and since run 11 on the shared ones too; `cuda_shared_route`: those on `paths/mla_shared.py`;
+pairs and the shared ones; `cuda_shared_route`: those on `paths/mla_shared.py`;
 `cuda_triton` / `cuda_gluon`: the Triton kernel or a Gluon kernel (`paths/mla_gluon_seesaw.py` where it
 applies, else `paths/mla_gluon.py`), whatever the default; `cuda_gluon_shared` / `cuda_triton_shared`: a step's shared cells on the Gluon or the Triton kernel,
 `MLA_GLUON_SHARED` on or off), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
@@ -31,9 +30,8 @@ ops only, on the bucket-shaped paths an HPU graph holds: the unique pairs on `pa
 runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
 mla_chunks.py; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
 each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
-generic tiles for every pair (the route before both, `mla_unique_route` and `mla_shared_applies` off),
-vllm-gaudi. `--sweep`: the kernel's constants, each timed; `--consts FILE`: run with the constants in FILE
-(JSON, `benchmarks/mla_decode_probe.py --best`).
+generic tiles for every pair (`tiles`: `mla_unique_route` and `mla_shared_applies` off), vllm-gaudi.
+`--profile`: each route's kernels over 5 steps (GPU time per step = the profile's CUDA total / 5).
 """
 from __future__ import annotations
 
@@ -81,27 +79,11 @@ def matmul_rate() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3)
 
 
-#: Kernel constants swept (`--sweep`): (heads per program, keys per step, warps, stages) x split keys x
-#: tile loads (`mla_kernel.py`: V_LOAD). The best by total time over the scenarios then runs the columns.
-SWEEP = [(bh, keys, warps, stages, split, v_load) for bh, keys, warps, stages in
-         [(16, 16, 4, 2), (16, 32, 4, 2), (16, 32, 4, 3), (32, 16, 4, 2), (32, 32, 4, 2), (32, 32, 8, 3),
-          (64, 16, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2)] for split in (4096, 16384) for v_load in (0, 1)]
-KERNEL_CONSTS = ("MLA_BLOCK_H", "MLA_KEYS", "MLA_WARPS", "MLA_STAGES", "MLA_SPLIT_KEYS", "MLA_V_LOAD")
-REPORTED_CONSTS = (*KERNEL_CONSTS, "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_GLUON", "MLA_GLUON_KEYS", "MLA_GLUON_STAGES",
-                   "MLA_GLUON_PIPE", "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_SHARED",
-                   "MLA_GLUON_DESC_CACHE", "MLA_KERNEL_SHARED")
-
-
-@contextlib.contextmanager
-def kernel_consts(values):
-    saved = [getattr(mla_decode, k) for k in KERNEL_CONSTS]
-    for k, v in zip(KERNEL_CONSTS, values):
-        setattr(mla_decode, k, v)
-    try:
-        yield
-    finally:
-        for k, v in zip(KERNEL_CONSTS, saved):
-            setattr(mla_decode, k, v)
+#: The kernel's constants, recorded with every run.
+REPORTED_CONSTS = ("MLA_BLOCK_H", "MLA_KEYS", "MLA_WARPS", "MLA_STAGES", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT",
+                   "MLA_Q_LOOP", "MLA_GLUON", "MLA_GLUON_KEYS", "MLA_GLUON_STAGES", "MLA_GLUON_PIPE",
+                   "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD", "MLA_GLUON_SHARED", "MLA_GLUON_DESC_CACHE",
+                   "MLA_KERNEL_SHARED")
 
 
 def gluon_kernel():
@@ -121,7 +103,7 @@ def triton_kernel():
 
 
 def gluon_shared():
-    """The CUDA route with a step's shared cells on the Gluon kernel too (`MLA_GLUON_SHARED`, run 13)."""
+    """The CUDA route with a step's shared cells on the Gluon kernel too (`MLA_GLUON_SHARED`)."""
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(mla_decode, "MLA_GLUON", True))
     stack.enter_context(mock.patch.object(mla_decode, "MLA_GLUON_SHARED", True))
@@ -249,22 +231,6 @@ def setup(name, seq_lens, shared_blocks, options=None):
                 step=lambda: mla_attention(q, latent, cache, batch, SCALE, L, checked=True))
 
 
-def sweep(case) -> list:
-    out = []
-    for consts in SWEEP:
-        row = dict(zip(KERNEL_CONSTS, consts))
-        try:
-            with kernel_consts(consts):
-                row["max_err"] = case["err"](case["run"]())
-                row["ms"] = timed(case["step"], iters=10)
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        out.append(row)
-        print(case["name"], json.dumps(row), flush=True)
-    case["entry"]["sweep"] = out
-    return out
-
-
 def measure(case, rates, report, profile=False, chunk_keys=()):
     bandwidth, flop_rate = rates
     entry, err, step = case["entry"], case["err"], case["step"]
@@ -308,34 +274,21 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
             entry[f"{route}_over_floor"] = entry[f"{route}_ms"] / entry["floor_ms"]
             entry[f"{route}_over_max_floor"] = entry[f"{route}_ms"] / floor
     report[case["name"]] = entry
-    print(case["name"], json.dumps({k: v for k, v in entry.items() if k != "sweep" and "profile" not in k}),
+    print(case["name"], json.dumps({k: v for k, v in entry.items() if "profile" not in k}),
           flush=True)
     for k, v in entry.items():
         if "profile" in k:
             print(case["name"], k, "\n" + v, flush=True)
 
 
-def prompt_forms(report, n=2048):
-    """One prompt of n tokens, no context, in the latent and the expanded form through the real code path
-    (`benchmarks/mla_prompt.py`, which has more prompt steps)."""
-    from benchmarks.mla_prompt import scenario
-
-    sc = scenario([n], [0], H, "cuda")
-    report["prompt_2048"] = {"latent_ms": timed(sc["latent"], iters=5), "expanded_ms": timed(sc["expanded"], iters=5)}
-    print("prompt_2048", json.dumps(report["prompt_2048"]), flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--skip-prompt", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="time the kernel's constants (SWEEP)")
     parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps (the decode_* and shared steps)")
     parser.add_argument("--skip-vllm-gaudi", action="store_true", help="(its times do not change from run to run)")
     parser.add_argument("--cases", help="comma-separated scenario names (default: all)")
     parser.add_argument("--chunk-keys", default="",
                         help="comma-separated MLA_CHUNK_KEYS values, each a Gaudi-route column gaudi_chunksN")
-    parser.add_argument("--consts", help="kernel constants to run with (JSON: mla_decode_probe --best)")
     parser.add_argument("--heads", type=int, default=H,
                         help="query heads a token (128: DeepSeek-V3; 16: its tensor-parallel shard on 8 devices)")
     args = parser.parse_args()
@@ -343,12 +296,6 @@ def main() -> None:
         raise ValueError(f"--heads must be at least 1, got {args.heads}")
     globals()["H"] = args.heads
     start = time.time()
-    if args.consts:
-        with open(args.consts) as f:
-            for k, v in json.load(f).items():
-                if not hasattr(mla_decode, k):
-                    raise ValueError(f"--consts: paths/mla_decode.py has no constant {k}")
-                setattr(mla_decode, k, v)
     rates = read_bandwidth(), matmul_rate()
     report = {"device": torch.cuda.get_device_name(), "heads": H, "read_bandwidth_GBps": rates[0] / 1e9,
               "matmul_TFLOPs": rates[1] / 1e12,
@@ -372,24 +319,12 @@ def main() -> None:
         cases = [c for c in cases if c["name"] in names]
     chunk_keys = [int(k) for k in args.chunk_keys.split(",") if k]
     report["mla_chunk_keys"] = mla_chunks.MLA_CHUNK_KEYS
-    if args.sweep:
-        rows = [sweep(case) for case in cases[:3]]
-        totals = [sum(r[i].get("ms", math.inf) for r in rows) for i in range(len(SWEEP))]
-        best = SWEEP[min(range(len(SWEEP)), key=totals.__getitem__)]
-        for k, v in zip(KERNEL_CONSTS, best):
-            setattr(mla_decode, k, v)
-        report["kernel_consts"] = {k: getattr(mla_decode, k) for k in KERNEL_CONSTS}
-        report["kernel_consts_from"] = "the sweep's best total over the three scenarios"
-        print("chosen", report["kernel_consts"], flush=True)
     for case in cases:
         case["skip_vllm_gaudi"] = args.skip_vllm_gaudi
         profiled = args.profile and "+256_" not in case["name"] and case["name"] != "unshared_64x4352"
-        measure(case, rates, report, profiled,
-                chunk_keys)
+        measure(case, rates, report, profiled, chunk_keys)
         with open(args.out, "w") as f:  # as it goes: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
-    if not args.skip_prompt:
-        prompt_forms(report)
     report["wall_s"] = time.time() - start
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

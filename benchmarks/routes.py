@@ -1,10 +1,10 @@
 """Issue 23's tables: the Gaudi route beside vllm-gaudi's ops, the CUDA default beside Triton.
 
-    python -m benchmarks.routes DIR/speed14.json [...]   # markdown; a case comes from the last file with it
+    python -m benchmarks.routes DIR/speed.json [...]   # markdown; a case comes from the last file with it
 
-Reads the rows `benchmarks/speed14.py` writes when run with
+Reads the rows `benchmarks/speed.py` writes when run with
 `--variants "gaudi=gaudi:1;pflash=prompt_flash:1"`: per scenario and block size, the peer (best
-of its graph and compiled forms), vLLM's Triton kernel (`speed14.TRITON_MS`, measured beside ours
+of its graph and compiled forms), vLLM's Triton kernel (`speed.TRITON_MS`, measured beside ours
 by `benchmarks/triton_peer.py`), and ours on the Gaudi route and at the CUDA defaults
 (and, where run, the prompt route through flash varlen, `attention.PROMPT_FLASH`).
 """
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import scenarios as sc_mod
-from benchmarks.speed14 import TRITON_MS, median_rows
+from benchmarks.speed import TRITON_MS, median_rows
 
 #: issue 23's goals: Gaudi route / vllm-gaudi ops, CUDA default / Triton.
 GAUDI_GOAL = {"chunked_2x2k_6k": 1.0, "prefill_4x2k": 1.0, "mixed": 0.5, "shared_prefix": 0.2,
@@ -25,7 +25,7 @@ TRITON_GOAL = {"chunked_2x2k_6k": 0.35, "prefill_4x2k": 0.3, "mixed": 1.0, "shar
 
 
 def _best(rows):
-    """Per case and variant the median of its rounds (`speed14.median_rows`); the peer: the best of its forms."""
+    """Per case and variant the median of its rounds (`speed.median_rows`); the peer: the best of its forms."""
     best: dict = {}
     for key, r in median_rows(rows).items():
         if r["method"] == "peer":  # best of its forms

@@ -13,7 +13,7 @@ them under a temporary `vllm` package beside stand-ins for what they import (`en
 `platforms.current_platform` answering from torch, `triton_utils` = the real triton / tl,
 `KVQuantMode`) and puts back the `vllm` modules that were there. `build` calls `unified_attention`
 as vLLM's `TritonAttentionImpl.forward` does for a bf16 decoder layer; `run` checks it against the
-float32 reference and times it as a replayed CUDA graph beside ours (`speed14.run_case`, CUDA
+float32 reference and times it as a replayed CUDA graph beside ours (`speed.run_case`, CUDA
 default) on the same tensors.
 """
 from __future__ import annotations
@@ -279,25 +279,25 @@ ISSUE_TRITON_MS = {"decode_256x2k": (0.747, 0.799), "decode_64x8k": (0.735, 0.74
 
 
 def run_case(sc, bs, peer, device, rows) -> None:
-    """Ours (speed14's CUDA default, compiled + graph) and vLLM's kernel (graph) on one scenario's tensors."""
+    """Ours (speed's CUDA default, compiled + graph) and vLLM's kernel (graph) on one scenario's tensors."""
     from unittest import mock
 
     import torch
 
-    from benchmarks import baselines, speed14
+    from benchmarks import baselines, speed
     from benchmarks.suite import _readable, _rel_err
     from benchmarks.timing import time_ms
 
-    tensors = speed14.case_tensors(sc, bs, device)
+    tensors = speed.case_tensors(sc, bs, device)
     lay, q, k, v, kc, vc = tensors
     ql, cl = list(sc.query_lens), list(sc.context_lens)
     write_new_kv(k, v, kc, vc, ql, cl, lay.owned)
-    with mock.patch.object(speed14, "case_tensors", lambda *a, **kw: tensors):
+    with mock.patch.object(speed, "case_tensors", lambda *a, **kw: tensors):
         ns = argparse.Namespace(methods="ours", variants="", compile=True, time_budget=1e9, start=time.time())
-        speed14.run_case(sc, bs, ns, device, rows)
-    scale = speed14.D ** -0.5
+        speed.run_case(sc, bs, ns, device, rows)
+    scale = speed.D ** -0.5
     row = dict(scenario=sc.name, title=sc.title, block_size=bs, method="triton", variant="graph",
-               floor_ms=speed14._floor_ms(lay, speed14.HQ, speed14.HKV, speed14.D),
+               floor_ms=speed._floor_ms(lay, speed.HQ, speed.HKV, speed.D),
                issue_ms=ISSUE_TRITON_MS.get(sc.name, (None, None))[{16: 0, 128: 1}.get(bs, 0)])
     rows.append(row)
     try:
@@ -309,7 +309,7 @@ def run_case(sc, bs, peer, device, rows) -> None:
         fn()
         torch.cuda.synchronize(device)
         row["compile_s"] = time.time() - t0
-        replay, out = speed14._time_fn(fn, device)  # output poisoned with NaN before the checking replay
+        replay, out = speed._time_fn(fn, device)  # output poisoned with NaN before the checking replay
         row["rel_err"] = _rel_err(out, ref)
         dead = ~_readable(lay, device)
         clean_k, clean_v = kc[dead].clone(), vc[dead].clone()

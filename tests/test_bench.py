@@ -103,9 +103,9 @@ def test_report_verdicts():
     assert verdict(dict(line, scenario="scattered", target_ms=None, vs_dense=1.05)).endswith("pass")
 
 
-def test_dense_replay_plan_equals_reference_and_counts_dense_work():
-    """benchmarks.dense: the dense design as a plan (replay's 'before', issue 8) does the work its count says,
-    and computes the same attention."""
+def test_dense_plan_equals_reference_and_counts_dense_work():
+    """benchmarks.dense: the dense design as a plan (the `dense` variant of `benchmarks.speed`) does the work its
+    count says, and computes the same attention."""
     from benchmarks.dense import dense_plan, dense_work
     from vllm_gaudi_unified import PlanOptions, plan_step
     from vllm_gaudi_unified.attention import unified_attention
@@ -203,17 +203,17 @@ def test_trace_work_adds_the_dense_column(tmp_path, capsys):
     assert data["dense"]["unique"] > 0 and data["planned"]["unique"] >= data["needed"]["unique"]
 
 
-def test_speed14_variant_keys_that_are_not_options_parse_as_flags():
-    from benchmarks.speed14 import _variants
+def test_speed_variant_keys_that_are_not_options_parse_as_flags():
+    from benchmarks.speed import _variants
 
     got = _variants("step=gaudi:1,step_bias:1;rows=shared_rows:16,prompt_route:dense")
     assert got == {"default": {}, "step": {"gaudi": True, "step_bias": True},
                    "rows": {"shared_rows": 16, "prompt_route": "dense"}}
 
 
-def test_speed14_tables_take_the_median_round_and_a_later_run_replaces_an_earlier_one():
+def test_speed_tables_take_the_median_round_and_a_later_run_replaces_an_earlier_one():
     from benchmarks.routes import _best
-    from benchmarks.speed14 import median_rows
+    from benchmarks.speed import median_rows
 
     row = lambda ms, rnd=None, method="ours", variant="gaudi": dict(  # noqa: E731
         scenario="chunked_2x2k_6k", block_size=128, method=method, variant=variant, ms=ms,

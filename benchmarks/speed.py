@@ -1,6 +1,6 @@
-"""Issue 14 on the GPU: our default against the same-rules peer (vllm-gaudi's algorithms), per scenario.
+"""Device speed on both routes: our default against the same-rules peer (vllm-gaudi's algorithms), per scenario.
 
-    python -m benchmarks.speed14 --out DIR [--block-sizes 16,128] [--scenarios all] [--sweep] [--probe]
+    python -m benchmarks.speed --out DIR [--block-sizes 16,128] [--scenarios all] [--variants ...] [--rounds N]
 
 Per scenario and block size, on the same tensors in one process: unified attention at the
 default options (and, with `--variants`, other option sets), compiled per bucket and
@@ -8,7 +8,8 @@ replayed as a CUDA graph; the same-rules peer (`benchmarks/gaudi_peer.py`) as a 
 CUDA graph of its eager ops and compiled; the HBM / FLOP floor. Every variant is checked
 against the float32 reference first (ours on a cache whose unreadable slots hold NaN/inf,
 graph outputs poisoned before the checking replay). Peak MB: device memory one
-(un-captured) call allocates beyond its inputs. Rows go to DIR/speed14.json after every case.
+(un-captured) call allocates beyond its inputs. Rows go to DIR/speed.json after every case.
+`--variants 'gaudi=gaudi:1'` adds the Gaudi route (`paths.fused.gaudi_route`: every CUDA-only kernel off).
 """
 from __future__ import annotations
 
@@ -91,14 +92,19 @@ def _time_fn(fn, device, poison_check=None):
 
 def trace_cases(spec: str, top: int) -> list:
     """(Scenario, Layout) of the `top` steps with the most dense-design work of a recorded trace
-    (`PATH:auto`) or of the listed steps (`PATH:i,j`), as `benchmarks/replay.py` picks them."""
-    from benchmarks.replay import choose
+    (`PATH:auto`) or of the listed steps (`PATH:i,j`)."""
+    from benchmarks.dense import dense_work
+    from vllm_gaudi_unified import plan_step
     from vllm_gaudi_unified.bucket_plans.trace import read_trace
 
     path, _, which = spec.rpartition(":")
     trace = read_trace(path)
     out = []
-    for i in (choose(trace, top) if which == "auto" else [int(x) for x in which.split(",")]):
+    if which == "auto":
+        work = [dense_work(plan_step(s.query_lens, s.context_lens, s.block_table(), s.block_size)).total
+                for s in trace.steps]
+        which = ",".join(str(i) for i in np.argsort(work, kind="stable")[::-1][:top])
+    for i in (int(x) for x in which.split(",")):
         st = trace.steps[i]
         name = f"{Path(path).name.split('_')[1]}#{i}"
         sc = sc_mod.Scenario(name, f"trace {Path(path).name.split('.jsonl')[0]} step {i}",
@@ -172,7 +178,7 @@ def run_case(sc, bs, args, device, rows, lay=None):
             route = fused.gaudi_route() if gaudi else contextlib.nullcontext()
             route.__enter__()
             row["options"] = str(opts)
-            if name == "dense":  # issue 8's dense design as a plan for the same device code
+            if name == "dense":  # the dense design (benchmarks/dense.py) as a plan for the same device code
                 from benchmarks.dense import dense_plan
 
                 plan = dense_plan(ql, cl, lay.block_table, bs, lay.num_blocks)
@@ -245,38 +251,12 @@ def run_case(sc, bs, args, device, rows, lay=None):
         print(f"[{sc.name} bs{bs} peer/{var}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')}", flush=True)
 
 
-def probe(device) -> None:
-    """Facts the fused paths rely on: flash varlen with empty segments, GQA, LSE shape, under torch.compile."""
-    try:
-        print(torch.ops.aten._flash_attention_forward.default._schema, flush=True)
-        g = torch.Generator(device=device).manual_seed(1)
-        q = torch.randn(10, 32, 128, device=device, dtype=torch.bfloat16, generator=g)
-        k = torch.randn(10, 8, 128, device=device, dtype=torch.bfloat16, generator=g)
-        cu = torch.tensor([0, 4, 4, 9, 10, 10], device=device, dtype=torch.int32)
-        f = lambda: torch.ops.aten._flash_attention_forward(q, k, k, cu, cu, 10, 10, 0.0, True, False,  # noqa: E731
-                                                            scale=0.1)[:2]
-        out, lse = f()
-        ref = []
-        for a, b in ((0, 4), (4, 9), (9, 10)):
-            qq, kk = q[a:b].float().transpose(0, 1), k[a:b].float().transpose(0, 1).repeat_interleave(4, 0)
-            s = (qq @ kk.transpose(1, 2)) * 0.1
-            s = s.masked_fill(torch.ones(b - a, b - a, device=device, dtype=torch.bool).triu(1), float("-inf"))
-            ref.append(((torch.softmax(s, -1) @ kk).transpose(0, 1), torch.logsumexp(s, -1)))
-        print("lse shape", tuple(lse.shape), "out err", float((out.float() - torch.cat([r[0] for r in ref])).abs().max()),
-              "lse err", float((lse - torch.cat([r[1] for r in ref], 1)).abs().max()), flush=True)
-        out2, _ = torch.compile(f)()
-        print("compiled ok", bool(torch.equal(out, out2)), flush=True)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-
-
 #: vLLM 0.32's Triton unified attention on the H100, block size 16 / 128, measured beside ours on the same
-#: tensors by `benchmarks/triton_peer.py` (results/triton_peer_h100; issue 14's typed figures agree within
-#: 1 % except ragged decode, typed 0.828 / 0.807, below the HBM floor of its contexts).
+#: tensors by `benchmarks/triton_peer.py` (docs/benchmarks.md, "Device speed").
 TRITON_MS = {"decode_256x2k": (0.750, 0.796), "decode_64x8k": (0.736, 0.751), "decode_ragged": (1.702, 1.661),
              "prefill_4x2k": (1.931, 1.856), "chunked_2x2k_6k": (6.451, 6.157), "mixed": (1.383, 1.296),
              "shared_prefix": (0.265, 0.319), "parallel_sampling": (0.061, 0.061), "scattered": (0.750, 0.801)}
-#: issue 14's goal for ours / Triton, per scenario.
+#: The goal for ours / Triton, per scenario.
 TRITON_GOAL = {"decode_256x2k": 1.3, "decode_64x8k": 1.3, "decode_ragged": 1.3, "prefill_4x2k": 1.0,
                "chunked_2x2k_6k": 0.8, "mixed": 1.0, "shared_prefix": 0.5, "parallel_sampling": 1.0}
 
@@ -308,7 +288,7 @@ def table(rows: list[dict]) -> str:
     cases = sorted({(k[0], k[1]) for k in best}, key=lambda c: (c[0][0].isupper(), "#" in c[0], c[0], c[1]))
     order = [s.name for s in sc_mod.scenarios()]
     cases.sort(key=lambda c: (order.index(c[0]) if c[0] in order else len(order), c[0], c[1]))
-    lines = ["| scenario | bs | ours default ms | same-rules peer ms | peer / ours | vLLM Triton ms (issue) | ours / Triton "
+    lines = ["| scenario | bs | ours default ms | same-rules peer ms | peer / ours | vLLM Triton ms (typed) | ours / Triton "
              "(goal) | floor ms | ours / floor | dense design ms | peak MB ours / peer |", "|" + "---|" * 11]
     f = lambda x, n=3: "-" if x is None else f"{x:.{n}f}"  # noqa: E731
     for sc, bs in cases:
@@ -329,8 +309,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks.speed14", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="out/speed14")
+    p = argparse.ArgumentParser(prog="benchmarks.speed", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="out/speed")
     p.add_argument("--scenarios", default="all")
     p.add_argument("--block-sizes", default="16,128")
     p.add_argument("--variants", default="", help="extra option sets: 'name=shared_rows:64,causal_tile:256;...' "
@@ -341,11 +321,10 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget", type=float, default=1e9)
     p.add_argument("--rounds", type=int, default=1, help="time every case this many times, ours and the peer "
                    "in turn (each round compiles again); tables take the median round")
-    p.add_argument("--probe", action="store_true", help="first print facts about the device's fused kernels")
     p.add_argument("--trace", action="append", default=[], help="PATH:auto or PATH:i,j: also time these trace steps")
     p.add_argument("--top", type=int, default=3, help="steps per trace for PATH:auto")
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
-                   help="only print the markdown table of these speed14.json files (later files win)")
+                   help="only print the markdown table of these speed.json files (later files win)")
     args = p.parse_args(argv)
     if args.table:
         print(table([r for path in args.table for r in json.loads(Path(path).read_text())["rows"]]))
@@ -356,8 +335,6 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     print(json.dumps(env), flush=True)
-    if args.probe:
-        probe(device)
     chosen = [s for s in sc_mod.scenarios() if args.scenarios == "all" or s.name in args.scenarios.split(",")]
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -375,7 +352,7 @@ def main(argv=None) -> int:
                     traceback.print_exc()
                 for r in rows[first:]:
                     r["round"] = rnd
-                (out_dir / "speed14.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
+                (out_dir / "speed.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
     for spec in args.trace:
         for sc, lay in trace_cases(spec, args.top):
             if time.time() - args.start > args.time_budget:
@@ -385,7 +362,7 @@ def main(argv=None) -> int:
                 run_case(sc, lay.block_size, args, device, rows, lay=lay)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
-            (out_dir / "speed14.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
+            (out_dir / "speed.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
     for r in rows:
         if r.get("method") != "skipped":
             print(f"{r['scenario']:18s} bs{r['block_size']:<4d} {r['method']:5s} {r.get('variant',''):10s} "
