@@ -1,8 +1,16 @@
-"""Writers: results.json (every row), results.md (the table), results.png (the plot)."""
+"""The suite's writers (results.json, results.md, results.png), and the command that remakes docs/benchmarks.md.
+
+    python -m benchmarks.report            # rewrite the tables of docs/benchmarks.md from benchmarks/results/
+    python -m benchmarks.report --check    # exit 1 if the page differs from what the results give
+
+The tables themselves are made by `benchmarks/tables.py`.
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from vllm_gaudi_unified.files import atomic_write
@@ -272,3 +280,25 @@ def write_all(out_dir: Path, env: dict, args: dict, rows, plot: bool = False) ->
             write_plot(out_dir / "results.png", env, rows)
         except Exception as exc:  # noqa: BLE001 - a missing matplotlib must not lose the numbers
             print(f"plot failed: {exc}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks.report", description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md differs from the results")
+    args = p.parse_args(argv)
+    from benchmarks.tables import PAGE, render
+
+    old = PAGE.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            print(f"{PAGE} differs from what benchmarks/results/ give: run python -m benchmarks.report", file=sys.stderr)
+        return int(new != old)
+    if new != old:
+        with atomic_write(str(PAGE)) as f:
+            f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""docs/benchmarks.md's tables, made from the JSON in benchmarks/results/ (`python -m benchmarks.report`).
+
+The page's prose is written by hand; each table sits between `<!-- table:NAME -->` and `<!-- end -->` and is
+made here, with the command that reproduces it, the device, the date and the commit. A results file that
+records no commit or date takes them from `results/provenance.json` (git log: the commit that last wrote it).
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+PAGE = Path(__file__).parent.parent / "docs" / "benchmarks.md"
+
+
+def _load(name: str):
+    return json.loads((RESULTS / name).read_text())
+
+
+def _source(name: str, command: str, device: str, date: str | None = None) -> str:
+    """One line under a table: the command, the device, the date and the commit of one results file."""
+    prov = _load("provenance.json")[name]
+    when = date or f"{prov['committed']} (commit time)"
+    return (f"`{command}`: {device}, {when}, commit {prov['commit']} "
+            f"(results: `benchmarks/results/{name}`)")
+
+
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _head(*cols) -> list[str]:
+    return [_row(*cols), "|" + "---|" * len(cols)]
+
+
+def _f(x, digits=3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def planning_table() -> list[str]:
+    d = _load("planning.json")
+    pair = lambda r, k: f"{r[k + '_p50_us']:.0f} / {r[k + '_p90_us']:.0f}"  # noqa: E731
+    out = _head("step", "plan_step, new arrays", "plan_step, PlanBuffers", "build_unified_batch, new arrays",
+                "build_unified_batch, StepBuffers", "plan_step, PlanBuffers, CPU time", "bucket")
+    out += [_row(r["scenario"], pair(r, "plan"), pair(r, "plan_kept"), pair(r, "batch"), pair(r, "batch_kept"),
+                 pair(r, "plan_kept_cpu"), f"`{r['bucket']}`") for r in d["sides"]["this checkout"]]
+    load = "-".join(f"{x:.1f}" for x in sorted(set(d["load_average"])))
+    return out + ["", _source("planning.json", "python -m benchmarks.planning --repeat 400 --json FILE",
+                              f"CPU host, 2 cores, load average {load}")]
+
+
+def _speed_rows(names: list[str]) -> dict:
+    from benchmarks.routes import _best, latest_cases
+
+    return _best(latest_cases([_load(n)["rows"] for n in names]))
+
+
+def speed_table() -> list[str]:
+    from benchmarks import scenarios as sc_mod
+    from benchmarks.routes import GAUDI_GOAL, TRITON_GOAL, _verdict
+
+    ours = _speed_rows(["speed_h100/all_scenarios.json", "speed_h100/prompts_3rounds.json"])
+    tri = _speed_rows(["speed_h100/triton_peer.json", "speed_h100/triton_peer_prompts.json"])
+    order = [s.name for s in sc_mod.scenarios()]
+    cases = sorted({k[:2] for k in ours}, key=lambda c: (order.index(c[0]) if c[0] in order else 99, c[1]))
+    out = _head("scenario", "vllm-gaudi ops", "ours, Gaudi route", "Gaudi / ops (goal)", "vLLM Triton",
+                "ours, CUDA route", "CUDA / Triton (goal)", "floor")
+    for sc, bs in cases:
+        peer, gaudi, cuda = (ours.get((sc, bs, m, v)) for m, v in (("peer", "best"), ("ours", "gaudi"),
+                                                                   ("ours", "default")))
+        t = tri.get((sc, bs, "triton", "graph"))
+        ms = lambda r: r["ms"] if r else None  # noqa: E731
+        ratio = lambda a, b: a["ms"] / b["ms"] if a and b else None  # noqa: E731
+        out.append(_row((cuda or gaudi)["title"], _f(ms(peer)), _f(ms(gaudi)),
+                        _verdict(ratio(gaudi, peer), GAUDI_GOAL.get(sc)), _f(ms(t)), _f(ms(cuda)),
+                        _verdict(ratio(cuda, t), TRITON_GOAL.get(sc)), _f((cuda or gaudi)["floor_ms"])))
+    env = _load("speed_h100/all_scenarios.json")["env"]
+    dev = f"{env['device']}, torch {env['torch']}, Triton {env['triton']}"
+    runs = [("speed_h100/all_scenarios.json", "python -m benchmarks.speed --out DIR --block-sizes 128 --scenarios "
+             "all --peer-variants compiled --variants gaudi=gaudi:1"),
+            ("speed_h100/prompts_3rounds.json", "python -m benchmarks.speed --out DIR --block-sizes 128 --rounds 3 "
+             "--peer-variants compiled --variants gaudi=gaudi:1 --scenarios chunked_2x2k_6k,prefill_4x2k,mixed,"
+             "chunked_8x512_2k,chunked_ragged,prefill_ragged"),
+            ("speed_h100/triton_peer.json", "python -m benchmarks.triton_peer run --archive ARCHIVE --out DIR "
+             "--block-sizes 128,16"),
+            ("speed_h100/triton_peer_prompts.json", "python -m benchmarks.triton_peer run --archive ARCHIVE --out "
+             "DIR --block-sizes 128 --scenarios chunked_1x4k_12k,chunked_8x512_2k,chunked_ragged,prefill_ragged")]
+    return out + [""] + [f"- {_source(n, c, dev, _load(n)['env']['date'])}" for n, c in runs]
+
+
+def trace_table() -> list[str]:
+    d = _load("speed_h100/trace_steps.json")
+    t = d["totals"]
+    out = _head("route", "device ms", "step ms (planning + copy + device)", "steps slower than vllm-gaudi ops",
+                "max error vs reference")
+    out.append(_row("vllm-gaudi ops", _f(t["peer_ms"], 1), "-", "-", "-"))
+    for key, name in (("cuda", "ours, CUDA route"), ("gaudi", "ours, Gaudi route"),
+                      ("gaudi_bucketed", "ours, Gaudi route padded to the bucket plan"),
+                      ("gaudi_bucketed_tiles", "ours, Gaudi route, the plan's buckets on the tiled paths only")):
+        out.append(_row(name, _f(t[f"{key}_ms"], 1), _f(t[f"{key}_step_ms"], 1),
+                        t[f"{key}_steps_slower_than_peer"], f"{t[f'{key}_max_err']:.4f}"))
+    cmd = (f"python -m benchmarks.trace_steps --trace {d['trace']} --start {d['start']} --steps {d['steps']} "
+           "--out DIR --plan benchmarks/results/speed_h100/plan_llama8b-gaudi3.json")
+    return out + ["", _source("speed_h100/trace_steps.json", cmd, d["env"]["device"], d["env"]["date"])]
+
+
+def _gpu_ms(entry: dict, route: str):
+    """GPU time per step: the profile's CUDA total over its 5 steps."""
+    m = re.search(r"Self CUDA time total: ([0-9.]+)(ms|us)", entry.get(f"{route}_profile", ""))
+    return float(m.group(1)) / (5 if m.group(2) == "ms" else 5000) if m else None
+
+
+def mla_table() -> list[str]:
+    files = {"mla_h100/routes.json": ("decode_128x4k", "shared_64x4k+256", "unshared_64x4352"),
+             "mla_h100/long_contexts.json": ("decode_4x32k", "decode_16x8k")}
+    out = _head("step", "floor ms (HBM / compute)", "CUDA route GPU / wall ms", "CUDA GPU / floor",
+                "Gaudi route GPU / wall ms", "vllm-gaudi `flat_pa_mla` wall ms", "max error CUDA / Gaudi")
+    for name, cases in files.items():
+        d = _load(name)
+        for case in cases:
+            e = d[case]
+            floor = max(e["floor_ms"], e["compute_floor_ms"])
+            gpu = _gpu_ms(e, "cuda")
+            out.append(_row(f"{e['requests']} x {e['seq_len']}" + (" (4096 shared)" if "shared_" in case[:7] else ""),
+                            f"{e['floor_ms']:.3f} / {e['compute_floor_ms']:.3f}",
+                            f"{_f(gpu)} / {_f(e.get('cuda_ms'))}", f"{gpu / floor:.2f}x" if gpu else "-",
+                            f"{_f(_gpu_ms(e, 'gaudi'))} / {_f(e.get('gaudi_ms'))}", _f(e.get("vllm_gaudi_ms"), 1),
+                            f"{e['cuda_max_err']:.4f} / {e['gaudi_max_err']:.4f}"))
+    lines = [f"- {_source(n, 'python -m benchmarks.mla_decode --profile --out FILE --cases ' + ','.join(c), _load(n)['device'])}"
+             for n, c in files.items()]
+    return out + [""] + lines
+
+
+def bucket_table() -> list[str]:
+    d = _load("bucketing_loads.json")
+    out = _head("setting", "plan", "graphs", "held-out traces: padding in time / in pairs (worst step in time)")
+    for setting in ("llama8b-gaudi3", "bs32-seqs64"):
+        for plan, e in d[setting].items():
+            if "held_out" in e and "plan" in e:
+                cells = "; ".join(f"{h['padding_time']:.2f} / {h['padding_pairs']:.2f} ({h['worst_time']:.1f})"
+                                  for h in e["held_out"].values())
+                out.append(_row(setting, f"`{plan}`", e["graphs"], cells))
+    gen = d["generate_10k"]
+    out += ["", f"Making the shipped kind of plan from a 10 000-step trace: {statistics.median(gen['wall_seconds']):.1f} s "
+            f"(median of {len(gen['wall_seconds'])}, a separate process from start to exit)."]
+    return out + ["", _source("bucketing_loads.json", "python -m benchmarks.bucketing_loads", "CPU host, 2 cores")]
+
+
+def serving_table() -> list[str]:
+    d = _load("serving_cpu.json")
+    cols = (("median_tpot_ms", "TPOT p50 ms", "tpot_p50"), ("mean_tpot_ms", "TPOT mean ms", "tpot_mean"),
+            ("median_ttft_ms", "TTFT p50 ms", "ttft_p50"), ("mean_e2el_ms", "mean latency ms", "latency_mean"),
+            ("request_throughput", "requests/s", "req_per_s"))
+    out = _head("backend", *(c[1] for c in cols))
+    out += [_row(name, *(_f(t[c[0]], 2) for c in cols)) for name, t in d["table"].items()]
+    out.append(_row("**plugin / vLLM's** (median of the per-round ratios)",
+                    *(f"{d['ratios'][c[2]]:.2f}x" + (f" ({d['paired_ratios'][c[2]]:.2f}x)" if c[2] in d["paired_ratios"]
+                                                      else "") for c in cols)))
+    date = next(iter(d["runs"].values()))[0]["result"]["date"]
+    load = ", ".join(f"{x:.1f}" for x in d["load_average_end"])
+    return out + ["", _source("serving_cpu.json", "python -m benchmarks.serving --rounds 6 --json FILE",
+                              f"CPU host, engines on core {d['cpus']}, load average {load} at the end",
+                              f"{date[:4]}-{date[4:6]}-{date[6:8]} {date[9:11]}:{date[11:13]} UTC")]
+
+
+def invariance_table() -> list[str]:
+    out = _head("scenario", "route", "default ms (graph)", "invariant ms (graph)", "invariant / default",
+                "eager ratio", "peak memory ratio")
+    for route in ("cuda", "gaudi"):
+        out += [_row(r["scenario"], route, _f(r["default_graph_ms"]), _f(r["invariant_graph_ms"]),
+                     f"{r['graph_ms_ratio']:.2f}x", f"{r['ms_ratio']:.2f}x", f"{r['peak_mb_ratio']:.2f}x")
+                for r in _load(f"invariance_h100/{route}.json")]
+    return out + [""] + [f"- {_source(f'invariance_h100/{r}.json', f'python -m benchmarks.invariance_cost --route {r} --out FILE', _load(f'invariance_h100/{r}.json')[0]['gpu'])}"
+                         for r in ("cuda", "gaudi")]
+
+
+TABLES = {"planning": planning_table, "speed": speed_table, "trace": trace_table, "mla": mla_table,
+          "buckets": bucket_table, "serving": serving_table, "invariance": invariance_table}
+_BLOCK = re.compile(r"(<!-- table:(\w+) -->\n).*?(<!-- end -->)", re.S)
+
+
+def render(page: str) -> str:
+    """The page with every table block remade from the results."""
+    return _BLOCK.sub(lambda m: m.group(1) + "\n".join(TABLES[m.group(2)]()) + "\n" + m.group(3), page)
+
