@@ -192,7 +192,7 @@ def curves(preset: str, train: dict, tests: dict, quick: bool) -> dict:
         p = trace_plan(learn, settings, max_graphs=k, resolution=c["resolution"], margin=c["margin"])
         tuned_pts[str(k)] = {"graphs": len(p), "resolution": c["resolution"], "margin": c["margin"],
                              "train_waste": p.info["expected_padding_waste"], "waste": wastes(p, tests)}
-    # Goal of issue 4: for each exponential plan, a trace plan with <= 25 % of its graphs, on every held-out trace.
+    # The goal: for each exponential plan, a trace plan with <= 25 % of its graphs, on every held-out trace.
     goal = []
     for base, e in exp_pts.items():
         budget = max(1, e["graphs"] // 4)

@@ -1,4 +1,4 @@
-"""Bucket plans at loads they never saw (issue 15): the shipped plans, their evaluations, the goals.
+"""Bucket plans at loads they never saw: the shipped plans, their evaluations, the goals.
 
 Run from the repository root (about 10 minutes on 2 shared cores):
 

@@ -3,7 +3,7 @@
     python -m benchmarks.invariance_cost [--scale 0.0625] [--device cpu|cuda] [--route cuda|gaudi]
                                          [--scenarios NAME ...] [--out results.json]
 
-Same scenarios, layouts and timing as `benchmarks/suite.py` (issue 7's shapes:
+Same scenarios, layouts and timing as `benchmarks/suite.py` (its shapes:
 32 query heads, 8 KV heads, head size 128, bf16, block size 16); prints a
 markdown table with one column per mode, the ratio and each mode's peak memory
 (CUDA: bytes one eager call allocates beyond its inputs). `--route gaudi` turns

@@ -111,12 +111,12 @@ def gluon_shared():
 
 
 def triton_shared():
-    """The CUDA route with a step's shared cells on the Triton kernel (`MLA_GLUON_SHARED` off, before run 13)."""
+    """The CUDA route with a step's shared cells on the Triton kernel (`MLA_GLUON_SHARED` off)."""
     return mock.patch.object(mla_decode, "MLA_GLUON_SHARED", False)
 
 
 def shared_route():
-    """The CUDA route's shared pairs on `paths/mla_shared.py` (before run 11 the kernel never took them)."""
+    """The CUDA route's shared pairs on `paths/mla_shared.py` (the route before the kernel took them)."""
     return mock.patch.object(mla_decode, "MLA_KERNEL_SHARED", False)
 
 

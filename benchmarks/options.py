@@ -19,8 +19,8 @@ DESCRIPTION = (
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
-HBM_BYTES_PER_S = 3.35e12  #: H100 SXM HBM3 peak (issue 7's 0.64 ms floor for decode 256 x 2k)
-BF16_FLOPS = 800e12  #: dense bf16 matmul measured on this workplace's H100 (KINDS.md)
+HBM_BYTES_PER_S = 3.35e12  #: H100 SXM HBM3 peak (0.64 ms floor for decode 256 x 2k)
+BF16_FLOPS = 800e12  #: dense bf16 matmul measured on an H100
 VARIANTS = ("eager", "graph", "compiled")
 BASELINES = ("sdpa_loop", "padded_sdpa", "flex")
 
@@ -55,11 +55,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--case-timeout", type=float_in(0.0, 1e9), default=1e9, help="--isolate: seconds one case may take")
     p.add_argument("--invariant", default="none",
                    help="scenarios ('all', 'none' or comma-separated) where the batch-invariant mode is also "
-                        "timed (eager and graph), at the baseline block sizes (issue 6's cost column)")
+                        "timed (eager and graph), at the baseline block sizes (the invariant mode's cost column)")
     p.add_argument("--fp8", default="none",
                    help="scenarios ('all', 'none' or comma-separated) also timed over an fp8 KV cache (every "
                         "variant; per-tensor scales; checked against the reference over the dequantized cache; "
-                        "issue 17's bf16 vs fp8 column)")
+                        "the bf16 vs fp8 column)")
     p.add_argument("--unique-routes", default="none",
                    help="unique-path routes ('kernel', 'torch', comma-separated, or 'none') also timed on every "
                         "scenario, every variant (method `route`): the step again with the unique path forced "

@@ -1,12 +1,12 @@
-"""Host planning time per step (issues 14 and 23: <= 100 us p50 for 256 decoding requests).
+"""Host planning time per step (the goal: <= 100 us p50 for 256 decoding requests).
 
 Scenarios at Gaudi-like settings (block size 128, block ids handed out from a
 shuffled free list, as in a long-running server):
 
 - decode with 1, 64 and 256 requests (contexts 1k-8k) in a 16000-block cache,
   and a mixed 8192-token step (prefill chunks over cached context, decodes, a
-  shared system prompt) (`scenarios`, issue 14);
-- issue 23's decode steps: 256 decodes (contexts 1k-8k) in a 40000-block
+  shared system prompt) (`scenarios`);
+- decode steps over a large cache: 256 decodes (contexts 1k-8k) in a 40000-block
   cache, with no block shared, and with 8 of the 256 sharing an 8-block prefix
   (`decode_scenarios`).
 
@@ -14,7 +14,7 @@ Times `plan_step` (numpy plan) and `build_unified_batch` (plan + CPU tensors),
 each two ways: with new arrays per call (a library caller), and into buffers
 kept from step to step (`PlanBuffers` / `StepBuffers`: what the vLLM metadata
 builder does). Wall time is what a step pays; the load average is printed with
-the table, since other jobs on a shared host inflate it.
+the table, since load on a shared host inflates it.
 
 `--compare DIR` times the same steps with the package of another checkout
 (e.g. `git worktree add ../before <commit>`) in alternating subprocess rounds,
@@ -59,7 +59,7 @@ def _table(ctx_plus_q: np.ndarray, rng, shared_prefix_blocks: int = 0, sharing: 
 
 
 def scenarios(seed: int = 0) -> dict:
-    """Issue 14's steps (the test of plans before and after its rewrite holds them too)."""
+    """The first steps (the test of plans before and after its rewrite holds them too)."""
     rng = np.random.default_rng(seed)
     out = {}
     for n in (1, 64, 256):
@@ -74,12 +74,12 @@ def scenarios(seed: int = 0) -> dict:
     return out
 
 
-#: issue 23's cache: block ids spread over 40000 blocks
+#: The large cache: block ids spread over 40000 blocks
 DECODE_NUM_BLOCKS = 40000
 
 
 def decode_scenarios(seed: int = 23) -> dict:
-    """Issue 23's decode steps: 256 x 1k-8k over a 40000-block cache, no block shared / 8 of the 256
+    """Decode steps over a large cache: 256 x 1k-8k over a 40000-block cache, no block shared / 8 of the 256
     sharing an 8-block prefix."""
     rng = np.random.default_rng(seed)
     ctx = rng.integers(1024, 8193, 256)

@@ -89,7 +89,7 @@ TIE = 0.03
 
 
 def verdict(s: dict) -> str:
-    """Issue 7's criterion for one line: the target at block size 16, scattered within 10 % of dense,
+    """The suite's criterion for one line: the target at block size 16, scattered within 10 % of dense,
     block size 128 no slower than 16 (best variant against best variant; `TIE` for run-to-run spread)."""
     if s["ms"] is None:
         return "no timing"
@@ -135,13 +135,13 @@ def markdown(env: dict, rows) -> str:
             f"| {triton} | {peaks} "
             f"| {s['unique_layout']} | {_fmt(s['plan_ms'], 2)} | {_fmt(s['h2d_ms'], 2)} | {_fmt(s['rel_err'], 4)} |")
     lines.append("")
-    lines.append("Verdict: the best of our variants against issue 7's target (block size 16), against the dense "
+    lines.append("Verdict: the best of our variants against the target (block size 16), against the dense "
                  "twin (scattered), against block size 16 (block size 128). Baselines ran at block size 16, timed "
                  "as CUDA graph replays where capture works; (÷ ours) above 1: the baseline is slower. n/a: does "
                  "not apply; '-': not run.")
     inv = [s for s in summ if s["invariant_eager_ms"] or s["invariant_graph_ms"]]
     if inv:
-        lines += ["", "Batch-invariant mode (issue 6; goal: at most 1.15x the default on decode and mixed):", "",
+        lines += ["", "Batch-invariant mode (goal: at most 1.15x the default on decode and mixed):", "",
                   "| scenario | bs | default eager ms | invariant eager ms | ratio | default graph ms "
                   "| invariant graph ms | ratio |", "|---|---|---|---|---|---|---|---|"]
         for s in inv:
@@ -175,12 +175,12 @@ def _ratio(a, b) -> str:
 
 
 def fp8_lines(rows) -> list[str]:
-    """Issue 17's table: per (scenario, block size, variant) the step over the bf16 cache and over the fp8
+    """The fp8 table: per (scenario, block size, variant) the step over the bf16 cache and over the fp8
     one (`--fp8`), their ratio, and the fp8 floor (KV bytes halved)."""
     fp8 = [r for r in rows if r.get("method") == "fp8" and r.get("ms")]
     if not fp8:
         return []
-    out = ["", "fp8 KV cache (issue 17; per-tensor scales; the unique path reads fp8 in a Triton kernel where "
+    out = ["", "fp8 KV cache (per-tensor scales; the unique path reads fp8 in a Triton kernel where "
            "CUDA and Triton are, the other paths dequantize after the gather):", "",
            "| scenario | bs | variant | model-dtype cache ms | fp8 cache ms | fp8 / model-dtype | fp8 floor ms | fp8 rel err |",
            "|---|---|---|---|---|---|---|---|"]

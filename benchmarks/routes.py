@@ -1,4 +1,4 @@
-"""Issue 23's tables: the Gaudi route beside vllm-gaudi's ops, the CUDA default beside Triton.
+"""The two routes' table: the Gaudi route beside vllm-gaudi's ops, the CUDA default beside Triton.
 
     python -m benchmarks.routes DIR/speed.json [...]   # markdown; a case comes from the last file with it
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from benchmarks import scenarios as sc_mod
 from benchmarks.speed import TRITON_MS, median_rows
 
-#: issue 23's goals: Gaudi route / vllm-gaudi ops, CUDA default / Triton.
+#: The goals: Gaudi route / vllm-gaudi ops, CUDA default / Triton.
 GAUDI_GOAL = {"chunked_2x2k_6k": 1.0, "prefill_4x2k": 1.0, "mixed": 0.5, "shared_prefix": 0.2,
               "parallel_sampling": 0.2, "decode_256x2k": 0.2, "decode_ragged": 0.2}
 TRITON_GOAL = {"chunked_2x2k_6k": 0.35, "prefill_4x2k": 0.3, "mixed": 1.0, "shared_prefix": 0.5,

@@ -1,4 +1,4 @@
-"""The benchmark scenarios of issue 7: each a step vLLM could schedule, with its block table.
+"""The benchmark scenarios: each a step vLLM could schedule, with its block table.
 
 Shapes are the issue's (32 query heads, 8 KV heads, head size 128, bf16); `scale`
 shrinks request counts and lengths for CPU runs and tests. Block ids are drawn
@@ -25,8 +25,8 @@ class Scenario:
     context_lens: tuple  #: per request
     prefix: tuple = ()  #: (first request, request count, common tokens): groups sharing their first blocks
     spread: float = 1.0  #: cache size / blocks needed (1 = dense)
-    target_ms: float | None = None  #: issue 7's H100 target at block size 16
-    triton_ms: float | None = None  #: vLLM's Triton unified attention at block size 16 (issue 7)
+    target_ms: float | None = None  #: the H100 target at block size 16
+    triton_ms: float | None = None  #: vLLM's Triton unified attention at block size 16
     dense_twin: str | None = None  #: for 'scattered': the dense scenario it must stay within 10 % of
 
     @property
@@ -58,7 +58,7 @@ def _scaled(n: int, scale: float, minimum: int = 1) -> int:
 
 
 def scenarios(scale: float = 1.0, seed: int = 0) -> list[Scenario]:
-    """All scenarios of issue 7; `scale` < 1 shrinks counts and lengths (CPU runs, tests)."""
+    """All scenarios; `scale` < 1 shrinks counts and lengths (CPU runs, tests)."""
     s = lambda n, m=1: _scaled(n, scale, m)  # noqa: E731
     rng = np.random.default_rng(seed)
     ragged = tuple(int(x) for x in rng.integers(s(64), s(8192) + 1, size=s(256)))
@@ -80,7 +80,7 @@ def scenarios(scale: float = 1.0, seed: int = 0) -> list[Scenario]:
                  prefix=((0, 16, s(2048)),), target_ms=0.03, triton_ms=0.066),
         Scenario("scattered", "decode 256 x 2k, blocks over a 6x cache", _rep(s(256), 1), _rep(s(256), s(2048)),
                  spread=6.0, dense_twin="decode_256x2k"),
-        # prompt shapes beside issue 23's (its goals are re-measured "with cases you have not seen"): one long
+        # prompt shapes beside the first ones (goals re-measured on cases the code was not tuned on): one long
         # chunk, many short ones, ragged chunks over ragged contexts with a fresh prompt among them (partial
         # last blocks, a context of 0 in a bucket with context), ragged prompts without context
         Scenario("chunked_1x4k_12k", "chunked prefill 1 x 4k over 12k", (s(4096),), (s(12288),)),

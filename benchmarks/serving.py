@@ -1,4 +1,4 @@
-"""Serving overhead on vLLM's CPU platform, measured with `vllm bench serve` (issue 24, item 6).
+"""Serving overhead on vLLM's CPU platform, measured with `vllm bench serve`.
 
 The plugin (`vllm-gaudi-unified serve MODEL`, VLLM_GAUDI_UNIFIED=1) against vLLM's own CPU attention
 (the same command with VLLM_GAUDI_UNIFIED=0: vLLM's CPU platform picks CPU_ATTN; the server's log line

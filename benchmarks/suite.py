@@ -1,4 +1,4 @@
-"""The benchmark suite of issue 7: plan, copy, check, time, compare, write JSON/markdown/PNG.
+"""The benchmark suite: plan, copy, check, time, compare, write JSON/markdown/PNG.
 
 For every scenario and block size: plan the step on the host (timed), copy the
 batch to the device (timed), draw fresh random q/k/v and caches, check
@@ -20,7 +20,7 @@ default routing picks is measured against the alternatives in one process.
 `--fp8 SCENARIOS` times the same step again over an fp8 KV cache (method
 `fp8`: the caches quantized with per-tensor scales; the unique path reads them
 in its Triton kernel where there is one, the other paths dequantize the blocks
-they gather), beside the bf16 cache (issue 17).
+they gather), beside the bf16 cache.
 
 Run from the repository root: `python -m benchmarks.suite --out DIR` (`--help`: every flag, what it needs).
 """
@@ -119,7 +119,7 @@ def run_case(sc, bs, args, device, dtype, rows, profiles):
     if _wants(args.fp8, sc.name):
         _fp8_case(args, sc, bs, q, k, v, kc, vc, batch, blocks, dead, base, scale, device, rows)
     if _wants(args.invariant, sc.name) and bs in args.baseline_block_sizes:
-        # Issue 6's cost column: the batch-invariant mode on the same tensors, checked the same way.
+        # The invariant mode's cost column: the batch-invariant mode on the same tensors, checked the same way.
         inv_opts = replace(opts, batch_invariant=True)
         inv_plan_t, inv_plan = host_ms(lambda: plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks,
                                                          options=inv_opts), reps=1)

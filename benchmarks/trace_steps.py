@@ -1,4 +1,4 @@
-"""Issue 23: consecutive steps of a recorded vLLM trace, end to end, on both routes and the peer.
+"""Consecutive steps of a recorded vLLM trace, end to end, on both routes and the peer.
 
     python -m benchmarks.trace_steps --trace PATH [--start 300] [--steps 200] [--plan PLAN] [--out DIR]
 

@@ -4,8 +4,8 @@
     python -m benchmarks.triton_peer check [--archive A]                 # here: its wiring, in Triton's interpreter
     python -m benchmarks.triton_peer run --archive A --out DIR           # on the device: check and time
 
-Issue 23 holds our CUDA default against vLLM's Triton backend; the device has neither vLLM nor a
-network, so its Triton figures were typed in from issue 14. This makes the kernel a peer the way
+Our CUDA default is held against vLLM's Triton backend; the device has neither vLLM nor a
+network, so Triton figures were first typed in. This makes the kernel a peer the way
 `gaudi_peer.py` makes vllm-gaudi's `ops.py` one. `pack` copies vLLM's two kernel files, unchanged,
 from the installed vLLM (or `--source`, a tree of another tag) into `.wt/peer/vllm-triton-<version>.tar.gz`
 (ignored by git) with the version and sha256s: no vLLM code enters the repository. `load` unpacks
@@ -272,7 +272,7 @@ def check(archive=None, block_size: int = 16) -> list[tuple]:
         results.append((name, info["launch"], err, launch))
     return results
 
-#: issue 14's typed Triton figures (block 16 / 128), compared with the measured ones in the rows.
+#: The typed Triton figures (block 16 / 128), compared with the measured ones in the rows.
 ISSUE_TRITON_MS = {"decode_256x2k": (0.747, 0.799), "decode_64x8k": (0.735, 0.748), "decode_ragged": (0.828, 0.807),
                    "prefill_4x2k": (1.92, 1.85), "chunked_2x2k_6k": (6.46, 6.14), "mixed": (1.38, 1.31),
                    "shared_prefix": (0.265, 0.317), "parallel_sampling": (0.062, 0.062)}

@@ -7,7 +7,7 @@ with latents of 512 + 64 or 128 + 32, in bf16, on shuffled block tables whose un
 ragged decodes, partial last blocks, a token without cached keys, a shared prefix, prompts in the step,
 both unique layouts, several splits, and each of the one-stream kernel's variants (key tile, stages, `PIPE`;
 the seesaw kernel: `SEESAW_CASES`), with the shared cells as more slots of the Gluon kernel
-(`MLA_GLUON_SHARED`, first run on a device in run 13) and with the TMA descriptors built per launch
+(`MLA_GLUON_SHARED`) and with the TMA descriptors built per launch
 (`MLA_GLUON_DESC_CACHE` off). `run` prints each case's max error.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ H = 128
 CASES = [
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "default", (512, 64), {}),
     (Step([1] * 6, [100, 300, 1, 64, 0, 257], 64), "gather", (512, 64), {"MLA_SPLIT_KEYS": 128}),
-    # a shared prefix: on the shared route beside the Gluon kernel (as run 10 tested), and as more slots of the
-    # Gluon kernel (`MLA_GLUON_SHARED`, main's shared cells: first run on a device in run 13)
+    # a shared prefix: on the shared route beside the Gluon kernel (the route the kernel took first), and as more slots of the
+    # Gluon kernel (`MLA_GLUON_SHARED`, the default)
     (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),
      {"MLA_KERNEL_SHARED": False}),
     (Step([1] * 4, [200] * 4, 64, prefix_groups=[([0, 1, 2, 3], 2)]), "gather", (512, 64),

@@ -1,5 +1,5 @@
 """Decode steps (one new token per request, no window) for the test that holds the decode branch of
-the planner to the planner before issue 23 (`test_host_planning.py`): no sharing, one group sharing a
+the planner to the planner before shared prefixes were planned per step (`test_host_planning.py`): no sharing, one group sharing a
 prefix (partly filled last blocks included), several groups, nested prefixes, repeated ids by
 chance, ids far beyond the step, bad ids. numpy only, and `PlanOptions` imported when called, so the
 digests can be written by another checkout's planner (`python tests/plan_decode_steps.py OUT`)."""
@@ -15,12 +15,12 @@ def decode_steps():
     """(name, args, kwargs) of each step, the same on every run."""
     from vllm_gaudi_unified.plan import PlanOptions
 
-    # (shared rows pinned to 8, the default the digests were written with; the default is 16 since issue 23)
+    # (shared rows pinned to 8, the default the digests were written with; the default is 16 now)
     options = [PlanOptions(shared_rows=8), PlanOptions(shared_rows=8, unique_layout="slice"),
                PlanOptions(shared_rows=8, unique_layout="gather"),
                PlanOptions(shared_rows=4, shared_tile_keys=32), PlanOptions(shared_rows=3, shared_tile_keys=8,
                                                                               unique_layout="slice")]
-    # the shared tiles' rows fixed, as before issue 23 chose them per step (`PlanOptions.tile_rows`)
+    # the shared tiles' rows fixed, as before they were chosen per step (`PlanOptions.tile_rows`)
     options = [o.with_tile_rows(o.shared_rows) if hasattr(o, "with_tile_rows") else o for o in options]
     rng = np.random.default_rng(23)
     for it in range(500):
@@ -55,7 +55,7 @@ def decode_steps():
             bt[0, 0] = -1
         num_blocks = None if rng.random() < 0.5 else int(bt.max()) + 1 + int(rng.integers(0, 3)) - (rng.random() < 0.05)
         yield f"decode:{it}", (np.ones(R, np.int64), ctx, bt, bs), dict(options=options[it % 5], num_blocks=num_blocks)
-    bench = _benchmark()  # issue 23's benchmark steps
+    bench = _benchmark()  # the planning benchmark's steps
     for name, (q, ctx, bt) in bench.decode_scenarios().items():
         for i, opts in enumerate(options[:3]):
             yield f"bench:{name}:{i}", (q, ctx, bt, 128), dict(options=opts, num_blocks=bench.DECODE_NUM_BLOCKS)

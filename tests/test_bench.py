@@ -1,5 +1,5 @@
 """The benchmark suite on CPU, tiny: scenarios checked, files written, CLI wired, a wrong result caught,
-and the dense plan of the GPU replay (issue 8) equal to the reference."""
+and the dense design's plan equal to the reference."""
 import json
 from pathlib import Path
 
@@ -34,7 +34,7 @@ def _bench(tmp_path, *extra):
     (["--profile", "mixed:16"], ["--profile", "mixed:16"]),
 ])
 def test_suite_flags_are_checked_before_any_work(argv, fragments, capsys):
-    """Issue 24: `--block-sizes 0` was a ZeroDivisionError, 3 query heads over 2 KV heads a tensor-size
+    """`--block-sizes 0` was a ZeroDivisionError, 3 query heads over 2 KV heads a tensor-size
     traceback; now one line naming the flags, exit 2, from the parser (torch-free, before any work)."""
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)
@@ -140,7 +140,7 @@ def test_scenario_floors_match_the_issue():
 
     by_name = {s.name: s for s in scenarios()}
     f = floors(by_name["decode_256x2k"], 16, 32, 8, 128)
-    assert abs(f["kv_bytes"] / HBM_BYTES_PER_S * 1e3 - 0.64) < 0.01  # issue 7: the HBM floor is 0.64 ms
+    assert abs(f["kv_bytes"] / HBM_BYTES_PER_S * 1e3 - 0.64) < 0.01  # The HBM floor is 0.64 ms
     lay = layout(by_name["scattered"], 16)
     live = sum(len(b) for b in lay.owned)
     assert lay.block_table.max() + 1 > 4 * live  # ids spread over a cache about 6x the live blocks
@@ -150,7 +150,7 @@ def test_scenario_floors_match_the_issue():
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_bench_fp8_decode_column(tmp_path, fmt):
-    """`--fp8`: the decode step again over an fp8 cache (issue 17's bf16 vs fp8 timing), checked against
+    """`--fp8`: the decode step again over an fp8 cache (the bf16 vs fp8 timing), checked against
     the reference over the dequantized cache (its unreadable slots poisoned through the bytes)."""
     code, data = _bench(tmp_path, "--scenarios", "decode_256x2k,decode_ragged", "--block-sizes", "16",
                         "--baselines", "none", "--fp8", "decode_256x2k", "--fp8-dtype", fmt)

@@ -159,7 +159,7 @@ def test_invariant_capped_and_upstream(tmp_path, trace, capsys):
 
 
 def test_generate_takes_the_settings_from_the_trace_header(tmp_path, trace):
-    """Issue 24: `generate --trace` ignored the trace's header (`trace block_size 16 differs from the settings'
+    """`generate --trace` ignored the trace's header (`trace block_size 16 differs from the settings'
     block_size 128`, 13 flags to retype). The header's settings (the simulator's `scheduler`, the plugin's
     top-level keys) are the base; flags override them; --preset replaces them."""
     plan_path = str(tmp_path / "plan.json")
@@ -190,7 +190,7 @@ def test_generate_takes_the_settings_from_the_trace_header(tmp_path, trace):
 
 
 def test_generate_shows_progress_while_it_simulates():
-    """Issue 24: 11-14 s of trace simulation with nothing on the screen."""
+    """11-14 s of trace simulation with nothing on the screen."""
     import os
     import subprocess
     import sys
@@ -208,7 +208,7 @@ def test_generate_shows_progress_while_it_simulates():
 
 @pytest.mark.parametrize("strategy", ["robust", "trace"])
 def test_generated_plans_hold_only_buckets_warmup_can_run(tmp_path, trace, strategy):
-    """Issue 24: a fresh plan held `csu:q21:s16:u2:l1:c1`, which no step of its phase fits (such steps need two
+    """A fresh plan held `csu:q21:s16:u2:l1:c1`, which no step of its phase fits (such steps need two
     requests); the generators lift every bucket to its phase's smallest step (`lift_to_smallest`)."""
     from vllm_gaudi_unified.plan.smallest import can_hold_a_step
 

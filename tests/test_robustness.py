@@ -1,4 +1,4 @@
-"""Bad values and bad inputs are contained (issue 16). One section per class of finding; add to it.
+"""Bad values and bad inputs are contained. One section per class of finding; add to it.
 
 1. Containment (a property): a non-finite value in a token's reachable inputs changes only the
    tokens that attend to it, in every path and mode, at fp16 / bf16 / fp32, padded or not.
@@ -194,7 +194,7 @@ def test_flash_nan_value_reaches_only_later_rows_of_its_request(monkeypatch):
 
 
 def test_issue_example_nan_value_in_a_shared_causal_tile():
-    """issue 16, finding 1: query_lens [1, 3, 1], context_lens [4, 0, 4], NaN in value of token 2:
+    """query_lens [1, 3, 1], context_lens [4, 0, 4], NaN in value of token 2:
     only tokens 2 and 3 may see it (tokens 0..3 share one causal tile)."""
     for options in (PlanOptions(causal_tile=4), MODES["invariant"]):
         g = torch.Generator().manual_seed(0)

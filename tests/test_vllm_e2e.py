@@ -308,7 +308,7 @@ def test_bucket_plan_inside_vllm(mha, tmp_path):
     graphs = plan.buckets + plan.prompt_graphs  # the buckets and the prompt graphs learned beside them
     assert plan.prompt_graphs, "the trace's prompt steps gave no prompt graph"
     assert f"warmed {len(graphs)} buckets" in run["log"]
-    # issue 24: a line per bucket in vLLM's log as warmup goes, with the time left
+    # A line per bucket in vLLM's log as warmup goes, with the time left
     progress = re.findall(r"warmup (\d+)/(\d+): bucket (\S+) in [\d.]+ s \([\d.]+ s so far, about .+ left\)", run["log"])
     assert [(int(i), int(n)) for i, n, _ in progress] == [(i, len(graphs)) for i in range(1, len(graphs) + 1)]
     assert {b for _, _, b in progress} == {str(b) for b in graphs}
@@ -356,7 +356,7 @@ def test_auto_bucket_plan(mha, tmp_path):
 
 
 def test_invariant_mode_alone_vs_batch_of_16(tmp_path):
-    """Issue 6's experiment inside vLLM (`benchmarks/invariance_vllm.py`): a prompt whose 256-token prefix
+    """The cascade-attention experiment inside vLLM (`benchmarks/invariance_vllm.py`): a prompt whose 256-token prefix
     15 others share, generated alone and inside the batch of 16, greedy; with
     VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=1 its tokens and logprobs are bitwise the same. (The default mode
     and vLLM's own CPU attention with its split-KV decode differ in the last bits: docs/batch_invariance.md.)"""

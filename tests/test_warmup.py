@@ -122,7 +122,7 @@ def test_warmup_compile_mode_one_bucket(plan):
 
 
 def test_warmup_reports_each_bucket_as_it_goes(plan, caplog):
-    """Issue 24: one line per bucket while it runs, with the time left, through the logger it is given (the
+    """One line per bucket while it runs, with the time left, through the logger it is given (the
     plugin passes vLLM's, so the lines are in vLLM's log), and no summary of its own (the caller's)."""
     import logging
 
@@ -179,7 +179,7 @@ def test_warmup_command_interrupted_keeps_table_and_json(plan, tmp_path, capsys,
 
 
 def test_warmup_command_prints_warmed_once_and_a_line_per_bucket(plan, tmp_path):
-    """Issue 24: "warmed N buckets" was printed twice, and nothing per bucket until the end."""
+    """"warmed N buckets" was printed twice, and nothing per bucket until the end."""
     import os
     import subprocess
     import sys

@@ -32,7 +32,7 @@ from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_
 #: The prompt route's final form on CUDA through flash varlen (`paths/prompts.py: _flash_rows`) instead of
 #: the grid's SDPA calls: None (default) when the plan says the prompts are ragged (`StepPlan.prompt_ragged`:
 #: flash computes their real rows alone, the grid pads every prompt to the longest); True always, False
-#: never. Measured on the H100 (docs/benchmarks.md, issue 23): the grid's SDPA calls (cuDNN, the calls the
+#: never. Measured on an H100 (`python -m benchmarks.speed`): the grid's SDPA calls (cuDNN, the calls the
 #: Gaudi route makes) are faster for prompts that fill it, flash for ragged ones.
 PROMPT_FLASH: bool | None = None
 

@@ -30,8 +30,7 @@ rows run expanded (`mla_prompts.py`; `mla_attention(..., prompt_route=False)`
 leaves them out here) wherever the caller can split a step's rows by form:
 vLLM's MLA layer on the CPU platform does (`vllm_plugin/mla_backend.py`), and
 the unified impl in vllm-gaudi's layer, which picks one branch per step, does
-on the steps whose bucket has a prompt route (`vllm_plugin/hpu_mla.py`). Measured on an H100 (docs/benchmarks.md, MLA,
-`benchmarks/mla_prompt.py`): a 2048-token prompt, a 2048-token chunk over 4096
+on the steps whose bucket has a prompt route (`vllm_plugin/hpu_mla.py`). Measured on an H100: a 2048-token prompt, a 2048-token chunk over 4096
 tokens of context, and 64 decodes beside a 2048-token prompt, latent against
 expanded, through this code.
 """

@@ -4,10 +4,10 @@ The tile sizes that are fastest depend on the device's kernels, not on counted
 work: with CUDA flash a shared tile's padding rows cost nothing (its real rows
 are packed) and long tiles keep scores on the chip, so large tiles win there,
 while the matmul tiles Gaudi runs pay for every padded cell. Each entry below
-was measured (benchmarks/speed14.py, results in benchmarks/NOTES.md); a device
+was measured (`python -m benchmarks.speed --variants`); a device
 kind without an entry keeps the planner's defaults.
 
-Not the default (issue 23): the planner chooses each step's route from its
+Not the default: the planner chooses each step's route from its
 shape, identically on every device (`plan/prompts.py`), and the plugin plans
 with the same options everywhere. This table is an explicit, measured
 override: `VLLM_GAUDI_UNIFIED_DEVICE_OPTIONS=1`.
@@ -24,8 +24,8 @@ from vllm_gaudi_unified.plan import PlanOptions
 
 #: device kind -> PlanOptions fields, each measured faster than the defaults on that device.
 DEVICE_OPTIONS: dict[str, dict] = {
-    # benchmarks/NOTES.md run 10 (2026-11-23): shared tiles of 256 rows x 2048 keys were the fastest of the
-    # fused variants on chunked prefill, mixed and shared-prefix steps at block sizes 16 and 128.
+    # Measured 2026-11-23 (`python -m benchmarks.speed --variants`): shared tiles of 256 rows x 2048 keys were the
+    # fastest of the fused variants on chunked prefill, mixed and shared-prefix steps at block sizes 16 and 128.
     "cuda:NVIDIA H100 80GB HBM3": {"shared_rows": 256, "shared_tile_keys": 2048},
 }
 

@@ -2,15 +2,15 @@
 
 Eager torch on a CPU pays per op, not per byte, at decode sizes: the paths
 (self + unique tiles + merge) are ~145 aten ops a layer, where vLLM's CPU
-attention is one kernel, and a tiny model's decode step was 3.3x vLLM's
-(issue 24). A step of decodes only (one new token per request, no causal or
+attention is one kernel, and a tiny model's decode step was 3.3x vLLM's.
+A step of decodes only (one new token per request, no causal or
 shared pairs) needs none of the paths' generality: each token sees its
 request's unique blocks and itself. So its keys are laid out as one padded
 `[requests, keys]` table of cache slots (once per step, on the host:
 `decode_layout`), and each layer runs one gather and one
 `scaled_dot_product_attention`.
 
-What each layer's ops cost was measured (`benchmarks/decode_profile.py`, docs/benchmarks.md): the
+What each layer's ops cost was measured (torch.profiler on one core): the
 gather reads K and V in one `index_select` when the caches are two views of one `[.., K | V]`
 memory (vLLM's, `packed_kv`): gathering each non-contiguous view alone cost 4-5x more; the
 query heads of one KV head are the query rows of one SDPA head (`[R, Hkv, G, D]`), which takes

@@ -32,12 +32,12 @@ from vllm_gaudi_unified.paths.tiles import compute_dtype
 FLASH = torch.ops.aten._flash_attention_forward
 #: CUDA-only kernels (flash varlen, the unique path's Triton kernel) allowed. Off (`gaudi_route()`, or
 #: `VLLM_GAUDI_UNIFIED_GAUDI_ROUTE=1`): a CUDA device runs what an HPU runs, the matmul tiles and the
-#: prompt route's plain SDPA call (FusedSDPA on a Gaudi), for side-by-side measurements (issue 23).
+#: prompt route's plain SDPA call (FusedSDPA on a Gaudi), for side-by-side measurements.
 CUDA_KERNELS = not env_flag("VLLM_GAUDI_UNIFIED_GAUDI_ROUTE")
 #: CUDA grid limit on the batch dimension of flash's non-varlen launch (the unique path's one block per segment).
 MAX_FLASH_BATCH = 65535
 #: Unique path through flash (one segment per block) from this block size up: measured on an H100
-#: (benchmarks/NOTES.md run 11): faster than the matmul tiles at block size 128, 3x slower at 16.
+#: (`python -m benchmarks.suite`): faster than the matmul tiles at block size 128, 3x slower at 16.
 FUSED_UNIQUE_MIN_BLOCK_SIZE = 64
 
 

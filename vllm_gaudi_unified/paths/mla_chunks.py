@@ -22,7 +22,7 @@ in place), its values product is written in the product dtype, and one
 `index_add` of `[chunks, H, L]` into a fp32 `[n, H, L]` (the own key's weighted
 value in it from the start) and one of the row sums `[chunks, H]` give each
 token's Partial: no fp32 partial per chunk, no rescale passes, no separate merge
-of the self pair (docs/benchmarks.md, MLA, run 8). It returns what the other
+of the self pair. It returns what the other
 latent routes return: one Partial row per token, the self pair inside.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 
 #: Keys a chunk aims at (`C = max(1, MLA_CHUNK_KEYS // block_size)` blocks). Smaller chunks waste fewer keys
 #: on the bound's padding (`n` chunks' worth at most), larger ones write fewer values products `[chunks, H, L]`
-#: to sum. Measured on an H100 under the Gaudi route (docs/benchmarks.md, MLA, runs 7 and 8).
+#: to sum. Measured on an H100 under the Gaudi route (`python -m benchmarks.mla_decode --chunk-keys`).
 MLA_CHUNK_KEYS = 1024
 
 

@@ -52,7 +52,7 @@ from vllm_gaudi_unified.paths.unique import triton_importable
 
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
 #: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an
-#: H100 by benchmarks/mla_decode_probe.py's sweep at 128 heads (docs/benchmarks.md, MLA, run 6): 64 heads x
+#: H100 by a sweep of these constants at 128 heads: 64 heads x
 #: 64 keys on 8 warps is the one shape whose products run on Hopper's `wgmma` without spilling (253-255
 #: registers, 216 KB of shared memory: one program per SM). `MLA_WARPS` needs 64 heads per program (two
 #: warpgroups); a program of fewer heads (a tensor-parallel shard) runs 4 warps.
@@ -63,7 +63,7 @@ MLA_MAX_SPLITS = 32
 #: Whether a step of few tokens splits their keys further, so that its programs (head groups x tokens x splits)
 #: fill the GPU's SMs once (flash decoding: 4 decodes x 32k keys are 8 programs of 64 heads on 132 SMs), each
 #: split keeping at least `MLA_SPLIT_MIN_KEYS` keys (its query staged and its rows merged once). Measured on an
-#: H100 (docs/benchmarks.md, MLA, calls 22 and 23; the splits merged by `mla_kernel.split_combine`): 4 decodes x
+#: H100 (docs/benchmarks.md, MLA; the splits merged by `mla_kernel.split_combine`): 4 decodes x
 #: 32k keys 0.246 -> 0.087 ms of GPU time per step, 16 x 8k 0.242 -> 0.089; 128 x 4096 unchanged (1 split).
 MLA_FILL_SMS = True
 MLA_SPLIT_MIN_KEYS = 1024
@@ -71,14 +71,14 @@ MLA_WARPS = 8
 MLA_STAGES = 2
 MLA_V_LOAD = 0
 #: Whether a key tile that lies in one slot (`MLA_KEYS` divides the block size) reads its slot's block and
-#: bounds once as scalars (`mla_kernel.py`: ONE_SLOT), not once per key (run 6: 1.42 -> 0.91 ms of kernel
-#: at the old 32-head constants, spills 30 -> 2).
+#: bounds once as scalars (`mla_kernel.py`: ONE_SLOT), not once per key (H100: 1.42 -> 0.91 ms of kernel
+#: at 32 heads a program, spills 30 -> 2).
 MLA_ONE_SLOT = True
 #: Whether the kernel loads its query tile in every loop step (`mla_kernel.py`: Q_LOOP), not once before
-#: the loop (run 6: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms; Triton hoists the load out of
-#: the loop either way, run 9's SASS).
+#: the loop (H100: the same kernel time, 0.68 ms, the step 0.98 -> 0.89 ms; Triton hoists the load out of
+#: the loop either way, as its SASS shows).
 MLA_Q_LOOP = True
-#: Runs 8 and 9 (docs/benchmarks.md, MLA) kept these constants: the cache's row stride made a compile-time
+#: Measured on an H100 against these constants: the cache's row stride made a compile-time
 #: constant took the kernel from 0.67 to 0.62 ms; every other variant swept (the latent in halves, tensor
 #: descriptors, loop pipelining, warp specialisation, the products transposed for 16 or 32 heads per program,
 #: unmasked whole slots first, sums per key, 32-key tiles, two splits) ran 0.62-2.1 ms.
@@ -87,12 +87,12 @@ MLA_Q_LOOP = True
 #: True)`): one kernel, no shared partials to write and merge. Grouping a tile's tokens into one product
 #: (`mla_shared.py`) reads the prefix once per tile; here each token's program reads it, but the tokens of a
 #: group read it at about the same time, so HBM serves it once and L2 the rest. Measured on an H100
-#: (docs/benchmarks.md, MLA, runs 11 and 12; 64 decodes x (4096 shared + 256)): 0.37 against 1.34 ms of GPU
+#: (64 decodes x (4096 shared + 256)): 0.37 against 1.34 ms of GPU
 #: time at 128 heads, 0.54 against 3.20 ms wall-clock at a tensor-parallel shard's 16; the prefix read once
 #: (33 MB from HBM against 330 MB unshared). False: the shared route beside the kernel (benchmarks, tests).
 MLA_KERNEL_SHARED = True
 #: The Gluon kernel (`mla_gluon.py`: key tiles by TMA, both warpgroups on disjoint halves of the scores and of
-#: the values, docs/benchmarks.md, MLA, run 10) where it applies (`gluon_applies`: sm_90, 16-bit, 64-head groups,
+#: the values) where it applies (`gluon_applies`: sm_90, 16-bit, 64-head groups,
 #: the values 512 dims or fewer, whole key tiles per block). `VLLM_GAUDI_UNIFIED_MLA_GLUON=1` on, `=0` off, unset:
 #: `MLA_GLUON_DEFAULT`; read once at import. Its keys per tile, ring stages, when the next tile's scores are
 #: issued and whether the softmax sums are kept per key (`mla_gluon.py`: PIPE, LAZY_SUM).
@@ -106,21 +106,21 @@ MLA_GLUON_LAZY_SUM = True
 MLA_GLUON_META_AHEAD = True
 #: FlashMLA's "seesaw" schedule (`mla_gluon_seesaw.py`: tiles in pairs, one warpgroup's softmax under the other's
 #: products) where its shapes allow (64-key tiles, rope 64, values 128-512), and its worker warpgroup's registers.
-#: Measured on an H100 (docs/benchmarks.md, MLA, kernel run 20; kernel time, one process): 128 x 4096 0.289 ms
+#: Measured on an H100 (kernel time, one process): 128 x 4096 0.289 ms
 #: (1.43x the HBM floor) against 0.350 for `mla_gluon.py`'s one-stream kernel and 0.357 for a ping-pong that
 #: overlapped the softmax but waited on every fetch (removed); the shared step 64 x (4096 shared + 256) 0.153
 #: against 0.187 and 0.179. Off: `mla_gluon.py`'s kernel for every shape.
 MLA_GLUON_SEESAW = True
 MLA_GLUON_SEESAW_REGS = 256
 #: Whether the Gluon kernel also takes a step's shared cells (`MLA_KERNEL_SHARED`: the same contract, more slots
-#: per token). Measured on an H100 (docs/benchmarks.md, MLA, kernel run 13; 64 decodes x (4096 shared + 256), 128
+#: per token). Measured on an H100 (64 decodes x (4096 shared + 256), 128
 #: heads): kernel 0.189 against the Triton kernel's 0.326 ms, GPU time per step 0.228 against 0.365 ms, the same
 #: error (0.002); its CUDA test cases (tests/mla_gluon_cases.py, shared prefixes, NaN in unread slots) pass.
 #: False: such a step keeps the Triton kernel.
 MLA_GLUON_SHARED = True
 #: Whether a launch finds the cache's two TMA descriptors built by an earlier launch (`mla_gluon.cache_descriptors`:
 #: looked up by the cache's device, address, shape, strides and dtype; none kept while a CUDA graph captures).
-#: Run 13: building them costs the host 33-34 us a launch, finding them 3 us; `kernel_mla_partial` 208 -> 153 us.
+#: Measured on an H100: building them costs the host 33-34 us a launch, finding them 3 us; `kernel_mla_partial` 208 -> 153 us.
 MLA_GLUON_DESC_CACHE = True
 _GLUON: list = []  # [module or None]: `mla_gluon` once imported (None: Gluon not importable)
 

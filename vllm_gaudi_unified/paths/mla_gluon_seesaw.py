@@ -1,9 +1,9 @@
 """MLA's Gluon kernel with FlashMLA's "seesaw" schedule (`MLA_GLUON_SEESAW`, the default on Hopper where its shapes
-allow; docs/benchmarks.md, MLA, kernel runs 16, 17 and 20).
+allow; docs/benchmarks.md, MLA).
 
 Why: the one-stream kernel (`mla_gluon.py`) runs each tile's softmax in series with its products (one `[64, 512]`
 fp32 accumulator per SM leaves no room for two: 0.35 ms at 128 x 4096, 1.73x the HBM floor), and a ping-pong that
-overlapped them (removed after run 20) waited on every tile's fetch: each warpgroup could refetch its half of a
+overlapped them (measured and removed) waited on every tile's fetch: each warpgroup could refetch its half of a
 buffer only after its product on it, the last thing it did before it needed the next tile. FlashMLA's answer
 (0.289 ms, 1.43x): tiles in pairs, warpgroup 0 owning the even tile and the left half of the value columns,
 warpgroup 1 the odd tile and the right half, the running maximum flowing even -> odd within the pair:

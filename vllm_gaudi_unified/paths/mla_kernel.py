@@ -13,12 +13,12 @@ q_pe . k_pe`, and multiplies the probabilities by the same `[KEYS, L]` tile
 (sorted by token beforehand). The head groups of one (token, split) are
 launched next to each other (grid axis 0), so the tile is read from HBM once
 and from L2 by the others. Each (token, split) writes one `Partial` row; the
-splits (a power of two) are merged by `split_combine` (one pass over them: call 22).
+splits (a power of two) are merged by `split_combine` (one pass over them).
 
 The cache's row stride is a compile-time constant (one value per model), so a
-tile's addresses are constant offsets from one base (run 9: 0.67 -> 0.62 ms at
+tile's addresses are constant offsets from one base (0.67 -> 0.62 ms at
 128 x 4096 keys on an H100, 255 -> 246 registers). Variants measured slower
-and removed (docs/benchmarks.md, MLA runs 8 and 9): the latent in two halves,
+and removed: the latent in two halves,
 tensor-descriptor loads, Triton's loop pipelining and warp specialisation, the
 products transposed, the sums kept per key, wholly visible slots first and
 unmasked.
@@ -165,7 +165,7 @@ def _combine_body(acc_ptr, m_ptr, l_ptr, out_ptr, om_ptr, ol_ptr, S: tl.constexp
     as `merge.merge` does (a split that saw no key, max -inf, adds exactly nothing whatever its acc holds; a NaN
     max is seen, its row keeps it), into out `[n, HQ, DV]`: normalized in out's dtype with `FINAL`, else the
     merged acc with its max and sum (om/ol `[n, HQ]`). Why: `merge.fold_pairwise` over 16 splits of 4 decodes x
-    32k keys took 0.15 ms of elementwise passes beside the kernel's 0.09 (call 22)."""
+    32k keys took 0.15 ms of elementwise passes beside the kernel's 0.09 (H100)."""
     row = tl.program_id(0).to(tl.int64)
     t = row // HQ
     h = row % HQ

@@ -53,13 +53,13 @@ def final_rows(batch, query: torch.Tensor, soft_cap: float | None, sinks) -> boo
 
 
 #: The split form for buckets with context blocks (`split_context`): None (default) from `SPLIT_MIN_PAIRS` on;
-#: `VLLM_GAUDI_UNIFIED_PROMPT_SPLIT=1` always, `=0` never (the one call with the full bias: the before of
-#: benchmarks/results/split_ctx_h100). Graphs and compiled functions keep the form they were made under
+#: `VLLM_GAUDI_UNIFIED_PROMPT_SPLIT=1` always, `=0` never (the one call with the full bias, for
+#: measurements). Graphs and compiled functions keep the form they were made under
 #: (`graphs.bucket_key` includes it).
 SPLIT_CONTEXT: bool | None = env_flag("VLLM_GAUDI_UNIFIED_PROMPT_SPLIT")
 #: The grid's rows x context keys (`P * Qp * Cb * block_size`) from which the split form is the default. Below
 #: it the second call, the merge and the copies cost more than the masked pairs they save: measured on an
-#: H100 over 200 steps of the chat trace (docs/benchmarks.md, issue 23, final run; 32 query heads), the split
+#: H100 over 200 steps of the chat trace (`python -m benchmarks.trace_steps`; 32 query heads), the split
 #: form lost 20-100 us a step up to 2M such pairs and won from 4M (2 x 2k over 6k, 25M: 1.69 -> 1.24 ms).
 SPLIT_MIN_PAIRS = 1 << 22
 
@@ -70,8 +70,8 @@ def split_context(batch, same_head_dims: bool = True) -> bool:
     graph per bucket holds, and only where values have the keys' head dim (MLA's latent form keeps the
     one call: the CPU and cuDNN kernels with statistics take one head dim).
 
-    Measured (H100, chunked prefill 2 x 2048 over 6144, block 128, benchmarks/results/split_ctx_h100, 5
-    rounds): 1.236 ms split against 1.689 ms for the one call (vllm-gaudi's ops 1.686): the one call reads
+    Measured (H100, chunked prefill 2 x 2048 over 6144, block 128, `python -m benchmarks.speed
+    --rounds 5`): 1.236 ms split against 1.689 ms for the one call (vllm-gaudi's ops 1.686): the one call reads
     its `[P, 1, Qp, Kp]` bias in every tile and computes every pair above the diagonal; cuDNN's time went
     from 1581 to 1077 us for the two calls. Mixed steps (4 x 512 over 1.5k) 1.931 against 1.933 ms. Small
     grids keep the one call (`SPLIT_MIN_PAIRS`), unless `SPLIT_CONTEXT` forces either form."""

@@ -60,7 +60,7 @@ def fused_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     rows = batch.shared_rows.reshape(-1)
     real = rows < n
     # Real rows first, tile by tile, padding rows after them: a stable partition by two prefix sums (a sort
-    # of these few hundred flags was two kernels of 13 us each on an H100, benchmarks/gpu_kernels.py).
+    # of these few hundred flags was two kernels of 13 us each on an H100, torch.profiler).
     n_real = torch.cumsum(real, 0)
     place = torch.where(real, n_real - 1, n_real[-1] + torch.arange(rows.shape[0], device=q.device) - n_real)
     dest = torch.empty_like(rows).scatter_(0, place, rows)

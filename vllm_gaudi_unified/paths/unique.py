@@ -23,7 +23,7 @@ from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
 
 #: Keys per loop step of the kernel, and the keys a split aims at (a token's blocks are cut into
 #: power-of-two splits of about this many keys, so long contexts still fill the GPU).
-#: Measured on an H100 (benchmarks/unique_kernel_sweep.py; docs/benchmarks.md, fp8 section).
+#: Measured on an H100 (a sweep of these constants timed with `python -m benchmarks.speed --variants`, `uk_*` keys).
 KERNEL_KEYS = 128
 KERNEL_SPLIT_KEYS = 8192
 KERNEL_MAX_SPLITS = 32
@@ -210,7 +210,7 @@ def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]
     (row, index) order, one comparison-sum kernel
     (the sort torch.compile makes of a few hundred keys took 9.5-18.6 us on an H100, docs/benchmarks.md);
     more slots: a stable sort of 16-bit keys where the rows fit (a radix sort of int64 keys takes 8
-    passes, 50 us of a 0.8 ms decode step, benchmarks/gpu_kernels.py)."""
+    passes, 50 us of a 0.8 ms decode step, torch.profiler on an H100)."""
     s = rows.shape[0]
     if s <= RANK_SORT_MAX_SLOTS:
         index = torch.arange(s, device=rows.device, dtype=rows.dtype)

@@ -31,7 +31,7 @@ class PlanOptions:
     #: within [shared_rows, shared_rows_max] (`tile_rows`); the plan records the rows it chose (`with_tile_rows`).
     #: 16, the rows bucket plans fix: decode groups sharing a prefix are often 2-16 requests (parallel
     #: sampling n <= 16, a system prompt's users), and such a group in one row tile reads its prefix once
-    #: (0.139 ms in 8-row tiles against 0.115 in 16, Gaudi route, H100, docs/benchmarks.md, issue 23).
+    #: (0.139 ms in 8-row tiles against 0.115 in 16, Gaudi route, H100, `python -m benchmarks.speed`).
     #: The array `StepPlan.shared_rows` holds the query token of each such row.
     shared_rows: int = 16
     #: the most rows of a shared tile; at or below `shared_rows`: every step's tiles have `shared_rows` rows

@@ -87,7 +87,7 @@ def prompt_grid(rows: np.ndarray, lengths: np.ndarray, T: int) -> bool:
 
 #: `prompt_ragged`'s bound: below this share of real pairs in the padded grid, CUDA's final form takes flash
 #: varlen (segments of real rows, no padding computed; `attention.prompt_flash`) instead of the grid's SDPA
-#: calls. Measured on an H100 (docs/benchmarks.md, issue 23, final run): ragged chunks at 1/8 of their grid
+#: calls. Measured on an H100 (docs/benchmarks.md, device speed): ragged chunks at 1/8 of their grid
 #: took 2.50 ms as a grid against vLLM's Triton 1.72; uniform prompts (fill 1) are faster as the grid.
 RAGGED_FILL = 0.5
 
