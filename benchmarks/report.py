@@ -84,7 +84,7 @@ def summary(rows) -> list[dict]:
 
 
 #: Block size 128 vs 16: a ratio up to 1 + TIE is reported as a tie, not a miss. Repeated runs of one version
-#: on the H100 (benchmarks/NOTES.md) moved by up to 0.1 % (decode, prefill) and 6 % (shared prefix, 0.46-0.49 ms).
+#: on the H100 moved by up to 0.1 % (decode, prefill) and 6 % (shared prefix, 0.46-0.49 ms).
 TIE = 0.03
 
 

@@ -15,7 +15,7 @@ requests (the same for both sides: the first requests of a fresh server pay one-
 no prefix caching, `max_num_seqs` 8, the engine's OpenMP threads bound to `--cpus` (default one
 core: the host is shared).
 
-    python -m benchmarks.serve_bench [--rounds 2] [--json out.json] [--cpus 0] [--warmups 8]
+    python -m benchmarks.serving [--rounds 2] [--json out.json] [--cpus 0] [--warmups 8]
 """
 from __future__ import annotations
 

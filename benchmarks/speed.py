@@ -8,7 +8,8 @@ replayed as a CUDA graph; the same-rules peer (`benchmarks/gaudi_peer.py`) as a 
 CUDA graph of its eager ops and compiled; the HBM / FLOP floor. Every variant is checked
 against the float32 reference first (ours on a cache whose unreadable slots hold NaN/inf,
 graph outputs poisoned before the checking replay). Peak MB: device memory one
-(un-captured) call allocates beyond its inputs. Rows go to DIR/speed.json after every case.
+(un-captured) call allocates beyond its inputs. Rows go to DIR/speed.json after every case; `python -m benchmarks.report` tabulates them
+(docs/benchmarks.md).
 `--variants 'gaudi=gaudi:1'` adds the Gaudi route (`paths.fused.gaudi_route`: every CUDA-only kernel off).
 """
 from __future__ import annotations
@@ -256,11 +257,6 @@ def run_case(sc, bs, args, device, rows, lay=None):
 TRITON_MS = {"decode_256x2k": (0.750, 0.796), "decode_64x8k": (0.736, 0.751), "decode_ragged": (1.702, 1.661),
              "prefill_4x2k": (1.931, 1.856), "chunked_2x2k_6k": (6.451, 6.157), "mixed": (1.383, 1.296),
              "shared_prefix": (0.265, 0.319), "parallel_sampling": (0.061, 0.061), "scattered": (0.750, 0.801)}
-#: The goal for ours / Triton, per scenario.
-TRITON_GOAL = {"decode_256x2k": 1.3, "decode_64x8k": 1.3, "decode_ragged": 1.3, "prefill_4x2k": 1.0,
-               "chunked_2x2k_6k": 0.8, "mixed": 1.0, "shared_prefix": 0.5, "parallel_sampling": 1.0}
-
-
 def median_rows(rows: list[dict]) -> dict:
     """(scenario, block size, method, variant) -> the row of median time among that key's rounds (`--rounds`:
     rows with `round` 0, 1, ...; its `rounds_ms` lists them all). A later run of the same key (a row whose
@@ -281,33 +277,6 @@ def median_rows(rows: list[dict]) -> dict:
     return out
 
 
-def table(rows: list[dict]) -> str:
-    """One markdown row per (scenario, block size): ours default, the peer, Triton, floor, peak MB, verdicts.
-    Per (scenario, block size, method, variant) the median of its rounds; a later run replaces earlier ones."""
-    best = {k: r for k, r in median_rows(rows).items() if k[2] in ("ours", "peer")}
-    cases = sorted({(k[0], k[1]) for k in best}, key=lambda c: (c[0][0].isupper(), "#" in c[0], c[0], c[1]))
-    order = [s.name for s in sc_mod.scenarios()]
-    cases.sort(key=lambda c: (order.index(c[0]) if c[0] in order else len(order), c[0], c[1]))
-    lines = ["| scenario | bs | ours default ms | same-rules peer ms | peer / ours | vLLM Triton ms (typed) | ours / Triton "
-             "(goal) | floor ms | ours / floor | dense design ms | peak MB ours / peer |", "|" + "---|" * 11]
-    f = lambda x, n=3: "-" if x is None else f"{x:.{n}f}"  # noqa: E731
-    for sc, bs in cases:
-        ours, peer = best.get((sc, bs, "ours", "default")), best.get((sc, bs, "peer", "compiled"))
-        dense = best.get((sc, bs, "ours", "dense"))
-        if ours is None:
-            continue
-        tri = TRITON_MS.get(sc, (None, None))[{16: 0, 128: 1}[bs]] if bs in (16, 128) else None
-        ratio = ours["ms"] / tri if tri else None
-        goal = TRITON_GOAL.get(sc)
-        verdict = f"{ratio:.2f}x ({'met' if ratio <= goal else 'missed'}: <= {goal})" if ratio else "-"
-        vs_peer = f"{peer['ms'] / ours['ms']:.2f}x" if peer else "-"
-        vs_dense = f"{dense['ms']:.3f} ({'faster' if ours['ms'] < dense['ms'] else 'SLOWER'})" if dense else "-"
-        lines.append(f"| {ours.get('title', sc)} | {bs} | {f(ours['ms'])} | {f(peer['ms']) if peer else '-'} | {vs_peer} "
-                     f"| {f(tri)} | {verdict} | {f(ours['floor_ms'])} | {ours['ms'] / ours['floor_ms']:.1f}x | {vs_dense} "
-                     f"| {f(ours.get('peak_mb'), 0)} / {f(peer.get('peak_mb'), 0) if peer else '-'} |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks.speed", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out/speed")
@@ -323,12 +292,7 @@ def main(argv=None) -> int:
                    "in turn (each round compiles again); tables take the median round")
     p.add_argument("--trace", action="append", default=[], help="PATH:auto or PATH:i,j: also time these trace steps")
     p.add_argument("--top", type=int, default=3, help="steps per trace for PATH:auto")
-    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
-                   help="only print the markdown table of these speed.json files (later files win)")
     args = p.parse_args(argv)
-    if args.table:
-        print(table([r for path in args.table for r in json.loads(Path(path).read_text())["rows"]]))
-        return 0
     args.start = time.time()
     device = torch.device("cuda")
     out_dir = Path(args.out)

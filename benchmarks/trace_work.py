@@ -3,8 +3,7 @@
     python -m benchmarks.trace_work TRACE [--limit N] [--json OUT] [planner flags]
 
 `vllm-gaudi-unified trace-stats` with one more column, the dense design this
-project started from (`benchmarks/dense.py`); the table in docs/benchmarks.md
-was made with it.
+project started from (`benchmarks/dense.py`).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ need `W_UV`. Why: a prompt's query rows meet each key once per head, and the
 expanded pair costs `H * (P + R + V)` products against the latent form's `H *
 (2L + R)`, 3.4x fewer at DeepSeek's shapes, in a fused kernel with head dims it
 takes (192 / 128, not 576 / 512): measured 50x faster on an H100 for a
-2048-token prompt (docs/benchmarks.md, MLA). The up-projection costs `L * H *
+2048-token prompt. The up-projection costs `L * H *
 (P + V)` per latent read, which a decode (one query row per key) cannot
 amortise: decodes stay latent.
 

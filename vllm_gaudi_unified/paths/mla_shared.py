@@ -8,7 +8,8 @@ queries, `[rows * heads, L + R] @ [L + R, keys]`, then `p @ latent[:, :L]`
 nothing is transposed, and the tile's latents are gathered once for all its
 rows (a prefix is read once per row chunk of its group: `plan/shared.py`). The
 generic tiles computed the same pairs with the heads permuted in front of the
-rows and more passes over fp32 scores (docs/benchmarks.md, MLA).
+rows and more passes over fp32 scores (slower on an H100: `python -m benchmarks.mla_decode`,
+column `cuda_generic_shared`).
 
 `latent_attend` is the product the torch latent routes share (this one and the
 dense decode route of `mla_decode.py`; the chunks of `mla_chunks.py` run its
@@ -31,7 +32,7 @@ from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype, slot_ma
 
 #: Where `latent_attend` takes e^(s - max) of 16-bit inputs: 'product' (bf16, in place: two passes fewer
 #: over the scores) or 'compute' (fp32, rounded once for `p @ V`, as the generic tiles do). Measured on an
-#: H100 (docs/benchmarks.md, MLA): the same error both ways (the scores' own bf16 rounding dominates),
+#: H100 (`python -m benchmarks.mla_decode`, column `gaudi_product_softmax`): the same error both ways (the scores' own bf16 rounding dominates),
 #: 'product' 15-35% faster.
 LATENT_SOFTMAX = "product"
 

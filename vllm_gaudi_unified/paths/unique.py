@@ -130,7 +130,7 @@ def kernel_unique_applies(key_cache: torch.Tensor, value_cache: torch.Tensor) ->
     """The Triton kernel (`unique_kernel.py`) where Triton is, for fp8 and 16-bit caches: one kernel reads
     each live block once and merges a token's blocks on the chip, where the other paths write a partial
     per block (and first copy an fp8 cache's gathered blocks to the query's dtype). Measured faster than
-    flash per block and the matmul tiles at block sizes 16 and 128 (docs/benchmarks.md). It indexes a
+    flash per block and the matmul tiles at block sizes 16 and 128 on an H100. It indexes a
     head's channels as consecutive elements."""
     return ((is_fp8(key_cache.dtype) or key_cache.dtype in KERNEL_CACHE_DTYPES)
             and key_cache.shape[-1] == value_cache.shape[-1]  # one head dim (not MLA's latent)
@@ -208,7 +208,7 @@ def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]
     (`n + 1` starts: token t's slots are `order[starts[t]:starts[t + 1]]`; the unique kernel's and the MLA
     routes'). Up to `RANK_SORT_MAX_SLOTS` slots by rank: a slot's place is the count of slots before it in
     (row, index) order, one comparison-sum kernel
-    (the sort torch.compile makes of a few hundred keys took 9.5-18.6 us on an H100, docs/benchmarks.md);
+    (the sort torch.compile makes of a few hundred keys took 9.5-18.6 us on an H100);
     more slots: a stable sort of 16-bit keys where the rows fit (a radix sort of int64 keys takes 8
     passes, 50 us of a 0.8 ms decode step, torch.profiler on an H100)."""
     s = rows.shape[0]
