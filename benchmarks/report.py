@@ -111,7 +111,7 @@ def markdown(env: dict, rows) -> str:
              + (f", Triton {env['triton']}" if env.get("triton") else "") + f"; {env.get('date')}.", ""]
     summ = summary(rows)
     lines.append("| scenario | bs | eager ms | graph ms | compiled ms | target ms | verdict | floor ms | best / floor "
-                 "| SDPA loop ms (÷ ours) | padded SDPA ms (÷ ours) | Flex ms (÷ ours) | vLLM Triton (issue) ÷ ours "
+                 "| SDPA loop ms (÷ ours) | padded SDPA ms (÷ ours) | Flex ms (÷ ours) | vLLM Triton (typed) ÷ ours "
                  "| peak MB: ours / loop / padded / Flex | unique layout | plan ms | H2D ms | rel err |")
     lines.append("|" + "---|" * 18)
     for s in summ:
@@ -243,7 +243,7 @@ def write_plot(path: Path, env: dict, rows) -> None:
         return
     series = [("ours, bs 16", lambda s: s["ms"]), ("ours, bs 128", lambda s: s["other_bs_ms"]),
               ("SDPA loop", lambda s: s["sdpa_loop_ms"]), ("padded SDPA", lambda s: s["padded_sdpa_ms"]),
-              ("FlexAttention", lambda s: s["flex_ms"]), ("vLLM Triton (issue)", lambda s: s["triton_ms"])]
+              ("FlexAttention", lambda s: s["flex_ms"]), ("vLLM Triton (typed)", lambda s: s["triton_ms"])]
     fig, ax = plt.subplots(figsize=(13, 5.5))
     width = 0.8 / len(series)
     for i, (label, get) in enumerate(series):

@@ -1,6 +1,6 @@
 """The benchmark scenarios: each a step vLLM could schedule, with its block table.
 
-Shapes are the issue's (32 query heads, 8 KV heads, head size 128, bf16); `scale`
+Shapes are a Llama-3-8B layer's (32 query heads, 8 KV heads, head size 128, bf16); `scale`
 shrinks request counts and lengths for CPU runs and tests. Block ids are drawn
 the way a warm block manager hands them out: a random permutation, over a cache
 just large enough ("dense"), or over a cache `spread` times larger than needed

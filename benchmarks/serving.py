@@ -6,11 +6,11 @@ naming the backend is kept in the results), side by side in one run: for each of
 two servers are started one after the other on 127.0.0.1 (never both at once), each answers one
 `vllm-gaudi-unified vllm bench serve` run and is stopped.
 
-The model is the issue's tiny one (`tests/vllm_helpers.py`'s GQA Llama, random weights: hidden 256,
+The model is a tiny one (`tests/vllm_helpers.py`'s GQA Llama, random weights: hidden 256,
 8 query heads, 2 KV heads, head_dim 32, 2 layers, vocabulary 512, float32), with a word-level
 tokenizer over its vocabulary saved beside it (`tests/vllm_models.py`), so that server and client
 run offline. Load: vLLM's random dataset, 128 input / 32 output tokens (ignore_eos), 64 prompts,
-at most 8 in flight (the issue's concurrency 8), request rate unbounded, after `--warmups` warm-up
+at most 8 in flight (concurrency 8), request rate unbounded, after `--warmups` warm-up
 requests (the same for both sides: the first requests of a fresh server pay one-time costs). Server: eager, block 128,
 no prefix caching, `max_num_seqs` 8, the engine's OpenMP threads bound to `--cpus` (default one
 core: the host is shared).

@@ -336,7 +336,7 @@ def table(rows: list[dict]) -> str:
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
     lines = ["| scenario | bs | Triton measured ms (launch) | again | eager | ours CUDA default ms | ours / Triton "
-             "| issue's typed Triton ms | measured / typed | floor ms | Triton / floor |", "|" + "---|" * 11]
+             "| typed Triton ms | measured / typed | floor ms | Triton / floor |", "|" + "---|" * 11]
     for (sc, bs, _), tri in [(key, r) for key, r in got.items() if key[2] == "triton"]:
         ours, t, typed = got.get((sc, bs, "ours"), {}), tri.get("ms"), tri.get("issue_ms")
         lines.append(f"| {tri['title']} | {bs} | {f(t)} ({tri.get('launch', '-')}) | {f(tri.get('ms_again'))} "

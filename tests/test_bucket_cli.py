@@ -227,7 +227,7 @@ def test_lift_to_smallest_makes_the_reported_bucket_warmable():
     from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS
     from vllm_gaudi_unified.plan.smallest import can_hold_a_step, lift_to_smallest
 
-    bad = Bucket("csu", 21, 16, 2, 1, 1)  # the bucket (block size 32: 16 blocks a shared tile)
+    bad = Bucket("csu", 21, 16, 2, 1, 1)  # the bucket that was made (block size 32: 16 blocks a shared tile)
     ok = Bucket("---", 4, 0, 0, 4, 0)
     assert not can_hold_a_step(bad, 32, BUCKET_OPTIONS)
     rows = lift_to_smallest(np.array([bad.sizes, ok.sizes, ok.sizes]), 32, BUCKET_OPTIONS)

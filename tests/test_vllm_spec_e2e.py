@@ -104,7 +104,7 @@ def _assert_same_metrics(plugin: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_ngram(models, tmp_path, k):
-    """The smallest and the largest draft count of the issue (2 and 3 were measured too, with the same
+    """The smallest and the largest draft count (2 and 3 were measured too, with the same
     result: docs/usage.md); the core tests cover 1..4 step by step (`test_spec_decode.py`)."""
     ref, plugin, steps = _pair(models, tmp_path, "ngram", k)
     for case in CASES:
