@@ -2,7 +2,8 @@
 
 The page's prose is written by hand; each table sits between `<!-- table:NAME -->` and `<!-- end -->` and is
 made here, with the command that reproduces it, the device, the date and the commit. A results file that
-records no commit or date takes them from `results/provenance.json` (git log: the commit that last wrote it).
+records no commit (`commit`, at the top or in its `env`) or no date takes them from `results/provenance.json`
+(git log: the commit that last wrote it).
 """
 from __future__ import annotations
 
@@ -19,11 +20,19 @@ def _load(name: str):
     return json.loads((RESULTS / name).read_text())
 
 
+def recorded_commit(data) -> str | None:
+    """The commit a results file records itself (top level or in its `env`), if any."""
+    if not isinstance(data, dict):
+        return None
+    return data.get("commit") or (data.get("env") or {}).get("commit")
+
+
 def _source(name: str, command: str, device: str, date: str | None = None) -> str:
     """One line under a table: the command, the device, the date and the commit of one results file."""
-    prov = _load("provenance.json")[name]
+    commit = recorded_commit(_load(name))
+    prov = {} if commit else _load("provenance.json")[name]
     when = date or f"{prov['committed']} (commit time)"
-    return (f"`{command}`: {device}, {when}, commit {prov['commit']} "
+    return (f"`{command}`: {device}, {when}, commit {commit or prov['commit']} "
             f"(results: `benchmarks/results/{name}`)")
 
 
