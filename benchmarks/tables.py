@@ -181,7 +181,7 @@ def invariance_table() -> list[str]:
         out += [_row(r["scenario"], route, _f(r["default_graph_ms"]), _f(r["invariant_graph_ms"]),
                      f"{r['graph_ms_ratio']:.2f}x", f"{r['ms_ratio']:.2f}x", f"{r['peak_mb_ratio']:.2f}x")
                 for r in _load(f"invariance_h100/{route}.json")]
-    return out + [""] + [f"- {_source(f'invariance_h100/{r}.json', f'python -m benchmarks.invariance_cost --route {r} --out FILE', _load(f'invariance_h100/{r}.json')[0]['gpu'])}"
+    return out + [""] + [f"- {_source(f'invariance_h100/{r}.json', f'python -m benchmarks.invariance cost --route {r} --out FILE', _load(f'invariance_h100/{r}.json')[0]['gpu'])}"
                          for r in ("cuda", "gaudi")]
 
 

@@ -356,13 +356,13 @@ def test_auto_bucket_plan(mha, tmp_path):
 
 
 def test_invariant_mode_alone_vs_batch_of_16(tmp_path):
-    """The cascade-attention experiment inside vLLM (`benchmarks/invariance_vllm.py`): a prompt whose 256-token prefix
+    """The cascade-attention experiment inside vLLM (`python -m benchmarks.invariance vllm`): a prompt whose 256-token prefix
     15 others share, generated alone and inside the batch of 16, greedy; with
     VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=1 its tokens and logprobs are bitwise the same. (The default mode
     and vLLM's own CPU attention with its split-KV decode differ in the last bits: docs/batch_invariance.md.)"""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "invariance.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.invariance_vllm", "--configs", "plugin_invariant",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.invariance", "vllm", "--configs", "plugin_invariant",
                            "--out", str(out)], cwd=root, env=_clean_env(), capture_output=True, text=True,
                           timeout=2 * ENGINE_TIMEOUT_S)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
