@@ -312,8 +312,11 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
 
 def prompt_graph_for(bucket, shape: Bucket) -> bool:
     """Whether a step of `shape` (with prompts) may run on the prompt route at `bucket`: always with no
-    bucket or a `Bucket`; with a bucket plan, only when one of its prompt graphs covers it
+    bucket; with a `Bucket`, when it has a prompt grid (`num_prompts > 0`; the five sizes alone describe
+    the tiled route); with a bucket plan, only when one of its prompt graphs covers it
     (`bucket_plans/prompt_graphs.py`); any other `.find` object takes every shape."""
+    if isinstance(bucket, Bucket):
+        return bucket.num_prompts > 0
     prompt_graph = getattr(bucket, "prompt_graph", None)
     return prompt_graph is None or prompt_graph(shape) is not None
 
