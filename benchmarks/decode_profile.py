@@ -30,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_gaudi_unified.files import output_path, write_text
+from vllm_gaudi_unified.tools.cli import Parser
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN, BLOCK_SIZE, CONCURRENCY = 128, 128, 8
 
@@ -90,13 +93,13 @@ def instrument(backend: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=["vllm", "plugin"], required=True)
     ap.add_argument("--batches", type=int, default=6, help="timed batches of 8 requests")
     ap.add_argument("--output-len", type=int, default=32, help="tokens each request generates")
     ap.add_argument("--model", default=None, help="model directory (default: the tiny GQA Llama, made now)")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N", help="aten op table, N rows")
-    ap.add_argument("--json", default=None, help="write the numbers here")
+    ap.add_argument("--json", type=output_path, default=None, help="write the numbers here")
     ap.add_argument("--staggered", action="store_true",
                     help="a server's steady state: a new request joins as soon as one finishes, the first 8 "
                          "finishing at different steps, so most steps hold a prompt beside decodes; every "
@@ -186,7 +189,7 @@ def main(argv=None) -> int:
     if args.torch_profile:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        write_text(args.json, json.dumps({
             "backend": args.backend, "staggered": args.staggered, "steps": n, "step_ms": step_ms,
             "step_kinds": kinds,
             "parts_ms_per_step": {k: 1e3 * v / n for k, v in TIMES.items()},

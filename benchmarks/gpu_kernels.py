@@ -26,6 +26,8 @@ from benchmarks.speed14 import D, _variants, case_tensors, unique_knobs
 from benchmarks.timing import capture, time_ms
 from vllm_gaudi_unified import graphs
 from vllm_gaudi_unified.batch import UnifiedBatch
+from vllm_gaudi_unified.files import output_dir
+from vllm_gaudi_unified.tools.cli import Parser
 from vllm_gaudi_unified.graphs import compiled_attention
 from vllm_gaudi_unified.plan import PlanOptions, plan_step
 
@@ -68,8 +70,8 @@ def one(sc, bs: int, name: str, over: dict, reps: int, device) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="out/gpu_kernels")
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=output_dir, default="out/gpu_kernels")
     p.add_argument("--scenarios", default="shared_prefix,parallel_sampling,decode_ragged,decode_256x2k")
     p.add_argument("--block-sizes", default="128")
     p.add_argument("--variants", default="")

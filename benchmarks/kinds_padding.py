@@ -14,7 +14,6 @@ Usage: `python -m benchmarks.kinds_padding [--out benchmarks/results/kinds_paddi
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
@@ -22,6 +21,8 @@ import numpy as np
 from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
 from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS, ServerSettings
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import AttentionKind, _plan_kind, largest_shape, step_bucket
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.tools.cli import Parser
 
 #: name -> (layers per kind, max_model_len): the attention layout of the model each server is shaped after.
 SERVERS = {
@@ -82,12 +83,12 @@ def _planned(bucket, plan, opts) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=None, help="write the report here (JSON)")
+    parser = Parser(description=__doc__)
+    parser.add_argument("--out", type=output_path, default=None, help="write the report here (JSON)")
     args = parser.parse_args(argv)
     report = measure()
     if args.out:
-        with open(args.out, "w") as f:
+        with atomic_write(args.out) as f:
             json.dump(report, f, indent=1)
     return 0
 

@@ -7,18 +7,22 @@ Rows are concatenated in order; the environment of the first run is kept and the
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from benchmarks import report
+from vllm_gaudi_unified.files import output_dir
+from vllm_gaudi_unified.tools.cli import Parser
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 2:
-        raise SystemExit(__doc__)
-    out, runs = Path(argv[0]), [Path(a) for a in argv[1:]]
+    p = Parser(prog="python -m benchmarks.merge", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=output_dir, metavar="OUT_DIR", help="folder for the merged results")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR_OR_JSON", help="the runs' folders or results.json files")
+    args = p.parse_args(argv)
+    out, runs = Path(args.out), [Path(a) for a in args.runs]
     data = [json.loads((r / "results.json" if r.is_dir() else r).read_text()) for r in runs]
     env = dict(data[0]["env"])
     dates = [d["env"].get("date") for d in data]

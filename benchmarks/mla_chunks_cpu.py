@@ -6,7 +6,6 @@ Wall-clock median of `--iters` steps after 2 warm-ups (`torch.get_num_threads()`
 512 + 64, and the max error against a float32 dense reference over every request."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -17,13 +16,15 @@ import torch
 
 from vllm_gaudi_unified import attention, build_unified_batch
 from vllm_gaudi_unified.mla import mla_attention
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.tools.cli import Parser
 
 L, R = 512, 64
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
+    parser = Parser(description=__doc__)
+    parser.add_argument("--out", type=output_path, required=True)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
@@ -64,7 +65,7 @@ def main() -> None:
                 times.append((time.perf_counter() - t) * 1e3)
         report[name] = {"route_taken": taken[0], "ms": statistics.median(times), "max_err": err}
         print(name, report[name], flush=True)
-    with open(a.out, "w") as f:
+    with atomic_write(a.out) as f:
         json.dump(report, f, indent=1)
 
 

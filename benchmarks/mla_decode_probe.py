@@ -25,7 +25,6 @@ share of a launch with and without the kept TMA descriptors.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 from unittest import mock
@@ -35,6 +34,8 @@ import torch
 from benchmarks.mla_decode import BS, H, KERNEL_CONSTS, L, SCALE, kernel_consts, matmul_rate, read_bandwidth, setup
 from benchmarks.mla_decode import timed
 from vllm_gaudi_unified.paths import fused, mla_decode, mla_kernel
+from vllm_gaudi_unified.files import output_path
+from vllm_gaudi_unified.tools.cli import Parser
 from vllm_gaudi_unified.paths.mla_shared import latent_attend
 
 #: (heads per program, keys per step, warps, stages, keys a split aims at, V_LOAD, ONE_SLOT[, Q_LOOP]): run 6's
@@ -282,8 +283,8 @@ def kernels(case, report, flops, best_path=None):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
+    parser = Parser(description=__doc__)
+    parser.add_argument("--out", type=output_path, required=True)
     parser.add_argument("--best", help="write the fastest correct constants here (JSON, for mla_decode --consts)")
     parser.add_argument("--kernels-only", action="store_true", help="the kernel's sweep alone (no Gaudi route parts)")
     parser.add_argument("--once", help="constants (JSON, as --best writes): three steps of the CUDA route, nothing "

@@ -18,13 +18,14 @@ Errors: max |out - float32 reference| over the rows checked.
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from benchmarks.mla_decode import H, L, R, SCALE, matmul_rate, read_bandwidth, timed
 from vllm_gaudi_unified.paths import mla_shared
+from vllm_gaudi_unified.files import output_path
+from vllm_gaudi_unified.tools.cli import Parser
 
 
 def mem_efficient(q, kv):
@@ -74,8 +75,8 @@ def probe(name, q, kv, gather_ms, rows, report):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
+    parser = Parser(description=__doc__)
+    parser.add_argument("--out", type=output_path, required=True)
     args = parser.parse_args()
     report = {"device": torch.cuda.get_device_name(), "read_bandwidth_GBps": read_bandwidth() / 1e9,
               "matmul_TFLOPs": matmul_rate() / 1e12}

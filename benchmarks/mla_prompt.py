@@ -18,7 +18,6 @@ outputs (bf16; outputs ~1).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -29,6 +28,8 @@ from benchmarks.timing import time_ms
 from vllm_gaudi_unified import build_unified_batch
 from vllm_gaudi_unified.mla import absorb_query, expand_output, mla_attention
 from vllm_gaudi_unified.mla_prompts import expanded_first, mla_prompt_rows
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.tools.cli import Parser
 
 L, R, P, V, BS = 512, 64, 128, 128, 128
 SCALE = (P + R) ** -0.5
@@ -76,8 +77,8 @@ def scenario(query_lens, context_lens, heads, device):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
+    parser = Parser(description=__doc__)
+    parser.add_argument("--out", type=output_path, required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--scale-down", type=int, default=1, help="divide every length by this (smoke runs)")
@@ -98,7 +99,7 @@ def main() -> None:
         entry["speedup"] = entry["latent_ms"] / entry["expanded_ms"]
         report[name] = entry
         print(name, json.dumps(entry), flush=True)
-        with open(args.out, "w") as f:
+        with atomic_write(args.out) as f:
             json.dump(report, f, indent=1)
 
 

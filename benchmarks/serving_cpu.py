@@ -30,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_gaudi_unified.files import output_path, write_text
+from vllm_gaudi_unified.tools.cli import Parser
+
 ROOT = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 64, 128, 32, 8
 BLOCK_SIZE = 128
@@ -107,11 +110,11 @@ def _summary(r: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="runs per backend, alternating")
     ap.add_argument("--dtype", default="float32", help="model dtype (the tiny model is float32; bf16 matmuls are slow on CPUs without AVX-512 BF16)")
     ap.add_argument("--model", default=None, help="model directory (default: the tiny GQA Llama, made now)")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", type=output_path, default=None, help="write the results here")
     ap.add_argument("--only", choices=["vllm", "plugin"], default=None, help="run one backend only")
     ap.add_argument("--profile", default=None, help="cProfile the plugin's timed pass into this file")
     ap.add_argument("--compare", default=None, metavar="DIR",
@@ -175,8 +178,8 @@ def main(argv=None) -> int:
             print(f"{side} / vLLM CPU attention, TPOT p50: {t['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x, "
                   f"decode step p50: {t['decode_step_p50_ms'] / base['decode_step_p50_ms']:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"table": table, "runs": runs, "dtype": args.dtype,
-                                               "load_average": os.getloadavg()}, indent=1))
+        write_text(args.json, json.dumps({"table": table, "runs": runs, "dtype": args.dtype,
+                                          "load_average": os.getloadavg()}, indent=1))
     return 0
 
 

@@ -18,7 +18,6 @@ Rows go to DIR/unique_kernel_sweep.json after every case.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import traceback
@@ -32,6 +31,8 @@ from benchmarks.timing import capture, time_ms
 from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.paths import unique
 from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, dequantize, quantize
+from vllm_gaudi_unified.files import output_dir
+from vllm_gaudi_unified.tools.cli import Parser
 
 #: Run 1 (2026-11-23) swept keys 32/64/128 x warps 4/8 x split keys 256/512/2048: 128, 4, 2048 won everywhere.
 SWEEP = {"KERNEL_KEYS": (128, 256), "KERNEL_WARPS": (4, 8), "KERNEL_SPLIT_KEYS": (2048, 8192),
@@ -120,8 +121,8 @@ def _caches(cache_dtype, scales, kc, vc, q, k, v, ql, cl, blocks, d):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="benchmarks.unique_kernel_sweep", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="out/unique_kernel", help="folder for unique_kernel_sweep.json")
+    p = Parser(prog="benchmarks.unique_kernel_sweep", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=output_dir, default="out/unique_kernel", help="folder for unique_kernel_sweep.json")
     p.add_argument("--scenarios", default="decode_256x2k,decode_64x8k", help="comma-separated scenario names")
     p.add_argument("--block-sizes", default="16,128", help="comma-separated KV cache block sizes")
     p.add_argument("--sweep", action="store_true", help="also time the kernel at every constant in SWEEP")
