@@ -14,7 +14,6 @@ out of memory is recorded as such and the run goes on.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 
@@ -23,10 +22,12 @@ import torch
 from benchmarks import scenarios as sc_mod
 from benchmarks.timing import capture, peak_bytes, time_ms
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.tools.cli import Parser
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU: 0.0625)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--route", choices=("cuda", "gaudi"), default="cuda",
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     p.add_argument("--invariant-rows", type=int, default=None, help="PlanOptions.invariant_rows (default: its own)")
     p.add_argument("--scenarios", nargs="*", default=None, help="names to run (default: all)")
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--out", type=output_path, default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     default = PlanOptions(fused_kernels=args.route == "cuda")
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
     _print_table(rows, device.type == "cuda")
     if args.out:
-        with open(args.out, "w") as f:
+        with atomic_write(args.out) as f:
             json.dump(rows, f, indent=1)
     return 0
 

@@ -33,6 +33,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vllm_gaudi_unified.files import output_path, write_text
+from vllm_gaudi_unified.tools.cli import Parser
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "vllm_cpu_attn": {},
@@ -111,8 +114,8 @@ def compare(alone: dict, batched: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=output_path, default=None, help="write the results as JSON here")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS) + list(EXTRA_CONFIGS),
                    help="which engines to run (default: %(default)s)")
     p.add_argument("--engine", nargs=3, metavar=("MODEL", "MODE", "OUT"), help=argparse.SUPPRESS)
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
     results["linear_rows_check"] = linear_rows_check()
     print("linear_rows_check", json.dumps(results["linear_rows_check"]), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        write_text(args.out, json.dumps(results, indent=1))
     return 0
 
 
