@@ -1,6 +1,7 @@
 """The unified batch: one step's plan as device tensors, passed explicitly from plan to run."""
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, fields, replace
 
@@ -323,8 +324,12 @@ def check_device(device, name: str = "device") -> torch.device:
         checked = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
         raise ValueError(f"{name} {device!r} is not a torch device (cpu, cuda, cuda:N, hpu)") from None
-    if checked.type == "cpu":
-        return checked
+    return checked if checked.type == "cpu" else _on_this_machine(checked, name)
+
+
+@functools.lru_cache(maxsize=16)
+def _on_this_machine(checked: torch.device, name: str) -> torch.device:
+    """`checked` when this machine has it (found once per device: a server names its device every step)."""
     if checked.type == "hpu":
         from vllm_gaudi_unified.hpu import habana_importable
 
@@ -334,11 +339,11 @@ def check_device(device, name: str = "device") -> torch.device:
     elif checked.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     else:
-        raise ValueError(f"{name} {device}: the package runs on cpu, cuda or hpu")
+        raise ValueError(f"{name} {checked}: the package runs on cpu, cuda or hpu")
     if count == 0:
-        raise ValueError(f"{name} {device}: this machine has no {checked.type} device")
+        raise ValueError(f"{name} {checked}: this machine has no {checked.type} device")
     if checked.index is not None and checked.index >= count:
-        raise ValueError(f"{name} {device}: this machine has {count} {checked.type} device(s), 0 to {count - 1}")
+        raise ValueError(f"{name} {checked}: this machine has {count} {checked.type} device(s), 0 to {count - 1}")
     return checked
 
 

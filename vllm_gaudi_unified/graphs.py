@@ -5,7 +5,7 @@ handed to `torch.compile` with static shapes. A bucket fixes every shape of a
 step, so each bucket gets its own compiled function (and, where the caller
 captures one, its own CUDA graph). Dynamo caches compiled code per code
 object and falls back to eager past a few recompiles, so each bucket compiles
-a private copy of `attend_step`'s work (`run_step`; the checks run outside it): a server
+a private copy of `run_step` (`attend_step`'s work; the checks run outside it): a server
 with many buckets keeps one compiled entry per bucket, and every step padded to
 a bucket runs it with no recompile. Nothing here changes what is computed.
 """
@@ -40,18 +40,18 @@ def compiled_attention(query, key, value, key_cache, value_cache, batch, scale, 
     """`unified_attention` through the compiled function of this batch's bucket (compiled on first use).
 
     The checks and the padding to the bucket's rows run here, eagerly; only `run_step` (`attend_step`'s
-    work) is compiled. Compiled, the checks would read the step's own sizes (its token count, its largest block id), and
-    dynamo guards every value it reads: each new step of a bucket would compile again, and past a few
-    the bucket would fall back to eager."""
+    work) is compiled. Compiled, the checks would read the step's own sizes (its token count, its largest
+    block id), and dynamo guards every value it reads: each new step of a bucket would compile again, and
+    past a few the bucket would fall back to eager."""
     q, k, v = checked_step(query, key, value, key_cache, value_cache, batch, scale,
                            *(kwargs.get(k) for k in ("logits_soft_cap", "sinks", "k_scale", "v_scale")))
-    key_ = bucket_key(batch, q, key_cache, **kwargs)
-    fn = _COMPILED.get(key_)
+    graph_key = bucket_key(batch, q, key_cache, **kwargs)
+    fn = _COMPILED.get(graph_key)
     if fn is None:
         private = types.FunctionType(run_step.__code__.replace(), run_step.__globals__, "run_step",
                                      run_step.__defaults__, run_step.__closure__)
         private.__kwdefaults__ = run_step.__kwdefaults__
-        fn = _COMPILED[key_] = torch.compile(private, dynamic=False)
+        fn = _COMPILED[graph_key] = torch.compile(private, dynamic=False)
     return fn(q, k, v, key_cache, value_cache, batch, scale, **kwargs)[:query.shape[0]]
 
 
