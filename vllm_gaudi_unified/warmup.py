@@ -62,14 +62,18 @@ def step_for_bucket(bucket: Bucket, block_size: int, options=None,
 
     Raises ValueError when no step of that phase fits in the bucket (`can_hold_a_step` is False)."""
     from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
+    from vllm_gaudi_unified.plan.options import on_route
     from vllm_gaudi_unified.plan.smallest import smallest_steps
 
-    smallest = smallest_steps(block_size, options or DEFAULT_OPTIONS, sliding_window)[bucket.phase]
+    options = options or DEFAULT_OPTIONS
+    if not bucket.num_prompts:  # the five sizes alone describe the tiled route (`batch.prompt_graph_for`)
+        options = on_route(options, "tiles")
+    smallest = smallest_steps(block_size, options, sliding_window)[bucket.phase]
     if smallest is None:
         raise ValueError(f"bucket {bucket}: the planner makes no step of phase {bucket.phase!r} with these options")
     step, shape = smallest
     if bucket.num_prompts:  # the prompt route's shape: one more request on it (`with_prompt`)
-        step, shape = with_prompt(step, bucket, block_size, options or DEFAULT_OPTIONS, sliding_window)
+        step, shape = with_prompt(step, bucket, block_size, options, sliding_window)
     if not bucket.covers(shape):
         raise ValueError(f"bucket {bucket} cannot hold the smallest step of its phase ({shape})")
     return step
