@@ -245,9 +245,10 @@ def benchmark_outputs() -> list[tuple[str, list[str], str]]:
     found = []
     for path in sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")):
         tree = ast.parse(path.read_text())
-        sub = {t.id: [node.value.args[0].value] for node in ast.walk(tree) if isinstance(node, ast.Assign)
-               and isinstance(node.value, ast.Call) and getattr(node.value.func, "attr", "") == "add_parser"
-               for t in node.targets if isinstance(t, ast.Name)}
+        subparsers = sorted((node.lineno, t.id, node.value.args[0].value) for node in ast.walk(tree)
+                            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                            and getattr(node.value.func, "attr", "") == "add_parser"
+                            for t in node.targets if isinstance(t, ast.Name))
         for call in ast.walk(tree):
             if not (isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "add_argument" and call.args
                     and isinstance(call.args[0], ast.Constant)):
@@ -256,8 +257,9 @@ def benchmark_outputs() -> list[tuple[str, list[str], str]]:
                                                                              for n in ast.walk(k.value)}
                         for k in call.keywords)
             if call.args[0].value in OUTPUT_FLAGS or typed:
-                found.append((FLAGS_OF.get(path.stem, path.stem), sub.get(getattr(call.func.value, "id", ""), []),
-                              call.args[0].value))
+                receiver = getattr(call.func.value, "id", "")  # the subcommand it was last made for, if any
+                sub = [name for line, var, name in subparsers if var == receiver and line < call.lineno][-1:]
+                found.append((FLAGS_OF.get(path.stem, path.stem), sub, call.args[0].value))
     return found + INHERITED
 
 
