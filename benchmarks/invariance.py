@@ -43,6 +43,8 @@ import torch
 from benchmarks import scenarios as sc_mod
 from benchmarks.timing import capture, peak_bytes, time_ms
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
+from vllm_gaudi_unified.files import atomic_write, output_path, write_text
+from vllm_gaudi_unified.tools.cli import Parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -140,7 +142,7 @@ def cost(args) -> int:
         print(json.dumps(row), flush=True)
     _print_table(rows, device.type == "cuda")
     if args.out:
-        with open(args.out, "w") as f:
+        with atomic_write(args.out) as f:
             json.dump(rows, f, indent=1)
     return 0
 
@@ -176,7 +178,7 @@ def vllm_experiment(args) -> int:
     results["linear_rows_check"] = linear_rows_check()
     print("linear_rows_check", json.dumps(results["linear_rows_check"]), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        write_text(args.out, json.dumps(results, indent=1))
     return 0
 
 
@@ -233,7 +235,7 @@ def _print_table(rows, graph: bool) -> None:
 
 
 def main(argv=None) -> int:
-    top = argparse.ArgumentParser(prog="benchmarks.invariance", description=__doc__.splitlines()[0])
+    top = Parser(prog="benchmarks.invariance", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="command", required=True)
     p = sub.add_parser("cost", help="the suite's scenarios in the default and the invariant mode")
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU: 0.0625)")
@@ -244,9 +246,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     p.add_argument("--invariant-rows", type=int, default=None, help="PlanOptions.invariant_rows (default: its own)")
     p.add_argument("--scenarios", nargs="*", default=None, help="names to run (default: all)")
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--out", type=output_path, default=None, help="write the rows as JSON here")
     p = sub.add_parser("vllm", help="one prompt alone and in a batch of 16, in real vLLM on the CPU")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", type=output_path, default=None, help="write the results as JSON here")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS) + list(EXTRA_CONFIGS),
                    help="which engines to run (default: %(default)s)")
     p.add_argument("--engine", nargs=3, metavar=("MODEL", "MODE", "OUT"), help=argparse.SUPPRESS)

@@ -35,7 +35,6 @@ generic tiles for every pair (`tiles`: `mla_unique_route` and `mla_shared_applie
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -48,6 +47,8 @@ import torch
 from vllm_gaudi_unified import attention, build_unified_batch
 from vllm_gaudi_unified.mla import mla_attention
 from vllm_gaudi_unified.paths import fused, mla_chunks, mla_decode, mla_shared
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.tools.cli import Parser
 
 H, L, R, BS = 128, 512, 64, 128
 SCALE = 192 ** -0.5  # DeepSeek-V3: (qk_nope 128 + rope 64) ** -0.5
@@ -282,8 +283,8 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
+    parser = Parser(description=__doc__)
+    parser.add_argument("--out", type=output_path, required=True)
     parser.add_argument("--profile", action="store_true", help="each route's kernels, 5 steps (the decode_* and shared steps)")
     parser.add_argument("--skip-vllm-gaudi", action="store_true", help="(its times do not change from run to run)")
     parser.add_argument("--cases", help="comma-separated scenario names (default: all)")
@@ -323,10 +324,10 @@ def main() -> None:
         case["skip_vllm_gaudi"] = args.skip_vllm_gaudi
         profiled = args.profile and "+256_" not in case["name"] and case["name"] != "unshared_64x4352"
         measure(case, rates, report, profiled, chunk_keys)
-        with open(args.out, "w") as f:  # as it goes: a run cut short keeps what it measured
+        with atomic_write(args.out) as f:  # as it goes: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
     report["wall_s"] = time.time() - start
-    with open(args.out, "w") as f:
+    with atomic_write(args.out) as f:
         json.dump(report, f, indent=1)
 
 

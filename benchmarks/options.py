@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from vllm_gaudi_unified.files import output_dir
 from vllm_gaudi_unified.flags import POSITIVE, SEED, comma_ints_in, float_in
 from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE
 from vllm_gaudi_unified.tools.cli import Parser
@@ -28,7 +29,8 @@ BASELINES = ("sdpa_loop", "padded_sdpa", "flex")
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or Parser(prog="python -m benchmarks.suite", description=DESCRIPTION)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--out", default="out/bench", help="folder for results.json, results.md, results.png")
+    p.add_argument("--out", type=output_dir, default="out/bench",
+                   help="folder for results.json, results.md, results.png")
     p.add_argument("--scenarios", default="all", help="comma-separated scenario names, or 'all'")
     p.add_argument("--block-sizes", type=comma_ints_in(1, MAX_BLOCK_SIZE, "block sizes"), default="16,128",
                    help="comma-separated KV cache block sizes")

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_gaudi_unified.files import atomic_write, output_path
+from vllm_gaudi_unified.tools.cli import Parser
+
 BS, NUM_BLOCKS = 128, 16000
 KINDS = ("plan", "plan_kept", "batch", "batch_kept")
 LABELS = {"plan": "plan_step, new arrays", "plan_kept": "plan_step, PlanBuffers",
@@ -156,9 +159,9 @@ def _median_rows(rounds: list[list[dict]]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=300, help="timed calls per scenario (and round)")
-    ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--json", type=output_path, default=None, help="write the results to this file")
     ap.add_argument("--compare", default=None, metavar="DIR",
                     help="another checkout whose package to time beside this one (alternating rounds)")
     ap.add_argument("--rounds", type=int, default=4, help="with --compare: rounds per side")
@@ -190,7 +193,7 @@ def main(argv=None) -> int:
             cells = [f"{r[k + '_p50_us']:.0f} / {r[k + '_p90_us']:.0f}" for k in KINDS + ("plan_kept_cpu",)]
             print(f"| {r['scenario']} | {side} | " + " | ".join(cells) + f" | {r['bucket']} | {r['unique']} |")
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json) as f:
             json.dump({"load_average": [load0, load], "compare": args.compare, "sides": sides}, f, indent=1)
     return 0
 

@@ -33,6 +33,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from vllm_gaudi_unified.files import output_path, write_text
+from vllm_gaudi_unified.tools.cli import Parser
+
 ROOT = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 64, 128, 32, 8
 SIDES = {"vLLM CPU attention": "0", "plugin": "1"}  # VLLM_GAUDI_UNIFIED of each server
@@ -157,7 +160,7 @@ def paired_ratios(runs: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="rounds; each serves and benches both sides (default 2)")
     ap.add_argument("--model", default=None, help="model directory with a tokenizer (default: the tiny GQA Llama, "
                                                   "made now)")
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmups", type=int, default=CONCURRENCY,
                     help=f"`vllm bench serve --num-warmups` before each timed run (default {CONCURRENCY})")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for each server start and bench run")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", type=output_path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -204,8 +207,8 @@ def main(argv=None) -> int:
     print("median over rounds of each round's plugin / vLLM (the two sides of a round ran a minute apart): "
           + ", ".join(f"{k} {v:.2f}x" for k, v in paired.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"table": table, "ratios": ratios, "paired_ratios": paired, "runs": runs,
-                                               "cpus": args.cpus, "load_average_end": os.getloadavg()}, indent=1))
+        write_text(args.json, json.dumps({"table": table, "ratios": ratios, "paired_ratios": paired, "runs": runs,
+                                          "cpus": args.cpus, "load_average_end": os.getloadavg()}, indent=1))
     return 0
 
 

@@ -14,7 +14,6 @@ graph outputs poisoned before the checking replay). Peak MB: device memory one
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -33,6 +32,8 @@ from benchmarks.timing import capture, peak_bytes, sync, time_ms
 from vllm_gaudi_unified import attention, graphs
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
+from vllm_gaudi_unified.files import output_dir
+from vllm_gaudi_unified.tools.cli import Parser
 
 
 def _variants(spec: str) -> dict:
@@ -278,8 +279,8 @@ def median_rows(rows: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks.speed", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="out/speed")
+    p = Parser(prog="benchmarks.speed", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=output_dir, default="out/speed")
     p.add_argument("--scenarios", default="all")
     p.add_argument("--block-sizes", default="16,128")
     p.add_argument("--variants", default="", help="extra option sets: 'name=shared_rows:64,causal_tile:256;...' "

@@ -26,7 +26,6 @@ error, bf16) and every tenth step with the float32 reference. Writes `DIR/trace_
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -46,6 +45,8 @@ from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 from vllm_gaudi_unified.bucket_plans.trace import read_trace
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.files import output_dir
+from vllm_gaudi_unified.tools.cli import Parser
 
 ROUTES = {"cuda": contextlib.nullcontext, "gaudi": fused.gaudi_route}
 #: Host planning is timed this many times a step and the median kept: one timing of a few ms catches the
@@ -175,13 +176,13 @@ def totals(rows: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks.trace_steps", description=__doc__.splitlines()[0])
+    p = Parser(prog="benchmarks.trace_steps", description=__doc__.splitlines()[0])
     p.add_argument("--trace", required=True)
     p.add_argument("--start", type=int, default=300)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cuda")
     p.add_argument("--plan", default=None, help="a bucket plan for the trace's settings: adds the padded routes")
-    p.add_argument("--out", default="out/trace_steps")
+    p.add_argument("--out", type=output_dir, default="out/trace_steps")
     args = p.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

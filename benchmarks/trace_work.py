@@ -12,11 +12,12 @@ import sys
 
 from benchmarks.dense import dense_work
 from vllm_gaudi_unified.tools import trace_stats
+from vllm_gaudi_unified.tools.cli import Parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.trace_work", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m benchmarks.trace_work", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     trace_stats.add_arguments(p)
     return trace_stats.run(p.parse_args(argv), measures={"dense": dense_work})
 

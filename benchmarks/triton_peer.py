@@ -36,6 +36,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from vllm_gaudi_unified.files import output_dir
+from vllm_gaudi_unified.tools.cli import Parser
+
 ROOT = Path(__file__).resolve().parent.parent
 ARCHIVE_DIR = ROOT / ".wt" / "peer"
 KERNEL = "vllm/v1/attention/ops/triton_unified_attention.py"
@@ -346,18 +349,18 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks.triton_peer", description=__doc__.splitlines()[0])
+    p = Parser(prog="benchmarks.triton_peer", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     arc = argparse.ArgumentParser(add_help=False)
     arc.add_argument("--archive", help="the archive `pack` wrote (default: the one in .wt/peer/)")
     pk = sub.add_parser("pack", help="archive vLLM's kernel files, unchanged, into .wt/peer/")
     pk.add_argument("--source", type=Path, help="a vLLM source tree (default: the installed vLLM)")
     pk.add_argument("--version", help="the version to record (default: the installed distribution's)")
-    pk.add_argument("--out", type=Path, default=ARCHIVE_DIR, help="folder for the archive")
+    pk.add_argument("--out", type=lambda s: Path(output_dir(s)), default=ARCHIVE_DIR, help="folder for the archive")
     sub.add_parser("check", parents=[arc], help="here, with TRITON_INTERPRET=1: vLLM's kernel in fp32 on small "
                    "steps against the reference (exit 1 past 1e-5 or on the wrong launch)")
     rn = sub.add_parser("run", parents=[arc], help="on a CUDA device: check and time vLLM's kernel beside ours")
-    rn.add_argument("--out", default="out/triton_peer", help="folder for triton_peer.json")
+    rn.add_argument("--out", type=output_dir, default="out/triton_peer", help="folder for triton_peer.json")
     rn.add_argument("--block-sizes", default="128", help="comma-separated block sizes")
     rn.add_argument("--scenarios", default="all", help="comma-separated names from benchmarks/scenarios.py")
     rn.add_argument("--time-budget", type=float, default=1e9, help="seconds; cases after it are skipped")

@@ -90,6 +90,54 @@ def test_padding_to_a_larger_bucket_changes_nothing():
     torch.testing.assert_close(padded, out, atol=1e-12, rtol=0)
 
 
+#: Steps with prompts, chunks over context, drafts (short, over a prefix another request reads) and decodes.
+FIVE_SIZE_STEPS = {**SPECS, "drafts": Step([3, 3, 1, 1], [13, 13, 9, 13], 4, prefix_groups=[([0, 1, 3], 3)]),
+                   "drafts_alone": Step([4, 1, 3], [9, 12, 5], 4)}
+
+
+def five_size_bucket(shape: Bucket, kb: int, num_blocks: int) -> Bucket:
+    """`shape`'s five sizes, each grown (shared slots by a whole tile of `kb` blocks, unique slots within
+    the cache's `num_blocks`: a slice reads that many), and no prompt grid."""
+    return Bucket("csu", shape.query_len + 2, shape.num_shared_blocks + kb,
+                  max(1, min(shape.num_unique_blocks + 3, num_blocks)), shape.num_logits + 1,
+                  shape.num_causal_tiles + 1)
+
+
+def check_five_size_bucket(step: Step, options: PlanOptions, seed: int = 0, **attn_kwargs):
+    """issue 40: a `Bucket` of the five sizes (no prompt grid) plans a step on the tiled route it describes,
+    with no error: bitwise the unpadded tiled plan, within 1e-6 of the reference (float64)."""
+    tiled, ref, plain = run_case(step, options=replace(options, prompt_route="tiles"), seed=seed, **attn_kwargs)
+    _, num_blocks = make_block_table(step, np.random.default_rng(seed))
+    big = five_size_bucket(plain.shape, options.blocks_per_tile(step.block_size), num_blocks)
+    out, _, batch = run_case(step, options=options, seed=seed, bucket=big, **attn_kwargs)
+    assert batch.bucket == big and batch.shape == plain.shape and batch.shape.num_prompts == 0
+    assert_matches(out, ref)
+    assert torch.equal(out, tiled)
+
+
+@pytest.mark.parametrize("name", sorted(FIVE_SIZE_STEPS))
+def test_a_bucket_of_the_five_sizes_plans_the_tiled_route(name):
+    step = FIVE_SIZE_STEPS[name]
+    check_five_size_bucket(step, SMALL_TILES)
+    _, _, dense = run_case(step, options=SMALL_TILES)
+    if dense.shape.num_prompts:  # a bucket with a prompt grid keeps the prompt route
+        s = dense.shape
+        grid = Bucket(s.phase, s.query_len + 2, s.num_shared_blocks, s.num_unique_blocks, s.num_logits + 1,
+                      s.num_causal_tiles, s.num_prompts + 1, s.prompt_len + 2, s.prompt_blocks + 1)
+        out, ref, batch = run_case(step, bucket=grid)
+        assert batch.bucket == grid and batch.shape == s
+        assert_matches(out, ref)
+
+
+def test_the_issue_example_pads_a_prompt_step_to_a_bucket_of_the_five_sizes():
+    table = np.arange(20).reshape(2, 10)
+    batch = build_unified_batch([5, 1], [16, 20], table, 4, bucket=Bucket("csu", 32, 128, 64, 8, 8))
+    assert str(batch.bucket) == "csu:q32:s128:u64:l8:c8" and batch.shape.num_prompts == 0
+    with pytest.raises(ValueError, match=r"^bucket csu:q32:s64:u64:l8:c8 does not cover the step: "
+                                         r"num_shared_blocks 128 > 64$"):  # shared tiles of 512 keys: 128 slots
+        build_unified_batch([5, 1], [16, 20], table, 4, bucket=Bucket("csu", 32, 64, 64, 8, 8))
+
+
 def test_padding_adds_paths_that_the_step_does_not_need():
     gather = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8, unique_layout="gather")
     out, ref, batch = run_case(SPECS["decode"], options=gather, bucket=Bucket("csu", 8, 8, 40, 8, 3))
@@ -247,6 +295,15 @@ def random_steps(draw):
 def test_random_batches(step, window, cap, tiles, seed):
     out, ref, _ = run_case(step, options=tiles, seed=seed, sliding_window=window, logits_soft_cap=cap)
     assert_matches(out, ref)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step=random_steps(), window=st.sampled_from([None, 3]), cap=st.sampled_from([None, 2.0]),
+       tiles=st.sampled_from([SMALL_TILES, PlanOptions(causal_tile=3, shared_rows=2, shared_tile_keys=5,
+                                                       unique_layout="gather")]),
+       seed=st.integers(0, 2**16))
+def test_random_batches_in_a_bucket_of_the_five_sizes(step, window, cap, tiles, seed):
+    check_five_size_bucket(step, tiles, seed, sliding_window=window, logits_soft_cap=cap)
 
 
 def test_partial_slots_lists_every_partly_seen_slot_once_then_slot_zero():

@@ -227,3 +227,72 @@ def test_speed_tables_take_the_median_round_and_a_later_run_replaces_an_earlier_
     peer = [row(2.0, 0, "peer", "graph"), row(1.5, 0, "peer", "compiled"), row(1.7, 1, "peer", "compiled"),
             row(1.6, 2, "peer", "compiled")]
     assert _best(peer)[("chunked_2x2k_6k", 128, "peer", "best")]["ms"] == 1.6  # the best form's median round
+
+
+#: Flag names a benchmark writes its results through (besides any argument of type output_path / output_dir).
+OUTPUT_FLAGS = ("--out", "--json", "-o", "--output")
+#: Modules holding another's flags: the module whose `main` reads them.
+FLAGS_OF = {"options": "suite"}
+#: Output flags a benchmark takes from the package's commands (`trace-stats`' flags).
+INHERITED = [("trace_work", [], "--json")]
+
+
+def benchmark_outputs() -> list[tuple[str, list[str], str]]:
+    """(module, argv prefix: its subcommand, output flag or positional name) of every `benchmarks/` entry point
+    with an output path, read from the sources, so that a benchmark added later is checked too."""
+    import ast
+
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        subparsers = sorted((node.lineno, t.id, node.value.args[0].value) for node in ast.walk(tree)
+                            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                            and getattr(node.value.func, "attr", "") == "add_parser"
+                            for t in node.targets if isinstance(t, ast.Name))
+        for call in ast.walk(tree):
+            if not (isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "add_argument" and call.args
+                    and isinstance(call.args[0], ast.Constant)):
+                continue
+            typed = any(k.arg == "type" and {"output_path", "output_dir"} & {getattr(n, "id", "")
+                                                                             for n in ast.walk(k.value)}
+                        for k in call.keywords)
+            if call.args[0].value in OUTPUT_FLAGS or typed:
+                receiver = getattr(call.func.value, "id", "")  # the subcommand it was last made for, if any
+                sub = [name for line, var, name in subparsers if var == receiver and line < call.lineno][-1:]
+                found.append((FLAGS_OF.get(path.stem, path.stem), sub, call.args[0].value))
+    return found + INHERITED
+
+
+@pytest.mark.parametrize("module, prefix, flag", [pytest.param(*case, id=" ".join([case[0], *case[1], case[2]]))
+                                                  for case in benchmark_outputs()])
+def test_every_benchmark_checks_its_output_paths_before_the_work(module, prefix, flag, capsys, monkeypatch):
+    """issue 40: `python -m benchmarks.suite --out /dev/null/bench` ended in a NotADirectoryError traceback
+    after the work; every benchmark's output now fails as the command line is read: one line naming the
+    flag and the path, exit status 2."""
+    import importlib
+
+    bad = "/dev/null/bench"
+    argv = prefix + ([flag, bad] if flag.startswith("-") else [bad, "run"])
+    monkeypatch.setattr("sys.argv", [f"benchmarks/{module}.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(f"benchmarks.{module}").main()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert f"{bad}: /dev/null is not a directory" in err and (flag in err or not flag.startswith("-")), err
+
+
+def test_an_output_folder_is_checked_like_an_output_file(tmp_path):
+    """`files.output_dir`, the benchmarks' folder flags: an existing file, or a path under one, is refused;
+    a folder still to be made is accepted and not made."""
+    import argparse
+
+    from vllm_gaudi_unified.files import output_dir
+
+    a_file = tmp_path / "results.json"
+    a_file.write_text("{}")
+    with pytest.raises(argparse.ArgumentTypeError, match="results.json: is a file, not a directory"):
+        output_dir(str(a_file))
+    with pytest.raises(argparse.ArgumentTypeError, match=f"{a_file} is not a directory"):
+        output_dir(str(a_file / "run"))
+    assert output_dir(str(tmp_path / "new" / "run")) == str(tmp_path / "new" / "run")
+    assert not (tmp_path / "new").exists() and output_dir(str(tmp_path)) == str(tmp_path)

@@ -110,3 +110,136 @@ def test_slice_bucket_larger_than_cache():
     assert batch.unique_layout == "slice"
     with pytest.raises(ValueError, match="unique slice of 9 blocks is larger than the cache"):
         _call_with(batch=batch)
+
+
+# ----------------------------------------------------------------------------- arguments of the wrong type
+# (issue 40): a list, a numpy array where a tensor is expected, a tensor on another device, the wrong dtype:
+# at every public entry point, a one-line ValueError naming the argument, never an error from deep in torch.
+# A tensor on the `meta` device stands for one on another device (this machine may have no accelerator).
+
+WRONG = {"list": lambda x: x.tolist(), "numpy": lambda x: x.numpy(), "device": lambda x: x.to("meta")}
+WRONG_MATCH = {"list": "{name} must be a {dims}-D tensor, got list",
+               "numpy": r"{name} must be a {dims}-D tensor, got ndarray \(torch.from_numpy makes one\)",
+               "device": "{name} is on meta but query is on cpu|key is on cpu but query is on meta"}
+ATTENTION_DIMS = dict(query=3, key=3, value=3, key_cache=4, value_cache=4)
+
+
+def _step_args(**changes):
+    q, k, v, kc, vc = _tensors()
+    return {**dict(query=q, key=k, value=v, key_cache=kc, value_cache=vc, batch=BATCH, scale=0.5), **changes}
+
+
+@pytest.mark.parametrize("kind", sorted(WRONG))
+@pytest.mark.parametrize("name", sorted(ATTENTION_DIMS))
+@pytest.mark.parametrize("entry", ["unified_attention", "attend_step"])
+def test_a_wrong_type_or_device_names_the_argument(entry, name, kind):
+    from vllm_gaudi_unified import attention
+
+    args = _step_args()
+    args[name] = WRONG[kind](args[name])
+    with pytest.raises(ValueError, match="^(" + WRONG_MATCH[kind].format(name=name, dims=ATTENTION_DIMS[name]) + ")"):
+        getattr(attention, entry)(**args)
+
+
+@pytest.mark.parametrize("entry", ["unified_attention", "attend_step"])
+def test_a_wrong_dtype_or_batch_names_the_argument(entry):
+    from vllm_gaudi_unified import attention
+
+    run = getattr(attention, entry)
+    # attend_step checks once a call fails in torch (an integer query does; a float dtype of another width
+    # torch promotes, and a server's step was checked on its first layer)
+    wrong = dict(query=torch.half, value_cache=torch.half) if entry == "unified_attention" else dict(query=torch.int32)
+    for name, dtype in wrong.items():
+        args = _step_args()
+        args[name] = args[name].to(dtype)
+        with pytest.raises(ValueError, match=f"^mixed dtypes: .*{name} {str(dtype).removeprefix('torch.')}"):
+            run(**args)
+    with pytest.raises(ValueError, match="^query dtype must be floating point, got torch.int32"):
+        run(**_step_args(**{n: x.int() for n, x in _step_args().items() if n in ATTENTION_DIMS}))
+    with pytest.raises(ValueError, match="^batch must be a UnifiedBatch from build_unified_batch, got list"):
+        run(**_step_args(batch=[1, 1]))
+    with pytest.raises(ValueError, match="^batch is on meta but the tensors are on cpu: build the batch with device="):
+        run(**_step_args(batch=BATCH.to("meta")))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(query_lens=None), "query_lens must be 1-D, got NoneType None"),
+    (dict(query_lens=3), "query_lens must be 1-D, got int 3"),
+    (dict(context_lens=torch.tensor([4, 5], device="meta")), "context_lens is a tensor on meta: the planner runs on"),
+    (dict(block_table=torch.from_numpy(TABLE).to("meta")), "block_table is a tensor on meta: the planner runs on"),
+    (dict(block_table=TABLE.astype(float)), "block_table must hold integers, got dtype float64"),
+    (dict(block_size=torch.tensor(4)), r"block_size must be an int >= 1, got tensor\(4\)"),
+    (dict(device="nope"), "device 'nope' is not a torch device"),
+    (dict(device=[1]), r"device \[1\] is not a torch device"),
+    (dict(device="cuda:99"), "device cuda:99: this machine has"),
+    (dict(buffers=np.zeros(4)), "buffers must be StepBuffers or None, got ndarray"),
+    (dict(causal="yes"), "causal must be a bool, got 'yes'"),
+])
+def test_build_unified_batch_names_the_argument_of_the_wrong_type(kwargs, match):
+    args = {**dict(query_lens=[1, 1], context_lens=[4, 5], block_table=TABLE, block_size=4), **kwargs}
+    with pytest.raises(ValueError, match="^" + match):
+        build_unified_batch(**args)
+    assert build_unified_batch(torch.tensor([1, 1]), torch.tensor([4, 5]), torch.from_numpy(TABLE), 4,
+                               device="cpu").num_tokens == 2  # CPU tensors are the host's arrays
+
+
+MLA_DIMS = dict(query=3, latent=2, latent_cache=3)
+
+
+#: `checked=True` (a server's later layers) checks once a call fails in torch: a list or a numpy array always
+#: does; a latent on the meta device or a float of another width may not, so those run checked here only.
+MLA_CASES = [(name, kind, checked) for name in sorted(MLA_DIMS) for kind in sorted(WRONG) + ["dtype"]
+             for checked in (False, True) if not checked or kind in ("list", "numpy")]
+
+
+@pytest.mark.parametrize("name, kind, checked", MLA_CASES)
+def test_mla_attention_names_its_own_argument(name, kind, checked):
+    from vllm_gaudi_unified.mla import mla_attention
+
+    args = dict(query=torch.randn(2, 4, 12), latent=torch.randn(2, 12), latent_cache=torch.randn(6, 4, 12))
+    if kind == "dtype":
+        args[name] = args[name].half()
+        match = "latent dtype torch.float32 differs from the query's torch.float16" if name == "query" else \
+            f"{name} dtype torch.float16 differs from the query's torch.float32"
+    else:
+        args[name] = WRONG[kind](args[name])
+        match = WRONG_MATCH[kind].format(name=name, dims=MLA_DIMS[name]).replace("key is", "latent is")
+    with pytest.raises(ValueError, match="^(" + match + ")"):
+        mla_attention(*args.values(), BATCH, 0.5, 8, checked=checked)
+    with pytest.raises(ValueError, match="^kv_lora_rank must be an int, got 8.0"):
+        mla_attention(torch.randn(2, 4, 12), torch.randn(2, 12), torch.randn(6, 4, 12), BATCH, 0.5, 8.0)
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    from vllm_gaudi_unified.bucket_plans import ServerSettings
+    from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+
+    return exponential_plan(ServerSettings(block_size=16, max_num_seqs=2, max_num_batched_tokens=32,
+                                           max_model_len=64, num_blocks=16))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(plan="plan.json"), r"plan must be a BucketPlan \(BucketPlan.load\(path\)\), got str"),
+    (dict(device="nope"), "device 'nope' is not a torch device"),
+    (dict(device="cuda:7"), "device cuda:7: this machine has"),
+    (dict(dtype="bfloat16"), "dtype must be None or a floating-point torch.dtype, got 'bfloat16'"),
+    (dict(dtype=torch.int32), "dtype must be None or a floating-point torch.dtype, got torch.int32"),
+    (dict(num_qo_heads=2.0), "num_qo_heads must be None or an int >= 1, got 2.0"),
+    (dict(head_dim="8"), "head_dim must be None or an int >= 1, got '8'"),
+    (dict(run=3), "run must be None or a callable run"),
+    (dict(buckets=[1, 2]), r"buckets must be None or a list of Bucket, got \[1, 2\]"),
+    (dict(key_cache=np.zeros((16, 16, 1, 8), np.float32)), "key_cache must be a 4-D tensor, got ndarray"),
+    (dict(key_cache=torch.zeros(16, 16, 1, 8).tolist()), "key_cache must be a 4-D tensor, got list"),
+    (dict(key_cache=torch.zeros(16, 16, 1, 8, device="meta")), "key_cache is on meta but query is on cpu"),
+    (dict(key_cache=torch.zeros(16, 16, 1, 8, dtype=torch.float16)), "mixed dtypes: .*key_cache float16"),
+])
+def test_warmup_names_the_argument_of_the_wrong_type(small_plan, kwargs, match):
+    from vllm_gaudi_unified.warmup import warmup
+
+    cache = torch.zeros(16, 16, 1, 8)
+    args = dict(plan=small_plan, num_qo_heads=2, num_kv_heads=1, head_dim=8, dtype=torch.float32, progress=False,
+                buckets=small_plan.buckets[:1], key_cache=cache, value_cache=cache.clone())
+    args.update(kwargs)
+    with pytest.raises(ValueError, match="^" + match):
+        warmup(**args)

@@ -1,5 +1,6 @@
 """Warmup runs every bucket with the bucket's exact shapes; padded results equal unpadded ones."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -33,12 +34,15 @@ def plan(steps):
     return trace_plan(shapes_of_steps(steps, SETTINGS), SETTINGS, max_graphs=5)
 
 
+@pytest.mark.parametrize("route", ["tiles", "dense"])
 @pytest.mark.parametrize("code", range(8))
-def test_step_for_bucket_has_the_phase(code):
+def test_step_for_bucket_has_the_phase(code, route):
+    """Every phase, with the plan's options or the prompt route's: a bucket of the five sizes is warmed on
+    the tiled route it describes."""
     phase = PHASES[code]
     kb = SETTINGS.blocks_per_tile
     bucket = Bucket(phase, 8, kb if phase[1] == "s" else 0, 4 if phase[2] == "u" else 0, 4, 2 if phase[0] == "c" else 0)
-    batch = batch_for_bucket(bucket, 16, SETTINGS.options)
+    batch = batch_for_bucket(bucket, 16, replace(SETTINGS.options, prompt_route=route))
     assert batch.bucket == bucket and batch.shape.phase == phase
 
 

@@ -69,11 +69,10 @@ def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     them (dequantized) for results that do not depend on how a prompt was
     chunked (the vLLM plugin does).
     """
-    t = query.shape[0]
-    query, key, value = checked_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks,
-                                     k_scale, v_scale)
-    return attend_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap=logits_soft_cap,
-                       sinks=sinks, k_scale=k_scale, v_scale=v_scale)[:t]
+    q, k, v = checked_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks, k_scale,
+                           v_scale)
+    return attend_step(q, k, v, key_cache, value_cache, batch, scale, logits_soft_cap=logits_soft_cap,
+                       sinks=sinks, k_scale=k_scale, v_scale=v_scale)[:query.shape[0]]
 
 
 def checked_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap=None, sinks=None,
@@ -99,7 +98,9 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     The inputs were checked once for the step (`check_inputs` on its first
     layer: every layer of a KV cache group has the same shapes) and have the
     bucket's `query_len` rows already (views of the runner's padded tensors, or
-    `BucketRows`). Returns `[query_len, Hq, Dv]` in query's dtype.
+    `BucketRows`). Returns `[query_len, Hq, Dv]` in query's dtype. Inputs that
+    were not checked and fail in torch are checked then: the error names the
+    bad argument (nothing is checked on the way to a result).
 
     `dense_decodes`: the decodes of a step of decodes, or of decodes beside prompts on the prompt route,
     on the CPU run as one SDPA over a padded table of their keys (`paths/decodes.py`: eager CPU steps
@@ -108,6 +109,21 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     `prompt_route=False`: the prompt route's final rows are the caller's (MLA's expanded form,
     `mla_prompts.py`): not computed, those rows of the output hold no attention (zeros or the self pair).
     """
+    try:
+        return run_step(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap=logits_soft_cap,
+                        sinks=sinks, k_scale=k_scale, v_scale=v_scale, dense_decodes=dense_decodes,
+                        self_slots=self_slots, prompt_route=prompt_route)
+    except (AttributeError, IndexError, NotImplementedError, RuntimeError, TypeError):
+        bad = input_error(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sinks, k_scale,
+                          v_scale)
+        if bad is None:  # the inputs are sound: the failure is torch's own
+            raise
+        raise bad from None
+
+
+def run_step(query, key, value, key_cache, value_cache, batch, scale, *, logits_soft_cap=None, sinks=None,
+             k_scale=None, v_scale=None, dense_decodes=False, self_slots=None, prompt_route=True) -> torch.Tensor:
+    """`attend_step`'s work, the function `graphs.compiled_attention` compiles (its inputs checked eagerly)."""
     if logits_soft_cap is not None and math.isinf(logits_soft_cap):
         logits_soft_cap = None  # cap * tanh(s / cap) -> s; computing it would give inf * 0 = NaN
     padded = query.shape[0]
@@ -295,6 +311,24 @@ def _sink_partial(sinks: torch.Tensor, rows: int, head_dim: int, dtype: torch.dt
                    torch.ones_like(m))
 
 
+def input_error(*args) -> ValueError | None:
+    """The error `checked_step` gives these inputs (its arguments), or None when they pass."""
+    try:
+        checked_step(*args)
+    except ValueError as exc:
+        return exc
+    return None
+
+
+def check_tensor(name: str, x, dims: int) -> None:
+    """A ValueError naming `name` unless `x` is a torch tensor of `dims` dimensions (a list or a numpy array
+    is not: the device runs tensors)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != dims:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        hint = " (torch.from_numpy makes one)" if isinstance(x, np.ndarray) else ""
+        raise ValueError(f"{name} must be a {dims}-D tensor, got {shape}{hint}")
+
+
 def check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, sinks) -> None:
     """Clear errors naming the field, before any device work; host-side facts only (no sync).
     `unified_attention` runs it on every call; a server's layers once per step (see `attend_step`)."""
@@ -302,9 +336,7 @@ def check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, s
         raise ValueError(f"batch must be a UnifiedBatch from build_unified_batch, got {type(batch).__name__}")
     for name, x, dims in (("query", query, 3), ("key", key, 3), ("value", value, 3), ("key_cache", key_cache, 4),
                           ("value_cache", value_cache, 4)):
-        if not isinstance(x, torch.Tensor) or x.dim() != dims:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} must be a {dims}-D tensor, got {shape}")
+        check_tensor(name, x, dims)
     dtypes = {n: x.dtype for n, x in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
                                       ("value_cache", value_cache))}
     fp8_caches = is_fp8(key_cache.dtype) and key_cache.dtype == value_cache.dtype  # dequantized as read
@@ -341,8 +373,11 @@ def check_inputs(query, key, value, key_cache, value_cache, batch, scale, cap, s
                          f"({num_blocks} blocks): pad to a smaller bucket or use unique_layout='gather'")
     devices = {query.device, key.device, value.device, key_cache.device, value_cache.device, batch.device}
     if len(devices) != 1:
-        raise ValueError(f"tensors and batch are on different devices: {sorted(map(str, devices))}; "
-                         "build the batch with device= or call batch.to(device)")
+        for name, x in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+            if x.device != query.device:
+                raise ValueError(f"{name} is on {x.device} but query is on {query.device}")
+        raise ValueError(f"batch is on {batch.device} but the tensors are on {query.device}: build the batch "
+                         "with device= or call batch.to(device)")
     if not (_is_real(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
     if cap is not None and not (_is_real(cap) and cap > 0):  # inf allowed: no cap

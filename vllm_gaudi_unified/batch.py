@@ -1,6 +1,7 @@
 """The unified batch: one step's plan as device tensors, passed explicitly from plan to run."""
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, fields, replace
 
@@ -285,8 +286,14 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     if not (bucket is None or isinstance(bucket, Bucket)
             or (callable(getattr(bucket, "find", None)) and not isinstance(bucket, (str, bytes)))):
         raise ValueError(f"bucket must be a Bucket, a bucket plan (with .find) or None, got {bucket!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if device is not None:
+        device = check_device(device)
     if buffers is not None:
-        if device is not None and torch.device(device) != buffers.device:
+        if not isinstance(buffers, StepBuffers):
+            raise ValueError(f"buffers must be StepBuffers or None, got {type(buffers).__name__}")
+        if device is not None and device != buffers.device:
             raise ValueError(f"device {device} differs from the buffers' device {buffers.device}")
         buffers.wait()
     host = None if buffers is None else buffers.host
@@ -310,10 +317,43 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     return UnifiedBatch.from_plan(plan, device) if buffers is None else buffers.batch(plan)
 
 
+def check_device(device, name: str = "device") -> torch.device:
+    """`device` (a torch.device, a string such as 'cuda:1', an index) as a torch.device this machine has,
+    or a ValueError naming `name` (the argument or the flag), before any work."""
+    try:
+        checked = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{name} {device!r} is not a torch device (cpu, cuda, cuda:N, hpu)") from None
+    return checked if checked.type == "cpu" else _on_this_machine(checked, name)
+
+
+@functools.lru_cache(maxsize=16)
+def _on_this_machine(checked: torch.device, name: str) -> torch.device:
+    """`checked` when this machine has it (found once per device: a server names its device every step)."""
+    if checked.type == "hpu":
+        from vllm_gaudi_unified.hpu import habana_importable
+
+        if habana_importable():  # pragma: no cover - needs Gaudi
+            import habana_frameworks.torch  # noqa: F401
+        count = torch.hpu.device_count() if hasattr(torch, "hpu") and torch.hpu.is_available() else 0
+    elif checked.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    else:
+        raise ValueError(f"{name} {checked}: the package runs on cpu, cuda or hpu")
+    if count == 0:
+        raise ValueError(f"{name} {checked}: this machine has no {checked.type} device")
+    if checked.index is not None and checked.index >= count:
+        raise ValueError(f"{name} {checked}: this machine has {count} {checked.type} device(s), 0 to {count - 1}")
+    return checked
+
+
 def prompt_graph_for(bucket, shape: Bucket) -> bool:
     """Whether a step of `shape` (with prompts) may run on the prompt route at `bucket`: always with no
-    bucket or a `Bucket`; with a bucket plan, only when one of its prompt graphs covers it
+    bucket; with a `Bucket`, when it has a prompt grid (`num_prompts > 0`; the five sizes alone describe
+    the tiled route); with a bucket plan, only when one of its prompt graphs covers it
     (`bucket_plans/prompt_graphs.py`); any other `.find` object takes every shape."""
+    if isinstance(bucket, Bucket):
+        return bucket.num_prompts > 0
     prompt_graph = getattr(bucket, "prompt_graph", None)
     return prompt_graph is None or prompt_graph(shape) is not None
 
@@ -325,4 +365,4 @@ def _pad_to(plan: StepPlan, bucket, host: PlanBuffers | None = None) -> StepPlan
     return plan if target is None else pad_plan(plan, target, host)
 
 
-__all__ = ["InvariantBatch", "StepBuffers", "UnifiedBatch", "build_unified_batch", "PathWork"]
+__all__ = ["InvariantBatch", "StepBuffers", "UnifiedBatch", "build_unified_batch", "check_device", "PathWork"]

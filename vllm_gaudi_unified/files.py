@@ -1,4 +1,4 @@
-"""Files the commands read and write: atomic writes, output paths checked before the work.
+"""Files the commands read and write: atomic writes, output paths (files and folders) checked before the work.
 
 A command killed (Ctrl-C, a signal, a file-size limit, a full disk) while
 writing must leave the old file or none, never half a plan or a gzip without
@@ -24,21 +24,38 @@ def output_path(path: str) -> str:
         raise argparse.ArgumentTypeError("empty path")
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path}: is a directory, not a file")
-    ancestor = os.path.dirname(os.path.abspath(path))
+    _check_folder(path, os.path.dirname(os.path.abspath(path)))
+    return path
+
+
+def output_dir(path: str) -> str:
+    """argparse type of an output folder flag (the files a command writes into it): checked like
+    `output_path`. Refuses a file, and a path under a file; creates nothing (the command makes it)."""
+    if not path:
+        raise argparse.ArgumentTypeError("empty path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path}: is a file, not a directory")
+    _check_folder(path, os.path.abspath(path))
+    return path
+
+
+def _check_folder(path: str, folder: str) -> None:
+    """`folder` (where `path` is written) exists and takes a new file, or its nearest existing ancestor is
+    a directory this process can create it in."""
+    ancestor = folder
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise argparse.ArgumentTypeError(f"{path}: {ancestor} is not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{path}: {ancestor} is not writable")
-    if ancestor == os.path.dirname(os.path.abspath(path)):  # the folder exists: try the write's first step
+    if ancestor == folder:  # the folder exists: try the write's first step
         try:
             fd, probe = tempfile.mkstemp(dir=ancestor, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
         except OSError as exc:  # /proc, a read-only mount: os.access cannot tell
             raise argparse.ArgumentTypeError(f"{path}: cannot write there ({exc.strerror or exc})") from None
         os.close(fd)
         os.unlink(probe)
-    return path
 
 
 def _umask() -> int:
@@ -112,3 +129,9 @@ def atomic_write(path: str, binary: bool = False, compress: bool | None = None):
     except BaseException:
         out.discard()
         raise
+
+
+def write_text(path: str, text: str) -> None:
+    """`Path(path).write_text(text)`, atomically (`atomic_write`: the parents made, the old file or the new)."""
+    with atomic_write(path) as f:
+        f.write(text)

@@ -5,7 +5,7 @@ handed to `torch.compile` with static shapes. A bucket fixes every shape of a
 step, so each bucket gets its own compiled function (and, where the caller
 captures one, its own CUDA graph). Dynamo caches compiled code per code
 object and falls back to eager past a few recompiles, so each bucket compiles
-a private copy of `attend_step`'s code (the checks run outside it): a server
+a private copy of `run_step` (`attend_step`'s work; the checks run outside it): a server
 with many buckets keeps one compiled entry per bucket, and every step padded to
 a bucket runs it with no recompile. Nothing here changes what is computed.
 """
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from vllm_gaudi_unified import attention
-from vllm_gaudi_unified.attention import attend_step, checked_step
+from vllm_gaudi_unified.attention import checked_step, run_step
 from vllm_gaudi_unified.paths import fused, prompts
 
 _COMPILED: dict[tuple, Callable] = {}
@@ -39,21 +39,20 @@ def bucket_key(batch, query: torch.Tensor, key_cache: torch.Tensor, **kwargs) ->
 def compiled_attention(query, key, value, key_cache, value_cache, batch, scale, **kwargs) -> torch.Tensor:
     """`unified_attention` through the compiled function of this batch's bucket (compiled on first use).
 
-    The checks and the padding to the bucket's rows run here, eagerly; only `attend_step` is compiled.
-    Compiled, the checks would read the step's own sizes (its token count, its largest block id), and
-    dynamo guards every value it reads: each new step of a bucket would compile again, and past a few
-    the bucket would fall back to eager."""
-    t = query.shape[0]
-    query, key, value = checked_step(query, key, value, key_cache, value_cache, batch, scale,
-                                     *(kwargs.get(k) for k in ("logits_soft_cap", "sinks", "k_scale", "v_scale")))
-    k = bucket_key(batch, query, key_cache, **kwargs)
-    fn = _COMPILED.get(k)
+    The checks and the padding to the bucket's rows run here, eagerly; only `run_step` (`attend_step`'s
+    work) is compiled. Compiled, the checks would read the step's own sizes (its token count, its largest
+    block id), and dynamo guards every value it reads: each new step of a bucket would compile again, and
+    past a few the bucket would fall back to eager."""
+    q, k, v = checked_step(query, key, value, key_cache, value_cache, batch, scale,
+                           *(kwargs.get(k) for k in ("logits_soft_cap", "sinks", "k_scale", "v_scale")))
+    graph_key = bucket_key(batch, q, key_cache, **kwargs)
+    fn = _COMPILED.get(graph_key)
     if fn is None:
-        private = types.FunctionType(attend_step.__code__.replace(), attend_step.__globals__, "attend_step",
-                                     attend_step.__defaults__, attend_step.__closure__)
-        private.__kwdefaults__ = attend_step.__kwdefaults__
-        fn = _COMPILED[k] = torch.compile(private, dynamic=False)
-    return fn(query, key, value, key_cache, value_cache, batch, scale, **kwargs)[:t]
+        private = types.FunctionType(run_step.__code__.replace(), run_step.__globals__, "run_step",
+                                     run_step.__defaults__, run_step.__closure__)
+        private.__kwdefaults__ = run_step.__kwdefaults__
+        fn = _COMPILED[graph_key] = torch.compile(private, dynamic=False)
+    return fn(q, k, v, key_cache, value_cache, batch, scale, **kwargs)[:query.shape[0]]
 
 
 def clear() -> None:

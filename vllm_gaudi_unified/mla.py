@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.attention import attend_step, unified_attention
+from vllm_gaudi_unified.attention import attend_step, check_tensor, unified_attention
+from vllm_gaudi_unified.paths.kv_quant import is_fp8
+from vllm_gaudi_unified.plan.arrays import is_int
 
 
 def latent_views(latent: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +65,36 @@ def mla_attention(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch
     (a server's layers after the first: `attention.attend_step`). Other keywords go to the core
     (`logits_soft_cap`, `sinks`; with `checked`, `prompt_route=False`: the prompt route's rows left to the
     expanded form, `mla_prompts.py`)."""
-    key, value = latent_views(latent, kv_lora_rank)
-    key_cache, value_cache = latent_views(latent_cache, kv_lora_rank)
-    run = attend_step if checked else unified_attention
-    return run(query, key, value, key_cache, value_cache, batch, scale, k_scale=kv_scale, v_scale=kv_scale, **kwargs)
+    try:
+        key, value = latent_views(latent, kv_lora_rank)
+        key_cache, value_cache = latent_views(latent_cache, kv_lora_rank)
+        run = attend_step if checked else unified_attention
+        return run(query, key, value, key_cache, value_cache, batch, scale, k_scale=kv_scale, v_scale=kv_scale,
+                   **kwargs)
+    except (AttributeError, TypeError, ValueError):  # the core names the latents' views (key, key_cache)
+        bad = latent_error(query, latent, latent_cache, kv_lora_rank)  # (None: the error stands)
+        if bad is None:
+            raise
+        raise bad from None
+
+
+def latent_error(query, latent, latent_cache, kv_lora_rank) -> ValueError | None:
+    """The error naming `mla_attention`'s own argument (a list, a numpy array, another device or dtype than
+    the query's), or None: checked only once a call failed, so a server's layers pay nothing for it."""
+    try:
+        check_tensor("latent", latent, 2)
+        check_tensor("latent_cache", latent_cache, 3)
+        if not is_int(kv_lora_rank):
+            raise ValueError(f"kv_lora_rank must be an int, got {kv_lora_rank!r}")
+        if isinstance(query, torch.Tensor) and query.dtype.is_floating_point:  # (else the core's error names it)
+            for name, x in (("latent", latent), ("latent_cache", latent_cache)):
+                if x.device != query.device:
+                    raise ValueError(f"{name} is on {x.device} but query is on {query.device}")
+                if x.dtype != query.dtype and not (name == "latent_cache" and is_fp8(x.dtype)):
+                    raise ValueError(f"{name} dtype {x.dtype} differs from the query's {query.dtype}")
+    except ValueError as exc:
+        return exc
+    return None
 
 
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

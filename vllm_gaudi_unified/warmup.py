@@ -62,14 +62,18 @@ def step_for_bucket(bucket: Bucket, block_size: int, options=None,
 
     Raises ValueError when no step of that phase fits in the bucket (`can_hold_a_step` is False)."""
     from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
+    from vllm_gaudi_unified.plan.options import on_route
     from vllm_gaudi_unified.plan.smallest import smallest_steps
 
-    smallest = smallest_steps(block_size, options or DEFAULT_OPTIONS, sliding_window)[bucket.phase]
+    options = options or DEFAULT_OPTIONS
+    if not bucket.num_prompts:  # the five sizes alone describe the tiled route (`batch.prompt_graph_for`)
+        options = on_route(options, "tiles")
+    smallest = smallest_steps(block_size, options, sliding_window)[bucket.phase]
     if smallest is None:
         raise ValueError(f"bucket {bucket}: the planner makes no step of phase {bucket.phase!r} with these options")
     step, shape = smallest
     if bucket.num_prompts:  # the prompt route's shape: one more request on it (`with_prompt`)
-        step, shape = with_prompt(step, bucket, block_size, options or DEFAULT_OPTIONS, sliding_window)
+        step, shape = with_prompt(step, bucket, block_size, options, sliding_window)
     if not bucket.covers(shape):
         raise ValueError(f"bucket {bucket} cannot hold the smallest step of its phase ({shape})")
     return step
@@ -155,8 +159,12 @@ def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: i
     """
     import torch
 
+    from vllm_gaudi_unified.batch import check_device
+
     log = log or logger
-    device = torch.device(device or "cpu")
+    check_arguments(plan, dtype, run, buckets, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, num_blocks=num_blocks)
+    device = check_device(device or "cpu")
     mode = resolve_mode(mode, device.type)
     settings, model = plan.settings, plan.model
     dtype = dtype or (torch.bfloat16 if model.dtype_bytes == 2 else torch.float32)
@@ -211,6 +219,27 @@ def warmup(plan, *, device=None, mode: str = "auto", dtype=None, num_qo_heads: i
         raise
     report.total_seconds = time.perf_counter() - start
     return report
+
+
+def check_arguments(plan, dtype, run, buckets, **sizes) -> None:
+    """`warmup`'s arguments of the wrong type, each a ValueError naming it before any work (the caches are
+    checked with the step's other tensors: `attention.check_inputs`)."""
+    import torch
+
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.plan.arrays import is_int
+
+    if not isinstance(plan, BucketPlan):
+        raise ValueError(f"plan must be a BucketPlan (BucketPlan.load(path)), got {type(plan).__name__}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+    for name, n in sizes.items():
+        if n is not None and not (is_int(n) and n >= 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {n!r}")
+    if run is not None and not callable(run):
+        raise ValueError(f"run must be None or a callable run(bucket, batch), got {type(run).__name__}")
+    if buckets is not None and (isinstance(buckets, (str, bytes)) or not all(isinstance(b, Bucket) for b in buckets)):
+        raise ValueError(f"buckets must be None or a list of Bucket, got {buckets!r:.80}")
 
 
 def _eta(elapsed: float, done: int, total: int, cost_left: float, cost_done: float) -> str:
@@ -315,39 +344,14 @@ def _default_device() -> str:
     return "cpu"
 
 
-def check_device(name: str):
-    """`--device` as a torch.device this machine has, or a ValueError naming the flag (before any work)."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {name!r} is not a torch device (cpu, cuda, cuda:N, hpu)") from None
-    if device.type == "cpu":
-        return device
-    if device.type == "hpu":
-        from vllm_gaudi_unified.hpu import habana_importable
-
-        if habana_importable():  # pragma: no cover - needs Gaudi
-            import habana_frameworks.torch  # noqa: F401
-        count = torch.hpu.device_count() if hasattr(torch, "hpu") and torch.hpu.is_available() else 0
-    elif device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    else:
-        raise ValueError(f"--device {name}: warmup runs on cpu, cuda or hpu")
-    if count == 0:
-        raise ValueError(f"--device {name}: this machine has no {device.type} device")
-    if device.index is not None and device.index >= count:
-        raise ValueError(f"--device {name}: this machine has {count} {device.type} device(s), 0 to {count - 1}")
-    return device
-
-
 def _cmd_warmup(args) -> int:
     import torch
 
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
-    device = check_device(args.device or _default_device())
+    from vllm_gaudi_unified.batch import check_device
+
+    device = check_device(args.device or _default_device(), "--device")
     plan = BucketPlan.load(args.plan)
     todo = list(plan.buckets)  # cheapest first
     if args.max_cost_us is not None:

@@ -28,6 +28,10 @@ def is_int(x) -> bool:
 
 
 def _as_array(name: str, values, what: str) -> np.ndarray:
+    device = getattr(values, "device", None)  # a torch tensor: the host reads it, so only a CPU one
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise ValueError(f"{name} is a tensor on {device}: the planner runs on the host (a list, a numpy array "
+                         "or a CPU tensor)")
     try:
         return np.asarray(values)
     except (ValueError, TypeError):  # ragged rows, mixed types
@@ -46,7 +50,8 @@ def _check_integers(name: str, arr: np.ndarray) -> None:
 def int_vector(name: str, values) -> np.ndarray:
     arr = _as_array(name, values, "a 1-D sequence of integers")
     if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+        got = f"shape {arr.shape}" if arr.ndim else f"{type(values).__name__} {values!r:.40}"
+        raise ValueError(f"{name} must be 1-D, got {got}")
     _check_integers(name, arr)
     return arr.astype(np.int64, copy=False)
 
