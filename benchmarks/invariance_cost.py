@@ -3,18 +3,24 @@
     python -m benchmarks.invariance_cost [--scale 0.0625] [--device cpu|cuda] [--route cuda|gaudi]
                                          [--scenarios NAME ...] [--out results.json]
 
-Same scenarios, layouts and timing as `benchmarks/suite.py` (issue 7's shapes:
-32 query heads, 8 KV heads, head size 128, bf16, block size 16); prints a
-markdown table with one column per mode, the ratio and each mode's peak memory
-(CUDA: bytes one eager call allocates beyond its inputs). `--route gaudi` turns
-every CUDA-only kernel off in both modes (`PlanOptions(fused_kernels=False)`:
-the torch products the Gaudi route runs). On CUDA both modes are also timed as
-CUDA graph replays (one graph per step, as buckets allow). A mode that runs
-out of memory is recorded as such and the run goes on.
+Scenarios: the suite's (`benchmarks/scenarios.py: scenarios`; issue 7's shapes: 32 query heads, 8 KV
+heads, head size 128, bf16, block size 16), speculative verify steps (`verify_scenarios`: 64 x (1 + 3)
+over 3k, ragged drafts), and an MLA decode (`mla_decode_64x4k`: 64 decodes over 4k at DeepSeek-V3's
+latent shapes, 128 heads, latent 512 + rope 64, block 128, through `mla.mla_attention`). Prints a
+markdown table with one column per mode, the ratio and each mode's peak memory (CUDA: bytes one eager
+call allocates beyond its inputs).
+
+`--route gaudi` is what a Gaudi runs, as in every other benchmark here: the CUDA-only kernels off
+(`paths/fused.gaudi_route()`, `VLLM_GAUDI_UNIFIED_GAUDI_ROUTE=1`: no flash varlen, no Triton), the
+fused SDPA calls kept (torch SDPA and cuDNN with statistics standing in for FusedSDPA), in both modes.
+On CUDA both modes are also timed as CUDA graph replays (one graph per step). A mode that runs out of
+memory is recorded as such and the run goes on.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 from dataclasses import replace
 
@@ -23,6 +29,18 @@ import torch
 from benchmarks import scenarios as sc_mod
 from benchmarks.timing import capture, peak_bytes, time_ms
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
+from vllm_gaudi_unified.mla import mla_attention
+from vllm_gaudi_unified.paths import fused
+
+#: The MLA decode's shapes (DeepSeek-V3: 128 heads, latent 512 + rope 64; scale (128 + 64) ** -0.5).
+MLA_HEADS, MLA_LATENT, MLA_ROPE, MLA_BLOCK = 128, 512, 64, 128
+
+
+def all_scenarios(scale: float) -> list:
+    """The suite's scenarios, the verify steps, and the MLA decode (a `Scenario` named `mla_*`)."""
+    s = lambda n: max(1, int(round(n * scale)))  # noqa: E731
+    mla = sc_mod.Scenario("mla_decode_64x4k", "MLA decode 64 x 4k", (1,) * s(64), (s(4096) - 1,) * s(64))
+    return sc_mod.scenarios(scale) + sc_mod.verify_scenarios(scale) + [mla]
 
 
 def main(argv=None) -> int:
@@ -30,29 +48,34 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU: 0.0625)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--route", choices=("cuda", "gaudi"), default="cuda",
-                   help="cuda: the fused kernels where they apply; gaudi: every CUDA-only kernel off")
+                   help="cuda: the fused kernels where they apply; gaudi: what a Gaudi runs (CUDA-only kernels off)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size (the MLA decode: 128)")
     p.add_argument("--invariant-rows", type=int, default=None, help="PlanOptions.invariant_rows (default: its own)")
     p.add_argument("--scenarios", nargs="*", default=None, help="names to run (default: all)")
+    p.add_argument("--commit", default="", help="recorded in each row (the checkout measured)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    default = PlanOptions(fused_kernels=args.route == "cuda")
+    default = PlanOptions()
     invariant = replace(default, batch_invariant=True)
     if args.invariant_rows:
         invariant = replace(invariant, invariant_rows=args.invariant_rows)
     rows = []
-    for sc in sc_mod.scenarios(args.scale):
-        if args.scenarios and sc.name not in args.scenarios:
-            continue
-        row = dict(scenario=sc.name, device=str(device), route=args.route, dtype=args.dtype, scale=args.scale,
-                   invariant_rows=invariant.invariant_rows)
-        if device.type == "cuda":
-            row["gpu"] = torch.cuda.get_device_name(device)
-        _run_scenario(sc, args, device, dtype, default, invariant, row)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    route = fused.gaudi_route() if args.route == "gaudi" else contextlib.nullcontext()
+    with route:
+        for sc in all_scenarios(args.scale):
+            if args.scenarios and sc.name not in args.scenarios:
+                continue
+            row = dict(scenario=sc.name, device=str(device), route=args.route, dtype=args.dtype, scale=args.scale,
+                       invariant_rows=invariant.invariant_rows, commit=args.commit,
+                       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                       torch=torch.__version__)
+            if device.type == "cuda":
+                row["gpu"] = torch.cuda.get_device_name(device)
+            _run_scenario(sc, args, device, dtype, default, invariant, row)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     _print_table(rows, device.type == "cuda")
     if args.out:
         with open(args.out, "w") as f:
@@ -60,20 +83,34 @@ def main(argv=None) -> int:
     return 0
 
 
-def _run_scenario(sc, args, device, dtype, default, invariant, row) -> None:
-    hq, hkv, d, bs = 32, 8, 128, args.block_size
+def _step(sc, args, device, dtype):
+    """The scenario's inputs: (query rows, block size, call(batch) -> output)."""
+    mla = sc.name.startswith("mla_")
+    bs = MLA_BLOCK if mla else args.block_size
     lay = sc_mod.layout(sc, bs)
     g = torch.Generator(device=device).manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
     t = sc.num_tokens
+    if mla:
+        width = MLA_LATENT + MLA_ROPE
+        q, latent, cache = rand(t, MLA_HEADS, width), rand(t, width), rand(lay.num_blocks, bs, width)
+        scale = (128 + MLA_ROPE) ** -0.5
+        return lay, bs, lambda b: mla_attention(q, latent, cache, b, scale, MLA_LATENT)
+    hq, hkv, d = 32, 8, 128
     q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
     kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
+    return lay, bs, lambda b: unified_attention(q, k, v, kc, vc, b, d ** -0.5)
+
+
+def _run_scenario(sc, args, device, dtype, default, invariant, row) -> None:
+    lay, bs, call = _step(sc, args, device, dtype)
     outs = {}
     for mode, opts in (("default", default), ("invariant", invariant)):
+        batch = fn = None
         try:
             batch = build_unified_batch(list(sc.query_lens), list(sc.context_lens), lay.block_table, bs,
                                         num_blocks=lay.num_blocks, options=opts, device=device)
-            fn = lambda b=batch: unified_attention(q, k, v, kc, vc, b, d ** -0.5)  # noqa: E731
+            fn = lambda b=batch: call(b)  # noqa: E731
             outs[mode] = fn()
             row[f"{mode}_work"] = batch.work_planned.total
             if device.type == "cuda":
@@ -90,7 +127,7 @@ def _run_scenario(sc, args, device, dtype, default, invariant, row) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     for key in ("ms", "graph_ms", "peak_mb"):
-        if f"default_{key}" in row and f"invariant_{key}" in row:
+        if f"default_{key}" in row and f"invariant_{key}" in row and row[f"default_{key}"]:
             row[f"{key}_ratio"] = row[f"invariant_{key}"] / row[f"default_{key}"]
     if len(outs) == 2:
         row["max_abs_diff"] = float((outs["default"].float() - outs["invariant"].float()).abs().max())

@@ -64,8 +64,9 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
 
     n, hq = q.shape[:2]
     g = hq // k.shape[1]
-    if out is None:
-        out = q.new_zeros((n, hq, v.shape[-1]))
+    if out is None:  # a step of prompts: every real row is written below, the padding rows are zeroed
+        out = q.new_empty((n, hq, v.shape[-1]))
+        out[batch.num_tokens:].zero_()
     v, bad = fused.clean_causal_values(v, batch.token_seg_start, None)
     nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     heads = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731  [L, H, D] -> [1, H, L, D], a view
@@ -81,7 +82,7 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
             rows_out = merge_split(*fused.sdpa_lse(qr, kc, vc, None, scale),
                                    *fused.sdpa_lse(qr, kn, vn, None, scale, causal=True))
         seen = bad[rows].repeat_interleave(g, 1)[..., None]
-        out[rows] = torch.where(seen, nan, rows_out[0].transpose(0, 1))
+        torch.where(seen, nan, rows_out[0].transpose(0, 1), out=out[rows])  # written in place: no copy
     return out
 
 

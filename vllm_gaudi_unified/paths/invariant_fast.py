@@ -69,8 +69,10 @@ def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=N
                                   seqused_k=batch.ctx_used[:segs].to(torch.int32))
         cached = _placed(part, ctx_rows, n, cached)
     first = _causal_partial(q, k, v, batch, scale, own)
-    if batch.one_rows.shape[0]:
-        ones = batch.one_rows
+    ones = batch.one_rows
+    if ones.shape[0] == n:  # a step of one-token requests, no padding: every row (elementwise: the same bits)
+        first = self_partial(q, k, v, scale, None, fixed_order=True)
+    elif ones.shape[0]:
         first = _placed(self_partial(q[ones], k[ones], v[ones], scale, None, fixed_order=True), ones, n, first)
     return merge_all([p for p in (first, cached) if p is not None])
 
