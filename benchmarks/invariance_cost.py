@@ -76,10 +76,10 @@ def main(argv=None) -> int:
             _run_scenario(sc, args, device, dtype, default, invariant, row)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.out:  # after every scenario: a run stopped early keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=1)
     _print_table(rows, device.type == "cuda")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0
 
 

@@ -17,10 +17,17 @@ which fails on the CPU build). Besides, `linear_rows_check` tests whether the
 linear layers' GEMM (vLLM's CPU oneDNN path, fp32) gives a row the same bits
 alone and among 16 rows.
 
+`--spec K`: the same with vLLM's ngram speculative decoding (`K` drafts a
+step, lookup 2-4 tokens) on top of prefix caching; the prompts are then made
+of repeated short patterns (`spec_prompts`: the shared prefix one of them, so
+the proposer finds matches from the first decode on), and each run reports
+vLLM's spec-decode counters (drafts proposed and accepted), so a run that
+speculated is told from one that did not.
+
 Reported per engine: whether the target's tokens agree, whether its logprobs
 are bitwise identical, the largest logprob difference between alone and
-batched, and the first generated position where they differ. Results of
-2026-11-23: docs/batch_invariance.md.
+batched, and the first generated position where they differ. Results:
+docs/batch_invariance.md.
 """
 from __future__ import annotations
 
@@ -55,24 +62,56 @@ def prompts():
     return warm, batch, 7  # the target is batch[7]
 
 
-def engine(model: str, mode: str, out: str) -> None:
-    """One fresh engine (this process): warm-up, then 'alone' or 'batch'."""
+def spec_prompts():
+    """`prompts` for speculative decoding: the same layout (a 256-token prefix the 16 prompts share, a
+    warm-up prompt holding it, the target batch[7]) made of repeated short patterns, so that the ngram
+    proposer finds matches in every prompt."""
+    rng = random.Random(11)
+
+    def pattern(n):
+        p = [rng.randrange(3, 512) for _ in range(rng.randrange(3, 9))]
+        return (p * (n // len(p) + 1))[:n]
+
+    prefix = pattern(PREFIX_LEN)
+    return prefix + pattern(4), [prefix + pattern(rng.randrange(5, 40)) for _ in range(16)], 7
+
+
+def engine(model: str, mode: str, out: str, spec: int = 0) -> None:
+    """One fresh engine (this process): warm-up, then 'alone' or 'batch'; `spec` > 0: ngram speculative
+    decoding with that many drafts a step."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
+    spec_config = None if not spec else {"method": "ngram", "num_speculative_tokens": spec, "prompt_lookup_min": 2,
+                                         "prompt_lookup_max": 4}
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0, max_model_len=512,
               block_size=32, max_num_seqs=16, max_num_batched_tokens=2048, enable_prefix_caching=True,
-              kv_cache_memory_bytes=64 << 20)
+              kv_cache_memory_bytes=64 << 20, speculative_config=spec_config, disable_log_stats=not spec)
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5, detokenize=False, ignore_eos=True)
-    warm, batch, target = prompts()
+    warm, batch, target = spec_prompts() if spec else prompts()
     llm.generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
     todo = [batch[target]] if mode == "alone" else batch
     outs = llm.generate([{"prompt_token_ids": p} for p in todo], params, use_tqdm=False)
     o = outs[0 if mode == "alone" else target].outputs[0]
     result = {"tokens": list(o.token_ids),
               "logprobs": [{str(t): float(lp.logprob) for t, lp in e.items()} for e in o.logprobs]}
+    if spec:
+        result["spec_decode"] = spec_counters(llm)
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's spec-decode counters of this engine (warm-up included): drafts, draft tokens, accepted tokens."""
+    from vllm.v1.metrics.reader import Counter
+
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    out = dict.fromkeys(names, 0)
+    for m in llm.get_metrics():
+        key = m.name.removeprefix("vllm:spec_decode_")
+        if isinstance(m, Counter) and key in out:
+            out[key] += m.value
+    return out
 
 
 def linear_rows_check() -> dict:
@@ -115,12 +154,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS) + list(EXTRA_CONFIGS),
                    help="which engines to run (default: %(default)s)")
+    p.add_argument("--spec", type=int, default=0, help="ngram speculative decoding with this many drafts (0: off)")
+    p.add_argument("--no-linear-check", action="store_true", help="skip linear_rows_check")
     p.add_argument("--engine", nargs=3, metavar=("MODEL", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.engine:
-        engine(*args.engine)
+        engine(*args.engine, spec=args.spec)
         return 0
-    from tests.vllm_helpers import make_tiny_llama  # run from the repository root (python -m benchmarks...)
+    from tests.vllm_helpers import keep_vllm_gaudi_out, make_tiny_llama  # run from the repository root
+
+    keep_vllm_gaudi_out()  # (engines inherit it: vllm-gaudi's plugins need Gaudi software)
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,19 +175,23 @@ def main(argv=None) -> int:
                 env = {k: v for k, v in os.environ.items()
                        if not k.startswith("VLLM_GAUDI_UNIFIED") and k != "VLLM_BATCH_INVARIANT"}
                 env.update({**CONFIGS, **EXTRA_CONFIGS}[name])
-                proc = subprocess.run([sys.executable, "-m", "benchmarks.invariance_vllm", "--engine", model, mode,
-                                       out], env=env, cwd=ROOT, capture_output=True, text=True)
+                proc = subprocess.run([sys.executable, "-m", "benchmarks.invariance_vllm", "--spec", str(args.spec),
+                                       "--engine", model, mode, out], env=env, cwd=ROOT, capture_output=True, text=True)
                 if proc.returncode != 0:
                     print(f"{name} {mode}: engine failed ({proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+                    error = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or ["?"]
+                    results[name] = {"error": f"{mode} engine failed: {error[0][:300]}"}
                     break
                 runs[mode] = json.loads(Path(out).read_text())
             if len(runs) < 2:
-                results[name] = {"error": "engine failed"}
                 continue
             results[name] = compare(runs["alone"], runs["batch"])
+            if args.spec:
+                results[name]["spec_decode"] = {mode: runs[mode]["spec_decode"] for mode in runs}
             print(name, json.dumps(results[name]), flush=True)
-    results["linear_rows_check"] = linear_rows_check()
-    print("linear_rows_check", json.dumps(results["linear_rows_check"]), flush=True)
+    if not args.no_linear_check:
+        results["linear_rows_check"] = linear_rows_check()
+        print("linear_rows_check", json.dumps(results["linear_rows_check"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
