@@ -12,8 +12,8 @@ tokens, 5 logprobs each. Engines (`CONFIGS`): vLLM's own CPU attention, this
 plugin in its default mode, this plugin in batch-invariant mode
 (`VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=1`), and vLLM's CPU attention without its
 split-KV decode (`VLLM_CPU_ATTN_SPLIT_KV=0`); `--configs` also knows
-`plugin_vllm_flag` (the plugin under vLLM's own `VLLM_BATCH_INVARIANT=1`,
-which fails on the CPU build). Besides, `linear_rows_check` tests whether the
+`plugin_vllm_flag` (the plugin under vLLM's own `VLLM_BATCH_INVARIANT=1`) and
+`vllm_cpu_attn_vllm_flag` (vLLM's CPU attention under it). Besides, `linear_rows_check` tests whether the
 linear layers' GEMM (vLLM's CPU oneDNN path, fp32) gives a row the same bits
 alone and among 16 rows.
 
@@ -49,7 +49,8 @@ CONFIGS = {
     "vllm_cpu_attn_no_split": {"VLLM_CPU_ATTN_SPLIT_KV": "0"},
 }
 #: Not run by default: vLLM's own batch-invariant switch fails on the CPU build (its kernels are Triton's).
-EXTRA_CONFIGS = {"plugin_vllm_flag": {"VLLM_GAUDI_UNIFIED": "1", "VLLM_BATCH_INVARIANT": "1"}}
+EXTRA_CONFIGS = {"plugin_vllm_flag": {"VLLM_GAUDI_UNIFIED": "1", "VLLM_BATCH_INVARIANT": "1"},
+                 "vllm_cpu_attn_vllm_flag": {"VLLM_BATCH_INVARIANT": "1"}}
 PREFIX_LEN = 256
 
 
