@@ -296,7 +296,7 @@ def test_invariant_plan_does_not_depend_on_the_batch():
 
 def test_own_calls_are_taken(monkeypatch):
     """Prompts (no context) and chunks of `CALL_MIN_ROWS` tokens or more take their own calls (two fused calls
-    with statistics for a chunk, one causal SDPA call for a prompt); a short chunk and a decode stay on the routes;
+    with statistics for a chunk, one causal one for a prompt); a short chunk and a decode stay on the routes;
     with a soft cap the same requests' pairs run on the routes' arrays (no own call)."""
     from vllm_gaudi_unified.paths import fused
 
@@ -311,7 +311,8 @@ def test_own_calls_are_taken(monkeypatch):
     assert [c[:3] for c in plan.calls] == [(starts[r], ql[r], cl[r]) for r in (0, 1, 3)]
     assert not plan.calls_only and plan.pre_own_from < plan.pre_rows.shape[0]
     assert_same_bits(*run_world(world, INVARIANT, torch.float32))
-    assert seen == [False, True] * 3  # the target alone, then the other chunk and the target in the batch
+    # the target alone, then in the batch the other chunk, the target, and the prompt's one causal call
+    assert seen == [False, True] * 3 + [True]
     seen.clear()
     assert_same_bits(*run_world(replace(world, soft_cap=5.0), INVARIANT, torch.float32))
     assert seen == []

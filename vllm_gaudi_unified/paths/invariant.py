@@ -55,11 +55,12 @@ def own_final(batch, q: torch.Tensor, value_dim: int, soft_cap, sink) -> bool:
 
 def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None, v_scale=None,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """`out` (None: zeros) with the rows of each own-calls request written from its own calls, keys and
-    values heads-major as the default's prompt route writes them: without context one causal SDPA call
-    (`hpu.sdpa_final`, the default's call for prompts without context); with context the split form, its
-    context's keys exactly (gathered in position order, no padding key) in one call with statistics, its
-    new keys causal in another, merged by their LSE
+    """`out` (None: zeros) with the rows of each own-calls request written from its own calls: without
+    context one causal fused call (`fused.sdpa_lse`, the split form's new-key call: cuDNN on CUDA,
+    FusedSDPA with statistics on a Gaudi, the CPU's flash; `hpu.sdpa_final` where none of those runs;
+    on the H200 a per-request `sdpa_final` took 1.98 ms for 4 x 2k where these calls take about what
+    the default's one batched call does, docs/batch_invariance.md); with context the split form, its context's keys exactly (gathered in
+    position order, no padding key) in one call, its new keys causal in another, merged by their LSE
     (`prompts.merge_split`). Bad values as on the fast route: non-finite new values zeroed, the rows at or
     past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row."""
     from vllm_gaudi_unified.hpu import sdpa_final
@@ -72,16 +73,16 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     v, bad = fused.clean_causal_values(v, batch.token_seg_start, None)
     nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     heads = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731  [L, H, D] -> [1, H, L, D], a view
-    # keys and values heads-major `[1, Hkv, L, D]` contiguous, as the default's prompt route writes them
-    packed = lambda x: x.transpose(0, 1).contiguous().unsqueeze(0)  # noqa: E731
+    stats = fused.lse_kernel_for(q)
     for start, length, ctx, first, blocks in batch.plan.calls:
         rows = slice(start, start + length)
-        qr, kn, vn = heads(q[rows]), packed(k[rows]), packed(v[rows])
-        if ctx == 0:
-            rows_out = sdpa_final(qr, kn, vn, None, scale)
+        qr, kn, vn = heads(q[rows]), heads(k[rows]), heads(v[rows])
+        if ctx == 0:  # the split form's new-key call alone (a per-request SDPA call picked a slower kernel)
+            rows_out = fused.sdpa_lse(qr, kn, vn, None, scale, causal=True)[0] if stats else sdpa_final(
+                qr, kn, vn, None, scale)
         else:
             ids = batch.call_blocks[first:first + blocks]
-            kc, vc = (packed(read_blocks(cache, ids, sc, q.dtype).flatten(0, 1)[:ctx])
+            kc, vc = (heads(read_blocks(cache, ids, sc, q.dtype).flatten(0, 1)[:ctx])
                       for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
             rows_out = merge_split(*fused.sdpa_lse(qr, kc, vc, None, scale),
                                    *fused.sdpa_lse(qr, kn, vn, None, scale, causal=True))
