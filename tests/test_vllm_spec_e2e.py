@@ -200,8 +200,8 @@ def test_invariant_mode_with_ngram_alone_vs_batch_of_16(tmp_path):
     """The batch-invariant experiment (`benchmarks/invariance_vllm.py --spec 3`) with ngram speculative
     decoding on top of prefix caching: a prompt whose 256-token prefix 15 others share, alone and inside
     the batch of 16, greedy; with VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=1 its tokens and logprobs are
-    bitwise the same, and both runs speculated (drafts proposed, and accepted) while verify steps of
-    1 + k tokens ran beside other requests' decodes and prompts."""
+    bitwise the same, and both runs speculated (vLLM's counters: drafts proposed and accepted), so the
+    target's steps were verify steps of 1 + k tokens, alone and beside 15 other requests' steps."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "invariance.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GAUDI_UNIFIED")}
