@@ -91,19 +91,20 @@ def engine(model: str, mode: str, out: str, spec: int = 0) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5, detokenize=False, ignore_eos=True)
     warm, batch, target = spec_prompts() if spec else prompts()
     llm.generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
+    before = spec_counters(llm) if spec else {}
     todo = [batch[target]] if mode == "alone" else batch
     outs = llm.generate([{"prompt_token_ids": p} for p in todo], params, use_tqdm=False)
     o = outs[0 if mode == "alone" else target].outputs[0]
     result = {"tokens": list(o.token_ids),
               "logprobs": [{str(t): float(lp.logprob) for t, lp in e.items()} for e in o.logprobs]}
-    if spec:
-        result["spec_decode"] = spec_counters(llm)
+    if spec:  # this run's, the warm-up's left out
+        result["spec_decode"] = {k: v - before[k] for k, v in spec_counters(llm).items()}
     with open(out, "w") as f:
         json.dump(result, f)
 
 
 def spec_counters(llm) -> dict:
-    """vLLM's spec-decode counters of this engine (warm-up included): drafts, draft tokens, accepted tokens."""
+    """vLLM's spec-decode counters of this engine so far: drafts, draft tokens, accepted tokens."""
     from vllm.v1.metrics.reader import Counter
 
     names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
