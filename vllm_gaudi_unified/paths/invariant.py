@@ -57,12 +57,12 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """`out` (None: zeros) with the rows of each own-calls request written from its own calls: without
     context one causal fused call (`fused.sdpa_lse`, the split form's new-key call: cuDNN on CUDA,
-    FusedSDPA with statistics on a Gaudi, the CPU's flash; `hpu.sdpa_final` where none of those runs;
-    on the H200 a per-request `sdpa_final` took 1.98 ms for 4 x 2k where these calls take about what
-    the default's one batched call does, docs/batch_invariance.md); with context the split form, its context's keys exactly (gathered in
-    position order, no padding key) in one call, its new keys causal in another, merged by their LSE
+    FusedSDPA with statistics on a Gaudi, the CPU's flash; `hpu.sdpa_final` where none of those runs);
+    with context the split form, its context's keys exactly (gathered in position order, no padding key)
+    in one call with statistics, its new keys causal in another, merged by their LSE
     (`prompts.merge_split`). Bad values as on the fast route: non-finite new values zeroed, the rows at or
-    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row."""
+    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (Cost of
+    one call per prompt at batch 1: docs/batch_invariance.md, Cost.)"""
     from vllm_gaudi_unified.hpu import sdpa_final
 
     n, hq = q.shape[:2]
