@@ -77,7 +77,7 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     for start, length, ctx, first, blocks in batch.plan.calls:
         rows = slice(start, start + length)
         qr, kn, vn = heads(q[rows]), heads(k[rows]), heads(v[rows])
-        if ctx == 0:  # the split form's new-key call alone (a per-request SDPA call picked a slower kernel)
+        if ctx == 0:  # the split form's new-key call alone
             rows_out = fused.sdpa_lse(qr, kn, vn, None, scale, causal=True)[0] if stats else sdpa_final(
                 qr, kn, vn, None, scale)
         else:
