@@ -356,6 +356,18 @@ def test_long_contexts_on_cuda(target, dtype):
     assert_same_bits(*run_world(world, PlanOptions(batch_invariant=True), dtype, "cuda"))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gaudi route is measured on CUDA")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_invariant_mode_on_the_gaudi_route(name, dtype):
+    """The named scenarios on CUDA with the CUDA-only kernels off (`fused.gaudi_route()`, what the cost
+    table's Gaudi route runs): the torch route and the own calls' fused SDPA calls."""
+    from vllm_gaudi_unified.paths import fused
+
+    with fused.gaudi_route():
+        assert_same_bits(*run_world(SCENARIOS[name], INVARIANT, dtype, "cuda"))
+
+
 def test_fast_route_interpreted():
     """The fast route under Triton's interpreter and the exact flash stand-in, in a process of its own
     (tests/invariant_fast_cases.py): alone = in batch, and the float64 reference, every scenario."""
