@@ -8,9 +8,13 @@
 block size 16) timed in the default and the invariant mode, with the same layouts and timing as
 `benchmarks/suite.py`; prints a markdown table with one column per mode, the ratio and each mode's peak
 memory (CUDA: bytes one eager call allocates beyond its inputs). `--route gaudi` turns every CUDA-only
-kernel off in both modes (`PlanOptions(fused_kernels=False)`: the torch products the Gaudi route runs). On
-CUDA both modes are also timed as CUDA graph replays (one graph per step, as buckets allow). A mode that
-runs out of memory is recorded as such and the run goes on.
+kernel off in both modes: what a Gaudi runs, as in every other benchmark here (`paths/fused.gaudi_route()`,
+`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE=1`: no flash varlen, no Triton; the fused SDPA calls kept, torch SDPA and
+cuDNN with statistics standing in for FusedSDPA). Besides the suite's scenarios: speculative verify steps
+(`scenarios.verify_scenarios`: 64 x (1 + 3) over 3k, ragged drafts) and an MLA decode (`mla_decode_64x4k`:
+64 decodes over 4k at DeepSeek-V3's latent shapes, 128 heads, latent 512 + rope 64, block 128, through
+`mla.mla_attention`). On CUDA both modes are also timed as CUDA graph replays (one graph per step). A mode
+that runs out of memory is recorded as such and the run goes on.
 
 `vllm`: the cascade-attention experiment with real vLLM on the CPU, one prompt alone and in a batch of 16.
 The prompt has a 256-token prefix (eight blocks of 32; the size from which vLLM's GPU backends use cascade
@@ -20,7 +24,11 @@ comes from the prefix cache in both runs; then either the target alone or the 16
 target in the middle), greedy, 16 tokens, 5 logprobs each. Engines (`CONFIGS`): vLLM's own CPU attention,
 this plugin in its default mode, this plugin in batch-invariant mode (`VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=1`),
 and vLLM's CPU attention without its split-KV decode (`VLLM_CPU_ATTN_SPLIT_KV=0`); `--configs` also knows
-`plugin_vllm_flag` (the plugin under vLLM's own `VLLM_BATCH_INVARIANT=1`, which fails on the CPU build).
+`plugin_vllm_flag` (the plugin under vLLM's own `VLLM_BATCH_INVARIANT=1`) and `vllm_cpu_attn_vllm_flag`
+(vLLM's CPU attention under it). `--spec K`: the same with vLLM's ngram speculative decoding (`K` drafts a
+step, lookup 2-4 tokens) on top of prefix caching; the prompts are then made of repeated short patterns
+(`spec_prompts`), and each run reports vLLM's spec-decode counters (drafts proposed and accepted), so a run
+that speculated is told from one that did not.
 Besides, `linear_rows_check` tests whether the linear layers' GEMM (vLLM's CPU oneDNN path, fp32) gives a
 row the same bits alone and among 16 rows. Reported per engine: whether the target's tokens agree, whether
 its logprobs are bitwise identical, the largest logprob difference between alone and batched, and the
@@ -29,6 +37,8 @@ first generated position where they differ (docs/batch_invariance.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import os
 import random
@@ -45,6 +55,8 @@ from benchmarks.timing import capture, peak_bytes, time_ms
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.files import atomic_write, output_path, write_text
 from vllm_gaudi_unified.tools.cli import Parser
+from vllm_gaudi_unified.mla import mla_attention
+from vllm_gaudi_unified.paths import fused
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -55,8 +67,20 @@ CONFIGS = {
     "vllm_cpu_attn_no_split": {"VLLM_CPU_ATTN_SPLIT_KV": "0"},
 }
 #: Not run by default: vLLM's own batch-invariant switch fails on the CPU build (its kernels are Triton's).
-EXTRA_CONFIGS = {"plugin_vllm_flag": {"VLLM_GAUDI_UNIFIED": "1", "VLLM_BATCH_INVARIANT": "1"}}
+EXTRA_CONFIGS = {"plugin_vllm_flag": {"VLLM_GAUDI_UNIFIED": "1", "VLLM_BATCH_INVARIANT": "1"},
+                 "vllm_cpu_attn_vllm_flag": {"VLLM_BATCH_INVARIANT": "1"}}
 PREFIX_LEN = 256
+
+
+#: The MLA decode's shapes (DeepSeek-V3: 128 heads, latent 512 + rope 64; scale (128 + 64) ** -0.5).
+MLA_HEADS, MLA_LATENT, MLA_ROPE, MLA_BLOCK = 128, 512, 64, 128
+
+
+def all_scenarios(scale: float) -> list:
+    """The suite's scenarios, the verify steps, and the MLA decode (a `Scenario` named `mla_*`)."""
+    s = lambda n: max(1, int(round(n * scale)))  # noqa: E731
+    mla = sc_mod.Scenario("mla_decode_64x4k", "MLA decode 64 x 4k", (1,) * s(64), (s(4096) - 1,) * s(64))
+    return sc_mod.scenarios(scale) + sc_mod.verify_scenarios(scale) + [mla]
 
 
 def prompts():
@@ -68,24 +92,57 @@ def prompts():
     return warm, batch, 7  # the target is batch[7]
 
 
-def engine(model: str, mode: str, out: str) -> None:
-    """One fresh engine (this process): warm-up, then 'alone' or 'batch'."""
+def spec_prompts():
+    """`prompts` for speculative decoding: the same layout (a 256-token prefix the 16 prompts share, a
+    warm-up prompt holding it, the target batch[7]) made of repeated short patterns, so that the ngram
+    proposer finds matches in every prompt."""
+    rng = random.Random(11)
+
+    def pattern(n):
+        p = [rng.randrange(3, 512) for _ in range(rng.randrange(3, 9))]
+        return (p * (n // len(p) + 1))[:n]
+
+    prefix = pattern(PREFIX_LEN)
+    return prefix + pattern(4), [prefix + pattern(rng.randrange(5, 40)) for _ in range(16)], 7
+
+
+def engine(model: str, mode: str, out: str, spec: int = 0) -> None:
+    """One fresh engine (this process): warm-up, then 'alone' or 'batch'; `spec` > 0: ngram speculative
+    decoding with that many drafts a step."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
+    spec_config = None if not spec else {"method": "ngram", "num_speculative_tokens": spec, "prompt_lookup_min": 2,
+                                         "prompt_lookup_max": 4}
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0, max_model_len=512,
               block_size=32, max_num_seqs=16, max_num_batched_tokens=2048, enable_prefix_caching=True,
-              kv_cache_memory_bytes=64 << 20)
+              kv_cache_memory_bytes=64 << 20, speculative_config=spec_config, disable_log_stats=not spec)
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5, detokenize=False, ignore_eos=True)
-    warm, batch, target = prompts()
+    warm, batch, target = spec_prompts() if spec else prompts()
     llm.generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
+    before = spec_counters(llm) if spec else {}
     todo = [batch[target]] if mode == "alone" else batch
     outs = llm.generate([{"prompt_token_ids": p} for p in todo], params, use_tqdm=False)
     o = outs[0 if mode == "alone" else target].outputs[0]
     result = {"tokens": list(o.token_ids),
               "logprobs": [{str(t): float(lp.logprob) for t, lp in e.items()} for e in o.logprobs]}
+    if spec:  # this run's, the warm-up's left out
+        result["spec_decode"] = {k: v - before[k] for k, v in spec_counters(llm).items()}
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's spec-decode counters of this engine so far: drafts, draft tokens, accepted tokens."""
+    from vllm.v1.metrics.reader import Counter
+
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    out = dict.fromkeys(names, 0)
+    for m in llm.get_metrics():
+        key = m.name.removeprefix("vllm:spec_decode_")
+        if isinstance(m, Counter) and key in out:
+            out[key] += m.value
+    return out
 
 
 def linear_rows_check() -> dict:
@@ -125,34 +182,39 @@ def compare(alone: dict, batched: dict) -> dict:
 
 def cost(args) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    default = PlanOptions(fused_kernels=args.route == "cuda")
+    default = PlanOptions()
     invariant = replace(default, batch_invariant=True)
     if args.invariant_rows:
         invariant = replace(invariant, invariant_rows=args.invariant_rows)
     rows = []
-    for sc in sc_mod.scenarios(args.scale):
-        if args.scenarios and sc.name not in args.scenarios:
-            continue
-        row = dict(scenario=sc.name, device=str(device), route=args.route, dtype=args.dtype, scale=args.scale,
-                   invariant_rows=invariant.invariant_rows)
-        if device.type == "cuda":
-            row["gpu"] = torch.cuda.get_device_name(device)
-        _run_scenario(sc, args, device, dtype, default, invariant, row)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    route = fused.gaudi_route() if args.route == "gaudi" else contextlib.nullcontext()
+    with route:
+        for sc in all_scenarios(args.scale):
+            if args.scenarios and sc.name not in args.scenarios:
+                continue
+            row = dict(scenario=sc.name, device=str(device), route=args.route, dtype=args.dtype, scale=args.scale,
+                       invariant_rows=invariant.invariant_rows, commit=args.commit,
+                       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                       torch=torch.__version__)
+            if device.type == "cuda":
+                row["gpu"] = torch.cuda.get_device_name(device)
+            _run_scenario(sc, args, device, dtype, default, invariant, row)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:  # after every scenario: a run stopped early keeps what it measured
+                with atomic_write(args.out) as f:
+                    json.dump(rows, f, indent=1)
     _print_table(rows, device.type == "cuda")
-    if args.out:
-        with atomic_write(args.out) as f:
-            json.dump(rows, f, indent=1)
     return 0
-
 
 
 def vllm_experiment(args) -> int:
     if args.engine:
-        engine(*args.engine)
+        engine(*args.engine, spec=args.spec)
         return 0
-    from tests.vllm_helpers import make_tiny_llama  # run from the repository root (python -m benchmarks...)
+    from tests.vllm_helpers import keep_vllm_gaudi_out, make_tiny_llama  # run from the repository root
+
+    keep_vllm_gaudi_out()  # (engines inherit it: vllm-gaudi's plugins need Gaudi software)
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,38 +226,57 @@ def vllm_experiment(args) -> int:
                 env = {k: v for k, v in os.environ.items()
                        if not k.startswith("VLLM_GAUDI_UNIFIED") and k != "VLLM_BATCH_INVARIANT"}
                 env.update({**CONFIGS, **EXTRA_CONFIGS}[name])
-                proc = subprocess.run([sys.executable, "-m", "benchmarks.invariance", "vllm", "--engine", model,
-                                       mode, out], env=env, cwd=ROOT, capture_output=True, text=True)
+                proc = subprocess.run([sys.executable, "-m", "benchmarks.invariance", "vllm", "--spec", str(args.spec),
+                                       "--engine", model, mode, out], env=env, cwd=ROOT, capture_output=True,
+                                      text=True)
                 if proc.returncode != 0:
                     print(f"{name} {mode}: engine failed ({proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+                    error = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or ["?"]
+                    results[name] = {"error": f"{mode} engine failed: {error[0][:300]}"}
                     break
                 runs[mode] = json.loads(Path(out).read_text())
             if len(runs) < 2:
-                results[name] = {"error": "engine failed"}
                 continue
             results[name] = compare(runs["alone"], runs["batch"])
+            if args.spec:
+                results[name]["spec_decode"] = {mode: runs[mode]["spec_decode"] for mode in runs}
             print(name, json.dumps(results[name]), flush=True)
-    results["linear_rows_check"] = linear_rows_check()
-    print("linear_rows_check", json.dumps(results["linear_rows_check"]), flush=True)
+    if not args.no_linear_check:
+        results["linear_rows_check"] = linear_rows_check()
+        print("linear_rows_check", json.dumps(results["linear_rows_check"]), flush=True)
     if args.out:
         write_text(args.out, json.dumps(results, indent=1))
     return 0
 
 
-def _run_scenario(sc, args, device, dtype, default, invariant, row) -> None:
-    hq, hkv, d, bs = 32, 8, 128, args.block_size
+def _step(sc, args, device, dtype):
+    """The scenario's inputs: (layout, block size, call(batch) -> output)."""
+    mla = sc.name.startswith("mla_")
+    bs = MLA_BLOCK if mla else args.block_size
     lay = sc_mod.layout(sc, bs)
     g = torch.Generator(device=device).manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
     t = sc.num_tokens
+    if mla:
+        width = MLA_LATENT + MLA_ROPE
+        q, latent, cache = rand(t, MLA_HEADS, width), rand(t, width), rand(lay.num_blocks, bs, width)
+        scale = (128 + MLA_ROPE) ** -0.5
+        return lay, bs, lambda b: mla_attention(q, latent, cache, b, scale, MLA_LATENT)
+    hq, hkv, d = 32, 8, 128
     q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
     kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
+    return lay, bs, lambda b: unified_attention(q, k, v, kc, vc, b, d ** -0.5)
+
+
+def _run_scenario(sc, args, device, dtype, default, invariant, row) -> None:
+    lay, bs, call = _step(sc, args, device, dtype)
     outs = {}
     for mode, opts in (("default", default), ("invariant", invariant)):
+        batch = fn = None
         try:
             batch = build_unified_batch(list(sc.query_lens), list(sc.context_lens), lay.block_table, bs,
                                         num_blocks=lay.num_blocks, options=opts, device=device)
-            fn = lambda b=batch: unified_attention(q, k, v, kc, vc, b, d ** -0.5)  # noqa: E731
+            fn = lambda b=batch: call(b)  # noqa: E731
             outs[mode] = fn()
             row[f"{mode}_work"] = batch.work_planned.total
             if device.type == "cuda":
@@ -212,7 +293,7 @@ def _run_scenario(sc, args, device, dtype, default, invariant, row) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     for key in ("ms", "graph_ms", "peak_mb"):
-        if f"default_{key}" in row and f"invariant_{key}" in row:
+        if f"default_{key}" in row and f"invariant_{key}" in row and row[f"default_{key}"]:
             row[f"{key}_ratio"] = row[f"invariant_{key}"] / row[f"default_{key}"]
     if len(outs) == 2:
         row["max_abs_diff"] = float((outs["default"].float() - outs["invariant"].float()).abs().max())
@@ -241,16 +322,19 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU: 0.0625)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--route", choices=("cuda", "gaudi"), default="cuda",
-                   help="cuda: the fused kernels where they apply; gaudi: every CUDA-only kernel off")
+                   help="cuda: the fused kernels where they apply; gaudi: what a Gaudi runs (CUDA-only kernels off)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size (the MLA decode: 128)")
     p.add_argument("--invariant-rows", type=int, default=None, help="PlanOptions.invariant_rows (default: its own)")
     p.add_argument("--scenarios", nargs="*", default=None, help="names to run (default: all)")
+    p.add_argument("--commit", default="", help="recorded in each row (the checkout measured)")
     p.add_argument("--out", type=output_path, default=None, help="write the rows as JSON here")
     p = sub.add_parser("vllm", help="one prompt alone and in a batch of 16, in real vLLM on the CPU")
     p.add_argument("--out", type=output_path, default=None, help="write the results as JSON here")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS) + list(EXTRA_CONFIGS),
                    help="which engines to run (default: %(default)s)")
+    p.add_argument("--spec", type=int, default=0, help="ngram speculative decoding with this many drafts (0: off)")
+    p.add_argument("--no-linear-check", action="store_true", help="skip linear_rows_check")
     p.add_argument("--engine", nargs=3, metavar=("MODEL", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = top.parse_args(argv)
     return cost(args) if args.command == "cost" else vllm_experiment(args)

@@ -134,3 +134,21 @@ def floors(sc: Scenario, block_size: int, num_qo_heads: int, num_kv_heads: int, 
     kv_bytes = 2 * kv_tokens * num_kv_heads * head_dim * (kv_elem_bytes or elem_bytes)
     io_bytes = t * (2 * num_qo_heads + 2 * num_kv_heads) * head_dim * elem_bytes
     return {"flops": flops, "bytes": kv_bytes + io_bytes, "kv_bytes": kv_bytes}
+
+
+# ----------------------------------------------------------------------------- speculative verify steps
+# (`python -m benchmarks.invariance cost`): each request 1 + k new tokens (its token and k drafts) over its context.
+
+
+def verify_scenarios(scale: float = 1.0, seed: int = 1) -> list[Scenario]:
+    """Verify steps of speculative decoding: 64 x (1 + 3) over 3k, and ragged drafts (0-4) over ragged
+    contexts (512-4k); `scale` as in `scenarios`."""
+    s = lambda n, m=1: _scaled(n, scale, m)  # noqa: E731
+    rng = np.random.default_rng(seed)
+    drafts = rng.integers(0, 5, size=s(64))
+    contexts = rng.integers(s(512), s(4096) + 1, size=s(64))
+    return [
+        Scenario("verify_64x4_3k", "verify 64 x (1 + 3) over 3k", _rep(s(64), 4), _rep(s(64), s(3072))),
+        Scenario("verify_ragged", "verify 64 x (1 + 0..4) over 512..4k", tuple(int(d) + 1 for d in drafts),
+                 tuple(int(c) for c in contexts)),
+    ]

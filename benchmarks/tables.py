@@ -22,6 +22,8 @@ def _load(name: str):
 
 def recorded_commit(data) -> str | None:
     """The commit a results file records itself (top level or in its `env`), if any."""
+    if isinstance(data, list):  # rows that each record the run's commit
+        return (data[0].get("commit") or None) if data and isinstance(data[0], dict) else None
     if not isinstance(data, dict):
         return None
     return data.get("commit") or (data.get("env") or {}).get("commit")
@@ -177,12 +179,13 @@ def serving_table() -> list[str]:
 def invariance_table() -> list[str]:
     out = _head("scenario", "route", "default ms (graph)", "invariant ms (graph)", "invariant / default",
                 "eager ratio", "peak memory ratio")
-    for route in ("cuda", "gaudi"):
-        out += [_row(r["scenario"], route, _f(r["default_graph_ms"]), _f(r["invariant_graph_ms"]),
+    files = {route: f"invariance/h200_{route}.json" for route in ("cuda", "gaudi")}
+    for route, name in files.items():
+        out += [_row(r["scenario"], route, _f(r.get("default_graph_ms")), _f(r.get("invariant_graph_ms")),
                      f"{r['graph_ms_ratio']:.2f}x", f"{r['ms_ratio']:.2f}x", f"{r['peak_mb_ratio']:.2f}x")
-                for r in _load(f"invariance_h100/{route}.json")]
-    return out + [""] + [f"- {_source(f'invariance_h100/{r}.json', f'python -m benchmarks.invariance cost --route {r} --out FILE', _load(f'invariance_h100/{r}.json')[0]['gpu'])}"
-                         for r in ("cuda", "gaudi")]
+                for r in _load(name)]
+    return out + [""] + [f"- {_source(name, f'python -m benchmarks.invariance cost --route {route} --out FILE', _load(name)[0]['gpu'], _load(name)[0]['date'])}"
+                         for route, name in files.items()]
 
 
 TABLES = {"planning": planning_table, "speed": speed_table, "trace": trace_table, "mla": mla_table,

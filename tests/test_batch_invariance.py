@@ -172,6 +172,10 @@ SCENARIOS = {
     # MQA and a bucket with extra causal tiles and rows.
     "mqa_padded": World(Req(7, 10), others=(Req(5, 12),), position=1, num_qo_heads=6, num_kv_heads=1,
                         pad=(5, 3, 1, 0, 1)),
+    # Prompt chunks on their own calls (the split form over a context the next chunk shares), beside a
+    # prompt without context (its own causal call), a decode and a short chunk on the routes, padded.
+    "own_calls": World(Req(20, 29), others=(Req(17, 32, 7), Req(1, 40, 7), Req(24, 0), Req(2, 9)), position=1,
+                       pad=(4, 1, 2, 0, 1)),
 }
 
 
@@ -283,8 +287,35 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     several = [r for r, q in enumerate(ql) if q > 1 and cl[r] > 0]
     assert plan.ctx_rows.tolist() == [starts[r] + j for r in several for j in range(ql[r])]
     assert plan.ctx_used.tolist() == [cl[r] for r in several]
-    assert plan.seg_cu.tolist() == [0] + np.cumsum(ql).tolist() and plan.seg_max == max(ql)
+    multi = [r for r, q in enumerate(ql) if q > 1]
+    assert sorted(plan.seg_rows.tolist()) == [starts[r] + j for r in multi for j in range(ql[r])]
+    assert plan.seg_cu.tolist() == [0] + np.cumsum([ql[r] for r in multi]).tolist() and plan.seg_max == max(ql)
+    assert plan.one_rows.tolist() == [starts[r] for r in decodes]
     assert plan.cached_width == 8  # 61 tokens of context / 4 -> 16 blocks -> 8 chunks of 2
+
+
+def test_own_calls_are_taken(monkeypatch):
+    """Prompts (no context) and chunks of `CALL_MIN_ROWS` tokens or more take their own calls (two fused calls
+    with statistics for a chunk, one causal one for a prompt); a short chunk and a decode stay on the routes;
+    with a soft cap the same requests' pairs run on the routes' arrays (no own call)."""
+    from vllm_gaudi_unified.paths import fused
+
+    world = SCENARIOS["own_calls"]
+    seen = []
+    inner = fused.sdpa_lse
+    monkeypatch.setattr(fused, "sdpa_lse", lambda *a, **kw: seen.append(kw.get("causal", False)) or inner(*a, **kw))
+    table, _ = _block_table(world, np.random.default_rng(world.seed))
+    ql, cl = [r.query_len for r in world.requests], [r.context_len for r in world.requests]
+    plan = plan_step(ql, cl, table, world.block_size, options=INVARIANT)
+    starts = np.cumsum(ql) - ql
+    assert [c[:3] for c in plan.calls] == [(starts[r], ql[r], cl[r]) for r in (0, 1, 3)]
+    assert not plan.calls_only and plan.pre_own_from < plan.pre_rows.shape[0]
+    assert_same_bits(*run_world(world, INVARIANT, torch.float32))
+    # the target alone, then in the batch the other chunk, the target, and the prompt's one causal call
+    assert seen == [False, True] * 3 + [True]
+    seen.clear()
+    assert_same_bits(*run_world(replace(world, soft_cap=5.0), INVARIANT, torch.float32))
+    assert seen == []
 
 
 def test_options_are_checked():
@@ -307,7 +338,7 @@ def test_invariant_mode_takes_only_its_own_path(monkeypatch):
     monkeypatch.setattr(attention, "_run_paths", fail)
     run_world(world, INVARIANT, torch.float32)
     monkeypatch.undo()
-    monkeypatch.setattr(attention, "invariant_partial", fail)
+    monkeypatch.setattr(attention, "invariant_output", fail)
     run_world(world, SMALL, torch.float32)
 
 
@@ -323,6 +354,18 @@ def test_long_contexts_on_cuda(target, dtype):
     others = (Req(1, 20000), Req(37, 5000), Req(1, 9000), Req(300, 0)) + tuple(Req(1, 100 + i) for i in range(60))
     world = World(target, others=others, position=1, block_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     assert_same_bits(*run_world(world, PlanOptions(batch_invariant=True), dtype, "cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gaudi route is measured on CUDA")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_invariant_mode_on_the_gaudi_route(name, dtype):
+    """The named scenarios on CUDA with the CUDA-only kernels off (`fused.gaudi_route()`, what the cost
+    table's Gaudi route runs): the torch route and the own calls' fused SDPA calls."""
+    from vllm_gaudi_unified.paths import fused
+
+    with fused.gaudi_route():
+        assert_same_bits(*run_world(SCENARIOS[name], INVARIANT, dtype, "cuda"))
 
 
 def test_fast_route_interpreted():

@@ -194,3 +194,24 @@ def _max_logprob_diff(a: dict, b: dict) -> float:
     """The largest |logprob difference| over the tokens both runs report, all cases and samples."""
     return max(abs(x[t] - y[t]) for case in CASES for sa, sb in zip(a[case]["samples"], b[case]["samples"])
                for x, y in zip(sa["logprobs"], sb["logprobs"]) for t in x.keys() & y.keys())
+
+
+def test_invariant_mode_with_ngram_alone_vs_batch_of_16(tmp_path):
+    """The batch-invariant experiment (`python -m benchmarks.invariance vllm --spec 3`) with ngram speculative
+    decoding on top of prefix caching: a prompt whose 256-token prefix 15 others share, alone and inside
+    the batch of 16, greedy; with VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=1 its tokens and logprobs are
+    bitwise the same, and both runs speculated (vLLM's counters: drafts proposed and accepted), so the
+    target's steps were verify steps of 1 + k tokens, alone and beside 15 other requests' steps."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "invariance.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GAUDI_UNIFIED")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.invariance", "vllm", "--spec", "3", "--configs",
+                           "plugin_invariant", "--no-linear-check", "--out", str(out)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=2 * ENGINE_TIMEOUT_S)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())["plugin_invariant"]
+    assert result.get("compared") == 16 * 5, result
+    assert result["same_tokens"] and result["identical_logprobs"], result
+    for mode in ("alone", "batch"):
+        counters = result["spec_decode"][mode]
+        assert counters["num_draft_tokens"] > 0 and counters["num_accepted_tokens"] > 0, result

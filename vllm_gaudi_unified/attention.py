@@ -16,7 +16,7 @@ from vllm_gaudi_unified.paths.decodes import dense_decodes as dense_decodes_atte
 from vllm_gaudi_unified.paths.decodes import dense_decodes_apply
 from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
 from vllm_gaudi_unified.paths.fused import kernel_for
-from vllm_gaudi_unified.paths.invariant import invariant_partial
+from vllm_gaudi_unified.paths.invariant import invariant_output
 from vllm_gaudi_unified.paths.mla_chunks import chunks_mla_partial
 from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_kernel_takes_shared
 from vllm_gaudi_unified.paths.mla_decode import mla_unique_route
@@ -149,22 +149,22 @@ def run_step(query, key, value, key_cache, value_cache, batch, scale, *, logits_
                                           flash))
         return out
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
-        partials = [invariant_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
-                                      k_scale, v_scale)]
-    else:
-        alone = not prompts and sinks is None and not batch.pieces  # (the paths' results are all there is)
-        partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
-                                          k_scale, v_scale, prompts_merged=prompts and not final, alone=alone)
-                    if p is not None]
-        if prompts and not final:
-            partials.append(prompt_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
-                                           k_scale, v_scale))
-        if batch.pieces:  # a step split under the gather cap (plan/split.py): each pair is in one piece
-            t = batch.num_tokens
-            partials = [_first_rows(p, t) for p in partials]
-            partials += _piece_partials(query[:t], key[:t], value[:t], key_cache, value_cache, batch.pieces, scale,
-                                        logits_soft_cap, k_scale, v_scale)
-            padded = t
+        sink = None if sinks is None else _sink_partial(sinks, padded, value.shape[2], compute_dtype(query.dtype))
+        return invariant_output(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sink,
+                                k_scale, v_scale)
+    alone = not prompts and sinks is None and not batch.pieces  # (the paths' results are all there is)
+    partials = [p for p in _run_paths(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
+                                      k_scale, v_scale, prompts_merged=prompts and not final, alone=alone)
+                if p is not None]
+    if prompts and not final:
+        partials.append(prompt_partial(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap,
+                                       k_scale, v_scale))
+    if batch.pieces:  # a step split under the gather cap (plan/split.py): each pair is in one piece
+        t = batch.num_tokens
+        partials = [_first_rows(p, t) for p in partials]
+        partials += _piece_partials(query[:t], key[:t], value[:t], key_cache, value_cache, batch.pieces, scale,
+                                    logits_soft_cap, k_scale, v_scale)
+        padded = t
     if sinks is not None:
         partials.append(_sink_partial(sinks, padded, value.shape[2], compute_dtype(query.dtype)))
     if isinstance(partials[0], Final):  # (only given alone: `_run_paths`)

@@ -122,7 +122,10 @@ class InvariantBatch(UnifiedBatch):
     ctx_blocks: torch.Tensor  #: [blocks]
     ctx_cu_k: torch.Tensor  #: [segments + 1]
     ctx_used: torch.Tensor  #: [segments]
-    seg_cu: torch.Tensor  #: [requests + 1] fast route: each request's new tokens, one causal flash segment
+    seg_rows: torch.Tensor  #: [rows] fast route: tokens of the requests with several new tokens
+    seg_cu: torch.Tensor  #: [segments + 1] fast route: each such request's new tokens, one causal flash segment
+    one_rows: torch.Tensor  #: [rows] fast route: tokens of the one-token requests (self pair elementwise)
+    call_blocks: torch.Tensor  #: [blocks] own calls: each such request's context blocks, in order
 
 
 class StepBuffers:

@@ -1,36 +1,108 @@
 """The device run of the batch-invariant mode (`plan/invariant.py` says what and why).
 
-Two routes, chosen per step by the step's dtype, soft cap, options and device
-(never by the batch): the fast route of `invariant_fast.py` where CUDA flash
-and the Triton kernel apply, else the tile route here (torch products: Gaudi,
-CPU, fp32, soft cap). Both merge self, cached and causal partials in that order.
+A step's requests on their own calls (`plan.invariant.own_calls`: prompts and
+prompt chunks) get their rows final from those calls (`own_rows`), when the
+step's form allows (`own_final`). Every other request takes one of two routes,
+chosen per step by the step's dtype, soft cap, options and device (never by
+the batch): the fast route of `invariant_fast.py` where CUDA flash and the
+Triton kernel apply, else the tile route here (torch products: Gaudi, CPU,
+fp32, soft cap). Both merge self, cached and causal partials in that order.
 
 Tile route: every product has one shape per tile kind (`tiles_per_call` tiles
 per call, the last call padded); each (token, chunk) or (token, key tile) partial is written
 to its own slot and the slots are folded by a fixed pairwise tree.
+
+Own calls, per request, the default's prompt route at the request's own shapes
+(`hpu.sdpa_final`: FusedSDPA on a Gaudi, torch SDPA elsewhere; `fused.sdpa_lse`
+with statistics: FusedSDPA's, cuDNN, the CPU's flash): the same call with the
+same inputs alone or in any batch, so the same bits; nothing of another
+request (nor the bucket's padding) is in it.
 """
 from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all
+from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all, normalize
+from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
+from vllm_gaudi_unified.paths.prompts import final_rows, merge_split
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
 
 
+def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_cap: float | None,
+                     sink: Partial | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
+    """The step's rows `[rows, Hq, Dv]` in q's dtype: the own calls' rows final where `own_final`, every
+    other row merged (self, cached, causal, then `sink`: the sinks' partial) and normalised."""
+    own = own_final(batch, q, v.shape[-1], soft_cap, sink)
+    out = None
+    if not (own and batch.plan.calls_only):
+        parts = [invariant_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own)]
+        out = normalize(merge_all(parts + ([] if sink is None else [sink])), q.dtype)
+    return own_rows(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, out) if own else out
+
+
+def own_final(batch, q: torch.Tensor, value_dim: int, soft_cap, sink) -> bool:
+    """Whether the own calls run (else their requests' pairs take the routes' arrays): the prompt route's
+    final form (`prompts.final_rows`: no soft cap, no sinks, fused kernels on), values with the keys'
+    head dim, and a fused kernel with statistics (`fused.lse_kernel_for`) where a request has context."""
+    plan = batch.plan
+    if not plan.calls or sink is not None or value_dim != q.shape[-1] or not final_rows(batch, q, soft_cap, None):
+        return False
+    return fused.lse_kernel_for(q) or all(ctx == 0 for _, _, ctx, _, _ in plan.calls)
+
+
+def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None, v_scale=None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """`out` (None: zeros) with the rows of each own-calls request written from its own calls: without
+    context one causal fused call (`fused.sdpa_lse`, the split form's new-key call: cuDNN on CUDA,
+    FusedSDPA with statistics on a Gaudi, the CPU's flash; `hpu.sdpa_final` where none of those runs);
+    with context the split form, its context's keys exactly (gathered in position order, no padding key)
+    in one call with statistics, its new keys causal in another, merged by their LSE
+    (`prompts.merge_split`). Bad values as on the fast route: non-finite new values zeroed, the rows at or
+    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (Cost of
+    one call per prompt at batch 1: docs/batch_invariance.md, Cost.)"""
+    from vllm_gaudi_unified.hpu import sdpa_final
+
+    n, hq = q.shape[:2]
+    g = hq // k.shape[1]
+    if out is None:  # a step of prompts: every real row is written below, the padding rows are zeroed
+        out = q.new_empty((n, hq, v.shape[-1]))
+        out[batch.num_tokens:].zero_()
+    v, bad = fused.clean_causal_values(v, batch.token_seg_start, None)
+    nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+    heads = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731  [L, H, D] -> [1, H, L, D], a view
+    stats = fused.lse_kernel_for(q)
+    for start, length, ctx, first, blocks in batch.plan.calls:
+        rows = slice(start, start + length)
+        qr, kn, vn = heads(q[rows]), heads(k[rows]), heads(v[rows])
+        if ctx == 0:  # the split form's new-key call alone
+            rows_out = fused.sdpa_lse(qr, kn, vn, None, scale, causal=True)[0] if stats else sdpa_final(
+                qr, kn, vn, None, scale)
+        else:
+            ids = batch.call_blocks[first:first + blocks]
+            kc, vc = (heads(read_blocks(cache, ids, sc, q.dtype).flatten(0, 1)[:ctx])
+                      for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
+            rows_out = merge_split(*fused.sdpa_lse(qr, kc, vc, None, scale),
+                                   *fused.sdpa_lse(qr, kn, vn, None, scale, causal=True))
+        seen = bad[rows].repeat_interleave(g, 1)[..., None]
+        torch.where(seen, nan, rows_out[0].transpose(0, 1), out=out[rows])  # written in place: no copy
+    return out
+
+
 def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, batch, scale: float, soft_cap: float | None,
-                      k_scale=None, v_scale=None) -> Partial:
-    """All keys of every token, merged in a fixed order: self, cached, causal."""
+                      k_scale=None, v_scale=None, own: bool = False) -> Partial:
+    """All keys of every token, merged in a fixed order: self, cached, causal; `own`: not the pairs of the
+    own-calls requests (their rows are `own_rows`')."""
     from vllm_gaudi_unified.paths import invariant_fast
 
     if invariant_fast.applies(batch, q, key_cache, value_cache, soft_cap):
-        return invariant_fast.fast_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale)
-    cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale)
+        return invariant_fast.fast_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, own)
+    cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own)
     parts = (self_partial(q, k, v, scale, soft_cap, fixed_order=True), cached,
-             _causal_partial(q, k, v, batch, scale, soft_cap))
+             _causal_partial(q, k, v, batch, scale, soft_cap, own))
     return merge_all([p for p in parts if p is not None])
 
 
@@ -71,10 +143,13 @@ def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([x, torch.full((n - x.shape[0],) + x.shape[1:], fill, dtype=x.dtype, device=x.device)])
 
 
-def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None) -> Partial | None:
-    """One-row tiles, then tiles of `invariant_rows` rows, each chunk written to slot [token, chunk]."""
+def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None,
+                    own: bool = False) -> Partial | None:
+    """One-row tiles, then tiles of `invariant_rows` rows, each chunk written to slot [token, chunk];
+    `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
+    pre = slice(0, batch.plan.pre_own_from if own else None)
     kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col),
-             (batch.pre_rows, batch.pre_blocks, batch.pre_lo, batch.pre_hi, batch.pre_col)]
+             (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
     if all(kind[0].shape[0] == 0 for kind in kinds):
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
@@ -95,8 +170,10 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     return slots.fold()
 
 
-def _causal_partial(q, k, v, batch, scale, soft_cap) -> Partial | None:
-    tiles = batch.causal_q_start.shape[0]
+def _causal_partial(q, k, v, batch, scale, soft_cap, own: bool = False) -> Partial | None:
+    """Causal tiles in calls of `invariant_causal_chunk`, each written to slot [token, key tile]; `own`: not
+    the own-calls requests' tiles (the last ones, whole calls)."""
+    tiles = batch.plan.causal_own_from if own else batch.causal_q_start.shape[0]
     if tiles == 0:
         return None
     n, opts = q.shape[0], batch.plan.options

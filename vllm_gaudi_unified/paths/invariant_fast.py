@@ -2,13 +2,15 @@
 
 Why each part is invariant (a token's result depends on its own request only):
 
-* **self and causal**: one causal flash varlen call, each request's new tokens
-  one segment (every request, a decode too: its one row against its own key),
-  the padding rows one more. Flash's row tiles and key blocks are counted from
-  the segment's start, a row's result depends on its own q and its segment's
-  keys only (the other rows of a tile have their own softmax rows), and
-  `max_q >= 2` keeps flash off its one-row-query path (which reorders heads
-  and may split the keys by the batch's size).
+* **self, one new token**: elementwise, the token's q against its own key
+  (`causal.self_partial`, the dot product summed by a fixed pairwise tree):
+  the token alone.
+* **self and causal, several new tokens**: one causal flash varlen call over
+  these requests' rows (gathered), each request one segment. Flash's row tiles
+  and key blocks are counted from the segment's start, a row's result depends
+  on its own q and its segment's keys only (the other rows of a tile have
+  their own softmax rows), and `max_q >= 2` keeps flash off its one-row-query
+  path (which reorders heads and may split the keys by the batch's size).
 * **cached, Triton** (requests with one new token; every request under a
   sliding window): one program per (token, KV head, split) walks the token's
   own slots in position order, `KEYS` keys a step; split `sp` is the keys
@@ -20,8 +22,10 @@ Why each part is invariant (a token's result depends on its own request only):
 * **cached, flash** (requests with two or more new tokens, no window): one
   varlen segment per request, its rows against its own gathered context,
   `seqused_k` its context length, non-causal, `max_q >= 2` as above.
-* each token gets its cached partial from exactly one kernel (written, not
-  added), and the causal and cached partials are merged in that order. Which
+* each token gets its first partial (self, or self and causal) and its cached
+  partial from exactly one kernel each (written, not added), merged in that
+  order. The requests on their own calls (`invariant.own_rows`) are left out
+  when those run (`own`): their entries are the arrays' last ones. Which
   kernel a request's pairs take depends on its own new-token count alone.
 No product here takes its shape from cuBLAS's choice for the batch: the
 kernels' tiles are compile-time constants.
@@ -32,6 +36,7 @@ import torch
 
 from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all
 from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.plan import invariant as plan_invariant
@@ -45,33 +50,47 @@ def applies(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
             and kernel_unique_applies(key_cache, value_cache))
 
 
-def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None, v_scale=None) -> Partial:
-    """Self and causal (flash per request), cached (Triton slots or the request's flash segment); merged
-    in that order."""
-    n = q.shape[0]
+def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None, v_scale=None,
+                 own: bool = False) -> Partial:
+    """Self and causal (elementwise for one new token, else flash per request), cached (Triton slots or the
+    request's flash segment); merged in that order. `own`: not the own-calls requests' rows (those come
+    from their own calls): the prefixes of the `ctx_*` and `seg_*` arrays before theirs."""
+    n, plan = q.shape[0], batch.plan
     cached = _slots_partial(q, key_cache, value_cache, batch, scale, k_scale, v_scale)
-    if batch.ctx_rows.shape[0]:
-        kk = read_blocks(key_cache, batch.ctx_blocks, k_scale, q.dtype).flatten(0, 1)  # [keys, Hkv, D]
-        vv = read_blocks(value_cache, batch.ctx_blocks, v_scale, q.dtype).flatten(0, 1)
-        max_q, max_k = batch.plan.ctx_max
-        part = fused.flash_varlen(q[batch.ctx_rows], kk, vv, batch.ctx_cu_q.to(torch.int32),
-                                  batch.ctx_cu_k.to(torch.int32), max_q, max_k, scale, causal=False,
-                                  seqused_k=batch.ctx_used.to(torch.int32))
-        cached = _placed(part, batch.ctx_rows, n, cached)
-    return merge_all([p for p in (_causal_partial(q, k, v, batch, scale), cached) if p is not None])
+    rows, segs, blocks, max_q, max_k = plan.ctx_own_from if own else (
+        batch.ctx_rows.shape[0], batch.ctx_used.shape[0], batch.ctx_blocks.shape[0], *plan.ctx_max)
+    if rows:
+        ids = batch.ctx_blocks[:blocks]
+        kk = read_blocks(key_cache, ids, k_scale, q.dtype).flatten(0, 1)  # [keys, Hkv, D]
+        vv = read_blocks(value_cache, ids, v_scale, q.dtype).flatten(0, 1)
+        ctx_rows = batch.ctx_rows[:rows]
+        part = fused.flash_varlen(q[ctx_rows], kk, vv, batch.ctx_cu_q[:segs + 1].to(torch.int32),
+                                  batch.ctx_cu_k[:segs + 1].to(torch.int32), max_q, max_k, scale, causal=False,
+                                  seqused_k=batch.ctx_used[:segs].to(torch.int32))
+        cached = _placed(part, ctx_rows, n, cached)
+    first = _causal_partial(q, k, v, batch, scale, own)
+    ones = batch.one_rows
+    if ones.shape[0] == n:  # a step of one-token requests, no padding: every row (elementwise: the same bits)
+        first = self_partial(q, k, v, scale, None, fixed_order=True)
+    elif ones.shape[0]:
+        first = _placed(self_partial(q[ones], k[ones], v[ones], scale, None, fixed_order=True), ones, n, first)
+    return merge_all([p for p in (first, cached) if p is not None])
 
 
-def _causal_partial(q, k, v, batch, scale: float) -> Partial:
-    """Every token's self and causal pairs: one flash segment per request, one for the padding rows (so no
-    row is left unwritten). Non-finite values contained as on the default path (`fused.clean_causal_values`)."""
-    n, real = q.shape[0], batch.num_tokens
-    cu, max_q = batch.seg_cu.to(torch.int32), batch.plan.seg_max
-    if n > real:
-        cu = torch.cat([cu, cu.new_full((1,), n)])
-        max_q = max(max_q, n - real)
+def _causal_partial(q, k, v, batch, scale: float, own: bool = False) -> Partial | None:
+    """The self and causal pairs of the requests with several new tokens: one flash segment each, on their
+    rows gathered (`own`: not the own-calls requests'). Non-finite values contained as on the default path
+    (`fused.clean_causal_values`)."""
+    plan = batch.plan
+    rows, segs, max_q = plan.seg_own_from if own else (batch.seg_rows.shape[0], batch.seg_cu.shape[0] - 1,
+                                                        plan.seg_max)
+    if not rows:
+        return None
+    idx, cu = batch.seg_rows[:rows], batch.seg_cu[:segs + 1].to(torch.int32)
     w = batch.sliding_window
     v, bad = fused.clean_causal_values(v, batch.token_seg_start, w)
-    return fused.mark_bad_rows(fused.flash_varlen(q, k, v, cu, cu, max_q, max_q, scale, causal=True, window=w), bad)
+    part = fused.flash_varlen(q[idx], k[idx], v[idx], cu, cu, max_q, max_q, scale, causal=True, window=w)
+    return _placed(fused.mark_bad_rows(part, bad[idx]), idx, q.shape[0])
 
 
 def _placed(part: Partial, rows: torch.Tensor, n: int, into: Partial | None = None) -> Partial:

@@ -255,13 +255,22 @@ def _split_rows(qr, kall, vall, batch, scale) -> torch.Tensor:
         bias = _key_bias(batch, keys, q.dtype)
     out_c, lse_c = fused.sdpa_lse(q, kc, vc, bias, scale)
     out_n, lse_n = fused.sdpa_lse(q, kn, vn, None, scale, causal=True)
-    has = (batch.prompt_ctx > 0)[:, None, None]  # [P, 1, 1]
-    lse_c = torch.where(has, lse_c, float("-inf"))
+    return merge_split(out_c, lse_c, out_n, lse_n, (batch.prompt_ctx > 0)[:, None, None])
+
+
+def merge_split(out_c, lse_c, out_n, lse_n, has: torch.Tensor | None = None) -> torch.Tensor:
+    """The split form's two calls (context, new keys: normalised rows `[P, Hq, Qp, D]` and LSEs
+    `[P, Hq, Qp]`) merged exactly by max and LSE in the compute dtype, elementwise (a row's result is
+    its own two rows'); `has` `[P, 1, 1]`: the prompts with context (None: all), whose context row counts."""
+    if has is not None:
+        lse_c = torch.where(has, lse_c, float("-inf"))
     top = torch.maximum(lse_c, lse_n)  # NaN stays NaN
     w_c, w_n = torch.exp(lse_c - top), torch.exp(lse_n - top)
     dt = lse_n.dtype
-    acc = torch.where(has[..., None], out_c.to(dt) * w_c[..., None], 0.0) + out_n.to(dt) * w_n[..., None]
-    return (acc / (w_c + w_n)[..., None]).to(q.dtype)
+    ctx_part = out_c.to(dt) * w_c[..., None]
+    if has is not None:
+        ctx_part = torch.where(has[..., None], ctx_part, 0.0)
+    return ((ctx_part + out_n.to(dt) * w_n[..., None]) / (w_c + w_n)[..., None]).to(out_n.dtype)
 
 
 def prompt_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None) -> Partial:

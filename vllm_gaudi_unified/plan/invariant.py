@@ -19,9 +19,27 @@ tests/test_batch_invariance.py and docs/batch_invariance.md):
 The rule of this mode: every reduction a token's result goes through is cut at
 boundaries fixed by positions in the token's own request and folded in an
 order fixed by those positions; which route a request takes depends on the
-request alone (its new-token count) and on the step's dtype and device. The
-planner lists two routes' arrays (the device picks one per step,
-`paths/invariant.py`):
+request alone (its new-token count, its context) and on the step's dtype and
+device.
+
+**Own calls** (`own_calls`: two or more new tokens, no window, and no context
+or at least `CALL_MIN_ROWS` new tokens: prompts and prompt chunks): the
+default's prompt route taken one request at a time. A prompt without context
+is one fused causal SDPA call over its own rows; a prompt over its context is
+the split form (`paths/prompts.py`): one fused call over its context keys
+(exactly its context, gathered in position order) and one causal call over
+its new keys, merged by their LSE. Each call's inputs are the request's own
+q/k/v and cache contents, at shapes set by its own lengths, so the call (and
+the kernel's choice of tiles, splits and algorithm) is the same alone or in
+any batch; the split between the two calls is the request's context length, a
+position of its own. Where that form does not run (soft cap, sinks, fused
+kernels off, no fused kernel with statistics, values narrower than keys) the
+request's pairs take the routes below like any other request's: the plan
+lists them there too, after the other requests' (`*_own_from`), so a step
+skips them when its own calls run.
+
+Every other request takes one of two routes' arrays (the device picks one per
+step, `paths/invariant.py`):
 
 * **fast route** (CUDA flash + Triton, `paths/invariant_fast.py`): a request
   with one new token (or any request under a sliding window) has its cached
@@ -29,7 +47,8 @@ planner lists two routes' arrays (the device picks one per step,
   which the Triton kernel walks in splits of `SPLIT_KEYS` keys counted from the
   token's first slot; a request with several new tokens has its context as one
   flash segment (its rows against its gathered blocks, no split-KV); the new
-  tokens of each request, self pair included, are one causal flash segment;
+  tokens of a request with several, self pair included, are one causal flash
+  segment; a one-token request's self pair is elementwise (`self_partial`);
 * **tile route** (torch products: the Gaudi route, fp32, soft cap): a
   request's context is cut into *chunks* of `blocks_per_tile` logical blocks
   (counted from block 0), a tile is one chunk and the rows of one request that
@@ -55,6 +74,11 @@ from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, ch
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
+#: A request with context takes its own calls from this many new tokens (with no context: from two). Shorter
+#: ones (speculative verify steps, small chunks) stay on the step's kernels, one launch for all of them,
+#: where two calls each would cost a launch per request.
+CALL_MIN_ROWS = 16
+
 #: Keys per split of the fast route's Triton kernel, counted from a token's first slot: a split's
 #: boundaries are positions of the token's own context, never a function of the batch.
 SPLIT_KEYS = 8192
@@ -66,7 +90,9 @@ class InvariantPlan(StepPlan):
 
     Tile route: `dec_*` one-row tiles (requests with one new token), `pre_*` tiles of
     `invariant_rows` rows (the others), each one chunk of `blocks_per_tile` logical blocks; causal
-    tiles counted from each request's first token. Fast route: `slot_*`, `ctx_*`, `seg_*`."""
+    tiles counted from each request's first token. Fast route: `slot_*`, `ctx_*`, `seg_*`. Own calls:
+    `calls`, `call_blocks`; their requests' entries sit last in `pre_*`, `causal_*`, `ctx_*` and `seg_*`,
+    from the `*_own_from` counts on."""
 
     dec_rows: np.ndarray  #: [dec tiles, 1] the tile's token (query_len: none)
     dec_blocks: np.ndarray  #: [dec tiles, blocks_per_tile] physical blocks of the chunk (0 where unseen)
@@ -92,8 +118,21 @@ class InvariantPlan(StepPlan):
     ctx_cu_k: np.ndarray  #: [segments + 1] cumulative keys (whole blocks)
     ctx_used: np.ndarray  #: [segments] the context length (keys used of the segment)
     ctx_max: tuple  #: (max rows, max keys) of a segment
-    seg_cu: np.ndarray  #: [requests + 1] cumulative new tokens: each request one causal flash segment
-    seg_max: int  #: the most new tokens of a request, at least 2 (flash's one-row path never runs)
+    ctx_own_from: tuple  #: (rows, segments, blocks, max rows, max keys) of the segments before the own calls'
+    seg_rows: np.ndarray  #: [rows] tokens of the requests with several new tokens, one causal segment each
+    seg_cu: np.ndarray  #: [segments + 1] cumulative rows of `seg_rows`
+    seg_max: int  #: the most new tokens of a segment, at least 2 (flash's one-row path never runs)
+    seg_own_from: tuple  #: (rows, segments, max rows) of the segments before the own calls'
+    one_rows: np.ndarray  #: [rows] tokens of the one-token requests (fast route: their self pair elementwise)
+    pre_own_from: int  #: `pre_*` tiles before the own calls' (whole calls)
+    causal_own_from: int  #: causal tiles before the own calls' (whole calls)
+    calls: tuple  #: per own-calls request: (first token, new tokens, context, first `call_blocks` entry, blocks)
+    call_blocks: np.ndarray  #: [blocks] the own-calls requests' context blocks, in order
+
+    @property
+    def calls_only(self) -> bool:
+        """Every new token of the step is on its request's own calls (a step of prompts)."""
+        return sum(length for _, length, _, _, _ in self.calls) == self.num_tokens
 
     @property
     def work_planned(self) -> PathWork:
@@ -117,6 +156,14 @@ def tiles_per_call(opts: PlanOptions) -> int:
     return opts.invariant_chunk
 
 
+def own_calls(q: np.ndarray, ctx: np.ndarray, W: int | None) -> np.ndarray:
+    """Bool `[R]`: the requests whose rows may come from their own fused calls (module docstring): a
+    function of each request alone."""
+    if W is not None:
+        return np.zeros(q.shape, bool)
+    return (q >= 2) & ((ctx == 0) | (q >= CALL_MIN_ROWS))
+
+
 def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | None,
                    opts: PlanOptions) -> InvariantPlan:
     """`plan_step` for `options.batch_invariant` on checked inputs: the same semantics, the layout of this module."""
@@ -125,13 +172,26 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     pair_req, pair_blk, phys, _, max_block_id = cached_pairs(ctx, nb_ctx, bt, bs, W, num_blocks)
     kb, rs = opts.blocks_per_tile(bs), opts.invariant_rows
     first_blk = np.zeros_like(ctx) if W is None else np.maximum(ctx - W + 1, 0) // bs
-    one = q == 1
+    one, own = q == 1, own_calls(q, ctx, W)
+    rest = np.flatnonzero(~one & ~own)  # several new tokens, not on their own calls
+    mine = np.flatnonzero(own)
     dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
-    pre = _plan_tiles(np.flatnonzero(~one), rs, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
-    causal_q, causal_k, causal_col, causal_width = _plan_causal_tiles(q, starts, W, opts)
+    pre_rest, pre_own = (_plan_tiles(reqs, rs, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
+                         for reqs in (rest, mine))
+    pre = {key: np.concatenate([pre_rest[key], pre_own[key]]) for key in pre_rest}
+    causal_rest, causal_own = (_plan_causal_tiles(q, starts, W, opts, sel) for sel in (~own, own))
+    causal_q, causal_k, causal_col = (np.concatenate(pair) for pair in zip(causal_rest, causal_own))
+    n_causal = np.where(q >= 2, -(-q // opts.causal_tile), 0)
+    causal_width = pow2(int(n_causal.max()) if n_causal.size else 1)
     slots = _plan_slots(pair_req, pair_blk, phys, one | (W is not None), q, starts, ctx, tok_pos, bs, W)
-    flash_ctx = _plan_ctx_segments(np.flatnonzero(~one & (ctx > 0)) if W is None else np.zeros(0, np.int64),
-                                   q, starts, ctx, nb_ctx, bt, bs)
+    ctx_reqs = (rest[ctx[rest] > 0], mine[ctx[mine] > 0]) if W is None else (np.zeros(0, np.int64),) * 2
+    flash_ctx = _plan_ctx_segments(np.concatenate(ctx_reqs), q, starts, ctx, nb_ctx, bt, bs)
+    c = ctx_reqs[0]
+    flash_ctx["own_from"] = (int(q[c].sum()), c.size, int(nb_ctx[c].sum()), max(2, _most(q[c])), _most(nb_ctx[c]) * bs)
+    multi = np.concatenate([rest, mine])
+    seg_rows, _ = ranges(starts[multi], q[multi])
+    call_blk, call_owner = ranges(np.zeros_like(mine), nb_ctx[mine])
+    call_first = np.cumsum(nb_ctx[mine]) - nb_ctx[mine]
     n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0]
     shape = Bucket(phase=phase_of(causal_q.size, n_tiles, 0), query_len=T, num_shared_blocks=n_tiles,
                    num_unique_blocks=0, num_logits=R, num_causal_tiles=causal_q.size)
@@ -151,8 +211,17 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         **{f"dec_{k}": v for k, v in dec.items()}, **{f"pre_{k}": v for k, v in pre.items()},
         causal_col=causal_col, cached_width=pow2(int(chunks.max()) if chunks.size else 1),
         causal_width=causal_width, **{f"slot_{k}": v for k, v in slots.items()},
-        **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_cu=np.concatenate([[0], np.cumsum(q)]).astype(np.int32),
-        seg_max=max(2, int(q.max()) if q.size else 0))
+        **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_rows=seg_rows.astype(np.int32),
+        seg_cu=np.concatenate([[0], np.cumsum(q[multi])]).astype(np.int32), seg_max=max(2, _most(q[multi])),
+        seg_own_from=(int(q[rest].sum()), rest.size, max(2, _most(q[rest]))),
+        one_rows=starts[one].astype(np.int32), pre_own_from=pre_rest["rows"].shape[0],
+        causal_own_from=causal_rest[0].size,
+        calls=tuple(zip(*(a.tolist() for a in (starts[mine], q[mine], ctx[mine], call_first, nb_ctx[mine])))),
+        call_blocks=bt[mine[call_owner], call_blk] if call_blk.size else np.zeros(0, np.int64))
+
+
+def _most(n: np.ndarray) -> int:
+    return int(n.max()) if n.size else 0
 
 
 def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts):
@@ -213,22 +282,20 @@ def _plan_ctx_segments(reqs, q, starts, ctx, nb_ctx, bt, bs):
     flat, owner = ranges(np.zeros_like(reqs), nb_ctx[reqs])
     blocks = bt[reqs[owner], flat] if flat.size else np.zeros(0, np.int64)
     cu = lambda n: np.concatenate([[0], np.cumsum(n)]).astype(np.int32)  # noqa: E731
-    most = lambda n: int(n.max()) if n.size else 0  # noqa: E731
     return dict(rows=rows.astype(np.int32), cu_q=cu(q[reqs]), blocks=blocks, cu_k=cu(nb_ctx[reqs] * bs),
-                used=ctx[reqs].astype(np.int32), max=(max(2, most(q[reqs])), most(nb_ctx[reqs]) * bs))
+                used=ctx[reqs].astype(np.int32), max=(max(2, _most(q[reqs])), _most(nb_ctx[reqs]) * bs))
 
 
-def _plan_causal_tiles(q, starts, W, opts):
-    """(query tile a, key tile b <= a) of each request with two or more new tokens, tiles counted
-    from the request's first token; padded to a multiple of `invariant_causal_chunk`."""
+def _plan_causal_tiles(q, starts, W, opts, sel):
+    """(query tile a, key tile b <= a) of each request of `sel` with two or more new tokens, tiles
+    counted from the request's first token; padded to a multiple of `invariant_causal_chunk`."""
     c = opts.causal_tile
-    n_tiles = np.where(q >= 2, -(-q // c), 0)
+    n_tiles = np.where((q >= 2) & sel, -(-q // c), 0)
     a, a_req = ranges(np.zeros_like(q), n_tiles)
     first_b = np.zeros_like(a) if W is None else np.maximum(a * c - W + 1, 0) // c
     check_causal_tiles(int((a - first_b + 1).sum()), c)
     b, owner = ranges(first_b, a - first_b + 1)
     req, a = a_req[owner], a[owner]
-    width = pow2(int(n_tiles.max()) if n_tiles.size else 1)
     n = _round_up(b.size, opts.invariant_causal_chunk)
     T = int(q.sum())
 
@@ -237,7 +304,7 @@ def _plan_causal_tiles(q, starts, W, opts):
         out[:x.size] = x
         return out
 
-    return (padded(starts[req] + a * c, T), padded(starts[req] + b * c, 0), padded(b, 0), width)
+    return padded(starts[req] + a * c, T), padded(starts[req] + b * c, 0), padded(b, 0)
 
 
 def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
