@@ -98,3 +98,20 @@ def test_random_verify_steps(data):
     opts = replace(SMALL_TILES, unique_tokens=k + 1, unique_layout=data.draw(st.sampled_from(["slice", "gather"])))
     out, ref, _ = run_case(step, options=opts, seed=data.draw(st.integers(0, 99)))
     assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("name", ["uniform", "ragged", "sampling"])
+@pytest.mark.parametrize("gaudi", [False, True])
+def test_mla_verify_steps(name, gaudi):
+    """MLA (one latent KV head, values the first dims of the keys): a verify step's units on the latent routes,
+    on the CPU and on the Gaudi route's bucket-shaped chunks, against the expanded reference (float64)."""
+    from contextlib import nullcontext
+
+    from test_mla import mla_case
+
+    from vllm_gaudi_unified.paths import fused
+
+    with fused.gaudi_route() if gaudi else nullcontext():
+        out, ref, batch, _ = mla_case(VERIFY[name][0], options=UNITS)
+    assert batch.plan.unique_units == 4
+    assert_matches(out, ref)
