@@ -7,8 +7,8 @@ Per scenario of `scenarios.verify_scenarios` (block size 128, bf16), on the same
 * ours, CUDA default: the verify step planned with `PlanOptions(unique_tokens=1 + k)` (the speculative
   config's rows per request; the ragged step's longest request), the unique units through the Triton
   kernel; eager calls captured in a CUDA graph;
-* ours, Gaudi route (`paths.fused.gaudi_route`: torch ops an HPU graph holds), compiled per bucket
-  (`graphs.compiled_attention`) and captured;
+* ours, Gaudi route (`paths.fused.gaudi_route`: torch ops an HPU graph holds), eager calls captured, and
+  for the scenarios `--compile` names compiled per bucket (`graphs.compiled_attention`) and captured;
 * the same two for a plain decode step over the same contexts (one new token per request);
 * vLLM's Triton unified attention (`benchmarks/triton_peer.py`, its archived kernel);
 * vllm-gaudi as it runs verify: batch expansion, every draft a decode row with its own copy of the
@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import baselines, gaudi_peer, scenarios as sc_mod, triton_peer
-from benchmarks.speed14 import _floor_ms
+from benchmarks import baselines, gaudi_peer, scenarios as sc_mod, speed14, triton_peer
+from benchmarks.speed14 import _floor_ms, unique_knobs
 from benchmarks.suite import _readable, _rel_err, environment
 from benchmarks.timing import capture, sync, time_ms
 from vllm_gaudi_unified import PlanOptions, graphs, plan_step
@@ -86,19 +86,22 @@ def _measure(row, fn, ref, device, poison=None):
         row["ms"] = time_ms(replay, device)
 
 
-def _ours(sc, ql, cl, lay, tensors, ref, dead, device, route, units, rows, kind):
+def _ours(sc, ql, cl, lay, tensors, ref, dead, device, route, units, rows, kind, compile_=False, variant=None,
+          profile=False):
     q, k, v, kc, vc = tensors
     scale = sc.heads[2] ** -0.5
-    row = dict(scenario=sc.name, title=sc.title, method=f"ours_{kind}", route=route, unique_tokens=units)
+    row = dict(scenario=sc.name, title=sc.title, method=f"ours_{kind}", route=route, unique_tokens=units,
+               compiled=compile_, variant=variant)
     rows.append(row)
     opts = PlanOptions(unique_tokens=units)
+    knobs = unique_knobs(speed14._variants(f"v={variant}")["v"]) if variant else contextlib.nullcontext()
     try:
-        with fused.gaudi_route() if route == "gaudi" else contextlib.nullcontext():
+        with fused.gaudi_route() if route == "gaudi" else contextlib.nullcontext(), knobs:
             plan = plan_step(ql, cl, lay.block_table, BS, num_blocks=lay.num_blocks, options=opts)
             row.update(bucket=str(plan.bucket), unique_units=plan.unique_units,
                        plan_us=_plan_us(ql, cl, lay.block_table, opts))
             batch = UnifiedBatch.from_plan(plan, device)
-            if route == "gaudi":
+            if compile_:
                 fn = lambda: graphs.compiled_attention(q, k, v, kc, vc, batch, scale)  # noqa: E731
             else:
                 fn = lambda: unified_attention(q, k, v, kc, vc, batch, scale)  # noqa: E731
@@ -107,12 +110,19 @@ def _ours(sc, ql, cl, lay, tensors, ref, dead, device, route, units, rows, kind)
             sync(device)
             row["first_call_s"] = time.time() - t0
             _measure(row, fn, ref, device, (kc, vc, dead))
+            if profile:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        fn()
+                    sync(device)
+                print(f"[{sc.name} {row['method']}/{route} profile]\n" + prof.key_averages().table(
+                    sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
     except Exception as exc:  # noqa: BLE001 - reported in the row
         row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
         traceback.print_exc()
     graphs.clear()
     torch._dynamo.reset()
-    print(f"[{sc.name} {row['method']}/{route}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')} "
+    print(f"[{sc.name} {row['method']}/{route}{'/' + variant if variant else ''}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')} "
           f"{row.get('bucket', '')}", flush=True)
 
 
@@ -130,7 +140,7 @@ def _peer(sc, name, build, ref, device, rows):
     print(f"[{sc.name} {name}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')}", flush=True)
 
 
-def run_case(sc, device, rows, peers: bool, tri) -> None:
+def run_case(sc, device, rows, peers: bool, tri, compile_: bool = False, variants=(), profile=False) -> None:
     lay, q, k, v, kc, vc = _tensors(sc, device)
     ql, cl = list(sc.query_lens), list(sc.context_lens)
     hq, hkv, d = sc.heads
@@ -142,15 +152,20 @@ def run_case(sc, device, rows, peers: bool, tri) -> None:
     triton_peer.write_new_kv(k, v, kc, vc, ql, cl, lay.owned)  # (the peers read the new tokens from the cache)
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
     dead = ~_readable(lay, device)
-    for route in ("cuda", "gaudi"):
-        _ours(sc, ql, cl, lay, (q, k, v, kc, vc), ref, dead, device, route, units, rows, "verify")
+    routes = (("cuda", False), ("gaudi", False)) + ((("gaudi", True),) if compile_ else ())
+    for route, comp in routes:
+        _ours(sc, ql, cl, lay, (q, k, v, kc, vc), ref, dead, device, route, units, rows, "verify", comp,
+              profile=profile and not comp)
+    for variant in variants:  # the CUDA route under other kernel constants (`speed14.UNIQUE_KNOBS`)
+        _ours(sc, ql, cl, lay, (q, k, v, kc, vc), ref, dead, device, "cuda", units, rows, "verify", variant=variant)
     # a decode step over the same contexts: each request's first new token alone
     starts = np.cumsum([0] + ql[:-1])
     qd = q[torch.as_tensor(starts, device=device)]
     kd, vd = k[torch.as_tensor(starts, device=device)], v[torch.as_tensor(starts, device=device)]
     ref_d = baselines.reference_fp32(qd, kd, vd, kc, vc, [1] * len(ql), cl, blocks, scale)
-    for route in ("cuda", "gaudi"):
-        _ours(sc, [1] * len(ql), cl, lay, (qd, kd, vd, kc, vc), ref_d, dead, device, route, 1, rows, "decode")
+    for route, comp in routes:
+        _ours(sc, [1] * len(ql), cl, lay, (qd, kd, vd, kc, vc), ref_d, dead, device, route, 1, rows, "decode", comp,
+              profile=profile and not comp)
     if tri is not None:
         _peer(sc, "triton", lambda: triton_peer.build(tri, q, kc, vc, ql, cl, lay.block_table, scale)[0], ref, device,
               rows)
@@ -219,7 +234,9 @@ def table(rows: list[dict]) -> str:
     """Markdown: per scenario, ours on both routes, their decode twins, the peers, the ratios of the goals."""
     by = {}
     for r in rows:
-        key = r["method"] + ("" if "route" not in r or r["method"] == "floor" else f"_{r['route']}")
+        if r.get("variant"):
+            continue
+        key = r["method"] + ("" if "route" not in r else f"_{r['route']}") + ("_compiled" if r.get("compiled") else "")
         by.setdefault(r["scenario"], {})[key] = r.get("ms") if r.get("ok", True) else None
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     ratio = lambda a, b: "-" if a is None or not b else f"{a / b:.2f}x"  # noqa: E731
@@ -233,6 +250,8 @@ def table(rows: list[dict]) -> str:
         dc, dg = m.get("ours_decode_cuda"), m.get("ours_decode_gaudi")
         if sc.startswith("mla_"):
             continue
+        if m.get("ours_verify_gaudi_compiled"):  # the compiled form where timed
+            ga, dg = m["ours_verify_gaudi_compiled"], m.get("ours_decode_gaudi_compiled")
         lines.append(f"| {titles[sc]} | {f(cu)} | {ratio(cu, tri)} | {ratio(cu, dc)} | {f(ga)} | {ratio(ga, dg)} | "
                      f"{ratio(ga, exp)} | {ratio(ga, pro)} | {f(tri)} | {f(exp)} | {f(pro)} | {f(dc)} | {f(dg)} | "
                      f"{f(m.get('floor'))} |")
@@ -251,6 +270,10 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget", type=float, default=1e9, help="seconds; cases after it are skipped")
     p.add_argument("--no-peers", action="store_true", help="skip vllm-gaudi's two forms")
     p.add_argument("--no-triton", action="store_true", help="skip vLLM's Triton kernel")
+    p.add_argument("--compile", default="", help="scenarios whose Gaudi route is also timed compiled per bucket")
+    p.add_argument("--kernel-variants", default="", help="';'-separated speed14 knob sets (uk_progs:1024,uk_split:4096) "
+                   "the CUDA route is timed again under")
+    p.add_argument("--profile", default="", help="scenarios whose eager steps are profiled (top CUDA kernels)")
     p.add_argument("--mla", action="store_true", help="also MLA 128 x (2 over 4k) and its 1-token decode")
     p.add_argument("--table", nargs="+", metavar="JSON", help="only print the markdown table of these files")
     args = p.parse_args(argv)
@@ -273,7 +296,8 @@ def main(argv=None) -> int:
             rows.append(dict(scenario=sc.name, method="skipped"))
             continue
         try:
-            run_case(sc, device, rows, not args.no_peers, tri)
+            run_case(sc, device, rows, not args.no_peers, tri, sc.name in args.compile.split(","),
+                     [v for v in args.kernel_variants.split(";") if v], sc.name in args.profile.split(","))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         save()

@@ -112,8 +112,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     dt = compute_dtype(q.dtype)
     op = product_dtype(q.dtype)
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16
-    if (r == 1 or as_stored) and hkv > 1 and k.is_contiguous() and v.is_contiguous():
+    if r == 1 and hkv > 1 and k.is_contiguous() and v.is_contiguous():
         return _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles)
+    if as_stored:
+        return _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles)
     qg = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # [T, Hkv, G*R, D]
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).view(t, hkv, g, r, nk)
     scores = scores.to(dt) * scale
@@ -124,35 +126,58 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
-    """`attend` for tiles of one row, or of a few rows that see the same keys (`as_stored`), K/V as stored
-    `[T, K, Hkv, D]` (see the module docstring): all `R x Hq` rows of a tile in one product."""
+    """`attend` for one-row tiles, K/V as stored `[T, K, Hkv, D]` (see the module docstring)."""
+    t, _, hq, d = q.shape
+    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hkv
+    dt = compute_dtype(q.dtype)
+    every = torch.matmul(q.reshape(t, hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, Hq, K*Hkv]
+    scores = torch.diagonal(every.view(t, hkv, g, nk, hkv), dim1=1, dim2=4)  # [T, G, K, Hkv]: head h vs h // g
+    scores = scores.permute(0, 3, 1, 2).to(dt) * scale  # [T, Hkv, G, K]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    visible = mask[:, 0]  # [T, K]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    p, m, total = masked_softmax_for(scores)(scores)
+    p_every = torch.zeros((t, hkv, g, nk, hkv), dtype=v.dtype, device=v.device)
+    torch.diagonal(p_every, dim1=1, dim2=4).copy_(p.permute(0, 2, 3, 1))
+    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    if masked_tiles is None:
+        vz = torch.where(visible[:, :, None, None], v, zero)
+        acc = torch.matmul(p_every.view(t, hq, nk * hkv), vz.view(t, nk * hkv, dv)).to(dt)  # [T, Hq, Dv]
+    else:  # V as stored, then the few tiles that miss a key again on masked V (one pass less over V)
+        acc = torch.matmul(p_every.view(t, hq, nk * hkv), v.view(t, nk * hkv, dv))
+        sel = masked_tiles
+        vz = torch.where(visible[sel][:, :, None, None], v[sel], zero)
+        # Fixed in the product's own dtype, so the cast to fp32 stays fused into the merge that reads it.
+        acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nk * hkv), vz.view(-1, nk * hkv, dv)))
+        acc = acc.to(dt)
+    return Partial(acc, m.reshape(t, hq), total.reshape(t, hq))
+
+
+def _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
+    """`attend` for tiles of a few rows that see the same keys (`as_stored`: the unique path's units, one
+    request's new tokens), K/V as stored `[T, K, Hkv, D]`: per KV head one batched product of the tile's
+    `R x G` rows against that head's keys read in place (a strided view, no copy, no product off its heads);
+    V masked only on `masked_tiles`, as in `_attend_one_row`."""
     t, r, hq, d = q.shape
     nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
-    rows = r * hq
     dt = compute_dtype(q.dtype)
-    every = torch.matmul(q.reshape(t, rows, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, R*Hq, K*Hkv]
-    # [T, R, G, K, Hkv]: head h vs h // g
-    scores = torch.diagonal(every.view(t, r, hkv, g, nk, hkv), dim1=2, dim2=5)
-    scores = scores.permute(0, 4, 2, 1, 3).to(dt) * scale  # [T, Hkv, G, R, K]
+    qh = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # rows (g, r) per KV head
+    scores = torch.stack([torch.matmul(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+    scores = scores.view(t, hkv, g, r, nk).to(dt) * scale  # [T, Hkv, G, R, K]
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     p, m, total = masked_softmax_for(scores)(scores)
-    p_every = torch.zeros((t, r, hkv, g, nk, hkv), dtype=v.dtype, device=v.device)
-    torch.diagonal(p_every, dim1=2, dim2=5).copy_(p.permute(0, 3, 2, 4, 1))
-    p_every = p_every.view(t, rows, nk * hkv)
-    visible = mask.any(1)  # [T, K]: some row of the tile sees the key
-    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    p = p.to(v.dtype).view(t, hkv, g * r, nk)
+    acc = torch.stack([torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)], 1)  # [T, Hkv, G*R, Dv]
     if masked_tiles is None:
-        vz = torch.where(visible[:, :, None, None], v, zero)
-        acc = torch.matmul(p_every, vz.view(t, nk * hkv, dv)).to(dt)  # [T, R*Hq, Dv]
-    else:  # V as stored, then the few tiles that miss a key again on masked V (one pass less over V)
-        acc = torch.matmul(p_every, v.view(t, nk * hkv, dv))
-        sel = masked_tiles
-        vz = torch.where(visible[sel][:, :, None, None], v[sel], zero)
-        # Fixed in the product's own dtype, so the cast to fp32 stays fused into the merge that reads it.
-        acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel], vz.view(-1, nk * hkv, dv)))
-        acc = acc.to(dt)
-    as_rows = lambda x: x.permute(0, 3, 1, 2).reshape(t * r, hq)  # noqa: E731  [T, Hkv, G, R] -> [T*R, Hq]
-    return Partial(acc.view(t * r, hq, dv), as_rows(m), as_rows(total))
+        masked_tiles = torch.arange(t, device=q.device)
+    sel = masked_tiles  # tiles whose real rows miss some key: again on V with the unseen keys zeroed
+    vz = torch.where(mask.any(1)[sel][:, :, None, None], v[sel], torch.zeros((), dtype=v.dtype, device=v.device))
+    fix = torch.stack([torch.matmul(p[sel, h], vz[:, :, h]) for h in range(hkv)], 1)
+    acc = acc.index_copy_(0, sel, fix).to(dt).view(t, hkv, g, r, dv)
+    return Partial(acc.permute(0, 3, 1, 2, 4).reshape(t * r, hq, dv), m.permute(0, 3, 1, 2).reshape(t * r, hq),
+                   total.permute(0, 3, 1, 2).reshape(t * r, hq))
