@@ -164,10 +164,8 @@ def _arrays_of_steps(steps: list[TraceStep]) -> _Arrays:
 
 
 def shape_only_supported(settings: ServerSettings) -> bool:
-    """Whether `batch_shapes` models these settings (else every step goes through `plan_step`): not a
-    window, the batch-invariant mode or a verify step's units (`PlanOptions.unique_tokens`)."""
-    o = settings.options
-    return settings.sliding_window is None and not o.batch_invariant and o.unique_tokens == 1
+    """Whether `batch_shapes` models these settings (not a window, the invariant mode or verify units)."""
+    return settings.sliding_window is None and not settings.options.batch_invariant and settings.options.unique_tokens == 1
 
 
 def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
