@@ -17,7 +17,6 @@ import torch
 from vllm_gaudi_unified.merge import Partial, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype
-from vllm_gaudi_unified.plan.prompts import PROMPT_MIN_SHARED_ROWS
 
 
 def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -73,20 +72,6 @@ def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, sca
     return scatter_merge(part, rows.clamp(max=n).reshape(-1), n)
 
 
-#: Up to this many entries a running maximum is one comparison-max kernel (a scan kernel of torch.cummax
-#: took 40 us of a 0.46 ms verify step at 64 requests, H200, benchmarks/results/verify_h200).
-RUNNING_MAX_BY_COMPARISON = 1024
-
-
-def running_max(a: torch.Tensor) -> torch.Tensor:
-    """`torch.cummax(a, 0).values` of a 1-d tensor of non-negative values."""
-    n = a.shape[0]
-    if n > RUNNING_MAX_BY_COMPARISON:
-        return torch.cummax(a, 0).values
-    idx = torch.arange(n, device=a.device)
-    return torch.where(idx[None, :] <= idx[:, None], a[None, :], a.new_zeros(())).amax(1)
-
-
 def fused_causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float) -> Partial:
     """Self and strict-causal pairs of every token in one flash varlen call (`fused.flash_varlen`).
 
@@ -100,15 +85,10 @@ def fused_causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
     Non-finite values are contained (`fused.contain_bad_values`): flash gives masked keys a zero
     weight, and 0 * NaN in `P @ V` would reach earlier rows of the request and rows outside the window."""
     t = q.shape[0]
-    ends = running_max(batch.logits_indices + 1)
+    ends = torch.cummax(batch.logits_indices + 1, 0).values
     cu = torch.cat([ends.new_zeros(1), ends, ends.new_full((1,), t)]).to(torch.int32)
     b = batch.bucket
     max_q = t if batch.sliding_window == 1 else max(1, min(t, b.num_causal_tiles * batch.causal_tile + 1))
-    opts = batch.plan.options
-    if batch.sliding_window is None and opts.prompt_route == "dense" and not batch.plan.bidirectional:
-        # off the prompt route a request holds at most a unique unit's tokens, or is a short draft over blocks
-        # another request reads (`plan/prompts.py`): flash's grid need not span the causal tiles' rows
-        max_q = min(max_q, max(opts.unique_tokens, PROMPT_MIN_SHARED_ROWS - 1))
     max_q = max(max_q, min(t, b.prompt_len))  # prompt-route requests are segments too (their rows are replaced)
     v, bad = fused.clean_causal_values(v, batch.token_seg_start, batch.sliding_window)
     part = fused.flash_varlen(q, k, v, cu, cu, max_q, max_q, scale, causal=True, window=batch.sliding_window)

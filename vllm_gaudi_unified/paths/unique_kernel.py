@@ -83,24 +83,14 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     for start in range(k_begin, k_end, KEYS):
         kk = start + tl.arange(0, KEYS)
         key_ok = kk < k_end
-        if BS % KEYS == 0:  # a loop step's keys lie in one block (steps start at multiples of KEYS): one slot
-            slot = tl.load(order_ptr + first + start // BS)
-            if SLICE:
-                blk = slot
-            else:
-                blk = tl.load(ids_ptr + slot)
-            j = start % BS + tl.arange(0, KEYS)
-            lo = tl.load(lo_ptr + slot)
-            hi = tl.load(hi_ptr + slot)
+        slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
+        if SLICE:
+            blk = slot
         else:
-            slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
-            if SLICE:
-                blk = slot
-            else:
-                blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
-            j = kk % BS
-            lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
-            hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
+            blk = tl.load(ids_ptr + slot, mask=key_ok, other=0)
+        j = kk % BS
+        lo = tl.load(lo_ptr + slot, mask=key_ok, other=0)
+        hi = tl.load(hi_ptr + slot, mask=key_ok, other=0)
         vis = key_ok & (j >= lo) & (j < hi)
         vis2 = vis[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (blk * sk_b + j * sk_s + h * sk_h)[:, None] + offs_d[None, :], mask=vis2, other=0.0)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 36, first device call: the unique kernel's CUDA tests (verify units included), then benchmarks.verify
+# At 7dd71cf (benchmarks/verify.py of 0469fab): the unique kernel's CUDA tests (verify units included), then benchmarks.verify
 # (every verify scenario, both routes, their decode twins, vLLM Triton, vllm-gaudi's two forms; MLA).
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD VLLM_GAUDI_TARBALL=$PWD/_shared/third_party/vllm-gaudi-091bbadd.tar.gz
 L=$OUT/all.log

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 36, second device call: the kernel's CUDA tests (one slot per loop step at block sizes >= its keys;
+# At 0469fab: the kernel's CUDA tests (one slot per loop step at block sizes >= its keys;
 # the shared-cells and batch-invariant routes that launch it too), then benchmarks.verify again (the Gaudi
 # route's units as per-KV-head products, the kernel's scalar slot loads), profiles of the 64 x 4 step, and
 # the CUDA route under more splits.
