@@ -262,7 +262,7 @@ def _step(sc, args, device, dtype):
         q, latent, cache = rand(t, MLA_HEADS, width), rand(t, width), rand(lay.num_blocks, bs, width)
         scale = (128 + MLA_ROPE) ** -0.5
         return lay, bs, lambda b: mla_attention(q, latent, cache, b, scale, MLA_LATENT)
-    hq, hkv, d = 32, 8, 128
+    hq, hkv, d = sc.heads
     q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
     kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
     return lay, bs, lambda b: unified_attention(q, k, v, kc, vc, b, d ** -0.5)

@@ -91,10 +91,33 @@ def decode_scenarios(seed: int = 23) -> dict:
             "same, 8 sharing an 8-block prefix": (q, ctx, _table(ctx + q, rng, 8, 8, DECODE_NUM_BLOCKS))}
 
 
+def verify_scenarios(seed: int = 36) -> dict:
+    """Issue 36's speculative verify steps: 128 requests (contexts 1k-8k), each its last token and up to 3
+    drafts (ragged: a proposer that found fewer for some), and all with 3."""
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(1024, 8193, 128)
+    ragged, full = rng.integers(1, 5, 128), np.full(128, 4, np.int64)
+    return {"verify 128 x (1-4 over 1k-8k)": (ragged, ctx, _table(ctx + ragged, rng)),
+            "verify 128 x (4 over 1k-8k)": (full, ctx, _table(ctx + full, rng))}
+
+
+def verify_options():
+    """The options a server with 3 speculative tokens plans with (None where the package predates them:
+    `--compare` against an older checkout times its default)."""
+    from vllm_gaudi_unified import PlanOptions
+
+    try:
+        return PlanOptions(unique_tokens=4)
+    except TypeError:
+        return None
+
+
 def all_scenarios() -> dict:
-    """name -> (query_lens, context_lens, block_table, num_blocks)."""
-    out = {k: v + (NUM_BLOCKS,) for k, v in scenarios().items()}
-    out.update({k: v + (DECODE_NUM_BLOCKS,) for k, v in decode_scenarios().items()})
+    """name -> (query_lens, context_lens, block_table, num_blocks, planner options or None)."""
+    out = {k: v + (NUM_BLOCKS, None) for k, v in scenarios().items()}
+    out.update({k: v + (DECODE_NUM_BLOCKS, None) for k, v in decode_scenarios().items()})
+    opts = verify_options()
+    out.update({k: v + (NUM_BLOCKS, opts) for k, v in verify_scenarios().items()})
     return out
 
 
@@ -119,14 +142,15 @@ def measure(repeat: int) -> list[dict]:
     from vllm_gaudi_unified.plan import PlanBuffers
 
     rows = []
-    for name, (q, ctx, table, nb) in all_scenarios().items():
-        plan = plan_step(q, ctx, table, BS, num_blocks=nb)
+    for name, (q, ctx, table, nb, opts) in all_scenarios().items():
+        plan = plan_step(q, ctx, table, BS, num_blocks=nb, options=opts)
         kept, step_buffers = PlanBuffers(), StepBuffers("cpu")
         timed = {
-            "plan": lambda: plan_step(q, ctx, table, BS, num_blocks=nb),
-            "plan_kept": lambda: plan_step(q, ctx, table, BS, num_blocks=nb, buffers=kept),
-            "batch": lambda: build_unified_batch(q, ctx, table, BS, num_blocks=nb),
-            "batch_kept": lambda: build_unified_batch(q, ctx, table, BS, num_blocks=nb, buffers=step_buffers),
+            "plan": lambda: plan_step(q, ctx, table, BS, num_blocks=nb, options=opts),
+            "plan_kept": lambda: plan_step(q, ctx, table, BS, num_blocks=nb, options=opts, buffers=kept),
+            "batch": lambda: build_unified_batch(q, ctx, table, BS, num_blocks=nb, options=opts),
+            "batch_kept": lambda: build_unified_batch(q, ctx, table, BS, num_blocks=nb, options=opts,
+                                                      buffers=step_buffers),
         }
         row = dict(scenario=name, phase=plan.shape.phase, bucket=str(plan.shape), unique=plan.unique_layout)
         for key, fn in timed.items():

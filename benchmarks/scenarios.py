@@ -28,6 +28,7 @@ class Scenario:
     target_ms: float | None = None  #: the H100 target at block size 16
     triton_ms: float | None = None  #: vLLM's Triton unified attention at block size 16
     dense_twin: str | None = None  #: for 'scattered': the dense scenario it must stay within 10 % of
+    heads: tuple = (32, 8, 128)  #: (query heads, KV heads, head size) the scenario is timed at
 
     @property
     def num_requests(self) -> int:
@@ -136,19 +137,19 @@ def floors(sc: Scenario, block_size: int, num_qo_heads: int, num_kv_heads: int, 
     return {"flops": flops, "bytes": kv_bytes + io_bytes, "kv_bytes": kv_bytes}
 
 
-# ----------------------------------------------------------------------------- speculative verify steps
-# (`python -m benchmarks.invariance cost`): each request 1 + k new tokens (its token and k drafts) over its context.
-
-
-def verify_scenarios(scale: float = 1.0, seed: int = 1) -> list[Scenario]:
-    """Verify steps of speculative decoding: 64 x (1 + 3) over 3k, and ragged drafts (0-4) over ragged
-    contexts (512-4k); `scale` as in `scenarios`."""
+def verify_scenarios(scale: float = 1.0, seed: int = 0) -> list[Scenario]:
+    """Speculative verify steps: each request its last token and k drafts over its cached context;
+    ragged drafts (an ngram proposer that found none for some requests); other head shapes (Hq / Hkv / D)."""
     s = lambda n, m=1: _scaled(n, scale, m)  # noqa: E731
     rng = np.random.default_rng(seed)
-    drafts = rng.integers(0, 5, size=s(64))
-    contexts = rng.integers(s(512), s(4096) + 1, size=s(64))
+    n = s(96)
+    ragged_q = tuple(int(x) for x in rng.integers(1, 9, size=n))
+    ragged_c = tuple(int(x) for x in rng.integers(s(1024), s(6144) + 1, size=n))
+    v = lambda k, heads=(32, 8, 128), suffix="": Scenario(  # noqa: E731
+        f"verify_64x{1 + k}_3k{suffix}", f"verify 64 x ({1 + k} over 3k), heads {'/'.join(map(str, heads))}",
+        _rep(s(64), 1 + k), _rep(s(64), s(3072)), heads=heads)
     return [
-        Scenario("verify_64x4_3k", "verify 64 x (1 + 3) over 3k", _rep(s(64), 4), _rep(s(64), s(3072))),
-        Scenario("verify_ragged", "verify 64 x (1 + 0..4) over 512..4k", tuple(int(d) + 1 for d in drafts),
-                 tuple(int(c) for c in contexts)),
+        v(1), v(3), v(7), v(3, (64, 8, 64), "_h64"), v(3, (8, 1, 128), "_h8"),
+        Scenario("verify_ragged_96", "verify 96 requests, 1-8 new tokens over 1k-6k", ragged_q, ragged_c),
+        Scenario("verify_16x2_16k", "verify 16 x (2 over 16k)", _rep(16, 2), _rep(16, s(16384))),
     ]

@@ -188,8 +188,50 @@ def invariance_table() -> list[str]:
                          for route, name in files.items()]
 
 
+def _verify_rows(name: str) -> dict:
+    """{(scenario, method, route, compiled): ms} of one `benchmarks.verify` results file (default kernel constants)."""
+    return {(r["scenario"], r["method"], r.get("route"), r.get("compiled")): r["ms"]
+            for r in _load(name)["rows"] if "ms" in r and not r.get("variant")}
+
+
+def verify_table() -> list[str]:
+    runs, peers, mla = ("verify_h200/gaudi_compiled.json", "verify_h200/with_peers.json",
+                        "verify_h200/per_head_products.json")
+    ours, peer = _verify_rows(runs), _verify_rows(peers)
+    titles = {r["scenario"]: r.get("title", r["scenario"]) for r in _load(runs)["rows"]}
+    ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
+    out = ["CUDA route:", ""] + _head("step", "ours", "vLLM Triton", "ours / Triton", "our decode, same contexts",
+                                     "verify / decode", "floor")
+    scenarios = sorted({k[0] for k in ours}, key=list(titles).index)
+    for sc in scenarios:
+        v, t, d = ours.get((sc, "ours_verify", "cuda", False)), ours.get((sc, "triton", None, None)), \
+            ours.get((sc, "ours_decode", "cuda", False))
+        out.append(_row(sc, _f(v), _f(t), ratio(v, t), _f(d), ratio(v, d), _f(ours.get((sc, "floor", None, None)))))
+    out += ["", "Gaudi route (compiled per bucket where a time is given, else eager), beside vllm-gaudi's two forms:",
+            ""] + _head("step", "verify eager", "decode eager", "verify compiled", "decode compiled",
+                        "verify / decode", "vllm-gaudi batch expansion", "vllm-gaudi prompt form", "ours / expansion",
+                        "ours / prompt form")
+    for sc in scenarios:
+        ve, de = ours.get((sc, "ours_verify", "gaudi", False)), ours.get((sc, "ours_decode", "gaudi", False))
+        vc, dc = ours.get((sc, "ours_verify", "gaudi", True)), ours.get((sc, "ours_decode", "gaudi", True))
+        best = vc if vc is not None else ve
+        ex, pf = peer.get((sc, "vllm_gaudi_expand", None, None)), peer.get((sc, "vllm_gaudi_prompt", None, None))
+        out.append(_row(sc, _f(ve), _f(de), _f(vc), _f(dc), ratio(vc, dc) if vc and dc else ratio(ve, de),
+                        _f(ex), _f(pf), ratio(best, ex), ratio(best, pf)))
+    m = _verify_rows(mla)
+    out += ["", "MLA at DeepSeek-V3's shapes (128 heads, latent 512 + rope 64), eager:", ""]
+    out += _head("step", "CUDA", "Gaudi route") + [
+        _row(sc, _f(m.get((sc, "ours", "cuda", None))), _f(m.get((sc, "ours", "gaudi", None))))
+        for sc in ("mla_128x1_4k", "mla_128x2_4k")]
+    src = lambda n, c: _source(n, c, _load(n)["env"]["device"], _load(n)["env"]["date"])  # noqa: E731
+    return out + ["", f"- {src(runs, 'python -m benchmarks.verify --out DIR --compile CASES')}",
+                  f"- {src(peers, 'python -m benchmarks.verify --out DIR')} (vllm-gaudi's columns)",
+                  f"- {src(mla, 'python -m benchmarks.verify --out DIR --mla')}"]
+
+
 TABLES = {"planning": planning_table, "speed": speed_table, "trace": trace_table, "mla": mla_table,
-          "buckets": bucket_table, "serving": serving_table, "invariance": invariance_table}
+          "buckets": bucket_table, "serving": serving_table, "invariance": invariance_table,
+          "verify": verify_table}
 _BLOCK = re.compile(r"(<!-- table:(\w+) -->\n).*?(<!-- end -->)", re.S)
 
 

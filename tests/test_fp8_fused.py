@@ -112,7 +112,7 @@ def test_unique_kernel_interpreted():
     words = run_interpreted("unique_kernel_cases.py")
     import unique_kernel_cases
 
-    assert words == ["ok", str(len(unique_kernel_cases.CASES) + 3)]
+    assert words == ["ok", str(len(unique_kernel_cases.CASES) + len(unique_kernel_cases.VERIFY_CASES) + 3)]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
@@ -120,7 +120,8 @@ def test_unique_kernel_on_cuda(monkeypatch):
     """The compiled kernel, bf16 queries over fp8 (and bf16) caches, the same cases (1e-2)."""
     import unique_kernel_cases
 
-    assert unique_kernel_cases.check("cuda", torch.bfloat16, monkeypatch.setattr) == len(unique_kernel_cases.CASES) + 4
+    cases = unique_kernel_cases
+    assert cases.check("cuda", torch.bfloat16, monkeypatch.setattr) == len(cases.CASES) + len(cases.VERIFY_CASES) + 4
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
@@ -175,11 +176,12 @@ def test_unique_kernel_compiles_as_torch_compile_launches_it(cache, k_scales):
     from vllm_gaudi_unified.paths.unique_kernel import unique_kernel
 
     names = list(inspect.signature(unique_kernel.fn).parameters)
-    const = dict(HQ=32, G=4, G_PAD=16, D=128, D_PAD=128, BS=16, KEYS=128, SPLITS=2, SLICE=False,
-                 K_SCALES=k_scales, V_SCALES=0, SPLIT_KEYS=8192 if k_scales else 0)  # the invariant mode's splits too
+    const = dict(HQ=32, G=4, ROWS=16, D=128, D_PAD=128, BS=16, KEYS=128, SPLITS=2, SLICE=False,
+                 K_SCALES=k_scales, V_SCALES=0, SPLIT_KEYS=8192 if k_scales else 0,  # the invariant mode's splits
+                 UNITS=1 + k_scales)  # and a verify step's units
     for scalar in ("fp64", "fp32"):
         types = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", ks_ptr="*fp32", vs_ptr="*fp32",
-                     order_ptr="*i64", starts_ptr="*i64", ids_ptr="*i64", lo_ptr="*i64", hi_ptr="*i64",
+                     order_ptr="*i64", starts_ptr="*i64", ids_ptr="*i64", lo_ptr="*i64", hi_ptr="*i64", seg_ptr="*i64",
                      acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", score_scale=scalar, v_scale=scalar)
         sig = {n: types.get(n, "constexpr" if n in const else "i32") for n in names}
         src = ASTSource(fn=unique_kernel, signature=sig, constexprs={(names.index(n),): x for n, x in const.items()})

@@ -90,6 +90,7 @@ _NO_ROUTE = (", num_prompts=0, prompt_len=0, prompt_blocks=0)", ")")
 def _old_repr(v) -> str:
     text = repr(v).replace(*_NO_ROUTE)
     text = re.sub(r"shared_rows_max=\d+, ", "", text)  # (fixed rows: what the options said before the field)
+    text = text.replace(", unique_tokens=1", "")  # (one token per unique slot: the options before the field)
     return text.replace("prompt_route='dense', ", "").replace("prompt_route='tiles', ", "")
 
 

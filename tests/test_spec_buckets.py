@@ -112,3 +112,45 @@ def test_buckets_generate_knows_the_draft_tokens(tmp_path):
     plan = BucketPlan.load(str(out))
     assert plan.settings.num_speculative_tokens == 3
     assert "--num-speculative-tokens 3" in plan.info["command"]
+
+
+@pytest.mark.parametrize("preset", ["bs32-seqs64", "llama8b-gaudi3"])
+def test_speculative_plan_adds_at_most_a_quarter_more_graphs(preset):
+    """A plan for num_speculative_tokens = 3: its verify steps' units are planner options (rows per request),
+    not a bucket size, so the graphs it adds are the drafts' causal cells alone: at most +25 %."""
+    from dataclasses import replace
+
+    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
+
+    plain = exponential_plan(PRESETS[preset])
+    spec = exponential_plan(replace(PRESETS[preset], num_speculative_tokens=3))
+    assert spec.settings.options.unique_tokens == 4 and plain.settings.options.unique_tokens == 1
+    assert len(spec) <= 1.25 * len(plain)
+
+
+def test_a_verify_step_runs_in_its_speculative_bucket():
+    """A ragged verify step (0-3 drafts) planned with the plan's options reads each request's blocks once (its
+    unique units), pads into one of the plan's buckets and matches the reference there; warmup's batch for
+    that bucket plans with the same options."""
+    from conftest import Step, assert_matches, make_block_table, make_tensors
+
+    from vllm_gaudi_unified import build_unified_batch, unified_attention
+    from vllm_gaudi_unified.reference import reference_attention
+    from vllm_gaudi_unified.warmup import batch_for_bucket
+
+    spec = exponential_plan(ServerSettings(**SETTINGS, num_speculative_tokens=3))
+    rng = np.random.default_rng(3)
+    step = Step(list(rng.integers(1, 5, 12)), list(rng.integers(1, 200, 12)), 32)
+    table, nb = make_block_table(step, rng)
+    opts = spec.settings.options
+    shape = plan_step(step.query_lens, step.context_lens, table, 32, options=opts).shape
+    assert shape.phase == "c-u" and shape.num_prompts == 0
+    bucket = spec.find(shape)
+    assert bucket is not None and bucket.num_causal_tiles <= speculative_causal_tiles(bucket.query_len, 64, 3)
+    q, k, v, kc, vc = make_tensors(step, table, nb)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 32, options=opts, bucket=bucket)
+    assert batch.plan.unique_units == 4
+    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.3)
+    assert_matches(unified_attention(q, k, v, kc, vc, batch, 0.3), ref)
+    warm = batch_for_bucket(bucket, 32, opts, None, "cpu")
+    assert warm.bucket == bucket and warm.plan.unique_units == 4

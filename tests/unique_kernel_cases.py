@@ -46,6 +46,16 @@ CASES = [
     ("long_blocks", "e4m3", "per_block", "gather", None, {"KERNEL_SPLIT_KEYS": 32}),
 ]
 SPECS_HERE = dict(SPECS, long_blocks=Step([1, 1, 2], [70, 33, 64], 32, num_qo_heads=8, num_kv_heads=2))
+#: Verify steps on the unique units (`PlanOptions.unique_tokens`): (step, fmt, k scale form, layout, units,
+#: kernel constants). Ragged drafts, GQA/MQA, partial blocks, many splits; parallel sampling with drafts (its
+#: prefix's shared tiles join the kernel, the units then one slot per token); a prompt and a long chunk beside.
+VERIFY_CASES = [
+    (Step([1, 3, 4, 2, 1], [13, 30, 7, 1, 2], 8), "e4m3", "per_slot_head", "gather", 4, {"KERNEL_SPLIT_KEYS": 8}),
+    (Step([4, 4, 4], [13, 30, 9], 4, num_qo_heads=8, num_kv_heads=2), "e5m2", "float", "slice", 4, {}),
+    (Step([3, 4, 2], [6, 11, 17], 4, num_qo_heads=6, num_kv_heads=1), "e4m3", "per_block", "gather", 8, {}),
+    (Step([4, 2, 3, 4], [13, 13, 14, 13], 4, prefix_groups=[([0, 1, 2, 3], 3)]), "e4m3", "none", "gather", 4, {}),
+    (Step([9, 3, 1, 4, 12], [0, 21, 9, 5, 16], 4), "e5m2", "tensor", "slice", 4, {"KERNEL_SPLIT_KEYS": 16}),
+]
 
 
 def kernel_routes(device: str, set_attr=setattr) -> None:
@@ -86,6 +96,23 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
         assert len(calls) > before, name
         ref = reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37,
                                   sliding_window=window)
+        assert_matches(out.cpu(), ref)
+        done += 1
+    for i, (step, fmt, k_form, layout, units, consts) in enumerate(VERIFY_CASES):
+        for k, v in {**defaults, **consts}.items():
+            set_attr(unique, k, v)
+        v_form = SCALE_FORMS[(SCALE_FORMS.index(k_form) + 1) % len(SCALE_FORMS)]
+        q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8[fmt], k_form, v_form, seed=50 + i,
+                                                               query_dtype=query_dtype)
+        opts = replace(SMALL_TILES, unique_layout=layout, unique_tokens=units)
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
+                                    options=opts, device=device)
+        assert batch.phase[2] == "u" and batch.plan.unique_units == units, batch.phase
+        dev = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        before = len(calls)
+        out = unified_attention(*map(dev, (q, k, v, kq, vq)), batch, 0.37, k_scale=dev(ks), v_scale=dev(vs))
+        assert len(calls) > before, i
+        ref = reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37)
         assert_matches(out.cpu(), ref)
         done += 1
     for k, v in defaults.items():

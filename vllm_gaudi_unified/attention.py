@@ -26,7 +26,7 @@ from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_share
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_partial, kernel_takes_shared,
-                                             kernel_unique_applies, kernel_unique_partial, unique_partial)
+                                             kernel_unique_applies, kernel_unique_partial, per_token, unique_partial)
 
 
 #: The prompt route's final form on CUDA through flash varlen (`paths/prompts.py: _flash_rows`) instead of
@@ -278,8 +278,11 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     # the step's cached keys (`paths/unique.py: kernel_takes_shared`).
     shared_in_kernel = (flash and phase[1] == "s" and kernel_takes_shared(batch)
                         and kernel_unique_applies(key_cache, value_cache))
+    # Routes that read a block per token take a unique unit (a request's drafts) as one slot per token.
+    tokens = query.shape[0]
     if shared_in_kernel:
-        yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale, shared=True)
+        yield kernel_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale,
+                                    shared=True)
     elif phase[1] == "s" and not mla_shared_in_kernel:
         if mla_shared_applies(batch, key_cache, value_cache, cap, k_scale, v_scale):  # paths/mla_shared.py
             yield latent_shared_partial(query, key_cache, value_cache.shape[-1], batch, scale, k_scale)
@@ -293,11 +296,13 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
             extra = {"shared": True} if mla_shared_in_kernel else {"kv_scale": k_scale} if mla != "kernel" else {}
             if mla == "kernel" and alone and phase[0] == "-" and (phase[1] == "-" or mla_shared_in_kernel):
                 extra["final"] = True  # (the only path: the kernel normalizes its rows itself)
-            yield run(query, key_cache, value_cache.shape[-1], batch, scale, key, **extra)  # paths/mla_decode.py
+            yield run(query, key_cache, value_cache.shape[-1], per_token(batch, tokens), scale, key,
+                      **extra)  # paths/mla_decode.py
         elif flash and kernel_unique_applies(key_cache, value_cache):
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         elif flash and fused_unique_applies(batch, key_cache):
-            yield fused_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
+            yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale,
+                                       v_scale)
         else:
             yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
 

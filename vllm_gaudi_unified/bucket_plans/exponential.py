@@ -15,8 +15,9 @@ e.g. `c-u` needs 3 tokens, and batch-invariant mode has no unique phases).
 
 Speculative decoding (`settings.num_speculative_tokens = k > 0`) widens the
 decodes: each brings up to `1 + k` tokens (its last sampled token and its
-drafts), causal among themselves, over its own context (read by the shared
-path: a block seen by two tokens is shared). Such a step has causal work, but
+drafts), causal among themselves, over its own context (read once for all of
+them by the unique path's units: `ServerSettings` plans with `unique_tokens = 1 + k`,
+which adds no size to a bucket). Such a step has causal work, but
 only on the diagonal: `1 + k <= causal_tile` tokens of one request meet at
 most two tile rows, so a step of `q` decode tokens needs at most `2 *
 ceil(q / causal_tile) - 1` causal tiles, not the full triangle. The plan adds

@@ -78,6 +78,9 @@ class ServerSettings:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+        # a verify step's 1 + k tokens per request read their blocks once (`PlanOptions.unique_tokens`)
+        if k and isinstance(self.options, PlanOptions) and self.options.unique_tokens == 1:
+            object.__setattr__(self, "options", replace(self.options, unique_tokens=1 + int(k)))
 
     @property
     def blocks_per_seq(self) -> int:

@@ -125,9 +125,10 @@ def _slots_partial(q, key_cache, value_cache, batch, scale, k_scale=None, v_scal
     q = q if q.stride(-1) == 1 else q.contiguous()
     unique_kernel.unique_kernel[(n, hkv, splits)](
         q, key_cache, value_cache, key_cache if ks is None else ks, value_cache if vs is None else vs,
-        order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, acc, m, total, scale * k_factor, v_factor,
+        order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, starts, n, acc, m, total,  # (seg: unused)
+        scale * k_factor, v_factor,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
-        HQ=hq, G=g, G_PAD=max(16, unique._pow2(g)), D=d, D_PAD=max(16, unique._pow2(d)), BS=bs,
+        HQ=hq, G=g, ROWS=max(16, unique._pow2(g)), D=d, D_PAD=max(16, unique._pow2(d)), BS=bs,
         KEYS=unique.KERNEL_KEYS, SPLITS=splits, SLICE=False, K_SCALES=unique._scale_mode(ks),
         V_SCALES=unique._scale_mode(vs), SPLIT_KEYS=plan_invariant.SPLIT_KEYS,
         num_warps=unique.KERNEL_WARPS, num_stages=unique.KERNEL_STAGES)

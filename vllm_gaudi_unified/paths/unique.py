@@ -55,9 +55,45 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     block_size = key_cache.shape[1]
     mask = slot_mask(batch.unique_lo, batch.unique_hi, block_size)[:, None, :]  # [slots, 1, block_size]
     rows = batch.unique_rows
+    if batch.plan.unique_units > 1:  # a (request, block) unit: the request's new tokens x all heads, one product
+        tokens, real = unit_tokens(batch, n)
+        part = attend(q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap,
+                      masked_tiles=_partial_slots(batch, n, block_size), as_stored=True)
+        return scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
     return scatter_merge(part, rows, n)
+
+
+def unit_tokens(batch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of each unique slot's unit `[slots, unique_units]` (its row, its request's first new token,
+    and the next ones) and which of them are real: below `n` and of the same request (`token_seg_start`).
+    A request's drafts see the same cached keys (no window on this path), so one mask serves its rows."""
+    rows = batch.unique_rows
+    tokens = rows[:, None] + torch.arange(batch.plan.unique_units, device=rows.device, dtype=rows.dtype)
+    seg = batch.token_seg_start[tokens.clamp(max=n - 1)]
+    return tokens, (tokens < n) & (seg == rows[:, None])
+
+
+def per_token(batch, n: int):
+    """`batch` with each unique unit cut into one slot per real token (the routes that read a block per
+    token: flash per block, MLA's, the kernel with shared cells): the same pairs, the unit's keys read by
+    each of its tokens. The batch itself where units are single tokens."""
+    s = batch.plan.unique_units
+    if s == 1:
+        return batch
+    from dataclasses import replace
+
+    tokens, real = unit_tokens(batch, n)
+    slots = batch.unique_rows.shape[0]
+    ids = (torch.arange(slots, device=tokens.device, dtype=tokens.dtype) if batch.unique_blocks is None
+           else batch.unique_blocks)
+    plan = replace(batch.plan, options=replace(batch.plan.options, unique_tokens=1),
+                   bucket=replace(batch.plan.bucket, num_unique_blocks=slots * s,
+                                  num_logits=batch.plan.bucket.num_logits * s))
+    return replace(batch, plan=plan, unique_rows=torch.where(real, tokens, n).reshape(-1),
+                   unique_blocks=ids.repeat_interleave(s), unique_lo=batch.unique_lo.repeat_interleave(s),
+                   unique_hi=batch.unique_hi.repeat_interleave(s))
 
 
 def fused_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
@@ -181,10 +217,12 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         return None
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
+    units = 1 if shared else batch.plan.unique_units  # (with shared cells: `per_token`'s batch)
     order, starts = token_order(rows, n)
     ids = order if slice_ else ids  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
-    splits = _splits(keys_per_token, n * hkv)
+    # Programs with work: one per (request, KV head) when units pack a request's tokens
+    splits = _splits(keys_per_token, (n if units == 1 else batch.bucket.num_logits) * hkv)
     dt = compute_dtype(q.dtype)
     acc = torch.empty((n, splits, hq, d), dtype=dt, device=q.device)
     m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
@@ -194,11 +232,11 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     q = q if q.stride(-1) == 1 else q.contiguous()
     unique_kernel.unique_kernel[(n, hkv, splits)](
         q, key_cache, value_cache, key_cache if ks is None else ks, value_cache if vs is None else vs,  # (unused)
-        order, starts, ids, lo, hi, acc, m, total, scale * k_factor, v_factor,
+        order, starts, ids, lo, hi, batch.token_seg_start, n, acc, m, total, scale * k_factor, v_factor,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
-        HQ=hq, G=g, G_PAD=max(16, _pow2(g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
+        HQ=hq, G=g, ROWS=max(16, _pow2(units * g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=slice_, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
-        SPLIT_KEYS=0, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+        SPLIT_KEYS=0, UNITS=units, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     part = Partial(acc, m, total)
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 

@@ -24,12 +24,12 @@ import triton.language as tl
 
 
 def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr,
-                 acc_ptr, m_ptr, l_ptr, score_scale, v_scale,
+                 seg_ptr, n_tokens, acc_ptr, m_ptr, l_ptr, score_scale, v_scale,
                  sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
                  sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d,
-                 HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                 HQ: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                  BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
-                 K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr):
+                 K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr = 1):
     """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
     stride 1), scale tensors by strides (0 on broadcast axes; `K_SCALES`/`V_SCALES`: 0 none (a float
     folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
@@ -37,12 +37,32 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     `SLICE`: slot = block id). Out: acc `[n, SPLITS, HQ, D]`, m/l `[n, SPLITS, HQ]` in acc's dtype.
     `SPLIT_KEYS` (a multiple of KEYS; the batch-invariant mode): split `sp` is keys `[sp * SPLIT_KEYS,
     (sp + 1) * SPLIT_KEYS)` of the token's slots, boundaries fixed by position (splits past the
-    token's keys write empty partials); 0: the token's keys cut into SPLITS even parts."""
+    token's keys write empty partials); 0: the token's keys cut into SPLITS even parts.
+
+    `UNITS` > 1 (the unique path's units, a verify step's drafts): token t's slots serve it and the next
+    `UNITS - 1` tokens of its request (`seg` `[n_tokens]`: each token's request's first token), all of
+    them seeing the same keys: the `ROWS` rows are (token, query head of KV head h), each block loaded
+    once for all of them. The program of a token another token's unit covers writes nothing."""
     t = tl.program_id(0).to(tl.int64)  # output offsets (t * SPLITS * HQ * D) may pass 2**31
     h = tl.program_id(1)
     sp = tl.program_id(2)
     first = tl.load(starts_ptr + t)
     n_keys = (tl.load(starts_ptr + t + 1) - first) * BS
+    offs_r = tl.arange(0, ROWS)
+    offs_u = offs_r // G  # token of the row within the unit
+    offs_g = offs_r % G
+    if UNITS > 1:
+        seg_t = tl.load(seg_ptr + t)
+        covered = (seg_t != t) & (t - seg_t < UNITS)  # a row of its request's first token's unit
+        tok = t + offs_u
+        tok_ok = (offs_u < UNITS) & (tok < n_tokens)
+        seg_u = tl.load(seg_ptr + tok, mask=tok_ok, other=-1)
+        mine = (seg_u == t) & (seg_t == t)  # a later token of the request this token starts
+        g_ok = (tok_ok & ((offs_r < G) | mine) & (covered == 0)) != 0
+        n_keys = tl.where(covered, 0, n_keys)
+    else:
+        tok = t + offs_u
+        g_ok = offs_r < G
     if SPLIT_KEYS > 0:
         per_split = SPLIT_KEYS
     else:
@@ -51,17 +71,15 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     k_end = tl.minimum(n_keys, k_begin + per_split)
 
     acc_dtype = acc_ptr.dtype.element_ty
-    offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
-    g_ok = offs_g < G
     d_ok = offs_d < D
     heads = h * G + offs_g
-    q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    q = tl.load(q_ptr + tok[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     op_dtype = q.dtype
-    m_i = tl.full([G_PAD], float("-inf"), acc_dtype)
-    l_i = tl.zeros([G_PAD], acc_dtype)
-    acc = tl.zeros([G_PAD, D_PAD], acc_dtype)
+    m_i = tl.full([ROWS], float("-inf"), acc_dtype)
+    l_i = tl.zeros([ROWS], acc_dtype)
+    acc = tl.zeros([ROWS, D_PAD], acc_dtype)
     for start in range(k_begin, k_end, KEYS):
         kk = start + tl.arange(0, KEYS)
         key_ok = kk < k_end
@@ -84,7 +102,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                             mask=vis2, other=0.0).to(acc_dtype)
         # Scaled before the cast: under torch.compile a float argument is fp64, which would promote s (and
         # the loop-carried m_i) to fp64 where a plain launch passes fp32.
-        s = (tl.dot(q, tl.trans(k.to(op_dtype))) * score_scale).to(acc_dtype)  # [G_PAD, KEYS]
+        s = (tl.dot(q, tl.trans(k.to(op_dtype))) * score_scale).to(acc_dtype)  # [ROWS, KEYS]
         if K_SCALES == 1:  # one per key: on its scores
             s = s * tl.load(ks_ptr + blk * sks_b + j * sks_s + h * sks_h, mask=vis, other=0.0).to(acc_dtype)[None, :]
         s = tl.where(vis[None, :], s, float("-inf"))
@@ -104,7 +122,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
             p = p * tl.load(vs_ptr + blk * svs_b + j * svs_s + h * svs_h, mask=vis, other=0.0).to(acc_dtype)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), v.to(op_dtype)).to(acc_dtype)
         m_i = m_new
-    row = (t * SPLITS + sp) * HQ + heads
+    row = (tok * SPLITS + sp) * HQ + heads
     tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], (acc * v_scale).to(acc_dtype),
              mask=g_ok[:, None] & d_ok[None, :])
     tl.store(m_ptr + row, m_i, mask=g_ok)

@@ -75,8 +75,9 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
     out = buffers or FRESH
     R, T = q.size, int(q.sum())
     decodes = T == R  # every request has one new token
-    if decodes and W is None:
-        plan = _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out)
+    units = opts.unique_tokens if W is None else 1  # new tokens of a request its unique units hold
+    if W is None and (decodes or (units > 1 and int(q.max()) <= units)):  # decodes, or a verify step
+        plan = _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out, None if decodes else T)
         if plan is not None:
             return plan
     if decodes:
@@ -87,7 +88,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
     pair_req, pair_blk, phys, counts, max_block_id = cached_pairs(ctx, nb_ctx, bt, bs, W, num_blocks)
     sel = None  # requests on the prompt route (plan/prompts.py): their pairs leave the tiled paths
     if not decodes and W is None and opts.prompt_route == "dense":
-        sel = prompt_requests(q, ctx, pair_req, phys, max_block_id)
+        sel = prompt_requests(q, ctx, pair_req, phys, max_block_id, units)
         if sel.any():
             keep = ~sel[pair_req]
             pair_req, pair_blk, phys = pair_req[keep], pair_blk[keep], phys[keep]
@@ -106,13 +107,13 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
     pair_hi = np.full(phys.size, bs, _I64)  # every block is full but a request's last one
     pair_hi[last] = last_hi
     if W is None:  # every token of the request sees every block
-        is_shared = shared_pairs(phys, q, counts)
+        is_shared = shared_pairs(phys, q, counts, units)
     else:  # token j sees the block's last key k while j <= k - context_len + W - 1
         users = np.clip(pair_blk * bs + pair_hi - 1 - ctx[pair_req] + W, 0, q[pair_req])
         is_shared = same_id_sum(phys, max_block_id, users) > 1 if phys.size else np.zeros(0, bool)
 
     if not is_shared.any():  # every pair unique
-        u_rows = pair_req if decodes else starts[pair_req]
+        u_rows, u_req = (pair_req if decodes else starts[pair_req]), pair_req
         u_ids, u_hi = phys, pair_hi
         u_lo = None if W is None else _first_lo(ctx, nb_ctx - counts, counts, pair_hi, bs, W, phys.size)
         shared, shared_needed = _no_shared(opts, bs, W), 0
@@ -125,7 +126,8 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
             u_lo = np.clip(ctx[u_req] - W + 1 - pair_blk[u_mask] * bs, 0, u_hi)
         shared, shared_needed = plan_shared(is_shared, phys, pair_req, pair_blk, pair_hi, bt.shape[1], q, starts,
                                             ctx, bs, W, T, opts, out)
-    unique, unique_needed = _plan_unique(u_rows, u_ids, u_lo, u_hi, T, opts, out)
+    u_tokens = None if units == 1 else q[pair_req if not is_shared.any() else u_req]  # new tokens per unit
+    unique, unique_needed = _plan_unique(u_rows, u_ids, u_lo, u_hi, T, opts, out, u_tokens)
     if decodes:
         causal_q = causal_k = empty((0,))
         causal_needed = T
@@ -155,13 +157,15 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
                    prompt_ragged=prompt_ragged(prompts[3], prompts[2], shape.prompts, bs))
 
 
-def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
+def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out, T=None):
     """The decode step: one new token per request, no window. Blocks read by one request go to the
     unique path; blocks several requests hold (a common prefix) to the shared tiles, found from the
     same pairs (`decode_shared.repeated`) rather than the general path's recount. None hands anything else (a bad
     id, no context at all, a forced slice past its cap) to the general path, which raises or gives
-    the same arrays in more calls."""
+    the same arrays in more calls. `T` (new tokens): a verify step, each request at most `unique_tokens`
+    new tokens: each slot's row its request's first token (its unit), the drafts' causal tiles beside."""
     R = ctx.size
+    verify = T is not None
     live = prefix_mask(nb_ctx, bt.shape[1])
     phys = bt[live]  # request-major and in block order: the general path's pairs
     P = phys.size
@@ -174,22 +178,29 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     if opts.unique_layout == "slice" and span > MAX_SLICE_BLOCKS:
         return None  # refused by the general path
     req = np.repeat(np.arange(R), nb_ctx)
+    if verify:
+        starts = np.cumsum(q)
+        starts -= q
+        verify = (T, starts, req)
+        req = starts[req]  # a unit's row: its request's first token
     ends = np.cumsum(nb_ctx)
     last = ends - 1
     last_hi = ctx - (nb_ctx - 1) * bs
     if nb_ctx.min() == 0:
         has = nb_ctx > 0
         last, last_hi = last[has], last_hi[has]
+    no_row = verify[0] if verify else R
+    work = PathWork(R, 0, int(ctx.sum()) if not verify else int(np.dot(ctx, q)))
     if unique_reads_slice(P, max_id, opts):
-        rows = out.full("unique_rows", span, R)
+        rows = out.full("unique_rows", span, no_row)
         rows[phys] = req
-        seen = rows != R
+        seen = rows != no_row
         if np.count_nonzero(seen) == P:  # no block read twice
             hi = out.array("unique_hi", span)
             np.multiply(seen, bs, out=hi)
             hi[phys[last]] = last_hi
             unique = rows, None, out.zeros("unique_lo", span), hi
-            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, PathWork(R, 0, int(ctx.sum())))
+            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, work, q, verify)
         shared = repeated(phys, span, out)
     else:
         shared = repeated(phys, span, out)
@@ -197,7 +208,9 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
             hi = out.full("unique_hi", P, bs)
             hi[last] = last_hi
             unique = out.keep("unique_rows", req), out.keep("unique_blocks", phys), out.zeros("unique_lo", P), hi
-            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, PathWork(R, 0, int(ctx.sum())))
+            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, work, q, verify)
+    if verify:  # a block several requests hold: the general path's shared tiles
+        return None
     split = split_shared(shared, phys, max_id, req, ends, nb_ctx, ctx, last, last_hi, bt.shape[1], q, bs, opts, out)
     if split is not None:  # (the unique blocks gathered: `decode_shared.py`)
         shared_tiles, shared_needed, unique, unique_needed = split
@@ -215,18 +228,29 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out):
     return _decode_plan(bs, opts, out, ctx, max_id, shared_tiles, unique, PathWork(R, shared_needed, unique_needed))
 
 
-def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work) -> StepPlan:
-    R = ctx.size
+def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work, q=None, verify=None) -> StepPlan:
+    """The decode branch's plan; `verify` (T, each request's first token, _): a verify step's."""
+    R = T = ctx.size
+    causal_q = causal_k = empty((0,))
+    if verify:
+        T, starts, _ = verify
+        seg_start = out.keep("token_seg_start", np.repeat(starts, q))
+        causal_q, causal_k, causal_needed = _plan_causal(q, seg_start, T, None, opts.causal_tile, out)
+        work = replace(work, causal=causal_needed)
+        logits = out.keep("logits_indices", starts + (q - 1))
+    else:
+        seg_start = out.keep("token_seg_start", np.arange(R))
+        logits = out.keep("logits_indices", np.arange(R))
     if shared is None:
         shared = _no_shared(opts, bs, None)
-    shape = _bucket(R, 0, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R)
+    shape = _bucket(T, causal_q.size, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R)
     return trusted(StepPlan, block_size=bs, sliding_window=None, options=opts.with_tile_rows(shared[0].shape[1]),
-                   num_requests=R, num_tokens=R,
-                   shape=shape, bucket=shape, token_seg_start=out.keep("token_seg_start", np.arange(R)),
-                   causal_q_start=empty((0,)), causal_k_start=empty((0,)), shared_rows=shared[0],
+                   num_requests=R, num_tokens=T,
+                   shape=shape, bucket=shape, token_seg_start=seg_start,
+                   causal_q_start=causal_q, causal_k_start=causal_k, shared_rows=shared[0],
                    shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3], unique_rows=unique[0],
                    unique_blocks=unique[1], unique_lo=unique[2], unique_hi=unique[3],
-                   logits_indices=out.keep("logits_indices", np.arange(R)), max_block_id=max_id,
+                   logits_indices=logits, max_block_id=max_id,
                    work_needed=work, shared_prefix_visible=shared[4])
 
 
@@ -253,13 +277,15 @@ def _no_shared(opts, bs, W):
     return empty((0, qt)), empty((0, kb)), empty((0, qt, kb)), empty((0, qt, kb)), W is None
 
 
-def _plan_unique(rows, ids, lo, hi, T, opts, out):
-    """One row per block used by exactly one token (the first token of its request: with a window,
-    later tokens see less far back), compact (gathered) or on the slice [0, max id] of the cache."""
+def _plan_unique(rows, ids, lo, hi, T, opts, out, tokens=None):
+    """One slot per block used by exactly one request: its row is the request's first token (with a
+    window, the one token that sees it: later tokens see less far back; else its unit of `tokens` new
+    tokens, `PlanOptions.unique_tokens`), compact (gathered) or on the slice [0, max id] of the cache."""
     if ids.size == 0:
         blocks = empty((0,)) if opts.unique_layout == "gather" else None
         return (empty((0,)), blocks, empty((0,)), empty((0,))), 0
-    needed = int(hi.sum()) - (0 if lo is None else int(lo.sum()))
+    seen = hi if lo is None else hi - lo
+    needed = int(seen.sum()) if tokens is None else int(np.dot(seen, tokens))
     span = int(ids.max()) + 1
     if opts.unique_layout == "slice" and span > MAX_SLICE_BLOCKS:
         raise ValueError(f"unique_layout='slice' would read cache blocks [0, {span}) for block id {span - 1}: "

@@ -10,7 +10,8 @@ from vllm_gaudi_unified.plan.arrays import is_int
 #: Largest accepted tile sizes: far above any useful value, low enough that a tile's device mask
 #: (`causal_tile`**2, `invariant_rows` x block) and the planner's arrays stay allocatable.
 TILE_LIMITS = {"causal_tile": 4096, "shared_rows": 1 << 20, "shared_rows_max": 1 << 20, "shared_tile_keys": 1 << 24,
-               "invariant_rows": 4096, "invariant_chunk": 1 << 20, "invariant_causal_chunk": 1 << 20}
+               "invariant_rows": 4096, "invariant_chunk": 1 << 20, "invariant_causal_chunk": 1 << 20,
+               "unique_tokens": 64}
 
 
 #: Routes of a request with two or more new tokens: one padded fused call over its context and new keys
@@ -39,6 +40,12 @@ class PlanOptions:
     shared_tile_keys: int = 512  #: keys of a shared tile, rounded down to whole blocks (at least one)
     unique_layout: str = "auto"  #: 'slice', 'gather', or 'auto' (slice when dense enough)
     slice_min_density: float = 0.5  #: 'auto' reads the slice when live blocks / (max id + 1) >= this
+    #: new tokens a request may have and still take the unique path (a speculative verify step: 1 + k drafts;
+    #: MTP; a small chunk): its context blocks, when no other request reads them, are read once for all its
+    #: tokens, in (request, block) units of `unique_tokens` x heads-per-KV-head rows (a request's rows padded
+    #: to it, never to the step's longest request). A graph's static shape: a server sets it from its
+    #: speculative config (`ServerSettings.options`); 1 = one token per unit, the plain decode.
+    unique_tokens: int = 1
     #: 'dense': prompts and chunks over their own context as one padded fused call (`plan/prompts.py`);
     #: 'tiles': every pair through the causal / shared / unique tiles
     prompt_route: str = "dense"
@@ -81,6 +88,13 @@ class PlanOptions:
         if self.shared_rows == rows and self.shared_rows_max <= rows:
             return self
         return replace(self, shared_rows=rows, shared_rows_max=rows)
+
+    def unique_units(self, bucket, sliding_window: int | None) -> int:
+        """Token rows of one unique (request, block) unit in `bucket`'s graph: `unique_tokens` where a request
+        off the prompt route can have several new tokens (the bucket has causal tiles) and no sliding window
+        cuts the context per token; else 1 (a decode bucket keeps its one-row units)."""
+        many = self.unique_tokens > 1 and bucket.num_causal_tiles > 0 and sliding_window is None
+        return self.unique_tokens if many else 1
 
     def blocks_per_tile(self, block_size: int) -> int:
         """Cache blocks in one shared tile."""

@@ -11,7 +11,8 @@ for all of them (`paths/prompts.py`); the rows come out final, with no merge.
 
 Which requests take it (`prompt_requests`, identical on every device):
 
-* two or more new tokens (and, once some request takes it, a one-token prompt
+* two or more new tokens, more than `PlanOptions.unique_tokens` (a verify step's 1 + k stay on
+  the unique path, read once per request: `plan/default.py`) (and, once some request takes it, a one-token prompt
   without context, so that a step of prompts alone is that one call), no sliding window (the window's first-slot cut is
   the tiled paths' job), `PlanOptions.prompt_route == "dense"`;
 * but not a short draft (fewer than `PROMPT_MIN_SHARED_ROWS` tokens) over
@@ -35,10 +36,11 @@ PROMPT_MIN_SHARED_ROWS = 16
 
 
 def prompt_requests(q: np.ndarray, ctx: np.ndarray, pair_req: np.ndarray, phys: np.ndarray,
-                    max_block_id: int) -> np.ndarray:
+                    max_block_id: int, unit_tokens: int = 1) -> np.ndarray:
     """Bool `[R]`: the requests the prompt route takes (module docstring); `pair_req`/`phys` are the
-    step's (request, cached block) pairs (`arrays.cached_pairs`)."""
-    sel = q >= 2
+    step's (request, cached block) pairs (`arrays.cached_pairs`); requests of at most `unit_tokens` new
+    tokens (`PlanOptions.unique_tokens`: a verify step's) stay on the unique units."""
+    sel = q > max(1, unit_tokens)
     if not sel.any():
         return sel
     sel |= (q == 1) & (ctx == 0)  # a one-token prompt: with it, a step of prompts is one call and nothing else

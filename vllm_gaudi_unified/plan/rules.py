@@ -22,13 +22,14 @@ def segment_starts(keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if keys.size else np.zeros(0, np.int64)
 
 
-def shared_pairs(block_key: np.ndarray, q: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def shared_pairs(block_key: np.ndarray, q: np.ndarray, counts: np.ndarray, unit_tokens: int = 1) -> np.ndarray:
     """Which (request, cached block) pairs go to the shared path, without a sliding window: the block is
-    read by more than one query token, because two pairs of its step hold it (`block_key`: the pair's
-    block, unique per step) or because its request has several new tokens (`counts`: pairs per request)."""
+    read by more than one request, because two pairs of its step hold it (`block_key`: the pair's
+    block, unique per step), or by more new tokens of its request than a unique unit holds
+    (`unit_tokens`, `PlanOptions.unique_tokens`; `counts`: pairs per request)."""
     # Counted over the ids in use, never an array as long as the largest id (`same_id_sum`).
     shared = same_id_sum(block_key, int(block_key.max())) > 1 if block_key.size else np.zeros(0, bool)
-    multi = q > 1
+    multi = q > unit_tokens
     if multi.any():
         shared |= np.repeat(multi, counts)
     return shared

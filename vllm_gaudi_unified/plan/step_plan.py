@@ -31,7 +31,8 @@ class StepPlan:
     shared_blocks: np.ndarray  #: [tiles, blocks_per_tile] physical block of each tile column
     shared_lo: np.ndarray  #: [tiles, options.shared_rows, blocks_per_tile] first visible slot
     shared_hi: np.ndarray  #: [tiles, options.shared_rows, blocks_per_tile] end of visible slots (0 = block unseen)
-    unique_rows: np.ndarray  #: [num_unique_blocks] the one query token of each block slot
+    #: [num_unique_blocks] the query token of each block slot (with `unique_units` > 1: the first of its request's)
+    unique_rows: np.ndarray
     unique_blocks: np.ndarray | None  #: [num_unique_blocks] gathered block ids; None = slice [0, num_unique_blocks)
     unique_lo: np.ndarray  #: [num_unique_blocks]
     unique_hi: np.ndarray  #: [num_unique_blocks]
@@ -71,5 +72,11 @@ class StepPlan:
             causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len + prompt_rows * b.prompt_len,
             shared=b.num_shared_blocks * opts.shared_rows * self.block_size + prompt_rows * b.prompt_blocks
             * self.block_size,
-            unique=b.num_unique_blocks * self.block_size,
+            unique=b.num_unique_blocks * self.block_size * self.unique_units,
         )
+
+    @property
+    def unique_units(self) -> int:
+        """Token rows of each unique slot in this plan's graph (`PlanOptions.unique_units`): the slot's row is
+        its request's first token, and the next `unique_units - 1` tokens of the same request share it."""
+        return self.options.unique_units(self.bucket, self.sliding_window)

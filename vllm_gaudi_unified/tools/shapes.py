@@ -164,8 +164,8 @@ def _arrays_of_steps(steps: list[TraceStep]) -> _Arrays:
 
 
 def shape_only_supported(settings: ServerSettings) -> bool:
-    """Whether `batch_shapes` models these settings (else every step goes through `plan_step`)."""
-    return settings.sliding_window is None and not settings.options.batch_invariant
+    """Whether `batch_shapes` models these settings (not a window, the invariant mode or verify units)."""
+    return settings.sliding_window is None and not settings.options.batch_invariant and settings.options.unique_tokens == 1
 
 
 def batch_shapes(a: _Arrays, options) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

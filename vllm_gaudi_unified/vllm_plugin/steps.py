@@ -50,7 +50,9 @@ class StepHooks:
         kind = ""  # the per-device table only when asked for (VLLM_GAUDI_UNIFIED_DEVICE_OPTIONS=1)
         if config.device_options:
             kind = device_kind(device.type, torch.cuda.get_device_name(device) if device.type == "cuda" else "")
-        options = options_for_device(kind, PlanOptions(batch_invariant=config.batch_invariant))
+        # a verify step's 1 + k tokens per request read their blocks once (`PlanOptions.unique_tokens`)
+        options = options_for_device(kind, PlanOptions(batch_invariant=config.batch_invariant,
+                                                       unique_tokens=1 + _num_speculative_tokens(vllm_config)))
         plan = None
         if config.buckets:
             plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options, sliding_window, kind)

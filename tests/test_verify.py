@@ -1,0 +1,117 @@
+"""Speculative verify steps (each request: its last token plus a few drafts over its cached context) on the
+unique path's per-request units: a block only one request reads is read once for all its new tokens
+(`PlanOptions.unique_tokens`), against the dense float64 reference."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_TILES, Step, assert_matches, run_case
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_gaudi_unified import plan_step
+from vllm_gaudi_unified.bucket import Bucket
+
+UNITS = replace(SMALL_TILES, unique_tokens=4)
+
+#: name -> (step, the phase with UNITS: verify requests on the unique units, shared blocks on the tiles)
+VERIFY = {
+    "uniform": (Step([4, 4, 4], [13, 30, 9], 4), "c-u"),
+    "ragged": (Step([1, 3, 4, 2, 1], [13, 30, 7, 1, 2], 8), "c-u"),
+    "gqa": (Step([2, 4, 1], [6, 11, 3], 4, num_qo_heads=8, num_kv_heads=2), "c-u"),
+    "mqa": (Step([3, 4, 2], [6, 11, 17], 4, num_qo_heads=6, num_kv_heads=1), "c-u"),
+    # parallel sampling with drafts: the common prefix on the shared tiles, each sample's own blocks on its units
+    "sampling": (Step([4, 2, 3, 4], [13, 13, 14, 13], 4, prefix_groups=[([0, 1, 2, 3], 3)]), "csu"),
+    # a prompt and a long chunk (more new tokens than a unit holds) beside verify requests and decodes
+    "mixed": (Step([9, 3, 1, 4, 12], [0, 21, 9, 5, 16], 4), "c-u"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VERIFY))
+@pytest.mark.parametrize("layout", ["slice", "gather"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_verify_units_match_reference(name, layout, dtype):
+    step, phase = VERIFY[name]
+    out, ref, batch = run_case(step, dtype=dtype, options=replace(UNITS, unique_layout=layout))
+    assert batch.phase == phase and batch.plan.unique_units == 4
+    assert_matches(out, ref)
+
+
+def test_a_verify_request_reads_each_block_once():
+    """Its blocks are unique slots (one per block, its first token the row), not shared tiles: the slots
+    hold exactly the step's context blocks, and the pairs needed count every new token's keys."""
+    step = Step([4, 2, 3], [30, 17, 9], 4)
+    q, c = np.array(step.query_lens), np.array(step.context_lens)
+    nb = -(-(q + c) // 4)
+    table = np.arange(1, nb.sum() + 1)[np.minimum(np.arange(nb.max())[None] + (np.cumsum(nb) - nb)[:, None],
+                                                  nb.sum() - 1)]
+    plan = plan_step(q, c, table, 4, options=replace(UNITS, unique_layout="gather"))
+    assert plan.shape.num_shared_blocks == 0 and plan.shape.num_prompts == 0
+    assert plan.shape.num_unique_blocks == int((-(-c // 4)).sum())
+    starts = np.cumsum(q) - q
+    assert sorted(set(plan.unique_rows.tolist())) == sorted(starts.tolist())
+    assert plan.work_needed.unique == int(np.dot(q, c))
+    plain = plan_step(q, c, table, 4, options=replace(SMALL_TILES, unique_layout="gather"))
+    assert plain.shape.num_unique_blocks == 0  # one token per block: every block on the shared or prompt route
+
+
+@pytest.mark.parametrize("window", [3, 7, 40])
+def test_a_window_keeps_per_token_blocks(window):
+    """With a sliding window each draft sees a different first key: the step keeps one row per block."""
+    step, _ = VERIFY["ragged"]
+    out, ref, batch = run_case(step, options=UNITS, sliding_window=window)
+    assert batch.plan.unique_units == 1
+    assert_matches(out, ref)
+
+
+def test_padded_bucket_and_decode_step():
+    """A verify step in a larger bucket (padding slots, tokens and causal tiles), and a decode step in a
+    verify bucket: the units' padding rows are dropped."""
+    step, _ = VERIFY["ragged"]
+    units = replace(UNITS, unique_layout="gather")
+    s = run_case(step, options=units)[2].shape
+    big = Bucket("c-u", s.query_len + 5, 0, s.num_unique_blocks + 7, s.num_logits + 2, s.num_causal_tiles + 3)
+    out, ref, batch = run_case(step, options=units, bucket=big)
+    assert batch.bucket == big
+    assert_matches(out, ref)
+    dec = Step([1] * 4, [5, 17, 1, 32], 8)
+    d = run_case(dec, options=units)[2].shape
+    out, ref, batch = run_case(dec, options=units, bucket=Bucket("c-u", 8, 0, d.num_unique_blocks + 3, 4, 2))
+    assert batch.plan.unique_units == 4
+    assert_matches(out, ref)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_random_verify_steps(data):
+    """Ragged drafts (0..k per request), partial blocks, GQA/MQA, shuffled tables, NaN in unreadable slots."""
+    k = data.draw(st.integers(1, 7))
+    r = data.draw(st.integers(1, 6))
+    q = data.draw(st.lists(st.integers(1, k + 1), min_size=r, max_size=r))
+    c = data.draw(st.lists(st.integers(0, 40), min_size=r, max_size=r))
+    hkv = data.draw(st.sampled_from([1, 2]))
+    step = Step(q, c, data.draw(st.sampled_from([2, 4, 8])), num_qo_heads=hkv * data.draw(st.sampled_from([1, 3])),
+                num_kv_heads=hkv)
+    opts = replace(SMALL_TILES, unique_tokens=k + 1, unique_layout=data.draw(st.sampled_from(["slice", "gather"])))
+    out, ref, _ = run_case(step, options=opts, seed=data.draw(st.integers(0, 99)))
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("name", ["uniform", "ragged", "sampling"])
+@pytest.mark.parametrize("gaudi", [False, True])
+def test_mla_verify_steps(name, gaudi):
+    """MLA (one latent KV head, values the first dims of the keys): a verify step's units on the latent routes,
+    on the CPU and on the Gaudi route's bucket-shaped chunks, against the expanded reference (float64)."""
+    from contextlib import nullcontext
+
+    from test_mla import mla_case
+
+    from vllm_gaudi_unified.paths import fused
+
+    with fused.gaudi_route() if gaudi else nullcontext():
+        out, ref, batch, _ = mla_case(VERIFY[name][0], options=UNITS)
+    assert batch.plan.unique_units == 4
+    assert_matches(out, ref)
