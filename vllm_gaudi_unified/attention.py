@@ -296,13 +296,11 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
             extra = {"shared": True} if mla_shared_in_kernel else {"kv_scale": k_scale} if mla != "kernel" else {}
             if mla == "kernel" and alone and phase[0] == "-" and (phase[1] == "-" or mla_shared_in_kernel):
                 extra["final"] = True  # (the only path: the kernel normalizes its rows itself)
-            yield run(query, key_cache, value_cache.shape[-1], per_token(batch, tokens), scale, key,
-                      **extra)  # paths/mla_decode.py
+            yield run(query, key_cache, value_cache.shape[-1], per_token(batch, tokens), scale, key, **extra)
         elif flash and kernel_unique_applies(key_cache, value_cache):
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         elif flash and fused_unique_applies(batch, key_cache):
-            yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale,
-                                       v_scale)
+            yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale)
         else:
             yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
 
