@@ -80,12 +80,7 @@ def test_one_token_prompts_and_chunks_match_vllm_cpu_mla(short_runs, run):
     assert got["block_size"] == BLOCK and got["chunked_prefill"] and got["prefix_caching"]
     if run == "unified_buckets":
         assert f"warmed {warmed} buckets through the model" in log
-    report = H.compare_results(got, ref)
-    assert len(report) == 7
-    worst = 0.0
-    for case, r in report.items():
-        assert r["tokens_identical"], (case, r)
-        worst = max(worst, r["max_abs_logprob_diff"])
+    worst = H.same_tokens_worst_logprob(got, ref, cases=7)
     assert worst <= LOGPROB_ATOL, worst
     print(run, "one-token prompts/chunks: max |dlogprob| vs vLLM CPU_MLA", worst)
 
