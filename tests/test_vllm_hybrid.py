@@ -6,7 +6,8 @@ Mamba2, attention, Mamba2; float32; `tests/vllm_hybrid_helpers.py`) with prefix 
   the attention page must hold a Mamba state: 64, where the plugin's steps of 16 gave 48 and vLLM 0.32's CPU
   Mamba2 kernel then failed, `platform.UnifiedCpuPlatform._align_hybrid_block_size`); tokens identical to
   vLLM's own CPU attention, logprobs within 1e-4.
-Gaudi: `tests/test_vllm_gaudi_hybrid.py`.
+A tiny Qwen3-Next (GatedDeltaNet, attention) likewise in bfloat16, the only dtype vLLM 0.32's CPU GatedDeltaNet
+runs (tokens identical, logprobs within one bf16 step at their size, 2^-5; head dims 64). Gaudi: `tests/test_vllm_gaudi_hybrid.py`.
 """
 from __future__ import annotations
 
@@ -62,3 +63,24 @@ def test_granite_hybrid_on_the_cpu_platform_matches_vllm(granite):
     worst = H.same_tokens_worst_logprob(got, ref, cases=6)
     assert worst <= LOGPROB_ATOL, worst
     print("granite hybrid, CPU platform: max |dlogprob| vs vLLM's CPU attention", worst)
+
+
+@pytest.mark.slow
+def test_qwen3_next_on_the_cpu_platform_matches_vllm(tmp_path):
+    import vllm_helpers as H
+    import vllm_hybrid_helpers as M
+
+    model = M.make_tiny_qwen3_next(str(tmp_path / "qwen3_next"))
+    ref, ref_log = _run(model, str(tmp_path / "ref.json"), "--dtype", "bfloat16", "--block-size", "16")
+    got, log = _run(model, str(tmp_path / "plugin.json"), "--dtype", "bfloat16", "--block-size", "16",
+                    VLLM_GAUDI_UNIFIED="1")
+    assert ref is not None, ref_log[-3000:]
+    assert got is not None, log[-3000:]
+    assert "Using the unified attention backend GAUDI_UNIFIED_ATTN" in log
+    assert got["block_size"] == ref["block_size"] and got["prefix_caching"]
+    worst = H.same_tokens_worst_logprob(got, ref, cases=6)
+    # bf16 tolerance on logprobs near -ln(512) = -6.2 (the model's vocabulary): one bf16 step there, 2^-5
+    # (the relative 1e-2 of bf16 attention outputs, as a logprob difference of that size).
+    assert worst <= 2 ** -5, worst
+    print("qwen3-next (bf16), CPU platform: block", got["block_size"], "max |dlogprob| vs vLLM's CPU attention",
+          worst)

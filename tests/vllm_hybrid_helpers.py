@@ -2,7 +2,8 @@
 
 `python tests/vllm_hybrid_helpers.py make-granite PATH` saves a random-weight `GraniteMoeHybridForCausalLM`
 (Granite-4.0-h's architecture: Mamba2, attention, Mamba2; float32, 64-token Mamba chunks);
-`python tests/vllm_hybrid_helpers.py run --model PATH --out OUT [--gaudi-standin]` generates `hybrid_prompts()`
+`make-qwen3-next PATH` a random-weight `Qwen3NextForCausalLM` (GatedDeltaNet, attention; bfloat16);
+`python tests/vllm_hybrid_helpers.py run --model PATH --out OUT [--dtype D] [--gaudi-standin]` generates `hybrid_prompts()`
 with one engine (chunked prefill, 64-token budget, prefix caching, which vLLM runs in its Mamba 'align'
 mode), in the `vllm_helpers.run_scenario` result format; vLLM picks the block size (the hybrid's alignment).
 """
@@ -39,6 +40,25 @@ def make_tiny_granite_hybrid(path: str, hidden: int = 128, seed: int = 0) -> str
     return path
 
 
+def make_tiny_qwen3_next(path: str, seed: int = 0) -> str:
+    """Save a random-weight Qwen3NextForCausalLM (bfloat16: vLLM 0.32's CPU GatedDeltaNet runs in bf16 only;
+    a GatedDeltaNet layer, then an attention layer; 4 experts; head dims 64)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        layer_types=["linear_attention", "full_attention"], max_position_embeddings=vllm_helpers.MAX_MODEL_LEN,
+        initializer_range=0.05, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+        architectures=["Qwen3NextForCausalLM"])
+    torch.manual_seed(seed)
+    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def hybrid_prompts() -> list[list[dict]]:
     """Wave 1: ragged prompts, one longer than the budget (chunked, across Mamba chunks and blocks); wave 2: a
     prompt sharing wave 1's first 160 tokens (prefix-cache hit: the Mamba state restored at a block boundary)."""
@@ -57,14 +77,15 @@ def hybrid_prompts() -> list[list[dict]]:
     return [wave1, wave2]
 
 
-def run_hybrid(model: str, out: str, gaudi_standin: bool = False, block_size: int | None = None) -> None:
+def run_hybrid(model: str, out: str, gaudi_standin: bool = False, block_size: int | None = None,
+               dtype: str = "float32") -> None:
     """Both waves with one engine in this process; `block_size`: the one asked for (vLLM aligns it for the
     hybrid: the attention page must hold a Mamba state)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    device = vllm_helpers.gaudi_standin_context("float32") if gaudi_standin else contextlib.nullcontext()
+    device = vllm_helpers.gaudi_standin_context(dtype) if gaudi_standin else contextlib.nullcontext()
+    extra = dict(dtype=dtype) if block_size is None else dict(dtype=dtype, block_size=block_size)
     with device:
-        vllm_model_helpers._run_mla(model, out, 0, {} if block_size is None else dict(block_size=block_size),
-                                    waves=hybrid_prompts())
+        vllm_model_helpers._run_mla(model, out, 0, extra, waves=hybrid_prompts())
 
 
 def main(argv=None) -> int:
@@ -72,9 +93,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("make-granite").add_argument("path")
+    sub.add_parser("make-qwen3-next").add_argument("path")
     run = sub.add_parser("run", help="generate the hybrid scenario with one engine")
     run.add_argument("--model", required=True)
     run.add_argument("--out", required=True)
+    run.add_argument("--dtype", default="float32")
     run.add_argument("--block-size", type=int, default=None, help="the block size asked for (default: vLLM's)")
     run.add_argument("--gaudi-standin", action="store_true",
                      help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
@@ -82,8 +105,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "make-granite":
         make_tiny_granite_hybrid(args.path)
+    elif args.cmd == "make-qwen3-next":
+        make_tiny_qwen3_next(args.path)
     else:
-        run_hybrid(args.model, args.out, args.gaudi_standin, args.block_size)
+        run_hybrid(args.model, args.out, args.gaudi_standin, args.block_size, args.dtype)
     return 0
 
 

@@ -244,10 +244,11 @@ def _run_mla(model: str, out: str, ngram: int, extra: dict, request_seed: bool =
     spec = None
     if ngram:
         spec = dict(method="ngram", num_speculative_tokens=ngram, prompt_lookup_min=2, prompt_lookup_max=4)
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
-              max_model_len=vllm_helpers.MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64,
-              enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
-              speculative_config=spec, compilation_config={"custom_ops": ["all", "-rotary_embedding"]}, **extra)
+    settings = dict(dtype="float32", seed=0, max_model_len=vllm_helpers.MAX_MODEL_LEN, max_num_seqs=8,
+                    max_num_batched_tokens=64, enable_chunked_prefill=True, enable_prefix_caching=True,
+                    kv_cache_memory_bytes=64 << 20, speculative_config=spec,
+                    compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, **{**settings, **extra})
     results = {}
     for wave in waves or mla_prompts():
         if ngram:  # greedy requests only: see the module docstring
