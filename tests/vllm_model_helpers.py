@@ -195,7 +195,7 @@ SCENARIOS = {"mla": mla_prompts, "short": short_prompts}
 
 
 def run_mla(model: str, out: str, ngram: int = 0, gaudi_standin: bool = False, kv_cache_dtype: str = "auto",
-            e4m3_latents: bool = False, scenario: str = "mla", block_size: int = 16) -> None:
+            e4m3_latents: bool = False, scenario: str = "mla", block_size: int = 16, tp: int = 1) -> None:
     """Both waves with one engine in this process; greedy but n=2 (temperature 0.8, seed 5 per request).
     `gaudi_standin`: through vllm-gaudi's platform on the CPU (`vllm_helpers.gaudi_standin_context`), blocks
     of 16 as vLLM's CPU platform gives MLA models, and the n=2 request without its own seed: vllm-gaudi's
@@ -205,7 +205,9 @@ def run_mla(model: str, out: str, ngram: int = 0, gaudi_standin: bool = False, k
     (`_e4m3_latents`), in a full-precision cache: the exact reference of an `fp8_inc` latent cache's run.
     `scenario`: the waves (`SCENARIOS`); `block_size`: vllm-gaudi's (vLLM's CPU platform picks its own).
     vllm-gaudi's fix of DeepSeek's forward for its `[1, T]` inputs is not imported here: the unified runner
-    loads it (`hpu_models.py`)."""
+    loads it (`hpu_models.py`). `tp`: tensor_parallel_size, workers from vLLM's multiprocessing executor,
+    forked (vllm-gaudi asks for spawn; a forked worker keeps the stand-in) and joined by torch.distributed's
+    gloo (vLLM's fallback for vllm-gaudi's 'hccl' backend, which this torch lacks)."""
     import contextlib
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -214,6 +216,9 @@ def run_mla(model: str, out: str, ngram: int = 0, gaudi_standin: bool = False, k
         if gaudi_standin and e4m3_latents:
             _e4m3_latents()
         extra = dict(block_size=block_size) if gaudi_standin else {}
+        if tp > 1:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+            extra.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
         if kv_cache_dtype != "auto":
             extra["kv_cache_dtype"] = kv_cache_dtype
         _run_mla(model, out, ngram, extra, request_seed=not gaudi_standin, waves=SCENARIOS[scenario]())
@@ -266,7 +271,8 @@ def _run_mla(model: str, out: str, ngram: int, extra: dict, request_seed: bool =
                 [None if e is None else vllm_helpers._logprob_dict(e) for e in o.prompt_logprobs]}
     config = llm.llm_engine.vllm_config
     with open(out, "w") as f:
-        json.dump({"results": results, "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+        json.dump({"results": results, "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+                   "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
                    "prefix_caching": config.cache_config.enable_prefix_caching,
                    "block_size": config.cache_config.block_size}, f)
 
@@ -292,6 +298,7 @@ def main(argv=None) -> int:
     ml.add_argument("--e4m3-latents", action="store_true",
                     help="with --gaudi-standin: every new latent rounded to e4m3 (an fp8_inc run's exact reference)")
     ml.add_argument("--scenario", choices=sorted(SCENARIOS), default="mla", help="the waves of requests")
+    ml.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (vLLM's multiprocessing executor)")
     ml.add_argument("--block-size", type=int, default=16, help="with --gaudi-standin: vllm-gaudi's block size")
     ml.add_argument("--gaudi-standin", action="store_true",
                     help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
@@ -307,7 +314,7 @@ def main(argv=None) -> int:
         run_embed(args.model, args.out, args.gaudi_standin)
     else:
         run_mla(args.model, args.out, args.ngram, args.gaudi_standin, args.kv_cache_dtype, args.e4m3_latents,
-                args.scenario, args.block_size)
+                args.scenario, args.block_size, args.tp)
     return 0
 
 
