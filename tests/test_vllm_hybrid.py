@@ -7,7 +7,8 @@ Mamba2, attention, Mamba2; float32; `tests/vllm_hybrid_helpers.py`) with prefix 
   Mamba2 kernel then failed, `platform.UnifiedCpuPlatform._align_hybrid_block_size`); tokens identical to
   vLLM's own CPU attention, logprobs within 1e-4.
 A tiny Qwen3-Next (GatedDeltaNet, attention) likewise in bfloat16, the only dtype vLLM 0.32's CPU GatedDeltaNet
-runs (tokens identical, logprobs within one bf16 step at their size, 2^-5; head dims 64). Gaudi: `tests/test_vllm_gaudi_hybrid.py`.
+runs (tokens identical, logprobs within one bf16 step at their size, 2^-5; head dims 64).
+Gaudi: `tests/test_vllm_gaudi_hybrid.py`.
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
 `python tests/vllm_hybrid_helpers.py make-granite PATH` saves a random-weight `GraniteMoeHybridForCausalLM`
 (Granite-4.0-h's architecture: Mamba2, attention, Mamba2; float32, 64-token Mamba chunks);
 `make-qwen3-next PATH` a random-weight `Qwen3NextForCausalLM` (GatedDeltaNet, attention; bfloat16);
-`python tests/vllm_hybrid_helpers.py run --model PATH --out OUT [--dtype D] [--gaudi-standin]` generates `hybrid_prompts()`
-with one engine (chunked prefill, 64-token budget, prefix caching, which vLLM runs in its Mamba 'align'
-mode), in the `vllm_helpers.run_scenario` result format; vLLM picks the block size (the hybrid's alignment).
+`python tests/vllm_hybrid_helpers.py run --model PATH --out OUT [--dtype D] [--gaudi-standin]` generates
+`hybrid_prompts()` with one engine (chunked prefill, 64-token budget, prefix caching, which vLLM runs in its
+Mamba 'align' mode), in the `vllm_helpers.run_scenario` result format; vLLM aligns the block size asked for
+(`--block-size`) to the hybrid (an attention page holds a Mamba state).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ CHUNK = 64  #: the Mamba2 layers' chunk size
 
 
 def make_tiny_granite_hybrid(path: str, hidden: int = 128, seed: int = 0) -> str:
-    """Save a random-weight GraniteMoeHybridForCausalLM (float32; layers Mamba2, attention, Mamba2; a dense shared MLP, no experts)."""
+    """Save a random-weight GraniteMoeHybridForCausalLM (float32; layers Mamba2, attention, Mamba2; a dense
+    shared MLP, no experts: vllm-gaudi's fused MoE does not build beside vLLM 0.32 on the stand-in)."""
     import torch
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
