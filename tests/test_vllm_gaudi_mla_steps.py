@@ -52,6 +52,7 @@ def short_runs(tmp_path_factory):
     return runs, steps, len(plan.buckets) + len(plan.prompt_graphs)
 
 
+@pytest.mark.slow
 def test_the_steps_hold_one_token_prompts_and_chunks(short_runs):
     """The recorded steps are the ones described: the first one 1 + 17 + 45 new tokens and a 1-token chunk of
     the 74-token prompt; a 1-token chunk over 64 cached tokens (a prefix-cache hit) beside a 1-token prompt."""
