@@ -194,6 +194,16 @@ def compare_results(plugin: dict, ref: dict) -> dict:
     return out
 
 
+def same_tokens_worst_logprob(plugin: dict, ref: dict, cases: int) -> float:
+    """Assert that the two results hold `cases` cases, each with identical tokens; the largest |logprob
+    difference| over them."""
+    report = compare_results(plugin, ref)
+    assert len(report) == cases, sorted(report)
+    for case, r in report.items():
+        assert r["tokens_identical"], (case, r)
+    return max(r["max_abs_logprob_diff"] for r in report.values())
+
+
 def measure(workdir: str, models: list[str]) -> dict:
     """The e2e comparison of the tests, as numbers: for each model, one engine with vLLM's CPU attention
     and one with the plugin (fresh processes, one after the other), per case the max logprob

@@ -171,30 +171,57 @@ def mla_prompts() -> list[dict]:
     return [wave1, wave2]
 
 
+def short_prompts() -> list[dict]:
+    """One-token prompts and chunks beside longer prompts (64-token budget): the first step holds prompts of
+    1, 17 and 45 tokens and the first 1-token chunk of a 74-token prompt; the second wave a prompt whose
+    first 64 tokens are cached (blocks of 32 or 16), so one token is left to compute, beside another
+    one-token prompt."""
+    rng = random.Random(38)
+
+    def toks(n):
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    long = toks(74)
+    wave1 = [dict(name="one", prompt=toks(1), max_tokens=12),
+             dict(name="p17", prompt=toks(17), max_tokens=10, prompt_logprobs=True),
+             dict(name="p45", prompt=toks(45), max_tokens=8, prompt_logprobs=True),
+             dict(name="long74", prompt=long, max_tokens=8, prompt_logprobs=True)]
+    wave2 = [dict(name="hit_one_left", prompt=long[:64] + toks(1), max_tokens=8, prompt_logprobs=True),
+             dict(name="one_again", prompt=toks(1), max_tokens=8), dict(name="p20", prompt=toks(20), max_tokens=6)]
+    return [wave1, wave2]
+
+
+SCENARIOS = {"mla": mla_prompts, "short": short_prompts}
+
+
 def run_mla(model: str, out: str, ngram: int = 0, gaudi_standin: bool = False, kv_cache_dtype: str = "auto",
-            e4m3_latents: bool = False) -> None:
+            e4m3_latents: bool = False, scenario: str = "mla", block_size: int = 16, tp: int = 1) -> None:
     """Both waves with one engine in this process; greedy but n=2 (temperature 0.8, seed 5 per request).
     `gaudi_standin`: through vllm-gaudi's platform on the CPU (`vllm_helpers.gaudi_standin_context`), blocks
     of 16 as vLLM's CPU platform gives MLA models, and the n=2 request without its own seed: vllm-gaudi's
     runner makes a seeded request's generator with `torch.Generator(device="hpu")`, which the stand-in's
     CPU cannot ("Backend doesn`t support getNewGenerator()"); it draws from the engine's seed instead.
     `e4m3_latents` (with `gaudi_standin`): every new latent rounded to e4m3 as vllm-gaudi's MLA layer makes it
-    (`_e4m3_latents`), in a full-precision cache: the exact reference of an `fp8_inc` latent cache's run."""
+    (`_e4m3_latents`), in a full-precision cache: the exact reference of an `fp8_inc` latent cache's run.
+    `scenario`: the waves (`SCENARIOS`); `block_size`: vllm-gaudi's (vLLM's CPU platform picks its own).
+    vllm-gaudi's fix of DeepSeek's forward for its `[1, T]` inputs is not imported here: the unified runner
+    loads it (`hpu_models.py`). `tp`: tensor_parallel_size, workers from vLLM's multiprocessing executor,
+    forked (vllm-gaudi asks for spawn; a forked worker keeps the stand-in) and joined by torch.distributed's
+    gloo (vLLM's fallback for vllm-gaudi's 'hccl' backend, which this torch lacks)."""
     import contextlib
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     device = vllm_helpers.gaudi_standin_context("float32") if gaudi_standin else contextlib.nullcontext()
     with device:
-        if gaudi_standin:
-            # vllm-gaudi's 03.hpu_custom_models plugin (left out here: it imports torchvision) patches vLLM's
-            # DeepseekV2Model.forward for its [batch, seq] inputs; this module of it is that patch alone.
-            import vllm_gaudi.models.deepseek_v2  # noqa: F401
-            if e4m3_latents:
-                _e4m3_latents()
-        extra = dict(block_size=16) if gaudi_standin else {}
+        if gaudi_standin and e4m3_latents:
+            _e4m3_latents()
+        extra = dict(block_size=block_size) if gaudi_standin else {}
+        if tp > 1:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+            extra.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
         if kv_cache_dtype != "auto":
             extra["kv_cache_dtype"] = kv_cache_dtype
-        _run_mla(model, out, ngram, extra, request_seed=not gaudi_standin)
+        _run_mla(model, out, ngram, extra, request_seed=not gaudi_standin, waves=SCENARIOS[scenario]())
 
 
 def _e4m3_latents() -> None:
@@ -216,18 +243,19 @@ def _e4m3_latents() -> None:
     HPUMLAAttention.forward_impl = forward_impl
 
 
-def _run_mla(model: str, out: str, ngram: int, extra: dict, request_seed: bool = True) -> None:
+def _run_mla(model: str, out: str, ngram: int, extra: dict, request_seed: bool = True, waves=None) -> None:
     from vllm import LLM, SamplingParams
 
     spec = None
     if ngram:
         spec = dict(method="ngram", num_speculative_tokens=ngram, prompt_lookup_min=2, prompt_lookup_max=4)
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
-              max_model_len=vllm_helpers.MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=64,
-              enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
-              speculative_config=spec, compilation_config={"custom_ops": ["all", "-rotary_embedding"]}, **extra)
+    settings = dict(dtype="float32", seed=0, max_model_len=vllm_helpers.MAX_MODEL_LEN, max_num_seqs=8,
+                    max_num_batched_tokens=64, enable_chunked_prefill=True, enable_prefix_caching=True,
+                    kv_cache_memory_bytes=64 << 20, speculative_config=spec,
+                    compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, **{**settings, **extra})
     results = {}
-    for wave in mla_prompts():
+    for wave in waves or mla_prompts():
         if ngram:  # greedy requests only: see the module docstring
             wave = [r for r in wave if r.get("n", 1) == 1]
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.8 if r.get("n", 1) > 1 else 0.0,
@@ -243,7 +271,8 @@ def _run_mla(model: str, out: str, ngram: int, extra: dict, request_seed: bool =
                 [None if e is None else vllm_helpers._logprob_dict(e) for e in o.prompt_logprobs]}
     config = llm.llm_engine.vllm_config
     with open(out, "w") as f:
-        json.dump({"results": results, "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+        json.dump({"results": results, "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+                   "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
                    "prefix_caching": config.cache_config.enable_prefix_caching,
                    "block_size": config.cache_config.block_size}, f)
 
@@ -254,6 +283,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name in ("make-bert", "make-modernbert", "make-deepseek"):
         sub.add_parser(name).add_argument("path")
+    sub.choices["make-deepseek"].add_argument("--hidden", type=int, default=256)
     em = sub.add_parser("embed", help="embed the ragged prompts with one engine")
     em.add_argument("--model", required=True)
     em.add_argument("--out", required=True)
@@ -267,6 +297,9 @@ def main(argv=None) -> int:
     ml.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (fp8_inc: e4m3 latents on Gaudi)")
     ml.add_argument("--e4m3-latents", action="store_true",
                     help="with --gaudi-standin: every new latent rounded to e4m3 (an fp8_inc run's exact reference)")
+    ml.add_argument("--scenario", choices=sorted(SCENARIOS), default="mla", help="the waves of requests")
+    ml.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (vLLM's multiprocessing executor)")
+    ml.add_argument("--block-size", type=int, default=16, help="with --gaudi-standin: vllm-gaudi's block size")
     ml.add_argument("--gaudi-standin", action="store_true",
                     help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
                          "VLLM_GAUDI_UNIFIED for the unified runner)")
@@ -276,11 +309,12 @@ def main(argv=None) -> int:
     elif args.cmd == "make-modernbert":
         make_tiny_modernbert(args.path)
     elif args.cmd == "make-deepseek":
-        make_tiny_deepseek(args.path)
+        make_tiny_deepseek(args.path, hidden=args.hidden)
     elif args.cmd == "embed":
         run_embed(args.model, args.out, args.gaudi_standin)
     else:
-        run_mla(args.model, args.out, args.ngram, args.gaudi_standin, args.kv_cache_dtype, args.e4m3_latents)
+        run_mla(args.model, args.out, args.ngram, args.gaudi_standin, args.kv_cache_dtype, args.e4m3_latents,
+                args.scenario, args.block_size, args.tp)
     return 0
 
 

@@ -64,6 +64,24 @@ class UnifiedCpuPlatform(CpuPlatform):
             parallel.worker_cls = "vllm_gaudi_unified.vllm_plugin.worker.UnifiedCpuWorker"
 
     @classmethod
+    def _align_hybrid_block_size(cls, vllm_config, backend_cls) -> None:
+        """Hybrid models (attention beside Mamba layers): the block size vLLM's own CPU attention gets.
+
+        vLLM sizes a hybrid's attention block so that its page holds a Mamba state, in steps of the backend's
+        kernel block (16 here, 32 for vLLM's CPU attention), and in prefix caching's 'align' mode the Mamba
+        block follows it. vLLM 0.32's CPU Mamba2 kernel returns no intermediate states, so a prefill chunk
+        that crosses a Mamba block (where 'align' mode writes a checkpoint) fails in `mamba_mixer2`
+        (IndexError): with a 64-token budget a 48-token block (steps of 16) does, vLLM's 64 does not.
+        Aligning as vLLM's CPU attention does gives the plugin the same blocks, so the same steps run."""
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        from vllm_gaudi_unified.vllm_plugin.backend import GaudiUnifiedAttentionBackend
+
+        if backend_cls is GaudiUnifiedAttentionBackend:
+            backend_cls = CPUAttentionBackend
+        super()._align_hybrid_block_size(vllm_config, backend_cls)
+
+    @classmethod
     def get_attn_backend_cls(cls, selected_backend: "AttentionBackendEnum", attn_selector_config:
                              "AttentionSelectorConfig", num_heads: int | None = None) -> str:
         from vllm_gaudi_unified.vllm_plugin.backend import BACKEND_NAME
