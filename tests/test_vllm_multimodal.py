@@ -3,9 +3,10 @@
 Tiny random-weight Qwen2-VL (M-RoPE; an image's token count follows its size) and LLaVA (a CLIP tower)
 of `vllm_mm_models.py` generate images of two sizes beside text-only prompts, one prompt with two
 images, prompts cut by the 64-token budget inside an image's placeholders, and a prefix-cache hit
-over an image (`vllm_mm_models.mm_requests`), on vLLM's CPU platform with the plugin. Each engine runs
-in its own subprocess; tokens must be identical to vLLM's own CPU attention and logprobs within 1e-4
-(float32; the largest differences measured, printed by the tests, were 1.4e-6).
+over an image (`vllm_mm_models.mm_requests`), on vLLM's CPU platform with the plugin and on the Gaudi
+path (vllm-gaudi's runner on the habana stand-in). Each engine runs in its own subprocess; tokens must
+be identical to vLLM's own CPU attention and logprobs within 1e-4 (float32; the largest differences
+measured, printed by the tests, were 1.4e-6).
 
 The `multimodal` marker: these tests run in the venv scripts/multimodal_venv.sh builds and skip,
 naming why, where torchvision does not load (tests/conftest.py).
@@ -71,11 +72,21 @@ def assert_same_as_reference(got: dict, ref: dict, name: str) -> float:
 
 @pytest.fixture(scope="module", params=MM.MODELS)
 def runs(request, tmp_path_factory):
-    """One model's engines: vLLM's own CPU attention (`ref`) and the plugin on vLLM's CPU platform (`cpu`)."""
+    """One model's engines: vLLM's own CPU attention (`ref`), the plugin on vLLM's CPU platform (`cpu`), and,
+    where vllm-gaudi is installed, the unified runner in vllm-gaudi's platform on the habana stand-in
+    (`gaudi`, float32 kept; `test_vllm_gaudi.py`)."""
+    import importlib.util
+
     root = tmp_path_factory.mktemp(request.param)
     model = MM.make_model(request.param, str(root / "model"))
-    return request.param, {"ref": run_engine(model, str(root / "ref.json")),
-                           "cpu": run_engine(model, str(root / "cpu.json"), VLLM_GAUDI_UNIFIED="1")}
+    out = {"ref": run_engine(model, str(root / "ref.json")),
+           "cpu": run_engine(model, str(root / "cpu.json"), VLLM_GAUDI_UNIFIED="1"), "gaudi": None}
+    if importlib.util.find_spec("vllm_gaudi") is not None:
+        from test_vllm_gaudi import GAUDI_PLUGINS, _env
+
+        out["gaudi"] = run_engine(model, str(root / "gaudi.json"), "--gaudi-standin",
+                                  **_env(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1"))
+    return request.param, out
 
 
 def test_cpu_platform_matches_vllm_attention(runs):
@@ -85,3 +96,17 @@ def test_cpu_platform_matches_vllm_attention(runs):
     assert "Using the unified attention backend GAUDI_UNIFIED_ATTN" in got["cpu"]["log"]
     worst = assert_same_as_reference(got["cpu"], got["ref"], name)
     print(name, "CPU platform: max |dlogprob| vs vLLM CPU attention", worst)
+
+
+def test_gaudi_path_matches_vllm_attention(runs):
+    """Through vllm-gaudi's runner with unified attention (`hpu_multimodal.py`): the scheduled images encoded
+    into the encoder cache, their rows placed in the flat step's `inputs_embeds` (a chunk cut inside an
+    image takes the rows it covers), M-RoPE positions `[3, T]` for Qwen2-VL, text-only and image requests in
+    one step."""
+    name, got = runs
+    if got["gaudi"] is None:
+        pytest.skip("vllm-gaudi is not installed: scripts/test.sh installs it from "
+                    "../shared/third_party/vllm-gaudi-*.tar.gz or VLLM_GAUDI_SRC")
+    assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["gaudi"]["log"]
+    worst = assert_same_as_reference(got["gaudi"], got["ref"], name)
+    print(name, "Gaudi path: max |dlogprob| vs vLLM CPU attention", worst)
