@@ -80,13 +80,19 @@ def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     model = MM.make_model(request.param, str(root / "model"))
     out = {"ref": run_engine(model, str(root / "ref.json")),
-           "cpu": run_engine(model, str(root / "cpu.json"), VLLM_GAUDI_UNIFIED="1"), "gaudi": None}
+           "cpu": run_engine(model, str(root / "cpu.json"), VLLM_GAUDI_UNIFIED="1"), "gaudi": None,
+           "model": model, "trace": str(root / "gaudi_trace.jsonl")}
     if importlib.util.find_spec("vllm_gaudi") is not None:
-        from test_vllm_gaudi import GAUDI_PLUGINS, _env
-
         out["gaudi"] = run_engine(model, str(root / "gaudi.json"), "--gaudi-standin",
-                                  **_env(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1"))
+                                  **gaudi_env(VLLM_GAUDI_UNIFIED_RECORD_TRACE=out["trace"]))
     return request.param, out
+
+
+def gaudi_env(**extra) -> dict:
+    """The environment of an engine through vllm-gaudi's platform and the unified runner (`test_vllm_gaudi.py`)."""
+    from test_vllm_gaudi import GAUDI_PLUGINS, _env
+
+    return _env(VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1", **extra)
 
 
 def test_cpu_platform_matches_vllm_attention(runs):
@@ -110,3 +116,31 @@ def test_gaudi_path_matches_vllm_attention(runs):
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["gaudi"]["log"]
     worst = assert_same_as_reference(got["gaudi"], got["ref"], name)
     print(name, "Gaudi path: max |dlogprob| vs vLLM CPU attention", worst)
+
+
+def test_gaudi_bucket_plan_covers_multimodal_traffic(runs, tmp_path):
+    """Qwen2-VL's traffic (prompt lengths follow the image sizes) padded to a bucket plan warmed at start-up:
+    the exponential plan for the server's settings plus prompt graphs learned from the unpadded run's trace
+    (`test_vllm_gaudi._warmable_plan`, as `buckets generate --trace` learns them). Warmup runs every bucket
+    through the whole model from `inputs_embeds`, as every serving step of a multimodal model runs; the plan's
+    miss policy is `error`, so a step outside the warmed buckets would stop the engine. Same tokens as vLLM's
+    CPU attention; the test prints the number of graphs the warmup made."""
+    import re
+
+    from test_vllm_gaudi import _warmable_plan
+
+    name, got = runs
+    if got["gaudi"] is None or name != "qwen2_vl":
+        pytest.skip("one model (Qwen2-VL, whose prompt lengths follow the image sizes) with vllm-gaudi installed")
+    plan = str(tmp_path / "plan.json")
+    num = _warmable_plan(plan, max_num_batched_tokens=MM.MAX_NUM_BATCHED_TOKENS, trace=got["trace"])
+    padded = run_engine(got["model"], str(tmp_path / "padded.json"), "--gaudi-standin",
+                        **gaudi_env(VLLM_GAUDI_UNIFIED_BUCKETS=plan, VLLM_LOGGING_LEVEL="DEBUG"))
+    log = padded["log"]
+    assert re.search(r"bucket plan \S+, \d+ buckets, \d+ prompt graphs, miss policy 'error'", log), log[-3000:]
+    assert f"warmed {num} buckets through the model" in log
+    buckets = re.findall(r"unified attention step: phase \S+, bucket (\S+), step shape", log)
+    assert buckets and any(":p" in b for b in buckets), "no step ran in a prompt graph"
+    worst = assert_same_as_reference(padded, got["ref"], name)
+    print(name, f"Gaudi path with a bucket plan: {num} graphs warmed, {len(set(buckets))} used by "
+          f"{len(buckets)} steps; max |dlogprob| vs vLLM CPU attention", worst)
