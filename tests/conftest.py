@@ -32,6 +32,38 @@ def pytest_report_header(config):
     return cpu_features.describe()
 
 
+def pytest_collection_modifyitems(config, items):
+    """`multimodal` tests run where torchvision loads beside torch (the venv scripts/multimodal_venv.sh builds);
+    elsewhere they skip, naming why."""
+    marked = [item for item in items if item.get_closest_marker("multimodal")]
+    reason = marked and torchvision_missing()
+    if reason:
+        skip = pytest.mark.skip(reason=reason)
+        for item in marked:
+            item.add_marker(skip)
+
+
+def torchvision_missing() -> str | None:
+    """Why vLLM's vision models cannot load in this venv, or None. Checked in a child process: a torchvision
+    built for another torch fails halfway through its import and leaves `import transformers` broken."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    where = "the multimodal tests run in the second venv that scripts/test.sh builds (scripts/multimodal_venv.sh)"
+    if os.environ.get("UNIFIED_MULTIMODAL_SKIP"):  # scripts/test.sh: why that venv is missing
+        where += f"; {os.environ['UNIFIED_MULTIMODAL_SKIP']}"
+    if importlib.util.find_spec("torchvision") is None:
+        return f"torchvision is not installed here: {where}"
+    probe = "import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        return f"torchvision does not run beside this torch ({last}): {where}"
+    return None
+
+
 def pytest_terminal_summary(terminalreporter):
     """The CPU features the run saw, in every log (the header is hidden under -q): which reference
     comparisons could run depends on them."""

@@ -37,7 +37,8 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
   (vllm-gaudi's RMSNorm has no fallback either).
 - vLLM: `vllm.multimodal.utils.group_mm_kwargs_by_modality`, the one vLLM name that
   vllm-gaudi's `hpu_model_runner` imports and vLLM 0.32 no longer has (added only when
-  missing; it refuses multimodal inputs, the only case that calls it), and the
+  missing; it refuses, naming 0.32's `group_and_batch_mm_kwargs`: only vllm-gaudi's own multimodal
+  batching calls it, the unified runner's `hpu_multimodal.py` calls 0.32's), and the
   `kernel_block_sizes=` argument vllm-gaudi's input batch passes to vLLM's
   `MultiGroupBlockTable` (0.32 has none; accepted when equal to the block sizes), and
   `MultiModalRegistry.supports_multimodal_inputs(model_config)` (0.32: the model config's
@@ -49,6 +50,8 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
   it raises, naming that case; vllm-gaudi's embedding LoRA layer reads `_embeddings_indices[1]` of the
   `[2, tokens]` layout of earlier vLLM releases, 0.32 keeps that row alone (`[tokens]`): the layer is given a
   view of the punica wrapper with 0.32's tensor as row 1 (`_embedding_lora_reads_row_one`).
+- vllm-gaudi's vision-encoder attention: per image, as its FusedSDPA branch (`per_image_encoder_attention`,
+  for the multimodal tests).
 - vLLM's kernel library: the build this CPU runs, picked as vLLM's CPU platform picks it
   (`Platform.import_kernels`, which vllm-gaudi's platform keeps, imports `vllm._C`: AVX-512 BF16 only).
 - vLLM's model inspection (a child process that would load vllm-gaudi's plugins without the
@@ -305,7 +308,8 @@ def _group_mm_kwargs_by_modality(*args, **kwargs):
     raise NotImplementedError(
         "vllm.multimodal.utils.group_mm_kwargs_by_modality is gone from this vLLM (0.32 has "
         "group_and_batch_mm_kwargs); the habana stand-in only provides the name so that vllm-gaudi's "
-        "hpu_model_runner imports. Multimodal inputs are not supported through it.")
+        "hpu_model_runner imports. vllm-gaudi's own multimodal batching is not supported through it (the "
+        "unified runner's, vllm_plugin/hpu_multimodal.py, calls group_and_batch_mm_kwargs).")
 
 
 def _provide_missing_vllm_names() -> None:
@@ -516,6 +520,26 @@ def stub_vision_only_vllm_models() -> list[str]:
     name = "vllm.model_executor.models.mllama4"
     sys.modules[name] = _module(name, Llama4ForConditionalGeneration=Llama4ForConditionalGeneration)
     return [name]
+
+
+def per_image_encoder_attention() -> None:
+    """vllm-gaudi's vision-encoder attention (`HpuMMEncoderAttention`) as its FusedSDPA branch runs on Gaudi:
+    each image's patches attend among themselves (`cu_seqlens`), output `[batch, seq, heads, head_dim]`.
+    Without FusedSDPA (this stand-in has none) the class falls back to one SDPA over every patch of the batch
+    (`cu_seqlens` unused: two images would attend to each other) and a `[batch, seq, heads * head_dim]` output
+    that vLLM 0.32's Qwen2-VL cannot read. The stand-in gives the class vLLM's own per-image SDPA, which the
+    FusedSDPA branch computes; call after `install()`. (Test only: the text model's attention is untouched.)"""
+    from vllm.v1.attention.ops.vit_attn_wrappers import torch_sdpa_wrapper
+    from vllm_gaudi.ops.hpu_mm_encoder_attention import HpuMMEncoderAttention
+
+    def _forward_sdpa(self, query, key, value, cu_seqlens=None):
+        bsz, q_len = query.shape[:2]
+        q, k, v = self.view_qkv_to_4d(query, key, value, bsz, q_len, key.size(1))
+        # vLLM's torch SDPA per image, called as a function (its custom op is registered for the HPU key here)
+        out = torch_sdpa_wrapper(q, k, v, self.scale, cu_seqlens, enable_gqa=self.num_heads > self.num_kv_heads)
+        return out if query.dim() == 4 else out.reshape(bsz, q_len, -1)
+
+    HpuMMEncoderAttention._forward_sdpa = _forward_sdpa
 
 
 def keep_float32() -> None:

@@ -221,12 +221,16 @@ def test_unserved_models_are_refused_at_start_up(gaudi):  # noqa: F811
 
     from vllm_gaudi_unified.vllm_plugin.hpu_platform import refuse_unserved_models
 
-    def config(mm: bool, lora) -> NS:
+    def config(mm: bool, lora, raw: bool = False, pruning: float = 0.0) -> NS:
         return NS(model_config=NS(is_multimodal_model=mm, architecture="Qwen2_5_VLForConditionalGeneration",
-                                  use_mla=False), lora_config=lora)
+                                  use_mla=False, is_multimodal_raw_input_only_model=raw,
+                                  multimodal_config=NS(video_pruning_rate=pruning)), lora_config=lora)
 
     refuse_unserved_models(config(False, None))
-    with pytest.raises(NotImplementedError, match=r"multimodal inputs \(Qwen2_5_VLForConditionalGeneration: .*"
-                                                  r"inputs_embeds.*VLLM_GAUDI_UNIFIED"):
-        refuse_unserved_models(config(True, None))
+    refuse_unserved_models(config(True, None))  # multimodal: served (tests/test_vllm_multimodal.py)
+    with pytest.raises(NotImplementedError, match=r"multimodal inputs \(Qwen2_5_VLForConditionalGeneration takes "
+                                                  r"raw multimodal inputs.*VLLM_GAUDI_UNIFIED"):
+        refuse_unserved_models(config(True, None, raw=True))
+    with pytest.raises(NotImplementedError, match=r"with video pruning"):
+        refuse_unserved_models(config(True, None, pruning=0.5))
     refuse_unserved_models(config(False, object()))  # LoRA: served (tests/test_vllm_gaudi_lora.py)

@@ -140,10 +140,14 @@ def run_scenario(model: str, out: str, dtype: str = "float32", gaudi_standin: bo
 def gaudi_standin_context(dtype: str):
     """vllm-gaudi's platform, worker and runner on the CPU (tests/habana_standin.py), before vLLM is
     imported; returns the context the engine must run in (the "hpu" device as the CPU)."""
+    import importlib.util
+
     import habana_standin
 
     habana_standin.install(memory_bytes=128 << 20)  # vllm-gaudi sizes the KV cache from the "device" memory
     habana_standin.stub_vision_only_vllm_models()
+    if importlib.util.find_spec("torchvision") is not None:  # the multimodal venv: vision models load
+        habana_standin.per_image_encoder_attention()
     if dtype == "float32":
         habana_standin.keep_float32()
     return habana_standin.hpu_device_as_cpu()

@@ -7,8 +7,8 @@ is vllm-gaudi's. `entry.platform_plugin` names it only where an HPU (or the
 tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
-multimodal models, sparse (DSA) MLA models (`refuse_unserved_models`), speculative decoding
-other than ngram and EAGLE / EAGLE3 (whose drafter runs unified batches, `hpu_eagle.py`), a vllm-gaudi whose
+multimodal models that take raw inputs or prune video tokens (`hpu_multimodal.refused_multimodal`),
+sparse (DSA) MLA models (`refuse_unserved_models`), speculative decoding other than ngram and EAGLE / EAGLE3 (whose drafter runs unified batches, `hpu_eagle.py`), a vllm-gaudi whose
 overridden methods differ from the ones checked
 (`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
 are the backend's to accept (`hpu_backend.py`). Async scheduling runs as vllm-gaudi
@@ -24,6 +24,7 @@ from vllm_gaudi.platform import HpuPlatform
 
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.vllm_plugin.hpu_eagle import EAGLE_METHODS
+from vllm_gaudi_unified.vllm_plugin.hpu_multimodal import refused_multimodal
 from vllm_gaudi_unified.vllm_plugin.platform import select_unified_backend
 
 logger = get_logger("vllm.gaudi_unified.hpu_platform")
@@ -54,6 +55,7 @@ VLLM_GAUDI_HOOKS = {
         "_run_sampling": ["batch_changed", "logits_device", "request_ids", "pad_to", "logits_requests"],
         "propose_ngram_draft_token_ids": ["sampled_token_ids"],
         "_configure_lora": ["input", "requests", "req_ids", "is_prompt"],
+        "_get_model_mm_inputs": ["token_ids", "total_num_scheduled_tokens", "scheduler_output", "req_ids"],
         "set_active_loras": ["lora_requests", "lora_mapping"],
         "_get_prompt_logprobs_dict": ["prefill_hidden_states", "scheduler_output"],
         "propose_draft_token_ids": ["scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
@@ -114,10 +116,8 @@ def refuse_unserved_models(vllm_config) -> None:
     """Start-up errors, naming the model feature, for what vllm-gaudi serves and the unified runner not yet."""
     model = vllm_config.model_config
     problems = []
-    if model is not None and model.is_multimodal_model:
-        problems.append(f"multimodal inputs ({model.architecture}: vllm-gaudi runs the vision encoder and builds "
-                        "inputs_embeds / multimodal kwargs / M-RoPE positions inside its own prefill batching, "
-                        "which the unified runner replaces)")
+    if model is not None and model.is_multimodal_model and (why := refused_multimodal(model)):
+        problems.append(f"multimodal inputs ({why})")
     topk = getattr(getattr(model, "hf_text_config", None), "index_topk", None) if model is not None else None
     if model is not None and model.use_mla and topk is not None:
         problems.append(f"sparse (DSA) MLA layers (index_topk {topk}: vllm-gaudi builds them as dense MLA, exact "

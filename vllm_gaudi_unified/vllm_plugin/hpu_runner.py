@@ -21,7 +21,9 @@ defragmenter) and replaces the step's forward plan:
   in lazy mode), instead of vllm-gaudi's prompt/decode buckets;
 - `initialize_kv_cache`: one `StepHooks` per KV cache group, its layers by attention kind (`hpu_kinds.py`;
   an encoder-only group, which has no block table, plans bidirectional steps);
-- `_configure_lora`, `_get_prompt_logprobs_dict`: LoRA adapters per token of the flat step (`hpu_lora.py`).
+- `_configure_lora`, `_get_prompt_logprobs_dict`: LoRA adapters per token of the flat step (`hpu_lora.py`);
+- `_get_model_mm_inputs`, M-RoPE positions in `step_inputs`: images of multimodal models as the flat step's
+  `inputs_embeds` (`hpu_multimodal.py`).
 
 vllm-gaudi's `sample_tokens` then samples and returns outputs as it always does:
 the unified batch is its single prefill batch.
@@ -52,6 +54,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_eagle import EAGLE_METHODS, drafter_adap
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_encoder_only, plan_kinds, table_indices
 from vllm_gaudi_unified.vllm_plugin.hpu_models import load_shape_fixes
 from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, prompt_logprobs_by_request
+from vllm_gaudi_unified.vllm_plugin.hpu_multimodal import mrope_positions, step_inputs_embeds
 from vllm_gaudi_unified.vllm_plugin.hpu_warmup import UnifiedWarmup
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
 from vllm_gaudi_unified.vllm_plugin.hpu_step import (
@@ -283,8 +286,10 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         token_ids = self.input_batch.token_ids_cpu.reshape(-1)[req_index * width + positions]
         token_ids[step.num_tokens:] = 0
         token_ids = token_ids.astype(np.int64)
+        if self.uses_mrope:  # [3, padded] (hpu_multimodal.py)
+            positions = mrope_positions(self.requests, step, positions)
         return (token_ids, torch.from_numpy(token_ids).view(1, -1).to(self.device),
-                torch.from_numpy(positions).view(1, -1).to(self.device))
+                torch.from_numpy(positions).view(-1 if self.uses_mrope else 1, padded).to(self.device))
 
     def _last_sampled_on_device(self, step: HpuStep, tokens_device: torch.Tensor) -> None:
         """Async scheduling: a request of the previous step that sampled there brings that token as its last
@@ -340,6 +345,12 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         if self.use_aux_hidden_state_outputs:
             return hidden
         return hidden, None
+
+    def _get_model_mm_inputs(self, token_ids, total_num_scheduled_tokens, scheduler_output, req_ids):
+        """Multimodal models: the flat step's `inputs_embeds`, images encoded and placed (`hpu_multimodal.py`)."""
+        if not self.supports_mm_inputs:
+            return None, None
+        return step_inputs_embeds(self, token_ids, self.last_step, scheduler_output), None
 
     def _configure_lora(self, input, requests, req_ids, is_prompt):
         """vllm-gaudi's LoRA mapping and mask, one adapter per token of the flat step (`hpu_lora.py`); the

@@ -11,6 +11,7 @@ from vllm_gaudi.extension.defragmentation import OnlineDefragmenter
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionBackend, UnifiedHpuMetadata
 from vllm_gaudi_unified.vllm_plugin.hpu_lora import no_adapter_mask
+from vllm_gaudi_unified.vllm_plugin.hpu_multimodal import text_inputs_embeds
 
 logger = get_logger("vllm.gaudi_unified.hpu_runner")
 
@@ -68,15 +69,19 @@ class UnifiedWarmup:
                                      kind.window, self.device)
                 metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in names})
         tokens = torch.zeros((1, bucket.query_len), dtype=torch.int64, device=self.device)
+        positions = torch.zeros((3 if self.uses_mrope else 1, bucket.query_len), dtype=torch.int64, device=self.device)
         self.unified_warmed.add(bucket)  # the forward below captures its graph (lazy mode)
         if self.is_pooling_model:  # no logits; its pooler runs after the forward
             from vllm_gaudi_unified.vllm_plugin.hpu_pooling import pooling_forward
 
-            return pooling_forward(self, tokens, tokens.clone(), metadata)
+            return pooling_forward(self, tokens, positions, metadata)
         mask = no_adapter_mask(self, bucket.query_len)
-        _, _, _, logits = self._execute_model_generic(tokens, tokens.clone(), metadata,
+        # A multimodal model's steps all run from inputs_embeds (`hpu_multimodal.py`): its graphs take them too.
+        embeds = text_inputs_embeds(self, tokens) if self.supports_mm_inputs else None
+        _, _, _, logits = self._execute_model_generic(tokens, positions, metadata,
                                                       torch.zeros(1, dtype=torch.int64, device=self.device),
-                                                      self.kv_caches, mask, mask, warmup_mode=True)
+                                                      self.kv_caches, mask, mask, warmup_mode=True,
+                                                      inputs_embeds=embeds)
         return logits
 
     def _warm_attention_only(self) -> None:
