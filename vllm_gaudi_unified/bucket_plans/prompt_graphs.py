@@ -23,8 +23,9 @@ import numpy as np
 from vllm_gaudi_unified.bucket import Bucket, pow2
 from vllm_gaudi_unified.plan.options import on_route
 
-#: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm).
-DEFAULT_PROMPT_GRAPHS = 64
+#: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm): with a robust
+#: plan's 44 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all.
+DEFAULT_PROMPT_GRAPHS = 56
 
 
 def prompt_work(b: Bucket, block_size: int) -> int:

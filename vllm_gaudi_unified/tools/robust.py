@@ -63,6 +63,9 @@ from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes
 from vllm_gaudi_unified.bucket_plans.trace import step_lines
 
 Q, S, U, L, C = range(5)
+#: Buckets of a robust plan unless told otherwise: with `prompt_graphs.DEFAULT_PROMPT_GRAPHS` 100 graphs in all
+#: (the skeleton's four chains take 12 of them at the 8B Gaudi-3 setting).
+DEFAULT_ROBUST_GRAPHS = 44
 #: Fractions of a step's requests kept to see it at lower loads.
 LOAD_FRACTIONS = (0.5, 0.25, 0.0625)
 
@@ -125,7 +128,7 @@ def skeleton(points: np.ndarray, own_cost: np.ndarray, top: np.ndarray, weights:
 
 
 def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: ModelSpec | None = None,
-                hardware: Hardware | None = None, max_graphs: int = 27, worst: float | None = None,
+                hardware: Hardware | None = None, max_graphs: int = DEFAULT_ROBUST_GRAPHS, worst: float | None = None,
                 skeleton_ratio: float = 32.0, resolution: float = 3.0, margin: float = 0.1,
                 total_share: float = 1.0, source_weights=None, cap: GatherCap | None = None, local_search: bool = True,
                 sources: list | None = None) -> BucketPlan:
