@@ -95,17 +95,29 @@ def _choose(hits: Counter, count: int, block_size: int) -> list[Bucket]:
     return chosen
 
 
-def prompt_shapes(plan, steps):
-    """The shape of each step of `steps` (TraceSteps) that has prompts, planned on the prompt route."""
+def prompt_shapes(plan, steps, every: bool = False):
+    """The shape of each step of `steps` (TraceSteps) that has prompts, planned on the prompt route;
+    `every`: one per step, None for a step without prompts."""
     from vllm_gaudi_unified.plan import plan_step
 
     s = plan.settings
     options = on_route(s.options, "dense")
     for step in steps:
+        if int(step.query_lens.max()) < 2:  # a decode step never takes the prompt route
+            if every:
+                yield None
+            continue
         shape = plan_step(step.query_lens, step.context_lens, step.block_table(), step.block_size,
                           sliding_window=s.sliding_window, options=options).shape
-        if shape.num_prompts:
-            yield shape
+        if shape.num_prompts or every:
+            yield shape if shape.num_prompts else None
+
+
+def on_prompt_graphs(plan, steps) -> np.ndarray:
+    """Bool per step of `steps`: whether it runs in one of `plan`'s prompt graphs (so its tiled shape
+    needs no bucket)."""
+    return np.array([g is not None and plan.prompt_graph(g) is not None for g in prompt_shapes(plan, steps, True)],
+                    bool)
 
 
 def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) -> tuple[list[Bucket], dict]:
