@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
 import sys
 import tarfile
 import types
@@ -176,23 +177,83 @@ def _common_args(vg, scale, key_cache, value_cache, block_list, block_size):
                 sinks=None, k_scales=None, v_scales=None)
 
 
-def decode_metadata(blocks, seq_lens, block_size, device, dtype):
-    """What the v1 runner builds for a decode batch: block_list, block_groups, block_mapping, block_bias."""
+def exp_range(lo: int, step: int, hi: int, count: int) -> list[int]:
+    """vllm-gaudi's exponential bucket values of one dimension (`bucketing/exponential.py`, its default
+    strategy): `count` points from `lo` to `hi` spaced evenly in log scale, each rounded up to `step`; a
+    `lo` of 0 or 1 starts the spacing at `step` and keeps `lo` as a value of its own."""
+    start = step if lo in (0, 1) else lo
+    out = {lo} if lo in (0, 1) else set()
+    if count <= 1:
+        return [hi]
+    out |= {int(math.ceil(start * (hi / start) ** (i / (count - 1)) / step)) * step for i in range(count)}
+    values = sorted(out)
+    values[-1] = min(values[-1], hi)
+    return values
+
+
+@dataclass(frozen=True)
+class ExpBuckets:
+    """vllm-gaudi's default `exp` buckets for a server (prompt: batch, query length, context blocks; decode:
+    batch, blocks), each dimension padded up on its own to its next value (its `find` takes the smallest
+    generated bucket at least the step in every dimension; per dimension is that or smaller)."""
+
+    prompt_bs: list
+    prompt_query: list
+    prompt_ctx: list
+    decode_bs: list
+    decode_blocks: list
+
+    @classmethod
+    def for_server(cls, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
+                   num_blocks: int) -> "ExpBuckets":
+        lg = lambda x: math.ceil(math.log2(max(x, 2)))  # noqa: E731
+        long_ctx = max_model_len >= 8192
+        max_ctx = max(1, (max_model_len - (max_num_batched_tokens if long_ctx else block_size)) // block_size)
+        dec_blocks = min(-(-max_model_len // block_size) * max_num_seqs, 3 * num_blocks)
+        return cls(exp_range(1, 2, max_num_seqs, lg(max_num_seqs) + 1),
+                   exp_range(block_size, block_size, max_num_batched_tokens, lg(max_num_batched_tokens)),
+                   exp_range(0, 1, max_ctx, 2 if max_ctx == 1 else lg(max_ctx) + 1),
+                   exp_range(1, 2, max_num_seqs, lg(max_num_seqs) + 1),
+                   exp_range(1, max_num_seqs, dec_blocks, lg(dec_blocks) + 1))
+
+    @staticmethod
+    def up(value: int, values: list) -> int:
+        """The smallest of `values` at least `value` (the value itself past the largest: a new graph)."""
+        return next((v for v in values if v >= value), value)
+
+
+def decode_metadata(blocks, seq_lens, block_size, device, dtype, pad_to: tuple[int, int] | None = None):
+    """What the v1 runner builds for a decode batch: block_list, block_groups, block_mapping, block_bias;
+    `pad_to` = (batch, blocks): padded as its buckets pad it (padding blocks in a group of their own past the
+    batch, one slot visible so no block's softmax is empty; padding requests have no block)."""
     counts = [-(-s // block_size) for s in seq_lens]
     block_list = torch.cat([torch.as_tensor(b[:n]) for b, n in zip(blocks, counts)]).to(device)
     groups = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(device)
     usage = torch.tensor([min(block_size, s - i * block_size) for s, n in zip(seq_lens, counts) for i in range(n)],
                          device=device)
+    if pad_to is not None:
+        batch, nb = max(pad_to[0], len(counts)), max(pad_to[1], block_list.numel())
+        extra = nb - block_list.numel()
+        block_list = torch.cat([block_list, torch.zeros(extra, dtype=block_list.dtype, device=device)])
+        groups = torch.cat([groups, torch.full((extra,), batch, dtype=groups.dtype, device=device)])
+        usage = torch.cat([usage, torch.ones(extra, dtype=usage.dtype, device=device)])
+        mapping = F.one_hot(groups, num_classes=batch + 1)[:, :batch].to(dtype)
+        mask = torch.arange(block_size, device=device)[None, :] >= usage[:, None]
+        bias = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(mask, -math.inf)
+        return block_list, groups, mapping, bias
     mapping = F.one_hot(groups, num_classes=len(counts)).to(dtype)
     mask = torch.arange(block_size, device=device)[None, :] >= usage[:, None]
     bias = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(mask, -math.inf)
     return block_list, groups, mapping, bias
 
 
-def prefill_metadata(blocks, query_lens, context_lens, block_size, device, dtype):
-    """A prefill batch: padded length, context blocks padded per request, and `_set_attn_bias`'s mask."""
+def prefill_metadata(blocks, query_lens, context_lens, block_size, device, dtype, pad_to: tuple | None = None):
+    """A prefill batch: padded length, context blocks padded per request, and `_set_attn_bias`'s mask;
+    `pad_to` = (query length, context blocks): the padded sizes (the batch is padded by the caller)."""
     b, s = len(query_lens), max(query_lens)
     ctx_blocks = max(-(-c // block_size) for c in context_lens)
+    if pad_to is not None:
+        s, ctx_blocks = max(s, pad_to[0]), max(ctx_blocks, pad_to[1])
     if ctx_blocks == 0:
         return s, None, None
     table = torch.zeros(b, ctx_blocks, dtype=torch.long)
@@ -211,12 +272,15 @@ def prefill_metadata(blocks, query_lens, context_lens, block_size, device, dtype
     return s, block_list, bias
 
 
-def build(query, key, value, key_cache, value_cache, query_lens, context_lens, blocks, scale):
+def build(query, key, value, key_cache, value_cache, query_lens, context_lens, blocks, scale,
+          buckets: ExpBuckets | None = None):
     """A zero-argument callable running vllm-gaudi's algorithms for this step, returning `[T, Hq, D]`.
 
     The new tokens' K/V are written into their cache slots here, once (vllm-gaudi does it
     before attention each layer; untimed, as for the other baselines). Requests with one new
-    token are the decode batch; the others the prefill batch."""
+    token are the decode batch; the others the prefill batch. `buckets`: both batches padded to
+    vllm-gaudi's own buckets (padding prompts of one token over no context, padding decodes without
+    blocks; their rows dropped)."""
     vg = load_vllm_gaudi()
     ops = vg.ops
     device, dtype = query.device, query.dtype
@@ -236,13 +300,20 @@ def build(query, key, value, key_cache, value_cache, query_lens, context_lens, b
     pre = [r for r, q in enumerate(query_lens) if q > 1]
     steps = []
     if pre:
-        qls, cls = [query_lens[r] for r in pre], [context_lens[r] for r in pre]
-        s, block_list, bias = prefill_metadata([blocks[r] for r in pre], qls, cls, bs, device, dtype)
+        qls, cls, pblocks = [query_lens[r] for r in pre], [context_lens[r] for r in pre], [blocks[r] for r in pre]
+        pad = None
+        if buckets is not None:
+            n = ExpBuckets.up(len(pre), buckets.prompt_bs) - len(pre)
+            qls, cls, pblocks = qls + [1] * n, cls + [0] * n, pblocks + [[0]] * n
+            pad = (ExpBuckets.up(max(qls), buckets.prompt_query),
+                   ExpBuckets.up(max(-(-c // bs) for c in cls), buckets.prompt_ctx))
+        s, block_list, bias = prefill_metadata(pblocks, qls, cls, bs, device, dtype, pad)
         # token index of each padded [request, position] slot (pad: the first token, dropped after)
-        idx = torch.zeros(len(pre), s, dtype=torch.long)
+        idx = torch.zeros(len(qls), s, dtype=torch.long)
         for i, r in enumerate(pre):
             idx[i, :query_lens[r]] = torch.arange(starts[r], starts[r] + query_lens[r])
         valid = torch.arange(s)[None, :] < torch.tensor(qls)[:, None]
+        valid[len(pre):] = False  # padding prompts: computed, dropped
         dest, picked = idx[valid].to(device), valid.flatten().nonzero()[:, 0].to(device)  # host-side: graphs
         idx = idx.to(device)
         prefill_args = _common_args(vg, scale, kc, vc, block_list, bs)
@@ -252,20 +323,27 @@ def build(query, key, value, key_cache, value_cache, query_lens, context_lens, b
             out = ops.prompt_attention(impl=CONFIG.prompt_attn_impl, query=query[idx], key=key[idx], value=value[idx],
                                        is_causal=True, attn_bias=bias, position_bias=None, valid_seq_lengths=seq_t,
                                        **prefill_args)
-            return dest, out.reshape(len(pre) * s, hq, d)[picked]
+            return dest, out.reshape(len(qls) * s, hq, d)[picked]
         steps.append(prefill)
     if dec:
         seq_lens = [context_lens[r] + 1 for r in dec]
-        dec_blocks, groups, mapping, block_bias = decode_metadata([blocks[r] for r in dec], seq_lens, bs, device, dtype)
+        pad = None
+        if buckets is not None:
+            pad = (ExpBuckets.up(len(dec), buckets.decode_bs),
+                   ExpBuckets.up(sum(-(-s // bs) for s in seq_lens), buckets.decode_blocks))
+        dec_blocks, groups, mapping, block_bias = decode_metadata([blocks[r] for r in dec], seq_lens, bs, device, dtype,
+                                                                  pad)
+        batch = mapping.shape[1]
         decode_args = _common_args(vg, scale, kc, vc, dec_blocks, bs)
         for k in ("fsdpa_op", "softmax_op"):
             decode_args.pop(k)
         rows = torch.tensor([starts[r] for r in dec], device=device)
+        q_rows = torch.cat([rows, rows[:1].expand(batch - len(dec))])  # padding decodes: the first one's query
 
         def decode():
-            out = ops.flat_pa(query=query[rows].reshape(len(dec), 1, hq * d), block_mapping=mapping, block_bias=block_bias,
-                              block_groups=groups, position_bias=None, **decode_args)
-            return rows, out.reshape(len(dec), hq, d)
+            out = ops.flat_pa(query=query[q_rows].reshape(batch, 1, hq * d), block_mapping=mapping,
+                              block_bias=block_bias, block_groups=groups, position_bias=None, **decode_args)
+            return rows, out.reshape(batch, hq, d)[:len(dec)]
         steps.append(decode)
 
     def run():

@@ -20,10 +20,10 @@ def trace(tmp_path_factory):
 
 def test_round_trip(tmp_path, trace, capsys):
     plan_path = str(tmp_path / "plan.json")
-    assert main(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "6", "--jobs", "1",
+    assert main(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "8", "--jobs", "1",
                  "--miss-policy", "largest", "-o", plan_path, "--no-progress"]) == 0
     plan = BucketPlan.load(plan_path)
-    assert len(plan) <= 6 and plan.miss_policy == "largest" and plan.settings.block_size == 16
+    assert len(plan) <= 8 and plan.miss_policy == "largest" and plan.settings.block_size == 16
     assert plan.covers_limits()
     capsys.readouterr()
     assert main(["buckets", "show", plan_path]) == 0
@@ -163,12 +163,12 @@ def test_generate_takes_the_settings_from_the_trace_header(tmp_path, trace):
     block_size 128`, 13 flags to retype). The header's settings (the simulator's `scheduler`, the plugin's
     top-level keys) are the base; flags override them; --preset replaces them."""
     plan_path = str(tmp_path / "plan.json")
-    assert main(["buckets", "generate", "--trace", trace, "--max-graphs", "6", "--jobs", "1", "-o", plan_path,
+    assert main(["buckets", "generate", "--trace", trace, "--max-graphs", "8", "--jobs", "1", "-o", plan_path,
                  "--no-progress"]) == 0
     s = BucketPlan.load(plan_path).settings
     assert (s.block_size, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, s.num_blocks) == \
         (16, 8, 128, 1024, 400)
-    assert main(["buckets", "generate", "--trace", trace, "--max-num-seqs", "4", "--max-graphs", "6", "--jobs", "1",
+    assert main(["buckets", "generate", "--trace", trace, "--max-num-seqs", "4", "--max-graphs", "8", "--jobs", "1",
                  "-o", plan_path, "--no-progress"]) == 0
     assert BucketPlan.load(plan_path).settings.max_num_seqs == 4
     assert main(["buckets", "generate", "--preset", "llama8b-gaudi3", "--trace", trace, "--jobs", "1",
@@ -183,7 +183,7 @@ def test_generate_takes_the_settings_from_the_trace_header(tmp_path, trace):
                                        "num_blocks": 512, "sliding_window": None}) as w:
         for step in steps:
             w.write(step)
-    assert main(["buckets", "generate", "--trace", recorded, "--max-graphs", "6", "--jobs", "1", "-o", plan_path,
+    assert main(["buckets", "generate", "--trace", recorded, "--max-graphs", "8", "--jobs", "1", "-o", plan_path,
                  "--no-progress"]) == 0
     s = BucketPlan.load(plan_path).settings
     assert (s.max_num_seqs, s.max_num_batched_tokens, s.num_blocks) == (16, 256, 512)
@@ -199,7 +199,7 @@ def test_generate_shows_progress_while_it_simulates():
 
     with tempfile.TemporaryDirectory() as d:
         r = subprocess.run([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "generate", *SMALL, "--seeds", "1",
-                            "--max-graphs", "6", "--jobs", "1", "-o", os.path.join(d, "plan.json")],
+                            "--max-graphs", "8", "--jobs", "1", "-o", os.path.join(d, "plan.json")],
                            capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert r.returncode == 0, r.stderr

@@ -201,3 +201,23 @@ def test_limits_cover_random_steps_with_one_shared_prefix(data):
         table[r, prefix:need[r]] = ids[start:start + own[r]]
     shape = plan_step(q, ctx, table, bs, num_blocks=s.num_blocks).shape
     assert (np.array([getattr(shape, d) for d in DIMS]) <= s.limits()).all(), shape
+
+
+def test_a_step_takes_a_bucket_of_its_own_phase_where_one_covers_it():
+    """Issue 35: a decode step (`-su`, `--u`) never pays for a path it does not have, even where the work
+    model finds a bucket with that path cheaper; a phase no bucket of the plan covers takes the cheapest
+    covering bucket of any phase. `find_all` picks as `find` does."""
+    settings = ServerSettings(block_size=16, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
+                              num_blocks=4096)
+    small_csu = Bucket("csu", 64, 32, 64, 64, 1)
+    su = Bucket("-su", 64, 256, 512, 64, 0)
+    u = Bucket("--u", 64, 0, 512, 64, 0)
+    plan = BucketPlan([small_csu, su, u], settings)
+    assert plan.cost_model.bucket_cost(small_csu) < plan.cost_model.bucket_cost(u)  # the model's cheapest
+    steps = [Bucket("-su", 32, 8, 40, 32, 0), Bucket("--u", 32, 0, 40, 32, 0), Bucket("c-u", 40, 0, 30, 4, 1)]
+    want = [su, u, small_csu]
+    assert [plan.find(s) for s in steps] == want
+    idx = plan.find_all(np.array([s.sizes for s in steps]))
+    assert [plan.buckets[i] for i in idx] == want
+    only_csu = BucketPlan([small_csu, Bucket("csu", 64, 256, 512, 64, 2)], settings)
+    assert only_csu.find(steps[0]) == small_csu  # no -su bucket: the cheapest covering one

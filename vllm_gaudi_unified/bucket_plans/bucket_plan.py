@@ -1,11 +1,17 @@
 """The bucket plan: the set of compiled shapes, and `find`, which runs every step.
 
 `find(shape)` returns the cheapest bucket (by the plan's work model) whose every
-size is at least the step's. It runs each step, so it is a few bit operations:
+size is at least the step's, of the step's own phase where one covers it: a
+step without causal tiles (a decode step, `-su` or `--u`) never pays for a path
+it does not have, however cheap the model thinks a bucket with that path is
+(bucket plans learned by `tools/robust.py` hold a chain of buckets for each
+phase up to the settings' limits, so one always covers). Only a phase the plan
+has no covering bucket for falls back to the cheapest covering bucket of any
+phase. It runs each step, so it is a few bit operations:
 buckets are numbered by cost, and for each dimension and each distinct bucket
 value the plan keeps a bit mask (a Python int) of the buckets at least that
-large. A step's value is located by `bisect` in each dimension, the five masks
-are ANDed, and the lowest set bit is the cheapest covering bucket.
+large, and one mask per phase. A step's value is located by `bisect` in each dimension, the five masks
+are ANDed (then with its phase's, unless that leaves none), and the lowest set bit is the cheapest covering bucket.
 
 A step that no bucket covers is a *miss*, handled by the plan's miss policy,
 never silently:
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket import PROMPT_FIELDS, Bucket, bucket_from_sizes, with_prompts
+from vllm_gaudi_unified.bucket import PHASES, PROMPT_FIELDS, Bucket, bucket_from_sizes, codes_of, with_prompts
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.prompt_graphs import PromptGraphs
 from vllm_gaudi_unified.plan.options import on_route
@@ -137,6 +143,8 @@ class BucketPlan:
                 masks.append(m)
             self._values.append(values)
             self._masks.append(masks)
+        codes = codes_of(self.sizes)
+        self._phase_masks = [sum(1 << int(i) for i in np.flatnonzero(codes == c)) for c in range(len(PHASES))]
         self._largest = self.buckets[int(np.argmax(self.costs))]
         self._misses_logged = 0
 
@@ -144,7 +152,8 @@ class BucketPlan:
         return len(self.buckets)
 
     def find_sizes(self, q: int, s: int, u: int, l: int, c: int) -> int:
-        """Index (into `buckets`) of the cheapest bucket covering these sizes; -1 if none."""
+        """Index (into `buckets`) of the cheapest bucket covering these sizes, of their phase where one
+        covers them; -1 if none."""
         vals, masks = self._values, self._masks
         i = bisect_left(vals[0], q)
         if i == len(vals[0]):
@@ -157,6 +166,8 @@ class BucketPlan:
             m &= masks[d][i]
         if not m:
             return -1
+        own = m & self._phase_masks[(4 if c > 0 else 0) | (2 if s > 0 else 0) | (1 if u > 0 else 0)]
+        m = own or m
         return (m & -m).bit_length() - 1
 
     def find(self, shape: Bucket) -> Bucket | None:
@@ -174,9 +185,11 @@ class BucketPlan:
         return self._miss(shape)
 
     def find_all(self, sizes: np.ndarray) -> np.ndarray:
-        """Bucket index per shape [N, 5] (-1 = miss, whatever the policy); vectorised over steps."""
-        sizes = np.asarray(sizes, dtype=np.int64)
+        """Bucket index per shape [N, 5] (-1 = miss, whatever the policy), as `find_sizes` picks it; vectorised
+        over steps."""
+        sizes = np.asarray(sizes, dtype=np.int64).reshape(-1, len(DIMS))
         best = np.full(len(sizes), -1, np.int64)
+        codes, bucket_codes = codes_of(sizes), codes_of(self.sizes)
         # Buckets are sorted by cost: the first covering one wins. Chunked to bound memory.
         for start in range(0, len(sizes), 4096):
             part = sizes[start:start + 4096]
@@ -184,6 +197,8 @@ class BucketPlan:
             for d in range(len(DIMS)):
                 cover &= self.sizes[None, :, d] >= part[:, None, d]
             hit = cover.any(1)
+            own = cover & (bucket_codes[None, :] == codes[start:start + len(part), None])
+            cover = np.where(own.any(1, keepdims=True), own, cover)
             best[start:start + len(part)] = np.where(hit, cover.argmax(1), -1)
         return best
 

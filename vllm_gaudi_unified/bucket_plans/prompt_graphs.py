@@ -23,8 +23,9 @@ import numpy as np
 from vllm_gaudi_unified.bucket import Bucket, pow2
 from vllm_gaudi_unified.plan.options import on_route
 
-#: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm).
-DEFAULT_PROMPT_GRAPHS = 64
+#: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm): with a robust
+#: plan's 44 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all.
+DEFAULT_PROMPT_GRAPHS = 56
 
 
 def prompt_work(b: Bucket, block_size: int) -> int:
@@ -94,17 +95,29 @@ def _choose(hits: Counter, count: int, block_size: int) -> list[Bucket]:
     return chosen
 
 
-def prompt_shapes(plan, steps):
-    """The shape of each step of `steps` (TraceSteps) that has prompts, planned on the prompt route."""
+def prompt_shapes(plan, steps, every: bool = False):
+    """The shape of each step of `steps` (TraceSteps) that has prompts, planned on the prompt route;
+    `every`: one per step, None for a step without prompts."""
     from vllm_gaudi_unified.plan import plan_step
 
     s = plan.settings
     options = on_route(s.options, "dense")
     for step in steps:
+        if int(step.query_lens.max()) < 2:  # a decode step never takes the prompt route
+            if every:
+                yield None
+            continue
         shape = plan_step(step.query_lens, step.context_lens, step.block_table(), step.block_size,
                           sliding_window=s.sliding_window, options=options).shape
-        if shape.num_prompts:
-            yield shape
+        if shape.num_prompts or every:
+            yield shape if shape.num_prompts else None
+
+
+def on_prompt_graphs(plan, steps) -> np.ndarray:
+    """Bool per step of `steps`: whether it runs in one of `plan`'s prompt graphs (so its tiled shape
+    needs no bucket)."""
+    return np.array([g is not None and plan.prompt_graph(g) is not None for g in prompt_shapes(plan, steps, True)],
+                    bool)
 
 
 def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) -> tuple[list[Bucket], dict]:

@@ -44,6 +44,7 @@ from vllm_gaudi_unified.merge import Partial, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend
+from vllm_gaudi_unified.plan.prompts import SPLIT_MIN_PAIRS
 
 
 def final_rows(batch, query: torch.Tensor, soft_cap: float | None, sinks) -> bool:
@@ -57,11 +58,7 @@ def final_rows(batch, query: torch.Tensor, soft_cap: float | None, sinks) -> boo
 #: measurements). Graphs and compiled functions keep the form they were made under
 #: (`graphs.bucket_key` includes it).
 SPLIT_CONTEXT: bool | None = env_flag("VLLM_GAUDI_UNIFIED_PROMPT_SPLIT")
-#: The grid's rows x context keys (`P * Qp * Cb * block_size`) from which the split form is the default. Below
-#: it the second call, the merge and the copies cost more than the masked pairs they save: measured on an
-#: H100 over 200 steps of the chat trace (`python -m benchmarks.trace_steps`; 32 query heads), the split
-#: form lost 20-100 us a step up to 2M such pairs and won from 4M (2 x 2k over 6k, 25M: 1.69 -> 1.24 ms).
-SPLIT_MIN_PAIRS = 1 << 22
+#: `SPLIT_MIN_PAIRS` (`plan/prompts.py`, where the planned work counts it): from that grid size on the split form.
 
 
 def split_context(batch, same_head_dims: bool = True) -> bool:

@@ -20,8 +20,8 @@ computed exactly once:
 * **shared**: cache blocks needed by more than one query token (a chunk over its
   own context, a prefix common to several requests). Blocks are grouped by the
   set of requests that use them and each group is cut into tiles of
-  `tile_rows` query tokens (the step's largest group's, within the options'
-  bounds) x `blocks_per_tile` blocks, so a prefix common to 64 decodes is one
+  `tile_rows` query tokens (what costs least over the step's groups, within the
+  options' bounds) x `blocks_per_tile` blocks, so a prefix common to 64 decodes is one
   row chunk, read once for all 64, and no token meets a block it cannot see;
 * **unique**: cache blocks needed by exactly one query token (the usual decode),
   one row per block, computed per block rather than per token; either the
@@ -55,7 +55,7 @@ from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, ch
 from vllm_gaudi_unified.plan.buffers import FRESH, PlanBuffers
 from vllm_gaudi_unified.plan.decode_shared import repeated, split_shared
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
-from vllm_gaudi_unified.plan.prompts import (bucket_grid, pad_prompts, plan_prompts, prompt_grid, prompt_ragged,
+from vllm_gaudi_unified.plan.prompts import (bucket_grid, fill_grid, pad_prompts, plan_prompts, prompt_grid, prompt_ragged,
                                              prompt_requests)
 from vllm_gaudi_unified.plan.rules import MAX_SLICE_BLOCKS, causal_spans, shared_pairs, unique_reads_slice
 from vllm_gaudi_unified.plan.shared import plan_shared
@@ -88,7 +88,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
     pair_req, pair_blk, phys, counts, max_block_id = cached_pairs(ctx, nb_ctx, bt, bs, W, num_blocks)
     sel = None  # requests on the prompt route (plan/prompts.py): their pairs leave the tiled paths
     if not decodes and W is None and opts.prompt_route == "dense":
-        sel = prompt_requests(q, ctx, pair_req, phys, max_block_id, units)
+        sel = fill_grid(prompt_requests(q, ctx, pair_req, phys, max_block_id, units), q, nb_ctx, bs)
         if sel.any():
             keep = ~sel[pair_req]
             pair_req, pair_blk, phys = pair_req[keep], pair_blk[keep], phys[keep]

@@ -14,6 +14,12 @@ TILE_LIMITS = {"causal_tile": 4096, "shared_rows": 1 << 20, "shared_rows_max": 1
                "unique_tokens": 64}
 
 
+#: A shared tile's gather of its blocks, in rows of scores over them (`PlanOptions.tile_rows`): reading a
+#: block's keys and values costs about what 16 query rows' products against it do (the 8-row tiles of a
+#: 64-request prefix took 0.139 ms against 0.115 in 16-row tiles, Gaudi route, H100, issue 23).
+GATHER_ROWS = 4
+
+
 #: Routes of a request with two or more new tokens: one padded fused call over its context and new keys
 #: ('dense', `plan/prompts.py`), or the causal + shared + unique tiles ('tiles').
 PROMPT_ROUTES = ("dense", "tiles")
@@ -27,8 +33,8 @@ class PlanOptions:
     """Tile sizes and choices of the planner; one graph per bucket *and* options."""
 
     causal_tile: int = 64  #: query rows = key columns of a causal tile
-    #: query rows of a shared tile, the fewest: a step's tiles take its largest group's rows (a prefix common to
-    #: 64 decodes: one 64-row tile per key chunk, its blocks gathered once), rounded up to a power of two,
+    #: query rows of a shared tile, the fewest: a step's tiles take the rows that cost least over its groups (a
+    #: prefix common to 64 decodes: one 64-row tile per key chunk, its blocks gathered once), a power of two
     #: within [shared_rows, shared_rows_max] (`tile_rows`); the plan records the rows it chose (`with_tile_rows`).
     #: 16, the rows bucket plans fix: decode groups sharing a prefix are often 2-16 requests (parallel
     #: sampling n <= 16, a system prompt's users), and such a group in one row tile reads its prefix once
@@ -71,16 +77,27 @@ class PlanOptions:
         if not isinstance(self.batch_invariant, (bool, np.bool_)):
             raise ValueError(f"PlanOptions.batch_invariant must be a bool, got {self.batch_invariant!r}")
 
-    def tile_rows(self, largest_group: int) -> int:
-        """Rows of a step's shared tiles when its largest group of shared blocks is read by
-        `largest_group` query tokens: the same rule on every device. Why rows follow the group: a
-        tile's blocks are gathered once per row chunk, so a 64-row group in 8-row tiles reads its
-        prefix 8 times; padding rows cost little on the matmul tiles (a gathered key costs as much as
-        many rows of scores) and nothing through flash (it packs a tile's real rows)."""
+    def tile_rows(self, group_rows, group_cols=None) -> int:
+        """Rows of a step's shared tiles, from its groups of shared blocks: `group_rows` query tokens
+        read each group's `group_cols` blocks (one group: an int). The same rule on every device.
+
+        A group is cut into row chunks of the tile's rows, and each chunk gathers the group's blocks
+        once: rows past a group's tokens are computed for nothing, while more chunks gather the blocks
+        again. The rows are the power of two in [shared_rows, shared_rows_max] that costs least, a
+        chunk's gather counted as `GATHER_ROWS` rows of scores: a prefix common to 64 decodes is one
+        64-row chunk, and a step whose groups are 4, 5, 8, 13, 22 and 49 requests takes 16-row tiles
+        (1.58x its rows, where 64-row tiles for all computed 3.8x)."""
         if self.shared_rows_max <= self.shared_rows:
             return self.shared_rows
-        pow2 = 1 << max(0, int(largest_group) - 1).bit_length()
-        return min(self.shared_rows_max, max(self.shared_rows, pow2))
+        rows = np.atleast_1d(np.asarray(group_rows, np.int64))
+        if rows.size == 0 or int(rows.max()) <= self.shared_rows:
+            return self.shared_rows
+        cols = np.ones_like(rows) if group_cols is None else np.atleast_1d(np.asarray(group_cols, np.int64))
+        top = min(self.shared_rows_max, 1 << (int(rows.max()) - 1).bit_length())
+        steps = (-(-top // self.shared_rows) - 1).bit_length() + 1  # doublings from shared_rows up to top
+        cand = np.minimum(self.shared_rows << np.arange(steps, dtype=np.int64), top)
+        cost = (-(-rows[None, :] // cand[:, None]) * cols[None, :]).sum(1) * (cand + GATHER_ROWS)
+        return int(cand[int(np.argmin(cost))])
 
     def with_tile_rows(self, rows: int) -> "PlanOptions":
         """These options with the shared tiles fixed at `rows` rows: what a plan records, so its bucket

@@ -54,6 +54,58 @@ def prompt_requests(q: np.ndarray, ctx: np.ndarray, pair_req: np.ndarray, phys: 
     return sel
 
 
+#: The grid's rows x context keys (`P * Qp * Cb * block_size`) from which the device runs the prompt call split
+#: (context keys, then the new keys `is_causal`: `paths/prompts.py: split_context`). Below it the second call,
+#: the merge and the copies cost more than the masked pairs they save: measured on an H100 over 200 steps of
+#: the chat trace (docs/benchmarks.md, issue 23, final run; 32 query heads), the split form lost 20-100 us a
+#: step up to 2M such pairs and won from 4M (2 x 2k over 6k, 25M: 1.69 -> 1.24 ms).
+SPLIT_MIN_PAIRS = 1 << 22
+
+#: The least share of a prompt grid's pairs that are real (`fill_grid`): prompts that would pad the grid
+#: below it (a short prompt beside a long one, a prompt without context beside one over a long document)
+#: take the tiled paths instead, whose tiles follow each request. Grids under `GRID_MIN_PAIRS` pairs stay
+#: whole: their padding costs less than the tiles' calls.
+GRID_FILL = 2 / 3
+GRID_MIN_PAIRS = 1 << 20
+
+
+def grid_pairs(P: int, Qp: int, Cb: int, block_size: int) -> int:
+    """(query row, key) pairs the device computes for a prompt grid `[P, Qp]` over `Cb` context blocks,
+    in the final form: every row against every context key, and the new keys in an `is_causal` call
+    (the lower triangle: a fused kernel skips the tiles above the diagonal) where the call has no
+    context or runs split (`SPLIT_MIN_PAIRS`), else in one call with a bias (the whole square)."""
+    ctx_pairs = P * Qp * Cb * block_size
+    causal = Cb == 0 or ctx_pairs >= SPLIT_MIN_PAIRS
+    return ctx_pairs + P * (Qp * (Qp + 1) // 2 if causal else Qp * Qp)
+
+
+def fill_grid(sel: np.ndarray, q: np.ndarray, nb_ctx: np.ndarray, block_size: int) -> np.ndarray:
+    """The requests of `sel` (the prompt route's, `prompt_requests`) that stay in its one grid: the
+    largest ones (by pairs) while the grid they pad to stays `GRID_FILL` real; the others take the
+    tiled paths. The grid pads every prompt to the longest prompt and the most context blocks, so one
+    short prompt beside a 2k chunk over a long document would cost as much as that chunk."""
+    idx = np.flatnonzero(sel)
+    if idx.size < 2:
+        return sel
+    qs, cb = q[idx].astype(np.int64), nb_ctx[idx].astype(np.int64)
+    real = qs * (qs + 1) // 2 + qs * cb * block_size  # (context in whole blocks: what a grid row reads)
+    order = np.argsort(-real, kind="stable")
+    k = np.arange(1, idx.size + 1)
+    Qp, Cb = np.maximum.accumulate(qs[order]), np.maximum.accumulate(cb[order])
+    ctx_pairs = k * Qp * Cb * block_size
+    causal = (Cb == 0) | (ctx_pairs >= SPLIT_MIN_PAIRS)
+    grid = ctx_pairs + k * np.where(causal, Qp * (Qp + 1) // 2, Qp * Qp)
+    if grid[-1] < GRID_MIN_PAIRS:
+        return sel
+    fits = np.flatnonzero(np.cumsum(real[order]) >= GRID_FILL * grid)
+    keep = int(fits[-1]) + 1 if fits.size else 1
+    if keep == idx.size:
+        return sel
+    out = np.zeros_like(sel)
+    out[idx[order[:keep]]] = True
+    return out
+
+
 def plan_prompts(sel: np.ndarray, q: np.ndarray, ctx: np.ndarray, nb_ctx: np.ndarray, bt: np.ndarray,
                  starts: np.ndarray, T: int):
     """Arrays of the prompt route for the requests `sel`: rows `[P, Qp]` (token of each query row, left

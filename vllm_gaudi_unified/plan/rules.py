@@ -75,10 +75,10 @@ def group_columns(col_seg: np.ndarray, req_sorted: np.ndarray, req_key: np.ndarr
 
 def shared_tiles(group_rows: np.ndarray, group_cols: np.ndarray, options: PlanOptions, block_size: int) -> np.ndarray:
     """Tiles per group of one step: every (chunk of `tile_rows` query tokens, chunk of `blocks_per_tile`
-    blocks); the rows follow the step's largest group (`PlanOptions.tile_rows`; fixed in a bucket plan's
+    blocks); the rows follow the step's groups (`PlanOptions.tile_rows`; fixed in a bucket plan's
     settings, whose tools pass groups of many steps at once)."""
-    qt = options.tile_rows(int(group_rows.max()) if group_rows.size else 0)
-    return -(-group_rows // qt) * -(-group_cols // options.blocks_per_tile(block_size))
+    col_chunks = -(-group_cols // options.blocks_per_tile(block_size))
+    return -(-group_rows // options.tile_rows(group_rows, col_chunks)) * col_chunks
 
 
 def causal_spans(tile_key: np.ndarray, t: np.ndarray, klo: np.ndarray, needs: np.ndarray,

@@ -68,7 +68,9 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     # Row chunks: each group's tokens (its requests' new tokens, in order), padded to whole chunks.
     decodes = W is None and T == q.size  # one new token per request: a group's rows are its requests
     rows_per_group = users_per_group if decodes else np.bincount(gr_group, weights=q[gr_req], minlength=G).astype(_I64)
-    qt = opts.tile_rows(int(rows_per_group.max()))  # the step's tile rows (`shared_tiles` agrees)
+    cols_per_group = np.bincount(col_group, minlength=G)
+    c_chunks = -(-cols_per_group // kb)
+    qt = opts.tile_rows(rows_per_group, c_chunks)  # the step's tile rows (`shared_tiles` agrees)
     r_chunks = -(-rows_per_group // qt)
     r_off = np.cumsum(r_chunks) - r_chunks
     group_tok = np.cumsum(rows_per_group) - rows_per_group
@@ -92,8 +94,6 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     # Within a group, columns in request order: a request's partly filled last block comes last, so a
     # tile's visible keys are one prefix (what the fused kernel's per-segment key count can express).
     col_order = np.lexsort((col_pos, col_group))
-    cols_per_group = np.bincount(col_group, minlength=G)
-    c_chunks = -(-cols_per_group // kb)
     c_off = np.cumsum(c_chunks) - c_chunks
     g_sorted = col_group[col_order]
     col0 = np.cumsum(cols_per_group) - cols_per_group

@@ -7,6 +7,7 @@ import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
+from vllm_gaudi_unified.plan.prompts import grid_pairs
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,13 +67,13 @@ class StepPlan:
     @property
     def work_planned(self) -> PathWork:
         """Pairs the device computes for the arrays as they are (padding included)."""
-        b, opts = self.bucket, self.options
-        prompt_rows = b.num_prompts * b.prompt_len
+        b, opts, bs = self.bucket, self.options, self.block_size
+        prompt_ctx = b.num_prompts * b.prompt_len * b.prompt_blocks * bs
+        prompt_new = grid_pairs(b.num_prompts, b.prompt_len, b.prompt_blocks, bs) - prompt_ctx
         return PathWork(
-            causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len + prompt_rows * b.prompt_len,
-            shared=b.num_shared_blocks * opts.shared_rows * self.block_size + prompt_rows * b.prompt_blocks
-            * self.block_size,
-            unique=b.num_unique_blocks * self.block_size * self.unique_units,
+            causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len + prompt_new,
+            shared=b.num_shared_blocks * opts.shared_rows * bs + prompt_ctx,
+            unique=b.num_unique_blocks * bs * self.unique_units,
         )
 
     @property

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
+
 import os
 import time
 
 from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE
 from vllm_gaudi_unified.bucket_plans.prompt_graphs import DEFAULT_PROMPT_GRAPHS
+from vllm_gaudi_unified.tools.learn_steps import graphs_of, learning_traces, off_prompt_graphs, with_prompt_graphs
+from vllm_gaudi_unified.tools.robust import DEFAULT_ROBUST_GRAPHS
 from vllm_gaudi_unified.files import atomic_write, output_path
 from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, comma_ints, float_in, int_in
-from vllm_gaudi_unified.tools.settings_flags import WORKLOAD_NAMES, add_model, add_settings, model_from_args, \
+from vllm_gaudi_unified.tools.settings_flags import LEARN_NAMES, WORKLOAD_NAMES, add_model, add_settings, model_from_args, \
     settings_from_args
 
 
@@ -31,12 +34,13 @@ def register(subparsers) -> None:
     add_model(g)
     g.add_argument("--trace", action="append", default=[], metavar="T",
                    help="scheduler trace (.jsonl or .jsonl.gz) to learn from; repeatable")
-    g.add_argument("--workload", choices=WORKLOAD_NAMES, default="chat",
-                   help="simulated workload when no --trace is given")
+    g.add_argument("--workload", choices=LEARN_NAMES, default="mix",
+                   help="simulated workload when no --trace is given (default mix: chat, rag and long, each "
+                        "simulated with every seed and counted equally)")
     g.add_argument("--seeds", type=comma_ints, default="1,2,3",
                    help="simulator seeds when no --trace is given (comma separated)")
     g.add_argument("--max-graphs", type=int_in(1, 4096), default=None,
-                   help="most buckets in the plan (default: robust 27, trace 32)")
+                   help="most buckets in the plan, prompt graphs apart (default: robust 44, trace 32)")
     g.add_argument("--target-waste", type=float_in(1.0, 1e6), default=None,
                    help="stop at the fewest buckets whose padding waste on the traces is at most this (trace)")
     g.add_argument("--resolution", type=float_in(0.5, 8.0), default=3.0,
@@ -160,9 +164,9 @@ def make_plan_from_args(args):
         cap = gather_cap_for(settings, model, hardware, share)
     if args.strategy == "exponential":
         plan = exponential_plan(settings, model, hardware, base=args.exp_base, cap=cap)
-        return _with_prompt_graphs(plan, _learning_traces(args, settings) if args.prompt_graphs else [], args)
-    traces = _learning_traces(args, settings)
-    parts = [s for s, _ in traces]
+        return with_prompt_graphs(plan, learning_traces(args, settings) if args.prompt_graphs else [], args)
+    traces = learning_traces(args, settings)
+    parts, sources, probe = off_prompt_graphs(traces, settings, cap, args)
     if args.strategy == "trace":
         max_graphs = args.max_graphs if args.max_graphs is not None else (None if args.target_waste else 32)
         plan = trace_plan(StepShapes.concat(parts), settings, model, hardware, max_graphs=max_graphs,
@@ -170,61 +174,23 @@ def make_plan_from_args(args):
                           margin=0.2 if args.margin is None else args.margin, progress=not args.no_progress)
         if cap is not None:
             raise ValueError("--memory-share is for the robust and exponential strategies")
-        return _with_prompt_graphs(plan, traces, args)
+        return graphs_of(probe, plan)
     fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
-    scaled = [x for _, src in traces for x in load_scaled_shapes(src, settings, fractions)]
+    scaled = [x for src in sources for x in load_scaled_shapes(src, settings, fractions)]
     weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
     plan = robust_plan(parts + scaled, settings, model, hardware,
-                       max_graphs=27 if args.max_graphs is None else args.max_graphs, worst=args.worst,
+                       max_graphs=DEFAULT_ROBUST_GRAPHS if args.max_graphs is None else args.max_graphs, worst=args.worst,
                        skeleton_ratio=args.skeleton_ratio, resolution=args.resolution,
                        margin=0.1 if args.margin is None else args.margin, cap=cap, source_weights=weights)
     from vllm_gaudi_unified.tools.evaluate import evaluate
 
-    learned = StepShapes.concat(parts)
-    seen = evaluate(plan, learned)  # on the steps of the traces themselves
+    learned = StepShapes.concat([s for s, _ in traces])
+    seen = evaluate(plan, learned)  # on the steps of the traces themselves (every one on the tiled route, as
+    # `buckets evaluate` pads them)
     plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
-    return _with_prompt_graphs(plan, traces, args)
-
-
-def _with_prompt_graphs(plan, traces, args):
-    """`plan` with `--prompt-graphs` prompt graphs learned from the steps of `traces` (`_learning_traces`)."""
-    from dataclasses import replace
-
-    if not args.prompt_graphs:
-        return plan
-    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
-    from vllm_gaudi_unified.bucket_plans.trace import read_trace
-
-    steps = [s for _, src in traces for s in (read_trace(src).steps if isinstance(src, str) else src)]
-    graphs, info = learn_prompt_graphs(plan, steps, args.prompt_graphs)
-    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
-
-
-def _learning_traces(args, settings):
-    """(shapes, source) per trace to learn from: each --trace, or simulated seeds of --workload."""
-    from vllm_gaudi_unified.tools.shapes import shapes_of_steps, shapes_of_trace
-    from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
-    from vllm_gaudi_unified.bucket_plans.workloads import workload_from
-
-    if args.trace:
-        return [(shapes_of_trace(t, settings, jobs=args.jobs, progress=not args.no_progress), t) for t in args.trace]
-    sched = SchedulerConfig.from_settings(settings, draft_acceptance=args.draft_acceptance)
-    work = workload_from(args.workload)
-    out = []
-    from tqdm import tqdm
-
-    for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
-        # The step count is not known ahead (requests arrive and finish): a counting bar per seed.
-        with tqdm(desc=f"simulating {args.workload} seed {seed}", unit="step", disable=args.no_progress,
-                  leave=False) as bar:
-            steps = []
-            for step in Simulator(sched, work, seed).steps():
-                steps.append(step)
-                bar.update(1)
-        out.append((shapes_of_steps(steps, settings, f"simulated:{args.workload}:seed{seed}"), steps))
-    return out
+    return graphs_of(probe, plan)
 
 
 def command_line(args) -> str:

@@ -4,10 +4,18 @@ A plan learned by total padded work (`trace`) serves the heavy steps of the
 load it saw and pads everything else: at a quieter hour every step is small and
 pays for buckets sized for a busy one. Three changes make a plan hold:
 
-1. **A skeleton over the whole range.** Two chains of buckets, one for steps
-   without causal work (decodes) and one for steps with it, from the smallest
-   step up to the settings' limits (clipped to the gather cap), each bucket
-   about `skeleton_ratio` times cheaper than the next. A chain bucket is the
+1. **A skeleton over the whole range.** A chain of buckets for each phase of
+   the decode steps seen (`--u`, `-su`; no causal work) and one for the steps
+   with causal work (all three paths), from the smallest step up to the
+   settings' limits (clipped to the gather cap), each bucket about
+   `skeleton_ratio` times cheaper than the next, every bucket of its chain's
+   phase: `BucketPlan.find` gives a step a bucket of its own phase, so a decode
+   step never pays for causal tiles, nor a `--u` step for shared ones (and the
+   learner below counts a bucket as covering only the decode steps of its
+   phase; steps with causal work, rarer on the tiled route since prompt graphs,
+   take any bucket with causal work). The skeleton grows by one chain per
+   decode phase, about log(top cost / smallest cost) / log(ratio) buckets
+   each. A chain bucket is the
    per-dimension maximum of the learned steps at most as costly as its level
    (so it follows the traffic's proportions), never more than the level's cost
    in any one dimension, and, below the cheapest step seen, the next bucket
@@ -47,7 +55,7 @@ import numpy as np
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
-from vllm_gaudi_unified.bucket import bucket_from_sizes
+from vllm_gaudi_unified.bucket import PHASES, bucket_from_sizes, codes_of
 from vllm_gaudi_unified.plan.smallest import lift_to_smallest
 from vllm_gaudi_unified.tools.shapes import StepShapes
 from vllm_gaudi_unified.tools.strategies import grid_values, round_up
@@ -55,6 +63,9 @@ from vllm_gaudi_unified.plan.split import GatherCap, piece_sizes
 from vllm_gaudi_unified.bucket_plans.trace import step_lines
 
 Q, S, U, L, C = range(5)
+#: Buckets of a robust plan unless told otherwise: with `prompt_graphs.DEFAULT_PROMPT_GRAPHS` 100 graphs in all
+#: (the skeleton's four chains take 12 of them at the 8B Gaudi-3 setting).
+DEFAULT_ROBUST_GRAPHS = 44
 #: Fractions of a step's requests kept to see it at lower loads.
 LOAD_FRACTIONS = (0.5, 0.25, 0.0625)
 
@@ -70,21 +81,33 @@ def _level_down(b: np.ndarray, ratio: float, steps, causal: bool) -> np.ndarray:
     return np.where(b > 0, out, 0)
 
 
+def learn_phase(sizes: np.ndarray) -> np.ndarray:
+    """The phase code a bucket or step is learned under: a decode step's own (`--u`, `-su`, ...), every
+    step with causal work as `csu` (one chain; `find` falls back to any covering bucket for them)."""
+    codes = codes_of(sizes)
+    return np.where(codes >= 4, 7, codes)
+
+
 def skeleton(points: np.ndarray, own_cost: np.ndarray, top: np.ndarray, weights: np.ndarray, ratio: float,
              grids: list, steps) -> np.ndarray:
-    """The two chains (no causal work / causal work) of the module docstring, as sizes [K, 5]."""
+    """The chains of the module docstring, one per phase of `points`, as sizes [K, 5]; `ratio` 0: only
+    each chain's top bucket (every step still has a bucket of its phase)."""
     out = []
-    for causal in (False, True):
-        mine = (points[:, C] > 0) == causal
-        hi = top.copy()
+    codes = learn_phase(points)
+    for code in np.unique(codes).tolist():
+        causal = PHASES[code][0] == "c"
+        has = np.array([True, PHASES[code][1] == "s", PHASES[code][2] == "u", True, causal])
+        mine = codes == code
+        hi = np.where(has, top, 0)
         if not causal:
-            hi[C], hi[Q] = 0, min(top[Q], top[L])  # decodes: one token per request
-        floor = np.array([2 if causal else 1, 0, 1, 1, steps[C] if causal else 0], np.int64)
+            hi[Q] = min(top[Q], top[L])  # decodes: one token per request
+        hi = np.maximum(hi, points[mine].max(0))  # (a step's rounded sizes may pass the limits: still covered)
+        floor = np.where(has, np.array([2 if causal else 1, steps[S], 1, 1, steps[C]], np.int64), 0)
         lo_cost = float(floor @ weights)
         level = float(hi @ weights)
         prev = hi
         out.append(hi)
-        while True:
+        while ratio:
             level /= ratio
             if level < lo_cost:
                 break
@@ -96,9 +119,7 @@ def skeleton(points: np.ndarray, own_cost: np.ndarray, top: np.ndarray, weights:
                 b = np.stack([round_up(env[d:d + 1], grids[d])[0] for d in range(len(DIMS))])
             else:
                 b = _level_down(prev, ratio, steps, causal)
-            b = np.minimum(np.maximum(b, floor), prev)
-            if not causal:
-                b[C] = 0
+            b = np.where(has, np.minimum(np.maximum(b, floor), prev), 0)
             if (b == prev).all():
                 continue
             out.append(b)
@@ -107,7 +128,7 @@ def skeleton(points: np.ndarray, own_cost: np.ndarray, top: np.ndarray, weights:
 
 
 def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: ModelSpec | None = None,
-                hardware: Hardware | None = None, max_graphs: int = 27, worst: float | None = None,
+                hardware: Hardware | None = None, max_graphs: int = DEFAULT_ROBUST_GRAPHS, worst: float | None = None,
                 skeleton_ratio: float = 32.0, resolution: float = 3.0, margin: float = 0.1,
                 total_share: float = 1.0, source_weights=None, cap: GatherCap | None = None, local_search: bool = True,
                 sources: list | None = None) -> BucketPlan:
@@ -181,8 +202,9 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
     min_p = np.full(G, np.inf)
     np.minimum.at(min_p, inv, own_p)
 
+    group_codes = learn_phase(groups)
     top_row = np.maximum(top, groups.max(0))
-    skel = skeleton(groups, groups @ wt, top_row, wt, skeleton_ratio, grids, steps) if skeleton_ratio else top_row[None]
+    skel = skeleton(groups, groups @ wt, top_row, wt, skeleton_ratio, grids, steps)
     skel = np.unique(np.concatenate([skel, top_row[None]]), axis=0)
     if len(skel) > max_graphs:
         raise ValueError(f"the skeleton alone has {len(skel)} buckets, more than max_graphs {max_graphs}: "
@@ -195,7 +217,7 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
         if worst is not None:
             bad = (ct[:, None] > worst * min_t[None, :]) | (cp[:, None] > worst * min_p[None, :])
             m = np.where(bad, m + big, m)
-        cov = np.ones(m.shape, bool)
+        cov = learn_phase(cands)[:, None] == group_codes[None, :]  # a decode step takes a bucket of its phase
         for d in range(len(DIMS)):
             cov &= cands[:, None, d] >= groups[None, :, d]
         return np.where(cov, m, np.inf)

@@ -7,9 +7,11 @@ import argparse
 from vllm_gaudi_unified.flags import POSITIVE, TILE, float_in, int_in
 from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE, MAX_STEP_TOKENS
 from vllm_gaudi_unified.tools.plan_flags import add_plan_option_flags, plan_options_from_args
-from vllm_gaudi_unified.bucket_plans.workloads import WORKLOADS
+from vllm_gaudi_unified.bucket_plans.workloads import MIXES, WORKLOADS
 
 WORKLOAD_NAMES = tuple(WORKLOADS)
+#: What a plan may learn from when no trace is given: a named workload or a mix of them.
+LEARN_NAMES = (*MIXES, *WORKLOADS)
 
 DEFAULT_PRESET = "llama8b-gaudi3"
 SETTING_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",

@@ -156,15 +156,18 @@ def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window:
 
 
 def _with_simulated_prompt_graphs(plan):
-    """`plan` with the prompt graphs a simulated chat workload at its settings hits most (what `buckets
-    generate --strategy exponential --seeds 1` learns): a few seconds at start-up."""
+    """`plan` with the prompt graphs the simulated mix of workloads (chat, RAG over long shared documents,
+    long prompts: `workloads.MIXES`) hits most at its settings (what `buckets generate --strategy
+    exponential --seeds 1` learns): a few seconds at start-up. Chat alone left prompts over long shared
+    context without a graph (none of a RAG trace's prompt steps had one)."""
     from dataclasses import replace
 
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
     from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
-    from vllm_gaudi_unified.bucket_plans.workloads import workload_from
+    from vllm_gaudi_unified.bucket_plans.workloads import workload_from, workloads_of
 
-    steps = list(Simulator(SchedulerConfig.from_settings(plan.settings), workload_from("chat"), 1).steps())
+    sched = SchedulerConfig.from_settings(plan.settings)
+    steps = [s for name in workloads_of("mix") for s in Simulator(sched, workload_from(name), 1).steps()]
     graphs, info = learn_prompt_graphs(plan, steps)
     logger.info("Unified attention: %d prompt graphs take %d of %d simulated steps with prompts", len(graphs),
                 info["prompt_steps_on_prompt_graphs"], info["prompt_steps"])

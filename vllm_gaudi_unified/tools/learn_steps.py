@@ -1,0 +1,83 @@
+"""The steps a bucket plan learns from: recorded traces or simulated workloads (a mix by default), its
+prompt graphs, and the steps left for its buckets once the prompt graphs take theirs."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+
+def off_prompt_graphs(traces, settings, cap, args):
+    """The step shapes of `traces` the plan's buckets must serve, and the sources to see at lower loads
+    (`robust.load_scaled_shapes`), and a plan holding the prompt graphs learned from the traces: without
+    the steps those prompt graphs take, which never run in a bucket. Learned with them, the buckets spent
+    graphs on shapes no step pads to."""
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.bucket import bucket_from_sizes
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import on_prompt_graphs
+    from vllm_gaudi_unified.tools.shapes import StepShapes
+
+    parts = [s for s, _ in traces]
+    kw = {} if cap is None else {"gather_cap": cap}
+    probe = with_prompt_graphs(BucketPlan([bucket_from_sizes((1, 0, 1, 1, 0))], settings, **kw), traces, args)
+    if not probe.prompt_graphs:
+        return parts, [src for _, src in traces], probe
+    out, sources = [], []
+    for shapes, src in traces:
+        steps = steps_of(src)
+        taken = on_prompt_graphs(probe, steps) if len(steps) == len(shapes) else np.zeros(len(shapes), bool)
+        keep = ~taken if (~taken).any() else np.ones(len(shapes), bool)
+        out.append(StepShapes(shapes.sizes[keep], shapes.needed[keep], shapes.block_size, shapes.sources))
+        sources.append([s for s, k in zip(steps, keep) if k] if len(steps) == len(shapes) else src)
+    return out, sources, probe
+
+
+def graphs_of(probe, plan):
+    """`plan` with the prompt graphs (and their info) `_off_prompt_graphs` learned."""
+    info = {k: probe.info[k] for k in ("prompt_steps", "prompt_steps_on_prompt_graphs", "prompt_graph_candidates")
+            if k in probe.info}
+    return replace(plan, prompt_graphs=probe.prompt_graphs, info={**plan.info, **info})
+
+
+def steps_of(src):
+    """The TraceSteps of a learning source: a trace path, or simulated steps."""
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
+
+    return read_trace(src).steps if isinstance(src, str) else src
+
+
+def with_prompt_graphs(plan, traces, args):
+    """`plan` with `--prompt-graphs` prompt graphs learned from the steps of `traces` (`learning_traces`)."""
+    if not args.prompt_graphs:
+        return plan
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
+
+    steps = [s for _, src in traces for s in steps_of(src)]
+    graphs, info = learn_prompt_graphs(plan, steps, args.prompt_graphs)
+    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
+
+
+def learning_traces(args, settings):
+    """(shapes, source) per trace to learn from: each --trace, or simulated seeds of --workload."""
+    from vllm_gaudi_unified.tools.shapes import shapes_of_steps, shapes_of_trace
+    from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
+    from vllm_gaudi_unified.bucket_plans.workloads import workload_from, workloads_of
+
+    if args.trace:
+        return [(shapes_of_trace(t, settings, jobs=args.jobs, progress=not args.no_progress), t) for t in args.trace]
+    sched = SchedulerConfig.from_settings(settings, draft_acceptance=args.draft_acceptance)
+    out = []
+    from tqdm import tqdm
+
+    for name in workloads_of(args.workload):
+        work = workload_from(name)
+        for seed in (int(x) for x in args.seeds.split(",") if x.strip()):
+            # The step count is not known ahead (requests arrive and finish): a counting bar per seed.
+            with tqdm(desc=f"simulating {name} seed {seed}", unit="step", disable=args.no_progress,
+                      leave=False) as bar:
+                steps = []
+                for step in Simulator(sched, work, seed).steps():
+                    steps.append(step)
+                    bar.update(1)
+            out.append((shapes_of_steps(steps, settings, f"simulated:{name}:seed{seed}"), steps))
+    return out
