@@ -92,7 +92,7 @@ def decode_scenarios(seed: int = 23) -> dict:
 
 
 def verify_scenarios(seed: int = 36) -> dict:
-    """Issue 36's speculative verify steps: 128 requests (contexts 1k-8k), each its last token and up to 3
+    """Speculative verify steps: 128 requests (contexts 1k-8k), each its last token and up to 3
     drafts (ragged: a proposer that found fewer for some), and all with 3."""
     rng = np.random.default_rng(seed)
     ctx = rng.integers(1024, 8193, 128)

@@ -1,4 +1,4 @@
-"""Speculative verify steps (issue 36) on both routes, beside the peers and beside a decode step.
+"""Speculative verify steps on both routes, beside the peers and beside a decode step.
 
     python -m benchmarks.verify --out DIR [--cases NAMES] [--time-budget S] [--no-peers] [--mla]
 

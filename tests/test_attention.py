@@ -104,7 +104,7 @@ def five_size_bucket(shape: Bucket, kb: int, num_blocks: int) -> Bucket:
 
 
 def check_five_size_bucket(step: Step, options: PlanOptions, seed: int = 0, **attn_kwargs):
-    """issue 40: a `Bucket` of the five sizes (no prompt grid) plans a step on the tiled route it describes,
+    """A `Bucket` of the five sizes (no prompt grid) plans a step on the tiled route it describes,
     with no error: bitwise the unpadded tiled plan, within 1e-6 of the reference (float64)."""
     tiled, ref, plain = run_case(step, options=replace(options, prompt_route="tiles"), seed=seed, **attn_kwargs)
     _, num_blocks = make_block_table(step, np.random.default_rng(seed))

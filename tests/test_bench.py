@@ -266,7 +266,7 @@ def benchmark_outputs() -> list[tuple[str, list[str], str]]:
 @pytest.mark.parametrize("module, prefix, flag", [pytest.param(*case, id=" ".join([case[0], *case[1], case[2]]))
                                                   for case in benchmark_outputs()])
 def test_every_benchmark_checks_its_output_paths_before_the_work(module, prefix, flag, capsys, monkeypatch):
-    """issue 40: `python -m benchmarks.suite --out /dev/null/bench` ended in a NotADirectoryError traceback
+    """`python -m benchmarks.suite --out /dev/null/bench` ended in a NotADirectoryError traceback
     after the work; every benchmark's output now fails as the command line is read: one line naming the
     flag and the path, exit status 2."""
     import importlib

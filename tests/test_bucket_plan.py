@@ -204,7 +204,7 @@ def test_limits_cover_random_steps_with_one_shared_prefix(data):
 
 
 def test_a_step_takes_a_bucket_of_its_own_phase_where_one_covers_it():
-    """Issue 35: a decode step (`-su`, `--u`) never pays for a path it does not have, even where the work
+    """A decode step (`-su`, `--u`) never pays for a path it does not have, even where the work
     model finds a bucket with that path cheaper; a phase no bucket of the plan covers takes the cheapest
     covering bucket of any phase. `find_all` picks as `find` does."""
     settings = ServerSettings(block_size=16, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,

@@ -75,7 +75,7 @@ def test_holds_at_a_load_it_never_saw_better_than_total_work_alone(busy):
     learned = trace_plan(StepShapes.concat(shapes), SETTINGS, max_graphs=10)
     r, t = evaluate(robust, quiet), evaluate(learned, quiet)
     assert max(r.worst_time, r.worst_pairs) < max(t.worst_time, t.worst_pairs)
-    # Since issue 35 the robust plan spends buckets on a chain per decode phase (a decode step never pays for
+    # The robust plan spends buckets on a chain per decode phase (a decode step never pays for
     # a path it does not have, which this linear model prices at nothing): its total padding is then close to
     # the other plan's (pairs 1.573 against 1.571, time 1.70 against 1.61 here), its worst step far below.
     assert r.padding_pairs < 1.01 * t.padding_pairs and r.padding_time < 1.1 * t.padding_time

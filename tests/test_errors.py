@@ -113,7 +113,7 @@ def test_slice_bucket_larger_than_cache():
 
 
 # ----------------------------------------------------------------------------- arguments of the wrong type
-# (issue 40): a list, a numpy array where a tensor is expected, a tensor on another device, the wrong dtype:
+# A list, a numpy array where a tensor is expected, a tensor on another device, the wrong dtype:
 # at every public entry point, a one-line ValueError naming the argument, never an error from deep in torch.
 # A tensor on the `meta` device stands for one on another device (this machine may have no accelerator).
 

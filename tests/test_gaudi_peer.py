@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(TARBALL is None, reason=f"vllm-gaudi archive: {M
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_peer_matches_the_reference_on_every_scenario(block_size, padded):
-    """Unpadded, and (issue 35) padded to vllm-gaudi's own `exp` buckets (padding prompts, decodes and
+    """Unpadded, and padded to vllm-gaudi's own `exp` buckets (padding prompts, decodes and
     blocks as its runner pads them): the same rows."""
     exp = gaudi_peer.ExpBuckets.for_server(256, 8192, 8192, block_size, 6000) if padded else None
     for sc in scenarios.scenarios(scale=1 / 16):

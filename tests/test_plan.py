@@ -170,7 +170,7 @@ def test_shared_tile_rows_follow_the_group(group, rows):
 
 
 def test_shared_tile_rows_follow_every_group():
-    """Issue 35: a step's tile rows weigh all its groups, not its largest alone: groups of 4, 5, 8, 13,
+    """A step's tile rows weigh all its groups, not its largest alone: groups of 4, 5, 8, 13,
     22 and 49 requests (a RAG decode step's documents) take 16-row tiles, where the largest group's 64
     rows would compute 3.8x their rows; many blocks in the large group tip it to larger tiles, which
     gather them fewer times."""

@@ -125,7 +125,7 @@ def run_poisoned(case, options, dtype, device):
     batch = plan(options, bucket, device)
     tensors = [x.to(device) for x in (q, k, v, kc, vc)]
     clean = unified_attention(*tensors, batch, 0.5, logits_soft_cap=case["cap"])
-    if tiled is not None:  # the five sizes alone plan the tiled route (issue 40): its unpadded plan's result to
+    if tiled is not None:  # the five sizes alone plan the tiled route: its unpadded plan's result to
         # the dtype's rounding (padded rows change a product's shape; float64 is bitwise: test_attention.py)
         assert batch.shape == tiled.shape
         unpadded = unified_attention(*tensors, tiled.to(device), 0.5, logits_soft_cap=case["cap"])

@@ -57,7 +57,7 @@ def prompt_requests(q: np.ndarray, ctx: np.ndarray, pair_req: np.ndarray, phys: 
 #: The grid's rows x context keys (`P * Qp * Cb * block_size`) from which the device runs the prompt call split
 #: (context keys, then the new keys `is_causal`: `paths/prompts.py: split_context`). Below it the second call,
 #: the merge and the copies cost more than the masked pairs they save: measured on an H100 over 200 steps of
-#: the chat trace (docs/benchmarks.md, issue 23, final run; 32 query heads), the split form lost 20-100 us a
+#: the chat trace (docs/benchmarks.md; 32 query heads), the split form lost 20-100 us a
 #: step up to 2M such pairs and won from 4M (2 x 2k over 6k, 25M: 1.69 -> 1.24 ms).
 SPLIT_MIN_PAIRS = 1 << 22
 
