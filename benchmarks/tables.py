@@ -102,19 +102,27 @@ def speed_table() -> list[str]:
 
 
 def trace_table() -> list[str]:
-    d = _load("speed_h100/trace_steps.json")
-    t = d["totals"]
-    out = _head("route", "device ms", "step ms (planning + copy + device)", "steps slower than vllm-gaudi ops",
-                "max error vs reference")
-    out.append(_row("vllm-gaudi ops", _f(t["peer_ms"], 1), "-", "-", "-"))
-    for key, name in (("cuda", "ours, CUDA route"), ("gaudi", "ours, Gaudi route"),
-                      ("gaudi_bucketed", "ours, Gaudi route padded to the bucket plan"),
-                      ("gaudi_bucketed_tiles", "ours, Gaudi route, the plan's buckets on the tiled paths only")):
-        out.append(_row(name, _f(t[f"{key}_ms"], 1), _f(t[f"{key}_step_ms"], 1),
-                        t[f"{key}_steps_slower_than_peer"], f"{t[f'{key}_max_err']:.4f}"))
-    cmd = (f"python -m benchmarks.trace_steps --trace {d['trace']} --start {d['start']} --steps {d['steps']} "
-           "--out DIR --plan benchmarks/results/speed_h100/plan_llama8b-gaudi3.json")
-    return out + ["", _source("speed_h100/trace_steps.json", cmd, d["env"]["device"], d["env"]["date"])]
+    names = {"chat": "trace_steps_h200/chat.json", "rag": "trace_steps_h200/rag.json"}
+    data = {k: _load(n) for k, n in names.items()}
+    out = _head("route", *(f"{k}: device ms" for k in names), *(f"{k}: steps slower than vllm-gaudi (exp)" for k in names),
+                *(f"{k}: padded / unpadded" for k in names))
+    rows = (("peer", "vllm-gaudi ops, unpadded"), ("peer_exp", "vllm-gaudi ops, padded to its `exp` buckets"),
+            ("cuda", "ours, CUDA route"), ("gaudi", "ours, Gaudi route"),
+            ("gaudi_bucketed", "ours, Gaudi route padded to the bucket plan"),
+            ("gaudi_bucketed_tiles", "ours, Gaudi route, the plan's buckets on the tiled paths only"))
+    for key, name in rows:
+        totals = [d["totals"] for d in data.values()]
+        slower = [f"{t[f'{key}_steps_slower_than_peer']} ({t[f'{key}_steps_slower_than_peer_exp']})"
+                  if f"{key}_steps_slower_than_peer" in t else "-" for t in totals]
+        ratio = [f"{t[f'{key}_ms'] / t['gaudi_ms']:.2f}x" if key.startswith("gaudi_") else "-" for t in totals]
+        out.append(_row(name, *(_f(t[f"{key}_ms"], 1) for t in totals), *slower, *ratio))
+    lines = []
+    for k, name in names.items():
+        d = data[k]
+        cmd = (f"python -m benchmarks.trace_steps --trace ../shared/traces/{d['trace'].split('/')[-1]} --start {d['start']} "
+               f"--steps {d['steps']} --out DIR --plan benchmarks/results/trace_steps_h200/plan_llama8b-gaudi3.json")
+        lines.append(f"- {k}: {_source(name, cmd, d['env']['device'], d['env']['date'])}")
+    return out + [""] + lines
 
 
 def _gpu_ms(entry: dict, route: str):
