@@ -15,8 +15,9 @@ TILE_LIMITS = {"causal_tile": 4096, "shared_rows": 1 << 20, "shared_rows_max": 1
 
 
 #: A shared tile's gather of its blocks, in rows of scores over them (`PlanOptions.tile_rows`): reading a
-#: block's keys and values costs about what 16 query rows' products against it do (the 8-row tiles of a
-#: 64-request prefix took 0.139 ms against 0.115 in 16-row tiles, Gaudi route, H100).
+#: block's keys and values costs about what 4 query rows' products against it do (the 8-row tiles of a
+#: 64-request prefix took 0.139 ms against 0.115 in 16-row tiles, Gaudi route, H100: 8 chunks of 8 + g rows
+#: against 4 of 16 + g, so g = 4.2).
 GATHER_ROWS = 4
 
 
