@@ -69,14 +69,15 @@ GRID_FILL = 2 / 3
 GRID_MIN_PAIRS = 1 << 20
 
 
-def grid_pairs(P: int, Qp: int, Cb: int, block_size: int) -> int:
+def grid_pairs(P, Qp, Cb, block_size: int):
     """(query row, key) pairs the device computes for a prompt grid `[P, Qp]` over `Cb` context blocks,
     in the final form: every row against every context key, and the new keys in an `is_causal` call
     (the lower triangle: a fused kernel skips the tiles above the diagonal) where the call has no
-    context or runs split (`SPLIT_MIN_PAIRS`), else in one call with a bias (the whole square)."""
+    context or runs split (`SPLIT_MIN_PAIRS`), else in one call with a bias (the whole square).
+    Elementwise over arrays of grids (`fill_grid`'s candidates)."""
     ctx_pairs = P * Qp * Cb * block_size
-    causal = Cb == 0 or ctx_pairs >= SPLIT_MIN_PAIRS
-    return ctx_pairs + P * (Qp * (Qp + 1) // 2 if causal else Qp * Qp)
+    causal = (Cb == 0) | (ctx_pairs >= SPLIT_MIN_PAIRS)
+    return ctx_pairs + P * np.where(causal, Qp * (Qp + 1) // 2, Qp * Qp)
 
 
 def fill_grid(sel: np.ndarray, q: np.ndarray, nb_ctx: np.ndarray, block_size: int) -> np.ndarray:
@@ -91,10 +92,7 @@ def fill_grid(sel: np.ndarray, q: np.ndarray, nb_ctx: np.ndarray, block_size: in
     real = qs * (qs + 1) // 2 + qs * cb * block_size  # (context in whole blocks: what a grid row reads)
     order = np.argsort(-real, kind="stable")
     k = np.arange(1, idx.size + 1)
-    Qp, Cb = np.maximum.accumulate(qs[order]), np.maximum.accumulate(cb[order])
-    ctx_pairs = k * Qp * Cb * block_size
-    causal = (Cb == 0) | (ctx_pairs >= SPLIT_MIN_PAIRS)
-    grid = ctx_pairs + k * np.where(causal, Qp * (Qp + 1) // 2, Qp * Qp)
+    grid = grid_pairs(k, np.maximum.accumulate(qs[order]), np.maximum.accumulate(cb[order]), block_size)
     if grid[-1] < GRID_MIN_PAIRS:
         return sel
     fits = np.flatnonzero(np.cumsum(real[order]) >= GRID_FILL * grid)

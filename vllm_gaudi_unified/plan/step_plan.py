@@ -69,7 +69,7 @@ class StepPlan:
         """Pairs the device computes for the arrays as they are (padding included)."""
         b, opts, bs = self.bucket, self.options, self.block_size
         prompt_ctx = b.num_prompts * b.prompt_len * b.prompt_blocks * bs
-        prompt_new = grid_pairs(b.num_prompts, b.prompt_len, b.prompt_blocks, bs) - prompt_ctx
+        prompt_new = int(grid_pairs(b.num_prompts, b.prompt_len, b.prompt_blocks, bs)) - prompt_ctx
         return PathWork(
             causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len + prompt_new,
             shared=b.num_shared_blocks * opts.shared_rows * bs + prompt_ctx,
