@@ -35,6 +35,22 @@ MODELS = {"mha": dict(num_heads=4, num_kv_heads=4), "gqa": dict(num_heads=8, num
           "swa": dict(num_heads=4, num_kv_heads=4, sliding_window=48)}
 
 
+def token_maker(seed: int):
+    """`toks(n)`: n random prompt ids from one seeded stream (ids from 3 up: clear of the special ones),
+    so a scenario's prompts are the same on every run and engine."""
+    import random
+
+    rng = random.Random(seed)
+    return lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def add_standin_flag(parser: argparse.ArgumentParser) -> None:
+    """`--gaudi-standin`, the one flag every engine script takes to run vllm-gaudi's platform on the CPU."""
+    parser.add_argument("--gaudi-standin", action="store_true",
+                        help="run vllm-gaudi's platform on the CPU with tests/habana_standin.py (set VLLM_PLUGINS "
+                             "and VLLM_GAUDI_UNIFIED for the unified runner)")
+
+
 #: The plugins a CPU vLLM run may load when vllm-gaudi is installed too (see `keep_vllm_gaudi_out`).
 CPU_VLLM_PLUGINS = "unified_attention"
 
@@ -87,12 +103,7 @@ def scenario_prompts() -> tuple[list[dict], list[dict]]:
     Wave 2, after wave 1 finished: prompts that hit the prefix cache (the shared
     prefix, and a whole earlier prompt), and n=2 on a cached prompt.
     """
-    import random
-
-    rng = random.Random(1234)
-
-    def toks(n):
-        return [rng.randrange(3, VOCAB) for _ in range(n)]
+    toks = token_maker(1234)
 
     prefix = toks(SHARED_PREFIX_LEN)
     long_prompt = toks(150)
@@ -250,9 +261,7 @@ def main(argv=None) -> int:
     run.add_argument("--model", required=True, help="model directory")
     run.add_argument("--out", required=True, help="JSON result file")
     run.add_argument("--dtype", default="float32", help="model dtype (vllm-gaudi's platform makes float32 bfloat16)")
-    run.add_argument("--gaudi-standin", action="store_true",
-                     help="run vllm-gaudi's platform on the CPU with tests/habana_standin.py (set VLLM_PLUGINS and "
-                          "VLLM_GAUDI_UNIFIED for the unified runner)")
+    add_standin_flag(run)
     ms = sub.add_parser("measure", help="plugin vs vLLM's CPU attention on the scenario: logprob differences, "
                                         "token identity, start-up and generation times (JSON)")
     ms.add_argument("--dir", required=True, help="work directory (models, engine results)")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import random
 import sys
 
 import vllm_helpers
@@ -64,10 +63,7 @@ def make_tiny_qwen3_next(path: str, seed: int = 0) -> str:
 def hybrid_prompts() -> list[list[dict]]:
     """Wave 1: ragged prompts, one longer than the budget (chunked, across Mamba chunks and blocks); wave 2: a
     prompt sharing wave 1's first 160 tokens (prefix-cache hit: the Mamba state restored at a block boundary)."""
-    rng = random.Random(6)
-
-    def toks(n):
-        return [rng.randrange(3, VOCAB) for _ in range(n)]
+    toks = vllm_helpers.token_maker(6)
 
     long = toks(200)
     wave1 = [dict(name="one", prompt=toks(1), max_tokens=10),
@@ -101,9 +97,7 @@ def main(argv=None) -> int:
     run.add_argument("--out", required=True)
     run.add_argument("--dtype", default="float32")
     run.add_argument("--block-size", type=int, default=None, help="the block size asked for (default: vLLM's)")
-    run.add_argument("--gaudi-standin", action="store_true",
-                     help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
-                          "VLLM_GAUDI_UNIFIED for the unified runner)")
+    vllm_helpers.add_standin_flag(run)
     args = parser.parse_args(argv)
     if args.cmd == "make-granite":
         make_tiny_granite_hybrid(args.path)

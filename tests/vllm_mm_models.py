@@ -251,9 +251,7 @@ def main(argv=None) -> int:
     rn = sub.add_parser("run", help="generate the image and text requests with one engine")
     rn.add_argument("--model", required=True)
     rn.add_argument("--out", required=True)
-    rn.add_argument("--gaudi-standin", action="store_true",
-                    help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
-                         "VLLM_GAUDI_UNIFIED for the unified runner)")
+    H.add_standin_flag(rn)
     args = parser.parse_args(argv)
     if args.cmd == "make-model":
         make_model(args.name, args.path)

@@ -147,10 +147,7 @@ def make_tiny_deepseek(path: str, hidden: int = 256, layers: int = 2, heads: int
 def mla_prompts() -> list[dict]:
     """Requests submitted together (wave 1), then prefix-cache hits (wave 2); repeated patterns so that
     ngram drafts get accepted."""
-    rng = random.Random(99)
-
-    def toks(n):
-        return [rng.randrange(3, VOCAB) for _ in range(n)]
+    toks = vllm_helpers.token_maker(99)
 
     def pattern(period, n):
         p = toks(period)
@@ -176,10 +173,7 @@ def short_prompts() -> list[dict]:
     1, 17 and 45 tokens and the first 1-token chunk of a 74-token prompt; the second wave a prompt whose
     first 64 tokens are cached (blocks of 32 or 16), so one token is left to compute, beside another
     one-token prompt."""
-    rng = random.Random(38)
-
-    def toks(n):
-        return [rng.randrange(3, VOCAB) for _ in range(n)]
+    toks = vllm_helpers.token_maker(38)
 
     long = toks(74)
     wave1 = [dict(name="one", prompt=toks(1), max_tokens=12),
@@ -287,9 +281,7 @@ def main(argv=None) -> int:
     em = sub.add_parser("embed", help="embed the ragged prompts with one engine")
     em.add_argument("--model", required=True)
     em.add_argument("--out", required=True)
-    em.add_argument("--gaudi-standin", action="store_true",
-                    help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
-                         "VLLM_GAUDI_UNIFIED for the unified runner)")
+    vllm_helpers.add_standin_flag(em)
     ml = sub.add_parser("mla", help="generate the MLA scenario with one engine")
     ml.add_argument("--model", required=True)
     ml.add_argument("--out", required=True)
@@ -300,9 +292,7 @@ def main(argv=None) -> int:
     ml.add_argument("--scenario", choices=sorted(SCENARIOS), default="mla", help="the waves of requests")
     ml.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (vLLM's multiprocessing executor)")
     ml.add_argument("--block-size", type=int, default=16, help="with --gaudi-standin: vllm-gaudi's block size")
-    ml.add_argument("--gaudi-standin", action="store_true",
-                    help="vllm-gaudi's platform on the CPU (tests/habana_standin.py; set VLLM_PLUGINS and "
-                         "VLLM_GAUDI_UNIFIED for the unified runner)")
+    vllm_helpers.add_standin_flag(ml)
     args = parser.parse_args(argv)
     if args.cmd == "make-bert":
         make_tiny_bert(args.path)

@@ -49,12 +49,7 @@ def spec_prompts() -> list[dict]:
     """Requests submitted together: repeated patterns (ngram matches), a long prompt chunked by the budget
     (prompt chunks beside speculative decodes in one step), two prompts with a common 64-token prefix
     (shared cache blocks), and a short one."""
-    import random
-
-    rng = random.Random(4321)
-
-    def toks(n):
-        return [rng.randrange(3, H.VOCAB) for _ in range(n)]
+    toks = H.token_maker(4321)
 
     def pattern(period, n):
         p = toks(period)
@@ -136,9 +131,7 @@ def main(argv=None) -> int:
     r.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     r.add_argument("--draft", default=None, help="draft model directory (draft_model / eagle methods)")
     r.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
-    r.add_argument("--gaudi-standin", action="store_true",
-                   help="run vllm-gaudi's platform on the CPU with tests/habana_standin.py (set VLLM_PLUGINS and "
-                        "VLLM_GAUDI_UNIFIED for the unified runner)")
+    H.add_standin_flag(r)
     args = parser.parse_args(argv)
     H.cpu_features.force_from_env()  # before vLLM is imported (UNIFIED_TEST_CPU=avx2)
     if not args.gaudi_standin:
