@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import scenarios as sc_mod
-from benchmarks.timing import capture, peak_bytes, time_ms
+from benchmarks.baselines import capture, peak_bytes, time_ms
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.files import atomic_write, output_path, write_text
 from vllm_gaudi_unified.tools.cli import Parser

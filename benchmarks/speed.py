@@ -27,8 +27,7 @@ import torch
 
 from benchmarks import baselines, gaudi_peer, scenarios as sc_mod
 from benchmarks.options import BF16_FLOPS, HBM_BYTES_PER_S
-from benchmarks.suite import _readable, _rel_err, environment
-from benchmarks.timing import capture, peak_bytes, sync, time_ms
+from benchmarks.baselines import _readable, _rel_err, capture, environment, peak_bytes, sync, time_ms
 from vllm_gaudi_unified import attention, graphs
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
@@ -95,7 +94,7 @@ def _time_fn(fn, device, poison_check=None):
 def trace_cases(spec: str, top: int) -> list:
     """(Scenario, Layout) of the `top` steps with the most dense-design work of a recorded trace
     (`PATH:auto`) or of the listed steps (`PATH:i,j`)."""
-    from benchmarks.dense import dense_work
+    from benchmarks.trace_work import dense_work
     from vllm_gaudi_unified import plan_step
     from vllm_gaudi_unified.bucket_plans.trace import read_trace
 
@@ -180,8 +179,8 @@ def run_case(sc, bs, args, device, rows, lay=None):
             route = fused.gaudi_route() if gaudi else contextlib.nullcontext()
             route.__enter__()
             row["options"] = str(opts)
-            if name == "dense":  # the dense design (benchmarks/dense.py) as a plan for the same device code
-                from benchmarks.dense import dense_plan
+            if name == "dense":  # the dense design (benchmarks/trace_work.py) as a plan for the same device code
+                from benchmarks.trace_work import dense_plan
 
                 plan = dense_plan(ql, cl, lay.block_table, bs, lay.num_blocks)
             else:

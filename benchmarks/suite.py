@@ -43,7 +43,7 @@ import torch
 
 from benchmarks import baselines, report, scenarios as sc_mod
 from vllm_gaudi_unified import graphs
-from benchmarks.timing import capture, host_ms, peak_bytes, sync, time_ms
+from benchmarks.baselines import capture, host_ms, peak_bytes, sync, time_ms
 
 from benchmarks.options import BASELINES, BF16_FLOPS, HBM_BYTES_PER_S, VARIANTS, build_parser, parse_args  # noqa: F401
 

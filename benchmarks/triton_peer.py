@@ -288,8 +288,7 @@ def run_case(sc, bs, peer, device, rows) -> None:
     import torch
 
     from benchmarks import baselines, speed
-    from benchmarks.suite import _readable, _rel_err
-    from benchmarks.timing import time_ms
+    from benchmarks.baselines import _readable, _rel_err, time_ms
 
     tensors = speed.case_tensors(sc, bs, device)
     lay, q, k, v, kc, vc = tensors

@@ -37,8 +37,7 @@ from benchmarks import baselines, gaudi_peer, scenarios as sc_mod, speed, triton
 from benchmarks.speed import _floor_ms, unique_knobs
 from vllm_gaudi_unified.files import output_dir, write_text
 from vllm_gaudi_unified.tools.cli import Parser
-from benchmarks.suite import _readable, _rel_err, environment
-from benchmarks.timing import capture, sync, time_ms
+from benchmarks.baselines import _readable, _rel_err, capture, environment, sync, time_ms
 from vllm_gaudi_unified import PlanOptions, graphs, plan_step
 from vllm_gaudi_unified.attention import unified_attention
 from vllm_gaudi_unified.batch import UnifiedBatch

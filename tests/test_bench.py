@@ -104,9 +104,9 @@ def test_report_verdicts():
 
 
 def test_dense_plan_equals_reference_and_counts_dense_work():
-    """benchmarks.dense: the dense design as a plan (the `dense` variant of `benchmarks.speed`) does the work its
+    """benchmarks.trace_work: the dense design as a plan (the `dense` variant of `benchmarks.speed`) does the work its
     count says, and computes the same attention."""
-    from benchmarks.dense import dense_plan, dense_work
+    from benchmarks.trace_work import dense_plan, dense_work
     from vllm_gaudi_unified import PlanOptions, plan_step
     from vllm_gaudi_unified.attention import unified_attention
     from vllm_gaudi_unified.batch import UnifiedBatch
