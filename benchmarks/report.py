@@ -224,7 +224,7 @@ def bucket_table() -> list[str]:
     gen = d["generate_10k"]
     out += ["", f"Making the shipped kind of plan from a 10 000-step trace: {statistics.median(gen['wall_seconds']):.1f} s "
             f"(median of {len(gen['wall_seconds'])}, a separate process from start to exit)."]
-    return out + ["", _source("bucketing_loads.json", "python -m benchmarks.bucketing_loads", "CPU host, 2 cores")]
+    return out + ["", _source("bucketing_loads.json", "python -m benchmarks.bucketing_goals --loads", "CPU host, 2 cores")]
 
 
 def serving_table() -> list[str]:
