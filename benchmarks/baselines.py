@@ -20,8 +20,8 @@ Each builder returns a zero-argument callable producing `[T, Hq, D]`.
 How every benchmark checks and times a callable is here too: `_rel_err`/`_readable` (the check and the
 cache slots no request may read, poisoned while checking), `time_ms` (device events on CUDA: median,
 warmed up, L2 flushed; a host clock on CPU), `capture` (a replayed CUDA graph: the stand-in for an HPU
-graph per bucket, no launch gaps), `peak_bytes`, and `environment` (device, versions, date and commit
-of a run).
+graph per bucket, no launch gaps), `peak_bytes`, `measure` (check, then time: a runner's row), and
+`environment` (device, versions, date and commit of a run).
 """
 from __future__ import annotations
 
@@ -266,6 +266,40 @@ def peak_bytes(fn, device: torch.device) -> int | None:
     peak = torch.cuda.max_memory_allocated(device) - base
     del out
     return int(peak)
+
+
+def measure(row, fn, ref, device, tol: float = 1e-2, reps: int = 50, form: str = "graph", poison=None) -> None:
+    """Check `fn` against `ref` (relative error at most `tol`), then time it (`reps` calls on the CPU): a
+    replayed CUDA graph (`form` graph) or plain calls (eager, and always on the CPU). `poison`: (key cache,
+    value cache, slots no request may read) filled with NaN/inf (an fp8 cache: 0x7f) while the check runs; a
+    graph's output is filled with NaN before its checking replay."""
+    t0 = time.time()
+    fn()
+    sync(device)
+    row["compile_s"] = time.time() - t0
+    peak = peak_bytes(fn, device)
+    row["peak_mb"] = None if peak is None else peak / 2**20
+    graph = form != "eager" and device.type == "cuda"
+    call, out = capture(fn, device) if graph else (fn, None)
+    if poison is not None:
+        kc, vc = (c.view(torch.uint8) if c.dtype.itemsize == 1 else c for c in poison[:2])
+        dead = poison[2]
+        saved = kc[dead].clone(), vc[dead].clone()
+        kc[dead], vc[dead] = (0x7F, 0x7F) if kc.dtype == torch.uint8 else (float("nan"), float("inf"))
+    try:
+        if graph:
+            out.fill_(float("nan"))
+            call()
+            sync(device)
+        else:
+            out = call()
+        row["rel_err"] = _rel_err(out[: ref.shape[0]], ref)
+    finally:
+        if poison is not None:
+            kc[dead], vc[dead] = saved
+    row["ok"] = row["rel_err"] <= tol
+    if row["ok"]:
+        row["ms"] = time_ms(call, device, reps=reps)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

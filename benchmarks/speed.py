@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from benchmarks import baselines, gaudi_peer, scenarios as sc_mod, triton_peer
-from benchmarks.baselines import _readable, _rel_err, capture, environment, peak_bytes, sync, time_ms
+from benchmarks.baselines import _readable, environment, measure
 from vllm_gaudi_unified import attention, graphs
 from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
 from vllm_gaudi_unified.files import output_dir, write_text
@@ -177,39 +177,6 @@ def case_tensors(sc, bs: int, device, lay=None, dtype=torch.bfloat16, seed: int 
     return lay, q, k, v, kc, vc
 
 
-def measure(row, fn, ref, args, device, form="graph", poison=None) -> None:
-    """Check `fn` against `ref`, then time it: a replayed CUDA graph (`form` graph) or plain calls (eager, and
-    always on the CPU). `poison`: (key cache, value cache, slots no request may read) filled with NaN/inf (an
-    fp8 cache: 0x7f) while the check runs; a graph's output is filled with NaN before its checking replay."""
-    t0 = time.time()
-    fn()
-    sync(device)
-    row["compile_s"] = time.time() - t0
-    peak = peak_bytes(fn, device)
-    row["peak_mb"] = None if peak is None else peak / 2**20
-    graph = form != "eager" and device.type == "cuda"
-    call, out = capture(fn, device) if graph else (fn, None)
-    if poison is not None:
-        kc, vc = (c.view(torch.uint8) if c.dtype.itemsize == 1 else c for c in poison[:2])
-        dead = poison[2]
-        saved = kc[dead].clone(), vc[dead].clone()
-        kc[dead], vc[dead] = (0x7F, 0x7F) if kc.dtype == torch.uint8 else (float("nan"), float("inf"))
-    try:
-        if graph:
-            out.fill_(float("nan"))
-            call()
-            sync(device)
-        else:
-            out = call()
-        row["rel_err"] = _rel_err(out[: ref.shape[0]], ref)
-    finally:
-        if poison is not None:
-            kc[dead], vc[dead] = saved
-    row["ok"] = row["rel_err"] <= args.tol
-    if row["ok"]:
-        row["ms"] = time_ms(call, device, reps=args.cpu_reps)
-
-
 def _record(rows, row, work) -> None:
     """`work(row)` with any error in the row (a failing method is reported, not fatal); memory freed after."""
     rows.append(row)
@@ -268,8 +235,8 @@ def run_case(sc, bs, args, device, rows, lay=None) -> None:
                 want = baselines.reference_fp32(q, k, v, dequantize(keys, ks, q.dtype), dequantize(values, vs, q.dtype),
                                                 ql, cl, blocks, scale)
             attend = graphs.compiled_attention if args.form == "compiled" and cuda else attention.unified_attention
-            measure(row, lambda: attend(q, k, v, keys, values, batch, scale, **kw), want, args, device,
-                    args.form, (keys, values, dead))
+            measure(row, lambda: attend(q, k, v, keys, values, batch, scale, **kw), want, device, args.tol,
+                    args.cpu_reps, args.form, (keys, values, dead))
 
     if "ours" in args.methods:
         for name, over in _variants(args.variants, args.routes).items():
@@ -278,7 +245,8 @@ def run_case(sc, bs, args, device, rows, lay=None) -> None:
         for form in args.peer_variants.split(",") if cuda else ["eager"]:
             def peer(row, form=form):
                 fn = gaudi_peer.build(q, k, v, kc, vc, ql, cl, lay.owned, scale)
-                measure(row, fn if form != "compiled" else torch.compile(fn, dynamic=False), ref, args, device)
+                measure(row, fn if form != "compiled" else torch.compile(fn, dynamic=False), ref, device, args.tol,
+                        args.cpu_reps)
             _record(rows, dict(base, method="peer", variant=form), peer)
     for name in [m for m in args.methods if m not in ("ours", "peer")]:
         def other(row, name=name):
@@ -294,7 +262,7 @@ def run_case(sc, bs, args, device, rows, lay=None) -> None:
                 if fn is None:
                     return row.update(ok=None, error="does not apply: " + (
                         "padded K/V over 24 GB" if name == "padded_sdpa" else "a block has two owners"))
-            measure(row, fn, ref, args, device)
+            measure(row, fn, ref, device, args.tol, args.cpu_reps)
         _record(rows, dict(base, method=name, variant="graph" if cuda else "eager"), other)
 
 
@@ -358,7 +326,8 @@ def parse_args(argv=None):
                 raise ValueError(f"{name}: kv_cache is fp8_e4m3 or fp8_e5m2, unique_route kernel or torch")
     except ValueError as exc:
         p.error(f"argument --variants: {args.variants!r}: {exc}")
-    known = {s.name: s for s in sc_mod.scenarios(args.scale, args.seed) + sc_mod.verify_scenarios(args.scale, args.seed)}
+    known = {s.name: s for s in sc_mod.scenarios(args.scale, args.seed)
+             + sc_mod.verify_scenarios(args.scale, args.seed)}
     names = [s.name for s in sc_mod.scenarios()] if args.scenarios == "all" else args.scenarios.split(",")
     if set(names) - set(known):
         p.error(f"argument --scenarios: unknown {sorted(set(names) - set(known))}; known: {','.join(known)}")
@@ -371,7 +340,10 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     env = environment(device)
     if "triton" in args.methods and device.type == "cuda":
-        args.peer_triton = triton_peer.load(args.archive)  # before any device work: a missing archive stops here
+        try:  # before any device work: a missing archive stops here
+            args.peer_triton = triton_peer.load(args.archive)
+        except (OSError, ValueError) as exc:
+            sys.exit(f"python -m benchmarks.speed: error: {exc} (or leave triton out of --methods)")
         env["vllm_triton"] = dict(args.peer_triton.manifest, archive=args.peer_triton.archive)
     print(json.dumps(env), flush=True)
     out = Path(args.out) / "speed.json"
