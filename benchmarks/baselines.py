@@ -16,9 +16,24 @@
   first, as vLLM does before attention (done at setup, not timed).
 
 Each builder returns a zero-argument callable producing `[T, Hq, D]`.
+
+How every benchmark checks and times a callable is here too: `_rel_err`/`_readable` (the check and the
+cache slots no request may read, poisoned while checking), `time_ms` (device events on CUDA: median,
+warmed up, L2 flushed; a host clock on CPU), `capture` (a replayed CUDA graph: the stand-in for an HPU
+graph per bucket, no launch gaps), `peak_bytes`, `measure` (check, then time: a runner's row), and
+`environment` (device, versions, date and commit of a run).
 """
 from __future__ import annotations
 
+import datetime
+import math
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -174,3 +189,161 @@ def flex_paged(query, key, value, key_cache, value_cache, query_lens, context_le
         return compiled(q4, kf, vf, block_mask=block_mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
 
     return run
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def capture(fn, device: torch.device):
+    """Warm `fn` up, capture it in a CUDA graph; returns (replay, output buffer of the captured call)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    sync(device)
+    return graph.replay, out
+
+
+def time_ms(fn, device: torch.device, *, reps: int = 50, warmup_ms: float = 25, rep_ms: float = 150) -> float:
+    """Median milliseconds of one call."""
+    if device.type != "cuda":
+        for _ in range(2):
+            fn()
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+    try:
+        from triton.testing import do_bench
+    except ImportError:  # pragma: no cover - CUDA without Triton
+        do_bench = None
+    if do_bench is not None:
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device=device)  # pragma: no cover
+    for _ in range(3):  # pragma: no cover
+        fn()
+    times = []  # pragma: no cover
+    for _ in range(reps):  # pragma: no cover
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)  # pragma: no cover
+
+
+def host_ms(fn, reps: int = 5) -> tuple[float, object]:
+    """Median host milliseconds of `fn()` (planning, copies with a sync inside) and its last result."""
+    samples, out = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples), out
+
+
+def peak_bytes(fn, device: torch.device) -> int | None:
+    """Device memory a call allocates beyond what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return int(peak)
+
+
+def measure(row, fn, ref, device, tol: float = 1e-2, reps: int = 50, form: str = "graph", poison=None) -> None:
+    """Check `fn` against `ref` (relative error at most `tol`), then time it (`reps` calls on the CPU): a
+    replayed CUDA graph (`form` graph) or plain calls (eager, and always on the CPU). `poison`: (key cache,
+    value cache, slots no request may read) filled with NaN/inf (an fp8 cache: 0x7f) while the check runs; a
+    graph's output is filled with NaN before its checking replay."""
+    t0 = time.time()
+    fn()
+    sync(device)
+    row["compile_s"] = time.time() - t0
+    peak = peak_bytes(fn, device)
+    row["peak_mb"] = None if peak is None else peak / 2**20
+    graph = form != "eager" and device.type == "cuda"
+    call, out = capture(fn, device) if graph else (fn, None)
+    if poison is not None:
+        kc, vc = (c.view(torch.uint8) if c.dtype.itemsize == 1 else c for c in poison[:2])
+        dead = poison[2]
+        saved = kc[dead].clone(), vc[dead].clone()
+        kc[dead], vc[dead] = (0x7F, 0x7F) if kc.dtype == torch.uint8 else (float("nan"), float("inf"))
+    try:
+        if graph:
+            out.fill_(float("nan"))
+            call()
+            sync(device)
+        else:
+            out = call()
+        row["rel_err"] = _rel_err(out[: ref.shape[0]], ref)
+    finally:
+        if poison is not None:
+            kc[dead], vc[dead] = saved
+    row["ok"] = row["rel_err"] <= tol
+    if row["ok"]:
+        row["ms"] = time_ms(call, device, reps=reps)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+
+
+def _readable(lay, device) -> torch.Tensor:
+    """[num_blocks, block_size] True for slots some request of `lay` (`scenarios.Layout`) may read (context
+    or its new tokens)."""
+    bs = lay.block_size
+    ok = torch.zeros(lay.num_blocks * bs, dtype=torch.bool)
+    for blocks, q, c in zip(lay.owned, lay.scenario.query_lens, lay.scenario.context_lens):
+        pos = np.arange(c + q)
+        ok[torch.as_tensor(blocks[pos // bs] * bs + pos % bs)] = True
+    return ok.view(lay.num_blocks, bs).to(device)
+
+
+def commit() -> str:
+    """The checkout measured: its short commit, `+dirty` when files differ from it ('' outside git)."""
+    root = Path(__file__).resolve().parent.parent
+    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode:
+        return ""
+    return head.stdout.strip() + ("+dirty" if git("status", "--porcelain", "-uno").stdout.strip() else "")
+
+
+def environment(device: torch.device) -> dict:
+    """What a results file records of its run: device, versions, date (UTC) and commit."""
+    env = dict(torch=torch.__version__, python=platform.python_version(), device_type=device.type,
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit())
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(device=p.name, sms=p.multi_processor_count, memory_gb=round(p.total_memory / 2**30, 1),
+                   cuda=torch.version.cuda)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    else:
+        env["device"] = platform.processor() or platform.machine()
+    return env

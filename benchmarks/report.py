@@ -1,293 +1,318 @@
-"""The suite's writers (results.json, results.md, results.png), and the command that remakes docs/benchmarks.md.
+"""Remakes docs/benchmarks.md's tables from the JSON in benchmarks/results/.
 
     python -m benchmarks.report            # rewrite the tables of docs/benchmarks.md from benchmarks/results/
     python -m benchmarks.report --check    # exit 1 if the page differs from what the results give
 
-The tables themselves are made by `benchmarks/tables.py`.
+The page's prose is written by hand; each table sits between `<!-- table:NAME -->` and `<!-- end -->` and is
+made here, with the command that reproduces it, the device, the date and the commit. A results file that
+records no commit (`commit`, at the top or in its `env`) or no date takes them from `results/provenance.json`
+(git log: the commit that last wrote it).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import re
+import statistics
 import sys
 from pathlib import Path
 
 from vllm_gaudi_unified.files import atomic_write
 
-BASELINE_NAMES = {"sdpa_loop": "SDPA loop", "padded_sdpa": "padded SDPA", "flex": "FlexAttention"}
+RESULTS = Path(__file__).parent / "results"
+PAGE = Path(__file__).parent.parent / "docs" / "benchmarks.md"
 
 
-def _fmt(x, digits=3):
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+def _load(name: str):
+    return json.loads((RESULTS / name).read_text())
+
+
+def recorded_commit(data) -> str | None:
+    """The commit a results file records itself (top level or in its `env`), if any."""
+    if isinstance(data, list):  # rows that each record the run's commit
+        return (data[0].get("commit") or None) if data and isinstance(data[0], dict) else None
+    if not isinstance(data, dict):
+        return None
+    return data.get("commit") or (data.get("env") or {}).get("commit")
+
+
+def _source(name: str, command: str, device: str, date: str | None = None) -> str:
+    """One line under a table: the command, the device, the date and the commit of one results file."""
+    commit = recorded_commit(_load(name))
+    prov = {} if commit else _load("provenance.json")[name]
+    when = date or f"{prov['committed']} (commit time)"
+    return (f"`{command}`: {device}, {when}, commit {commit or prov['commit']} "
+            f"(results: `benchmarks/results/{name}`)")
+
+
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _head(*cols) -> list[str]:
+    return [_row(*cols), "|" + "---|" * len(cols)]
+
+
+def _f(x, digits=3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def planning_table() -> list[str]:
+    d = _load("planning.json")
+    pair = lambda r, k: f"{r[k + '_p50_us']:.0f} / {r[k + '_p90_us']:.0f}"  # noqa: E731
+    out = _head("step", "plan_step, new arrays", "plan_step, PlanBuffers", "build_unified_batch, new arrays",
+                "build_unified_batch, StepBuffers", "plan_step, PlanBuffers, CPU time", "bucket")
+    out += [_row(r["scenario"], pair(r, "plan"), pair(r, "plan_kept"), pair(r, "batch"), pair(r, "batch_kept"),
+                 pair(r, "plan_kept_cpu"), f"`{r['bucket']}`") for r in d["sides"]["this checkout"]]
+    load = "-".join(f"{x:.1f}" for x in sorted(set(d["load_average"])))
+    return out + ["", _source("planning.json", "python -m benchmarks.planning --repeat 400 --json FILE",
+                              f"CPU host, 2 cores, load average {load}")]
+
+
+#: The goals: Gaudi route / vllm-gaudi ops, CUDA default / Triton.
+GAUDI_GOAL = {"chunked_2x2k_6k": 1.0, "prefill_4x2k": 1.0, "mixed": 0.5, "shared_prefix": 0.2,
+              "parallel_sampling": 0.2, "decode_256x2k": 0.2, "decode_ragged": 0.2}
+TRITON_GOAL = {"chunked_2x2k_6k": 0.35, "prefill_4x2k": 0.3, "mixed": 1.0, "shared_prefix": 0.5,
+               "parallel_sampling": 1.0, "decode_256x2k": 1.1, "decode_ragged": 1.1}
+
+
+def median_rows(rows: list[dict]) -> dict:
+    """(scenario, block size, method, variant) -> the row of median time among that key's rounds (`--rounds`:
+    rows with `round` 0, 1, ...; its `rounds_ms` lists them all). A later run of the same key (a row whose
+    round does not follow the one before: another run, or a later file) replaces the earlier ones."""
+    runs: dict = {}
+    for r in rows:
+        if r.get("ms") is None:
+            continue
+        key = (r["scenario"], r["block_size"], r["method"], r.get("variant"))
+        run = runs.get(key)
+        if run is None or r.get("round", 0) <= run[-1].get("round", 0):
+            run = runs[key] = []
+        run.append(r)
+    out = {}
+    for key, run in runs.items():
+        ranked = sorted(run, key=lambda r: r["ms"])
+        out[key] = dict(ranked[(len(ranked) - 1) // 2], rounds_ms=[r["ms"] for r in run])
+    return out
+
+
+def _best(rows):
+    """Per case and variant the median of its rounds (`median_rows`); the peer: the best of its forms."""
+    best: dict = {}
+    for key, r in median_rows(rows).items():
+        if r["method"] == "peer":  # best of its forms
+            key = key[:3] + ("best",)
+            if key in best and best[key]["ms"] <= r["ms"]:
+                continue
+        best[key] = r
+    return best
+
+
+def _verdict(ratio, goal):
+    if ratio is None:
         return "-"
-    return f"{x:.{digits}f}" if x < 100 else f"{x:.0f}"
+    return f"{ratio:.2f}x" + ("" if goal is None else f" ({'met' if ratio <= goal else 'MISSED'}: <= {goal})")
 
 
-def best_unified(rows, scenario, bs):
-    """Our fastest checked variant for (scenario, block size), or None."""
-    cands = [r for r in rows if r.get("method") == "unified" and r.get("scenario") == scenario
-             and r.get("block_size") == bs and r.get("ok") and r.get("ms") is not None]
-    return min(cands, key=lambda r: r["ms"]) if cands else None
+def latest_cases(runs: list[list[dict]]) -> list[dict]:
+    """Rows of every (scenario, block size) from the last run that has it: ratios stay within one run."""
+    out: dict = {}
+    for rows in runs:
+        cases: dict = {}
+        for r in rows:
+            cases.setdefault((r["scenario"], r["block_size"]), []).append(r)
+        out.update(cases)
+    return [r for rows in out.values() for r in rows]
 
 
-def _get(rows, scenario, bs, method, variant=None):
-    for r in rows:
-        if r.get("scenario") == scenario and r.get("block_size") == bs and r.get("method") == method \
-                and (variant is None or r.get("variant") == variant):
-            return r
-    return None
+def _speed_rows(names: list[str]) -> dict:
+    return _best(latest_cases([_load(n)["rows"] for n in names]))
 
 
-def summary(rows) -> list[dict]:
-    """One line per (scenario, block size): our times per variant, targets, floors, baselines, invariant mode."""
-    out = []
-    keys = []
-    for r in rows:
-        if r.get("method") == "unified" and (r["scenario"], r["block_size"]) not in keys:
-            keys.append((r["scenario"], r["block_size"]))
-    for name, bs in keys:
-        best = best_unified(rows, name, bs)
-        any_row = _get(rows, name, bs, "unified")
-        ms_of = lambda method, var: (_get(rows, name, bs, method, var) or {}).get("ms")  # noqa: E731
-        line = dict(scenario=name, title=any_row.get("title", name), block_size=bs,
-                    ms=best["ms"] if best else None, variant=best["variant"] if best else None,
-                    eager_ms=ms_of("unified", "eager"), graph_ms=ms_of("unified", "graph"),
-                    compiled_ms=ms_of("unified", "compiled"),
-                    target_ms=any_row.get("target_ms"), triton_ms=any_row.get("triton_ms"),
-                    floor_ms=any_row.get("floor_ms"), unique_layout=any_row.get("unique_layout"),
-                    plan_ms=any_row.get("plan_ms"), h2d_ms=any_row.get("h2d_ms"),
-                    peak_mb=(_get(rows, name, bs, "unified", "eager") or {}).get("peak_mb"),
-                    rel_err=max((r.get("rel_err") or 0 for r in rows if r.get("method") == "unified"
-                                 and r.get("scenario") == name and r.get("block_size") == bs and r.get("ok")),
-                                default=None),
-                    invariant_eager_ms=ms_of("invariant", "eager"), invariant_graph_ms=ms_of("invariant", "graph"),
-                    failed=[r["variant"] for r in rows if r.get("method") in ("unified", "invariant")
-                            and r.get("scenario") == name and r.get("block_size") == bs and r.get("ok") is False])
-        other = 128 if bs == 16 else 16
-        b2 = best_unified(rows, name, other)
-        line["other_bs_ms"] = b2["ms"] if b2 else None
-        for bname in BASELINE_NAMES:
-            b = _get(rows, name, 16, bname)  # baselines run at block size 16
-            line[bname + "_ms"] = b.get("ms") if b else None
-            line[bname + "_peak_mb"] = b.get("peak_mb") if b else None
-            line[bname + "_note"] = (b.get("error") or "") if b else "not run"
-        out.append(line)
-    for line in out:
-        if line["scenario"] == "scattered":  # scattered vs its dense twin, same block size
-            twin = next((x for x in out if x["scenario"] == "decode_256x2k" and x["block_size"] == line["block_size"]),
-                        None)
-            if twin and twin["ms"] and line["ms"]:
-                line["vs_dense"] = line["ms"] / twin["ms"]
-        line["verdict"] = verdict(line)
-    return out
+def speed_table() -> list[str]:
+    from benchmarks import scenarios as sc_mod
+
+    ours = _speed_rows(["speed_h100/all_scenarios.json", "speed_h100/prompts_3rounds.json"])
+    tri = _speed_rows(["speed_h100/triton_peer.json", "speed_h100/triton_peer_prompts.json"])
+    order = [s.name for s in sc_mod.scenarios()]
+    cases = sorted({k[:2] for k in ours}, key=lambda c: (order.index(c[0]) if c[0] in order else 99, c[1]))
+    out = _head("scenario", "vllm-gaudi ops", "ours, Gaudi route", "Gaudi / ops (goal)", "vLLM Triton",
+                "ours, CUDA route", "CUDA / Triton (goal)", "floor")
+    for sc, bs in cases:
+        peer, gaudi, cuda = (ours.get((sc, bs, m, v)) for m, v in (("peer", "best"), ("ours", "gaudi"),
+                                                                   ("ours", "default")))
+        t = tri.get((sc, bs, "triton", "graph"))
+        ms = lambda r: r["ms"] if r else None  # noqa: E731
+        ratio = lambda a, b: a["ms"] / b["ms"] if a and b else None  # noqa: E731
+        out.append(_row((cuda or gaudi)["title"], _f(ms(peer)), _f(ms(gaudi)),
+                        _verdict(ratio(gaudi, peer), GAUDI_GOAL.get(sc)), _f(ms(t)), _f(ms(cuda)),
+                        _verdict(ratio(cuda, t), TRITON_GOAL.get(sc)), _f((cuda or gaudi)["floor_ms"])))
+    env = _load("speed_h100/all_scenarios.json")["env"]
+    dev = f"{env['device']}, torch {env['torch']}, Triton {env['triton']}"
+    runs = [("speed_h100/all_scenarios.json", "python -m benchmarks.speed --out DIR --block-sizes 128 --scenarios "
+             "all --peer-variants compiled --variants gaudi=gaudi:1"),
+            ("speed_h100/prompts_3rounds.json", "python -m benchmarks.speed --out DIR --block-sizes 128 --rounds 3 "
+             "--peer-variants compiled --variants gaudi=gaudi:1 --scenarios chunked_2x2k_6k,prefill_4x2k,mixed,"
+             "chunked_8x512_2k,chunked_ragged,prefill_ragged"),
+            ("speed_h100/triton_peer.json", "python -m benchmarks.triton_peer run --archive ARCHIVE --out DIR "
+             "--block-sizes 128,16"),
+            ("speed_h100/triton_peer_prompts.json", "python -m benchmarks.triton_peer run --archive ARCHIVE --out "
+             "DIR --block-sizes 128 --scenarios chunked_1x4k_12k,chunked_8x512_2k,chunked_ragged,prefill_ragged")]
+    return out + [""] + [f"- {_source(n, c, dev, _load(n)['env']['date'])}" for n, c in runs]
 
 
-#: Block size 128 vs 16: a ratio up to 1 + TIE is reported as a tie, not a miss. Repeated runs of one version
-#: on the H100 moved by up to 0.1 % (decode, prefill) and 6 % (shared prefix, 0.46-0.49 ms).
-TIE = 0.03
+def trace_table() -> list[str]:
+    names = {"chat": "trace_steps_h200/chat.json", "rag": "trace_steps_h200/rag.json"}
+    data = {k: _load(n) for k, n in names.items()}
+    out = _head("route", *(f"{k}: device ms" for k in names), *(f"{k}: steps slower than vllm-gaudi (exp)" for k in names),
+                *(f"{k}: padded / unpadded" for k in names))
+    rows = (("peer", "vllm-gaudi ops, unpadded"), ("peer_exp", "vllm-gaudi ops, padded to its `exp` buckets"),
+            ("cuda", "ours, CUDA route"), ("gaudi", "ours, Gaudi route"),
+            ("gaudi_bucketed", "ours, Gaudi route padded to the bucket plan"),
+            ("gaudi_bucketed_tiles", "ours, Gaudi route, the plan's buckets on the tiled paths only"))
+    for key, name in rows:
+        totals = [d["totals"] for d in data.values()]
+        slower = [f"{t[f'{key}_steps_slower_than_peer']} ({t[f'{key}_steps_slower_than_peer_exp']})"
+                  if f"{key}_steps_slower_than_peer" in t else "-" for t in totals]
+        ratio = [f"{t[f'{key}_ms'] / t['gaudi_ms']:.2f}x" if key.startswith("gaudi_") else "-" for t in totals]
+        out.append(_row(name, *(_f(t[f"{key}_ms"], 1) for t in totals), *slower, *ratio))
+    lines = []
+    for k, name in names.items():
+        d = data[k]
+        cmd = (f"python -m benchmarks.trace_steps --trace ../shared/traces/{d['trace'].split('/')[-1]} --start {d['start']} "
+               f"--steps {d['steps']} --out DIR --plan benchmarks/results/trace_steps_h200/plan_llama8b-gaudi3.json")
+        lines.append(f"- {k}: {_source(name, cmd, d['env']['device'], d['env']['date'])}")
+    return out + [""] + lines
 
 
-def verdict(s: dict) -> str:
-    """The suite's criterion for one line: the target at block size 16, scattered within 10 % of dense,
-    block size 128 no slower than 16 (best variant against best variant; `TIE` for run-to-run spread)."""
-    if s["ms"] is None:
-        return "no timing"
-    parts = []
-    if s["scenario"] == "scattered" and s.get("vs_dense"):
-        parts.append(f"{s['vs_dense']:.2f}x dense: " + ("pass" if s["vs_dense"] <= 1.10 else "miss"))
-    elif s["block_size"] == 16 and s["target_ms"]:
-        parts.append("pass" if s["ms"] <= s["target_ms"] else f"miss ({s['ms'] / s['target_ms']:.1f}x)")
-    if s["block_size"] == 128 and s.get("other_bs_ms"):
-        r = s["ms"] / s["other_bs_ms"]
-        parts.append(f"{r:.3f}x bs16: " + ("pass" if r <= 1.0 else f"tie (within {TIE:.0%})" if r <= 1 + TIE
-                                            else "miss"))
-    return "; ".join(parts) or "no target"
+def _gpu_ms(entry: dict, route: str):
+    """GPU time per step: the profile's CUDA total over its 5 steps."""
+    m = re.search(r"Self CUDA time total: ([0-9.]+)(ms|us)", entry.get(f"{route}_profile", ""))
+    return float(m.group(1)) / (5 if m.group(2) == "ms" else 5000) if m else None
 
 
-def markdown(env: dict, rows) -> str:
-    lines = [f"Device: {env.get('device')}; torch {env.get('torch')}"
-             + (f", CUDA {env['cuda']}" if env.get("cuda") else "")
-             + (f", Triton {env['triton']}" if env.get("triton") else "") + f"; {env.get('date')}.", ""]
-    summ = summary(rows)
-    lines.append("| scenario | bs | eager ms | graph ms | compiled ms | target ms | verdict | floor ms | best / floor "
-                 "| SDPA loop ms (÷ ours) | padded SDPA ms (÷ ours) | Flex ms (÷ ours) | vLLM Triton (typed) ÷ ours "
-                 "| peak MB: ours / loop / padded / Flex | unique layout | plan ms | H2D ms | rel err |")
-    lines.append("|" + "---|" * 18)
-    for s in summ:
-        ms = s["ms"]
-
-        def base(name):
-            if s["block_size"] != 16:
-                return "-"
-            b = s[name + "_ms"]
-            if b is None:
-                return "n/a" if s[name + "_note"].startswith("does not apply") else "-"
-            return f"{_fmt(b)} ({b / ms:.1f}x)" if ms else _fmt(b)
-
-        triton = f"{s['triton_ms'] / ms:.2f}" if s["triton_ms"] and ms else "-"
-        peaks = " / ".join(_fmt(x, 0) for x in (s["peak_mb"],) + (
-            tuple(s[n + "_peak_mb"] for n in BASELINE_NAMES) if s["block_size"] == 16 else ()))
-        lines.append(
-            f"| {s['title']} | {s['block_size']} | {_fmt(s['eager_ms'])} | {_fmt(s['graph_ms'])} "
-            f"| {_fmt(s['compiled_ms'])} | {_fmt(s['target_ms'])} | {s['verdict']} | {_fmt(s['floor_ms'])} "
-            f"| {ratio_x(ms, s['floor_ms'])} | {base('sdpa_loop')} | {base('padded_sdpa')} | {base('flex')} "
-            f"| {triton} | {peaks} "
-            f"| {s['unique_layout']} | {_fmt(s['plan_ms'], 2)} | {_fmt(s['h2d_ms'], 2)} | {_fmt(s['rel_err'], 4)} |")
-    lines.append("")
-    lines.append("Verdict: the best of our variants against the target (block size 16), against the dense "
-                 "twin (scattered), against block size 16 (block size 128). Baselines ran at block size 16, timed "
-                 "as CUDA graph replays where capture works; (÷ ours) above 1: the baseline is slower. n/a: does "
-                 "not apply; '-': not run.")
-    inv = [s for s in summ if s["invariant_eager_ms"] or s["invariant_graph_ms"]]
-    if inv:
-        lines += ["", "Batch-invariant mode (goal: at most 1.15x the default on decode and mixed):", "",
-                  "| scenario | bs | default eager ms | invariant eager ms | ratio | default graph ms "
-                  "| invariant graph ms | ratio |", "|---|---|---|---|---|---|---|---|"]
-        for s in inv:
-            def rat(a, b):
-                return f"{a / b:.2f}" if a and b else "-"
-            lines.append(f"| {s['title']} | {s['block_size']} | {_fmt(s['eager_ms'])} | {_fmt(s['invariant_eager_ms'])} "
-                         f"| {rat(s['invariant_eager_ms'], s['eager_ms'])} | {_fmt(s['graph_ms'])} "
-                         f"| {_fmt(s['invariant_graph_ms'])} | {rat(s['invariant_graph_ms'], s['graph_ms'])} |")
-    lines += fp8_lines(rows)
-    lines += route_lines(rows)
-    base_rows = [r for r in rows if r.get("method") in BASELINE_NAMES]
-    if base_rows:
-        lines += ["", "| scenario | baseline | variant | ms | peak MB | rel err | note |", "|---|---|---|---|---|---|---|"]
-        for r in base_rows:
-            lines.append(f"| {r.get('title', r['scenario'])} | {BASELINE_NAMES[r['method']]} | {r.get('variant')} "
-                         f"| {_fmt(r.get('ms'))} | {_fmt(r.get('peak_mb'), 0)} | {_fmt(r.get('rel_err'), 4)} "
-                         f"| {_note(r)} |")
-    bad = [r for r in rows if r.get("method") in ("unified", "invariant", "fp8", "route") and r.get("ok") is False]
-    for r in bad:
-        route = f" ({r['unique_route']})" if r.get("unique_route") else ""
-        lines.append(f"\nFAILED: {r['scenario']} bs {r['block_size']} {r['method']}{route} {r['variant']}: "
-                     f"{r.get('error') or 'rel err %s' % r.get('rel_err')}")
-    skipped = [r for r in rows if r.get("method") == "skipped"]
-    for r in skipped:
-        lines.append(f"\nSKIPPED: {r['scenario']} bs {r['block_size']}: {r.get('error')}")
-    return "\n".join(lines)
+def mla_table() -> list[str]:
+    files = {"mla_h100/routes.json": ("decode_128x4k", "shared_64x4k+256", "unshared_64x4352"),
+             "mla_h100/long_contexts.json": ("decode_4x32k", "decode_16x8k")}
+    out = _head("step", "floor ms (HBM / compute)", "CUDA route GPU / wall ms", "CUDA GPU / floor",
+                "Gaudi route GPU / wall ms", "vllm-gaudi `flat_pa_mla` wall ms", "max error CUDA / Gaudi")
+    for name, cases in files.items():
+        d = _load(name)
+        for case in cases:
+            e = d[case]
+            floor = max(e["floor_ms"], e["compute_floor_ms"])
+            gpu = _gpu_ms(e, "cuda")
+            out.append(_row(f"{e['requests']} x {e['seq_len']}" + (" (4096 shared)" if "shared_" in case[:7] else ""),
+                            f"{e['floor_ms']:.3f} / {e['compute_floor_ms']:.3f}",
+                            f"{_f(gpu)} / {_f(e.get('cuda_ms'))}", f"{gpu / floor:.2f}x" if gpu else "-",
+                            f"{_f(_gpu_ms(e, 'gaudi'))} / {_f(e.get('gaudi_ms'))}", _f(e.get("vllm_gaudi_ms"), 1),
+                            f"{e['cuda_max_err']:.4f} / {e['gaudi_max_err']:.4f}"))
+    lines = [f"- {_source(n, 'python -m benchmarks.mla_decode --profile --out FILE --cases ' + ','.join(c), _load(n)['device'])}"
+             for n, c in files.items()]
+    return out + [""] + lines
 
 
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}" if a and b else "-"
+def bucket_table() -> list[str]:
+    d = _load("bucketing_loads.json")
+    out = _head("setting", "plan", "graphs", "held-out traces: padding in time / in pairs (worst step in time)")
+    for setting in ("llama8b-gaudi3", "bs32-seqs64"):
+        for plan, e in d[setting].items():
+            if "held_out" in e and "plan" in e:
+                cells = "; ".join(f"{h['padding_time']:.2f} / {h['padding_pairs']:.2f} ({h['worst_time']:.1f})"
+                                  for h in e["held_out"].values())
+                out.append(_row(setting, f"`{plan}`", e["graphs"], cells))
+    gen = d["generate_10k"]
+    out += ["", f"Making the shipped kind of plan from a 10 000-step trace: {statistics.median(gen['wall_seconds']):.1f} s "
+            f"(median of {len(gen['wall_seconds'])}, a separate process from start to exit)."]
+    return out + ["", _source("bucketing_loads.json", "python -m benchmarks.bucketing_goals --loads", "CPU host, 2 cores")]
 
 
-def fp8_lines(rows) -> list[str]:
-    """The fp8 table: per (scenario, block size, variant) the step over the bf16 cache and over the fp8
-    one (`--fp8`), their ratio, and the fp8 floor (KV bytes halved)."""
-    fp8 = [r for r in rows if r.get("method") == "fp8" and r.get("ms")]
-    if not fp8:
-        return []
-    out = ["", "fp8 KV cache (per-tensor scales; the unique path reads fp8 in a Triton kernel where "
-           "CUDA and Triton are, the other paths dequantize after the gather):", "",
-           "| scenario | bs | variant | model-dtype cache ms | fp8 cache ms | fp8 / model-dtype | fp8 floor ms | fp8 rel err |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in fp8:
-        b = (_get(rows, r["scenario"], r["block_size"], "unified", r["variant"]) or {}).get("ms")
-        out.append(f"| {r.get('title', r['scenario'])} ({r.get('kv_cache_dtype')}) | {r['block_size']} | {r['variant']} "
-                   f"| {_fmt(b)} | {_fmt(r['ms'])} | {_ratio(r['ms'], b)} "
-                   f"| {_fmt(r.get('floor_ms'))} | {_fmt(r.get('rel_err'), 4)} |")
-    return out
+def serving_table() -> list[str]:
+    d = _load("serving_cpu.json")
+    cols = (("median_tpot_ms", "TPOT p50 ms", "tpot_p50"), ("mean_tpot_ms", "TPOT mean ms", "tpot_mean"),
+            ("median_ttft_ms", "TTFT p50 ms", "ttft_p50"), ("mean_e2el_ms", "mean latency ms", "latency_mean"),
+            ("request_throughput", "requests/s", "req_per_s"))
+    out = _head("backend", *(c[1] for c in cols))
+    out += [_row(name, *(_f(t[c[0]], 2) for c in cols)) for name, t in d["table"].items()]
+    out.append(_row("**plugin / vLLM's** (median of the per-round ratios)",
+                    *(f"{d['ratios'][c[2]]:.2f}x" + (f" ({d['paired_ratios'][c[2]]:.2f}x)" if c[2] in d["paired_ratios"]
+                                                      else "") for c in cols)))
+    date = next(iter(d["runs"].values()))[0]["result"]["date"]
+    load = ", ".join(f"{x:.1f}" for x in d["load_average_end"])
+    return out + ["", _source("serving_cpu.json", "python -m benchmarks.serving --rounds 6 --json FILE",
+                              f"CPU host, engines on core {d['cpus']}, load average {load} at the end",
+                              f"{date[:4]}-{date[4:6]}-{date[6:8]} {date[9:11]}:{date[11:13]} UTC")]
 
 
-def route_lines(rows) -> list[str]:
-    """`--unique-routes`: per (scenario, block size, variant) the default step and the step with its unique
-    path forced through each route, and each route over the default."""
-    routed = [r for r in rows if r.get("method") == "route"]
-    routes = list(dict.fromkeys(r["unique_route"] for r in routed))
-    if not routes:
-        return []
-    out = ["", "Unique-path routes (the same step with the unique path forced through each route; kernel: "
-           "paths/unique_kernel.py, torch: flash per block / the matmul tiles):", "",
-           "| scenario | bs | variant | phase | default ms | " + " | ".join(f"{n} ms | {n} / default" for n in routes)
-           + " |", "|" + "---|" * (4 + 1 + 2 * len(routes))]
-    for d in (r for r in rows if r.get("method") == "unified"):
-        same = {r["unique_route"]: r for r in routed if (r["scenario"], r["block_size"], r["variant"])
-                == (d["scenario"], d["block_size"], d["variant"])}
-        cells = [f"{_fmt(same.get(n, {}).get('ms'))} | {_ratio(same.get(n, {}).get('ms'), d.get('ms'))}"
-                 for n in routes]
-        out.append(f"| {d.get('title', d['scenario'])} | {d['block_size']} | {d['variant']} | {d.get('phase', '-')} "
-                   f"| {_fmt(d.get('ms'))} | " + " | ".join(cells) + " |")
-    return out
+def invariance_table() -> list[str]:
+    out = _head("scenario", "route", "default ms (graph)", "invariant ms (graph)", "invariant / default",
+                "eager ratio", "peak memory ratio")
+    files = {route: f"invariance/h200_{route}.json" for route in ("cuda", "gaudi")}
+    for route, name in files.items():
+        out += [_row(r["scenario"], route, _f(r.get("default_graph_ms")), _f(r.get("invariant_graph_ms")),
+                     f"{r['graph_ms_ratio']:.2f}x", f"{r['ms_ratio']:.2f}x", f"{r['peak_mb_ratio']:.2f}x")
+                for r in _load(name)]
+    return out + [""] + [f"- {_source(name, f'python -m benchmarks.invariance cost --route {route} --out FILE', _load(name)[0]['gpu'], _load(name)[0]['date'])}"
+                         for route, name in files.items()]
 
 
-def _note(row) -> str:
-    """A baseline row's note on one line: its error, or that it failed the check."""
-    if row.get("error"):
-        return " ".join(str(row["error"]).split())[:160]
-    return "failed the check: not timed" if row.get("ok") is False else ""
+def _verify_rows(name: str) -> dict:
+    """{(scenario, method, route, compiled): ms} of one `benchmarks.verify` results file (default kernel constants)."""
+    return {(r["scenario"], r["method"], r.get("route"), r.get("compiled")): r["ms"]
+            for r in _load(name)["rows"] if "ms" in r and not r.get("variant")}
 
 
-def ratio_x(ms, floor):
-    return f"{ms / floor:.2f}" if ms and floor else "-"
+def verify_table() -> list[str]:
+    runs, peers, mla = ("verify_h200/gaudi_compiled.json", "verify_h200/with_peers.json",
+                        "verify_h200/per_head_products.json")
+    ours, peer = _verify_rows(runs), _verify_rows(peers)
+    titles = {r["scenario"]: r.get("title", r["scenario"]) for r in _load(runs)["rows"]}
+    ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
+    out = ["CUDA route:", ""] + _head("step", "ours", "vLLM Triton", "ours / Triton", "our decode, same contexts",
+                                     "verify / decode", "floor")
+    scenarios = sorted({k[0] for k in ours}, key=list(titles).index)
+    for sc in scenarios:
+        v, t, d = ours.get((sc, "ours_verify", "cuda", False)), ours.get((sc, "triton", None, None)), \
+            ours.get((sc, "ours_decode", "cuda", False))
+        out.append(_row(sc, _f(v), _f(t), ratio(v, t), _f(d), ratio(v, d), _f(ours.get((sc, "floor", None, None)))))
+    out += ["", "Gaudi route (compiled per bucket where a time is given, else eager), beside vllm-gaudi's two forms:",
+            ""] + _head("step", "verify eager", "decode eager", "verify compiled", "decode compiled",
+                        "verify / decode", "vllm-gaudi batch expansion", "vllm-gaudi prompt form", "ours / expansion",
+                        "ours / prompt form")
+    for sc in scenarios:
+        ve, de = ours.get((sc, "ours_verify", "gaudi", False)), ours.get((sc, "ours_decode", "gaudi", False))
+        vc, dc = ours.get((sc, "ours_verify", "gaudi", True)), ours.get((sc, "ours_decode", "gaudi", True))
+        best = vc if vc is not None else ve
+        ex, pf = peer.get((sc, "vllm_gaudi_expand", None, None)), peer.get((sc, "vllm_gaudi_prompt", None, None))
+        out.append(_row(sc, _f(ve), _f(de), _f(vc), _f(dc), ratio(vc, dc) if vc and dc else ratio(ve, de),
+                        _f(ex), _f(pf), ratio(best, ex), ratio(best, pf)))
+    m = _verify_rows(mla)
+    out += ["", "MLA at DeepSeek-V3's shapes (128 heads, latent 512 + rope 64), eager:", ""]
+    out += _head("step", "CUDA", "Gaudi route") + [
+        _row(sc, _f(m.get((sc, "ours", "cuda", None))), _f(m.get((sc, "ours", "gaudi", None))))
+        for sc in ("mla_128x1_4k", "mla_128x2_4k")]
+    src = lambda n, c: _source(n, c, _load(n)["env"]["device"], _load(n)["env"]["date"])  # noqa: E731
+    return out + ["", f"- {src(runs, 'python -m benchmarks.verify --out DIR --compile CASES')}",
+                  f"- {src(peers, 'python -m benchmarks.verify --out DIR')} (vllm-gaudi's columns)",
+                  f"- {src(mla, 'python -m benchmarks.verify --out DIR --mla')}"]
 
 
-def progress_line(rows, name, bs, seconds) -> str:
-    best = best_unified(rows, name, bs)
-    errs = [r.get("error") for r in rows if r.get("scenario") == name and r.get("block_size") == bs and r.get("error")]
-    return (f"[{seconds:6.1f}s] {name} bs{bs}: "
-            + (f"{best['ms']:.4f} ms ({best['variant']})" if best else "no timing")
-            + (f" errors: {errs}" if errs else ""))
+TABLES = {"planning": planning_table, "speed": speed_table, "trace": trace_table, "mla": mla_table,
+          "buckets": bucket_table, "serving": serving_table, "invariance": invariance_table,
+          "verify": verify_table}
+_BLOCK = re.compile(r"(<!-- table:(\w+) -->\n).*?(<!-- end -->)", re.S)
 
 
-def write_plot(path: Path, env: dict, rows) -> None:
-    import matplotlib
+def render(page: str) -> str:
+    """The page with every table block remade from the results."""
+    return _BLOCK.sub(lambda m: m.group(1) + "\n".join(TABLES[m.group(2)]()) + "\n" + m.group(3), page)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summ = [s for s in summary(rows) if s["block_size"] == 16]
-    if not summ:
-        return
-    series = [("ours, bs 16", lambda s: s["ms"]), ("ours, bs 128", lambda s: s["other_bs_ms"]),
-              ("SDPA loop", lambda s: s["sdpa_loop_ms"]), ("padded SDPA", lambda s: s["padded_sdpa_ms"]),
-              ("FlexAttention", lambda s: s["flex_ms"]), ("vLLM Triton (typed)", lambda s: s["triton_ms"])]
-    fig, ax = plt.subplots(figsize=(13, 5.5))
-    width = 0.8 / len(series)
-    for i, (label, get) in enumerate(series):
-        xs = [j + i * width for j, s in enumerate(summ) if get(s)]
-        ys = [get(s) for s in summ if get(s)]
-        ax.bar(xs, ys, width, label=label)
-    for j, s in enumerate(summ):
-        if s["target_ms"]:
-            ax.hlines(s["target_ms"], j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="--", lw=1)
-        if s["floor_ms"]:
-            ax.hlines(s["floor_ms"], j - width / 2, j + 0.8 - width / 2, colors="r", linestyles=":", lw=1)
-    ax.set_yscale("log")
-    ax.set_ylabel("ms per step (log)")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(summ))])
-    ax.set_xticklabels([s["title"] for s in summ], rotation=25, ha="right", fontsize=8)
-    ax.set_title(f"unified_attention vs baselines: {env.get('device')}, torch {env.get('torch')}, {env.get('date')}"
-                 "\n(dashed black: target, dotted red: HBM/FLOP floor)", fontsize=9)
-    ax.set_ylim(top=ax.get_ylim()[1] * 10)  # room for the legend above the bars
-    ax.legend(fontsize=8, ncol=len(series), loc="upper center")
-    fig.tight_layout()
-    with atomic_write(str(path), binary=True) as f:  # whole or not at all
-        fig.savefig(f, dpi=110, format="png")
-    plt.close(fig)
-
-
-def write_all(out_dir: Path, env: dict, args: dict, rows, plot: bool = False) -> None:
-    out_dir = Path(out_dir)
-    with atomic_write(str(out_dir / "results.json")) as f:  # an interrupted run leaves the old results
-        f.write(json.dumps(dict(env=env, args=args, rows=rows, summary=summary(rows)), indent=1, default=str))
-    with atomic_write(str(out_dir / "results.md")) as f:
-        f.write(markdown(env, rows) + "\n")
-    if plot:
-        try:
-            write_plot(out_dir / "results.png", env, rows)
-        except Exception as exc:  # noqa: BLE001 - a missing matplotlib must not lose the numbers
-            print(f"plot failed: {exc}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks.report", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md differs from the results")
     args = p.parse_args(argv)
-    from benchmarks.tables import PAGE, render
-
     old = PAGE.read_text()
     new = render(old)
     if args.check:

@@ -113,30 +113,6 @@ def layout(sc: Scenario, block_size: int, seed: int = 0) -> Layout:
     return Layout(sc, bs, table, num_blocks, owned)
 
 
-def floors(sc: Scenario, block_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-           elem_bytes: int = 2, kv_elem_bytes: int | None = None) -> dict:
-    """The two floors: score+value FLOPs of the pairs the step needs, and the fewest bytes
-    (every live cache block's K and V once, at `kv_elem_bytes` each (default `elem_bytes`;
-    1 for an fp8 cache), q/k/v/out once)."""
-    pairs = 0
-    for q, c in zip(sc.query_lens, sc.context_lens):
-        pairs += q * c + q * (q + 1) // 2
-    flops = 4 * pairs * num_qo_heads * head_dim
-    kv_tokens = 0
-    seen_prefix = set()
-    for r, (q, c) in enumerate(zip(sc.query_lens, sc.context_lens)):
-        kv_tokens += c
-        for first, count, common in sc.prefix:
-            if first < r < first + count:
-                kv_tokens -= common
-            elif r == first:
-                seen_prefix.add(first)
-    t = sc.num_tokens
-    kv_bytes = 2 * kv_tokens * num_kv_heads * head_dim * (kv_elem_bytes or elem_bytes)
-    io_bytes = t * (2 * num_qo_heads + 2 * num_kv_heads) * head_dim * elem_bytes
-    return {"flops": flops, "bytes": kv_bytes + io_bytes, "kv_bytes": kv_bytes}
-
-
 def verify_scenarios(scale: float = 1.0, seed: int = 0) -> list[Scenario]:
     """Speculative verify steps: each request its last token and k drafts over its cached context;
     ragged drafts (an ngram proposer that found none for some requests); other head shapes (Hq / Hkv / D)."""

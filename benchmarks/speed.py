@@ -1,22 +1,34 @@
-"""Device speed on both routes: our default against the same-rules peer (vllm-gaudi's algorithms), per scenario.
+"""The device runner: scenarios of `benchmarks/scenarios.py` on both routes, beside the peers, in one process.
 
-    python -m benchmarks.speed --out DIR [--block-sizes 16,128] [--scenarios all] [--variants ...] [--rounds N]
+    python -m benchmarks.speed --out DIR [--scenarios all] [--block-sizes 16,128] [--methods ours,peer,triton]
+                               [--routes cuda,gaudi] [--variants ...] [--rounds N] [--device cpu|cuda] [--scale S]
 
-Per scenario and block size, on the same tensors in one process: unified attention at the
-default options (and, with `--variants`, other option sets), compiled per bucket and
-replayed as a CUDA graph; the same-rules peer (`benchmarks/gaudi_peer.py`) as a replayed
-CUDA graph of its eager ops and compiled; the HBM / FLOP floor. Every variant is checked
-against the float32 reference first (ours on a cache whose unreadable slots hold NaN/inf,
-graph outputs poisoned before the checking replay). Peak MB: device memory one
-(un-captured) call allocates beyond its inputs. Rows go to DIR/speed.json after every case; `python -m benchmarks.report` tabulates them
-(docs/benchmarks.md).
-`--variants 'gaudi=gaudi:1'` adds the Gaudi route (`paths.fused.gaudi_route`: every CUDA-only kernel off).
+Per scenario and block size, on the same tensors (the scenario's heads, random from `--seed`):
+
+* `ours`, one row per option set: `default`, the CUDA route (every CUDA kernel where it applies), and
+  `gaudi`, the Gaudi route (`paths.fused.gaudi_route`: every CUDA-only kernel off, what an HPU runs), then
+  those `--variants` adds; compiled per bucket and replayed as a CUDA graph (`--form graph`: eager calls
+  captured; on the CPU plain calls);
+* `peer`: vllm-gaudi's algorithm as it runs (`benchmarks/gaudi_peer.py`), a replayed CUDA graph of its eager
+  ops and compiled (`--peer-variants`);
+* `triton`: vLLM's Triton unified attention (`benchmarks/triton_peer.py`, from the archive `pack` makes);
+* `sdpa_loop`, `padded_sdpa`, `flex`: plain torch baselines (`benchmarks/baselines.py`);
+* the HBM / FLOP floor of the step (`floor_ms`).
+
+Every row is checked against the float32 reference before it is timed: the cache slots no request may read
+hold NaN/inf, a graph's output is poisoned before the checking replay; a row past `--tol` is not timed, and
+a failed row of ours makes the exit status 1. Peak MB: device memory one call allocates beyond its inputs.
+Writes DIR/speed.json after every case: the environment (device, versions, date, commit), the settings
+and the rows; `python -m benchmarks.report` makes docs/benchmarks.md's tables from such files.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
+import re
+import sys
 import time
 import traceback
 from dataclasses import replace
@@ -25,36 +37,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import baselines, gaudi_peer, scenarios as sc_mod
-from benchmarks.options import BF16_FLOPS, HBM_BYTES_PER_S
-from benchmarks.suite import _readable, _rel_err, environment
-from benchmarks.timing import capture, peak_bytes, sync, time_ms
+from benchmarks import baselines, gaudi_peer, scenarios as sc_mod, triton_peer
+from benchmarks.baselines import _readable, environment, measure
 from vllm_gaudi_unified import attention, graphs
-from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
-from vllm_gaudi_unified.files import output_dir
+from vllm_gaudi_unified.files import output_dir, write_text
+from vllm_gaudi_unified.flags import POSITIVE, SEED, comma_ints_in, float_in, parse_comma_ints
+from vllm_gaudi_unified.paths import fused
+from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE
 from vllm_gaudi_unified.tools.cli import Parser
 
-
-def _variants(spec: str) -> dict:
-    """name -> PlanOptions overrides of the default ('default': none). Keys that are not options:
-    `gaudi:1` runs the variant on the Gaudi route (`paths.fused.gaudi_route`: no flash varlen, no
-    Triton), `device_table:1` starts from the device's measured options (`device_options.py`),
-    `prompt_flash:1` / `prompt_flash:0` the prompt route through flash varlen always / never (default: for
-    ragged prompts, `StepPlan.prompt_ragged`), `step_bias:0` makes the prompt route's mask
-    in each call instead of once per step (`UnifiedBatch.with_prompt_bias`, untimed, as the peer's
-    `attn_bias`; both runners make it once per step)."""
-    out = {"default": {}}
-    for item in filter(None, spec.split(";")):
-        name, _, kv = item.partition("=")
-        out[name] = {k: (v if k in ("unique_layout", "prompt_route") else bool(int(v))
-                         if k in ("fused_kernels", "gaudi", "device_table", "prompt_flash", "step_bias") else int(v))
-                     for k, v in (p.split(":") for p in kv.split(",") if p)}
-    return out
-
-
+HBM_BYTES_PER_S = 3.35e12  #: H100 SXM HBM3 peak (0.64 ms floor for decode 256 x 2k)
+BF16_FLOPS = 800e12  #: dense bf16 matmul measured on an H100
+METHODS = ("ours", "peer", "triton", "sdpa_loop", "padded_sdpa", "flex")
+ROUTES = {"cuda": ("default", {}), "gaudi": ("gaudi", {"gaudi": True})}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: Variant keys read as flags (0 / 1) and as text; every other key is an integer.
+FLAG_KEYS = ("fused_kernels", "gaudi", "device_table", "prompt_flash", "step_bias", "batch_invariant")
+TEXT_KEYS = ("unique_layout", "prompt_route", "kv_cache", "unique_route")
+#: `unique_route:NAME`: `attention.kernel_unique_applies` as the route forces it (the kernel still needs flash's
+#: conditions: CUDA, a 16-bit query, no soft cap).
+UNIQUE_ROUTES = {"kernel": lambda kc, vc: True, "torch": lambda kc, vc: False}
 #: Variant keys that set module constants of the paths (the unique kernel's; `prompt_split:0` / `:1` the prompt
-#: route's one call with the full bias / its split form, whatever the grid's size) for that variant alone: key -> (module of
+#: route's one call with the full bias / its split form) for that variant alone: key -> (module of
 #: `vllm_gaudi_unified.paths`, constant).
 UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_max": ("unique", "KERNEL_MAX_SPLITS"),
                 "uk_keys": ("unique", "KERNEL_KEYS"), "uk_warps": ("unique", "KERNEL_WARPS"),
@@ -63,11 +68,25 @@ UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_max": ("unique"
                 "uk_rank": ("unique", "RANK_SORT_MAX_SLOTS"), "prompt_split": ("prompts", "SPLIT_CONTEXT")}
 
 
+def _variants(spec: str, routes=("cuda",)) -> dict:
+    """name -> PlanOptions overrides: the `routes`' option sets, then those of `spec` ('name=key:value,...;...').
+    Keys that are not options: `gaudi:1` the Gaudi route; `device_table:1` starts from the device's measured
+    options (`device_options.py`); `prompt_flash:1` / `:0` the prompt route through flash varlen always / never
+    (default: for ragged prompts); `step_bias:0` makes the prompt route's mask in each call instead of once per
+    step; `kv_cache:fp8_e4m3` / `fp8_e5m2` the step over an fp8 copy of the caches (per-tensor scales, checked
+    against the reference over the dequantized cache); `unique_route:kernel` / `torch` the unique path forced
+    through its Triton kernel / torch; the kernel constants of `UNIQUE_KNOBS`."""
+    out = dict(ROUTES[r] for r in routes)
+    for item in filter(None, spec.split(";")):
+        name, _, kv = item.partition("=")
+        out[name] = {k: (v if k in TEXT_KEYS else bool(int(v)) if k in FLAG_KEYS else int(v))
+                     for k, v in (p.split(":") for p in kv.split(",") if p)}
+    return out
+
+
 @contextlib.contextmanager
 def unique_knobs(over: dict):
     """Within: the `UNIQUE_KNOBS` of `over` (popped from it) set on their modules."""
-    import importlib
-
     saved = []
     for key in [k for k in over if k in UNIQUE_KNOBS]:
         module, name = UNIQUE_KNOBS[key]
@@ -81,21 +100,33 @@ def unique_knobs(over: dict):
             setattr(module, name, value)
 
 
-def _time_fn(fn, device, poison_check=None):
-    """(ms, out) of a callable replayed as a CUDA graph."""
-    replay, out = capture(fn, device)
-    out.fill_(float("nan"))
-    replay()
-    sync(device)
-    if poison_check is not None:
-        poison_check(out)
-    return replay, out
+@contextlib.contextmanager
+def variant(over: dict, device):
+    """Within: the variant `over` in force (route, prompt form, unique route, kernel constants); yields its
+    PlanOptions, whether the prompt mask is made once per step, and its KV cache format (None: the model's).
+    What a user gets is the start: the default options, the same on every device."""
+    over = dict(over)
+    gaudi, table, step_bias = over.pop("gaudi", False), over.pop("device_table", False), over.pop("step_bias", True)
+    kv_cache, route = over.pop("kv_cache", None), over.pop("unique_route", None)
+    saved = attention.PROMPT_FLASH, attention.kernel_unique_applies
+    attention.PROMPT_FLASH = over.pop("prompt_flash", None)
+    if route is not None:
+        attention.kernel_unique_applies = UNIQUE_ROUTES[route]
+    kind = device_kind(device.type, torch.cuda.get_device_name(device)) if table else ""
+    try:
+        with unique_knobs(over), fused.gaudi_route() if gaudi else contextlib.nullcontext():
+            from vllm_gaudi_unified import PlanOptions
+
+            yield replace(options_for_device(kind, PlanOptions()), **over), step_bias, kv_cache
+    finally:
+        attention.PROMPT_FLASH, attention.kernel_unique_applies = saved
+        graphs.clear()  # compiled buckets keep the route they were made under
 
 
 def trace_cases(spec: str, top: int) -> list:
     """(Scenario, Layout) of the `top` steps with the most dense-design work of a recorded trace
     (`PATH:auto`) or of the listed steps (`PATH:i,j`)."""
-    from benchmarks.dense import dense_work
+    from benchmarks.trace_work import dense_work
     from vllm_gaudi_unified import plan_step
     from vllm_gaudi_unified.bucket_plans.trace import read_trace
 
@@ -131,57 +162,59 @@ def _floor_ms(lay, hq, hkv, d) -> float:
     return max(nbytes / HBM_BYTES_PER_S, 4 * pairs * hq * d / BF16_FLOPS) * 1e3
 
 
-#: The attention shapes of these benchmarks (a Llama-3-8B layer: 32 query heads, 8 KV heads, head size 128), bf16.
-HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
-
-
-def case_tensors(sc, bs: int, device, lay=None):
+def case_tensors(sc, bs: int, device, lay=None, dtype=torch.bfloat16, seed: int = 0):
     """A scenario's inputs at block size `bs`, the same in every benchmark that times it: (its layout,
-    q, k, v `[tokens, heads, D]`, key and value caches `[blocks, bs, HKV, D]`), random from seed 0."""
-    lay = lay or sc_mod.layout(sc, bs, seed=0)
-    g = torch.Generator(device=device).manual_seed(0)
-    rand = lambda *s: torch.randn(*s, generator=g, device=device, dtype=DTYPE)  # noqa: E731
+    q, k, v `[tokens, heads, D]`, key and value caches `[blocks, bs, Hkv, D]`), the new tokens' K/V written
+    into their cache slots (as vLLM does before attention; the peers read them there)."""
+    lay = lay or sc_mod.layout(sc, bs, seed=seed)
+    hq, hkv, d = sc.heads
+    g = torch.Generator(device=device).manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
     t = sc.num_tokens
-    q, k, v = rand(t, HQ, D), rand(t, HKV, D), rand(t, HKV, D)
-    return lay, q, k, v, rand(lay.num_blocks, bs, HKV, D), rand(lay.num_blocks, bs, HKV, D)
+    q, k, v = rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d)
+    kc, vc = rand(lay.num_blocks, bs, hkv, d), rand(lay.num_blocks, bs, hkv, d)
+    triton_peer.write_new_kv(k, v, kc, vc, list(sc.query_lens), list(sc.context_lens), lay.owned)
+    return lay, q, k, v, kc, vc
 
 
-def run_case(sc, bs, args, device, rows, lay=None):
-    from vllm_gaudi_unified import PlanOptions, plan_step
-    from vllm_gaudi_unified.attention import unified_attention
+def _record(rows, row, work) -> None:
+    """`work(row)` with any error in the row (a failing method is reported, not fatal); memory freed after."""
+    rows.append(row)
+    try:
+        work(row)
+    except Exception as exc:  # noqa: BLE001
+        row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
+        traceback.print_exc()
+    torch._dynamo.reset()
+    gc.collect()
+    if row["device"] == "cuda":
+        torch.cuda.empty_cache()
+    print(f"[{row['scenario']} bs{row['block_size']} {row['method']}/{row.get('variant')}] {row.get('ms', '-')} ms "
+          f"err {row.get('rel_err', '-')}", flush=True)
+
+
+def run_case(sc, bs, args, device, rows, lay=None) -> None:
+    from vllm_gaudi_unified import plan_step
     from vllm_gaudi_unified.batch import UnifiedBatch
-    from vllm_gaudi_unified.graphs import compiled_attention
+    from vllm_gaudi_unified.paths.kv_quant import FP8_DTYPES, dequantize, quantize
 
-    hq, hkv, d = HQ, HKV, D
-    lay, q, k, v, kc, vc = case_tensors(sc, bs, device, lay)
+    dtype = DTYPES[args.dtype]
+    lay, q, k, v, kc, vc = case_tensors(sc, bs, device, lay, dtype, args.seed)
     ql, cl = list(sc.query_lens), list(sc.context_lens)
+    hq, hkv, d = sc.heads
     scale = d ** -0.5
     blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
-    floor_ms = _floor_ms(lay, hq, hkv, d)
-    base = dict(scenario=sc.name, title=sc.title, block_size=bs, floor_ms=floor_ms, triton_ms=None)
+    base = dict(scenario=sc.name, title=sc.title, block_size=bs, floor_ms=_floor_ms(lay, hq, hkv, d),
+                device=device.type)
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
     dead = ~_readable(lay, device)
-    for name, over in (_variants(args.variants).items() if "ours" in args.methods else ()):
-        if time.time() - args.start > args.time_budget:
-            break
-        row = dict(base, method="ours", variant=name, options=over, variant_over=dict(over))
-        rows.append(row)
-        route = knobs = contextlib.nullcontext()
-        try:
-            # What a user gets: the default options (the same on every device), then the variant's.
-            over = dict(over)
-            gaudi, table_ = over.pop("gaudi", False), over.pop("device_table", False)
-            step_bias = over.pop("step_bias", True)
-            attention.PROMPT_FLASH = over.pop("prompt_flash", None)
-            kind = device_kind(device.type, torch.cuda.get_device_name(device)) if table_ else ""
-            knobs = unique_knobs(over)
-            knobs.__enter__()
-            opts = replace(options_for_device(kind, PlanOptions()), **over)
-            route = fused.gaudi_route() if gaudi else contextlib.nullcontext()
-            route.__enter__()
+    cuda = device.type == "cuda"
+
+    def ours(row, over):
+        with variant(over, device) as (opts, step_bias, kv_cache):
             row["options"] = str(opts)
-            if name == "dense":  # the dense design (benchmarks/dense.py) as a plan for the same device code
-                from benchmarks.dense import dense_plan
+            if row["variant"] == "dense":  # the dense design (benchmarks/trace_work.py) as a plan
+                from benchmarks.trace_work import dense_plan
 
                 plan = dense_plan(ql, cl, lay.block_table, bs, lay.num_blocks)
             else:
@@ -190,151 +223,157 @@ def run_case(sc, bs, args, device, rows, lay=None):
                 for _ in range(5):
                     plan_step(ql, cl, lay.block_table, bs, num_blocks=lay.num_blocks, options=opts)
                 row["plan_ms"] = (time.perf_counter() - t0) / 5 * 1e3
+            row.update(bucket=str(plan.bucket), unique_layout=plan.unique_layout)
             batch = UnifiedBatch.from_plan(plan, device)
             if step_bias:
                 batch = batch.with_prompt_bias(q.dtype)
-            row.update(bucket=str(plan.bucket), unique_layout=plan.unique_layout)
-            fn = (lambda: compiled_attention(q, k, v, kc, vc, batch, scale)) if args.compile else \
-                (lambda: unified_attention(q, k, v, kc, vc, batch, scale))
-            t0 = time.time()
-            fn()
-            row["compile_s"] = time.time() - t0
-            row["peak_mb"] = peak_bytes(fn, device) / 2**20
-            clean_k, clean_v = kc[dead].clone(), vc[dead].clone()
-            kc[dead], vc[dead] = float("nan"), float("inf")
+            keys, values, kw, want = kc, vc, {}, ref
+            if kv_cache:  # an fp8 copy of the caches, per-tensor scales: amax / the format's largest value
+                fp8 = FP8_DTYPES[kv_cache]
+                ks, vs = (float(c.abs().amax()) / torch.finfo(fp8).max for c in (kc, vc))
+                keys, values, kw = quantize(kc, fp8, ks), quantize(vc, fp8, vs), dict(k_scale=ks, v_scale=vs)
+                want = baselines.reference_fp32(q, k, v, dequantize(keys, ks, q.dtype), dequantize(values, vs, q.dtype),
+                                                ql, cl, blocks, scale)
+            attend = graphs.compiled_attention if args.form == "compiled" and cuda else attention.unified_attention
+            measure(row, lambda: attend(q, k, v, keys, values, batch, scale, **kw), want, device, args.tol,
+                    args.cpu_reps, args.form, (keys, values, dead))
+
+    if "ours" in args.methods:
+        for name, over in _variants(args.variants, args.routes).items():
+            _record(rows, dict(base, method="ours", variant=name, variant_over=dict(over)), lambda r: ours(r, over))
+    if "peer" in args.methods:
+        for form in args.peer_variants.split(",") if cuda else ["eager"]:
+            def peer(row, form=form):
+                fn = gaudi_peer.build(q, k, v, kc, vc, ql, cl, lay.owned, scale)
+                measure(row, fn if form != "compiled" else torch.compile(fn, dynamic=False), ref, device, args.tol,
+                        args.cpu_reps)
+            _record(rows, dict(base, method="peer", variant=form), peer)
+    for name in [m for m in args.methods if m not in ("ours", "peer")]:
+        def other(row, name=name):
+            if name in ("triton", "flex") and not cuda:
+                return row.update(ok=None, error="CUDA only")
+            if name == "triton":
+                fn, info = triton_peer.build(args.peer_triton, q, kc, vc, ql, cl, lay.block_table, scale)
+                row.update(info)
+            else:
+                fn = {"sdpa_loop": lambda: baselines.per_request_sdpa(q, k, v, kc, vc, ql, cl, blocks, scale),
+                      "padded_sdpa": lambda: baselines.padded_sdpa(q, k, v, kc, vc, ql, cl, lay.block_table, scale),
+                      "flex": lambda: baselines.flex_paged(q, k, v, kc, vc, ql, cl, lay.owned, scale)}[name]()
+                if fn is None:
+                    return row.update(ok=None, error="does not apply: " + (
+                        "padded K/V over 24 GB" if name == "padded_sdpa" else "a block has two owners"))
             try:
-                replay, out = _time_fn(fn, device)
-                row["rel_err"] = _rel_err(out, ref)
-            finally:
-                kc[dead], vc[dead] = clean_k, clean_v
-            row["ok"] = row["rel_err"] <= 1e-2
-            if row["ok"]:
-                row["ms"] = time_ms(replay, device)
-            del replay, out
-        except Exception as exc:  # noqa: BLE001
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
-            traceback.print_exc()
-        finally:
-            route.__exit__(None, None, None)
-            knobs.__exit__(None, None, None)
-            attention.PROMPT_FLASH = None
-        graphs.clear()
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"[{sc.name} bs{bs} ours/{name}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')}", flush=True)
-    if "peer" not in args.methods:
-        return
+                measure(row, fn, ref, device, args.tol, args.cpu_reps)
+            except RuntimeError:  # a baseline whose graph capture is refused: its eager calls
+                if name == "triton" or not cuda:
+                    raise
+                row["variant"] = "eager"
+                measure(row, fn, ref, device, args.tol, args.cpu_reps, form="eager")
+        _record(rows, dict(base, method=name, variant="graph" if cuda else "eager"), other)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m benchmarks.speed", description=__doc__.splitlines()[0] + " Run from the "
+               "repository root of a source checkout (benchmarks/ is not part of the installed package); graphs, "
+               "compiled forms, flex and Triton need CUDA (the CPU times eager calls).")
+    p.add_argument("--out", type=output_dir, default="out/speed", help="folder for speed.json")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--scenarios", default="all", help="comma-separated names of benchmarks/scenarios.py (the verify "
+                   "steps' too), or 'all' (its `scenarios()`)")
+    p.add_argument("--block-sizes", type=comma_ints_in(1, MAX_BLOCK_SIZE, "block sizes"), default="16,128",
+                   help="comma-separated KV cache block sizes")
+    p.add_argument("--methods", default="ours,peer,triton", help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--routes", default="cuda,gaudi", help="our routes timed as option sets `default` (cuda) and "
+                   "`gaudi`: comma-separated, or 'none'")
+    p.add_argument("--variants", default="", help="more option sets: 'name=shared_rows:64,causal_tile:256;...' "
+                   "(PlanOptions fields, and the keys `_variants` names: gaudi:1, kv_cache:fp8_e4m3, "
+                   "unique_route:kernel, batch_invariant:1, ...; 'dense': the dense design's plan)")
+    p.add_argument("--form", default="compiled", choices=("compiled", "graph", "eager"),
+                   help="ours compiled per bucket or eager calls, both replayed as a CUDA graph; or eager calls")
+    p.add_argument("--peer-variants", default="graph,compiled", help="vllm-gaudi's forms on CUDA")
+    p.add_argument("--archive", default=None, help="vLLM's Triton kernel archive (triton_peer pack; default: "
+                   "the one in .wt/peer/)")
+    p.add_argument("--scale", type=float_in(1e-6, 1e3), default=1.0,
+                   help="shrink request counts and lengths (CPU runs, tests)")
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES), help="activations and KV cache")
+    p.add_argument("--tol", type=float_in(0.0, 1e6), default=1e-2, help="largest accepted |out - ref| / |ref|")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of block tables and tensors")
+    p.add_argument("--cpu-reps", type=POSITIVE, default=50, help="timed calls per measurement on CPU (CUDA: do_bench)")
+    p.add_argument("--rounds", type=POSITIVE, default=1, help="time every case this many times, ours and the peers "
+                   "in turn (each round compiles again); the tables take the median round")
+    p.add_argument("--time-budget", type=float_in(0.0, 1e9), default=1e9, help="seconds; skip cases past this")
+    p.add_argument("--trace", action="append", default=[], help="PATH:auto or PATH:i,j: also time these trace steps")
+    p.add_argument("--top", type=POSITIVE, default=3, help="steps per trace for PATH:auto")
+    return p
+
+
+def parse_args(argv=None):
+    """The runner's arguments, each checked before any work (a one-line error, exit 2)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        p.error(f"argument --device: {args.device!r} is not cpu, cuda or cuda:N")
+    args.methods = [m for m in args.methods.split(",") if m]
+    args.routes = [r for r in args.routes.split(",") if r and r != "none"]
+    for flag, got, known in (("--methods", args.methods, METHODS), ("--routes", args.routes, ROUTES)):
+        if not set(got) <= set(known):
+            p.error(f"argument {flag}: {','.join(got)!r}: give names from {','.join(known)}")
+    from dataclasses import fields
+
+    from vllm_gaudi_unified import PlanOptions
+
+    keys = {f.name for f in fields(PlanOptions)} | set(FLAG_KEYS) | set(TEXT_KEYS) | set(UNIQUE_KNOBS)
     try:
-        peer = gaudi_peer.build(q, k, v, kc, vc, ql, cl, lay.owned, scale)
-    except Exception as exc:  # noqa: BLE001
-        rows.append(dict(base, method="peer", variant="-", ok=False, error=f"{type(exc).__name__}: {exc}"[:400]))
-        traceback.print_exc()
-        return
-    for var in args.peer_variants.split(","):
-        row = dict(base, method="peer", variant=var)
-        rows.append(row)
-        try:
-            fn = peer if var == "graph" else torch.compile(peer, dynamic=False)
-            fn()
-            row["peak_mb"] = peak_bytes(fn, device) / 2**20
-            replay, out = _time_fn(fn, device)
-            row["rel_err"] = _rel_err(out, ref)
-            row["ok"] = row["rel_err"] <= 1e-2
-            if row["ok"]:
-                row["ms"] = time_ms(replay, device)
-            del replay, out
-        except Exception as exc:  # noqa: BLE001
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
-            traceback.print_exc()
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"[{sc.name} bs{bs} peer/{var}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')}", flush=True)
-
-
-#: vLLM 0.32's Triton unified attention on the H100, block size 16 / 128, measured beside ours on the same
-#: tensors by `benchmarks/triton_peer.py` (docs/benchmarks.md, "Device speed").
-TRITON_MS = {"decode_256x2k": (0.750, 0.796), "decode_64x8k": (0.736, 0.751), "decode_ragged": (1.702, 1.661),
-             "prefill_4x2k": (1.931, 1.856), "chunked_2x2k_6k": (6.451, 6.157), "mixed": (1.383, 1.296),
-             "shared_prefix": (0.265, 0.319), "parallel_sampling": (0.061, 0.061), "scattered": (0.750, 0.801)}
-def median_rows(rows: list[dict]) -> dict:
-    """(scenario, block size, method, variant) -> the row of median time among that key's rounds (`--rounds`:
-    rows with `round` 0, 1, ...; its `rounds_ms` lists them all). A later run of the same key (a row whose
-    round does not follow the one before: another run, or a later file) replaces the earlier ones."""
-    runs: dict = {}
-    for r in rows:
-        if r.get("ms") is None:
-            continue
-        key = (r["scenario"], r["block_size"], r["method"], r.get("variant"))
-        run = runs.get(key)
-        if run is None or r.get("round", 0) <= run[-1].get("round", 0):
-            run = runs[key] = []
-        run.append(r)
-    out = {}
-    for key, run in runs.items():
-        ranked = sorted(run, key=lambda r: r["ms"])
-        out[key] = dict(ranked[(len(ranked) - 1) // 2], rounds_ms=[r["ms"] for r in run])
-    return out
+        for name, over in _variants(args.variants).items():
+            if set(over) - keys:
+                raise ValueError(f"{name}: unknown {sorted(set(over) - keys)}")
+            if over.get("kv_cache", "fp8_e4m3") not in ("fp8_e4m3", "fp8_e5m2") or \
+                    over.get("unique_route", "kernel") not in UNIQUE_ROUTES:
+                raise ValueError(f"{name}: kv_cache is fp8_e4m3 or fp8_e5m2, unique_route kernel or torch")
+    except ValueError as exc:
+        p.error(f"argument --variants: {args.variants!r}: {exc}")
+    known = {s.name: s for s in sc_mod.scenarios(args.scale, args.seed)
+             + sc_mod.verify_scenarios(args.scale, args.seed)}
+    names = [s.name for s in sc_mod.scenarios()] if args.scenarios == "all" else args.scenarios.split(",")
+    if set(names) - set(known):
+        p.error(f"argument --scenarios: unknown {sorted(set(names) - set(known))}; known: {','.join(known)}")
+    args.chosen = [known[n] for n in names]
+    return args
 
 
 def main(argv=None) -> int:
-    p = Parser(prog="benchmarks.speed", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=output_dir, default="out/speed")
-    p.add_argument("--scenarios", default="all")
-    p.add_argument("--block-sizes", default="16,128")
-    p.add_argument("--variants", default="", help="extra option sets: 'name=shared_rows:64,causal_tile:256;...' "
-                   "(also gaudi:1, device_table:1, prompt_flash:1, and the unique kernel's constants: UNIQUE_KNOBS)")
-    p.add_argument("--methods", default="ours,peer")
-    p.add_argument("--peer-variants", default="graph,compiled")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="ours as a graph of eager calls")
-    p.add_argument("--time-budget", type=float, default=1e9)
-    p.add_argument("--rounds", type=int, default=1, help="time every case this many times, ours and the peer "
-                   "in turn (each round compiles again); tables take the median round")
-    p.add_argument("--trace", action="append", default=[], help="PATH:auto or PATH:i,j: also time these trace steps")
-    p.add_argument("--top", type=int, default=3, help="steps per trace for PATH:auto")
-    args = p.parse_args(argv)
-    args.start = time.time()
-    device = torch.device("cuda")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     env = environment(device)
+    if "triton" in args.methods and device.type == "cuda":
+        try:  # before any device work: a missing archive stops here
+            args.peer_triton = triton_peer.load(args.archive)
+        except (OSError, ValueError) as exc:
+            sys.exit(f"python -m benchmarks.speed: error: {exc} (or leave triton out of --methods)")
+        env["vllm_triton"] = dict(args.peer_triton.manifest, archive=args.peer_triton.archive)
     print(json.dumps(env), flush=True)
-    chosen = [s for s in sc_mod.scenarios() if args.scenarios == "all" or s.name in args.scenarios.split(",")]
-    if args.rounds < 1:
-        p.error(f"--rounds must be >= 1, got {args.rounds}")
-    rows: list[dict] = []
+    out = Path(args.out) / "speed.json"
+    settings = {k: v for k, v in vars(args).items() if k not in ("chosen", "peer_triton")}
+    start, rows = time.time(), []
+    cases = [(sc, bs, None) for bs in parse_comma_ints(args.block_sizes) for sc in args.chosen]
+    cases += [(sc, lay.block_size, lay) for spec in args.trace for sc, lay in trace_cases(spec, args.top)]
     for rnd in range(args.rounds):
-        for bs in [int(x) for x in args.block_sizes.split(",")]:
-            for sc in chosen:
-                if time.time() - args.start > args.time_budget:
-                    rows.append(dict(scenario=sc.name, block_size=bs, method="skipped", round=rnd))
-                    continue
-                first = len(rows)
-                try:
-                    run_case(sc, bs, args, device, rows)
-                except Exception:  # noqa: BLE001
-                    traceback.print_exc()
-                for r in rows[first:]:
-                    r["round"] = rnd
-                (out_dir / "speed.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
-    for spec in args.trace:
-        for sc, lay in trace_cases(spec, args.top):
-            if time.time() - args.start > args.time_budget:
-                rows.append(dict(scenario=sc.name, block_size=lay.block_size, method="skipped"))
-                continue
-            try:
-                run_case(sc, lay.block_size, args, device, rows, lay=lay)
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-            (out_dir / "speed.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
+        for sc, bs, lay in cases:
+            first = len(rows)
+            if time.time() - start > args.time_budget:
+                rows.append(dict(scenario=sc.name, block_size=bs, method="skipped"))
+            else:
+                run_case(sc, bs, args, device, rows, lay)
+            for r in rows[first:]:
+                r["round"] = rnd
+            write_text(out, json.dumps(dict(env=env, args=settings, rows=rows), indent=1, default=str))
     for r in rows:
-        if r.get("method") != "skipped":
-            print(f"{r['scenario']:18s} bs{r['block_size']:<4d} {r['method']:5s} {r.get('variant',''):10s} "
+        if r["method"] != "skipped":
+            print(f"{r['scenario']:18s} bs{r['block_size']:<4d} {r['method']:11s} {r.get('variant', ''):10s} "
                   f"{r.get('ms') or float('nan'):8.3f} ms  floor {r.get('floor_ms', 0):.3f}  peak "
-                  f"{r.get('peak_mb') or 0:8.0f} MB  err {r.get('rel_err', '-')}  {r.get('error', '')[:80]}")
-    return 0
+                  f"{r.get('peak_mb') or 0:8.0f} MB  err {r.get('rel_err', '-')}  {(r.get('error') or '')[:80]}")
+    return int(any(r["method"] == "ours" and r.get("ok") is False for r in rows))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -40,8 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import baselines, gaudi_peer
-from benchmarks.suite import _rel_err, environment
-from benchmarks.timing import capture, sync, time_ms
+from benchmarks.baselines import _rel_err, capture, environment, sync, time_ms
 from vllm_gaudi_unified.attention import unified_attention
 from vllm_gaudi_unified.batch import UnifiedBatch, build_unified_batch
 from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan

@@ -12,9 +12,9 @@ from the installed vLLM (or `--source`, a tree of another tag) into `.wt/peer/vl
 them under a temporary `vllm` package beside stand-ins for what they import (`envs`, `logger`,
 `platforms.current_platform` answering from torch, `triton_utils` = the real triton / tl,
 `KVQuantMode`) and puts back the `vllm` modules that were there. `build` calls `unified_attention`
-as vLLM's `TritonAttentionImpl.forward` does for a bf16 decoder layer; `run` checks it against the
-float32 reference and times it as a replayed CUDA graph beside ours (`speed.run_case`, CUDA
-default) on the same tensors.
+as vLLM's `TritonAttentionImpl.forward` does for a bf16 decoder layer; the device runner
+(`benchmarks/speed.py`, method `triton`; `run` here is its short form) checks it against the float32
+reference and times it as a replayed CUDA graph beside ours on the same tensors.
 """
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ import shutil
 import sys
 import tarfile
 import tempfile
-import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -275,78 +273,6 @@ def check(archive=None, block_size: int = 16) -> list[tuple]:
         results.append((name, info["launch"], err, launch))
     return results
 
-#: The typed Triton figures (block 16 / 128), compared with the measured ones in the rows.
-ISSUE_TRITON_MS = {"decode_256x2k": (0.747, 0.799), "decode_64x8k": (0.735, 0.748), "decode_ragged": (0.828, 0.807),
-                   "prefill_4x2k": (1.92, 1.85), "chunked_2x2k_6k": (6.46, 6.14), "mixed": (1.38, 1.31),
-                   "shared_prefix": (0.265, 0.317), "parallel_sampling": (0.062, 0.062)}
-
-
-def run_case(sc, bs, peer, device, rows) -> None:
-    """Ours (speed's CUDA default, compiled + graph) and vLLM's kernel (graph) on one scenario's tensors."""
-    from unittest import mock
-
-    import torch
-
-    from benchmarks import baselines, speed
-    from benchmarks.suite import _readable, _rel_err
-    from benchmarks.timing import time_ms
-
-    tensors = speed.case_tensors(sc, bs, device)
-    lay, q, k, v, kc, vc = tensors
-    ql, cl = list(sc.query_lens), list(sc.context_lens)
-    write_new_kv(k, v, kc, vc, ql, cl, lay.owned)
-    with mock.patch.object(speed, "case_tensors", lambda *a, **kw: tensors):
-        ns = argparse.Namespace(methods="ours", variants="", compile=True, time_budget=1e9, start=time.time())
-        speed.run_case(sc, bs, ns, device, rows)
-    scale = speed.D ** -0.5
-    row = dict(scenario=sc.name, title=sc.title, block_size=bs, method="triton", variant="graph",
-               floor_ms=speed._floor_ms(lay, speed.HQ, speed.HKV, speed.D),
-               issue_ms=ISSUE_TRITON_MS.get(sc.name, (None, None))[{16: 0, 128: 1}.get(bs, 0)])
-    rows.append(row)
-    try:
-        blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
-        ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
-        fn, info = build(peer, q, kc, vc, ql, cl, lay.block_table, scale)
-        row.update(info)
-        t0 = time.time()
-        fn()
-        torch.cuda.synchronize(device)
-        row["compile_s"] = time.time() - t0
-        replay, out = speed._time_fn(fn, device)  # output poisoned with NaN before the checking replay
-        row["rel_err"] = _rel_err(out, ref)
-        dead = ~_readable(lay, device)
-        clean_k, clean_v = kc[dead].clone(), vc[dead].clone()
-        kc[dead], vc[dead] = float("nan"), float("inf")
-        out.fill_(float("nan"))
-        replay()
-        row["rel_err_nan_cache"] = _rel_err(out, ref)  # slots no request may read hold NaN / inf
-        kc[dead], vc[dead] = clean_k, clean_v
-        row["ok"] = row["rel_err"] <= 1e-2
-        if row["ok"]:
-            row["ms"] = time_ms(replay, device)
-            row["ms_again"] = time_ms(replay, device)
-            row["eager_ms"] = time_ms(fn, device)
-    except Exception as exc:  # noqa: BLE001
-        row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:600])
-        traceback.print_exc()
-    print(f"[{sc.name} bs{bs} triton/{row.get('launch')}] {row.get('ms')} ms err {row.get('rel_err')}", flush=True)
-
-
-def table(rows: list[dict]) -> str:
-    """Markdown: per scenario and block size, vLLM's kernel measured, ours at the CUDA default, the ratio."""
-    got = {(r["scenario"], r["block_size"], r["method"]): r for r in rows
-           if r.get("method") in ("triton", "ours") and r.get("variant") in ("graph", "default")}
-    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
-    lines = ["| scenario | bs | Triton measured ms (launch) | again | eager | ours CUDA default ms | ours / Triton "
-             "| typed Triton ms | measured / typed | floor ms | Triton / floor |", "|" + "---|" * 11]
-    for (sc, bs, _), tri in [(key, r) for key, r in got.items() if key[2] == "triton"]:
-        ours, t, typed = got.get((sc, bs, "ours"), {}), tri.get("ms"), tri.get("issue_ms")
-        lines.append(f"| {tri['title']} | {bs} | {f(t)} ({tri.get('launch', '-')}) | {f(tri.get('ms_again'))} "
-                     f"| {f(tri.get('eager_ms'))} | {f(ours.get('ms'))} | {ratio(ours.get('ms'), t)} | {f(typed)} "
-                     f"| {ratio(t, typed)} | {f(tri['floor_ms'])} | {ratio(t, tri['floor_ms'])} |")
-    return "\n".join(lines)
-
 
 def main(argv=None) -> int:
     p = Parser(prog="benchmarks.triton_peer", description=__doc__.splitlines()[0])
@@ -359,12 +285,12 @@ def main(argv=None) -> int:
     pk.add_argument("--out", type=lambda s: Path(output_dir(s)), default=ARCHIVE_DIR, help="folder for the archive")
     sub.add_parser("check", parents=[arc], help="here, with TRITON_INTERPRET=1: vLLM's kernel in fp32 on small "
                    "steps against the reference (exit 1 past 1e-5 or on the wrong launch)")
-    rn = sub.add_parser("run", parents=[arc], help="on a CUDA device: check and time vLLM's kernel beside ours")
-    rn.add_argument("--out", type=output_dir, default="out/triton_peer", help="folder for triton_peer.json")
+    rn = sub.add_parser("run", parents=[arc], help="on a CUDA device: vLLM's kernel beside our CUDA route "
+                        "(`python -m benchmarks.speed --methods ours,triton --routes cuda`)")
+    rn.add_argument("--out", type=output_dir, default="out/triton_peer", help="folder for speed.json")
     rn.add_argument("--block-sizes", default="128", help="comma-separated block sizes")
     rn.add_argument("--scenarios", default="all", help="comma-separated names from benchmarks/scenarios.py")
-    rn.add_argument("--time-budget", type=float, default=1e9, help="seconds; cases after it are skipped")
-    rn.add_argument("--table", nargs="+", metavar="JSON", help="only print the markdown table of these files")
+    rn.add_argument("--time-budget", default="1e9", help="seconds; cases after it are skipped")
     args = p.parse_args(argv)
     if args.cmd == "pack":
         print(pack(args.source, args.version, args.out))
@@ -374,34 +300,11 @@ def main(argv=None) -> int:
         for name, launch, err, want in results:
             print(f"{name:14s} launch {launch} (vLLM's: {want})  max abs error {err:.2e}")
         return 0 if all(err <= 1e-5 and launch == want for _, launch, err, want in results) else 1
-    if args.table:
-        print(table([r for path in args.table for r in json.loads(Path(path).read_text())["rows"]]))
-        return 0
-    import torch
+    from benchmarks import speed
 
-    from benchmarks import scenarios as sc_mod
-    from benchmarks.suite import environment
-
-    peer = load(args.archive)  # before any device work: a missing archive stops here
-    device = torch.device("cuda")
-    env = dict(environment(device), vllm_triton=dict(peer.manifest, archive=peer.archive))
-    print(json.dumps(env), flush=True)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    start, rows = time.time(), []
-    chosen = [s for s in sc_mod.scenarios() if args.scenarios == "all" or s.name in args.scenarios.split(",")]
-    for bs in [int(x) for x in args.block_sizes.split(",")]:
-        for sc in chosen:
-            if time.time() - start > args.time_budget:
-                rows.append(dict(scenario=sc.name, block_size=bs, method="skipped"))
-                continue
-            try:
-                run_case(sc, bs, peer, device, rows)
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
-            (out_dir / "triton_peer.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
-    print(table(rows))
-    return 0
+    return speed.main(["--methods", "ours,triton", "--routes", "cuda", "--out", args.out, "--block-sizes",
+                       args.block_sizes, "--scenarios", args.scenarios, "--time-budget", args.time_budget,
+                       *(["--archive", args.archive] if args.archive else [])])
 
 
 if __name__ == "__main__":

@@ -37,24 +37,13 @@ from benchmarks import baselines, gaudi_peer, scenarios as sc_mod, speed, triton
 from benchmarks.speed import _floor_ms, unique_knobs
 from vllm_gaudi_unified.files import output_dir, write_text
 from vllm_gaudi_unified.tools.cli import Parser
-from benchmarks.suite import _readable, _rel_err, environment
-from benchmarks.timing import capture, sync, time_ms
+from benchmarks.baselines import _readable, _rel_err, capture, environment, sync, time_ms
 from vllm_gaudi_unified import PlanOptions, graphs, plan_step
 from vllm_gaudi_unified.attention import unified_attention
 from vllm_gaudi_unified.batch import UnifiedBatch
 from vllm_gaudi_unified.paths import fused
 
 BS = 128
-
-
-def _tensors(sc, device):
-    lay = sc_mod.layout(sc, BS, seed=0)
-    hq, hkv, d = sc.heads
-    g = torch.Generator(device=device).manual_seed(0)
-    rand = lambda *s: torch.randn(*s, generator=g, device=device, dtype=torch.bfloat16)  # noqa: E731
-    t = sc.num_tokens
-    return lay, rand(t, hq, d), rand(t, hkv, d), rand(t, hkv, d), rand(lay.num_blocks, BS, hkv, d), \
-        rand(lay.num_blocks, BS, hkv, d)
 
 
 def _plan_us(ql, cl, table, options, reps=50) -> float:
@@ -142,7 +131,7 @@ def _peer(sc, name, build, ref, device, rows):
 
 
 def run_case(sc, device, rows, peers: bool, tri, compile_: bool = False, variants=(), profile=False) -> None:
-    lay, q, k, v, kc, vc = _tensors(sc, device)
+    lay, q, k, v, kc, vc = speed.case_tensors(sc, BS, device)  # the runner's tensors, new K/V in the cache
     ql, cl = list(sc.query_lens), list(sc.context_lens)
     hq, hkv, d = sc.heads
     scale = d ** -0.5
@@ -150,7 +139,6 @@ def run_case(sc, device, rows, peers: bool, tri, compile_: bool = False, variant
     rows.append(dict(scenario=sc.name, title=sc.title, method="floor", ms=_floor_ms(lay, hq, hkv, d),
                      heads=list(sc.heads), tokens=sc.num_tokens, requests=sc.num_requests))
     blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
-    triton_peer.write_new_kv(k, v, kc, vc, ql, cl, lay.owned)  # (the peers read the new tokens from the cache)
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
     dead = ~_readable(lay, device)
     routes = (("cuda", False), ("gaudi", False)) + ((("gaudi", True),) if compile_ else ())

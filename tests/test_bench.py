@@ -1,5 +1,5 @@
-"""The benchmark suite on CPU, tiny: scenarios checked, files written, CLI wired, a wrong result caught,
-and the dense design's plan equal to the reference."""
+"""The device runner (`python -m benchmarks.speed`) on CPU, tiny: flags checked, rows checked and written with
+their environment, a wrong result caught, the variants' keys; the dense design's plan equal to the reference."""
 import json
 from pathlib import Path
 
@@ -7,106 +7,116 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import suite
-from benchmarks.options import build_parser, parse_args
+from benchmarks import gaudi_peer, speed
 from vllm_gaudi_unified.flags import CheckedType
 
-SMALL = ["--device", "cpu", "--scale", "0.01", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
-         "--dtype", "float32", "--tol", "1e-4", "--cpu-reps", "2"]
+SMALL = ["--device", "cpu", "--scale", "0.01", "--dtype", "float32", "--tol", "1e-4", "--cpu-reps", "2"]
 
 
-def _bench(tmp_path, *extra):
-    code = suite.main([*SMALL, "--out", str(tmp_path), *extra])
-    return code, json.loads((tmp_path / "results.json").read_text())
+def _run(tmp_path, *extra):
+    code = speed.main([*SMALL, "--out", str(tmp_path), *extra])
+    return code, json.loads((tmp_path / "speed.json").read_text())
 
 
 @pytest.mark.parametrize("argv, fragments", [
     (["--block-sizes", "0"], ["--block-sizes", "'0'"]),
     (["--block-sizes", "16,x"], ["--block-sizes", "16,x"]),
-    (["--baseline-block-sizes", "-16"], ["--baseline-block-sizes"]),
-    (["--num-qo-heads", "3", "--num-kv-heads", "2"], ["--num-qo-heads 3", "--num-kv-heads 2"]),
     (["--scale", "0"], ["--scale", "0"]),
     (["--cpu-reps", "0"], ["--cpu-reps", "0"]),
+    (["--rounds", "0"], ["--rounds", "0"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
     (["--device", "gpu"], ["--device", "gpu"]),
-    (["--variants", "eager,fast"], ["--variants", "eager,fast"]),
-    (["--baselines", "sdpa"], ["--baselines", "sdpa"]),
-    (["--profile", "mixed:16"], ["--profile", "mixed:16"]),
+    (["--methods", "ours,fast"], ["--methods", "ours,fast"]),
+    (["--routes", "hpu"], ["--routes", "hpu"]),
+    (["--scenarios", "decode_1x1"], ["--scenarios", "decode_1x1", "verify_64x2_3k"]),
+    (["--variants", "a=kv_cache:fp9"], ["--variants", "kv_cache"]),
+    (["--variants", "a=unique_route:flash"], ["--variants", "unique_route"]),
+    (["--variants", "a=shared_rows:x"], ["--variants", "shared_rows:x"]),
+    (["--variants", "a=shared_row:8"], ["--variants", "unknown ['shared_row']"]),
 ])
-def test_suite_flags_are_checked_before_any_work(argv, fragments, capsys):
-    """`--block-sizes 0` was a ZeroDivisionError, 3 query heads over 2 KV heads a tensor-size
-    traceback; now one line naming the flags, exit 2, from the parser (torch-free, before any work)."""
+def test_runner_flags_are_checked_before_any_work(argv, fragments, capsys):
+    """`--block-sizes 0` was a ZeroDivisionError deep in the planner; now one line naming the flag, exit 2,
+    from the parser, before any work."""
     with pytest.raises(SystemExit) as exc:
-        parse_args(argv)
+        speed.parse_args(argv)
     assert exc.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("python -m benchmarks.suite: error:")
+    assert line.startswith("python -m benchmarks.speed: error:")
     for f in fragments:
         assert f in line, (f, line)
 
 
-def test_suite_numeric_flags_all_range_checked_and_help_says_what_it_needs(capsys):
-    parser = build_parser()
+def test_runner_numeric_flags_all_range_checked_and_help_says_what_it_needs(capsys):
+    parser = speed.build_parser()
     assert not [a.option_strings for a in parser._actions if a.type in (int, float)]
-    assert sum(isinstance(a.type, CheckedType) for a in parser._actions) >= 8
+    assert sum(isinstance(a.type, CheckedType) for a in parser._actions) >= 6
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "source checkout" in text and "CUDA" in text and "(range [1, " in text
 
 
-def test_bench_cli_runs_checks_and_writes(tmp_path):
-    pytest.importorskip("matplotlib")
-    code, data = _bench(tmp_path, "--scenarios", "decode_256x2k,mixed,shared_prefix,scattered", "--block-sizes", "16",
-                        "--baselines", "sdpa_loop,padded_sdpa,flex", "--invariant", "mixed")
+def test_runner_times_both_routes_beside_the_peers_and_writes_one_json(tmp_path):
+    try:
+        gaudi_peer.find_tarball()
+        has_peer = True
+    except FileNotFoundError:  # a clone without ../shared/third_party: the peer's rows say why
+        has_peer = False
+    code, data = _run(tmp_path, "--scenarios", "decode_256x2k,mixed,scattered", "--block-sizes", "16",
+                      "--methods", "ours,peer,triton,sdpa_loop,padded_sdpa,flex", "--variants", "inv=batch_invariant:1")
     assert code == 0
-    ours = [r for r in data["rows"] if r["method"] == "unified"]
-    assert len(ours) == 4  # 4 scenarios x block size 16, eager only on CPU
-    assert all(r["ok"] and r["ms"] > 0 and r["rel_err"] < 1e-4 for r in ours)
-    layouts = {r["scenario"]: r["unique_layout"] for r in ours}
-    assert layouts["decode_256x2k"] == "slice" and layouts["scattered"] == "gather"  # the planner says which
-    base = {(r["scenario"], r["method"]): r for r in data["rows"] if r["method"] in ("sdpa_loop", "padded_sdpa")}
-    assert all(r["ok"] for r in base.values()) and len(base) == 8
-    flex = [r for r in data["rows"] if r["method"] == "flex"]
-    assert len(flex) == 4 and all(r["ok"] is None for r in flex)  # CUDA only: reported, not run
-    inv = [r for r in data["rows"] if r["method"] == "invariant"]
-    assert [r["scenario"] for r in inv] == ["mixed"] and inv[0]["ok"] and inv[0]["ms"] > 0
-    summ = {s["scenario"]: s for s in data["summary"]}
-    assert summ["scattered"]["vs_dense"] > 0 and "dense" in summ["scattered"]["verdict"]
-    assert summ["mixed"]["invariant_eager_ms"] == inv[0]["ms"]
-    md = (tmp_path / "results.md").read_text()
-    assert "SDPA loop ms (÷ ours)" in md and "decode 256 x 2k" in md and "Batch-invariant mode" in md
-    assert (tmp_path / "results.png").stat().st_size > 1000
+    env, args = data["env"], data["args"]
+    assert env["device_type"] == "cpu" and env["date"].endswith("UTC") and env["commit"]
+    assert args["block_sizes"] == "16" and args["variants"] == "inv=batch_invariant:1"
+    rows = {(r["scenario"], r["method"], r["variant"]): r for r in data["rows"]}
+    ours = [r for r in data["rows"] if r["method"] == "ours"]
+    assert sorted({r["variant"] for r in ours}) == ["default", "gaudi", "inv"] and len(ours) == 9
+    assert all(r["ok"] and r["ms"] > 0 and r["rel_err"] < 1e-4 and r["round"] == 0 for r in ours)
+    assert rows["decode_256x2k", "ours", "default"]["unique_layout"] == "slice"  # the planner says which
+    assert rows["scattered", "ours", "default"]["unique_layout"] == "gather"
+    assert "batch_invariant=True" in rows["mixed", "ours", "inv"]["options"]
+    for name in ("sdpa_loop", "padded_sdpa") + (("peer",) if has_peer else ()):
+        got = [r for r in data["rows"] if r["method"] == name]
+        assert len(got) == 3 and all(r["ok"] and r["ms"] > 0 for r in got), name
+    cuda_only = [r for r in data["rows"] if r["method"] in ("triton", "flex")]
+    assert len(cuda_only) == 6 and all(r["ok"] is None and r["error"] == "CUDA only" for r in cuda_only)
 
 
-def test_bench_reports_a_wrong_result(tmp_path, monkeypatch):
-    """The check before timing can fail: a result off by 1 % is reported and the exit code is 1."""
+def test_runner_reports_a_wrong_result(tmp_path, monkeypatch):
+    """The check before timing can fail: a result off by 1 % is reported, not timed, and the exit code is 1."""
     from vllm_gaudi_unified import attention
 
     real = attention.unified_attention
     monkeypatch.setattr(attention, "unified_attention", lambda *a, **k: real(*a, **k) * 1.01)
-    code, data = _bench(tmp_path, "--scenarios", "decode_256x2k", "--block-sizes", "128", "--baselines", "none")
+    code, data = _run(tmp_path, "--scenarios", "decode_256x2k", "--block-sizes", "128", "--methods", "ours",
+                      "--routes", "cuda")
     assert code == 1
-    (row,) = [r for r in data["rows"] if r["method"] == "unified"]
+    (row,) = data["rows"]
     assert row["ok"] is False and row["rel_err"] > 1e-3 and "ms" not in row
-    assert "FAILED" in (tmp_path / "results.md").read_text()
 
 
-def test_report_verdicts():
-    from benchmarks.report import verdict
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_runner_fp8_cache_and_unique_routes(tmp_path, fmt):
+    """`kv_cache:FMT`: the step over an fp8 copy of the caches, checked against the reference over the dequantized
+    cache (its unreadable slots poisoned through the bytes); `unique_route:NAME` forces the unique path's route
+    for its variant alone."""
+    from vllm_gaudi_unified import attention
 
-    line = dict(scenario="decode_256x2k", block_size=16, ms=0.8, target_ms=0.75)
-    assert verdict(line).startswith("miss")
-    assert verdict(dict(line, ms=0.7)) == "pass"
-    assert verdict(dict(line, block_size=128, target_ms=None, other_bs_ms=0.7)).endswith("miss")
-    assert "tie" in verdict(dict(line, block_size=128, target_ms=None, other_bs_ms=0.79))
-    assert verdict(dict(line, scenario="scattered", target_ms=None, vs_dense=1.05)).endswith("pass")
+    real = attention.kernel_unique_applies
+    code, data = _run(tmp_path, "--scenarios", "decode_ragged", "--block-sizes", "16", "--methods", "ours",
+                      "--routes", "cuda", "--variants", f"fp8=kv_cache:{fmt};kernel=unique_route:kernel;"
+                      "torch=unique_route:torch")
+    assert code == 0 and attention.kernel_unique_applies is real
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert sorted(rows) == ["default", "fp8", "kernel", "torch"]
+    assert all(r["ok"] and r["ms"] > 0 and r["rel_err"] < 1e-4 for r in rows.values())
+    assert rows["fp8"]["rel_err"] != rows["default"]["rel_err"]  # another cache, another reference
 
 
 def test_dense_plan_equals_reference_and_counts_dense_work():
-    """benchmarks.dense: the dense design as a plan (the `dense` variant of `benchmarks.speed`) does the work its
+    """benchmarks.trace_work: the dense design as a plan (the `dense` variant of `benchmarks.speed`) does the work its
     count says, and computes the same attention."""
-    from benchmarks.dense import dense_plan, dense_work
+    from benchmarks.trace_work import dense_plan, dense_work
     from vllm_gaudi_unified import PlanOptions, plan_step
     from vllm_gaudi_unified.attention import unified_attention
     from vllm_gaudi_unified.batch import UnifiedBatch
@@ -135,57 +145,18 @@ def test_dense_plan_equals_reference_and_counts_dense_work():
 
 
 def test_scenario_floors_match_the_issue():
-    from benchmarks.options import HBM_BYTES_PER_S
-    from benchmarks.scenarios import floors, layout, scenarios
+    from benchmarks.scenarios import layout, scenarios
+    from benchmarks.speed import _floor_ms
 
     by_name = {s.name: s for s in scenarios()}
-    f = floors(by_name["decode_256x2k"], 16, 32, 8, 128)
-    assert abs(f["kv_bytes"] / HBM_BYTES_PER_S * 1e3 - 0.64) < 0.01  # The HBM floor is 0.64 ms
+    assert abs(_floor_ms(layout(by_name["decode_256x2k"], 16), 32, 8, 128) - 0.64) < 0.01  # The HBM floor is 0.64 ms
+    # shared prefix: 4096 + 64 x 256 cached tokens (the prefix once): 84 MB of K/V, 0.025 ms
+    assert abs(_floor_ms(layout(by_name["shared_prefix"], 16), 32, 8, 128) - 0.0254) < 0.0005
     lay = layout(by_name["scattered"], 16)
     live = sum(len(b) for b in lay.owned)
     assert lay.block_table.max() + 1 > 4 * live  # ids spread over a cache about 6x the live blocks
     shared = layout(by_name["shared_prefix"], 16)
     assert (shared.block_table[:, :256] == shared.block_table[0, :256]).all()  # 4k common tokens, one copy
-
-
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
-def test_bench_fp8_decode_column(tmp_path, fmt):
-    """`--fp8`: the decode step again over an fp8 cache (the bf16 vs fp8 timing), checked against
-    the reference over the dequantized cache (its unreadable slots poisoned through the bytes)."""
-    code, data = _bench(tmp_path, "--scenarios", "decode_256x2k,decode_ragged", "--block-sizes", "16",
-                        "--baselines", "none", "--fp8", "decode_256x2k", "--fp8-dtype", fmt)
-    assert code == 0
-    (row,) = [r for r in data["rows"] if r["method"] == "fp8"]
-    assert row["scenario"] == "decode_256x2k" and row["kv_cache_dtype"] == fmt
-    assert row["ok"] and row["ms"] > 0 and row["rel_err"] < 1e-4
-    (plain,) = [r for r in data["rows"] if r["method"] == "unified" and r["scenario"] == "decode_256x2k"]
-    assert row["bytes"] < plain["bytes"]  # the floor counts one byte per cached element
-    assert f"decode 256 x 2k ({fmt})" in (tmp_path / "results.md").read_text()
-
-
-def test_bench_unique_routes(tmp_path):
-    """`--unique-routes`: the step again with the unique path forced through each route (method `route`),
-    checked like the default; the routing is restored after each; an unknown route stops before any work."""
-    from benchmarks.suite import UNIQUE_ROUTES, unique_route
-    from vllm_gaudi_unified import attention
-
-    real = attention.kernel_unique_applies
-    with unique_route("kernel"):
-        assert attention.kernel_unique_applies is UNIQUE_ROUTES["kernel"]
-    with unique_route("default"):
-        assert attention.kernel_unique_applies is real
-    assert attention.kernel_unique_applies is real
-    code, data = _bench(tmp_path, "--scenarios", "decode_256x2k,mixed", "--block-sizes", "16", "--baselines", "none",
-                        "--unique-routes", "kernel,torch")
-    assert code == 0 and attention.kernel_unique_applies is real
-    routed = [r for r in data["rows"] if r["method"] == "route"]
-    assert sorted((r["scenario"], r["unique_route"]) for r in routed) == [
-        ("decode_256x2k", "kernel"), ("decode_256x2k", "torch"), ("mixed", "kernel"), ("mixed", "torch")]
-    assert all(r["ok"] and r["ms"] > 0 and r["rel_err"] < 1e-4 for r in routed)
-    md = (tmp_path / "results.md").read_text()
-    assert "Unique-path routes" in md and "| kernel ms | kernel / default |" in md
-    with pytest.raises(SystemExit, match="unknown --unique-routes"):
-        _bench(tmp_path, "--scenarios", "decode_256x2k", "--unique-routes", "flash")
 
 
 def test_trace_work_adds_the_dense_column(tmp_path, capsys):
@@ -206,14 +177,14 @@ def test_trace_work_adds_the_dense_column(tmp_path, capsys):
 def test_speed_variant_keys_that_are_not_options_parse_as_flags():
     from benchmarks.speed import _variants
 
-    got = _variants("step=gaudi:1,step_bias:1;rows=shared_rows:16,prompt_route:dense")
+    got = _variants("step=gaudi:1,step_bias:1;rows=shared_rows:16,prompt_route:dense;f=kv_cache:fp8_e5m2")
     assert got == {"default": {}, "step": {"gaudi": True, "step_bias": True},
-                   "rows": {"shared_rows": 16, "prompt_route": "dense"}}
+                   "rows": {"shared_rows": 16, "prompt_route": "dense"}, "f": {"kv_cache": "fp8_e5m2"}}
+    assert _variants("", ("cuda", "gaudi")) == {"default": {}, "gaudi": {"gaudi": True}}  # both routes
 
 
 def test_speed_tables_take_the_median_round_and_a_later_run_replaces_an_earlier_one():
-    from benchmarks.routes import _best
-    from benchmarks.speed import median_rows
+    from benchmarks.report import _best, median_rows
 
     row = lambda ms, rnd=None, method="ours", variant="gaudi": dict(  # noqa: E731
         scenario="chunked_2x2k_6k", block_size=128, method=method, variant=variant, ms=ms,
@@ -232,7 +203,7 @@ def test_speed_tables_take_the_median_round_and_a_later_run_replaces_an_earlier_
 #: Flag names a benchmark writes its results through (besides any argument of type output_path / output_dir).
 OUTPUT_FLAGS = ("--out", "--json", "-o", "--output")
 #: Modules holding another's flags: the module whose `main` reads them.
-FLAGS_OF = {"options": "suite"}
+FLAGS_OF: dict = {}
 #: Output flags a benchmark takes from the package's commands (`trace-stats`' flags).
 INHERITED = [("trace_work", [], "--json")]
 
@@ -266,7 +237,7 @@ def benchmark_outputs() -> list[tuple[str, list[str], str]]:
 @pytest.mark.parametrize("module, prefix, flag", [pytest.param(*case, id=" ".join([case[0], *case[1], case[2]]))
                                                   for case in benchmark_outputs()])
 def test_every_benchmark_checks_its_output_paths_before_the_work(module, prefix, flag, capsys, monkeypatch):
-    """`python -m benchmarks.suite --out /dev/null/bench` ended in a NotADirectoryError traceback
+    """`python -m benchmarks.speed --out /dev/null/bench` ended in a NotADirectoryError traceback
     after the work; every benchmark's output now fails as the command line is read: one line naming the
     flag and the path, exit status 2."""
     import importlib

@@ -26,7 +26,7 @@ SUBCOMMANDS = list(_subcommands(build_parser()))
 def test_expected_commands_exist():
     top = {c[0] for c in SUBCOMMANDS}
     assert {"demo", "buckets", "warmup", "trace-stats", "serve", "vllm"} <= top
-    assert "bench" not in top  # the suite is the repository's (python -m benchmarks.suite), not the package's
+    assert "bench" not in top  # benchmarks are the repository's (python -m benchmarks.speed), not the package's
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS, ids=[" ".join(c) for c in SUBCOMMANDS])

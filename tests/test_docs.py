@@ -37,7 +37,7 @@ COMMANDS = _shown(r"vllm-gaudi-unified((?:[ \t]*\\?\n?[ \t]*[a-z][a-z0-9-]*(?![\
 
 
 def test_the_docs_show_commands():
-    assert {"suite", "speed", "report", "planning", "mla_decode", "serving"} <= set(BENCHMARKS)
+    assert {"speed", "report", "planning", "mla_decode", "serving"} <= set(BENCHMARKS)
     assert {"serve", "buckets generate", "warmup"} <= set(COMMANDS)
 
 
@@ -62,7 +62,7 @@ def test_every_command_the_docs_show_answers_help(words):
 
 
 def test_the_benchmarks_page_is_what_the_results_give():
-    from benchmarks.tables import PAGE, render
+    from benchmarks.report import PAGE, render
 
     page = PAGE.read_text()
     assert render(page) == page, "docs/benchmarks.md differs from benchmarks/results/: run python -m benchmarks.report"
@@ -72,7 +72,7 @@ def test_every_results_file_the_docs_cite_exists_and_has_its_provenance():
     cited = {m for doc in DOCS for m in re.findall(r"benchmarks/results/([\w./+-]*\w)", doc.read_text())}
     assert cited, "docs/benchmarks.md cites its results files"
     assert not sorted(c for c in cited if not (RESULTS / c).exists())
-    from benchmarks.tables import recorded_commit
+    from benchmarks.report import recorded_commit
 
     provenance = json.loads((RESULTS / "provenance.json").read_text())
     stored = {str(p.relative_to(RESULTS)) for p in RESULTS.rglob("*") if p.is_file()} - {"provenance.json"}

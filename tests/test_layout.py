@@ -113,7 +113,7 @@ def test_no_module_over_the_line_limit():
 
 def test_the_package_imports_nothing_from_benchmarks(graph):
     """An installed package has no `benchmarks/`: no exception (the `bench` command that ran it is gone;
-    the suite is `python -m benchmarks.suite` in a source checkout)."""
+    the device runner is `python -m benchmarks.speed` in a source checkout)."""
     bad = {m: sorted(d for d in deps if _is(d, "benchmarks")) for m, deps in graph.items()}
     assert not {m: d for m, d in bad.items() if d}
 

@@ -37,7 +37,7 @@ CUDA_KERNELS = not env_flag("VLLM_GAUDI_UNIFIED_GAUDI_ROUTE")
 #: CUDA grid limit on the batch dimension of flash's non-varlen launch (the unique path's one block per segment).
 MAX_FLASH_BATCH = 65535
 #: Unique path through flash (one segment per block) from this block size up: measured on an H100
-#: (`python -m benchmarks.suite`): faster than the matmul tiles at block size 128, 3x slower at 16.
+#: (`python -m benchmarks.speed`): faster than the matmul tiles at block size 128, 3x slower at 16.
 FUSED_UNIQUE_MIN_BLOCK_SIZE = 64
 
 

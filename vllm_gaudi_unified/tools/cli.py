@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog=PROG,
         description="Unified Attention for vLLM on Intel Gaudi: demo, bucket plans, warmup, serving (and vLLM's "
-                    "own commands). Benchmarks: python -m benchmarks.suite from a source checkout.",
+                    "own commands). Benchmarks: python -m benchmarks.speed from a source checkout.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
