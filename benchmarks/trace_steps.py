@@ -29,6 +29,7 @@ error, bf16) and every tenth step with the float32 reference. Writes `DIR/trace_
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -72,13 +73,14 @@ def _median_ms(make, device=None):
 PLAN_ROUTES = ("gaudi_bucketed", "gaudi_bucketed_tiles")
 
 
-def _plan_routes(path: str | None) -> dict:
-    """name -> (options, bucket plan) of the bucket-plan routes (none without --plan)."""
+def _plan_routes(path: str | None, names=PLAN_ROUTES) -> dict:
+    """name -> (options, bucket plan) of the bucket-plan routes among `names` (none without --plan)."""
     if not path:
         return {}
     plan = BucketPlan.load(path)
-    return {"gaudi_bucketed": (plan.step_options, plan),
-            "gaudi_bucketed_tiles": (plan.settings.options, replace(plan, prompt_graphs=[]))}
+    routes = {"gaudi_bucketed": (plan.step_options, plan),
+              "gaudi_bucketed_tiles": (plan.settings.options, replace(plan, prompt_graphs=[]))}
+    return {k: v for k, v in routes.items() if k in names}
 
 
 def _device_ms(fn, device) -> tuple[float, torch.Tensor]:
@@ -104,7 +106,7 @@ def run(args) -> dict:
     vc = torch.randn(num_blocks, bs, hkv, d, generator=g, device=device, dtype=dtype)
     scale = d ** -0.5
     rows = []
-    plan_routes = _plan_routes(args.plan)
+    plan_routes = _plan_routes(args.plan, args.plan_routes)
     exp = None
     if args.plan:
         s = BucketPlan.load(args.plan).settings
@@ -170,7 +172,7 @@ def run(args) -> dict:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / "trace_steps.partial.json").write_text(json.dumps(dict(rows=rows), default=str))
     return dict(trace=args.trace, start=args.start, steps=len(rows), block_size=bs, num_blocks=num_blocks,
-                totals=totals(rows), rows=rows)
+                plan_routes=list(plan_routes), totals=totals(rows), rows=rows)
 
 
 def totals(rows: list[dict]) -> dict:
@@ -193,6 +195,14 @@ def totals(rows: list[dict]) -> dict:
     return out
 
 
+def _route_names(text: str) -> tuple[str, ...]:
+    names = tuple(x for x in text.split(",") if x)
+    bad = [x for x in names if x not in PLAN_ROUTES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--plan-routes takes some of {', '.join(PLAN_ROUTES)}, got {text!r}")
+    return names
+
+
 def main(argv=None) -> int:
     p = Parser(prog="benchmarks.trace_steps", description=__doc__.splitlines()[0])
     p.add_argument("--trace", required=True)
@@ -200,6 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cuda")
     p.add_argument("--plan", default=None, help="a bucket plan for the trace's settings: adds the padded routes")
+    p.add_argument("--plan-routes", type=_route_names, default=PLAN_ROUTES,
+                   help=f"with --plan: which padded routes to run, comma-separated (default: {','.join(PLAN_ROUTES)})")
     p.add_argument("--out", type=output_dir, default="out/trace_steps")
     args = p.parse_args(argv)
     out_dir = Path(args.out)

@@ -68,6 +68,32 @@ def test_a_step_no_graph_covers_is_planned_again_on_the_tiled_route(plan, dtype)
     assert_matches(out, ref)
 
 
+@pytest.mark.parametrize("buffers", [False, True], ids=["arrays", "step-buffers"])
+def test_a_step_whose_only_prompt_graph_costs_more_than_its_tiled_bucket_takes_the_tiled_route(plan, buffers):
+    """A short chunk covered only by a large prompt graph (a question over a long document, at the largest
+    graph) runs in the cheaper tiled bucket, by the plan's time model; with the small graph, the prompt route."""
+    from vllm_gaudi_unified.batch import StepBuffers, build_unified_batch
+    from conftest import make_block_table, make_tensors
+    from vllm_gaudi_unified.reference import reference_attention
+    from vllm_gaudi_unified.attention import unified_attention
+
+    (graph,) = plan.prompt_graphs
+    big = replace(graph, num_prompts=4, prompt_len=64, prompt_blocks=16)
+    for graphs, route in (([big], "tiles"), ([graph, big], "dense")):
+        both = replace(plan, prompt_graphs=graphs)
+        model = both.cost_model
+        table, num_blocks = make_block_table(CHUNK, np.random.default_rng(0))
+        q, k, v, kc, vc = make_tensors(CHUNK, table, num_blocks, torch.float64, 0)
+        into = StepBuffers("cpu") if buffers else None
+        batch = build_unified_batch(CHUNK.query_lens, CHUNK.context_lens, table, 4, num_blocks=num_blocks,
+                                    options=both.step_options, bucket=both, buffers=into)
+        tiled = both.find(plan_step(CHUNK.query_lens, CHUNK.context_lens, table, 4, options=both.settings.options).shape)
+        assert tiled.num_prompts == 0 and model.graph_cost(graph) < model.graph_cost(tiled) < model.graph_cost(big)
+        assert batch.bucket == (tiled if route == "tiles" else graph)
+        ref = reference_attention(q, k, v, kc, vc, CHUNK.query_lens, CHUNK.context_lens, table, 0.37)
+        assert_matches(unified_attention(q, k, v, kc, vc, batch, 0.37), ref)
+
+
 def test_a_plan_without_prompt_graphs_keeps_every_step_on_the_tiled_route(plan):
     tiled = replace(plan, prompt_graphs=[])
     assert tiled.step_options.prompt_route == "tiles"

@@ -335,7 +335,7 @@ def test_batch_invariant_planning_inside_vllm(mha, tmp_path):
 
 
 def test_auto_bucket_plan(mha, tmp_path):
-    """VLLM_GAUDI_UNIFIED_BUCKETS=auto: the exponential plan for the server's settings, made at start-up
+    """VLLM_GAUDI_UNIFIED_BUCKETS=auto: the plan learned for the server's settings from the simulated mix, made at start-up
     and warmed (the default with a plan): every bucket of it gets a step of its phase, none is skipped."""
     import re
 

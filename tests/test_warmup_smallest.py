@@ -44,7 +44,7 @@ def test_shipped_exponential_plans_are_warmable(path):
 
 @pytest.mark.parametrize("invariant,window", [(False, None), (False, 8), (False, 40), (True, None)])
 def test_auto_plan_small_cpu_setting_is_warmable(invariant, window):
-    """What the plugin's `_auto_plan` builds for a small CPU server (its options, capped)."""
+    """The exponential plan `vllm_plugin/auto_plan.py` falls back to for a small CPU server (its options, capped)."""
     from vllm_gaudi_unified.bucket_plans.bucket_plan import gather_cap_for
     from vllm_gaudi_unified.bucket_plans.cost import Hardware, ModelSpec
 

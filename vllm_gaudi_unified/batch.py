@@ -300,12 +300,19 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
             raise ValueError(f"device {device} differs from the buffers' device {buffers.device}")
         buffers.wait()
     host = None if buffers is None else buffers.host
-    plan = plan_step(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                     num_blocks=num_blocks, options=options, buffers=host, causal=causal)
-    if plan.shape.num_prompts and not prompt_graph_for(bucket, plan.shape):  # no warmed graph: tiled route
-        plan = plan_step(query_lens, context_lens, block_table, block_size, sliding_window=sliding_window,
-                         num_blocks=num_blocks, options=on_route(options or DEFAULT_OPTIONS, "tiles"), buffers=host,
-                         causal=causal)
+    plan_with = functools.partial(plan_step, query_lens, context_lens, block_table, block_size,
+                                  sliding_window=sliding_window, num_blocks=num_blocks, causal=causal)
+    plan = plan_with(options=options, buffers=host)
+    if plan.shape.num_prompts:
+        tiles = on_route(options or DEFAULT_OPTIONS, "tiles")
+        probe = []  # the tiled plan when the route choice asks for it, in arrays of its own (`host` holds `plan`)
+
+        def tiled_shape() -> Bucket:
+            probe.append(plan_with(options=tiles))
+            return probe[0].shape
+
+        if not _keeps_prompt_route(bucket, plan.shape, tiled_shape):
+            plan = probe[0] if probe and host is None else plan_with(options=tiles, buffers=host)
     cap = getattr(bucket, "gather_cap", None)
     if cap is not None and cap.exceeded(plan.shape):  # rare: several calls, each padded into new arrays
         pieces = [_pad_to(p, bucket) for p in split_plan(plan, cap)]
@@ -359,6 +366,15 @@ def prompt_graph_for(bucket, shape: Bucket) -> bool:
         return bucket.num_prompts > 0
     prompt_graph = getattr(bucket, "prompt_graph", None)
     return prompt_graph is None or prompt_graph(shape) is not None
+
+
+def _keeps_prompt_route(bucket, shape: Bucket, tiled_shape) -> bool:
+    """Whether a step planned on the prompt route (`shape`) stays on it at `bucket`: `prompt_graph_for`, and
+    with a bucket plan that weighs routes (`BucketPlan.route`), only when its prompt graph is the cheaper graph."""
+    route = getattr(bucket, "route", None)
+    if route is None or isinstance(bucket, Bucket):
+        return prompt_graph_for(bucket, shape)
+    return route(shape, tiled_shape) == "dense"
 
 
 def _pad_to(plan: StepPlan, bucket, host: PlanBuffers | None = None) -> StepPlan:

@@ -1,13 +1,14 @@
 """Bucket plans at serve time: which step shapes get a compiled graph, and the lookup each step makes.
 
 - `bucket_plan`: `BucketPlan` (`find`, miss policy, JSON plan files);
-- `exponential`: the plan made from the server settings alone (the plugin's `auto`);
+- `exponential`: the plan made from the server settings alone (`auto` of a batch-invariant server);
 - `settings`: `ServerSettings` (the limits a plan is made for) and `BUCKET_OPTIONS`;
 - `cost`: the FLOPs-and-bytes work model that weighs the sizes of a shape;
+- `memory`: warmup's peak device memory, from the plan's model;
 - `trace`: the JSON Lines scheduler trace format (the plugin records it while serving);
 - `prompt_graphs`: the buckets with a prompt shape, in which prompts take the prompt route;
-- `simulator`, `workloads`: a vLLM-v1-like scheduler and its workloads (the `auto` plan learns its
-  prompt graphs from a simulated trace at start-up).
+- `simulator`, `workloads`: a vLLM-v1-like scheduler and its workloads (what the default plans, `auto`
+  included, learn from).
 
 Nothing here is offline: learning the tiled buckets from traces, evaluating and
 plotting live in `vllm_gaudi_unified.tools`.

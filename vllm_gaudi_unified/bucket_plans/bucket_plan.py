@@ -101,6 +101,8 @@ class BucketPlan:
                                  f"blocks, or it gathers more than the plan's cap {self.gather_cap}")
         self._prompts = PromptGraphs(self.prompt_graphs, self.settings.block_size)
         self.prompt_graphs = self._prompts.buckets
+        model = self.cost_model
+        self._graph_costs = {g: model.graph_cost(g, self._weights) for g in self.prompt_graphs}
 
     @property
     def step_options(self):
@@ -113,8 +115,31 @@ class BucketPlan:
         return on_route(self.settings.options, "dense") if bucket.num_prompts else self.settings.options
 
     def prompt_graph(self, shape: Bucket) -> Bucket | None:
-        """The prompt graph a step with prompts runs in, or None: plan it on the tiled route."""
+        """The prompt graph covering a step with prompts, or None: plan it on the tiled route."""
         return self._prompts.find(shape)
+
+    def route(self, shape: Bucket, tiled_shape) -> str:
+        """The route of a step with prompts (`shape`: planned on the prompt route): 'dense' when a prompt graph
+        covers it and costs, in the plan's time model (`CostModel.graph_cost`), no more than the bucket its
+        tiled plan pads to; else 'tiles'. A short question over a long document may have only a large
+        prompt graph covering it, where a tiled bucket is far cheaper. `tiled_shape()` gives the tiled plan's
+        shape; it is asked for only when the cheapest bucket with the step's query tokens and logits (the
+        same on both routes) costs less than the graph, so most steps are planned once."""
+        graph = self.prompt_graph(shape)
+        if graph is None:
+            return "tiles"
+        cost = self._graph_costs[graph]
+        if cost <= self._tiled_floor(shape.query_len, shape.num_logits):
+            return "dense"
+        tiled = tiled_shape()
+        i = -1 if self.gather_cap.exceeded(tiled) else self.find_sizes(*tiled.sizes)
+        return "dense" if i < 0 or cost <= self.costs[i] else "tiles"
+
+    def _tiled_floor(self, q: int, l: int) -> float:
+        """The least cost of a bucket with at least `q` query tokens and `l` logits (inf: none)."""
+        i, j = bisect_left(self._values[0], q), bisect_left(self._values[3], l)
+        m = self._masks[0][i] & self._masks[3][j] if i < len(self._values[0]) and j < len(self._values[3]) else 0
+        return float(self.costs[(m & -m).bit_length() - 1]) if m else float("inf")
 
     # ---- lookup -----------------------------------------------------------------------------
     @property
@@ -124,7 +149,8 @@ class BucketPlan:
     def _index(self) -> None:
         unique = sorted(set(self.buckets))
         sizes = np.array([b.sizes for b in unique], dtype=np.int64).reshape(-1, len(DIMS))
-        cost = self.cost_model.cost(sizes)
+        self._weights = self.cost_model.weights
+        cost = sizes @ self._weights
         order = np.lexsort(tuple(sizes[:, ::-1].T) + (cost,))  # by cost, then by sizes
         self.buckets = [unique[i] for i in order]
         self.sizes = sizes[order]

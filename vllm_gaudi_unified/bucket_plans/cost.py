@@ -37,6 +37,7 @@ import numpy as np
 
 from vllm_gaudi_unified.bucket import SIZE_FIELDS, SIZE_NAMES, Bucket
 from vllm_gaudi_unified.plan import PlanOptions
+from vllm_gaudi_unified.plan.prompts import grid_pairs
 
 #: The numeric fields of a Bucket, in `Bucket.sizes` order (`bucket.SIZE_FIELDS`), and their short names.
 DIMS = SIZE_FIELDS
@@ -119,6 +120,18 @@ class CostModel:
 
     def bucket_cost(self, bucket: Bucket) -> float:
         return float(np.dot(bucket.sizes, self.weights))
+
+    def graph_cost(self, bucket: Bucket, weights: np.ndarray | None = None) -> float:
+        """Work (estimated µs) of a graph: its five sizes (`bucket_cost`) plus, for a prompt graph, its prompt
+        call: the pairs of its grid (`plan/prompts.py: grid_pairs`) at `pair_cost`, and its context's K and V
+        read once per layer. What `BucketPlan.route` weighs a prompt graph against a tiled bucket with."""
+        cost = float(np.dot(bucket.sizes, self.weights if weights is None else weights))
+        p, qp, cb = bucket.prompts
+        if p:
+            m, bs = self.model, self.block_size
+            kv_bytes = m.num_layers * p * cb * bs * 2 * m.num_kv_heads * m.head_dim * m.dtype_bytes
+            cost += float(grid_pairs(p, qp, cb, bs)) * self.pair_cost() + 1e6 * kv_bytes / (self.hardware.hbm_tb_s * 1e12)
+        return cost
 
     @property
     def pair_weights(self) -> np.ndarray:

@@ -140,6 +140,9 @@ def cmd_generate(args) -> int:
         extra += (f"; {len(plan.prompt_graphs)} prompt graphs take {plan.info['prompt_steps_on_prompt_graphs']} of "
                   f"the {plan.info['prompt_steps']} steps with prompts")
     print(f"wrote {args.output}: {plan.strategy} plan, {len(plan)} buckets{extra} ({time.perf_counter() - t0:.1f} s)")
+    from vllm_gaudi_unified.bucket_plans.memory import warmup_memory
+
+    print(warmup_memory(plan).describe())
     return 0
 
 
@@ -251,6 +254,9 @@ def format_plan(plan) -> str:
         if plan.info.get("prompt_steps"):
             lines.append(f"they take {plan.info['prompt_steps_on_prompt_graphs']} of the {plan.info['prompt_steps']} "
                          "steps with prompts they were learned from")
+    from vllm_gaudi_unified.bucket_plans.memory import warmup_memory
+
+    lines += ["", f"{len(plan) + len(plan.prompt_graphs)} graphs; " + warmup_memory(plan).describe()]
     return "\n".join(lines)
 
 

@@ -4,8 +4,9 @@ Made once per metadata builder (at vLLM's start-up, after the KV cache is
 sized), used once per step by `GaudiUnifiedMetadataBuilder.build`:
 
 - a bucket plan (`VLLM_GAUDI_UNIFIED_BUCKETS`: a plan file, checked against
-  the server's settings, or `auto`: the exponential plan made at start-up for
-  these settings); every step is then padded to its bucket, and the plan
+  the server's settings, or `auto`: the plan `buckets generate` learns for
+  these settings from the simulated mix, made at start-up, `auto_plan.py`);
+  every step is then padded to its bucket, and the plan
   decides the planner options (a plan is only valid for the options it was
   made with);
 - warmup of every bucket of the plan at start-up (`VLLM_GAUDI_UNIFIED_WARMUP`),
@@ -108,7 +109,9 @@ def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOption
     at start-up when it was made for other settings than this server's."""
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
-    plan = (_auto_plan(vllm_config, kv_cache_spec, options, sliding_window, device_kind) if path == "auto"
+    from vllm_gaudi_unified.vllm_plugin.auto_plan import auto_plan
+
+    plan = (auto_plan(vllm_config, kv_cache_spec, options, sliding_window, device_kind) if path == "auto"
             else BucketPlan.load(path))
     sched = vllm_config.scheduler_config
     try:
@@ -123,55 +126,6 @@ def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOption
     logger.info("Unified attention: bucket plan %s, %d buckets, %d prompt graphs, miss policy %r", path, len(plan),
                 len(plan.prompt_graphs), plan.miss_policy)
     return plan
-
-
-def _auto_plan(vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None, device_kind: str = ""):
-    """The exponential plan for this server's settings and model (what `buckets generate
-    --strategy exponential --memory-share 0.04` would write for them), with the tile options measured for
-    `device_kind`."""
-    from dataclasses import replace
-
-    from vllm_gaudi_unified.bucket_plans.bucket_plan import gather_cap_for
-    from vllm_gaudi_unified.bucket_plans.cost import Hardware, ModelSpec
-    from vllm_gaudi_unified.bucket_plans.device_options import options_for_device
-    from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
-    from vllm_gaudi_unified.bucket_plans.settings import BUCKET_OPTIONS, ServerSettings
-
-    sched, model, parallel = vllm_config.scheduler_config, vllm_config.model_config, vllm_config.parallel_config
-    settings = ServerSettings(block_size=kv_cache_spec.block_size, max_num_seqs=sched.max_num_seqs,
-                              max_num_batched_tokens=sched.max_num_batched_tokens,
-                              max_model_len=model.max_model_len, num_blocks=vllm_config.cache_config.num_gpu_blocks,
-                              sliding_window=sliding_window,
-                              options=options_for_device(device_kind, replace(BUCKET_OPTIONS,
-                                                                              batch_invariant=options.batch_invariant)),
-                              num_speculative_tokens=_num_speculative_tokens(vllm_config))
-    spec = ModelSpec(num_layers=model.get_num_layers(parallel), num_qo_heads=model.get_num_attention_heads(parallel),
-                     num_kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
-                     dtype_bytes=kv_cache_spec.dtype.itemsize, hidden_size=model.get_hidden_size(),
-                     vocab_size=model.get_vocab_size())
-    # No bucket gathers more K/V than a share of device memory (Gaudi 3's by default): steps beyond
-    # it are split by the planner. Batch-invariant products are chunked already.
-    cap = None if options.batch_invariant else gather_cap_for(settings, spec, Hardware())
-    return _with_simulated_prompt_graphs(exponential_plan(settings, spec, cap=cap))
-
-
-def _with_simulated_prompt_graphs(plan):
-    """`plan` with the prompt graphs the simulated mix of workloads (chat, RAG over long shared documents,
-    long prompts: `workloads.MIXES`) hits most at its settings (what `buckets generate --strategy
-    exponential --seeds 1` learns): a few seconds at start-up. Chat alone left prompts over long shared
-    context without a graph (none of a RAG trace's prompt steps had one)."""
-    from dataclasses import replace
-
-    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
-    from vllm_gaudi_unified.bucket_plans.simulator import SchedulerConfig, Simulator
-    from vllm_gaudi_unified.bucket_plans.workloads import workload_from, workloads_of
-
-    sched = SchedulerConfig.from_settings(plan.settings)
-    steps = [s for name in workloads_of("mix") for s in Simulator(sched, workload_from(name), 1).steps()]
-    graphs, info = learn_prompt_graphs(plan, steps)
-    logger.info("Unified attention: %d prompt graphs take %d of %d simulated steps with prompts", len(graphs),
-                info["prompt_steps_on_prompt_graphs"], info["prompt_steps"])
-    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
 
 
 def _num_speculative_tokens(vllm_config) -> int:
