@@ -32,7 +32,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16]
 #: Small tiles so that small steps cross tile, unit and call boundaries.
 SMALL = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
-INVARIANT = replace(SMALL, batch_invariant=True, invariant_rows=2, invariant_chunk=3, invariant_causal_chunk=2)
+#: `unique_tokens` 3: requests of 2-3 new tokens over a context are verify units on the fast route.
+INVARIANT = replace(SMALL, batch_invariant=True, invariant_rows=2, invariant_chunk=3, invariant_causal_chunk=2,
+                    unique_tokens=3)
 EXAMPLES = int(os.environ.get("INVARIANCE_EXAMPLES", "40"))
 
 
@@ -176,6 +178,10 @@ SCENARIOS = {
     # prompt without context (its own causal call), a decode and a short chunk on the routes, padded.
     "own_calls": World(Req(20, 29), others=(Req(17, 32, 7), Req(1, 40, 7), Req(24, 0), Req(2, 9)), position=1,
                        pad=(4, 1, 2, 0, 1)),
+    # A verify step (3 tokens over a context, a unit on the fast route) beside verify steps over the same
+    # prefix, a longer chunk, decodes and prompts (on the fast route: one flash call for the prompts), padded.
+    "verify_units": World(Req(3, 37), others=(Req(2, 37, 6), Req(1, 41, 9), Req(3, 12), Req(7, 0), Req(1, 9),
+                                              Req(5, 0), Req(6, 30, 3)), position=3, pad=(3, 2, 1, 0, 2)),
 }
 
 
@@ -238,7 +244,8 @@ def invariant_options(draw):
     return replace(PlanOptions(batch_invariant=True), causal_tile=draw(st.sampled_from([2, 4, 8, 64])),
                    invariant_rows=draw(st.sampled_from([1, 2, 4, 8])),
                    invariant_chunk=draw(st.sampled_from([1, 3, 8, 512])),
-                   invariant_causal_chunk=draw(st.sampled_from([1, 2, 16])))
+                   invariant_causal_chunk=draw(st.sampled_from([1, 2, 16])),
+                   unique_tokens=draw(st.sampled_from([1, 2, 4])))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -308,11 +315,13 @@ def test_own_calls_are_taken(monkeypatch):
     ql, cl = [r.query_len for r in world.requests], [r.context_len for r in world.requests]
     plan = plan_step(ql, cl, table, world.block_size, options=INVARIANT)
     starts = np.cumsum(ql) - ql
-    assert [c[:3] for c in plan.calls] == [(starts[r], ql[r], cl[r]) for r in (0, 1, 3)]
+    # the prompts without context first (`seg_prompts`: one flash call on the fast route), then the chunks
+    assert [c[:3] for c in plan.calls] == [(starts[r], ql[r], cl[r]) for r in (3, 0, 1)]
+    assert plan.seg_prompts[1:4] == (24, 1, 1)  # after the short chunk's segment
     assert not plan.calls_only and plan.pre_own_from < plan.pre_rows.shape[0]
     assert_same_bits(*run_world(world, INVARIANT, torch.float32))
-    # the target alone, then in the batch the other chunk, the target, and the prompt's one causal call
-    assert seen == [False, True] * 3 + [True]
+    # the target alone, then in the batch the prompt's one causal call, the other chunk and the target
+    assert seen == [False, True, True] + [False, True] * 2
     seen.clear()
     assert_same_bits(*run_world(replace(world, soft_cap=5.0), INVARIANT, torch.float32))
     assert seen == []
