@@ -32,9 +32,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16]
 #: Small tiles so that small steps cross tile, unit and call boundaries.
 SMALL = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
-#: `unique_tokens` 3: requests of 2-3 new tokens over a context are verify units on the fast route.
+#: `unique_tokens` 3: requests of 2-3 new tokens over a context are verify units on the fast route;
+#: `invariant_decode_rows` 2: decodes reading the same chunk share a tile on the torch route.
 INVARIANT = replace(SMALL, batch_invariant=True, invariant_rows=2, invariant_chunk=3, invariant_causal_chunk=2,
-                    unique_tokens=3)
+                    unique_tokens=3, invariant_decode_rows=2)
 EXAMPLES = int(os.environ.get("INVARIANCE_EXAMPLES", "40"))
 
 
@@ -245,7 +246,8 @@ def invariant_options(draw):
                    invariant_rows=draw(st.sampled_from([1, 2, 4, 8])),
                    invariant_chunk=draw(st.sampled_from([1, 3, 8, 512])),
                    invariant_causal_chunk=draw(st.sampled_from([1, 2, 16])),
-                   unique_tokens=draw(st.sampled_from([1, 2, 4])))
+                   unique_tokens=draw(st.sampled_from([1, 2, 4])),
+                   invariant_decode_rows=draw(st.sampled_from([1, 2, 8])))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -274,7 +276,7 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     reqs = world.requests
     ql, cl, bs = [r.query_len for r in reqs], [r.context_len for r in reqs], world.block_size
     plan = plan_step(ql, cl, table, bs, options=INVARIANT)
-    assert plan.bucket.num_unique_blocks == 0 and plan.dec_rows.shape[1] == 1
+    assert plan.bucket.num_unique_blocks == 0 and plan.dec_rows.shape[1] == INVARIANT.invariant_decode_rows
     assert plan.pre_rows.shape[1] == INVARIANT.invariant_rows
     starts = np.cumsum(ql) - ql
     decodes = [r for r, q in enumerate(ql) if q == 1]
