@@ -32,10 +32,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16]
 #: Small tiles so that small steps cross tile, unit and call boundaries.
 SMALL = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
-#: `unique_tokens` 3: requests of 2-3 new tokens over a context are verify units on the fast route;
-#: `invariant_decode_rows` 2: decodes reading the same chunk share a tile on the torch route.
+#: `unique_tokens` 3: requests of 2-3 new tokens over a context are verify units on the fast route.
 INVARIANT = replace(SMALL, batch_invariant=True, invariant_rows=2, invariant_chunk=3, invariant_causal_chunk=2,
-                    unique_tokens=3, invariant_decode_rows=2)
+                    unique_tokens=3)
 EXAMPLES = int(os.environ.get("INVARIANCE_EXAMPLES", "40"))
 
 
@@ -180,7 +179,7 @@ SCENARIOS = {
     "own_calls": World(Req(20, 29), others=(Req(17, 32, 7), Req(1, 40, 7), Req(24, 0), Req(2, 9)), position=1,
                        pad=(4, 1, 2, 0, 1)),
     # A verify step (3 tokens over a context, a unit on the fast route) beside verify steps over the same
-    # prefix, a longer chunk, decodes and prompts (on the fast route: one flash call for the prompts), padded.
+    # prefix, a longer chunk, decodes and prompts, padded.
     "verify_units": World(Req(3, 37), others=(Req(2, 37, 6), Req(1, 41, 9), Req(3, 12), Req(7, 0), Req(1, 9),
                                               Req(5, 0), Req(6, 30, 3)), position=3, pad=(3, 2, 1, 0, 2)),
 }
@@ -246,8 +245,7 @@ def invariant_options(draw):
                    invariant_rows=draw(st.sampled_from([1, 2, 4, 8])),
                    invariant_chunk=draw(st.sampled_from([1, 3, 8, 512])),
                    invariant_causal_chunk=draw(st.sampled_from([1, 2, 16])),
-                   unique_tokens=draw(st.sampled_from([1, 2, 4])),
-                   invariant_decode_rows=draw(st.sampled_from([1, 2, 8])))
+                   unique_tokens=draw(st.sampled_from([1, 2, 4])))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -276,7 +274,7 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     reqs = world.requests
     ql, cl, bs = [r.query_len for r in reqs], [r.context_len for r in reqs], world.block_size
     plan = plan_step(ql, cl, table, bs, options=INVARIANT)
-    assert plan.bucket.num_unique_blocks == 0 and plan.dec_rows.shape[1] == INVARIANT.invariant_decode_rows
+    assert plan.bucket.num_unique_blocks == 0 and plan.dec_rows.shape[1] == 1
     assert plan.pre_rows.shape[1] == INVARIANT.invariant_rows
     starts = np.cumsum(ql) - ql
     decodes = [r for r, q in enumerate(ql) if q == 1]
@@ -317,13 +315,11 @@ def test_own_calls_are_taken(monkeypatch):
     ql, cl = [r.query_len for r in world.requests], [r.context_len for r in world.requests]
     plan = plan_step(ql, cl, table, world.block_size, options=INVARIANT)
     starts = np.cumsum(ql) - ql
-    # the prompts without context first (`seg_prompts`: one flash call on the fast route), then the chunks
-    assert [c[:3] for c in plan.calls] == [(starts[r], ql[r], cl[r]) for r in (3, 0, 1)]
-    assert plan.seg_prompts[1:4] == (24, 1, 1)  # after the short chunk's segment
+    assert [c[:3] for c in plan.calls] == [(starts[r], ql[r], cl[r]) for r in (0, 1, 3)]
     assert not plan.calls_only and plan.pre_own_from < plan.pre_rows.shape[0]
     assert_same_bits(*run_world(world, INVARIANT, torch.float32))
-    # the target alone, then in the batch the prompt's one causal call, the other chunk and the target
-    assert seen == [False, True, True] + [False, True] * 2
+    # the target alone, then in the batch the other chunk, the target, and the prompt's one causal call
+    assert seen == [False, True] * 3 + [True]
     seen.clear()
     assert_same_bits(*run_world(replace(world, soft_cap=5.0), INVARIANT, torch.float32))
     assert seen == []

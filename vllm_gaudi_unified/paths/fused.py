@@ -124,17 +124,10 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, *, c
     """Flash attention over segments: rows `cu_q[i]:cu_q[i+1]` see keys `cu_k[i]:cu_k[i+1]` (their first
     `seqused_k[i]` when given); causal is bottom-right aligned; `window` keeps the last `window` positions.
     Rows past `cu_q[-1]` are left unwritten (their partial is garbage: callers drop them)."""
-    out, lse = flash_varlen_rows(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=causal, window=window,
-                                 seqused_k=seqused_k)
+    out, lse = FLASH(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+                     window_size_left=None if window is None else window - 1,
+                     window_size_right=None if window is None else 0, seqused_k=seqused_k)[:2]
     return lse_partial(out, lse.t())
-
-
-def flash_varlen_rows(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, *, causal: bool,
-                      window: int | None = None, seqused_k: torch.Tensor | None = None):
-    """`flash_varlen`'s call: the normalised rows `[rows, Hq, D]` in q's dtype and the LSE `[Hq, rows]`."""
-    return FLASH(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
-                 window_size_left=None if window is None else window - 1,
-                 window_size_right=None if window is None else 0, seqused_k=seqused_k)[:2]
 
 
 def flash_blocks(q, k, v, scale: float) -> Partial:

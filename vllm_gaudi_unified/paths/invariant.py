@@ -65,23 +65,16 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     one call per prompt at batch 1: docs/batch_invariance.md, Cost.)"""
     from vllm_gaudi_unified.hpu import sdpa_final
 
-    from vllm_gaudi_unified.paths import invariant_fast
-
     n, hq = q.shape[:2]
     g = hq // k.shape[1]
-    v, bad = fused.clean_causal_values(v, batch.token_seg_start, None)
-    one_call = batch.plan.seg_prompts[1] > 0 and invariant_fast.applies(batch, q, key_cache, value_cache, None)
-    if one_call:
-        out = _prompts_in_one_call(q, k, v, batch, scale, bad, out)
     if out is None:  # a step of prompts: every real row is written below, the padding rows are zeroed
         out = q.new_empty((n, hq, v.shape[-1]))
         out[batch.num_tokens:].zero_()
+    v, bad = fused.clean_causal_values(v, batch.token_seg_start, None)
     nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     heads = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731  [L, H, D] -> [1, H, L, D], a view
     stats = fused.lse_kernel_for(q)
     for start, length, ctx, first, blocks in batch.plan.calls:
-        if one_call and ctx == 0:
-            continue
         rows = slice(start, start + length)
         qr, kn, vn = heads(q[rows]), heads(k[rows]), heads(v[rows])
         if ctx == 0:  # the split form's new-key call alone
@@ -95,28 +88,6 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
                                    *fused.sdpa_lse(qr, kn, vn, None, scale, causal=True))
         seen = bad[rows].repeat_interleave(g, 1)[..., None]
         torch.where(seen, nan, rows_out[0].transpose(0, 1), out=out[rows])  # written in place: no copy
-    return out
-
-
-def _prompts_in_one_call(q, k, v, batch, scale: float, bad, out):
-    """The own calls' prompts without context on the fast route (CUDA flash): one causal flash varlen call,
-    one segment per prompt (`plan.seg_prompts`), written final into `out` (None: the call's rows are the
-    output where they are every row of the step, else a new output). Flash counts a segment's row tiles
-    and key blocks from its start and never splits keys here (varlen, no block table, `max_q >= 2`), so a
-    row's bits are its own prompt's, as on the fast route's causal segments (`invariant_fast.py`)."""
-    first_row, rows, first_seg, segs, max_q, start = batch.plan.seg_prompts
-    n, hq = q.shape[:2]
-    idx = slice(start, start + rows) if start >= 0 else batch.seg_rows[first_row:first_row + rows]
-    cu = batch.seg_cu[first_seg:first_seg + segs + 1]
-    cu = (cu - cu[:1]).to(torch.int32)
-    x = fused.flash_varlen_rows(q[idx], k[idx], v[idx], cu, cu, max_q, max_q, scale, causal=True)[0]
-    x.masked_fill_(bad[idx].repeat_interleave(hq // k.shape[1], 1)[..., None], float("nan"))
-    if out is None and start == 0 and rows == n:
-        return x
-    if out is None:
-        out = q.new_empty((n, hq, v.shape[-1]))
-        out[batch.num_tokens:].zero_()
-    out[idx] = x
     return out
 
 

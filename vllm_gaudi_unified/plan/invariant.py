@@ -45,7 +45,10 @@ step, `paths/invariant.py`):
   with one new token (or any request under a sliding window) has its cached
   blocks as *slots* (one per (token, block), sorted by token then position),
   which the Triton kernel walks in splits of `SPLIT_KEYS` keys counted from the
-  token's first slot; a request with several new tokens has its context as one
+  token's first slot; a verify step (2 to `unique_tokens` new tokens over a
+  context, no window: `unit_requests`) has its slots listed once, on its first
+  token, whose program takes all its rows (tokens x query heads of a KV head)
+  in the same splits; another request with several new tokens has its context as one
   flash segment (its rows against its gathered blocks, no split-KV); the new
   tokens of a request with several, self pair included, are one causal flash
   segment; a one-token request's self pair is elementwise (`self_partial`);
@@ -94,10 +97,10 @@ class InvariantPlan(StepPlan):
     `calls`, `call_blocks`; their requests' entries sit last in `pre_*`, `causal_*`, `ctx_*` and `seg_*`,
     from the `*_own_from` counts on."""
 
-    dec_rows: np.ndarray  #: [dec tiles, invariant_decode_rows] tokens of one-token requests reading the chunk (query_len: none)
+    dec_rows: np.ndarray  #: [dec tiles, 1] the tile's token (query_len: none)
     dec_blocks: np.ndarray  #: [dec tiles, blocks_per_tile] physical blocks of the chunk (0 where unseen)
-    dec_lo: np.ndarray  #: [dec tiles, invariant_decode_rows, blocks_per_tile] first visible slot
-    dec_hi: np.ndarray  #: [dec tiles, invariant_decode_rows, blocks_per_tile] end of visible slots (0: unseen)
+    dec_lo: np.ndarray  #: [dec tiles, 1, blocks_per_tile] first visible slot
+    dec_hi: np.ndarray  #: [dec tiles, 1, blocks_per_tile] end of visible slots (0: unseen)
     dec_col: np.ndarray  #: [dec tiles] chunk index in the request's context
     pre_rows: np.ndarray  #: [pre tiles, invariant_rows] tokens of one request (query_len: none)
     pre_blocks: np.ndarray  #: [pre tiles, blocks_per_tile]
@@ -123,9 +126,6 @@ class InvariantPlan(StepPlan):
     seg_cu: np.ndarray  #: [segments + 1] cumulative rows of `seg_rows`
     seg_max: int  #: the most new tokens of a segment, at least 2 (flash's one-row path never runs)
     seg_own_from: tuple  #: (rows, segments, max rows) of the segments before the own calls'
-    #: the own calls' prompts without context, first among them: (first row in `seg_rows`, rows, first
-    #: segment, segments, max rows, their first token where their rows are one run of the step, else -1)
-    seg_prompts: tuple
     slot_units: int  #: tokens of a Triton program's rows (`unique_tokens`; 1 under a window): `unit_requests`
     one_rows: np.ndarray  #: [rows] tokens of the one-token requests (fast route: their self pair elementwise)
     pre_own_from: int  #: `pre_*` tiles before the own calls' (whole calls)
@@ -190,9 +190,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     unit = unit_requests(q, ctx, W, opts) & ~own
     rest = np.flatnonzero(~one & ~own)  # several new tokens, not on their own calls
     mine = np.flatnonzero(own)
-    mine = np.concatenate([mine[ctx[mine] == 0], mine[ctx[mine] > 0]])  # prompts first: `seg_prompts`
-    dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts,
-                      opts.invariant_decode_rows)
+    dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
     pre_rest, pre_own = (_plan_tiles(reqs, rs, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
                          for reqs in (rest, mine))
     pre = {key: np.concatenate([pre_rest[key], pre_own[key]]) for key in pre_rest}
@@ -209,10 +207,6 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     flash_ctx["own_from"] = (int(q[c].sum()), c.size, int(nb_ctx[c].sum()), max(2, _most(q[c])), _most(nb_ctx[c]) * bs)
     multi = np.concatenate([rest, mine])
     seg_rows, _ = ranges(starts[multi], q[multi])
-    prompts = mine[ctx[mine] == 0]
-    first_row, n_rows = int(q[rest].sum()), int(q[prompts].sum())
-    span = seg_rows[first_row:first_row + n_rows]
-    contiguous = n_rows > 0 and int(span[-1]) - int(span[0]) == n_rows - 1  # (rows ascend within the prompts)
     call_blk, call_owner = ranges(np.zeros_like(mine), nb_ctx[mine])
     call_first = np.cumsum(nb_ctx[mine]) - nb_ctx[mine]
     n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0]
@@ -237,8 +231,6 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_rows=seg_rows.astype(np.int32),
         seg_cu=np.concatenate([[0], np.cumsum(q[multi])]).astype(np.int32), seg_max=max(2, _most(q[multi])),
         seg_own_from=(int(q[rest].sum()), rest.size, max(2, _most(q[rest]))),
-        seg_prompts=(first_row, n_rows, rest.size, prompts.size, max(2, _most(q[prompts])),
-                     int(span[0]) if contiguous else -1),
         slot_units=opts.unique_tokens if W is None else 1,
         one_rows=starts[one].astype(np.int32), pre_own_from=pre_rest["rows"].shape[0],
         causal_own_from=causal_rest[0].size,
@@ -250,10 +242,10 @@ def _most(n: np.ndarray) -> int:
     return int(n.max()) if n.size else 0
 
 
-def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts, stack=1):
+def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts):
     """Tiles of one chunk (`kb` logical blocks from block `col * kb`) and up to `rows` tokens of one
     request; rows that see no slot of the chunk (a window) are no row, tiles without a row dropped;
-    padded with empty tiles to whole calls. `stack` > 1 (one-row tiles): `_stack_shared`."""
+    padded with empty tiles to whole calls."""
     c0 = first_blk[reqs] // kb
     col, owner = ranges(c0, np.maximum(-(-nb_ctx[reqs] // kb) - c0, 0))
     req = reqs[owner]
@@ -271,46 +263,18 @@ def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, to
     else:
         lo = np.clip(tok_pos[np.minimum(tok, T - 1)][:, :, None] - W + 1 - blk[:, None, :] * bs, 0, hi)
     sees = (hi > lo).any(-1)
+    tok = np.where(sees, tok, T)
     keep = sees.any(-1)
-    tiles = dict(rows=np.where(sees, tok, T)[keep], blocks=ids[keep], lo=np.where(sees[..., None], lo, 0)[keep],
-                 hi=np.where(sees[..., None], hi, 0)[keep], col=col[keep])
-    if stack > 1:
-        tiles = _stack_shared(tiles, stack, T)
-    n = _round_up(tiles["col"].size, tiles_per_call(opts))
+    n = _round_up(int(keep.sum()), tiles_per_call(opts))
 
     def padded(a, fill, dtype=np.int32):  # tokens, slots and columns fit int32 (plan/arrays.py limits)
         out = np.full((n,) + a.shape[1:], fill, dtype)
-        out[:a.shape[0]] = a
+        out[:int(keep.sum())] = a[keep]
         return out
 
-    return dict(rows=padded(tiles["rows"], T), blocks=padded(tiles["blocks"], 0, np.int64),  # ids need 64 bits
-                lo=padded(tiles["lo"], 0), hi=padded(tiles["hi"], 0), col=padded(tiles["col"], 0))
-
-
-def _stack_shared(tiles: dict, rows: int, T: int) -> dict:
-    """One-row tiles that read the same chunk (same column, same blocks: a prefix several decodes share)
-    stacked up to `rows` to a tile, in token order: the chunk is gathered once for them. Every decode's tile
-    has `rows` rows, alone or not (one product shape); its row in the tile is the only thing the batch
-    sets, and a row's scores, softmax and `p @ V` are its own in a product of fixed shape."""
-    key = np.concatenate([tiles["col"][:, None], tiles["blocks"]], 1)
-    if not key.shape[0]:
-        return {k: np.zeros((0, rows) + v.shape[2:], v.dtype) if k in ("rows", "lo", "hi") else v
-                for k, v in tiles.items()}
-    group = np.unique(key, axis=0, return_inverse=True)[1].reshape(-1)
-    order = np.lexsort((tiles["rows"][:, 0], group))
-    group = group[order]
-    first = np.concatenate([[True], group[1:] != group[:-1]])
-    rank = np.arange(group.size) - np.maximum.accumulate(np.where(first, np.arange(group.size), 0))
-    tile = np.cumsum(first | (rank % rows == 0)) - 1
-    slot = rank % rows
-    n = int(tile[-1]) + 1
-    tok = np.full((n, rows), T, tiles["rows"].dtype)
-    tok[tile, slot] = tiles["rows"][order, 0]
-    lo, hi = (np.zeros((n, rows) + tiles[k].shape[2:], tiles[k].dtype) for k in ("lo", "hi"))
-    lo[tile, slot], hi[tile, slot] = tiles["lo"][order, 0], tiles["hi"][order, 0]
-    blocks, col = np.zeros((n,) + tiles["blocks"].shape[1:], tiles["blocks"].dtype), np.zeros(n, tiles["col"].dtype)
-    blocks[tile], col[tile] = tiles["blocks"][order], tiles["col"][order]
-    return dict(rows=tok, blocks=blocks, lo=lo, hi=hi, col=col)
+    return dict(rows=padded(tok, T), blocks=padded(ids, 0, np.int64),  # block ids need 64 bits
+                lo=padded(np.where(sees[..., None], lo, 0), 0), hi=padded(np.where(sees[..., None], hi, 0), 0),
+                col=padded(col, 0))
 
 
 def _plan_slots(pair_req, pair_blk, phys, tokens, starts, ctx, tok_pos, bs, W):

@@ -11,7 +11,7 @@ from vllm_gaudi_unified.plan.arrays import is_int
 #: (`causal_tile`**2, `invariant_rows` x block) and the planner's arrays stay allocatable.
 TILE_LIMITS = {"causal_tile": 4096, "shared_rows": 1 << 20, "shared_rows_max": 1 << 20, "shared_tile_keys": 1 << 24,
                "invariant_rows": 4096, "invariant_chunk": 1 << 20, "invariant_causal_chunk": 1 << 20,
-               "invariant_decode_rows": 4096, "unique_tokens": 64}
+               "unique_tokens": 64}
 
 
 #: A shared tile's gather of its blocks, in rows of scores over them (`PlanOptions.tile_rows`): reading a
@@ -61,9 +61,6 @@ class PlanOptions:
     invariant_rows: int = 8  #: batch_invariant, torch route: rows of a prompt's context tile (a decode's has one)
     invariant_chunk: int = 64  #: batch_invariant, torch route: context tiles per product (one shape per call)
     invariant_causal_chunk: int = 64  #: batch_invariant, torch route: causal tiles per product
-    #: batch_invariant, torch route: rows of a one-token request's context tile, the decodes that read the same
-    #: chunk (a shared prefix) stacked in it (1: a decode's tile is its own)
-    invariant_decode_rows: int = 1
 
     def __post_init__(self):
         for name, limit in TILE_LIMITS.items():
