@@ -301,6 +301,28 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     assert plan.cached_width == 8  # 61 tokens of context / 4 -> 16 blocks -> 8 chunks of 2
 
 
+def test_verify_steps_are_units():
+    """A request of 2 to `unique_tokens` new tokens over a context has its (token, block) slots once, on its
+    first token (the kernel's program there takes all its rows), and no flash context segment; longer chunks
+    keep theirs, decodes their own slots; under a sliding window every token has its own slots (units of 1)."""
+    world = SCENARIOS["verify_units"]
+    table, _ = _block_table(world, np.random.default_rng(world.seed))
+    ql, cl, bs = [r.query_len for r in world.requests], [r.context_len for r in world.requests], world.block_size
+    starts = np.cumsum(ql) - ql
+    plan = plan_step(ql, cl, table, bs, options=INVARIANT)
+    units = [r for r in range(len(ql)) if 2 <= ql[r] <= INVARIANT.unique_tokens and cl[r] > 0]
+    decodes = [r for r in range(len(ql)) if ql[r] == 1]
+    assert units == [0, 2, 3] and plan.slot_units == INVARIANT.unique_tokens
+    slots = sorted(zip(plan.slot_rows.tolist(), plan.slot_blocks.tolist()))
+    assert slots == sorted((starts[r], table[r, b]) for r in units + decodes for b in range(-(-cl[r] // bs)))
+    chunks = [r for r in range(len(ql)) if ql[r] > INVARIANT.unique_tokens and cl[r] > 0]
+    assert plan.ctx_rows.tolist() == [starts[r] + j for r in chunks for j in range(ql[r])]
+    windowed = plan_step(ql, cl, table, bs, sliding_window=9, options=INVARIANT)
+    assert windowed.slot_units == 1
+    assert sorted(set(windowed.slot_rows.tolist())) == [starts[r] + j for r in range(len(ql)) if cl[r] > 0
+                                                        for j in range(ql[r])]
+
+
 def test_own_calls_are_taken(monkeypatch):
     """Prompts (no context) and chunks of `CALL_MIN_ROWS` tokens or more take their own calls (two fused calls
     with statistics for a chunk, one causal one for a prompt); a short chunk and a decode stay on the routes;
