@@ -11,7 +11,8 @@ memory (CUDA: bytes one eager call allocates beyond its inputs). `--route gaudi`
 kernel off in both modes: what a Gaudi runs, as in every other benchmark here (`paths/fused.gaudi_route()`,
 `VLLM_GAUDI_UNIFIED_GAUDI_ROUTE=1`: no flash varlen, no Triton; the fused SDPA calls kept, torch SDPA and
 cuDNN with statistics standing in for FusedSDPA). Besides the suite's scenarios: speculative verify steps
-(`scenarios.verify_scenarios`: 64 x (1 + 3) over 3k, ragged drafts) and an MLA decode (`mla_decode_64x4k`:
+(`scenarios.verify_scenarios`: 64 x (1 + k) over 3k, ragged drafts, other head shapes; both modes planned
+with `PlanOptions.unique_tokens` = the step's most new tokens, as a server with k drafts plans) and an MLA decode (`mla_decode_64x4k`:
 64 decodes over 4k at DeepSeek-V3's latent shapes, 128 heads, latent 512 + rope 64, block 128, through
 `mla.mla_attention`). On CUDA both modes are also timed as CUDA graph replays (one graph per step). A mode
 that runs out of memory is recorded as such and the run goes on.
@@ -271,6 +272,9 @@ def _step(sc, args, device, dtype):
 def _run_scenario(sc, args, device, dtype, default, invariant, row) -> None:
     lay, bs, call = _step(sc, args, device, dtype)
     outs = {}
+    if sc in sc_mod.verify_scenarios(args.scale):  # a spec-decoding server's options: 1 + k tokens per unit
+        row["unique_tokens"] = max(sc.query_lens)
+        default, invariant = (replace(o, unique_tokens=row["unique_tokens"]) for o in (default, invariant))
     for mode, opts in (("default", default), ("invariant", invariant)):
         batch = fn = None
         try:

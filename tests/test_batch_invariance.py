@@ -32,7 +32,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16]
 #: Small tiles so that small steps cross tile, unit and call boundaries.
 SMALL = PlanOptions(causal_tile=4, shared_rows=4, shared_tile_keys=8)
-INVARIANT = replace(SMALL, batch_invariant=True, invariant_rows=2, invariant_chunk=3, invariant_causal_chunk=2)
+#: `unique_tokens` 3: requests of 2-3 new tokens over a context are verify units on the fast route.
+INVARIANT = replace(SMALL, batch_invariant=True, invariant_rows=2, invariant_chunk=3, invariant_causal_chunk=2,
+                    unique_tokens=3)
 EXAMPLES = int(os.environ.get("INVARIANCE_EXAMPLES", "40"))
 
 
@@ -176,6 +178,10 @@ SCENARIOS = {
     # prompt without context (its own causal call), a decode and a short chunk on the routes, padded.
     "own_calls": World(Req(20, 29), others=(Req(17, 32, 7), Req(1, 40, 7), Req(24, 0), Req(2, 9)), position=1,
                        pad=(4, 1, 2, 0, 1)),
+    # A verify step (3 tokens over a context, a unit on the fast route) beside verify steps over the same
+    # prefix, a longer chunk, decodes and prompts, padded.
+    "verify_units": World(Req(3, 37), others=(Req(2, 37, 6), Req(1, 41, 9), Req(3, 12), Req(7, 0), Req(1, 9),
+                                              Req(5, 0), Req(6, 30, 3)), position=3, pad=(3, 2, 1, 0, 2)),
 }
 
 
@@ -238,7 +244,8 @@ def invariant_options(draw):
     return replace(PlanOptions(batch_invariant=True), causal_tile=draw(st.sampled_from([2, 4, 8, 64])),
                    invariant_rows=draw(st.sampled_from([1, 2, 4, 8])),
                    invariant_chunk=draw(st.sampled_from([1, 3, 8, 512])),
-                   invariant_causal_chunk=draw(st.sampled_from([1, 2, 16])))
+                   invariant_causal_chunk=draw(st.sampled_from([1, 2, 16])),
+                   unique_tokens=draw(st.sampled_from([1, 2, 4])))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -292,6 +299,28 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     assert plan.seg_cu.tolist() == [0] + np.cumsum([ql[r] for r in multi]).tolist() and plan.seg_max == max(ql)
     assert plan.one_rows.tolist() == [starts[r] for r in decodes]
     assert plan.cached_width == 8  # 61 tokens of context / 4 -> 16 blocks -> 8 chunks of 2
+
+
+def test_verify_steps_are_units():
+    """A request of 2 to `unique_tokens` new tokens over a context has its (token, block) slots once, on its
+    first token (the kernel's program there takes all its rows), and no flash context segment; longer chunks
+    keep theirs, decodes their own slots; under a sliding window every token has its own slots (units of 1)."""
+    world = SCENARIOS["verify_units"]
+    table, _ = _block_table(world, np.random.default_rng(world.seed))
+    ql, cl, bs = [r.query_len for r in world.requests], [r.context_len for r in world.requests], world.block_size
+    starts = np.cumsum(ql) - ql
+    plan = plan_step(ql, cl, table, bs, options=INVARIANT)
+    units = [r for r in range(len(ql)) if 2 <= ql[r] <= INVARIANT.unique_tokens and cl[r] > 0]
+    decodes = [r for r in range(len(ql)) if ql[r] == 1]
+    assert units == [0, 2, 3] and plan.slot_units == INVARIANT.unique_tokens
+    slots = sorted(zip(plan.slot_rows.tolist(), plan.slot_blocks.tolist()))
+    assert slots == sorted((starts[r], table[r, b]) for r in units + decodes for b in range(-(-cl[r] // bs)))
+    chunks = [r for r in range(len(ql)) if ql[r] > INVARIANT.unique_tokens and cl[r] > 0]
+    assert plan.ctx_rows.tolist() == [starts[r] + j for r in chunks for j in range(ql[r])]
+    windowed = plan_step(ql, cl, table, bs, sliding_window=9, options=INVARIANT)
+    assert windowed.slot_units == 1
+    assert sorted(set(windowed.slot_rows.tolist())) == [starts[r] + j for r in range(len(ql)) if cl[r] > 0
+                                                        for j in range(ql[r])]
 
 
 def test_own_calls_are_taken(monkeypatch):

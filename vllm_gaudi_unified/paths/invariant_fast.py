@@ -19,7 +19,16 @@ Why each part is invariant (a token's result depends on its own request only):
   batch sets only how many splits are launched (the longest context): the
   extra ones write empty partials, and `fold_pairwise` folds a power-of-two
   width whose padding merges exactly (`x` with an empty partial is `x`).
-* **cached, flash** (requests with two or more new tokens, no window): one
+* **cached, Triton units** (verify steps: 2 to `unique_tokens` new tokens over a
+  context, no window, `plan.invariant.unit_requests`): the request's slots
+  are listed once, on its first token; that token's program takes the
+  request's rows (its tokens x the KV head's query heads, `UNITS` x G rows,
+  a constant of the options) against each key it loads, in the same
+  position-fixed splits. A row's dot products, max, sum and `p @ V` are its
+  own (rows past the request's tokens are zero queries never stored), and
+  the keys and the splits are the request's own: the same bits alone or in
+  any batch.
+* **cached, flash** (requests with several new tokens, not units, no window): one
   varlen segment per request, its rows against its own gathered context,
   `seqused_k` its context length, non-causal, `max_q >= 2` as above.
 * each token gets its first partial (self, or self and causal) and its cached
@@ -104,7 +113,10 @@ def _placed(part: Partial, rows: torch.Tensor, n: int, into: Partial | None = No
 
 def _slots_partial(q, key_cache, value_cache, batch, scale, k_scale=None, v_scale=None) -> Partial | None:
     """The Triton kernel over each token's slots (sorted by token, then position) in position-fixed
-    splits of `plan.invariant.SPLIT_KEYS` keys, the splits folded by `fold_pairwise`."""
+    splits of `plan.invariant.SPLIT_KEYS` keys, the splits folded by `fold_pairwise`. A unit
+    (`plan.invariant.unit_requests`, a verify step) has its slots on its first token, whose programs
+    take the request's rows (`UNITS` = `plan.slot_units` tokens x the KV head's query heads); every
+    other token's program writes its own rows (empty ones where it has no slot)."""
     from vllm_gaudi_unified.paths import unique, unique_kernel
 
     rows = batch.slot_rows
@@ -115,7 +127,7 @@ def _slots_partial(q, key_cache, value_cache, batch, scale, k_scale=None, v_scal
     g = hq // hkv
     starts = torch.searchsorted(rows, torch.arange(n + 1, device=q.device, dtype=rows.dtype))
     order = torch.arange(rows.shape[0], device=q.device, dtype=rows.dtype)  # already sorted by the planner
-    splits = batch.plan.slot_splits
+    splits, units = batch.plan.slot_splits, batch.plan.slot_units
     dt = compute_dtype(q.dtype)
     acc = torch.empty((n, splits, hq, d), dtype=dt, device=q.device)
     m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
@@ -125,11 +137,11 @@ def _slots_partial(q, key_cache, value_cache, batch, scale, k_scale=None, v_scal
     q = q if q.stride(-1) == 1 else q.contiguous()
     unique_kernel.unique_kernel[(n, hkv, splits)](
         q, key_cache, value_cache, key_cache if ks is None else ks, value_cache if vs is None else vs,
-        order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, starts, n, acc, m, total,  # (seg: unused)
+        order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, batch.token_seg_start, n, acc, m, total,
         scale * k_factor, v_factor,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
-        HQ=hq, G=g, ROWS=max(16, unique._pow2(g)), D=d, D_PAD=max(16, unique._pow2(d)), BS=bs,
+        HQ=hq, G=g, ROWS=max(16, unique._pow2(units * g)), D=d, D_PAD=max(16, unique._pow2(d)), BS=bs,
         KEYS=unique.KERNEL_KEYS, SPLITS=splits, SLICE=False, K_SCALES=unique._scale_mode(ks),
-        V_SCALES=unique._scale_mode(vs), SPLIT_KEYS=plan_invariant.SPLIT_KEYS,
+        V_SCALES=unique._scale_mode(vs), SPLIT_KEYS=plan_invariant.SPLIT_KEYS, UNITS=units,
         num_warps=unique.KERNEL_WARPS, num_stages=unique.KERNEL_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])

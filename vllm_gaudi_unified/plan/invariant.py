@@ -45,7 +45,10 @@ step, `paths/invariant.py`):
   with one new token (or any request under a sliding window) has its cached
   blocks as *slots* (one per (token, block), sorted by token then position),
   which the Triton kernel walks in splits of `SPLIT_KEYS` keys counted from the
-  token's first slot; a request with several new tokens has its context as one
+  token's first slot; a verify step (2 to `unique_tokens` new tokens over a
+  context, no window: `unit_requests`) has its slots listed once, on its first
+  token, whose program takes all its rows (tokens x query heads of a KV head)
+  in the same splits; another request with several new tokens has its context as one
   flash segment (its rows against its gathered blocks, no split-KV); the new
   tokens of a request with several, self pair included, are one causal flash
   segment; a one-token request's self pair is elementwise (`self_partial`);
@@ -123,6 +126,7 @@ class InvariantPlan(StepPlan):
     seg_cu: np.ndarray  #: [segments + 1] cumulative rows of `seg_rows`
     seg_max: int  #: the most new tokens of a segment, at least 2 (flash's one-row path never runs)
     seg_own_from: tuple  #: (rows, segments, max rows) of the segments before the own calls'
+    slot_units: int  #: tokens of a Triton program's rows (`unique_tokens`; 1 under a window): `unit_requests`
     one_rows: np.ndarray  #: [rows] tokens of the one-token requests (fast route: their self pair elementwise)
     pre_own_from: int  #: `pre_*` tiles before the own calls' (whole calls)
     causal_own_from: int  #: causal tiles before the own calls' (whole calls)
@@ -164,6 +168,16 @@ def own_calls(q: np.ndarray, ctx: np.ndarray, W: int | None) -> np.ndarray:
     return (q >= 2) & ((ctx == 0) | (q >= CALL_MIN_ROWS))
 
 
+def unit_requests(q: np.ndarray, ctx: np.ndarray, W: int | None, opts: PlanOptions) -> np.ndarray:
+    """Bool `[R]`: the requests whose cached keys the fast route reads as one unit (a speculative verify step:
+    2 to `unique_tokens` new tokens over a context, no window): the Triton kernel's program of the request's
+    first token takes all its rows (tokens x query heads of a KV head) against each key it loads, in
+    position-fixed splits. A function of each request and the options alone."""
+    if W is not None:
+        return np.zeros(q.shape, bool)
+    return (q >= 2) & (q <= opts.unique_tokens) & (ctx > 0)
+
+
 def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | None,
                    opts: PlanOptions) -> InvariantPlan:
     """`plan_step` for `options.batch_invariant` on checked inputs: the same semantics, the layout of this module."""
@@ -173,6 +187,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     kb, rs = opts.blocks_per_tile(bs), opts.invariant_rows
     first_blk = np.zeros_like(ctx) if W is None else np.maximum(ctx - W + 1, 0) // bs
     one, own = q == 1, own_calls(q, ctx, W)
+    unit = unit_requests(q, ctx, W, opts) & ~own
     rest = np.flatnonzero(~one & ~own)  # several new tokens, not on their own calls
     mine = np.flatnonzero(own)
     dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
@@ -183,8 +198,10 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     causal_q, causal_k, causal_col = (np.concatenate(pair) for pair in zip(causal_rest, causal_own))
     n_causal = np.where(q >= 2, -(-q // opts.causal_tile), 0)
     causal_width = pow2(int(n_causal.max()) if n_causal.size else 1)
-    slots = _plan_slots(pair_req, pair_blk, phys, one | (W is not None), q, starts, ctx, tok_pos, bs, W)
-    ctx_reqs = (rest[ctx[rest] > 0], mine[ctx[mine] > 0]) if W is None else (np.zeros(0, np.int64),) * 2
+    slot_tokens = np.where(one | (W is not None), q, np.where(unit, 1, 0))  # a unit's slots: its first token's
+    slots = _plan_slots(pair_req, pair_blk, phys, slot_tokens, starts, ctx, tok_pos, bs, W)
+    flash_ctx_reqs = rest[(ctx[rest] > 0) & ~unit[rest]]
+    ctx_reqs = (flash_ctx_reqs, mine[ctx[mine] > 0]) if W is None else (np.zeros(0, np.int64),) * 2
     flash_ctx = _plan_ctx_segments(np.concatenate(ctx_reqs), q, starts, ctx, nb_ctx, bt, bs)
     c = ctx_reqs[0]
     flash_ctx["own_from"] = (int(q[c].sum()), c.size, int(nb_ctx[c].sum()), max(2, _most(q[c])), _most(nb_ctx[c]) * bs)
@@ -214,6 +231,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_rows=seg_rows.astype(np.int32),
         seg_cu=np.concatenate([[0], np.cumsum(q[multi])]).astype(np.int32), seg_max=max(2, _most(q[multi])),
         seg_own_from=(int(q[rest].sum()), rest.size, max(2, _most(q[rest]))),
+        slot_units=opts.unique_tokens if W is None else 1,
         one_rows=starts[one].astype(np.int32), pre_own_from=pre_rest["rows"].shape[0],
         causal_own_from=causal_rest[0].size,
         calls=tuple(zip(*(a.tolist() for a in (starts[mine], q[mine], ctx[mine], call_first, nb_ctx[mine])))),
@@ -259,11 +277,12 @@ def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, to
                 col=padded(col, 0))
 
 
-def _plan_slots(pair_req, pair_blk, phys, route, q, starts, ctx, tok_pos, bs, W):
-    """(token, block) slots of the requests on the Triton route (`route[r]`), by token, then position."""
-    keep = route[pair_req]
+def _plan_slots(pair_req, pair_blk, phys, tokens, starts, ctx, tok_pos, bs, W):
+    """(token, block) slots of the Triton route, by token, then position: of request r's first `tokens[r]`
+    tokens (its new tokens; 1 for a unit, whose first token's slots serve all of them; 0: not this route)."""
+    keep = tokens[pair_req] > 0
     pair_req, pair_blk, phys = pair_req[keep], pair_blk[keep], phys[keep]
-    row_j, row_pair = ranges(np.zeros_like(pair_req), q[pair_req])
+    row_j, row_pair = ranges(np.zeros_like(pair_req), tokens[pair_req])
     req, blk, ids = pair_req[row_pair], pair_blk[row_pair], phys[row_pair]
     tok = starts[req] + row_j
     hi = np.minimum(bs, ctx[req] - blk * bs)
