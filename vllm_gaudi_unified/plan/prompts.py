@@ -61,11 +61,21 @@ def prompt_requests(q: np.ndarray, ctx: np.ndarray, pair_req: np.ndarray, phys: 
 #: step up to 2M such pairs and won from 4M (2 x 2k over 6k, 25M: 1.69 -> 1.24 ms).
 SPLIT_MIN_PAIRS = 1 << 22
 
-#: The least share of a prompt grid's pairs that are real (`fill_grid`): prompts that would pad the grid
-#: below it (a short prompt beside a long one, a prompt without context beside one over a long document)
-#: take the tiled paths instead, whose tiles follow each request. Grids under `GRID_MIN_PAIRS` pairs stay
-#: whole: their padding costs less than the tiles' calls.
-GRID_FILL = 2 / 3
+#: What a prompt's pair costs on the tiled paths, in prompt-grid pairs (`fill_grid`). The grid is one
+#: fused SDPA call; the tiles are many small masked products, gathers and a merge, and a step of prompts
+#: alone has no tiles at all. Measured on an H200 on the Gaudi route (CUDA graphs, 32/8/128, bf16): four
+#: ragged prompts without context (100/1.5k/3k/700 tokens) take 1.1 ms in one grid of 18M pairs and 5.7 ms
+#: with three of them (1.5M causal pairs) on the tiles; ragged chunks (256/1k/1.9k/700 over
+#: 7k/300/1.5k/0) 4.0 ms in one grid and 7.5 ms with three of them (~7M pairs, mostly context) on the
+#: tiles; a 2k chunk over 6k beside eight 40-token questions over 3k documents 8.3 ms in one grid of
+#: 151M pairs and 4.6 ms with the questions on the tiles. A request moves to the tiles only where the
+#: grid it no longer pads saves more than its pairs there and `TILES_CALL_COST` (about 0.8 ms: one
+#: prompt of 100 tokens on the tiles beside three in the grid costs that much more than all four in it).
+#: Grids under `GRID_MIN_PAIRS` pairs stay whole. On the 18 of steps 300-499 of the shared chat and RAG
+#: traces where the rules differ: 52.4 / 56.8 ms with the grid kept 2/3 real, 41.7 / 47.2 ms with these.
+TILED_CAUSAL_COST = 60
+TILED_CONTEXT_COST = 15
+TILES_CALL_COST = 1 << 24
 GRID_MIN_PAIRS = 1 << 20
 
 
@@ -81,22 +91,26 @@ def grid_pairs(P, Qp, Cb, block_size: int):
 
 
 def fill_grid(sel: np.ndarray, q: np.ndarray, nb_ctx: np.ndarray, block_size: int) -> np.ndarray:
-    """The requests of `sel` (the prompt route's, `prompt_requests`) that stay in its one grid: the
-    largest ones (by pairs) while the grid they pad to stays `GRID_FILL` real; the others take the
-    tiled paths. The grid pads every prompt to the longest prompt and the most context blocks, so one
-    short prompt beside a 2k chunk over a long document would cost as much as that chunk."""
+    """The requests of `sel` (the prompt route's, `prompt_requests`) that stay in its one grid: its
+    largest ones (by pairs), as many as make the grid plus the tiles of the rest cheapest
+    (`TILED_CAUSAL_COST`, `TILED_CONTEXT_COST`, `TILES_CALL_COST`); the others take the tiled paths.
+    The grid pads every prompt to the longest prompt and the most context blocks, so short questions
+    beside a 2k chunk over a long document would each cost as much as that chunk."""
     idx = np.flatnonzero(sel)
     if idx.size < 2:
         return sel
     qs, cb = q[idx].astype(np.int64), nb_ctx[idx].astype(np.int64)
-    real = qs * (qs + 1) // 2 + qs * cb * block_size  # (context in whole blocks: what a grid row reads)
-    order = np.argsort(-real, kind="stable")
+    causal = qs * (qs + 1) // 2
+    context = qs * cb * block_size  # (context in whole blocks: what a grid row reads)
+    order = np.argsort(-(causal + context), kind="stable")
     k = np.arange(1, idx.size + 1)
     grid = grid_pairs(k, np.maximum.accumulate(qs[order]), np.maximum.accumulate(cb[order]), block_size)
     if grid[-1] < GRID_MIN_PAIRS:
         return sel
-    fits = np.flatnonzero(np.cumsum(real[order]) >= GRID_FILL * grid)
-    keep = int(fits[-1]) + 1 if fits.size else 1
+    tiled = (TILED_CAUSAL_COST * causal + TILED_CONTEXT_COST * context)[order]
+    left_to_tiles = tiled.sum() - np.cumsum(tiled)  # the tiles' cost of the requests after the first k
+    left_to_tiles[:-1] += TILES_CALL_COST
+    keep = int(np.argmin(grid + left_to_tiles)) + 1
     if keep == idx.size:
         return sel
     out = np.zeros_like(sel)
