@@ -96,3 +96,11 @@ def test_drafts_in_units_follows_the_requests_off_the_prompt_route():
     assert not plan_step(q, c, table, 8, options=UNITS, sliding_window=16).drafts_in_units
     assert not plan_step([6, 2, 1], c, table, 8, options=replace(UNITS, prompt_route="tiles")).drafts_in_units
     assert plan_step([6, 2, 1], [0, 30, 9], table, 8, options=UNITS).drafts_in_units  # (the 6: the prompt route)
+
+
+@pytest.mark.parametrize("name", ["ragged", "sampling"])
+def test_chunks_with_broadcast_adds(name, spy, monkeypatch):
+    """The chunks' mask and shift as broadcast adds (`MLA_CHUNK_RANK1` off) give the same rows (float64)."""
+    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_RANK1", False)
+    out, ref, _, _ = mla_case(VERIFY[name][0], options=UNITS)
+    assert_matches(out, ref)
