@@ -47,6 +47,6 @@ def fold_drafts(part: Partial, q: torch.Tensor, key: torch.Tensor, batch, scale:
     shift = finite_shift(top)
     a = torch.exp(part.max - shift)  # (0 where the row saw nothing)
     w = torch.exp(s - shift[..., None])  # [n, H, units - 1]
-    acc = torch.baddbmm(part.acc * a[..., None], w, keys[..., :value_dim].to(w.dtype))
+    acc = (part.acc * a[..., None]).baddbmm_(w, keys[..., :value_dim].to(w.dtype))  # (in place: no copy of the rows)
     out = Partial(acc, top, part.sum * a + w.sum(-1))
     return Final(normalize(out, q.dtype)) if final else out
