@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Final, Partial, normalize
+from vllm_gaudi_unified.merge import Final, Partial
 from vllm_gaudi_unified.paths.mla_shared import finite_shift, latent_scores
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 
@@ -47,6 +47,11 @@ def fold_drafts(part: Partial, q: torch.Tensor, key: torch.Tensor, batch, scale:
     shift = finite_shift(top)
     a = torch.exp(part.max - shift)  # (0 where the row saw nothing)
     w = torch.exp(s - shift[..., None])  # [n, H, units - 1]
-    acc = (part.acc * a[..., None]).baddbmm_(w, keys[..., :value_dim].to(w.dtype))  # (in place: no copy of the rows)
-    out = Partial(acc, top, part.sum * a + w.sum(-1))
-    return Final(normalize(out, q.dtype)) if final else out
+    total = part.sum * a + w.sum(-1)
+    values = keys[..., :value_dim]
+    if final:  # acc * (a / total) + (w / total) @ v: the rows written once, in q's dtype, by the multiply
+        total = torch.where(total > 0, total, 1.0)[..., None]  # (0: a row that saw nothing, as `normalize`)
+        out = torch.mul(part.acc, a[..., None] / total, out=torch.empty_like(part.acc, dtype=q.dtype))
+        return Final(out.baddbmm_((w / total).to(q.dtype), values.to(q.dtype)))
+    acc = (part.acc * a[..., None]).baddbmm_(w, values.to(w.dtype))  # (in place: no copy of the rows)
+    return Partial(acc, top, total)
