@@ -10,6 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import Step, assert_matches
 from test_mla import H, L, mla_case
@@ -103,4 +105,24 @@ def test_chunks_with_broadcast_adds(name, spy, monkeypatch):
     """The chunks' mask and shift as broadcast adds (`MLA_CHUNK_RANK1` off) give the same rows (float64)."""
     monkeypatch.setattr(mla_chunks, "MLA_CHUNK_RANK1", False)
     out, ref, _, _ = mla_case(VERIFY[name][0], options=UNITS)
+    assert_matches(out, ref)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_random_verify_steps_on_chunks(data):
+    """Ragged drafts (0..k per request), partial blocks, chunk sizes, layouts, NaN in unreadable slots (float64)."""
+    k = data.draw(st.integers(1, 4))
+    r = data.draw(st.integers(1, 5))
+    q = data.draw(st.lists(st.integers(1, k + 1), min_size=r, max_size=r))
+    c = data.draw(st.lists(st.integers(1, 30), min_size=r, max_size=r))
+    opts = replace(UNITS, unique_tokens=k + 1, unique_layout=data.draw(st.sampled_from(["slice", "gather"])))
+    real_route, keys = attention.mla_unique_route, mla_chunks.MLA_CHUNK_KEYS
+    try:
+        attention.mla_unique_route = lambda batch, query, *args: real_route(batch, query.to("meta"), *args)
+        mla_chunks.MLA_CHUNK_KEYS = data.draw(st.sampled_from([1, 8, 64]))
+        out, ref, batch, _ = mla_case(Step(q, c, data.draw(st.sampled_from([2, 4, 8]))), options=opts,
+                                      seed=data.draw(st.integers(0, 99)))
+    finally:
+        attention.mla_unique_route, mla_chunks.MLA_CHUNK_KEYS = real_route, keys
     assert_matches(out, ref)
