@@ -49,9 +49,10 @@ def fold_drafts(part: Partial, q: torch.Tensor, key: torch.Tensor, batch, scale:
     w = torch.exp(s - shift[..., None])  # [n, H, units - 1]
     total = part.sum * a + w.sum(-1)
     values = keys[..., :value_dim]
-    if final:  # acc * (a / total) + (w / total) @ v: the rows written once, in q's dtype, by the multiply
+    if final:  # (w / total) @ v + acc * (a / total): the rows written once, in q's dtype, rounded once
         total = torch.where(total > 0, total, 1.0)[..., None]  # (0: a row that saw nothing, as `normalize`)
-        out = torch.mul(part.acc, a[..., None] / total, out=torch.empty_like(part.acc, dtype=q.dtype))
-        return Final(out.baddbmm_((w / total).to(q.dtype), values.to(q.dtype)))
+        drafts = torch.bmm(w / total, values.to(w.dtype))
+        out = torch.empty_like(part.acc, dtype=q.dtype)
+        return Final(torch.addcmul(drafts, part.acc, a[..., None] / total, out=out))
     acc = (part.acc * a[..., None]).baddbmm_(w, values.to(w.dtype))  # (in place: no copy of the rows)
     return Partial(acc, top, total)
