@@ -160,7 +160,8 @@ def test_hpu_graphs_skip_latent_steps_without_drafts_on_their_units():
     from pathlib import Path
 
     tests = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     run = subprocess.run([sys.executable, "-c", _GRAPH_RULE], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[-3:] == ["True", "False", "True"]
