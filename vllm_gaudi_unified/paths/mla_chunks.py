@@ -24,6 +24,13 @@ value in it from the start) and one of the row sums `[chunks, H]` give each
 token's Partial: no fp32 partial per chunk, no rescale passes, no separate merge
 of the self pair. It returns what the other
 latent routes return: one Partial row per token, the self pair inside.
+
+In a verify step (`StepPlan.drafts_in_units`) a slot is a request's unit: its
+chunk is gathered once and scored by all the request's tokens x heads in one
+product (`unique_units * H` rows), and each token's drafts (its request's new
+keys up to it, `mla_drafts.draft_scores`) start its max and sums where its own
+key does otherwise, so the step has no causal tiles to merge (H200, 128 x (2
+over 4k): 5.19 -> 3.84 ms).
 """
 from __future__ import annotations
 
