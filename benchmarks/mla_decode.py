@@ -28,7 +28,7 @@ applies, else `paths/mla_gluon.py`), whatever the default; `cuda_gluon_shared` /
 `MLA_GLUON_SHARED` on or off), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
 ops only, on the bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
 runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
-mla_chunks.py; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
+mla_chunks.py; `gaudi_broadcast_adds`: the chunks' mask and shift as broadcast adds, `MLA_CHUNK_RANK1` off; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
 each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
 generic tiles for every pair (`tiles`: `mla_unique_route` and `mla_shared_applies` off), vllm-gaudi.
 `--profile`: each route's kernels over 5 steps (GPU time per step = the profile's CUDA total / 5).
@@ -152,6 +152,13 @@ def gaudi_chunk_keys(keys: int):
 
 
 @contextlib.contextmanager
+def gaudi_broadcast_adds():
+    """The Gaudi route with the chunks' mask and shift as broadcast adds (`mla_chunks.MLA_CHUNK_RANK1` off)."""
+    with fused.gaudi_route(), mock.patch.object(mla_chunks, "MLA_CHUNK_RANK1", False):
+        yield
+
+
+@contextlib.contextmanager
 def gaudi_generic_shared():
     with fused.gaudi_route(), generic_shared():
         yield
@@ -243,7 +250,8 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
               "cuda_shared_route": shared_route, "cuda_generic_shared": generic_shared,
               "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
               "gaudi_generic_shared": gaudi_generic_shared, "gaudi_product_softmax": gaudi_product_softmax,
-              "gaudi_unique_tiles": gaudi_unique_tiles, "tiles": tiles_only,
+              "gaudi_unique_tiles": gaudi_unique_tiles, "gaudi_broadcast_adds": gaudi_broadcast_adds,
+              "tiles": tiles_only,
               **{f"gaudi_chunks{k}": gaudi_chunk_keys(k) for k in chunk_keys}}
     if "shared" not in case["name"]:  # (no shared pairs: the same as the columns beside them)
         del routes["cuda_generic_shared"], routes["gaudi_generic_shared"], routes["cuda_product_softmax"]

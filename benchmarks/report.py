@@ -201,20 +201,22 @@ def _gpu_ms(entry: dict, route: str):
 
 def mla_table() -> list[str]:
     files = {"mla_h100/routes.json": ("decode_128x4k", "shared_64x4k+256", "unshared_64x4352"),
-             "mla_h100/long_contexts.json": ("decode_4x32k", "decode_16x8k")}
-    out = _head("step", "floor ms (HBM / compute)", "CUDA route GPU / wall ms", "CUDA GPU / floor",
-                "Gaudi route GPU / wall ms", "vllm-gaudi `flat_pa_mla` wall ms", "max error CUDA / Gaudi")
+             "mla_h100/long_contexts.json": ("decode_4x32k", "decode_16x8k"),
+             "mla_h200/decode.json": ("decode_128x4k",)}
+    out = _head("step", "device", "floor ms (HBM / compute)", "CUDA route GPU / wall ms", "CUDA GPU / floor",
+                "Gaudi route GPU / wall ms", "Gaudi GPU / floor", "vllm-gaudi `flat_pa_mla` wall ms",
+                "max error CUDA / Gaudi")
     for name, cases in files.items():
         d = _load(name)
         for case in cases:
             e = d[case]
             floor = max(e["floor_ms"], e["compute_floor_ms"])
-            gpu = _gpu_ms(e, "cuda")
+            gpu, gaudi = _gpu_ms(e, "cuda"), _gpu_ms(e, "gaudi")
             out.append(_row(f"{e['requests']} x {e['seq_len']}" + (" (4096 shared)" if "shared_" in case[:7] else ""),
-                            f"{e['floor_ms']:.3f} / {e['compute_floor_ms']:.3f}",
+                            d["device"].split()[1], f"{e['floor_ms']:.3f} / {e['compute_floor_ms']:.3f}",
                             f"{_f(gpu)} / {_f(e.get('cuda_ms'))}", f"{gpu / floor:.2f}x" if gpu else "-",
-                            f"{_f(_gpu_ms(e, 'gaudi'))} / {_f(e.get('gaudi_ms'))}", _f(e.get("vllm_gaudi_ms"), 1),
-                            f"{e['cuda_max_err']:.4f} / {e['gaudi_max_err']:.4f}"))
+                            f"{_f(gaudi)} / {_f(e.get('gaudi_ms'))}", f"{gaudi / floor:.2f}x" if gaudi else "-",
+                            _f(e.get("vllm_gaudi_ms"), 1), f"{e['cuda_max_err']:.4f} / {e['gaudi_max_err']:.4f}"))
     lines = [f"- {_source(n, 'python -m benchmarks.mla_decode --profile --out FILE --cases ' + ','.join(c), _load(n)['device'])}"
              for n, c in files.items()]
     return out + [""] + lines
@@ -272,7 +274,7 @@ def _verify_rows(name: str) -> dict:
 
 def verify_table() -> list[str]:
     runs, peers, mla = ("verify_h200/gaudi_compiled.json", "verify_h200/with_peers.json",
-                        "verify_h200/per_head_products.json")
+                        "verify_h200/mla_units.json")
     ours, peer = _verify_rows(runs), _verify_rows(peers)
     titles = {r["scenario"]: r.get("title", r["scenario"]) for r in _load(runs)["rows"]}
     ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
@@ -296,9 +298,11 @@ def verify_table() -> list[str]:
                         _f(ex), _f(pf), ratio(best, ex), ratio(best, pf)))
     m = _verify_rows(mla)
     out += ["", "MLA at DeepSeek-V3's shapes (128 heads, latent 512 + rope 64), eager:", ""]
-    out += _head("step", "CUDA", "Gaudi route") + [
-        _row(sc, _f(m.get((sc, "ours", "cuda", None))), _f(m.get((sc, "ours", "gaudi", None))))
-        for sc in ("mla_128x1_4k", "mla_128x2_4k")]
+    cuda, gaudi = ({sc: m.get((sc, "ours", r, None)) for sc in ("mla_128x1_4k", "mla_128x2_4k", "mla_128x3_4k")}
+                   for r in ("cuda", "gaudi"))
+    out += _head("step", "CUDA", "CUDA / 1-token decode", "Gaudi route", "Gaudi route / 1-token decode") + [
+        _row(sc, _f(cuda[sc]), ratio(cuda[sc], cuda["mla_128x1_4k"]), _f(gaudi[sc]),
+             ratio(gaudi[sc], gaudi["mla_128x1_4k"])) for sc in cuda]
     src = lambda n, c: _source(n, c, _load(n)["env"]["device"], _load(n)["env"]["date"])  # noqa: E731
     return out + ["", f"- {src(runs, 'python -m benchmarks.verify --out DIR --compile CASES')}",
                   f"- {src(peers, 'python -m benchmarks.verify --out DIR')} (vllm-gaudi's columns)",

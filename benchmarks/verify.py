@@ -18,7 +18,8 @@ Per scenario of `scenarios.verify_scenarios` (block size 128, bf16), on the same
 
 Every output is checked against the float32 reference (ours and the peers with the cache slots no request
 may read holding NaN/inf). `--mla`: DeepSeek-V3's latent attention (128 heads, latent 512 + rope 64),
-128 x (2 over 4k) against the 1-token decode step, both routes. Rows go to DIR/verify.json after each case.
+128 x (2 and 3 over 4k) (MTP's 1 + 1 and 1 + 2) against the 1-token decode step, both routes. Rows go to
+DIR/verify.json after each case.
 """
 from __future__ import annotations
 
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-variants", default="", help="';'-separated speed knob sets (uk_progs:1024,uk_split:4096) "
                    "the CUDA route is timed again under")
     p.add_argument("--profile", default="", help="scenarios whose eager steps are profiled (top CUDA kernels)")
-    p.add_argument("--mla", action="store_true", help="also MLA 128 x (2 over 4k) and its 1-token decode")
+    p.add_argument("--mla", action="store_true", help="also MLA 128 x (2 and 3 over 4k) and its 1-token decode")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     tri = None if args.no_triton else triton_peer.load()
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
         save()
     if args.mla and time.time() - start <= args.time_budget:
-        for tokens in (1, 2):
+        for tokens in (1, 2, 3):
             mla_case(rows, device, tokens)
         save()
     print(f"{out / 'verify.json'}: {len(rows)} rows (docs/benchmarks.md's verify table reads such files: "

@@ -10,6 +10,7 @@ tokens span several loop steps and several splits (most of them empty for short 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,13 +20,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SPECS, Step, assert_matches  # noqa: E402
 from test_mla import MODES, L, mla_case  # noqa: E402
 
-from vllm_gaudi_unified import attention  # noqa: E402
+from vllm_gaudi_unified import PlanOptions, attention  # noqa: E402
 from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, normalize  # noqa: E402
 from vllm_gaudi_unified.mla import latent_views, mla_attention  # noqa: E402
 from vllm_gaudi_unified.reference import reference_attention  # noqa: E402
 from vllm_gaudi_unified.paths import mla_decode  # noqa: E402
 
-#: (step, plan mode, kernel constants)
+#: Plan options of a verify step: 1 + 3 tokens per request's unit.
+VERIFY = PlanOptions(causal_tile=4, shared_rows=4, shared_rows_max=4, shared_tile_keys=8, unique_tokens=4)
+
+#: (step, plan mode or options, kernel constants)
 CASES = [
     (SPECS["decode"], "default", {}),
     (SPECS["decode"], "gather", {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 8}),
@@ -47,6 +51,13 @@ CASES = [
     (Step([1] * 3, [8, 8, 8], 4, prefix_groups=[([0, 1, 2], 2)]), "default", {}),
     (SPECS["parallel_sampling"], "default", {"MLA_KERNEL_SHARED": False}),
     (SPECS["prefix_caching"], "gather", {"MLA_KERNEL_SHARED": False}),
+    # verify steps (`unique_tokens`): each request's unit a slot per token, the drafts' causal pairs folded in
+    # after the kernel (`mla_drafts.py`): ragged drafts, partial blocks, drafts over a shared prefix, a long
+    # chunk beside them on the causal tiles (the prompt route off: no drafts fold)
+    (Step([1, 3, 4, 2, 1], [13, 30, 7, 1, 2], 8), VERIFY, {"MLA_SPLIT_KEYS": 8}),
+    (Step([4, 2, 3, 4], [13, 13, 14, 13], 4, prefix_groups=[([0, 1, 2, 3], 3)]),
+     replace(VERIFY, unique_layout="gather"), {}),
+    (Step([9, 3, 1, 4, 12], [0, 21, 9, 5, 16], 4), replace(VERIFY, prompt_route="tiles"), {}),
 ]
 
 
@@ -90,11 +101,11 @@ def run(device: str = "cpu") -> int:
             calls.clear()
             shared_calls.clear()
             if device == "cpu":
-                out, ref, batch, _ = mla_case(step, options=MODES[mode])
+                out, ref, batch, _ = mla_case(step, options=MODES.get(mode, mode))
                 assert_matches(out, ref)
             else:
                 _, _, batch, (query, latent, cache, table, scale) = mla_case(step, dtype=torch.bfloat16,
-                                                                             options=MODES[mode])
+                                                                             options=MODES.get(mode, mode))
                 calls.clear()
                 lat = mla_attention(query.to(device), latent.to(device), cache.to(device), batch.to(device), scale,
                                     L)

@@ -112,7 +112,7 @@ def digest(plan: StepPlan) -> str:
             continue
         if f.name == "options" and not v.batch_invariant:
             v = replace(v, **_INVARIANT_KNOBS_THEN)
-        if f.name == "bidirectional" and v is False:
+        if f.name in ("bidirectional", "drafts_in_units") and v is False:
             continue
         if isinstance(v, np.ndarray):
             h.update(f"{f.name}:{v.dtype}:{v.shape}:".encode())

@@ -45,9 +45,10 @@ from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.decodes import decode_layout
 from vllm_gaudi_unified.paths.kv_quant import one_tensor_scale, read_blocks
+from vllm_gaudi_unified.paths.mla_drafts import fold_drafts
 from vllm_gaudi_unified.paths.mla_shared import latent_attend, latent_cache
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
-from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, _slots_with_shared, token_order
+from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, _slots_with_shared, per_token, token_order
 from vllm_gaudi_unified.paths.unique import triton_importable
 
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
@@ -165,17 +166,21 @@ def mla_kernel_takes_shared(batch) -> bool:
 
 def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
                        key: torch.Tensor | None = None, shared: bool = False,
-                       final: bool = False) -> Partial | Final | None:
+                       final: bool = False, drafts: bool = False) -> Partial | Final | None:
     """The unique pairs through `mla_kernel.py`: one Partial row per token (splits merged by
     `split_combine`); with `key` (the new tokens' latents `[n, 1, L + R]`) each token's own pair too, so
     the step has no separate self pair to compute and merge (`attention._run_paths`); with `shared` the
     shared tiles' (row, block) cells as more slots of their rows (`mla_kernel_takes_shared`); with `final`
     (this is the step's only path) and one split, the rows normalized by the kernel in q's dtype (`Final`:
-    no fp32 partial written and read again). Slots sorted
+    no fp32 partial written and read again); with `drafts` (a verify step: `batch` as planned, in units) the
+    tokens' causal pairs too. Slots sorted
     by token on the device (no sync), once per batch (a server's layers share it); the split count comes
     from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
+    if drafts:  # `batch`'s units a slot per token (own pairs inside), then the earlier drafts (`mla_drafts.py`)
+        part = kernel_mla_partial(q, key_cache, value_dim, per_token(batch, q.shape[0]), scale, key, shared)
+        return fold_drafts(part, q, key, batch, scale, value_dim, batch.plan.unique_units, final)
     slots = batch.unique_rows.shape[0] + (batch.shared_lo.numel() if shared else 0)
     if slots == 0:
         return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)

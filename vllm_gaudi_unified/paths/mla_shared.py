@@ -64,17 +64,20 @@ def latent_scores(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, 
     return s
 
 
-def latent_values(s: torch.Tensor, shift: torch.Tensor, kv: torch.Tensor, value_dim: int
+def latent_values(s: torch.Tensor, shift: torch.Tensor | None, kv: torch.Tensor, value_dim: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores `[B, M, K]` (`latent_scores`, overwritten) against `shift` `[B, M]` (the compute dtype, finite)
-    -> (`sum_k e^(s - shift) v_k` `[B, M, value_dim]` in the product dtype, `sum_k e^(s - shift)` `[B, M]` in
-    the compute dtype): both over the same rounded probabilities (`LATENT_SOFTMAX`)."""
-    op, dt = s.dtype, shift.dtype
+    """Scores `[B, M, K]` (`latent_scores`, overwritten) against `shift` `[B, M]` (the compute dtype, finite;
+    None: `s` holds `s - shift` already) -> (`sum_k e^(s - shift) v_k` `[B, M, value_dim]` in the product dtype,
+    `sum_k e^(s - shift)` `[B, M]` in the compute dtype): both over the same rounded probabilities
+    (`LATENT_SOFTMAX`)."""
+    op, dt = s.dtype, compute_dtype(s.dtype)
+    if shift is not None:
+        shift = shift[..., None]
     if LATENT_SOFTMAX == "product" or op == dt:  # in place, in the product dtype: two passes fewer
-        p = s.sub_(shift[..., None].to(op)).exp_()
+        p = (s if shift is None else s.sub_(shift.to(op))).exp_()
         total = p.sum(-1, dtype=dt)
     else:  # e^(s - shift) in the compute dtype, rounded once for `p @ V` (the generic tiles' numerics)
-        p = torch.sub(s, shift[..., None]).exp_()
+        p = (s.to(dt) if shift is None else torch.sub(s, shift)).exp_()
         total = p.sum(-1)
         p = p.to(op)
     return torch.bmm(p, kv.to(op)[..., :value_dim]), total  # (bmm: matmul copied the strided values first)

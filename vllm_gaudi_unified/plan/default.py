@@ -154,7 +154,8 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
                    shared_prefix_visible=shared[4], prompt_rows=prompts[0], prompt_blocks=prompts[1],
                    prompt_ctx=prompts[2], prompt_len=prompts[3], prompts_only=only,
                    prompt_grid=only and prompt_grid(prompts[0], prompts[3], T),
-                   prompt_ragged=prompt_ragged(prompts[3], prompts[2], shape.prompts, bs))
+                   prompt_ragged=prompt_ragged(prompts[3], prompts[2], shape.prompts, bs),
+                   drafts_in_units=W is None and units > 1 and not (q > units).any(where=sel is None or ~sel))
 
 
 def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out, T=None):
@@ -251,7 +252,7 @@ def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work, q=None, verif
                    shared_blocks=shared[1], shared_lo=shared[2], shared_hi=shared[3], unique_rows=unique[0],
                    unique_blocks=unique[1], unique_lo=unique[2], unique_hi=unique[3],
                    logits_indices=logits, max_block_id=max_id,
-                   work_needed=work, shared_prefix_visible=shared[4])
+                   work_needed=work, shared_prefix_visible=shared[4], drafts_in_units=opts.unique_tokens > 1)
 
 
 _NO_PROMPTS = (empty((0, 0)), empty((0, 0)), empty((0,)), empty((0,)))

@@ -58,6 +58,10 @@ class StepPlan:
     #: the prompts fill less than `plan/prompts.py: RAGGED_FILL` of their padded grid (ragged lengths or
     #: contexts): where flash varlen exists (CUDA) the final form computes the real rows alone
     prompt_ragged: bool = field(default=False, kw_only=True)
+    #: every request off the prompt route has at most `options.unique_tokens` new tokens (> 1; a verify step):
+    #: a token's causal pairs are the few new keys of its request up to itself, which a route that reads a
+    #: request's unit once may take instead of the causal tiles (MLA's latent routes: `paths/mla_drafts.py`)
+    drafts_in_units: bool = field(default=False, kw_only=True)
 
     @property
     def unique_layout(self) -> str:

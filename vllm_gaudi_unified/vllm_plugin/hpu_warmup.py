@@ -8,12 +8,22 @@ from __future__ import annotations
 import torch
 from vllm_gaudi.extension.defragmentation import OnlineDefragmenter
 
+from vllm_gaudi_unified.batch import InvariantBatch
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionBackend, UnifiedHpuMetadata
 from vllm_gaudi_unified.vllm_plugin.hpu_lora import no_adapter_mask
 from vllm_gaudi_unified.vllm_plugin.hpu_multimodal import text_inputs_embeds
 
 logger = get_logger("vllm.gaudi_unified.hpu_runner")
+
+
+def drafts_off(md) -> bool:
+    """A latent step whose bucket has units (`StepPlan.unique_units`) but a chunk longer than a unit off the
+    prompt route (`drafts_in_units` False): MLA's routes then leave the causal pairs to the tiles, another
+    code path in the same bucket than the one a warmed graph may hold (`paths/mla_drafts.py`), so it runs
+    eagerly (rare: mixed steps whose long chunks the prompt route does not take)."""
+    plan = md.batch.plan
+    return not isinstance(md.batch, InvariantBatch) and plan.unique_units > 1 and not plan.drafts_in_units
 
 
 class UnifiedWarmup:
@@ -26,7 +36,8 @@ class UnifiedWarmup:
         if self.model_config.enforce_eager:
             return False
         buckets = {md.batch.bucket for md in attn_metadata.values()}
-        return buckets <= self.unified_warmed
+        mla = getattr(self.model_config, "use_mla", False)
+        return buckets <= self.unified_warmed and not (mla and any(map(drafts_off, attn_metadata.values())))
 
     @torch.inference_mode()  # as every serving step runs (HPUWorker.execute_model)
     def warmup_model(self) -> None:
