@@ -26,7 +26,8 @@ from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_share
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_partial, kernel_takes_shared,
-                                             kernel_unique_applies, kernel_unique_partial, per_token, unique_partial)
+                                             kernel_unique_applies, kernel_unique_partial, per_token, unique_partial,
+                                             units_take_new_pairs)
 
 
 #: The prompt route's final form on CUDA through flash varlen (`paths/prompts.py: _flash_rows`) instead of
@@ -264,7 +265,12 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
            if new_tokens and (phase[2] == "u" or shared_to_kernel) else None)
     mla_shared_in_kernel = shared_to_kernel and mla == "kernel"
     mla = mla if phase[2] == "u" or mla_shared_in_kernel else None
-    if not new_tokens:
+    # A request's self and causal pairs inside the unique kernel's units (`paths/unique.py: units_take_new_pairs`)
+    shared_in_kernel = (flash and phase[1] == "s" and kernel_takes_shared(batch)
+                        and kernel_unique_applies(key_cache, value_cache))
+    new_in_kernel = (new_tokens and flash and phase[2] == "u" and not mla and not shared_in_kernel
+                     and units_take_new_pairs(batch) and kernel_unique_applies(key_cache, value_cache))
+    if not new_tokens or new_in_kernel:
         pass
     elif flash and phase[0] == "c" and not batch.plan.bidirectional and not prompts_merged:
         # flash's segments are whole requests (causal ones: an encoder-only step runs the tiles)
@@ -276,8 +282,6 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
             yield causal_partial(query, key, value, batch, scale, cap)
     # A small group's shared tiles (parallel sampling) as more slots of the unique kernel: one kernel for
     # the step's cached keys (`paths/unique.py: kernel_takes_shared`).
-    shared_in_kernel = (flash and phase[1] == "s" and kernel_takes_shared(batch)
-                        and kernel_unique_applies(key_cache, value_cache))
     # Routes that read a block per token take a unique unit (a request's drafts) as one slot per token.
     tokens = query.shape[0]
     if shared_in_kernel:
@@ -298,7 +302,8 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
                 extra["final"] = True  # (the only path: the kernel normalizes its rows itself)
             yield run(query, key_cache, value_cache.shape[-1], per_token(batch, tokens), scale, key, **extra)
         elif flash and kernel_unique_applies(key_cache, value_cache):
-            yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
+            yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale,
+                                        new=(key, value) if new_in_kernel else None)
         elif flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale)
         else:

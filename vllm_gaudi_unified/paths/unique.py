@@ -197,11 +197,14 @@ def _slots_with_shared(batch, n: int):
 
 
 def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
-                          scale: float, k_scale=None, v_scale=None, shared: bool = False) -> Partial | None:
+                          scale: float, k_scale=None, v_scale=None, shared: bool = False,
+                          new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
     """`unique_partial` through the Triton kernel: one Partial row per token (its blocks merged in the
     kernel, in splits merged by `fold_pairwise`). Slots are put in token order on the device (no sync);
     the split count comes from the bucket (host numbers), so a bucket's graph is fixed.
     `shared`: the shared tiles' (row, block) cells as further slots of their rows (`kernel_takes_shared`).
+    `new` (the step's keys and values; units only, `units_take_new_pairs`): each unit takes its request's
+    self and causal pairs too, so the Partial is every pair of its tokens.
     On CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1: tests)."""
     from vllm_gaudi_unified.paths import unique_kernel
 
@@ -213,11 +216,13 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         rows, lo, hi = batch.unique_rows, batch.unique_lo, batch.unique_hi
         ids, slice_ = batch.unique_blocks, batch.unique_blocks is None
     slots = rows.shape[0]
-    if slots == 0:
+    if slots == 0 and new is None:
         return None
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
     units = 1 if shared else batch.plan.unique_units  # (with shared cells: `per_token`'s batch)
+    if new is not None and units == 1:
+        raise ValueError("kernel_unique_partial: new pairs need units of several tokens (plan.unique_units > 1)")
     order, starts = token_order(rows, n)
     ids = order if slice_ else ids  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
@@ -236,9 +241,33 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
         HQ=hq, G=g, ROWS=max(16, _pow2(units * g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=slice_, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
-        SPLIT_KEYS=0, UNITS=units, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+        SPLIT_KEYS=0, UNITS=units, **_new_args(new, q, scale, v_factor, units),
+        num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     part = Partial(acc, m, total)
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def _new_args(new, q: torch.Tensor, scale: float, v_factor: float, units: int) -> dict:
+    """The kernel's arguments for a unit's own new keys (`NEW_KEYS` 0: none; the query stands in for the
+    unused pointers)."""
+    if new is None:
+        return {"kn_ptr": q, "vn_ptr": q, "NEW_KEYS": 0}
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in new)
+    return {"kn_ptr": k, "vn_ptr": v, "skn_t": k.stride(0), "skn_h": k.stride(1), "svn_t": v.stride(0),
+            "svn_h": v.stride(1), "new_scale": scale, "new_v": 1.0 / v_factor,
+            "NEW_KEYS": max(16, _pow2(units))}
+
+
+def units_take_new_pairs(batch) -> bool:
+    """Do the unique kernel's units take the step's self and causal pairs (`kernel_unique_partial(new=...)`)?
+    When a bucket's units hold several tokens (`PlanOptions.unique_units`: no window) and the prompt route is
+    dense: then a request off the prompt route has at most that many new tokens but for a few chunks the
+    prompt grid leaves out (`plan/prompts.py: fill_grid`), whose later tokens the kernel takes one program
+    each; a prompt-route token is a segment of its own (`token_seg_start`): its self pair. A static fact of
+    the bucket and its options, so a bucket's graph is fixed."""
+    plan = batch.plan
+    return (plan.unique_units > 1 and plan.options.prompt_route == "dense" and not plan.bidirectional
+            and plan.sliding_window is None)
 
 
 def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
