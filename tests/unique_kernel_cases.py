@@ -109,7 +109,7 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
         route = consts.pop("prompt_route", "dense")
         # on the tiles, long requests too (`units_take_new_pairs` keeps the kernel's units to dense steps)
         set_attr(attention, "units_take_new_pairs",
-                 takes if route == "dense" else lambda b: b.plan.unique_units > 1 and not b.plan.bidirectional)
+                 takes if route == "dense" else lambda b, kernel: b.plan.unique_units > 1 and kernel)
         for k, v in {**defaults, **consts}.items():
             set_attr(unique, k, v)
         v_form = SCALE_FORMS[(SCALE_FORMS.index(k_form) + 1) % len(SCALE_FORMS)]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch
-from vllm_gaudi_unified.merge import Final, Partial, merge_all, normalize
+from vllm_gaudi_unified.merge import Final, Partial, merge_all, normalize, sink_partial
 from vllm_gaudi_unified.paths.decodes import dense_decodes as dense_decodes_attention
 from vllm_gaudi_unified.paths.decodes import dense_decodes_apply
 from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
@@ -150,7 +150,7 @@ def run_step(query, key, value, key_cache, value_cache, batch, scale, *, logits_
                                           flash))
         return out
     if isinstance(batch, InvariantBatch):  # one fixed computation per request: see plan/invariant.py
-        sink = None if sinks is None else _sink_partial(sinks, padded, value.shape[2], compute_dtype(query.dtype))
+        sink = None if sinks is None else sink_partial(sinks, padded, value.shape[2], compute_dtype(query.dtype))
         return invariant_output(query, key, value, key_cache, value_cache, batch, scale, logits_soft_cap, sink,
                                 k_scale, v_scale)
     alone = not prompts and sinks is None and not batch.pieces  # (the paths' results are all there is)
@@ -167,7 +167,7 @@ def run_step(query, key, value, key_cache, value_cache, batch, scale, *, logits_
                                     logits_soft_cap, k_scale, v_scale)
         padded = t
     if sinks is not None:
-        partials.append(_sink_partial(sinks, padded, value.shape[2], compute_dtype(query.dtype)))
+        partials.append(sink_partial(sinks, padded, value.shape[2], compute_dtype(query.dtype)))
     if isinstance(partials[0], Final):  # (only given alone: `_run_paths`)
         out = partials[0].out
     else:
@@ -234,7 +234,8 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     0. (in `attend_step`) the prompt route, when the bucket has prompts (`paths/prompts.py`): rows
        final from one fused SDPA call (then a step of prompts alone runs nothing else), or a Partial.
     1. self (each token with its own key): always; it is elementwise. MLA's latent unique routes (4.)
-       take it inside their one Partial row per token, so it does not run beside them.
+       take it inside their one Partial row per token, so it does not run beside them; nor 1 and 2 where 4.'s
+       units take the requests' new pairs (`units_take_new_pairs`).
     2. causal tiles: when the phase has 'c' (a request off the prompt route has two or more new tokens).
        With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (not when the prompt
        route merges a Partial, `prompts_merged`: flash's segments would count its causal pairs again).
@@ -265,12 +266,15 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
            if new_tokens and (phase[2] == "u" or shared_to_kernel) else None)
     mla_shared_in_kernel = shared_to_kernel and mla == "kernel"
     mla = mla if phase[2] == "u" or mla_shared_in_kernel else None
-    # A request's self and causal pairs inside the unique kernel's units (`paths/unique.py: units_take_new_pairs`)
-    shared_in_kernel = (flash and phase[1] == "s" and kernel_takes_shared(batch)
-                        and kernel_unique_applies(key_cache, value_cache))
-    new_in_kernel = (new_tokens and flash and phase[2] == "u" and not mla and not shared_in_kernel
-                     and units_take_new_pairs(batch) and kernel_unique_applies(key_cache, value_cache))
-    if not new_tokens or new_in_kernel:
+    kernel = flash and kernel_unique_applies(key_cache, value_cache)
+    # A small group's shared tiles (parallel sampling) as more slots of the unique kernel: one kernel for
+    # the step's cached keys (`paths/unique.py: kernel_takes_shared`).
+    shared_in_kernel = kernel and phase[1] == "s" and kernel_takes_shared(batch)
+    # A request's self and causal pairs in the unique units (the kernel's, or the matmul tiles')
+    new_in_units = (new_tokens and phase[2] == "u" and not mla and not shared_in_kernel and (kernel or not flash)
+                    and units_take_new_pairs(batch, kernel))
+    new = (key, value) if new_in_units else None  # (for 4.)
+    if not new_tokens or new_in_units:
         pass
     elif flash and phase[0] == "c" and not batch.plan.bidirectional and not prompts_merged:
         # flash's segments are whole requests (causal ones: an encoder-only step runs the tiles)
@@ -280,8 +284,6 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
             yield self_partial(query, key, value, scale, cap)
         if phase[0] == "c":
             yield causal_partial(query, key, value, batch, scale, cap)
-    # A small group's shared tiles (parallel sampling) as more slots of the unique kernel: one kernel for
-    # the step's cached keys (`paths/unique.py: kernel_takes_shared`).
     # Routes that read a block per token take a unique unit (a request's drafts) as one slot per token.
     tokens = query.shape[0]
     if shared_in_kernel:
@@ -301,22 +303,12 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
             if mla == "kernel" and alone and phase[0] == "-" and (phase[1] == "-" or mla_shared_in_kernel):
                 extra["final"] = True  # (the only path: the kernel normalizes its rows itself)
             yield run(query, key_cache, value_cache.shape[-1], per_token(batch, tokens), scale, key, **extra)
-        elif flash and kernel_unique_applies(key_cache, value_cache):
-            yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale,
-                                        new=(key, value) if new_in_kernel else None)
+        elif kernel:
+            yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale, new=new)
         elif flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale)
         else:
-            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
-
-
-def _sink_partial(sinks: torch.Tensor, rows: int, head_dim: int, dtype: torch.dtype) -> Partial:
-    """A sink is a key with logit `sinks[h]` and a zero value: weight in the denominator only.
-
-    +inf is taken as the largest finite logit: all the weight, and no `inf - inf` in the merge."""
-    m = sinks.to(dtype).clamp(max=torch.finfo(dtype).max)[None, :].expand(rows, -1)
-    return Partial(torch.zeros(rows, sinks.shape[0], head_dim, dtype=dtype, device=sinks.device), m,
-                   torch.ones_like(m))
+            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new)
 
 
 def input_error(*args) -> ValueError | None:

@@ -15,7 +15,7 @@ see) keeps it, for its own token alone. `merge_all` is a fold over `merge` in a 
 `fold_pairwise` the same over slots in a fixed tree (the batch-invariant mode);
 `scatter_merge` the same merge when many rows (tiles, blocks) feed one destination token.
 `normalize` turns the merged Partial into the rows; a path that is a step's only one may return its rows
-already normalized (`Final`), and then nothing here runs.
+already normalized (`Final`), and then nothing here runs. `sink_partial`: an attention sink as a Partial.
 """
 from __future__ import annotations
 
@@ -98,3 +98,12 @@ def normalize(p: Partial, dtype: torch.dtype | None = None) -> torch.Tensor:
     if dtype is None or dtype == p.acc.dtype:
         return p.acc / denom
     return torch.div(p.acc, denom, out=torch.empty(p.acc.shape, dtype=dtype, device=p.acc.device))
+
+
+def sink_partial(sinks: torch.Tensor, rows: int, head_dim: int, dtype: torch.dtype) -> Partial:
+    """A sink is a key with logit `sinks[h]` and a zero value: weight in the denominator only.
+
+    +inf is taken as the largest finite logit: all the weight, and no `inf - inf` in the merge."""
+    m = sinks.to(dtype).clamp(max=torch.finfo(dtype).max)[None, :].expand(rows, -1)
+    return Partial(torch.zeros(rows, sinks.shape[0], head_dim, dtype=dtype, device=sinks.device), m,
+                   torch.ones_like(m))

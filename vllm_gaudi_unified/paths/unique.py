@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, fold_pairwise, scatter_merge
+from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
@@ -42,8 +42,11 @@ RANK_SORT_MAX_SLOTS = 1024
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None, k_scale=None, v_scale=None) -> Partial | None:
-    """None when the batch has no unique block. An fp8 cache is dequantized after the gather (or slice)."""
+                   soft_cap: float | None, k_scale=None, v_scale=None,
+                   new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
+    """None when the batch has no unique block. An fp8 cache is dequantized after the gather (or slice).
+    `new` (the step's keys and values; `units_take_new_pairs`): the requests' self and causal pairs too
+    (`request_pairs`), merged with the blocks' rows."""
     slots = batch.unique_rows.shape[0]
     if slots == 0:
         return None
@@ -59,7 +62,8 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
         tokens, real = unit_tokens(batch, n)
         part = attend(q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap,
                       masked_tiles=_partial_slots(batch, n, block_size), as_stored=True)
-        return scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
+        out = scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
+        return out if new is None else merge(out, request_pairs(q, *new, batch, scale, soft_cap))
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
     return scatter_merge(part, rows, n)
@@ -73,6 +77,25 @@ def unit_tokens(batch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = rows[:, None] + torch.arange(batch.plan.unique_units, device=rows.device, dtype=rows.dtype)
     seg = batch.token_seg_start[tokens.clamp(max=n - 1)]
     return tokens, (tokens < n) & (seg == rows[:, None])
+
+
+def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
+                  soft_cap: float | None) -> Partial:
+    """Every request's self and causal pairs, one tile per request of `unique_units` rows and keys (its new
+    tokens from its first, `token_seg_start` of its last, `logits_indices`): row i sees key j <= i. A padded
+    request repeats index 0 (no larger than the one before it) and has no row. Only where every request
+    holds at most `unique_units` new tokens (`units_take_new_pairs`)."""
+    n, u = q.shape[0], batch.plan.unique_units
+    last = batch.logits_indices
+    first = batch.token_seg_start[last]
+    real_req = torch.ones_like(last, dtype=torch.bool)
+    real_req[1:] = last[1:] > last[:-1]
+    tokens = first[:, None] + torch.arange(u, device=q.device, dtype=first.dtype)  # [R, u]
+    real = real_req[:, None] & (tokens <= last[:, None])
+    idx = tokens.clamp(max=n - 1)
+    causal = torch.ones((u, u), dtype=torch.bool, device=q.device).tril()
+    part = attend(q[idx], k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, scale, soft_cap)
+    return scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
 
 
 def per_token(batch, n: int):
@@ -258,16 +281,18 @@ def _new_args(new, q: torch.Tensor, scale: float, v_factor: float, units: int) -
             "NEW_KEYS": max(16, _pow2(units))}
 
 
-def units_take_new_pairs(batch) -> bool:
-    """Do the unique kernel's units take the step's self and causal pairs (`kernel_unique_partial(new=...)`)?
-    When a bucket's units hold several tokens (`PlanOptions.unique_units`: no window) and the prompt route is
-    dense: then a request off the prompt route has at most that many new tokens but for a few chunks the
-    prompt grid leaves out (`plan/prompts.py: fill_grid`), whose later tokens the kernel takes one program
-    each; a prompt-route token is a segment of its own (`token_seg_start`): its self pair. A static fact of
-    the bucket and its options, so a bucket's graph is fixed."""
+def units_take_new_pairs(batch, kernel: bool) -> bool:
+    """Do the unique units take the step's self and causal pairs (`kernel`: the Triton kernel's,
+    `kernel_unique_partial(new=...)`; else the matmul tiles', `unique_partial(new=...)`)? Where a bucket's
+    units hold several tokens (`PlanOptions.unique_units`: no window) and the prompt route is dense: then
+    a request of more new tokens than a unit takes the prompt route (`plan/prompts.py: prompt_requests`),
+    whose tokens are segments of their own (`token_seg_start`: the self pair), but for the chunks the
+    prompt grid leaves out (`fill_grid`). The kernel takes those too (their later tokens one program each);
+    the tiles' one tile per request (`request_pairs`) needs a bucket without prompt rows (the grid keeps at
+    least one). A static fact of the bucket and its options, so a bucket's graph is fixed."""
     plan = batch.plan
     return (plan.unique_units > 1 and plan.options.prompt_route == "dense" and not plan.bidirectional
-            and plan.sliding_window is None)
+            and (kernel or batch.bucket.num_prompts == 0))
 
 
 def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,9 +69,11 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         mine = (seg_u == t) & (seg_t == t)  # a later token of the request this token starts
         g_ok = (tok_ok & ((offs_r < G) | mine) & (covered == 0)) != 0
         n_keys = tl.where(covered, 0, n_keys)
-    else:
-        tok = t + offs_u
+        q_rows = tok[:, None] * sq_t
+    else:  # a decode: one token, so the query row and the output offsets are scalars
+        tok = t
         g_ok = offs_r < G
+        q_rows = t * sq_t
     if SPLIT_KEYS > 0:
         per_split = SPLIT_KEYS
     else:
@@ -83,7 +85,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     heads = h * G + offs_g
-    q = tl.load(q_ptr + tok[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+    q = tl.load(q_ptr + q_rows + heads[:, None] * sq_h + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     op_dtype = q.dtype
     m_i = tl.full([ROWS], float("-inf"), acc_dtype)
