@@ -244,8 +244,6 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
     units = 1 if shared else batch.plan.unique_units  # (with shared cells: `per_token`'s batch)
-    if new is not None and units == 1:
-        raise ValueError("kernel_unique_partial: new pairs need units of several tokens (plan.unique_units > 1)")
     order, starts = token_order(rows, n)
     ids = order if slice_ else ids  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
@@ -284,16 +282,22 @@ def _new_args(new, q: torch.Tensor, scale: float, v_factor: float, units: int) -
 
 def units_take_new_pairs(batch, kernel: bool) -> bool:
     """Do the unique units take the step's self and causal pairs (`kernel`: the Triton kernel's,
-    `kernel_unique_partial(new=...)`; else the matmul tiles', `unique_partial(new=...)`)? Where a bucket's
-    units hold several tokens (`PlanOptions.unique_units`: no window) and the prompt route is dense: then
-    a request of more new tokens than a unit takes the prompt route (`plan/prompts.py: prompt_requests`),
-    whose tokens are segments of their own (`token_seg_start`: the self pair), but for the chunks the
-    prompt grid leaves out (`fill_grid`). The kernel takes those too (their later tokens one program each);
-    the tiles' one tile per request (`request_pairs`) needs a bucket without prompt rows (the grid keeps at
-    least one). A static fact of the bucket and its options, so a bucket's graph is fixed."""
+    `kernel_unique_partial(new=...)`; else the matmul tiles', `unique_partial(new=...)`)? A static fact of
+    the bucket and its options, so a bucket's graph is fixed:
+    - one-token units (decodes): the kernel's, each token's self pair, where no request off the prompt route
+      has several new tokens (no causal tiles: phase '-..'); a prompt-route token's is its self pair too;
+    - units of several tokens (`PlanOptions.unique_units`: no window) with the dense prompt route: then a
+      request of more new tokens than a unit takes the prompt route (`plan/prompts.py: prompt_requests`),
+      whose tokens are segments of their own (`token_seg_start`: the self pair), but for the chunks the
+      prompt grid leaves out (`fill_grid`). The kernel takes those too (their later tokens one program
+      each); the tiles' one tile per request (`request_pairs`) needs a bucket without prompt rows (the grid
+      keeps at least one)."""
     plan = batch.plan
-    return (plan.unique_units > 1 and plan.options.prompt_route == "dense" and not plan.bidirectional
-            and (kernel or batch.bucket.num_prompts == 0))
+    if plan.bidirectional:
+        return False
+    if plan.unique_units == 1:
+        return kernel and batch.phase[0] == "-"
+    return plan.options.prompt_route == "dense" and (kernel or batch.bucket.num_prompts == 0)
 
 
 def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,7 +46,8 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     once for all of them. The program of a token another token's unit covers writes nothing.
 
     `NEW_KEYS` (a power of two, >= 16: keys per step): the new keys too (`kn`/`vn` `[n, Hkv, D]`, the step's
-    keys and values), in split 0: row token i sees token j of its request for j <= i (the self and
+    keys and values), in split 0: with `UNITS` 1 (decodes) a token's own key; else row token i sees
+    token j of its request for j <= i (the self and
     strict-causal pairs, causality from the tokens' order within the request; a request longer than a unit
     (a chunk off the prompt route) has its later tokens each in its own program), scaled by `new_scale`
     (the score scale without an fp8 key scale) and `new_v` (1 / the value scale `v_scale` folds in). A new
@@ -132,7 +133,23 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
             p = p * tl.load(vs_ptr + blk * svs_b + j * svs_s + h * svs_h, mask=vis, other=0.0).to(acc_dtype)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), v.to(op_dtype)).to(acc_dtype)
         m_i = m_new
-    if NEW_KEYS > 0:  # (UNITS > 1) the new keys of this program's rows: from its request's first token to its last row
+    if NEW_KEYS > 0 and UNITS == 1:  # a decode's own key: its self pair, in split 0
+        own = (offs_r * 0 + sp) == 0  # [ROWS] (a vector: the interpreter takes no scalar mask)
+        own_d = d_ok & ((offs_d * 0 + sp) == 0)
+        kn = tl.load(kn_ptr + t * skn_t + h * skn_h + offs_d, mask=own_d, other=0.0).to(acc_dtype)
+        vn = tl.load(vn_ptr + t * svn_t + h * svn_h + offs_d, mask=own_d, other=0.0).to(acc_dtype)
+        bad = tl.sum(((vn != vn) | (tl.abs(vn) == float("inf"))).to(tl.int32), 0) > 0
+        vn = tl.where(bad, 0.0, vn) * new_v
+        s = (tl.sum(q.to(acc_dtype) * kn[None, :], 1) * new_scale).to(acc_dtype)  # [ROWS]
+        s = tl.where(own, tl.where(bad, float("nan"), s), float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
+        m_i = m_new
+    if NEW_KEYS > 0 and UNITS > 1:  # the new keys of this program's rows: from its request's first token to its last row
         k_last = tl.max(tl.where(g_ok & (sp == 0), tok, -1), 0)  # (-1: no keys: a covered token, splits > 0)
         for kstart in range(seg_t, k_last + 1, NEW_KEYS):
             ktok = kstart + tl.arange(0, NEW_KEYS)
