@@ -88,8 +88,12 @@ def test_unique_route_choice(routes, monkeypatch):
     q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8["e4m3"], "float", "float")
     batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb)
     monkeypatch.setattr(attention, "kernel_unique_applies", unique.kernel_unique_applies)
-    # The route is what is checked here, not the kernel (tests below): record it, return no partial.
-    monkeypatch.setattr(attention, "kernel_unique_partial", lambda *a, **kw: routes.append("kernel"))
+    # The route is what is checked here, not the kernel (tests below): record it, return only the self pairs
+    # it takes for a decode (`unique.units_take_new_pairs`).
+    from vllm_gaudi_unified.paths.causal import self_partial
+
+    monkeypatch.setattr(attention, "kernel_unique_partial", lambda q, kc, vc, b, scale, *a, new=None, **kw:
+                        routes.append("kernel") or self_partial(q, *new, scale, None))
     for triton_there in (True, False):
         monkeypatch.setattr(unique, "triton_importable", lambda t=triton_there: t)
         unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
@@ -178,11 +182,13 @@ def test_unique_kernel_compiles_as_torch_compile_launches_it(cache, k_scales):
     names = list(inspect.signature(unique_kernel.fn).parameters)
     const = dict(HQ=32, G=4, ROWS=16, D=128, D_PAD=128, BS=16, KEYS=128, SPLITS=2, SLICE=False,
                  K_SCALES=k_scales, V_SCALES=0, SPLIT_KEYS=8192 if k_scales else 0,  # the invariant mode's splits
-                 UNITS=1 + k_scales)  # and a verify step's units
+                 UNITS=1 + k_scales,  # a decode's and a verify step's units, with their new keys
+                 NEW_KEYS=16)
     for scalar in ("fp64", "fp32"):
         types = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", ks_ptr="*fp32", vs_ptr="*fp32",
                      order_ptr="*i64", starts_ptr="*i64", ids_ptr="*i64", lo_ptr="*i64", hi_ptr="*i64", seg_ptr="*i64",
-                     acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", score_scale=scalar, v_scale=scalar)
+                     acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", score_scale=scalar, v_scale=scalar,
+                     kn_ptr="*bf16", vn_ptr="*bf16", new_scale=scalar, new_v=scalar)
         sig = {n: types.get(n, "constexpr" if n in const else "i32") for n in names}
         src = ASTSource(fn=unique_kernel, signature=sig, constexprs={(names.index(n),): x for n, x in const.items()})
         assert "mma" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]

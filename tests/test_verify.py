@@ -115,3 +115,49 @@ def test_mla_verify_steps(name, gaudi):
         out, ref, batch, _ = mla_case(VERIFY[name][0], options=UNITS)
     assert batch.plan.unique_units == 4
     assert_matches(out, ref)
+
+
+def test_units_take_the_requests_new_pairs(monkeypatch):
+    """On the matmul tiles a verify step runs no self or causal path: each request's new pairs are one tile
+    beside its units (`unique.request_pairs`); a step with a prompt-route row keeps the causal tiles."""
+    from vllm_gaudi_unified import attention
+
+    ran = []
+    for name in ("self_partial", "causal_partial"):
+        inner = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _f=inner, _n=name, **kw: ran.append(_n) or _f(*a, **kw))
+    for case in ("ragged", "gqa", "sampling"):
+        out, ref, batch = run_case(VERIFY[case][0], options=UNITS)
+        assert_matches(out, ref)
+    assert ran == []
+    out, ref, batch = run_case(VERIFY["mixed"][0], options=UNITS)
+    assert batch.bucket.num_prompts > 0 and "causal_partial" in ran
+    assert_matches(out, ref)
+
+
+def test_a_bad_draft_value_stays_with_the_rows_that_see_it():
+    """A NaN in one draft's value (an overflow upstream) reaches that token and the later ones of its
+    request, never its earlier tokens or another request."""
+    from conftest import make_block_table, make_tensors
+
+    from vllm_gaudi_unified import build_unified_batch, unified_attention
+
+    step = Step([4, 3, 4], [13, 9, 30], 4, num_qo_heads=4, num_kv_heads=2)
+    table, nb = make_block_table(step, np.random.default_rng(3))
+    q, k, v, kc, vc = make_tensors(step, table, nb, torch.float64, 3)
+    v[5, 1, 0] = float("nan")  # request 1's second token (tokens 4..6)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=nb, options=UNITS)
+    out = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    bad = torch.isnan(out).any(-1).any(-1)
+    assert bad.tolist() == [False] * 5 + [True, True] + [False] * 4
+
+
+def test_a_unit_bucket_sends_every_longer_request_to_the_prompt_route():
+    """With units of several tokens a request of more new tokens takes the prompt route even when it is a
+    short draft over a prefix another request reads (the units then hold every other request's new pairs);
+    without units it stays on the shared tiles."""
+    step = Step([6, 2, 3], [13, 13, 9], 4, prefix_groups=[([0, 1], 3)])
+    out, ref, batch = run_case(step, options=UNITS)
+    assert batch.plan.prompt_len.tolist() == [6]  # request 0; request 2's 3 tokens on its units
+    assert_matches(out, ref)
+    assert run_case(step, options=SMALL_TILES)[2].plan.prompt_len.tolist() == [3]  # request 2 alone

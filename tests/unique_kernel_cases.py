@@ -55,6 +55,9 @@ VERIFY_CASES = [
     (Step([3, 4, 2], [6, 11, 17], 4, num_qo_heads=6, num_kv_heads=1), "e4m3", "per_block", "gather", 8, {}),
     (Step([4, 2, 3, 4], [13, 13, 14, 13], 4, prefix_groups=[([0, 1, 2, 3], 3)]), "e4m3", "none", "gather", 4, {}),
     (Step([9, 3, 1, 4, 12], [0, 21, 9, 5, 16], 4), "e5m2", "tensor", "slice", 4, {"KERNEL_SPLIT_KEYS": 16}),
+    # a 37-token prompt on the causal tiles beside verify requests, its pairs in the kernel too (the tokens
+    # past its first unit one program each, over several steps of new keys)
+    (Step([37, 3, 4, 1], [0, 21, 9, 5], 4), "e4m3", "per_block", "gather", 4, {"prompt_route": "tiles"}),
 ]
 
 
@@ -76,7 +79,9 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
     kernel_routes(device, set_attr)
     calls = []
     inner = unique.kernel_unique_partial
-    set_attr(attention, "kernel_unique_partial", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
+    # (each call records whether the units took the step's self and causal pairs: `units_take_new_pairs`)
+    set_attr(attention, "kernel_unique_partial",
+             lambda *a, **kw: calls.append(kw.get("new") is not None) or inner(*a, **kw))
     defaults = {k: getattr(unique, k) for k in ("KERNEL_SPLIT_KEYS",)}
     done = 0
     for i, (name, fmt, k_form, layout, window, consts) in enumerate(CASES):
@@ -94,17 +99,26 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
         before = len(calls)
         out = unified_attention(*map(dev, (q, k, v, kq, vq)), batch, 0.37, k_scale=dev(ks), v_scale=dev(vs))
         assert len(calls) > before, name
+        # a decode step's self pairs in the kernel (no causal tiles; where shared tiles join it, as these
+        # cases' 4-row tiles do, one slot per token, it takes none)
+        assert calls[-1] == (batch.phase[:2] == "--"), (name, batch.phase)
         ref = reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37,
                                   sliding_window=window)
         assert_matches(out.cpu(), ref)
         done += 1
+    takes = unique.units_take_new_pairs
     for i, (step, fmt, k_form, layout, units, consts) in enumerate(VERIFY_CASES):
+        consts = dict(consts)
+        route = consts.pop("prompt_route", "dense")
+        # on the tiles, long requests too (`units_take_new_pairs` keeps the kernel's units to dense steps)
+        set_attr(attention, "units_take_new_pairs",
+                 takes if route == "dense" else lambda b, kernel: b.plan.unique_units > 1 and kernel)
         for k, v in {**defaults, **consts}.items():
             set_attr(unique, k, v)
         v_form = SCALE_FORMS[(SCALE_FORMS.index(k_form) + 1) % len(SCALE_FORMS)]
         q, k, v, kq, vq, ks, vs, kd, vd, table, nb = _fp8_case(step, FP8[fmt], k_form, v_form, seed=50 + i,
                                                                query_dtype=query_dtype)
-        opts = replace(SMALL_TILES, unique_layout=layout, unique_tokens=units)
+        opts = replace(SMALL_TILES, unique_layout=layout, unique_tokens=units, prompt_route=route)
         batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
                                     options=opts, device=device)
         assert batch.phase[2] == "u" and batch.plan.unique_units == units, batch.phase
@@ -112,11 +126,14 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
         before = len(calls)
         out = unified_attention(*map(dev, (q, k, v, kq, vq)), batch, 0.37, k_scale=dev(ks), v_scale=dev(vs))
         assert len(calls) > before, i
+        # the units take their requests' new pairs, but where the shared tiles join the kernel (one slot a token)
+        assert calls[-1] == (batch.phase[1] != "s"), (i, batch.phase)
         ref = reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37)
         assert_matches(out.cpu(), ref)
         done += 1
     for k, v in defaults.items():
         set_attr(unique, k, v)
+    set_attr(attention, "units_take_new_pairs", takes)
     # Unquantized caches through the kernel: the query's dtype, and the 16-bit ones the route takes on CUDA
     # (products in that dtype, fp32 statistics: 1e-2 against the reference over the rounded inputs); then a
     # bucket with padding slots (rows past the tokens sort last and are never read).

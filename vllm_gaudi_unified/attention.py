@@ -26,7 +26,8 @@ from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_share
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_partial, kernel_takes_shared,
-                                             kernel_unique_applies, kernel_unique_partial, per_token, unique_partial)
+                                             kernel_unique_applies, kernel_unique_partial, per_token, unique_partial,
+                                             units_take_new_pairs)
 
 
 #: The prompt route's final form on CUDA through flash varlen (`paths/prompts.py: _flash_rows`) instead of
@@ -233,28 +234,27 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     0. (in `attend_step`) the prompt route, when the bucket has prompts (`paths/prompts.py`): rows
        final from one fused SDPA call (then a step of prompts alone runs nothing else), or a Partial.
     1. self (each token with its own key): always; it is elementwise. MLA's latent unique routes (4.)
-       take it inside their one Partial row per token, so it does not run beside them.
+       take it inside their one Partial row per token, so it does not run beside them; nor 1 and 2 where 4.'s
+       units take the requests' new pairs (`units_take_new_pairs`).
     2. causal tiles: when the phase has 'c' (a request off the prompt route has two or more new tokens); in a
-       verify step MLA's kernel and chunks routes take them with their units (`paths/mla_drafts.py`).
-       With CUDA flash (`paths/fused.py`) 1 and 2 are one fused varlen call (not when the prompt
-       route merges a Partial, `prompts_merged`: flash's segments would count its causal pairs again).
+       verify step MLA's kernel and chunks routes take them with their units (`paths/mla_drafts.py`). With CUDA
+       flash (`paths/fused.py`) 1 and 2 are one fused varlen call (not when the prompt route merges a Partial,
+       `prompts_merged`: flash's segments would count its causal pairs again).
     3. shared tiles: when the phase has 's' (a cached block is seen by several tokens); tiles of a small
        group (at most `unique.KERNEL_SHARED_MAX_ROWS` rows) with the Triton kernel of 4: as further slots of
        that one kernel call, each row reading the tile's blocks (4 then runs nothing else); MLA's latent
        cache: each tile's rows x heads as one product (`paths/mla_shared.py`);
        through flash when the plan's tiles each see one key prefix (`shared_prefix_visible`).
-    4. unique blocks: when the phase has 'u' (a cached block is seen by one token);
-       with CUDA flash and a bf16, fp16 or fp8 cache, through the Triton kernel that reads
-       the blocks as stored (`kernel_unique_applies`: Triton importable; measured faster at
-       every block size); else through flash from the measured block size up
-       (`fused_unique_applies`); else the matmul tiles. MLA's latent cache (values the first dims of
-       the keys) first: a Triton kernel on CUDA, one gather and two batched matmuls per decode step on
-       the CPU, or chunks of each token's blocks in bucket shapes elsewhere (`paths/mla_decode.py:
-       mla_unique_route`); the kernel takes the shared tiles of 3. too (`mla_kernel_takes_shared`).
-    On HPU the causal and shared tiles run through FusedSDPA inside their paths (`hpu.py`).
-    fp8 caches are dequantized after each path's gather or slice (`read_blocks`), or inside
-    the kernel of 4. A path without work returns None, so the phase string and the tensors
-    cannot disagree.
+    4. unique blocks: when the phase has 'u' (a cached block is seen by one token); with CUDA flash and a
+       bf16, fp16 or fp8 cache, through the Triton kernel that reads the blocks as stored
+       (`kernel_unique_applies`: Triton importable; measured faster at every block size); else through
+       flash from the measured block size up (`fused_unique_applies`); else the matmul tiles. MLA's latent cache (values the first dims of
+       the keys) first: a Triton kernel on CUDA, one gather and two batched matmuls per decode step on the
+       CPU, or chunks of each token's blocks in bucket shapes elsewhere (`paths/mla_decode.py: mla_unique_route`);
+       the kernel takes the shared tiles of 3. too (`mla_kernel_takes_shared`). On HPU the causal and shared
+       tiles run through FusedSDPA inside their paths (`hpu.py`). fp8 caches are dequantized after each
+       path's gather or slice (`read_blocks`), or inside the kernel of 4. A path without work returns None,
+       so the phase string and the tensors cannot disagree.
     """
     phase = batch.phase
     # flash takes one head dim: MLA's latent (values narrower than keys) runs the tiles and the unique kernel
@@ -266,7 +266,15 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     mla_shared_in_kernel = shared_to_kernel and mla == "kernel"
     mla = mla if phase[2] == "u" or mla_shared_in_kernel else None
     drafts = mla in ("kernel", "chunks") and batch.plan.drafts_in_units and batch.plan.unique_units > 1  # (2.)
-    if not new_tokens:
+    kernel = flash and kernel_unique_applies(key_cache, value_cache)
+    # A small group's shared tiles (parallel sampling) as more slots of the unique kernel: one kernel for
+    # the step's cached keys (`paths/unique.py: kernel_takes_shared`).
+    shared_in_kernel = kernel and phase[1] == "s" and kernel_takes_shared(batch)
+    # A request's self and causal pairs in the unique units (the kernel's, or the matmul tiles')
+    new_in_units = (new_tokens and phase[2] == "u" and not mla and not shared_in_kernel and (kernel or not flash)
+                    and units_take_new_pairs(batch, kernel))
+    new = (key, value) if new_in_units else None  # (for 4.)
+    if not new_tokens or new_in_units:
         pass
     elif flash and phase[0] == "c" and not batch.plan.bidirectional and not prompts_merged:
         # flash's segments are whole requests (causal ones: an encoder-only step runs the tiles)
@@ -276,10 +284,6 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
             yield self_partial(query, key, value, scale, cap)
         if phase[0] == "c" and not drafts:
             yield causal_partial(query, key, value, batch, scale, cap)
-    # A small group's shared tiles (parallel sampling) as more slots of the unique kernel: one kernel for
-    # the step's cached keys (`paths/unique.py: kernel_takes_shared`).
-    shared_in_kernel = (flash and phase[1] == "s" and kernel_takes_shared(batch)
-                        and kernel_unique_applies(key_cache, value_cache))
     # Routes that read a block per token take a unique unit (a request's drafts) as one slot per token.
     tokens = query.shape[0]
     if shared_in_kernel:
@@ -302,12 +306,12 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
                 extra["drafts"] = True
             units = batch if drafts else per_token(batch, tokens)
             yield run(query, key_cache, value_cache.shape[-1], units, scale, key, **extra)
-        elif flash and kernel_unique_applies(key_cache, value_cache):
-            yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
+        elif kernel:
+            yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale, new=new)
         elif flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale)
         else:
-            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
+            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new)
 
 
 def input_error(*args) -> ValueError | None:

@@ -15,7 +15,7 @@ see) keeps it, for its own token alone. `merge_all` is a fold over `merge` in a 
 `fold_pairwise` the same over slots in a fixed tree (the batch-invariant mode);
 `scatter_merge` the same merge when many rows (tiles, blocks) feed one destination token.
 `normalize` turns the merged Partial into the rows; a path that is a step's only one may return its rows
-already normalized (`Final`), and then nothing here runs.
+already normalized (`Final`), and then nothing here runs. `sink_partial`: an attention sink as a Partial.
 """
 from __future__ import annotations
 

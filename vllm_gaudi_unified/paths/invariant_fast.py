@@ -143,5 +143,6 @@ def _slots_partial(q, key_cache, value_cache, batch, scale, k_scale=None, v_scal
         HQ=hq, G=g, ROWS=max(16, unique._pow2(units * g)), D=d, D_PAD=max(16, unique._pow2(d)), BS=bs,
         KEYS=unique.KERNEL_KEYS, SPLITS=splits, SLICE=False, K_SCALES=unique._scale_mode(ks),
         V_SCALES=unique._scale_mode(vs), SPLIT_KEYS=plan_invariant.SPLIT_KEYS, UNITS=units,
+        **unique._new_args(None, q, 1.0, 1.0, 1),
         num_warps=unique.KERNEL_WARPS, num_stages=unique.KERNEL_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, fold_pairwise, scatter_merge
+from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
@@ -42,8 +42,11 @@ RANK_SORT_MAX_SLOTS = 1024
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None, k_scale=None, v_scale=None) -> Partial | None:
-    """None when the batch has no unique block. An fp8 cache is dequantized after the gather (or slice)."""
+                   soft_cap: float | None, k_scale=None, v_scale=None,
+                   new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
+    """None when the batch has no unique block. An fp8 cache is dequantized after the gather (or slice).
+    `new` (the step's keys and values; `units_take_new_pairs`): the requests' self and causal pairs too
+    (`request_pairs`), merged with the blocks' rows."""
     slots = batch.unique_rows.shape[0]
     if slots == 0:
         return None
@@ -59,7 +62,8 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
         tokens, real = unit_tokens(batch, n)
         part = attend(q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap,
                       masked_tiles=_partial_slots(batch, n, block_size), as_stored=True)
-        return scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
+        out = scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
+        return out if new is None else merge(out, request_pairs(q, *new, batch, scale, soft_cap))
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
     return scatter_merge(part, rows, n)
@@ -73,6 +77,25 @@ def unit_tokens(batch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = rows[:, None] + torch.arange(batch.plan.unique_units, device=rows.device, dtype=rows.dtype)
     seg = batch.token_seg_start[tokens.clamp(max=n - 1)]
     return tokens, (tokens < n) & (seg == rows[:, None])
+
+
+def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
+                  soft_cap: float | None) -> Partial:
+    """Every request's self and causal pairs, one tile per request of `unique_units` rows and keys (its new
+    tokens from its first, `token_seg_start` of its last, `logits_indices`): row i sees key j <= i. A padded
+    request repeats index 0 (no larger than the one before it) and has no row. Only where every request
+    holds at most `unique_units` new tokens (`units_take_new_pairs`)."""
+    n, u = q.shape[0], batch.plan.unique_units
+    last = batch.logits_indices
+    first = batch.token_seg_start[last]
+    real_req = torch.ones_like(last, dtype=torch.bool)
+    real_req[1:] = last[1:] > last[:-1]
+    tokens = first[:, None] + torch.arange(u, device=q.device, dtype=first.dtype)  # [R, u]
+    real = real_req[:, None] & (tokens <= last[:, None])
+    idx = tokens.clamp(max=n - 1)
+    causal = torch.ones((u, u), dtype=torch.bool, device=q.device).tril()
+    part = attend(q[idx], k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, scale, soft_cap)
+    return scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
 
 
 def per_token(batch, n: int):
@@ -197,11 +220,14 @@ def _slots_with_shared(batch, n: int):
 
 
 def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
-                          scale: float, k_scale=None, v_scale=None, shared: bool = False) -> Partial | None:
+                          scale: float, k_scale=None, v_scale=None, shared: bool = False,
+                          new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
     """`unique_partial` through the Triton kernel: one Partial row per token (its blocks merged in the
     kernel, in splits merged by `fold_pairwise`). Slots are put in token order on the device (no sync);
     the split count comes from the bucket (host numbers), so a bucket's graph is fixed.
     `shared`: the shared tiles' (row, block) cells as further slots of their rows (`kernel_takes_shared`).
+    `new` (the step's keys and values; units only, `units_take_new_pairs`): each unit takes its request's
+    self and causal pairs too, so the Partial is every pair of its tokens.
     On CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1: tests)."""
     from vllm_gaudi_unified.paths import unique_kernel
 
@@ -213,7 +239,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         rows, lo, hi = batch.unique_rows, batch.unique_lo, batch.unique_hi
         ids, slice_ = batch.unique_blocks, batch.unique_blocks is None
     slots = rows.shape[0]
-    if slots == 0:
+    if slots == 0 and new is None:
         return None
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
@@ -236,9 +262,42 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
         HQ=hq, G=g, ROWS=max(16, _pow2(units * g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=slice_, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
-        SPLIT_KEYS=0, UNITS=units, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+        SPLIT_KEYS=0, UNITS=units, **_new_args(new, q, scale, v_factor, units),
+        num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     part = Partial(acc, m, total)
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+
+
+def _new_args(new, q: torch.Tensor, scale: float, v_factor: float, units: int) -> dict:
+    """The kernel's arguments for a unit's own new keys (`NEW_KEYS` 0: none; the query stands in for the
+    unused pointers). Every one is passed: torch.compile's wrapper of a Triton kernel takes no defaults."""
+    if new is None:
+        return {"kn_ptr": q, "vn_ptr": q, "skn_t": 0, "skn_h": 0, "svn_t": 0, "svn_h": 0, "new_scale": 1.0,
+                "new_v": 1.0, "NEW_KEYS": 0}
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in new)
+    return {"kn_ptr": k, "vn_ptr": v, "skn_t": k.stride(0), "skn_h": k.stride(1), "svn_t": v.stride(0),
+            "svn_h": v.stride(1), "new_scale": scale, "new_v": 1.0 / v_factor,
+            "NEW_KEYS": max(16, _pow2(units))}
+
+
+def units_take_new_pairs(batch, kernel: bool) -> bool:
+    """Do the unique units take the step's self and causal pairs (`kernel`: the Triton kernel's,
+    `kernel_unique_partial(new=...)`; else the matmul tiles', `unique_partial(new=...)`)? A static fact of
+    the bucket and its options, so a bucket's graph is fixed:
+    - one-token units (decodes): the kernel's, each token's self pair, where no request off the prompt route
+      has several new tokens (no causal tiles: phase '-..'); a prompt-route token's is its self pair too;
+    - units of several tokens (`PlanOptions.unique_units`: no window) with the dense prompt route: then a
+      request of more new tokens than a unit takes the prompt route (`plan/prompts.py: prompt_requests`),
+      whose tokens are segments of their own (`token_seg_start`: the self pair), but for the chunks the
+      prompt grid leaves out (`fill_grid`). The kernel takes those too (their later tokens one program
+      each); the tiles' one tile per request (`request_pairs`) needs a bucket without prompt rows (the grid
+      keeps at least one)."""
+    plan = batch.plan
+    if plan.bidirectional:
+        return False
+    if plan.unique_units == 1:
+        return kernel and batch.phase[0] == "-"
+    return plan.options.prompt_route == "dense" and (kernel or batch.bucket.num_prompts == 0)
 
 
 def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

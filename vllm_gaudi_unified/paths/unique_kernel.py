@@ -29,7 +29,8 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                  sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d,
                  HQ: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                  BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
-                 K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr = 1):
+                 K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr,
+                 kn_ptr, vn_ptr, skn_t, skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS: tl.constexpr):
     """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
     stride 1), scale tensors by strides (0 on broadcast axes; `K_SCALES`/`V_SCALES`: 0 none (a float
     folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
@@ -42,7 +43,15 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     `UNITS` > 1 (the unique path's units, a verify step's drafts): token t's slots serve it and the next
     `UNITS - 1` tokens of its request (`seg` `[n_tokens]`: each token's request's first token), all of
     them seeing the same keys: the `ROWS` rows are (token, query head of KV head h), each block loaded
-    once for all of them. The program of a token another token's unit covers writes nothing."""
+    once for all of them. The program of a token another token's unit covers writes nothing.
+
+    `NEW_KEYS` (a power of two, >= 16: keys per step): the new keys too (`kn`/`vn` `[n, Hkv, D]`, the step's
+    keys and values), in split 0: with `UNITS` 1 (decodes) a token's own key; else row token i sees
+    token j of its request for j <= i (the self and
+    strict-causal pairs, causality from the tokens' order within the request; a request longer than a unit
+    (a chunk off the prompt route) has its later tokens each in its own program), scaled by `new_scale`
+    (the score scale without an fp8 key scale) and `new_v` (1 / the value scale `v_scale` folds in). A new
+    value that is not finite is read as 0 and makes the scores of exactly the rows that see it NaN."""
     t = tl.program_id(0).to(tl.int64)  # output offsets (t * SPLITS * HQ * D) may pass 2**31
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -60,9 +69,11 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         mine = (seg_u == t) & (seg_t == t)  # a later token of the request this token starts
         g_ok = (tok_ok & ((offs_r < G) | mine) & (covered == 0)) != 0
         n_keys = tl.where(covered, 0, n_keys)
-    else:
-        tok = t + offs_u
+        q_rows = tok[:, None] * sq_t
+    else:  # a decode: one token, so the query row and the output offsets are scalars
+        tok = t
         g_ok = offs_r < G
+        q_rows = t * sq_t
     if SPLIT_KEYS > 0:
         per_split = SPLIT_KEYS
     else:
@@ -74,7 +85,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     heads = h * G + offs_g
-    q = tl.load(q_ptr + tok[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+    q = tl.load(q_ptr + q_rows + heads[:, None] * sq_h + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     op_dtype = q.dtype
     m_i = tl.full([ROWS], float("-inf"), acc_dtype)
@@ -122,6 +133,45 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
             p = p * tl.load(vs_ptr + blk * svs_b + j * svs_s + h * svs_h, mask=vis, other=0.0).to(acc_dtype)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), v.to(op_dtype)).to(acc_dtype)
         m_i = m_new
+    if NEW_KEYS > 0 and UNITS == 1:  # a decode's own key: its self pair, in split 0
+        own = (offs_r * 0 + sp) == 0  # [ROWS] (a vector: the interpreter takes no scalar mask)
+        own_d = d_ok & ((offs_d * 0 + sp) == 0)
+        kn = tl.load(kn_ptr + t * skn_t + h * skn_h + offs_d, mask=own_d, other=0.0).to(acc_dtype)
+        vn = tl.load(vn_ptr + t * svn_t + h * svn_h + offs_d, mask=own_d, other=0.0).to(acc_dtype)
+        bad = tl.sum(((vn != vn) | (tl.abs(vn) == float("inf"))).to(tl.int32), 0) > 0
+        vn = tl.where(bad, 0.0, vn) * new_v
+        s = (tl.sum(q.to(acc_dtype) * kn[None, :], 1) * new_scale).to(acc_dtype)  # [ROWS]
+        s = tl.where(own, tl.where(bad, float("nan"), s), float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
+        m_i = m_new
+    if NEW_KEYS > 0 and UNITS > 1:  # the new keys of this program's rows: from its request's first token to its last row
+        k_last = tl.max(tl.where(g_ok & (sp == 0), tok, -1), 0)  # (-1: no keys: a covered token, splits > 0)
+        for kstart in range(seg_t, k_last + 1, NEW_KEYS):
+            ktok = kstart + tl.arange(0, NEW_KEYS)
+            k_in = ktok <= k_last
+            own = k_in & (tl.load(seg_ptr + ktok, mask=k_in, other=-1) == seg_t)
+            own2 = own[:, None] & d_ok[None, :]
+            kn = tl.load(kn_ptr + (ktok * skn_t + h * skn_h)[:, None] + offs_d[None, :], mask=own2, other=0.0)
+            vn = tl.load(vn_ptr + (ktok * svn_t + h * svn_h)[:, None] + offs_d[None, :], mask=own2, other=0.0)
+            vn = vn.to(acc_dtype)
+            bad = tl.sum(((vn != vn) | (tl.abs(vn) == float("inf"))).to(tl.int32), 1) > 0  # [NEW_KEYS]
+            vn = tl.where(bad[:, None], 0.0, vn) * new_v
+            s = (tl.dot(q, tl.trans(kn.to(op_dtype))) * new_scale).to(acc_dtype)  # [ROWS, NEW_KEYS]
+            vis = own[None, :] & (ktok[None, :] <= tok[:, None])
+            s = tl.where(vis & bad[None, :], float("nan"), s)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), vn.to(op_dtype)).to(acc_dtype)
+            m_i = m_new
     row = (tok * SPLITS + sp) * HQ + heads
     tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], (acc * v_scale).to(acc_dtype),
              mask=g_ok[:, None] & d_ok[None, :])

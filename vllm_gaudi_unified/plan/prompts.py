@@ -46,7 +46,9 @@ def prompt_requests(q: np.ndarray, ctx: np.ndarray, pair_req: np.ndarray, phys: 
     sel |= (q == 1) & (ctx == 0)  # a one-token prompt: with it, a step of prompts is one call and nothing else
     if phys.size == 0:
         return sel
-    short = sel & (q < PROMPT_MIN_SHARED_ROWS)
+    # (not in a unit bucket: there every request of more new tokens than a unit takes this route, so the
+    # units hold all the others' new pairs, `paths/unique.py: units_hold_requests`)
+    short = sel & (q < PROMPT_MIN_SHARED_ROWS) & (unit_tokens == 1)
     if short.any():
         common = same_id_sum(phys, max_block_id) > 1  # a block listed by two requests (ids are per request)
         sharing = np.bincount(pair_req[common], minlength=q.size) > 0
