@@ -25,9 +25,6 @@ class Scenario:
     context_lens: tuple  #: per request
     prefix: tuple = ()  #: (first request, request count, common tokens): groups sharing their first blocks
     spread: float = 1.0  #: cache size / blocks needed (1 = dense)
-    target_ms: float | None = None  #: the H100 target at block size 16
-    triton_ms: float | None = None  #: vLLM's Triton unified attention at block size 16
-    dense_twin: str | None = None  #: for 'scattered': the dense scenario it must stay within 10 % of
     heads: tuple = (32, 8, 128)  #: (query heads, KV heads, head size) the scenario is timed at
 
     @property
@@ -64,23 +61,19 @@ def scenarios(scale: float = 1.0, seed: int = 0) -> list[Scenario]:
     rng = np.random.default_rng(seed)
     ragged = tuple(int(x) for x in rng.integers(s(64), s(8192) + 1, size=s(256)))
     return [
-        Scenario("decode_256x2k", "decode 256 x 2k", _rep(s(256), 1), _rep(s(256), s(2048)),
-                 target_ms=0.75, triton_ms=0.75),
-        Scenario("decode_64x8k", "decode 64 x 8k", _rep(s(64), 1), _rep(s(64), s(8192)), target_ms=None),
-        Scenario("decode_ragged", "decode 256, ctx 64..8k", _rep(len(ragged), 1), ragged,
-                 target_ms=0.66, triton_ms=0.82),
-        Scenario("prefill_4x2k", "prefill 4 x 2k", _rep(4, s(2048)), _rep(4, 0), target_ms=0.6, triton_ms=1.93),
-        Scenario("chunked_2x2k_6k", "chunked prefill 2 x 2k over 6k", _rep(2, s(2048)), _rep(2, s(6144)),
-                 target_ms=2.5, triton_ms=6.4),
+        Scenario("decode_256x2k", "decode 256 x 2k", _rep(s(256), 1), _rep(s(256), s(2048))),
+        Scenario("decode_64x8k", "decode 64 x 8k", _rep(s(64), 1), _rep(s(64), s(8192))),
+        Scenario("decode_ragged", "decode 256, ctx 64..8k", _rep(len(ragged), 1), ragged),
+        Scenario("prefill_4x2k", "prefill 4 x 2k", _rep(4, s(2048)), _rep(4, 0)),
+        Scenario("chunked_2x2k_6k", "chunked prefill 2 x 2k over 6k", _rep(2, s(2048)), _rep(2, s(6144))),
         Scenario("mixed", "mixed 4 x 512 over 1.5k + 256 decodes x 2k",
-                 _rep(4, s(512)) + _rep(s(256), 1), _rep(4, s(1536)) + _rep(s(256), s(2048)),
-                 target_ms=1.0, triton_ms=1.39),
+                 _rep(4, s(512)) + _rep(s(256), 1), _rep(4, s(1536)) + _rep(s(256), s(2048))),
         Scenario("shared_prefix", "shared prefix 64 x (4k + 256)", _rep(s(64), 1), _rep(s(64), s(4096) + s(256)),
-                 prefix=((0, s(64), s(4096)),), target_ms=0.07, triton_ms=0.27),
+                 prefix=((0, s(64), s(4096)),)),
         Scenario("parallel_sampling", "parallel sampling 16 x (2k + 64)", _rep(16, 1), _rep(16, s(2048) + s(64)),
-                 prefix=((0, 16, s(2048)),), target_ms=0.03, triton_ms=0.066),
+                 prefix=((0, 16, s(2048)),)),
         Scenario("scattered", "decode 256 x 2k, blocks over a 6x cache", _rep(s(256), 1), _rep(s(256), s(2048)),
-                 spread=6.0, dense_twin="decode_256x2k"),
+                 spread=6.0),
         # prompt shapes beside the first ones (goals re-measured on cases the code was not tuned on): one long
         # chunk, many short ones, ragged chunks over ragged contexts with a fresh prompt among them (partial
         # last blocks, a context of 0 in a bucket with context), ragged prompts without context
