@@ -179,7 +179,7 @@ def make_plan_from_args(args):
             raise ValueError("--memory-share is for the robust and exponential strategies")
         return graphs_of(probe, plan)
     fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
-    scaled = [x for src in sources for x in load_scaled_shapes(src, settings, fractions)]
+    scaled = [x for src in sources for x in load_scaled_shapes(src, settings, fractions, drain=True)]
     weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
     plan = robust_plan(parts + scaled, settings, model, hardware,
                        max_graphs=DEFAULT_ROBUST_GRAPHS if args.max_graphs is None else args.max_graphs, worst=args.worst,
