@@ -52,7 +52,7 @@ def register(subparsers) -> None:
                    help="robust: cost ratio between neighbouring skeleton buckets (0: no skeleton; default 32)")
     g.add_argument("--load-fractions", default="0.5,0.25,0.0625",
                    help="robust: also learn from each trace with only this share of each step's requests, "
-                        "for lower loads (comma separated; empty for none)")
+                        "for lower loads, at random and as a burst draining (comma separated; empty for none)")
     g.add_argument("--load-weight", type=float_in(0.0, 1e6), default=0.3,
                    help="robust: weight of all load-scaled steps together, against 1 for the traces (default 0.3)")
     g.add_argument("--worst", type=float_in(1.0, 1e9), default=None,
