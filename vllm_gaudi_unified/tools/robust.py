@@ -317,17 +317,15 @@ def load_scaled_shapes(trace, settings: ServerSettings, fractions=LOAD_FRACTIONS
              else sh._arrays_of_steps(part) if all(x.block_size == settings.block_size for x in part) else None)
         if a is not None:
             arrays.append(a)
+    ranks = [_own_rank(a) for a in arrays] if drain and fractions else []
     out = []
     for mode, f in [("load", f) for f in fractions] + [("drain", f) for f in fractions if drain]:
         sizes, needed = [], []
-        for a in arrays:
+        for i, a in enumerate(arrays):
             counts = np.bincount(a.req_step, minlength=a.num_steps)
             first = np.r_[0, np.cumsum(counts)[:-1]]
             if mode == "drain":
-                order = np.lexsort((-_own_blocks(a), a.req_step))  # per step, most own blocks first
-                rank = np.empty(a.q.size, np.int64)
-                rank[order] = np.arange(a.q.size) - np.repeat(first, counts)
-                keep = rank < np.maximum(np.round(f * counts), 1)[a.req_step]
+                keep = ranks[i] < np.maximum(np.round(f * counts), 1)[a.req_step]
             else:
                 keep = rng.random(a.q.size) < f
                 keep[first + (rng.random(a.num_steps) * counts).astype(np.int64)] = True  # at least one
@@ -340,6 +338,15 @@ def load_scaled_shapes(trace, settings: ServerSettings, fractions=LOAD_FRACTIONS
             out.append(StepShapes(np.concatenate(sizes), np.concatenate(needed), settings.block_size,
                                   (f"{name}@{mode}{f:g}",)))
     return out
+
+
+def _own_rank(a) -> np.ndarray:
+    """Per request of `a`: its place in its step by blocks of its own, most first (0, 1, ...)."""
+    order = np.lexsort((-_own_blocks(a), a.req_step))
+    counts = np.bincount(a.req_step, minlength=a.num_steps)
+    rank = np.empty(a.q.size, np.int64)
+    rank[order] = np.arange(a.q.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return rank
 
 
 def _own_blocks(a) -> np.ndarray:
