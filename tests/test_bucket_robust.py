@@ -64,6 +64,31 @@ def test_load_scaled_steps_have_fewer_requests_and_planner_shapes(busy):
     assert (scaled[1].sizes[:, 3] >= 1).all() and (scaled[1].sizes[:, 0] >= scaled[1].sizes[:, 3]).all()
 
 
+def test_drained_steps_keep_the_requests_with_the_most_blocks_of_their_own(busy):
+    from vllm_gaudi_unified.tools import shapes as sh
+    from vllm_gaudi_unified.tools.robust import _own_blocks
+
+    steps = busy[0]
+    a = sh._arrays_of_steps(steps)
+    own = _own_blocks(a)
+    for i in range(0, len(steps), 7):  # against a count by hand: a block is its request's own when no other reads it
+        rows = [list(b[:-(-(c + q) // 16)]) for b, c, q in zip(steps[i].block_ids, steps[i].context_lens,
+                                                                  steps[i].query_lens)]
+        uses = {}
+        for r in rows:
+            for b in r:
+                uses[b] = uses.get(b, 0) + 1
+        assert own[a.req_step == i].tolist() == [sum(uses[b] == 1 for b in r) for r in rows]
+    scaled = load_scaled_shapes(steps, SETTINGS, fractions=(0.25,), seed=3, drain=True)
+    assert [s.sources[0] for s in scaled] == ["steps@load0.25", "steps@drain0.25"]
+    rand, drain = scaled
+    n = np.bincount(a.req_step, minlength=a.num_steps)
+    decodes = (rand.sizes[:, 4] == 0) & (drain.sizes[:, 4] == 0)
+    assert (drain.sizes[:, 3] == np.maximum(np.round(0.25 * n), 1)).all()  # one logit per kept request (no spec)
+    per_req = lambda x: x.sizes[decodes, 2].sum() / x.sizes[decodes, 3].sum()  # noqa: E731
+    assert per_req(drain) > per_req(rand)  # the long requests stay
+
+
 def test_holds_at_a_load_it_never_saw_better_than_total_work_alone(busy):
     shapes = [shapes_of_steps(s, SETTINGS) for s in busy]
     quiet = shapes_of_steps(sim(9, 0.15, 40), SETTINGS)

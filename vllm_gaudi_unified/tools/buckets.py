@@ -52,7 +52,7 @@ def register(subparsers) -> None:
                    help="robust: cost ratio between neighbouring skeleton buckets (0: no skeleton; default 32)")
     g.add_argument("--load-fractions", default="0.5,0.25,0.0625",
                    help="robust: also learn from each trace with only this share of each step's requests, "
-                        "for lower loads (comma separated; empty for none)")
+                        "for lower loads, at random and as a burst draining (comma separated; empty for none)")
     g.add_argument("--load-weight", type=float_in(0.0, 1e6), default=0.3,
                    help="robust: weight of all load-scaled steps together, against 1 for the traces (default 0.3)")
     g.add_argument("--worst", type=float_in(1.0, 1e9), default=None,
@@ -179,7 +179,7 @@ def make_plan_from_args(args):
             raise ValueError("--memory-share is for the robust and exponential strategies")
         return graphs_of(probe, plan)
     fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
-    scaled = [x for src in sources for x in load_scaled_shapes(src, settings, fractions)]
+    scaled = [x for src in sources for x in load_scaled_shapes(src, settings, fractions, drain=True)]
     weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
     plan = robust_plan(parts + scaled, settings, model, hardware,
                        max_graphs=DEFAULT_ROBUST_GRAPHS if args.max_graphs is None else args.max_graphs, worst=args.worst,

@@ -28,6 +28,14 @@ pays for buckets sized for a busy one. Three changes make a plan hold:
    some of their requests (each kept with probability 1/2, 1/4, 1/16, at least
    one), replayed through the planner's shape rules (`load_scaled_shapes`). A
    trace at high load shows what many requests do; its subsets what a few do.
+   With `drain`, each fraction is also seen as a burst draining: the requests
+   left running are the ones with the longest outputs, so each step keeps the
+   share of its requests with the most blocks of their own (blocks no other
+   request of the step reads). A random subset keeps short and long requests
+   alike; a draining server keeps long ones, about twice the unique blocks per
+   request at the same batch size (the second half of the RAG trace, its
+   decodes only, is such a drain), so buckets learned from random subsets
+   alone fit its steps only in buckets with far more shared slots.
 3. **Both measures.** A step padded to a bucket costs its share of its trace's
    total estimated time (`cost.py`) plus its share of the trace's total score
    pairs (`CostModel.pair_weights`); `total_share < 1` mixes in each step's own
@@ -284,11 +292,13 @@ def _local_search(buckets, num_fixed, cands, M, rows, groups, rounds: int = 6) -
 
 
 def load_scaled_shapes(trace, settings: ServerSettings, fractions=LOAD_FRACTIONS, max_steps: int = 2000,
-                       seed: int = 0) -> list[StepShapes]:
+                       seed: int = 0, drain: bool = False) -> list[StepShapes]:
     """The steps of a trace (a path, or a list of TraceSteps) at lower loads: for each fraction f, up
     to `max_steps` of its steps (a seeded sample) with each request kept with probability f (at least
-    one per step), replayed by the shape-only rules of `shapes.batch_shapes`. Steps in a layout the
-    fast parser does not read, and settings it does not model, give no scaled steps."""
+    one per step), replayed by the shape-only rules of `shapes.batch_shapes`; with `drain`, then the
+    same steps with the round(f * n) requests (at least one) of the most blocks of their own kept
+    (module docstring, 2.). Steps in a layout the fast parser does not read, and settings it does not
+    model, give no scaled steps."""
     from vllm_gaudi_unified.tools import shapes as sh
 
     if not sh.shape_only_supported(settings):
@@ -307,14 +317,18 @@ def load_scaled_shapes(trace, settings: ServerSettings, fractions=LOAD_FRACTIONS
              else sh._arrays_of_steps(part) if all(x.block_size == settings.block_size for x in part) else None)
         if a is not None:
             arrays.append(a)
+    ranks = [_own_rank(a) for a in arrays] if drain and fractions else []
     out = []
-    for f in fractions:
+    for mode, f in [("load", f) for f in fractions] + [("drain", f) for f in fractions if drain]:
         sizes, needed = [], []
-        for a in arrays:
-            keep = rng.random(a.q.size) < f
-            first = np.r_[0, np.cumsum(np.bincount(a.req_step, minlength=a.num_steps))[:-1]]
+        for i, a in enumerate(arrays):
             counts = np.bincount(a.req_step, minlength=a.num_steps)
-            keep[first + (rng.random(a.num_steps) * counts).astype(np.int64)] = True  # at least one
+            first = np.r_[0, np.cumsum(counts)[:-1]]
+            if mode == "drain":
+                keep = ranks[i] < np.maximum(np.round(f * counts), 1)[a.req_step]
+            else:
+                keep = rng.random(a.q.size) < f
+                keep[first + (rng.random(a.num_steps) * counts).astype(np.int64)] = True  # at least one
             sub = sh._Arrays(a.block_size, a.q[keep], a.ctx[keep], a.flat, a.row_starts[keep], a.req_step[keep],
                              a.num_steps)
             s, w, fallback = sh.batch_shapes(sub, settings.options)
@@ -322,5 +336,24 @@ def load_scaled_shapes(trace, settings: ServerSettings, fractions=LOAD_FRACTIONS
             needed.append(w[~fallback])
         if sizes:
             out.append(StepShapes(np.concatenate(sizes), np.concatenate(needed), settings.block_size,
-                                  (f"{name}@load{f:g}",)))
+                                  (f"{name}@{mode}{f:g}",)))
     return out
+
+
+def _own_rank(a) -> np.ndarray:
+    """Per request of `a`: its place in its step by blocks of its own, most first (0, 1, ...)."""
+    order = np.lexsort((-_own_blocks(a), a.req_step))
+    counts = np.bincount(a.req_step, minlength=a.num_steps)
+    rank = np.empty(a.q.size, np.int64)
+    rank[order] = np.arange(a.q.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return rank
+
+
+def _own_blocks(a) -> np.ndarray:
+    """Per request of the flat arrays `a` (`shapes._Arrays`): its blocks no other request of its step reads."""
+    n = -(-(a.ctx + a.q) // a.block_size)
+    req = np.repeat(np.arange(n.size), n)
+    ids = a.flat[a.row_starts[req] + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)]
+    _, inv, uses = np.unique(a.req_step[req].astype(np.int64) * (1 << 32) + ids, return_inverse=True,
+                             return_counts=True)
+    return np.bincount(req, uses[inv.reshape(-1)] == 1, n.size).astype(np.int64)
