@@ -12,7 +12,8 @@ and other activations are not stood in for: such a call fails naming the op.
 vLLM's own MoE layer forward (`MoERunner.forward`, which the unified runner keeps beside vLLM 0.32:
 `vllm_plugin/hpu_moe.py`) goes through vLLM's custom ops `vllm::moe_forward` / `vllm::moe_forward_shared`,
 registered for the platform's dispatch key (vllm-gaudi's: HPU); the stand-in's tensors are CPU tensors, so
-`register` gives the same functions of vLLM's to the CPU key too.
+`vllm_moe_ops_on_cpu` gives the same functions of vLLM's to the CPU key too (in an engine's process: importing
+vLLM's MoE runner settles vLLM's platform).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def mixture_of_experts(hidden_states, expert_routing_table, router_weights, w12,
 
 
 def register() -> None:
-    """Define `torch.ops.hpu.mixture_of_experts`, and vLLM's MoE ops on the CPU, once per process."""
+    """Define `torch.ops.hpu.mixture_of_experts` once per process (unless something already did)."""
     global _LIBRARY
     if _LIBRARY is not None or hasattr(torch.ops.hpu, "mixture_of_experts"):
         return
@@ -56,6 +57,10 @@ def register() -> None:
     library.define(SCHEMA)
     library.impl("mixture_of_experts", mixture_of_experts, "CompositeExplicitAutograd")
     _LIBRARY = library
+
+
+def vllm_moe_ops_on_cpu() -> None:
+    """vLLM's MoE layer ops (registered for vllm-gaudi's HPU key) for CPU tensors too."""
     from vllm.model_executor.layers.fused_moe.runner import moe_runner
     from vllm.utils.torch_utils import vllm_lib
 

@@ -36,7 +36,8 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
 - `habana_frameworks.torch.hpex.normalization.FusedRMSNorm`: vLLM's native RMSNorm arithmetic
   (vllm-gaudi's RMSNorm has no fallback either).
 - `torch.ops.hpu.mixture_of_experts`: Gaudi's fused MoE kernel as torch arithmetic (`habana_moe.py`;
-  vllm-gaudi's unquantized MoE layer has no fallback).
+  vllm-gaudi's unquantized MoE layer has no fallback); an engine's process (`vllm_helpers.gaudi_standin_context`)
+  also gets vLLM's MoE layer ops for CPU tensors (`habana_moe.vllm_moe_ops_on_cpu`).
 - vLLM: `vllm.multimodal.utils.group_mm_kwargs_by_modality`, the one vLLM name that
   vllm-gaudi's `hpu_model_runner` imports and vLLM 0.32 no longer has (added only when
   missing; it refuses, naming 0.32's `group_and_batch_mm_kwargs`: only vllm-gaudi's own multimodal
