@@ -170,6 +170,7 @@ def test_select_experts_where_vllm_gaudi_imports_it(gaudi_moe):
     finally:
         del cpu_moe.select_experts
     assert ids.shape == (5, 2) and torch.allclose(weights.sum(-1), torch.full((5,), 2.5))  # renormalized, scaled
+    assert not bridge_select_experts(SimpleNamespace(), SimpleNamespace())  # a layout with neither: left alone
 
 
 # ---------------------------------------------------------------------------------------- the stand-in's kernel

@@ -76,17 +76,15 @@ def keep_vllm_moe_forward(runner_cls, gaudi_moe) -> list[str]:
 def bridge_select_experts(cpu_moe, cpu_router) -> bool:
     """`cpu_moe.select_experts` (where vllm-gaudi imports it from) as `cpu_router`'s, if `cpu_moe` lacks it;
     whether it is `cpu_router`'s."""
-    if not hasattr(cpu_moe, "select_experts"):
+    if not hasattr(cpu_moe, "select_experts") and hasattr(cpu_router, "select_experts"):
         cpu_moe.select_experts = cpu_router.select_experts
-    return cpu_moe.select_experts is cpu_router.select_experts
+    return getattr(cpu_moe, "select_experts", None) is getattr(cpu_router, "select_experts", False)
 
 
 def adapt_vllm_gaudi_moe() -> list[str]:
     """Bridge the gaps (see the module doc) before a model is built; returns what was adapted, for the log."""
     import vllm_gaudi.ops.hpu_fused_moe as gaudi_moe
     from vllm.model_executor.layers.fused_moe import layer
-    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
-    from vllm.model_executor.layers.fused_moe.router import cpu_router
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     factory = layer.create_fused_moe_router
@@ -95,4 +93,9 @@ def adapt_vllm_gaudi_moe() -> list[str]:
     adapted = [f"router keyword {k}" for k in getattr(factory, "adapted_keywords", ())]
     missing = keep_vllm_moe_forward(MoERunner, gaudi_moe)
     adapted += [f"vLLM's MoERunner.forward (no {', '.join(missing)})"] if missing else []
+    try:  # vLLM 0.32's layout; in another, vllm-gaudi's own import stands as it is
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+        from vllm.model_executor.layers.fused_moe.router import cpu_router
+    except ImportError:
+        return adapted
     return adapted + (["select_experts from router.cpu_router"] if bridge_select_experts(cpu_moe, cpu_router) else [])
