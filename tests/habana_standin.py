@@ -35,6 +35,9 @@ so a new vllm-gaudi dependency shows up as an error naming it, never as a silent
   so vllm-gaudi's kernel loader (`vllm_gaudi.extension.kernels`) falls back to its native attention.
 - `habana_frameworks.torch.hpex.normalization.FusedRMSNorm`: vLLM's native RMSNorm arithmetic
   (vllm-gaudi's RMSNorm has no fallback either).
+- `torch.ops.hpu.mixture_of_experts`: Gaudi's fused MoE kernel as torch arithmetic (`habana_moe.py`;
+  vllm-gaudi's unquantized MoE layer has no fallback); an engine's process (`vllm_helpers.gaudi_standin_context`)
+  also gets vLLM's MoE layer ops for CPU tensors (`habana_moe.vllm_moe_ops_on_cpu`).
 - vLLM: `vllm.multimodal.utils.group_mm_kwargs_by_modality`, the one vLLM name that
   vllm-gaudi's `hpu_model_runner` imports and vLLM 0.32 no longer has (added only when
   missing; it refuses, naming 0.32's `group_and_batch_mm_kwargs`: only vllm-gaudi's own multimodal
@@ -78,6 +81,8 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+
+import habana_moe
 
 #: The module names the stand-in provides (and `uninstall` removes).
 MODULES = (
@@ -286,6 +291,7 @@ def install(device: str = "gaudi3", lazy: bool = False, memory_bytes: int = 512 
     _bridge_mla_layers()  # after the kernel choice: importing vLLM's layers loads its kernel library
     _bridge_lora()  # likewise
     _inspect_models_in_this_process()
+    habana_moe.register()
     _STATE = state
     return state
 
@@ -505,7 +511,9 @@ def stub_vision_only_vllm_models() -> list[str]:
     image processor -> torchvision) only to subclass `Llama4ForConditionalGeneration`. The stand-in
     module holds that class as a placeholder that cannot be built, so vllm-gaudi's check
     `isinstance(model, HpuLlama4ForConditionalGeneration)` is False for every other model, as it is
-    with the real one. Returns the module names stood in for (none where torchvision imports).
+    with the real one. Likewise for Qwen3-MoE models it imports vLLM's `qwen3_5` (-> `qwen3_vl` -> transformers'
+    Qwen2-VL image processor -> torchvision) only to test `isinstance(inner_model, Qwen3_5Model)`.
+    Returns the module names stood in for (none where torchvision imports).
     """
     try:
         import torchvision  # noqa: F401
@@ -517,9 +525,15 @@ def stub_vision_only_vllm_models() -> list[str]:
         def __init__(self, *args, **kwargs):
             raise NotImplementedError("vLLM's Llama 4 vision model needs torchvision, which is not installed")
 
-    name = "vllm.model_executor.models.mllama4"
-    sys.modules[name] = _module(name, Llama4ForConditionalGeneration=Llama4ForConditionalGeneration)
-    return [name]
+    class Qwen3_5Model(torch.nn.Module):  # noqa: N801 (vLLM's name)
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError("vLLM's Qwen3.5 models import its Qwen3-VL model, which needs torchvision")
+
+    stand_ins = {"vllm.model_executor.models.mllama4": {"Llama4ForConditionalGeneration": Llama4ForConditionalGeneration},
+                 "vllm.model_executor.models.qwen3_5": {"Qwen3_5Model": Qwen3_5Model}}
+    for name, attrs in stand_ins.items():
+        sys.modules[name] = _module(name, **attrs)
+    return list(stand_ins)
 
 
 def per_image_encoder_attention() -> None:

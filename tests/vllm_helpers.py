@@ -153,10 +153,12 @@ def gaudi_standin_context(dtype: str):
     imported; returns the context the engine must run in (the "hpu" device as the CPU)."""
     import importlib.util
 
+    import habana_moe
     import habana_standin
 
     habana_standin.install(memory_bytes=128 << 20)  # vllm-gaudi sizes the KV cache from the "device" memory
     habana_standin.stub_vision_only_vllm_models()
+    habana_moe.vllm_moe_ops_on_cpu()  # vLLM's MoE forward on the stand-in's CPU tensors
     if importlib.util.find_spec("torchvision") is not None:  # the multimodal venv: vision models load
         habana_standin.per_image_encoder_attention()
     if dtype == "float32":

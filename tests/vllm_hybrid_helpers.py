@@ -24,7 +24,7 @@ CHUNK = 64  #: the Mamba2 layers' chunk size
 
 def make_tiny_granite_hybrid(path: str, hidden: int = 128, seed: int = 0) -> str:
     """Save a random-weight GraniteMoeHybridForCausalLM (float32; layers Mamba2, attention, Mamba2; a dense
-    shared MLP, no experts: vllm-gaudi's fused MoE does not build beside vLLM 0.32 on the stand-in)."""
+    shared MLP, no experts)."""
     import torch
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 

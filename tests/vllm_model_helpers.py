@@ -126,16 +126,19 @@ def _run_embed(model: str, out: str) -> None:
         json.dump(results, f)
 
 
-def make_tiny_deepseek(path: str, hidden: int = 256, layers: int = 2, heads: int = 4, seed: int = 0) -> str:
-    """Save a random-weight DeepseekV2ForCausalLM (float32, dense MLPs, no q LoRA) to `path`."""
+def make_tiny_deepseek(path: str, hidden: int = 256, layers: int = 2, heads: int = 4, seed: int = 0,
+                       experts: bool = False) -> str:
+    """Save a random-weight DeepseekV2ForCausalLM (float32, dense MLPs, no q LoRA) to `path`; `experts`: every
+    layer after the first a MoE layer (4 routed experts, 2 per token, one shared expert; one expert group, as
+    DeepSeek-V2-Lite)."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                               moe_intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                               num_key_value_heads=heads, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-                              qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=layers, n_routed_experts=4,
-                              num_experts_per_tok=2, n_shared_experts=1,
+                              qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1 if experts else layers,
+                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
                               max_position_embeddings=vllm_helpers.MAX_MODEL_LEN,
                               initializer_range=0.05, torch_dtype="float32", architectures=["DeepseekV2ForCausalLM"],
                               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)

@@ -1,7 +1,7 @@
 """Tiny random-weight models with the attention features of the models most run on Gaudi, made offline.
 
 Each carries one of the attention kinds that put several kinds of layers into one step, with a
-dense MLP (vllm-gaudi's MoE code needs a newer vLLM than 0.32, see docs/usage.md):
+dense MLP:
 
 - `gemma2`: interleaved sliding-window (16) / full layers, attention logit soft-cap 50, final soft-cap 30;
 - `gemma3`: interleaved sliding-window (16) / full layers, q/k norms, no soft-cap (Gemma 3 has none);
@@ -9,6 +9,9 @@ dense MLP (vllm-gaudi's MoE code needs a newer vLLM than 0.32, see docs/usage.md
   alternating sliding-window (16) / full layers: gpt-oss's attention without its MoE;
 - `llama4_like`: Llama 4 text layers, chunked local attention (chunks of 32) on three layers of four
   and one global NoPE layer, dense MLPs (no MoE layer: `interleave_moe_layer_step` 0).
+
+`make_moe_model` saves the MoE models (`MOE_MODELS`, full attention, every MLP a mixture of experts):
+`mixtral` (8 experts, 2 per token) and `qwen3_moe` (Qwen3-MoE: q/k norms, 16 small experts, 4 per token).
 
 `local=False` makes the same weights with every layer full attention (the window or the chunking
 removed), to show that they change the result. Shapes as `vllm_helpers.make_tiny_llama`: vocabulary
@@ -25,6 +28,7 @@ WINDOW = 16
 CHUNK = 32
 LAYERS = 4
 MODELS = ("gemma2", "gemma3", "gptoss_like", "llama4_like")
+MOE_MODELS = ("mixtral", "qwen3_moe")
 
 
 def _common(tie: bool) -> dict:
@@ -67,6 +71,25 @@ def make_model(name: str, path: str, local: bool = True, seed: int = 0) -> str:
     model.to(torch.float32).save_pretrained(path, safe_serialization=True)
     if name == "gptoss_like":
         _add_sinks_and_windows(path, local, seed)
+    return path
+
+
+def make_moe_model(name: str, path: str, seed: int = 0) -> str:
+    """Save MoE model `name` (one of `MOE_MODELS`) to `path` (float32 safetensors); returns `path`."""
+    import torch
+    import transformers as T
+
+    common = _common(False)
+    torch.manual_seed(seed)
+    if name == "mixtral":
+        model = T.MixtralForCausalLM(T.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2))
+    elif name == "qwen3_moe":
+        common["intermediate_size"] = 128
+        model = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**common, num_experts=16, num_experts_per_tok=4,
+                                                       moe_intermediate_size=128, norm_topk_prob=True))
+    else:
+        raise ValueError(f"model {name!r}: not one of {MOE_MODELS}")
+    model.to(torch.float32).save_pretrained(path, safe_serialization=True)
     return path
 
 

@@ -53,6 +53,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
 from vllm_gaudi_unified.vllm_plugin.hpu_eagle import EAGLE_METHODS, drafter_adapter, propose_eagle
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_encoder_only, plan_kinds, table_indices
 from vllm_gaudi_unified.vllm_plugin.hpu_models import load_shape_fixes
+from vllm_gaudi_unified.vllm_plugin.hpu_moe import adapt_vllm_gaudi_moe
 from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, prompt_logprobs_by_request
 from vllm_gaudi_unified.vllm_plugin.hpu_multimodal import mrope_positions, step_inputs_embeds
 from vllm_gaudi_unified.vllm_plugin.hpu_warmup import UnifiedWarmup
@@ -92,6 +93,8 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         fixes = load_shape_fixes(self.model_config)  # before vLLM builds the model (`hpu_models.py`)
         if fixes:
             logger.info("Unified attention: loaded vllm-gaudi's model fixes for [1, T] inputs: %s", ", ".join(fixes))
+        if adapted := adapt_vllm_gaudi_moe():  # vllm-gaudi's MoE layer beside this vLLM (`hpu_moe.py`)
+            logger.info("Unified attention: vllm-gaudi's MoE layer adapted to this vLLM: %s", "; ".join(adapted))
         super().load_model()
         if not self.is_pooling_model:  # vllm-gaudi runs a pooling model bare, without its model adapter
             self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
