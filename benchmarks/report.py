@@ -129,11 +129,14 @@ def _speed_rows(names: list[str]) -> dict:
     return _best(latest_cases([_load(n)["rows"] for n in names]))
 
 
+#: The device runner's run behind the speed table: every method and both routes in one process.
+SPEED_RUN = "speed_h200/all_scenarios.json"
+
+
 def speed_table() -> list[str]:
     from benchmarks import scenarios as sc_mod
 
-    ours = _speed_rows(["speed_h100/all_scenarios.json", "speed_h100/prompts_3rounds.json"])
-    tri = _speed_rows(["speed_h100/triton_peer.json", "speed_h100/triton_peer_prompts.json"])
+    ours = _speed_rows([SPEED_RUN])
     order = [s.name for s in sc_mod.scenarios()]
     cases = sorted({k[:2] for k in ours}, key=lambda c: (order.index(c[0]) if c[0] in order else 99, c[1]))
     out = _head("scenario", "vllm-gaudi ops", "ours, Gaudi route", "Gaudi / ops (goal)", "vLLM Triton",
@@ -141,23 +144,15 @@ def speed_table() -> list[str]:
     for sc, bs in cases:
         peer, gaudi, cuda = (ours.get((sc, bs, m, v)) for m, v in (("peer", "best"), ("ours", "gaudi"),
                                                                    ("ours", "default")))
-        t = tri.get((sc, bs, "triton", "graph"))
+        t = ours.get((sc, bs, "triton", "graph"))
         ms = lambda r: r["ms"] if r else None  # noqa: E731
         ratio = lambda a, b: a["ms"] / b["ms"] if a and b else None  # noqa: E731
         out.append(_row((cuda or gaudi)["title"], _f(ms(peer)), _f(ms(gaudi)),
                         _verdict(ratio(gaudi, peer), GAUDI_GOAL.get(sc)), _f(ms(t)), _f(ms(cuda)),
                         _verdict(ratio(cuda, t), TRITON_GOAL.get(sc)), _f((cuda or gaudi)["floor_ms"])))
-    env = _load("speed_h100/all_scenarios.json")["env"]
+    env = _load(SPEED_RUN)["env"]
     dev = f"{env['device']}, torch {env['torch']}, Triton {env['triton']}"
-    runs = [("speed_h100/all_scenarios.json", "python -m benchmarks.speed --out DIR --block-sizes 128 --scenarios "
-             "all --peer-variants compiled --variants gaudi=gaudi:1"),
-            ("speed_h100/prompts_3rounds.json", "python -m benchmarks.speed --out DIR --block-sizes 128 --rounds 3 "
-             "--peer-variants compiled --variants gaudi=gaudi:1 --scenarios chunked_2x2k_6k,prefill_4x2k,mixed,"
-             "chunked_8x512_2k,chunked_ragged,prefill_ragged"),
-            ("speed_h100/triton_peer.json", "python -m benchmarks.triton_peer run --archive ARCHIVE --out DIR "
-             "--block-sizes 128,16"),
-            ("speed_h100/triton_peer_prompts.json", "python -m benchmarks.triton_peer run --archive ARCHIVE --out "
-             "DIR --block-sizes 128 --scenarios chunked_1x4k_12k,chunked_8x512_2k,chunked_ragged,prefill_ragged")]
+    runs = [(SPEED_RUN, "python -m benchmarks.speed --out DIR --block-sizes 128 --scenarios all --peer-variants compiled")]
     return out + [""] + [f"- {_source(n, c, dev, _load(n)['env']['date'])}" for n, c in runs]
 
 
@@ -186,7 +181,7 @@ def trace_table() -> list[str]:
     for k, name in names.items():
         d = data[k]
         cmd = (f"python -m benchmarks.trace_steps --trace ../shared/traces/{d['trace'].split('/')[-1]} --start {d['start']} "
-               f"--steps {d['steps']} --out DIR --plan benchmarks/results/trace_steps_h200/plan_llama8b-gaudi3.json")
+               f"--steps {d['steps']} --out DIR --plan benchmarks/results/trace_steps_h200/plan_auto.json")
         routes = d.get("plan_routes")  # the padded routes run, when not both
         cmd += f" --plan-routes {','.join(routes)}" if routes and set(routes) != set(PADDED_ROUTES) else ""
         lines.append(f"- {k}: {_source(name, cmd, d['env']['device'], d['env']['date'])}")

@@ -47,8 +47,15 @@ from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.plan.arrays import MAX_BLOCK_SIZE
 from vllm_gaudi_unified.tools.cli import Parser
 
-HBM_BYTES_PER_S = 3.35e12  #: H100 SXM HBM3 peak (0.64 ms floor for decode 256 x 2k)
-BF16_FLOPS = 800e12  #: dense bf16 matmul measured on an H100
+#: (HBM bytes/s at peak, dense bf16 matmul FLOP/s measured) of the devices the floors are priced on; a device
+#: not named here is priced as an H100 SXM (0.64 ms floor for decode 256 x 2k there).
+DEVICE_PEAKS = {"H100": (3.35e12, 800e12), "H200": (4.8e12, 780e12)}
+
+
+def device_peaks(device) -> tuple[float, float]:
+    """The floors' (HBM, FLOP) rates for a torch device, found by its name ("NVIDIA H200", ...)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((v for k, v in DEVICE_PEAKS.items() if k in name.split()), DEVICE_PEAKS["H100"])
 METHODS = ("ours", "peer", "triton", "sdpa_loop", "padded_sdpa", "flex")
 ROUTES = {"cuda": ("default", {}), "gaudi": ("gaudi", {"gaudi": True})}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -148,9 +155,9 @@ def trace_cases(spec: str, top: int) -> list:
     return out
 
 
-def _floor_ms(lay, hq, hkv, d) -> float:
-    """HBM / FLOP floor of any step: every cache slot some request reads once (a shared block once),
-    q/k/v/out once; score + value FLOPs of the needed pairs."""
+def _floor_ms(lay, hq, hkv, d, peaks=DEVICE_PEAKS["H100"]) -> float:
+    """HBM / FLOP floor of any step at `peaks` (`device_peaks`): every cache slot some request reads once (a
+    shared block once), q/k/v/out once; score + value FLOPs of the needed pairs."""
     sc, bs = lay.scenario, lay.block_size
     slots = set()
     pairs = 0
@@ -159,7 +166,8 @@ def _floor_ms(lay, hq, hkv, d) -> float:
         slots.update((blocks[pos // bs] * bs + pos % bs).tolist())
         pairs += q * c + q * (q + 1) // 2
     nbytes = 2 * len(slots) * hkv * d * 2 + sc.num_tokens * (2 * hq + 2 * hkv) * d * 2
-    return max(nbytes / HBM_BYTES_PER_S, 4 * pairs * hq * d / BF16_FLOPS) * 1e3
+    hbm, flops = peaks
+    return max(nbytes / hbm, 4 * pairs * hq * d / flops) * 1e3
 
 
 def case_tensors(sc, bs: int, device, lay=None, dtype=torch.bfloat16, seed: int = 0):
@@ -204,7 +212,8 @@ def run_case(sc, bs, args, device, rows, lay=None) -> None:
     hq, hkv, d = sc.heads
     scale = d ** -0.5
     blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
-    base = dict(scenario=sc.name, title=sc.title, block_size=bs, floor_ms=_floor_ms(lay, hq, hkv, d),
+    base = dict(scenario=sc.name, title=sc.title, block_size=bs,
+                floor_ms=_floor_ms(lay, hq, hkv, d, device_peaks(device)),
                 device=device.type)
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
     dead = ~_readable(lay, device)

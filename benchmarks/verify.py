@@ -14,7 +14,7 @@ Per scenario of `scenarios.verify_scenarios` (block size 128, bf16), on the same
 * vllm-gaudi as it runs verify: batch expansion, every draft a decode row with its own copy of the
   block table, through its `flat_pa` (`benchmarks/gaudi_peer.py`); and its prompt form (the requests
   with drafts as one padded prompt batch with context, through SDPA with a bias);
-* the HBM floor (each live cache slot once, at the read bandwidth `speed._floor_ms` assumes).
+* the HBM floor (each live cache slot once, at the device's peak read bandwidth, `speed.device_peaks`).
 
 Every output is checked against the float32 reference (ours and the peers with the cache slots no request
 may read holding NaN/inf). `--mla`: DeepSeek-V3's latent attention (128 heads, latent 512 + rope 64),
@@ -137,7 +137,7 @@ def run_case(sc, device, rows, peers: bool, tri, compile_: bool = False, variant
     hq, hkv, d = sc.heads
     scale = d ** -0.5
     units = max(ql)
-    rows.append(dict(scenario=sc.name, title=sc.title, method="floor", ms=_floor_ms(lay, hq, hkv, d),
+    rows.append(dict(scenario=sc.name, title=sc.title, method="floor", ms=_floor_ms(lay, hq, hkv, d, speed.device_peaks(device)),
                      heads=list(sc.heads), tokens=sc.num_tokens, requests=sc.num_requests))
     blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)

@@ -146,12 +146,17 @@ def test_dense_plan_equals_reference_and_counts_dense_work():
 
 def test_scenario_floors_match_the_issue():
     from benchmarks.scenarios import layout, scenarios
-    from benchmarks.speed import _floor_ms
+    import torch
+
+    from benchmarks.speed import DEVICE_PEAKS, _floor_ms, device_peaks
 
     by_name = {s.name: s for s in scenarios()}
     assert abs(_floor_ms(layout(by_name["decode_256x2k"], 16), 32, 8, 128) - 0.64) < 0.01  # The HBM floor is 0.64 ms
     # shared prefix: 4096 + 64 x 256 cached tokens (the prefix once): 84 MB of K/V, 0.025 ms
     assert abs(_floor_ms(layout(by_name["shared_prefix"], 16), 32, 8, 128) - 0.0254) < 0.0005
+    h200 = DEVICE_PEAKS["H200"]  # the same bytes at the H200's 4.8 TB/s
+    assert abs(_floor_ms(layout(by_name["decode_256x2k"], 16), 32, 8, 128, h200) - 0.64 * 3.35 / 4.8) < 0.01
+    assert device_peaks(torch.device("cpu")) == DEVICE_PEAKS["H100"]  # a device not named: priced as an H100
     lay = layout(by_name["scattered"], 16)
     live = sum(len(b) for b in lay.owned)
     assert lay.block_table.max() + 1 > 4 * live  # ids spread over a cache about 6x the live blocks
