@@ -174,6 +174,24 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+def record_calls(monkeypatch, module, name: str, adapt=None) -> list:
+    """`module.name` replaced by a wrapper that keeps each call's result in the list returned (its length
+    counts the calls); `adapt(args)` may change the positional arguments first. Tests read the routes taken."""
+    real, seen = getattr(module, name), []
+
+    def wrapper(*args, **kwargs):
+        seen.append(real(*(adapt(args) if adapt else args), **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(module, name, wrapper)
+    return seen
+
+
+def on_meta(args: tuple) -> tuple:
+    """A route's (batch, query, ...) with the query on the meta device: the route as off the CPU."""
+    return (args[0], args[1].to("meta"), *args[2:])
+
+
 @pytest.fixture(params=sorted(SPECS))
 def spec_name(request):
     return request.param

@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SMALL_TILES, SPECS, assert_matches
+from conftest import SMALL_TILES, SPECS, assert_matches, on_meta, record_calls
 from test_mla import MODES, L, P, R, mla_tensors
 from test_mla_prompts import SUFFIX, kv_b_weight
 from vllm_gaudi_unified import attention, build_unified_batch, unified_attention
 from vllm_gaudi_unified.mla import absorb_query, expand_output, latent_views, mla_attention
 from vllm_gaudi_unified.mla_prompts import mla_prompt_rows
-from vllm_gaudi_unified.paths import mla_shared
 from vllm_gaudi_unified.paths.kv_quant import dequantize, one_tensor_scale, quantize
 from vllm_gaudi_unified.reference import reference_attention, reference_mla
 
@@ -31,19 +30,10 @@ STEPS = ("seed", "decode", "chunked_prefill", "prefix_caching", "parallel_sampli
 def routes(monkeypatch):
     """The unique route each call took (`mla_unique_route`), and the shared tiles' latent route's calls;
     `off_cpu()` makes the route what it is off the CPU ('chunks', an HPU's)."""
-    taken = {"unique": [], "shared": 0, "off_cpu": False}
-    real_route, real_shared = attention.mla_unique_route, mla_shared.latent_shared_partial
-
-    def route(batch, query, *args):
-        taken["unique"].append(real_route(batch, query.to("meta") if taken["off_cpu"] else query, *args))
-        return taken["unique"][-1]
-
-    def shared(*args, **kwargs):
-        taken["shared"] += 1
-        return real_shared(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "mla_unique_route", route)
-    monkeypatch.setattr(attention, "latent_shared_partial", shared)
+    taken = {"off_cpu": False}
+    taken["unique"] = record_calls(monkeypatch, attention, "mla_unique_route",
+                                   lambda args: on_meta(args) if taken["off_cpu"] else args)
+    taken["shared"] = record_calls(monkeypatch, attention, "latent_shared_partial")
     return taken
 
 
@@ -77,10 +67,11 @@ def test_latent_routes_read_the_fp8_cache(name, fmt, form, off_cpu, routes):
     out, ref, batch = fp8_mla_case(SPECS[name], FP8[fmt], SCALES[form])
     assert_matches(out, ref)
     if "u" in batch.phase:  # the route an unquantized cache takes (off the CPU: 'chunks')
-        fp8_route, routes["unique"] = routes["unique"], []
+        fp8_route = list(routes["unique"])
+        routes["unique"].clear()
         fp8_mla_case(SPECS[name], None, None)
         assert fp8_route == routes["unique"] and (fp8_route == ["chunks"] or not off_cpu)
-    assert routes["shared"] == (1 if "s" in batch.phase else 0) * (2 if "u" in batch.phase else 1)
+    assert len(routes["shared"]) == (1 if "s" in batch.phase else 0) * (2 if "u" in batch.phase else 1)
 
 
 @pytest.mark.parametrize("mode", ["gather", "invariant"])
@@ -119,7 +110,7 @@ def test_scales_not_one_per_tensor_value_take_the_generic_paths(name, k_scale, v
     ref = reference_attention(query, key, value, dequantize(key_cache, k_scale), dequantize(value_cache, v_scale),
                               step.query_lens, step.context_lens, table, 0.3)
     assert_matches(out, ref)
-    assert routes["unique"] == [None] and routes["shared"] == 0
+    assert routes["unique"] == [None] and not routes["shared"]
 
 
 @pytest.mark.parametrize("form", ["float", "tensor"])

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import Step, assert_matches
+from conftest import Step, assert_matches, on_meta, record_calls
 from test_mla import H, L, mla_case
 from test_verify import UNITS, VERIFY
 from vllm_gaudi_unified import Bucket, attention, plan_step
@@ -25,20 +25,8 @@ from vllm_gaudi_unified.reference import reference_attention
 @pytest.fixture
 def spy(monkeypatch):
     """The latent route as off the CPU ('chunks'), and each causal-tiles call, kept."""
-    taken = {"routes": [], "causal": 0}
-    real_route, real_causal = attention.mla_unique_route, attention.causal_partial
-
-    def off_cpu(batch, query, *args):
-        taken["routes"].append(real_route(batch, query.to("meta"), *args))
-        return taken["routes"][-1]
-
-    def causal(*args, **kwargs):
-        taken["causal"] += 1
-        return real_causal(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "mla_unique_route", off_cpu)
-    monkeypatch.setattr(attention, "causal_partial", causal)
-    return taken
+    return {"routes": record_calls(monkeypatch, attention, "mla_unique_route", on_meta),
+            "causal": record_calls(monkeypatch, attention, "causal_partial")}
 
 
 @pytest.mark.parametrize("keys", [1, 8, 4096])  # chunks of one block .. whole contexts
@@ -48,7 +36,7 @@ def test_verify_on_chunks_float64(name, layout, keys, spy, monkeypatch):
     monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", keys)
     out, ref, batch, _ = mla_case(VERIFY[name][0], options=replace(UNITS, unique_layout=layout))
     assert batch.plan.drafts_in_units and batch.plan.unique_units == 4
-    assert spy["routes"] == ["chunks"] and spy["causal"] == 0  # (the drafts' pairs on the route)
+    assert spy["routes"] == ["chunks"] and not spy["causal"]  # (the drafts' pairs on the route)
     assert_matches(out, ref)
 
 
@@ -62,7 +50,7 @@ def test_verify_on_chunks_bf16(name, spy):
     k, v = latent_views(latent, L)
     kc, vc = latent_views(cache, L)
     assert_matches(lat, reference_attention(query, k, v, kc, vc, step.query_lens, step.context_lens, table, scale))
-    assert set(spy["routes"]) == {"chunks"} and spy["causal"] == 0
+    assert set(spy["routes"]) == {"chunks"} and not spy["causal"]
 
 
 def test_padded_bucket_and_a_decode_step(spy):
@@ -79,14 +67,14 @@ def test_padded_bucket_and_a_decode_step(spy):
     out, ref, batch, _ = mla_case(dec, options=units, bucket=Bucket("c-u", 8, 0, d.num_unique_blocks + 3, 4, 2))
     assert batch.plan.unique_units == 4 and batch.plan.drafts_in_units
     assert_matches(out, ref)
-    assert spy["causal"] == 0
+    assert not spy["causal"]
 
 
 def test_long_chunks_off_the_prompt_route_keep_the_causal_tiles(spy):
     """With the prompt route off, a chunk longer than a unit has causal pairs no unit holds: the step is no
     verify step for the route (`drafts_in_units` False), the tiles take every causal pair."""
     out, ref, batch, _ = mla_case(VERIFY["mixed"][0], options=replace(UNITS, prompt_route="tiles"))
-    assert not batch.plan.drafts_in_units and spy["causal"] == 1
+    assert not batch.plan.drafts_in_units and len(spy["causal"]) == 1
     assert_matches(out, ref)
 
 
