@@ -168,9 +168,11 @@ def test_select_experts_where_vllm_gaudi_imports_it(gaudi_moe):
         assert bridge_select_experts(cpu_moe, cpu_router) and bridge_select_experts(cpu_moe, cpu_router)
         weights, ids = module.select_experts_from_routed(layer, x, logits)
     finally:
-        del cpu_moe.select_experts
+        del cpu_moe.select_experts, cpu_moe.select_experts_bridged
     assert ids.shape == (5, 2) and torch.allclose(weights.sum(-1), torch.full((5,), 2.5))  # renormalized, scaled
     assert not bridge_select_experts(SimpleNamespace(), SimpleNamespace())  # a layout with neither: left alone
+    both = SimpleNamespace(select_experts=cpu_router.select_experts)  # a vLLM that has it in both: not reported
+    assert not bridge_select_experts(both, cpu_router) and not hasattr(both, "select_experts_bridged")
 
 
 # ---------------------------------------------------------------------------------------- the stand-in's kernel

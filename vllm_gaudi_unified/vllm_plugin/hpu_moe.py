@@ -75,10 +75,11 @@ def keep_vllm_moe_forward(runner_cls, gaudi_moe) -> list[str]:
 
 def bridge_select_experts(cpu_moe, cpu_router) -> bool:
     """`cpu_moe.select_experts` (where vllm-gaudi imports it from) as `cpu_router`'s, if `cpu_moe` lacks it;
-    whether it is `cpu_router`'s."""
+    whether that bridge is in place (set now or by an earlier call: a vLLM with both is left alone)."""
     if not hasattr(cpu_moe, "select_experts") and hasattr(cpu_router, "select_experts"):
         cpu_moe.select_experts = cpu_router.select_experts
-    return getattr(cpu_moe, "select_experts", None) is getattr(cpu_router, "select_experts", False)
+        cpu_moe.select_experts_bridged = True
+    return getattr(cpu_moe, "select_experts_bridged", False)
 
 
 def adapt_vllm_gaudi_moe() -> list[str]:
