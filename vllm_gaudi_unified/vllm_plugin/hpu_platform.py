@@ -122,10 +122,9 @@ def refuse_unserved_models(vllm_config) -> None:
     if model is not None and model.use_mla and topk is not None:
         problems.append(f"sparse (DSA) MLA layers (index_topk {topk}: vllm-gaudi builds them as dense MLA, exact "
                         "only while a sequence has no more than index_topk tokens)")
-    if model is not None and (getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False)):
-        problems.append(f"Mamba / linear-attention layers ({model.architecture}: vllm-gaudi's Mamba2 and "
-                        "GatedDeltaNet ops read its own batch metadata (state indices, each prompt padded to "
-                        "whole Mamba chunks, decodes apart), which the unified runner's one flat step does not build)")
+    if model is not None and getattr(model, "is_attention_free", False):
+        problems.append(f"attention-free models ({model.architecture}: the unified runner plans its steps for "
+                        "attention layers; hybrids of attention and Mamba2 layers are served)")
     if problems:
         raise NotImplementedError("Unified attention on Gaudi does not serve " + "; ".join(problems) + ". Unset "
                                   "VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")
