@@ -8,7 +8,8 @@ tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
 multimodal models that take raw inputs or prune video tokens (`hpu_multimodal.refused_multimodal`),
-sparse (DSA) MLA models (`refuse_unserved_models`), speculative decoding other than ngram and EAGLE / EAGLE3 (whose drafter runs unified batches, `hpu_eagle.py`), a vllm-gaudi whose
+sparse (DSA) MLA models and attention-free models (`refuse_unserved_models`; a hybrid's state layers other than
+Mamba2 stop the runner's start-up, `hpu_mamba.state_layer_names`), speculative decoding other than ngram and EAGLE / EAGLE3 (whose drafter runs unified batches, `hpu_eagle.py`), a vllm-gaudi whose
 overridden methods differ from the ones checked
 (`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
 are the backend's to accept (`hpu_backend.py`). Async scheduling runs as vllm-gaudi

@@ -23,7 +23,8 @@ defragmenter) and replaces the step's forward plan:
   an encoder-only group, which has no block table, plans bidirectional steps);
 - `_configure_lora`, `_get_prompt_logprobs_dict`: LoRA adapters per token of the flat step (`hpu_lora.py`);
 - `_get_model_mm_inputs`, M-RoPE positions in `step_inputs`: images of multimodal models as the flat step's
-  `inputs_embeds` (`hpu_multimodal.py`).
+  `inputs_embeds` (`hpu_multimodal.py`);
+- hybrids: each Mamba2 layer runs vllm-gaudi's op over the step's decodes and each prompt apart (`hpu_mamba.py`).
 
 vllm-gaudi's `sample_tokens` then samples and returns outputs as it always does:
 the unified batch is its single prefill batch.
