@@ -9,8 +9,8 @@ calls from its one flat step (`vllm_plugin/hpu_mamba.py`) while the attention la
   block boundary: vLLM's 'align' mode never schedules one);
 - a tiny random Granite-4.0-h (`GraniteMoeHybridForCausalLM`: Mamba2, attention, Mamba2; float32;
   `tests/vllm_hybrid_helpers.py`) with prefix caching (vLLM's Mamba 'align' mode) and chunked prefill (64-token
-  budget), prompts past vllm-gaudi's 256-token hybrid block and prefix hits on cached states: tokens identical
-  to vLLM's own CPU attention, logprobs within 1e-4;
+  budget), prompts past vllm-gaudi's 256-token hybrid block and prefix hits on cached states, and without prefix
+  caching: tokens identical to vLLM's own CPU attention, logprobs within 1e-4;
 - what stays refused: attention-free models, state layers other than Mamba2 (GatedDeltaNet), bucket plans.
 """
 from __future__ import annotations
@@ -161,21 +161,33 @@ def _gaudi(model, out, *args, **env):
     return _run(model, out, "--gaudi-standin", *args, VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1", **env)
 
 
+@pytest.fixture(scope="module")
+def reference(granite):
+    """vLLM's own CPU attention on the long scenario (block 64, prefix caching on)."""
+    root, model = granite
+    ref, log = _run(model, str(root / "ref.json"), "--block-size", "16", "--long")
+    assert ref is not None, log[-3000:]
+    return ref
+
+
 @pytest.mark.slow
-def test_granite_hybrid_on_gaudi_matches_vllm(granite):
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix_caching", "no_prefix_caching"])
+def test_granite_hybrid_on_gaudi_matches_vllm(granite, reference, caching):
+    """With prefix caching (vLLM's 'align' mode: block 256, states cached per block, two prefix hits) and
+    without (vllm-gaudi's block 48, one state slot per request)."""
     import vllm_helpers as H
 
     root, model = granite
-    ref, ref_log = _run(model, str(root / "ref.json"), "--block-size", "16", "--long")
-    got, log = _gaudi(model, str(root / "gaudi.json"), "--block-size", "16", "--long")
-    assert ref is not None, ref_log[-3000:]
+    args = () if caching else ("--no-prefix-caching",)
+    got, log = _gaudi(model, str(root / f"gaudi_{caching}.json"), "--block-size", "16", "--long", *args)
     assert got is not None, log[-3000:]
     assert "2 Mamba2 layers run vllm-gaudi's op" in log and "GAUDI_UNIFIED_HPU_ATTN" in log
     assert "Hybrid model (standard Mamba2 + ATN)" in log  # vllm-gaudi's own hybrid set-up
-    assert got["prefix_caching"] and got["chunked_prefill"] and got["block_size"] == 256
-    worst = H.same_tokens_worst_logprob(got, ref, cases=9)
+    assert got["prefix_caching"] == caching and got["chunked_prefill"]
+    assert got["block_size"] == (256 if caching else 48)
+    worst = H.same_tokens_worst_logprob(got, reference, cases=9)
     assert worst <= LOGPROB_ATOL, worst
-    print("granite hybrid, Gaudi path (block", got["block_size"], "), max |dlogprob| vs vLLM's CPU attention", worst)
+    print("granite hybrid, Gaudi path, block", got["block_size"], "max |dlogprob| vs vLLM's CPU attention", worst)
 
 
 @pytest.mark.slow

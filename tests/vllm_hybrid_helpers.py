@@ -3,7 +3,7 @@
 `python tests/vllm_hybrid_helpers.py make-granite PATH` saves a random-weight `GraniteMoeHybridForCausalLM`
 (Granite-4.0-h's architecture: Mamba2, attention, Mamba2; float32, 64-token Mamba chunks);
 `make-qwen3-next PATH` a random-weight `Qwen3NextForCausalLM` (GatedDeltaNet, attention; bfloat16);
-`python tests/vllm_hybrid_helpers.py run --model PATH --out OUT [--dtype D] [--long] [--gaudi-standin]` generates
+`python tests/vllm_hybrid_helpers.py run --model PATH --out OUT [--dtype D] [--long] [--no-prefix-caching] [--gaudi-standin]` generates
 `hybrid_prompts()` with one engine (chunked prefill, 64-token budget, prefix caching, which vLLM runs in its
 Mamba 'align' mode), in the `vllm_helpers.run_scenario` result format; vLLM aligns the block size asked for
 (`--block-size`) to the hybrid (an attention page holds a Mamba state).
@@ -84,12 +84,14 @@ def hybrid_prompts(long: bool = False) -> list[list[dict]]:
 
 
 def run_hybrid(model: str, out: str, gaudi_standin: bool = False, block_size: int | None = None,
-               dtype: str = "float32", long: bool = False) -> None:
+               dtype: str = "float32", long: bool = False, prefix_caching: bool = True) -> None:
     """Both waves with one engine in this process; `block_size`: the one asked for (vLLM aligns it for the
     hybrid: the attention page must hold a Mamba state)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     device = vllm_helpers.gaudi_standin_context(dtype) if gaudi_standin else contextlib.nullcontext()
-    extra = dict(dtype=dtype) if block_size is None else dict(dtype=dtype, block_size=block_size)
+    extra = dict(dtype=dtype, enable_prefix_caching=prefix_caching)
+    if block_size is not None:
+        extra["block_size"] = block_size
     with device:
         vllm_model_helpers._run_mla(model, out, 0, extra, waves=hybrid_prompts(long))
 
@@ -106,6 +108,7 @@ def main(argv=None) -> int:
     run.add_argument("--dtype", default="float32")
     run.add_argument("--block-size", type=int, default=None, help="the block size asked for (default: vLLM's)")
     run.add_argument("--long", action="store_true", help="two more waves past 256 tokens (hybrid_prompts)")
+    run.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     vllm_helpers.add_standin_flag(run)
     args = parser.parse_args(argv)
     if args.cmd == "make-granite":
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
     elif args.cmd == "make-qwen3-next":
         make_tiny_qwen3_next(args.path)
     else:
-        run_hybrid(args.model, args.out, args.gaudi_standin, args.block_size, args.dtype, args.long)
+        run_hybrid(args.model, args.out, args.gaudi_standin, args.block_size, args.dtype, args.long, args.prefix_caching)
     return 0
 
 
