@@ -11,7 +11,8 @@ calls from its one flat step (`vllm_plugin/hpu_mamba.py`) while the attention la
   `tests/vllm_hybrid_helpers.py`) with prefix caching (vLLM's Mamba 'align' mode) and chunked prefill (64-token
   budget), prompts past vllm-gaudi's 256-token hybrid block and prefix hits on cached states, and without prefix
   caching: tokens identical to vLLM's own CPU attention, logprobs within 1e-4;
-- what stays refused: attention-free models, state layers other than Mamba2 (GatedDeltaNet), bucket plans.
+- what stays refused: attention-free models, state layers other than Mamba2 (GatedDeltaNet), bucket plans and
+  speculative decoding beside Mamba2 layers.
 """
 from __future__ import annotations
 
@@ -63,7 +64,25 @@ def test_state_layers_other_than_mamba2_are_refused(gaudi):
     with pytest.raises(NotImplementedError, match=r"layer model\.layers\.0\.linear_attn \(GatedDeltaNet, .*Mamba2 "
                                                   "layers only"):
         state_layer_names(config, groups)
-    assert state_layer_names(config, groups[1:]) == []
+    assert state_layer_names(config, groups[1:], buckets="auto") == []  # attention only: nothing to check
+
+
+def test_bucket_plans_and_drafts_beside_mamba2_layers_are_refused(gaudi):
+    """A Mamba2 layer is served; with a bucket plan or speculative decoding the start-up stops, saying why."""
+    from vllm_gaudi.ops.hpu_mamba_mixer2 import HPUMambaMixer2
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_mamba import state_layer_names
+
+    layer = HPUMambaMixer2.__new__(HPUMambaMixer2)  # its type is what is checked
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"m.mixer": layer}),
+                             speculative_config=None)
+    groups = [SimpleNamespace(kv_cache_spec=_mamba_spec(), layer_names=["m.mixer"])]
+    assert state_layer_names(config, groups) == ["m.mixer"]
+    with pytest.raises(NotImplementedError, match=r"a bucket plan \(plan\.json\) for a model with Mamba2 layers"):
+        state_layer_names(config, groups, buckets="plan.json")
+    config.speculative_config = SimpleNamespace(method="ngram")
+    with pytest.raises(NotImplementedError, match="speculative decoding with Mamba2 layers"):
+        state_layer_names(config, groups)
 
 
 class _Table:
@@ -195,4 +214,4 @@ def test_a_bucket_plan_for_a_hybrid_is_refused(granite):
     root, model = granite
     got, log = _gaudi(model, str(root / "plan.json"), VLLM_GAUDI_UNIFIED_BUCKETS="auto")
     assert got is None
-    assert "a bucket plan (auto) for a model with Mamba layers" in log, log[-3000:]
+    assert "a bucket plan (auto) for a model with Mamba2 layers" in log, log[-3000:]

@@ -129,21 +129,32 @@ def mamba_layer_names(vllm_config) -> list[str]:
     return [name for name, layer in layers.items() if isinstance(layer, HPUMambaMixer2)]
 
 
-def state_layer_names(vllm_config, groups) -> list[str]:
-    """The layers of the KV cache groups that hold states (`MambaSpec`): all vllm-gaudi Mamba2 layers, or a
-    start-up error naming the first other one (GatedDeltaNet, short convolutions, ...)."""
+def state_layer_names(vllm_config, groups, buckets: str | None = None) -> list[str]:
+    """The layers of the KV cache groups that hold states (`MambaSpec`), all vllm-gaudi Mamba2 layers; or a
+    start-up error naming what is not served: another state layer (GatedDeltaNet, short convolutions, ...),
+    a bucket plan (`buckets`) or speculative decoding beside Mamba layers."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    names = [n for g in groups if isinstance(g.kv_cache_spec, MambaSpec) for n in g.layer_names]
+    if not names:
+        return names
     served = set(mamba_layer_names(vllm_config))
     layers = vllm_config.compilation_config.static_forward_context
-    names = [n for g in groups if isinstance(g.kv_cache_spec, MambaSpec) for n in g.layer_names]
+    unset = "Unset VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention"
     for name in names:
         if name not in served:
             raise NotImplementedError(
-                f"layer {name} ({type(layers[name]).__name__}, a state layer beside attention): the unified runner on Gaudi serves Mamba2 layers only (vllm-gaudi's "
-                "HPUMambaMixer2, Granite-4.0-h style); GatedDeltaNet and other state layers read vllm-gaudi's "
-                "own batch metadata, which it does not build. Unset VLLM_GAUDI_UNIFIED (or set it to 0) to use "
-                "vllm-gaudi's own attention")
+                f"layer {name} ({type(layers[name]).__name__}, a state layer beside attention): the unified runner "
+                "on Gaudi serves Mamba2 layers only (vllm-gaudi's HPUMambaMixer2, Granite-4.0-h style); "
+                "GatedDeltaNet and other state layers read vllm-gaudi's own batch metadata, which it does not "
+                f"build. {unset}")
+    if buckets:
+        raise NotImplementedError(f"a bucket plan ({buckets}) for a model with Mamba2 layers: their calls (each "
+                                  "prompt apart, padded to whole Mamba chunks) follow the step, not its bucket, so no "
+                                  "graph per bucket covers the model; leave VLLM_GAUDI_UNIFIED_BUCKETS unset")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise NotImplementedError("speculative decoding with Mamba2 layers: vllm-gaudi's Mamba2 op keeps one state "
+                                  f"per request, not one per draft position. {unset}")
     return names
 
 

@@ -145,11 +145,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
             raise NotImplementedError(f"{cached} KV cache groups with a cache (e.g. sliding-window beside full "
                                       f"attention layers) but vllm-gaudi's input batch keeps {tables} block "
                                       "table(s): not supported by the unified runner yet")
-        self.unified_mamba_layers = state_layer_names(self.vllm_config, groups)
-        if self.unified_mamba_layers and config.buckets:
-            raise NotImplementedError(f"a bucket plan ({config.buckets}) for a model with Mamba layers: their "
-                                      "calls (each prompt apart, padded to whole Mamba chunks) follow the step, not "
-                                      "its bucket, so no graph per bucket covers the model; leave the plan unset")
+        self.unified_mamba_layers = state_layer_names(self.vllm_config, groups, config.buckets)
         self.unified_kinds = [group_kinds(self.vllm_config, g.layer_names) for g in groups]
         # A group of one plain kind gets that window's bucket plan; several kinds share the full one.
         windows = [next(iter(k)).window if len(k) == 1 and not next(iter(k)).chunk_size else None
