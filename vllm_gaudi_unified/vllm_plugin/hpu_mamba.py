@@ -12,6 +12,7 @@ flat step (padding rows stay zero). GatedDeltaNet layers (Qwen3-Next, Qwen3.5) s
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -122,11 +123,13 @@ def _prompt_call(runner, i, start, q, ctx, first, last, indices, chunk, block, c
 
 
 def mamba_layer_names(vllm_config) -> list[str]:
-    """The model's vllm-gaudi Mamba2 layers (`HPUMambaMixer2`), by their forward-context names."""
-    from vllm_gaudi.ops.hpu_mamba_mixer2 import HPUMambaMixer2
-
+    """The model's vllm-gaudi Mamba2 layers (`HPUMambaMixer2`), by their forward-context names (none where
+    vllm-gaudi's ops module, which registers the layer, was never imported)."""
+    ops = sys.modules.get("vllm_gaudi.ops.hpu_mamba_mixer2")
+    if ops is None:
+        return []
     layers = vllm_config.compilation_config.static_forward_context
-    return [name for name, layer in layers.items() if isinstance(layer, HPUMambaMixer2)]
+    return [name for name, layer in layers.items() if isinstance(layer, ops.HPUMambaMixer2)]
 
 
 def state_layer_names(vllm_config, groups, buckets: str | None = None) -> list[str]:
