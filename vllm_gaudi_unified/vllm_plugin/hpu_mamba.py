@@ -70,14 +70,18 @@ def mamba_step(runner, query_lens: np.ndarray, context_lens: np.ndarray) -> Mamb
         calls.append(MambaCall(torch.from_numpy(starts[decodes]).to(device), n, md))
     prompts = np.setdiff1d(np.flatnonzero(query_lens > 0), decodes)
     for i in prompts:
-        calls.append(_prompt_call(runner, i, int(starts[i]), int(query_lens[i]), int(context_lens[i]),
-                                  int(first_scheduled[i]), int(last_scheduled[i]), indices, chunk, block, caching))
+        blocks = int(last_computed[i]), int(first_scheduled[i]), int(last_scheduled[i])
+        calls.append(_prompt_call(runner, i, int(starts[i]), int(query_lens[i]), int(context_lens[i]), blocks,
+                                  indices, chunk, block, caching))
     return MambaStep(calls)
 
 
-def _prompt_call(runner, i, start, q, ctx, first, last, indices, chunk, block, caching) -> MambaCall:
-    """Request `i`'s `q` tokens after `ctx` computed ones as one prompt call of vllm-gaudi's op."""
+def _prompt_call(runner, i, start, q, ctx, blocks, indices, chunk, block, caching) -> MambaCall:
+    """Request `i`'s `q` tokens after `ctx` computed ones (flat rows from `start`) as one prompt call of
+    vllm-gaudi's op; `blocks`: the indices in its block table of the state it loads and of the first and last
+    blocks its tokens reach."""
     device = runner.device
+    loaded, first, last = blocks
     padded = _cdiv(q, chunk) * chunk
     chunks = padded // chunk
     req = np.array([i])
@@ -85,7 +89,7 @@ def _prompt_call(runner, i, start, q, ctx, first, last, indices, chunk, block, c
     mask[:q] = 1
     md = SimpleNamespace(
         is_prompt=True, prep_initial_states=ctx > 0,
-        load_indices_tensor=indices(req, np.array([_cdiv(ctx, block) - 1 if ctx else 0])),
+        load_indices_tensor=indices(req, np.array([loaded])),
         store_indices_tensor=indices(req, np.array([last])),
         has_initial_states_p=torch.tensor([ctx > 0], device=device),
         query_start_loc_p=torch.tensor([0, q], dtype=torch.int32, device=device),
@@ -100,7 +104,7 @@ def _prompt_call(runner, i, start, q, ctx, first, last, indices, chunk, block, c
             raise NotImplementedError(
                 f"a prompt chunk starting at token {ctx} (not a multiple of the Mamba chunk size {chunk}) crosses "
                 f"a {block}-token block boundary: vllm-gaudi's Mamba2 op stores a block's state at a chunk end, "
-                "which falls elsewhere. Raise max_num_batched_tokens to the block size or more")
+                "which falls elsewhere (vLLM's 'align' prefix caching ends such a chunk at the boundary)")
         pad = runner._MAMBA_PAD_BLOCK_ID
         n_blocks, most = last - first + 1, _cdiv(padded, block) + 1
         stride = block // chunk
