@@ -3,7 +3,8 @@
 `python tests/vllm_hybrid_helpers.py make-granite PATH` saves a random-weight `GraniteMoeHybridForCausalLM`
 (Granite-4.0-h's architecture: Mamba2, attention, Mamba2; float32, 64-token Mamba chunks);
 `make-qwen3-next PATH` a random-weight `Qwen3NextForCausalLM` (GatedDeltaNet, attention; bfloat16);
-`python tests/vllm_hybrid_helpers.py run --model PATH --out OUT [--dtype D] [--gaudi-standin]` generates
+`python tests/vllm_hybrid_helpers.py run --model PATH --out OUT [--dtype D] [--long] [--no-prefix-caching]
+[--gaudi-standin]` generates
 `hybrid_prompts()` with one engine (chunked prefill, 64-token budget, prefix caching, which vLLM runs in its
 Mamba 'align' mode), in the `vllm_helpers.run_scenario` result format; vLLM aligns the block size asked for
 (`--block-size`) to the hybrid (an attention page holds a Mamba state).
@@ -60,9 +61,11 @@ def make_tiny_qwen3_next(path: str, seed: int = 0) -> str:
     return path
 
 
-def hybrid_prompts() -> list[list[dict]]:
+def hybrid_prompts(past_block: bool = False) -> list[list[dict]]:
     """Wave 1: ragged prompts, one longer than the budget (chunked, across Mamba chunks and blocks); wave 2: a
-    prompt sharing wave 1's first 160 tokens (prefix-cache hit: the Mamba state restored at a block boundary)."""
+    prompt sharing wave 1's first 160 tokens (prefix-cache hit: the Mamba state restored at a block boundary).
+    `past_block`: two more waves past 256 tokens (vllm-gaudi's hybrid block size): a 300-token prompt beside a short
+    one, then a prompt sharing its first 288 tokens (a hit on the state cached at token 256)."""
     toks = vllm_helpers.token_maker(6)
 
     long = toks(200)
@@ -72,18 +75,26 @@ def hybrid_prompts() -> list[list[dict]]:
              dict(name="p45", prompt=toks(45), max_tokens=8)]
     wave2 = [dict(name="prefix_hit", prompt=long[:160] + toks(30), max_tokens=10, prompt_logprobs=True),
              dict(name="p9", prompt=toks(9), max_tokens=12)]
-    return [wave1, wave2]
+    if not past_block:
+        return [wave1, wave2]
+    long300 = toks(300)
+    wave3 = [dict(name="long300", prompt=long300, max_tokens=8, prompt_logprobs=True),
+             dict(name="p70", prompt=toks(70), max_tokens=6)]
+    wave4 = [dict(name="hit300", prompt=long300[:288] + toks(20), max_tokens=8, prompt_logprobs=True)]
+    return [wave1, wave2, wave3, wave4]
 
 
 def run_hybrid(model: str, out: str, gaudi_standin: bool = False, block_size: int | None = None,
-               dtype: str = "float32") -> None:
-    """Both waves with one engine in this process; `block_size`: the one asked for (vLLM aligns it for the
-    hybrid: the attention page must hold a Mamba state)."""
+               dtype: str = "float32", past_block: bool = False, prefix_caching: bool = True) -> None:
+    """`hybrid_prompts(past_block)` with one engine in this process; `block_size`: the one asked for (vLLM aligns
+    it for the hybrid: the attention page must hold a Mamba state)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     device = vllm_helpers.gaudi_standin_context(dtype) if gaudi_standin else contextlib.nullcontext()
-    extra = dict(dtype=dtype) if block_size is None else dict(dtype=dtype, block_size=block_size)
+    extra = dict(dtype=dtype, enable_prefix_caching=prefix_caching)
+    if block_size is not None:
+        extra["block_size"] = block_size
     with device:
-        vllm_model_helpers._run_mla(model, out, 0, extra, waves=hybrid_prompts())
+        vllm_model_helpers._run_mla(model, out, 0, extra, waves=hybrid_prompts(past_block))
 
 
 def main(argv=None) -> int:
@@ -97,6 +108,8 @@ def main(argv=None) -> int:
     run.add_argument("--out", required=True)
     run.add_argument("--dtype", default="float32")
     run.add_argument("--block-size", type=int, default=None, help="the block size asked for (default: vLLM's)")
+    run.add_argument("--long", action="store_true", help="two more waves past 256 tokens (hybrid_prompts)")
+    run.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     vllm_helpers.add_standin_flag(run)
     args = parser.parse_args(argv)
     if args.cmd == "make-granite":
@@ -104,7 +117,8 @@ def main(argv=None) -> int:
     elif args.cmd == "make-qwen3-next":
         make_tiny_qwen3_next(args.path)
     else:
-        run_hybrid(args.model, args.out, args.gaudi_standin, args.block_size, args.dtype)
+        run_hybrid(args.model, args.out, args.gaudi_standin, args.block_size, args.dtype, args.long,
+                   args.prefix_caching)
     return 0
 
 

@@ -39,6 +39,7 @@ from vllm_gaudi_unified.mla_prompts import expanded_step
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, per_token_scales, quantize
 from vllm_gaudi_unified.vllm_plugin.backend import GaudiUnifiedAttentionBackend, GaudiUnifiedAttentionImpl
 from vllm_gaudi_unified.vllm_plugin.cache_write import write_kv
+from vllm_gaudi_unified.vllm_plugin.hpu_mamba import MambaStep
 
 #: The name vLLM's registry knows the Gaudi backend by (`backend.BACKEND_NAME` is the CPU path's).
 HPU_BACKEND_NAME = "GAUDI_UNIFIED_HPU_ATTN"
@@ -144,8 +145,9 @@ class UnifiedMetadataProcessor(HPUAttentionMetadataProcessor):
 
 
 def is_unified_metadata(attn_metadata) -> bool:
-    if isinstance(attn_metadata, dict):
-        return bool(attn_metadata) and all(isinstance(m, UnifiedHpuMetadata) for m in attn_metadata.values())
+    if isinstance(attn_metadata, dict):  # a hybrid's Mamba2 layers hold their calls (`hpu_mamba.MambaStep`)
+        kinds = {type(m) for m in attn_metadata.values()}
+        return UnifiedHpuMetadata in kinds and kinds <= {UnifiedHpuMetadata, MambaStep}
     return isinstance(attn_metadata, UnifiedHpuMetadata)
 
 

@@ -8,7 +8,8 @@ tests' stand-in for one) and vllm-gaudi are present.
 
 Start-up refuses, with the reason, what the unified runner does not do:
 multimodal models that take raw inputs or prune video tokens (`hpu_multimodal.refused_multimodal`),
-sparse (DSA) MLA models (`refuse_unserved_models`), speculative decoding other than ngram and EAGLE / EAGLE3 (whose drafter runs unified batches, `hpu_eagle.py`), a vllm-gaudi whose
+sparse (DSA) MLA models and attention-free models (`refuse_unserved_models`; a hybrid's state layers other than
+Mamba2 stop the runner's start-up, `hpu_mamba.state_layer_names`), speculative decoding other than ngram and EAGLE / EAGLE3 (whose drafter runs unified batches, `hpu_eagle.py`), a vllm-gaudi whose
 overridden methods differ from the ones checked
 (`check_vllm_gaudi_hooks`). fp8 KV caches (e4m3: fp8 / fp8_e4m3 / fp8_inc)
 are the backend's to accept (`hpu_backend.py`). Async scheduling runs as vllm-gaudi
@@ -122,10 +123,9 @@ def refuse_unserved_models(vllm_config) -> None:
     if model is not None and model.use_mla and topk is not None:
         problems.append(f"sparse (DSA) MLA layers (index_topk {topk}: vllm-gaudi builds them as dense MLA, exact "
                         "only while a sequence has no more than index_topk tokens)")
-    if model is not None and (getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False)):
-        problems.append(f"Mamba / linear-attention layers ({model.architecture}: vllm-gaudi's Mamba2 and "
-                        "GatedDeltaNet ops read its own batch metadata (state indices, each prompt padded to "
-                        "whole Mamba chunks, decodes apart), which the unified runner's one flat step does not build)")
+    if model is not None and getattr(model, "is_attention_free", False):
+        problems.append(f"attention-free models ({model.architecture}: the unified runner plans its steps for "
+                        "attention layers; hybrids of attention and Mamba2 layers are served)")
     if problems:
         raise NotImplementedError("Unified attention on Gaudi does not serve " + "; ".join(problems) + ". Unset "
                                   "VLLM_GAUDI_UNIFIED (or set it to 0) to use vllm-gaudi's own attention.")

@@ -23,7 +23,8 @@ defragmenter) and replaces the step's forward plan:
   an encoder-only group, which has no block table, plans bidirectional steps);
 - `_configure_lora`, `_get_prompt_logprobs_dict`: LoRA adapters per token of the flat step (`hpu_lora.py`);
 - `_get_model_mm_inputs`, M-RoPE positions in `step_inputs`: images of multimodal models as the flat step's
-  `inputs_embeds` (`hpu_multimodal.py`).
+  `inputs_embeds` (`hpu_multimodal.py`);
+- hybrids: each Mamba2 layer runs vllm-gaudi's op over the step's decodes and each prompt apart (`hpu_mamba.py`).
 
 vllm-gaudi's `sample_tokens` then samples and returns outputs as it always does:
 the unified batch is its single prefill batch.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import habana_frameworks.torch as htorch
 import numpy as np
 import torch
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm_gaudi.extension.ops import LoraMask
 from vllm_gaudi.v1.worker.hpu_model_runner import (
     DecodeInputData,
@@ -52,6 +54,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_backend import (
 )
 from vllm_gaudi_unified.vllm_plugin.hpu_eagle import EAGLE_METHODS, drafter_adapter, propose_eagle
 from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL, group_kinds, plan_encoder_only, plan_kinds, table_indices
+from vllm_gaudi_unified.vllm_plugin.hpu_mamba import mamba_step, serve_mamba_layers, state_layer_names
 from vllm_gaudi_unified.vllm_plugin.hpu_models import load_shape_fixes
 from vllm_gaudi_unified.vllm_plugin.hpu_moe import adapt_vllm_gaudi_moe
 from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, prompt_logprobs_by_request
@@ -80,6 +83,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         self.unified_kinds: list[dict] = []  #: per KV cache group: its layers by AttentionKind (hpu_kinds.py)
         self.unified_tables: list[int | None] = []  #: per KV cache group: its block table's index; None: encoder-only
         self.unified_warmed: set = set()  #: buckets run through the whole model at warmup
+        self.unified_mamba_layers: list[str] = []  #: Mamba2 layers (hybrids), served per call (hpu_mamba.py)
         self.last_step: HpuStep | None = None  #: the last step planned (tests, debugging)
         self.num_listed_decodes = 0  #: the step's first requests, which vllm-gaudi's sampling treats as decodes
         self._step_forward = None  #: (metadata, hidden, aux) of the step's one forward, for its second reader
@@ -98,6 +102,9 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         super().load_model()
         if not self.is_pooling_model:  # vllm-gaudi runs a pooling model bare, without its model adapter
             self._model_adapter().metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
+        if served := serve_mamba_layers(self.vllm_config):  # hybrids: vllm-gaudi's Mamba2 op per call (hpu_mamba.py)
+            logger.info("Unified attention: %d Mamba2 layers run vllm-gaudi's op over each step's decodes together "
+                        "and each prompt apart; attention layers the one unified batch", served)
         if hasattr(getattr(self, "drafter", None), "model"):  # EAGLE: its drafter runs unified batches too
             drafter_adapter(self).metadata_processor = UnifiedMetadataProcessor(self.vllm_config)
         logger.info("Unified attention: vllm-gaudi's model runner plans every step as one unified batch "
@@ -138,6 +145,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
             raise NotImplementedError(f"{cached} KV cache groups with a cache (e.g. sliding-window beside full "
                                       f"attention layers) but vllm-gaudi's input batch keeps {tables} block "
                                       "table(s): not supported by the unified runner yet")
+        self.unified_mamba_layers = state_layer_names(self.vllm_config, groups, config.buckets)
         self.unified_kinds = [group_kinds(self.vllm_config, g.layer_names) for g in groups]
         # A group of one plain kind gets that window's bucket plan; several kinds share the full one.
         windows = [next(iter(k)).window if len(k) == 1 and not next(iter(k)).chunk_size else None
@@ -203,6 +211,8 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         metadata, padded = {}, None
         for gid, (group, hooks, kinds, t) in enumerate(zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks,
                                                            self.unified_kinds, self.unified_tables)):
+            if isinstance(group.kv_cache_spec, MambaSpec):  # its layers' calls below
+                continue
             bs = group.kv_cache_spec.block_size
             if t is None:  # encoder-only: every token sees its whole request, no cache (`make_unified_hooks`)
                 table = np.zeros((len(step.query_lens), 0), dtype=np.int64)
@@ -229,6 +239,9 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
                 planned = batches[kind].with_prompt_bias(self.dtype, same_head_dims=not self.model_config.use_mla)
                 md = UnifiedHpuMetadata(batch=planned, slot_mapping=slots)
                 metadata.update({name: md for name in names})
+        if self.unified_mamba_layers:
+            mamba = mamba_step(self, step.query_lens, step.context_lens)
+            metadata.update({name: mamba for name in self.unified_mamba_layers})
         return metadata
 
     def _prepare_inputs(self, scheduler_output, num_prefills, num_decodes, warmup=False):
