@@ -156,6 +156,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     per_call = tiles_per_call(opts)
     size = per_call * max(kind[0].shape[1] for kind in kinds)
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
+    none = torch.zeros(0, dtype=torch.int64, device=q.device)  # no tile left to mask (one-row tiles, below)
     for all_rows, all_blocks, all_lo, all_hi, all_cols in kinds:
         for start, stop in _chunks(all_rows.shape[0], per_call):
             rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
@@ -164,7 +165,11 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
                              bs).flatten(2)  # [tiles, rows, chunk keys]
             kk = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # fp8: dequantized after the gather
             vv = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
-            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap)
+            masked = None
+            if rows.shape[1] == 1:  # one-row tiles: the unseen keys zeroed in the gathered copy, not in a copy of it
+                vv.masked_fill_(~mask[:, 0, :, None, None], 0)
+                masked = none  # (nothing left to mask: the same values, the same products as V masked in a copy)
+            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked)
             cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
     return slots.fold()
