@@ -149,6 +149,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
     pre = slice(0, batch.plan.pre_own_from if own else None)
     kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col),
+             (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
     if all(kind[0].shape[0] == 0 for kind in kinds):
         return None
