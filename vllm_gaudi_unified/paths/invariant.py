@@ -145,25 +145,20 @@ def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None,
                     own: bool = False) -> Partial | None:
-    """One-row tiles, verify steps' tiles (`unique_tokens` rows), then tiles of `invariant_rows` rows, each
-    chunk written to slot [token, chunk]; `own`: not the own-calls requests' tiles (the last ones, whole calls).
-
-    The one-row and verify tiles zero V's unseen keys in the gathered copy (no second copy) and take the
-    products over K/V as stored (`tiles.attend`'s one-row form; `as_stored` for a verify tile, whose rows
-    all see the chunk's keys: no window); the others `attend`'s general form."""
+    """One-row tiles, then tiles of `invariant_rows` rows, each chunk written to slot [token, chunk];
+    `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
     pre = slice(0, batch.plan.pre_own_from if own else None)
-    kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col, True),
-             (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col, True),
-             (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre],
-              False)]
+    kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col),
+             (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
+             (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
     if all(kind[0].shape[0] == 0 for kind in kinds):
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
     per_call = tiles_per_call(opts)
     size = per_call * max(kind[0].shape[1] for kind in kinds)
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
-    none = torch.zeros(0, dtype=torch.int64, device=q.device)  # no tile left to mask (V masked in place, below)
-    for all_rows, all_blocks, all_lo, all_hi, all_cols, in_place in kinds:
+    none = torch.zeros(0, dtype=torch.int64, device=q.device)  # no tile left to mask (one-row tiles, below)
+    for all_rows, all_blocks, all_lo, all_hi, all_cols in kinds:
         for start, stop in _chunks(all_rows.shape[0], per_call):
             rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
             blocks = _pad_to(all_blocks[start:stop], per_call, 0)
@@ -171,10 +166,11 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
                              bs).flatten(2)  # [tiles, rows, chunk keys]
             kk = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # fp8: dequantized after the gather
             vv = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
-            if in_place:  # (the same values as V masked in a copy, so the same products: nothing left to mask)
-                vv.masked_fill_(~mask.any(1)[:, :, None, None], 0)
-            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=none if in_place
-                          else None, as_stored=in_place and rows.shape[1] > 1)
+            masked = None
+            if rows.shape[1] == 1:  # one-row tiles: the unseen keys zeroed in the gathered copy, not in a copy of it
+                vv.masked_fill_(~mask[:, 0, :, None, None], 0)
+                masked = none  # (nothing left to mask: the same values, the same products as V masked in a copy)
+            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked)
             cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
     return slots.fold()

@@ -181,10 +181,8 @@ def _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
     else:  # V as stored, then the tiles whose real rows miss some key again on masked V
         acc = torch.stack([torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)], 1)
         sel = masked_tiles
-        if sel.shape[0]:  # (none: the caller zeroed V's unseen keys itself)
-            vz = torch.where(mask.any(1)[sel][:, :, None, None], v[sel], zero)
-            acc = acc.index_copy_(0, sel, torch.stack([torch.matmul(p[sel, h], vz[:, :, h]) for h in range(hkv)],
-                                                      1))
+        vz = torch.where(mask.any(1)[sel][:, :, None, None], v[sel], zero)
+        acc = acc.index_copy_(0, sel, torch.stack([torch.matmul(p[sel, h], vz[:, :, h]) for h in range(hkv)], 1))
     acc = acc.to(dt).view(t, hkv, g, r, dv)
     return Partial(acc.permute(0, 3, 1, 2, 4).reshape(t * r, hq, dv), m.permute(0, 3, 1, 2).reshape(t * r, hq),
                    total.permute(0, 3, 1, 2).reshape(t * r, hq))
