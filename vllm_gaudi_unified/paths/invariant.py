@@ -61,8 +61,8 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     with context the split form, its context's keys exactly (gathered in position order, no padding key)
     in one call with statistics, its new keys causal in another, merged by their LSE
     (`prompts.merge_split`). Bad values as on the fast route: non-finite new values zeroed, the rows at or
-    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (Cost of
-    one call per prompt at batch 1: docs/batch_invariance.md, Cost.)"""
+    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (The calls
+    of four 2k prompts take the GPU time of one call over the four: docs/batch_invariance.md, Cost.)"""
     from vllm_gaudi_unified.hpu import sdpa_final
 
     n, hq = q.shape[:2]
