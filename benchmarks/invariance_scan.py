@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 
 import torch
 
 from benchmarks import scenarios as sc_mod
+from benchmarks.mla_decode import timed
 from vllm_gaudi_unified import PlanOptions, build_unified_batch, unified_attention
 from vllm_gaudi_unified.files import write_text
 from vllm_gaudi_unified.paths import fused
@@ -41,19 +41,8 @@ def old_count(v, seg_start, window):
 
 
 def ms(fn, reps: int = 30) -> float:
-    """Median milliseconds of one eager call between CUDA events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    """Median milliseconds of one eager call between CUDA events (`mla_decode.timed`)."""
+    return timed(fn, iters=reps)
 
 
 def top_kernels(fn, n: int = 8) -> list:
