@@ -1,6 +1,7 @@
 """The batch-invariant mode: what it costs on a device, and what it does inside vLLM.
 
     python -m benchmarks.invariance cost [--route cuda|gaudi] [--scale 0.0625] [--device cpu|cuda]
+                                         [--invariant-chunk N]
                                          [--scenarios NAME ...] [--out results.json]
     python -m benchmarks.invariance vllm [--configs NAME ...] [--out results.json]
 
@@ -187,6 +188,8 @@ def cost(args) -> int:
     invariant = replace(default, batch_invariant=True)
     if args.invariant_rows:
         invariant = replace(invariant, invariant_rows=args.invariant_rows)
+    if args.invariant_chunk:
+        invariant = replace(invariant, invariant_chunk=args.invariant_chunk)
     rows = []
     route = fused.gaudi_route() if args.route == "gaudi" else contextlib.nullcontext()
     with route:
@@ -194,7 +197,8 @@ def cost(args) -> int:
             if args.scenarios and sc.name not in args.scenarios:
                 continue
             row = dict(scenario=sc.name, device=str(device), route=args.route, dtype=args.dtype, scale=args.scale,
-                       invariant_rows=invariant.invariant_rows, commit=args.commit,
+                       invariant_rows=invariant.invariant_rows, invariant_chunk=invariant.invariant_chunk,
+                       commit=args.commit,
                        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        torch=torch.__version__)
             if device.type == "cuda":
@@ -330,6 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size (the MLA decode: 128)")
     p.add_argument("--invariant-rows", type=int, default=None, help="PlanOptions.invariant_rows (default: its own)")
+    p.add_argument("--invariant-chunk", type=int, default=None,
+                   help="PlanOptions.invariant_chunk: the torch route's tiles per product (default: its own)")
     p.add_argument("--scenarios", nargs="*", default=None, help="names to run (default: all)")
     p.add_argument("--commit", default="", help="recorded in each row (the checkout measured)")
     p.add_argument("--out", type=output_path, default=None, help="write the rows as JSON here")

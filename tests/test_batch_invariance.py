@@ -282,11 +282,12 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     assert slots == sorted((starts[r], table[r, b]) for r in decodes for b in range(-(-cl[r] // bs)))
     assert (np.diff(plan.slot_rows) >= 0).all()
     kb = INVARIANT.blocks_per_tile(bs)
-    for rows, cols in ((plan.dec_rows, plan.dec_col), (plan.pre_rows, plan.pre_col)):
+    kinds = ((plan.dec_rows, plan.dec_col), (plan.unit_rows, plan.unit_col), (plan.pre_rows, plan.pre_col))
+    for rows, cols in kinds:
         real = rows < plan.num_tokens
         pairs = sorted(zip(rows[real].tolist(), np.broadcast_to(cols[:, None], rows.shape)[real].tolist()))
         assert len(pairs) == len(set(pairs)), "a (token, chunk) pair is computed twice"
-    tiles = {(t, c) for rows, cols in ((plan.dec_rows, plan.dec_col), (plan.pre_rows, plan.pre_col))
+    tiles = {(t, c) for rows, cols in kinds
              for t, c in zip(rows.ravel().tolist(), np.broadcast_to(cols[:, None], rows.shape).ravel().tolist())
              if t < plan.num_tokens}
     assert tiles == {(starts[r] + j, c) for r in range(len(reqs)) for j in range(ql[r])
@@ -317,6 +318,15 @@ def test_verify_steps_are_units():
     assert slots == sorted((starts[r], table[r, b]) for r in units + decodes for b in range(-(-cl[r] // bs)))
     chunks = [r for r in range(len(ql)) if ql[r] > INVARIANT.unique_tokens and cl[r] > 0]
     assert plan.ctx_rows.tolist() == [starts[r] + j for r in chunks for j in range(ql[r])]
+    # the tile route: a unit's rows are one tile of `unique_tokens` rows per chunk of its context
+    kb = INVARIANT.blocks_per_tile(bs)
+    real = (plan.unit_rows < plan.num_tokens).any(1)
+    assert plan.unit_rows.shape[1] == INVARIANT.unique_tokens
+    assert sorted((tuple(r[r < plan.num_tokens].tolist()), c) for r, c in zip(plan.unit_rows[real],
+                                                                             plan.unit_col[real].tolist())) == \
+        sorted((tuple(range(starts[r], starts[r] + ql[r])), c) for r in units for c in range(-(-cl[r] // (bs * kb))))
+    assert not set(plan.pre_rows[plan.pre_rows < plan.num_tokens].tolist()) & \
+        {starts[r] + j for r in units for j in range(ql[r])}
     windowed = plan_step(ql, cl, table, bs, sliding_window=9, options=INVARIANT)
     assert windowed.slot_units == 1
     assert sorted(set(windowed.slot_rows.tolist())) == [starts[r] + j for r in range(len(ql)) if cl[r] > 0

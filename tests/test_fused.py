@@ -230,6 +230,27 @@ def test_prefix_flag_matches_its_definition():
         assert plan.shared_prefix_visible == _brute_prefix_visible(plan), (q, ctx, table, window, opts)
 
 
+def test_clean_causal_values_marks_the_rows_that_see_a_bad_value():
+    """Row i of a request (segment) sees token j's value for j in its segment, j <= i, i - j < window: its
+    flag is set exactly when such a value is not finite for that KV head; the values come back with every
+    non-finite entry 0. Checked pair by pair against the definition (ragged segments, padding rows)."""
+    rng = np.random.default_rng(11)
+    for trial in range(120):
+        t, h = int(rng.integers(1, 40)), int(rng.integers(1, 4))
+        lens = np.diff(np.unique(np.concatenate([[0, t], rng.integers(0, t, int(rng.integers(0, 5)))])))
+        starts = np.repeat(np.cumsum(lens) - lens, lens)
+        v = torch.tensor(rng.normal(size=(t, h, 3)))
+        v[torch.tensor(rng.random((t, h, 3)) < 0.04)] = float(rng.choice([np.nan, np.inf]))
+        window = None if trial % 2 else int(rng.integers(1, 8))
+        seg = torch.tensor(np.concatenate([starts, [t] * 3]))  # rows past the step's tokens: padding
+        clean, seen = fused.clean_causal_values(v, seg, window)
+        bad = ~torch.isfinite(v).all(-1)
+        for i in range(t):
+            lo = starts[i] if window is None else max(starts[i], i - window + 1)
+            assert torch.equal(seen[i], bad[lo:i + 1].any(0)), (trial, i)
+        assert torch.equal(clean, torch.where(torch.isfinite(v), v, 0.0))
+
+
 @pytest.mark.parametrize("pad", [False, True])
 def test_split_steps_through_flash(flash_calls, pad):
     """A step cut into pieces under a gather cap (plan/split.py): each piece's shared and unique tiles

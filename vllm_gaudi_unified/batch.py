@@ -112,6 +112,11 @@ class InvariantBatch(UnifiedBatch):
     pre_lo: torch.Tensor  #: [pre tiles, invariant_rows, blocks_per_tile]
     pre_hi: torch.Tensor  #: [pre tiles, invariant_rows, blocks_per_tile]
     pre_col: torch.Tensor  #: [pre tiles]
+    unit_rows: torch.Tensor  #: [unit tiles, unique_tokens] tile route: tokens of one verify step
+    unit_blocks: torch.Tensor  #: [unit tiles, blocks_per_tile]
+    unit_lo: torch.Tensor  #: [unit tiles, unique_tokens, blocks_per_tile]
+    unit_hi: torch.Tensor  #: [unit tiles, unique_tokens, blocks_per_tile]
+    unit_col: torch.Tensor  #: [unit tiles]
     causal_col: torch.Tensor  #: [num_causal_tiles] key tile index within its request
     slot_rows: torch.Tensor  #: [slots] fast route: token per (token, block) slot, by token then position
     slot_blocks: torch.Tensor  #: [slots]

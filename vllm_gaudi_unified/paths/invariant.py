@@ -61,8 +61,8 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     with context the split form, its context's keys exactly (gathered in position order, no padding key)
     in one call with statistics, its new keys causal in another, merged by their LSE
     (`prompts.merge_split`). Bad values as on the fast route: non-finite new values zeroed, the rows at or
-    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (Cost of
-    one call per prompt at batch 1: docs/batch_invariance.md, Cost.)"""
+    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (The calls
+    of four 2k prompts take the GPU time of one call over the four: docs/batch_invariance.md, Cost.)"""
     from vllm_gaudi_unified.hpu import sdpa_final
 
     n, hq = q.shape[:2]
@@ -149,6 +149,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
     pre = slice(0, batch.plan.pre_own_from if own else None)
     kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col),
+             (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
     if all(kind[0].shape[0] == 0 for kind in kinds):
         return None
@@ -156,6 +157,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     per_call = tiles_per_call(opts)
     size = per_call * max(kind[0].shape[1] for kind in kinds)
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
+    none = torch.zeros(0, dtype=torch.int64, device=q.device)  # no tile left to mask (one-row tiles, below)
     for all_rows, all_blocks, all_lo, all_hi, all_cols in kinds:
         for start, stop in _chunks(all_rows.shape[0], per_call):
             rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
@@ -164,7 +166,11 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
                              bs).flatten(2)  # [tiles, rows, chunk keys]
             kk = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # fp8: dequantized after the gather
             vv = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
-            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap)
+            masked = None
+            if rows.shape[1] == 1:  # one-row tiles: the unseen keys zeroed in the gathered copy, not in a copy of it
+                vv.masked_fill_(~mask[:, 0, :, None, None], 0)
+                masked = none  # (nothing left to mask: the same values, the same products as V masked in a copy)
+            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked)
             cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
     return slots.fold()

@@ -148,9 +148,11 @@ def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partia
     else:  # V as stored, then the few tiles that miss a key again on masked V (one pass less over V)
         acc = torch.matmul(p_every.view(t, hq, nk * hkv), v.view(t, nk * hkv, dv))
         sel = masked_tiles
-        vz = torch.where(visible[sel][:, :, None, None], v[sel], zero)
-        # Fixed in the product's own dtype, so the cast to fp32 stays fused into the merge that reads it.
-        acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nk * hkv), vz.view(-1, nk * hkv, dv)))
+        if sel.shape[0]:  # (none: the caller zeroed V's unseen keys itself)
+            vz = torch.where(visible[sel][:, :, None, None], v[sel], zero)
+            # Fixed in the product's own dtype, so the cast to fp32 stays fused into the merge that reads it.
+            acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nk * hkv),
+                                                       vz.view(-1, nk * hkv, dv)))
         acc = acc.to(dt)
     return Partial(acc, m.reshape(t, hq), total.reshape(t, hq))
 

@@ -55,8 +55,9 @@ step, `paths/invariant.py`):
 * **tile route** (torch products: the Gaudi route, fp32, soft cap): a
   request's context is cut into *chunks* of `blocks_per_tile` logical blocks
   (counted from block 0), a tile is one chunk and the rows of one request that
-  read it: one row for a one-token request (a decode is one row), up to
-  `invariant_rows` rows otherwise; tiles go through products of one fixed shape
+  read it: one row for a one-token request (a decode is one row),
+  `unique_tokens` rows for a verify step (`unit_requests`: its tokens, one
+  tile per chunk), up to `invariant_rows` rows otherwise; tiles go through products of one fixed shape
   per kind (`invariant_chunk` tiles per call, the last call padded), each (token, chunk)
   partial is written to slot `[token, chunk]` and the slots are folded by a
   fixed pairwise tree. Causal pairs: tiles of `causal_tile` x `causal_tile`
@@ -91,8 +92,8 @@ SPLIT_KEYS = 8192
 class InvariantPlan(StepPlan):
     """A batch-invariant step (module docstring); the shared/unique arrays of `StepPlan` are empty.
 
-    Tile route: `dec_*` one-row tiles (requests with one new token), `pre_*` tiles of
-    `invariant_rows` rows (the others), each one chunk of `blocks_per_tile` logical blocks; causal
+    Tile route: `dec_*` one-row tiles (requests with one new token), `unit_*` tiles of `unique_tokens`
+    rows (verify steps, `unit_requests`), `pre_*` tiles of `invariant_rows` rows (the others), each one chunk of `blocks_per_tile` logical blocks; causal
     tiles counted from each request's first token. Fast route: `slot_*`, `ctx_*`, `seg_*`. Own calls:
     `calls`, `call_blocks`; their requests' entries sit last in `pre_*`, `causal_*`, `ctx_*` and `seg_*`,
     from the `*_own_from` counts on."""
@@ -107,6 +108,11 @@ class InvariantPlan(StepPlan):
     pre_lo: np.ndarray  #: [pre tiles, invariant_rows, blocks_per_tile]
     pre_hi: np.ndarray  #: [pre tiles, invariant_rows, blocks_per_tile]
     pre_col: np.ndarray  #: [pre tiles]
+    unit_rows: np.ndarray  #: [unit tiles, unique_tokens] tokens of one verify step (`unit_requests`; query_len: none)
+    unit_blocks: np.ndarray  #: [unit tiles, blocks_per_tile]
+    unit_lo: np.ndarray  #: [unit tiles, unique_tokens, blocks_per_tile]
+    unit_hi: np.ndarray  #: [unit tiles, unique_tokens, blocks_per_tile]
+    unit_col: np.ndarray  #: [unit tiles]
     causal_col: np.ndarray  #: [num_causal_tiles] key tile index within its request
     cached_width: int  #: slots per token for chunk partials (a power of two)
     causal_width: int  #: slots per token for causal partials (a power of two)
@@ -143,7 +149,7 @@ class InvariantPlan(StepPlan):
         b, opts = self.bucket, self.options
         keys = opts.blocks_per_tile(self.block_size) * self.block_size
         return PathWork(causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len,
-                        shared=(self.dec_rows.shape[0] + self.pre_rows.size) * keys)
+                        shared=(self.dec_rows.shape[0] + self.pre_rows.size + self.unit_rows.size) * keys)
 
 
 def pow2(n: int) -> int:
@@ -172,7 +178,8 @@ def unit_requests(q: np.ndarray, ctx: np.ndarray, W: int | None, opts: PlanOptio
     """Bool `[R]`: the requests whose cached keys the fast route reads as one unit (a speculative verify step:
     2 to `unique_tokens` new tokens over a context, no window): the Triton kernel's program of the request's
     first token takes all its rows (tokens x query heads of a KV head) against each key it loads, in
-    position-fixed splits. A function of each request and the options alone."""
+    position-fixed splits; on the tile route its tokens are one tile of `unique_tokens` rows per chunk.
+    A function of each request and the options alone."""
     if W is not None:
         return np.zeros(q.shape, bool)
     return (q >= 2) & (q <= opts.unique_tokens) & (ctx > 0)
@@ -191,8 +198,10 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     rest = np.flatnonzero(~one & ~own)  # several new tokens, not on their own calls
     mine = np.flatnonzero(own)
     dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
+    units = _plan_tiles(np.flatnonzero(unit), opts.unique_tokens, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb,
+                        tok_pos, T, opts)
     pre_rest, pre_own = (_plan_tiles(reqs, rs, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
-                         for reqs in (rest, mine))
+                         for reqs in (rest[~unit[rest]], mine))
     pre = {key: np.concatenate([pre_rest[key], pre_own[key]]) for key in pre_rest}
     causal_rest, causal_own = (_plan_causal_tiles(q, starts, W, opts, sel) for sel in (~own, own))
     causal_q, causal_k, causal_col = (np.concatenate(pair) for pair in zip(causal_rest, causal_own))
@@ -209,11 +218,11 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     seg_rows, _ = ranges(starts[multi], q[multi])
     call_blk, call_owner = ranges(np.zeros_like(mine), nb_ctx[mine])
     call_first = np.cumsum(nb_ctx[mine]) - nb_ctx[mine]
-    n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0]
+    n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0] + units["rows"].shape[0]
     shape = Bucket(phase=phase_of(causal_q.size, n_tiles, 0), query_len=T, num_shared_blocks=n_tiles,
                    num_unique_blocks=0, num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=int(np.minimum(tok_j + 1, W if W is not None else T + 1).sum()),
-                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec, pre))))
+                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec, pre, units))))
     rows_kb = np.zeros((0, opts.shared_rows), np.int32)
     none3 = np.zeros((0, opts.shared_rows, 1), np.int32)
     empty = np.zeros(0, np.int32)
@@ -226,6 +235,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         logits_indices=(starts + q - 1).astype(np.int32), max_block_id=max_block_id,
         work_needed=needed, shared_prefix_visible=False,
         **{f"dec_{k}": v for k, v in dec.items()}, **{f"pre_{k}": v for k, v in pre.items()},
+        **{f"unit_{k}": v for k, v in units.items()},
         causal_col=causal_col, cached_width=pow2(int(chunks.max()) if chunks.size else 1),
         causal_width=causal_width, **{f"slot_{k}": v for k, v in slots.items()},
         **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_rows=seg_rows.astype(np.int32),
@@ -335,7 +345,7 @@ def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
     def rows(a):
         return move_no_row(a, T, Tp)
 
-    nd = bucket.num_shared_blocks - plan.pre_rows.shape[0]
+    nd = bucket.num_shared_blocks - plan.pre_rows.shape[0] - plan.unit_rows.shape[0]
     nc, nq = bucket.num_causal_tiles, bucket.num_unique_blocks
     empty = np.zeros(0, np.int32)
     return replace(
@@ -345,7 +355,7 @@ def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
         causal_col=grow(plan.causal_col, nc, 0),
         dec_rows=grow(rows(plan.dec_rows), nd, Tp), dec_blocks=grow(plan.dec_blocks, nd, 0),
         dec_lo=grow(plan.dec_lo, nd, 0), dec_hi=grow(plan.dec_hi, nd, 0), dec_col=grow(plan.dec_col, nd, 0),
-        pre_rows=rows(plan.pre_rows),
+        pre_rows=rows(plan.pre_rows), unit_rows=rows(plan.unit_rows),
         # A bucket made for the default mode may have unique slots: empty ones, never read.
         unique_rows=np.full(nq, Tp, np.int32), unique_blocks=np.zeros(nq, np.int32) if nq else empty,
         unique_lo=np.zeros(nq, np.int32), unique_hi=np.zeros(nq, np.int32),
