@@ -137,3 +137,20 @@ def test_no_machine_paths_in_the_repository():
     found = [f"{f}:{i}: {line.strip()}" for f in files if not f.startswith("benchmarks/results/")
              for i, line in enumerate((root / f).read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found[:20])
+
+
+#: What a newcomer reads stays small: the benchmark suite, its results and the two long docs.
+READER_LIMITS = {"benchmarks modules": 15, "benchmarks lines": 4000, "results bytes": 2_000_000,
+                 "docs/benchmarks.md lines": 450, "docs/usage.md lines": 500}
+
+
+def test_the_repository_around_the_package_stays_small():
+    repo = PACKAGE.parent
+    modules = sorted((repo / "benchmarks").glob("*.py"))
+    sizes = {"benchmarks modules": len(modules),
+             "benchmarks lines": sum(len(p.read_text().splitlines()) for p in modules),
+             "results bytes": sum(p.stat().st_size for p in (repo / "benchmarks" / "results").rglob("*") if p.is_file()),
+             **{f"{doc} lines": len((repo / doc).read_text().splitlines())
+                for doc in ("docs/benchmarks.md", "docs/usage.md")}}
+    over = {k: (v, READER_LIMITS[k]) for k, v in sizes.items() if v > READER_LIMITS[k]}
+    assert not over, f"over the limits (size, limit): {over}"
