@@ -17,7 +17,7 @@ from conftest import Step, assert_matches, run_case
 from vllm_gaudi_unified import Bucket
 from vllm_gaudi_unified.bucket_plans import BucketPlan, ModelSpec, ServerSettings, TraceStep
 from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
-from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs, rounded_shape
+from vllm_gaudi_unified.bucket_plans.prompt_graphs import half_pow2, learn_prompt_graphs, rounded_shape
 from vllm_gaudi_unified.plan import plan_step
 from vllm_gaudi_unified.tools.cli import main
 from vllm_gaudi_unified.warmup import warmup
@@ -38,17 +38,20 @@ def trace_step(step: Step) -> TraceStep:
 def plan():
     tiled = exponential_plan(SETTINGS, MODEL)
     graphs, info = learn_prompt_graphs(tiled, [trace_step(CHUNK)] * 3 + [trace_step(Step([1, 1], [5, 9], 4))])
-    assert info == {"prompt_steps": 3, "prompt_steps_on_prompt_graphs": 3, "prompt_graph_candidates": 1}
+    assert info == {"prompt_steps": 3, "prompt_steps_on_prompt_graphs": 3, "prompt_graph_candidates": 2}
     return replace(tiled, prompt_graphs=graphs)
 
 
-def test_a_learned_graph_is_a_bucket_of_the_plan_with_the_steps_prompt_shape_in_powers_of_two(plan):
+def test_a_learned_graph_is_the_steps_prompt_shape_rounded_up_the_cheaper_way(plan):
     (graph,) = plan.prompt_graphs
     shape = plan_step(CHUNK.query_lens, CHUNK.context_lens, trace_step(CHUNK).block_table(), 4,
                       options=plan.step_options).shape
-    assert shape.prompts == (1, 12, 5) and graph.prompts == (1, 16, 8)
-    assert graph == rounded_shape(shape, SETTINGS, plan.gather_cap) and graph.phase == shape.phase == "--u"
-    assert all(g >= s and g & (g - 1) == 0 for g, s in zip(graph.sizes, shape.sizes) if s)  # powers of two
+    coarse = rounded_shape(shape, SETTINGS, plan.gather_cap)
+    assert shape.prompts == (1, 12, 5) and coarse.prompts == (1, 16, 8)
+    # both roundings are candidates; the finer one (1, 12, 6) covers the same steps for less time
+    assert graph == rounded_shape(shape, SETTINGS, plan.gather_cap, half_pow2) and graph.prompts == (1, 12, 6)
+    assert graph.phase == shape.phase == "--u" and graph.covers(shape) and coarse.covers(graph)
+    assert plan.cost_model.graph_cost(graph) < plan.cost_model.graph_cost(coarse)
     assert plan.step_options.prompt_route == "dense" and plan.settings.options.prompt_route == "tiles"
     assert plan.options_for(graph).prompt_route == "dense" and plan.options_for(plan.buckets[0]).prompt_route == "tiles"
 
@@ -133,7 +136,7 @@ def test_learning_respects_the_count_and_refuses_a_bad_one(plan):
 
 def test_warmup_runs_the_prompt_graphs_too(plan):
     alone, _ = learn_prompt_graphs(plan, [trace_step(Step([33], [0], 4))])  # a prompt alone: phase '---'
-    assert [g.phase for g in alone] == ["---"] and alone[0].prompts == (1, 64, 0)
+    assert [g.phase for g in alone] == ["---"] and alone[0].prompts == (1, 48, 0)
     small = replace(plan, buckets=[plan.buckets[0], plan.buckets[-1]], prompt_graphs=plan.prompt_graphs + alone)
     report = warmup(small, device="cpu", mode="eager", dtype=torch.float32, progress=False)
     assert report.buckets == small.buckets + small.prompt_graphs and not report.skipped
@@ -169,18 +172,33 @@ def test_a_bucket_does_not_count_as_a_prompt_graph():
         PromptGraphs([Bucket("--u", 4, 0, 4, 4, 0)], 4)
 
 
-def test_an_eighth_of_the_graphs_go_to_the_long_prompts_the_frequent_ones_leave_out():
-    from collections import Counter
+def test_graphs_are_chosen_by_the_time_they_save_and_a_step_takes_the_cheapest_covering_one():
+    import numpy as np
 
-    from vllm_gaudi_unified.bucket_plans.prompt_graphs import _choose
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import PromptGraphs, _choose
 
-    short = [Bucket("--u", 64, 0, 64, 64, 0, 1, 16 << i, 4) for i in range(8)]  # frequent, short
-    long_ = [Bucket("--u", 4096, 0, 64, 64, 0, 1, n, 4) for n in (2048, 4096)]  # once each
-    hits = Counter({**{g: 100 - i for i, g in enumerate(short)}, **{g: 1 for g in long_}})
-    chosen = _choose(hits, 8, 4)
-    assert chosen[:7] == short[:7]  # by count
-    assert chosen[7] == long_[1]  # the ceiling: the 4096-row graph covers both long prompts
-    assert _choose(Counter(dict(list(hits.items())[:3])), 8, 4) == short[:3]  # fewer candidates: all of them
+    small = Bucket("--u", 64, 0, 64, 64, 0, 1, 64, 4)
+    large = Bucket("--u", 4096, 0, 64, 64, 0, 1, 4096, 4)
+    steps = np.array([small.sizes + small.prompts] * 10 + [large.sizes + large.prompts])
+    cost = np.array([1.0, 100.0])
+    # the one long prompt saves more time on its graph (1000 -> 100) than ten short ones (10 x (2 -> 1))
+    assert _choose([small, large], steps, cost, np.array([2.0] * 10 + [1000.0]), np.ones(11), 1) == [large]
+    assert _choose([small, large], steps, cost, np.array([2.0] * 10 + [1000.0]), np.ones(11), 2) == [large, small]
+    # a graph that costs more than the tiled route saves nothing: not chosen
+    assert _choose([small, large], steps, cost, np.array([0.5] * 10 + [50.0]), np.ones(11), 2) == []
+    graphs = PromptGraphs([large, small], 4, {small: 1.0, large: 100.0}.__getitem__)
+    assert graphs.buckets == [small, large] and graphs.find(small) == small and graphs.find(large) == large
+
+
+def test_half_powers_of_two_and_the_cap_on_a_graphs_rows():
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import MAX_GRID_BUDGETS, _fits
+
+    assert [half_pow2(n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 24, 25, 611)] == [0, 1, 2, 3, 4, 6, 6, 8, 12, 16, 24,
+                                                                                  32, 768]
+    plan = exponential_plan(SETTINGS, MODEL)
+    rows = MAX_GRID_BUDGETS * SETTINGS.max_num_batched_tokens
+    assert _fits(Bucket("--u", 64, 0, 4, 4, 0, 2, rows // 2, 4), SETTINGS, plan.gather_cap)
+    assert not _fits(Bucket("--u", 64, 0, 4, 4, 0, 4, rows // 2, 4), SETTINGS, plan.gather_cap)
 
 
 def test_buffers_reserved_for_the_buckets_and_the_prompt_graphs_allocate_nothing(plan, monkeypatch):

@@ -99,10 +99,10 @@ class BucketPlan:
             if not isinstance(g, Bucket) or g.num_shared_blocks % kb or self.gather_cap.exceeded(g):
                 raise ValueError(f"prompt graph {g}: not a Bucket, or its shared slots are not whole tiles of {kb} "
                                  f"blocks, or it gathers more than the plan's cap {self.gather_cap}")
-        self._prompts = PromptGraphs(self.prompt_graphs, self.settings.block_size)
-        self.prompt_graphs = self._prompts.buckets
         model = self.cost_model
-        self._graph_costs = {g: model.graph_cost(g, self._weights) for g in self.prompt_graphs}
+        self._graph_costs = {g: model.graph_cost(g, self._weights) for g in set(self.prompt_graphs)}
+        self._prompts = PromptGraphs(self.prompt_graphs, self.settings.block_size, self._graph_costs.__getitem__)
+        self.prompt_graphs = self._prompts.buckets
 
     @property
     def step_options(self):
@@ -115,7 +115,8 @@ class BucketPlan:
         return on_route(self.settings.options, "dense") if bucket.num_prompts else self.settings.options
 
     def prompt_graph(self, shape: Bucket) -> Bucket | None:
-        """The prompt graph covering a step with prompts, or None: plan it on the tiled route."""
+        """The cheapest prompt graph (`CostModel.graph_cost`) covering a step with prompts, or None: plan it on
+        the tiled route."""
         return self._prompts.find(shape)
 
     def route(self, shape: Bucket, tiled_shape) -> str:
