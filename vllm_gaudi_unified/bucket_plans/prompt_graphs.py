@@ -26,8 +26,10 @@ from vllm_gaudi_unified.bucket import Bucket, pow2
 from vllm_gaudi_unified.plan.options import on_route
 
 #: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm): with a robust
-#: plan's 44 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all.
-DEFAULT_PROMPT_GRAPHS = 56
+#: plan's 60 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all. Chosen by the time they
+#: save, 40 took about as much time off the shared traces as 56, and the 16 more buckets took it off the
+#: decodes (`docs/bucketing.md`).
+DEFAULT_PROMPT_GRAPHS = 40
 #: Most padded rows (`num_prompts x prompt_len`) a prompt graph may have, in token budgets
 #: (`max_num_batched_tokens`): the grid's scores and index arrays grow with its rows, so a graph of many
 #: prompts each padded to the longest would dominate warmup's memory; a step beyond it takes the tiles.
@@ -148,6 +150,14 @@ def on_prompt_graphs(plan, steps) -> np.ndarray:
                     bool)
 
 
+def tiled_cost(plan, tiled: Bucket) -> float:
+    """What a step of tiled shape `tiled` costs on the tiled route of `plan`: the bucket it pads to, or, where
+    none of the plan's buckets covers it (a plan whose buckets are still to be learned), its own cost
+    `TILED_PADDING` times."""
+    i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+    return float(plan.costs[i]) if i >= 0 else TILED_PADDING * plan.cost_model.bucket_cost(tiled)
+
+
 def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, sources=None) -> tuple[list[Bucket], dict]:
     """The `max_graphs` prompt graphs that save the steps of `steps` (TraceSteps) the most time, and how
     many steps they cover.
@@ -156,7 +166,7 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     the tiled route. Candidates are its prompt shape rounded up in powers of two and, finer, in
     `half_pow2` steps (at most 1.33x a dimension), within `MAX_GRID_BUDGETS` and the gather cap. A step
     costs, in the plan's time model, its cheapest covering graph (`CostModel.graph_cost`, what
-    `BucketPlan.route` weighs) or its tiled shape padded `TILED_PADDING` times; the graphs are chosen
+    `BucketPlan.route` weighs) or its tiled shape padded (`tiled_cost`); the graphs are chosen
     greedily by the time they save (`_choose`), each trace of `sources` (an id per step; default: one
     trace) counted equally: a trace of long prompts would otherwise choose every graph."""
     if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 0:
@@ -177,7 +187,7 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
                           sliding_window=s.sliding_window, options=tiles).shape
         shapes.append(shape)
         own.append(model.graph_cost(shape))
-        fallback.append(TILED_PADDING * model.graph_cost(tiled))
+        fallback.append(tiled_cost(plan, tiled))
         src.append(k)
     info = {"prompt_steps": len(shapes), "prompt_steps_on_prompt_graphs": 0, "prompt_graph_candidates": 0}
     if not shapes or not max_graphs:

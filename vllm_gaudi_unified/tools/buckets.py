@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     g.add_argument("--seeds", type=comma_ints, default="1,2,3",
                    help="simulator seeds when no --trace is given (comma separated)")
     g.add_argument("--max-graphs", type=int_in(1, 4096), default=None,
-                   help="most buckets in the plan, prompt graphs apart (default: robust 44, trace 32)")
+                   help="most buckets in the plan, prompt graphs apart (default: robust 60, trace 32)")
     g.add_argument("--target-waste", type=float_in(1.0, 1e6), default=None,
                    help="stop at the fewest buckets whose padding waste on the traces is at most this (trace)")
     g.add_argument("--resolution", type=float_in(0.5, 8.0), default=3.0,
@@ -193,7 +193,8 @@ def make_plan_from_args(args):
     plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
-    return graphs_of(probe, plan)
+    # The prompt graphs again, now against the buckets a step left to the tiled route really pads to.
+    return with_prompt_graphs(plan, traces, args) if probe.prompt_graphs else graphs_of(probe, plan)
 
 
 def command_line(args) -> str:
