@@ -219,3 +219,17 @@ def test_buffers_reserved_for_the_buckets_and_the_prompt_graphs_allocate_nothing
                                     bucket=both, buffers=buffers)
         assert (batch.bucket in both.prompt_graphs) == graph, batch.bucket
     assert not grown
+
+
+def test_padding_on_routes_counts_each_step_where_a_server_runs_it(plan):
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import padding_on_routes
+
+    steps = [trace_step(CHUNK), trace_step(Step([1, 1], [5, 9], 4)), trace_step(LONG)]
+    r = padding_on_routes(plan, steps)
+    assert (r["graph"]["steps"], r["decode"]["steps"], r["tiled"]["steps"], r["skipped"]) == (1, 1, 1, 0)
+    model = plan.cost_model
+    chunk = plan_step(CHUNK.query_lens, CHUNK.context_lens, steps[0].block_table(), 4, options=plan.step_options).shape
+    assert r["graph"]["unpadded_us"] == pytest.approx(model.graph_cost(chunk))
+    assert r["graph"]["padded_us"] == pytest.approx(model.graph_cost(plan.prompt_graphs[0]))
+    assert r["padding"] == pytest.approx(r["padded_us"] / r["unpadded_us"]) and r["padding"] >= 1.0
+    assert all(r[k]["padded_us"] >= r[k]["unpadded_us"] for k in ("decode", "graph"))

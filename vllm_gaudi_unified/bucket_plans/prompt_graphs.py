@@ -206,3 +206,39 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     info["prompt_steps_on_prompt_graphs"] = sum(chosen.find(x) is not None for x in shapes)
     return chosen.buckets, info
 
+
+def padding_on_routes(plan, steps) -> dict:
+    """Time (the plan's model) of `steps` (TraceSteps) unpadded and padded as a server runs them: a step with
+    prompts planned on the prompt route, in its graph where `BucketPlan.route` keeps it there (graph against
+    the unpadded prompt call), else on the tiled route in its bucket (against its unpadded prompt call too: the
+    route is the plan's choice); every other step in its bucket. Per kind of step: count, unpadded, padded.
+    A step beyond the gather cap (its pieces) or no bucket covers is left out and counted in `skipped`."""
+    from vllm_gaudi_unified.plan import plan_step
+
+    s, model = plan.settings, plan.cost_model
+    tiles = on_route(s.options, "tiles")
+    out = {k: [0, 0.0, 0.0] for k in ("decode", "graph", "tiled")}
+    skipped = 0
+    for step, shape in zip(steps, prompt_shapes(plan, steps, True)):
+        plan_with = lambda options: plan_step(step.query_lens, step.context_lens, step.block_table(),  # noqa: E731
+                                              step.block_size, sliding_window=s.sliding_window, options=options)
+        if shape is None:
+            shape, kind, target = plan_with(plan.step_options).shape, "decode", None
+        elif plan.route(shape, lambda: plan_with(tiles).shape) == "dense":
+            kind, target = "graph", plan.prompt_graph(shape)
+        else:
+            kind, target = "tiled", None
+        if target is None:
+            tiled = shape if kind == "decode" else plan_with(tiles).shape
+            i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+            if i < 0:
+                skipped += 1
+                continue
+            target = plan.buckets[i]
+        row = out[kind]
+        row[0] += 1
+        row[1] += model.graph_cost(shape)
+        row[2] += model.graph_cost(target)
+    unpadded, padded = (sum(r[i] for r in out.values()) for i in (1, 2))
+    return {"padding": padded / unpadded if unpadded else 1.0, "unpadded_us": unpadded, "padded_us": padded,
+            **{k: {"steps": r[0], "unpadded_us": r[1], "padded_us": r[2]} for k, r in out.items()}, "skipped": skipped}

@@ -263,7 +263,7 @@ def format_plan(plan) -> str:
 
 def cmd_evaluate(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
-    from vllm_gaudi_unified.bucket_plans.prompt_graphs import prompt_shapes
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import padding_on_routes, prompt_shapes
     from vllm_gaudi_unified.bucket_plans.trace import read_trace
     from vllm_gaudi_unified.tools.evaluate import evaluate
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
@@ -277,9 +277,10 @@ def cmd_evaluate(args) -> int:
         shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
         results.append(evaluate(plan, shapes, os.path.basename(t)))
         if plan.prompt_graphs:
-            found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, read_trace(t).steps)]
+            steps = read_trace(t).steps
+            found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, steps)]
             prompts.append({"trace": os.path.basename(t), "steps_with_prompts": len(found),
-                            "on_prompt_graphs": int(sum(found))})
+                            "on_prompt_graphs": int(sum(found)), "routes": padding_on_routes(plan, steps)})
         if args.upstream:
             upstream.append(evaluate_upstream(plan.settings, plan.cost_model, upstream_tuples_of_trace(t, plan.settings),
                                               float(shapes.needed.sum()), os.path.basename(t)))
@@ -289,6 +290,10 @@ def cmd_evaluate(args) -> int:
         print(f"\nprompt graphs on {p['trace']}: {p['on_prompt_graphs']} of the {p['steps_with_prompts']} steps with "
               f"prompts run in one of the plan's {len(plan.prompt_graphs)} (the others, and the padding above, "
               "on the tiled route)")
+        r = p["routes"]
+        print(f"padding, time model, on the routes a server takes (BucketPlan.route): {r['padding']:.3f}; "
+              + ", ".join(f"{k} steps {r[k]['steps']}: {r[k]['padded_us'] / max(r[k]['unpadded_us'], 1e-9):.3f}"
+                          for k in ("decode", "graph", "tiled")) + f"; {r['skipped']} steps left out")
     for u in upstream:
         print(f"\nupstream plan on {u['trace']}: {u['graphs']} graphs, uncovered {u['uncovered']} (run unpadded), "
               f"padding time {u['padding_time']:.3f} / score pairs {u['padding_pairs']:.3f}, worst step "
