@@ -233,3 +233,16 @@ def test_padding_on_routes_counts_each_step_where_a_server_runs_it(plan):
     assert r["graph"]["padded_us"] == pytest.approx(model.graph_cost(plan.prompt_graphs[0]))
     assert r["padding"] == pytest.approx(r["padded_us"] / r["unpadded_us"]) and r["padding"] >= 1.0
     assert all(r[k]["padded_us"] >= r[k]["unpadded_us"] for k in ("decode", "graph"))
+
+
+def test_the_learner_also_sees_prompt_steps_beside_fewer_decodes():
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import FEWER_DECODES, fewer_decodes
+
+    mixed = trace_step(Step([12] + [1] * 40, [20] + [9] * 40, 4))
+    steps, ids = fewer_decodes([mixed, trace_step(CHUNK), trace_step(Step([1, 1], [5, 9], 4))], np.array([0, 0, 1]))
+    assert len(steps) == 4 and ids.tolist() == [0, 0, 1, -1]  # only a prompt step with several decodes is copied
+    copy = steps[3]
+    assert copy.query_lens[0] == 12 and 1 <= (copy.query_lens == 1).sum() < 40  # the prompt kept, decodes thinned
+    assert 0 < FEWER_DECODES < 1
+    kept = [list(mixed.block_ids).index(b) for b in copy.block_ids]
+    assert kept == sorted(kept) and copy.context_lens.tolist() == mixed.context_lens[kept].tolist()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, pow2
+from vllm_gaudi_unified.bucket_plans.trace import TraceStep
 from vllm_gaudi_unified.plan.options import on_route
 
 #: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm): with a robust
@@ -39,6 +40,11 @@ MAX_GRID_BUDGETS = 2
 #: 5.1x in the time model (a step of causal tiles finds few buckets of its size). Lower, the learner
 #: leaves more steps to the buckets, which then spend graphs on them.
 TILED_PADDING = 2.0
+#: The learner also sees each step with prompts beside decodes with each decode kept with this probability
+#: (0: not), its copies weighing `FEWER_DECODES_WEIGHT` against the steps as they came: a graph's decode part
+#: learned at one load pads the same prompts beside fewer decodes.
+FEWER_DECODES = 0.5
+FEWER_DECODES_WEIGHT = 0.25
 
 
 def prompt_work(b: Bucket, block_size: int) -> int:
@@ -150,6 +156,22 @@ def on_prompt_graphs(plan, steps) -> np.ndarray:
                     bool)
 
 
+def fewer_decodes(steps, sources, seed: int = 0):
+    """`steps` and, after them, each step with prompts and decodes again with each decode kept with
+    probability `FEWER_DECODES` (a quieter hour, a server of fewer sequences), with their source ids
+    (a copy's: -1 - its step's)."""
+    rng = np.random.default_rng(seed)
+    out, ids = list(steps), list(sources)
+    for st, k in zip(steps, sources):
+        q = st.query_lens
+        if FEWER_DECODES and int(q.max()) > 1 and (q == 1).sum() > 1:
+            keep = (q > 1) | (rng.random(q.size) < FEWER_DECODES)
+            out.append(TraceStep(st.block_size, q[keep], st.context_lens[keep],
+                                 [b for b, x in zip(st.block_ids, keep) if x]))
+            ids.append(-1 - int(k))
+    return out, np.array(ids, np.int64)
+
+
 def tiled_cost(plan, tiled: Bucket) -> float:
     """What a step of tiled shape `tiled` costs on the tiled route of `plan`: the bucket it pads to, or, where
     none of the plan's buckets covers it (a plan whose buckets are still to be learned), its own cost
@@ -179,6 +201,7 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     if sources.shape != (len(steps),):
         raise ValueError(f"sources must give one id per step ({len(steps)}), got {sources.shape}")
     tiles = on_route(s.options, "tiles")
+    steps, sources = fewer_decodes(steps, sources)
     shapes, fallback, own, src = [], [], [], []
     for step, shape, k in zip(steps, prompt_shapes(plan, steps, True), sources):
         if shape is None:
@@ -189,7 +212,8 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
         own.append(model.graph_cost(shape))
         fallback.append(tiled_cost(plan, tiled))
         src.append(k)
-    info = {"prompt_steps": len(shapes), "prompt_steps_on_prompt_graphs": 0, "prompt_graph_candidates": 0}
+    info = {"prompt_steps": int(sum(k >= 0 for k in src)), "prompt_steps_on_prompt_graphs": 0,
+            "prompt_graph_candidates": 0}
     if not shapes or not max_graphs:
         return [], info
     candidates = sorted({g for shape in shapes for up in (pow2, half_pow2)
@@ -197,13 +221,15 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     info["prompt_graph_candidates"] = len(candidates)
     if not candidates:
         return [], info
-    src = np.unique(np.array(src), return_inverse=True)[1].reshape(-1)
+    src = np.array(src)
+    seen = src >= 0  # (`fewer_decodes` numbers its steps' traces below 0)
+    src = np.unique(src, return_inverse=True)[1].reshape(-1)
     own = np.array(own)
-    weight = 1.0 / np.bincount(src, own)[src]  # each trace's steps together weigh 1
+    weight = np.where(seen, 1.0, FEWER_DECODES_WEIGHT) / np.bincount(src, own)[src]  # a trace's steps weigh 1
     sizes = np.array([x.sizes + x.prompts for x in shapes], np.int64)
     chosen = PromptGraphs(_choose(candidates, sizes, np.array([model.graph_cost(g) for g in candidates]),
                                   np.array(fallback), weight, max_graphs), s.block_size, model.graph_cost)
-    info["prompt_steps_on_prompt_graphs"] = sum(chosen.find(x) is not None for x in shapes)
+    info["prompt_steps_on_prompt_graphs"] = int(sum(chosen.find(x) is not None for x, k in zip(shapes, seen) if k))
     return chosen.buckets, info
 
 
