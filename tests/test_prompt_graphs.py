@@ -74,14 +74,15 @@ def test_a_step_no_graph_covers_is_planned_again_on_the_tiled_route(plan, dtype)
 @pytest.mark.parametrize("buffers", [False, True], ids=["arrays", "step-buffers"])
 def test_a_step_whose_only_prompt_graph_costs_more_than_its_tiled_bucket_takes_the_tiled_route(plan, buffers):
     """A short chunk covered only by a large prompt graph (a question over a long document, at the largest
-    graph) runs in the cheaper tiled bucket, by the plan's time model; with the small graph, the prompt route."""
+    graph) runs in the cheaper tiled bucket, by the plan's time model weighed as the device runs it; with the small
+    graph, the prompt route."""
     from vllm_gaudi_unified.batch import StepBuffers, build_unified_batch
     from conftest import make_block_table, make_tensors
     from vllm_gaudi_unified.reference import reference_attention
     from vllm_gaudi_unified.attention import unified_attention
 
     (graph,) = plan.prompt_graphs
-    big = replace(graph, num_prompts=4, prompt_len=64, prompt_blocks=16)
+    big = replace(graph, num_prompts=4, prompt_len=64, prompt_blocks=48)
     for graphs, route in (([big], "tiles"), ([graph, big], "dense")):
         both = replace(plan, prompt_graphs=graphs)
         model = both.cost_model
@@ -91,7 +92,8 @@ def test_a_step_whose_only_prompt_graph_costs_more_than_its_tiled_bucket_takes_t
         batch = build_unified_batch(CHUNK.query_lens, CHUNK.context_lens, table, 4, num_blocks=num_blocks,
                                     options=both.step_options, bucket=both, buffers=into)
         tiled = both.find(plan_step(CHUNK.query_lens, CHUNK.context_lens, table, 4, options=both.settings.options).shape)
-        assert tiled.num_prompts == 0 and model.graph_cost(graph) < model.graph_cost(tiled) < model.graph_cost(big)
+        # (a tiled bucket with causal tiles weighs TILED_CAUSAL_SLOWDOWN times its cost: `CostModel.route_cost`)
+        assert tiled.num_prompts == 0 and model.graph_cost(graph) < model.route_cost(tiled) < model.graph_cost(big)
         assert batch.bucket == (tiled if route == "tiles" else graph)
         ref = reference_attention(q, k, v, kc, vc, CHUNK.query_lens, CHUNK.context_lens, table, 0.37)
         assert_matches(unified_attention(q, k, v, kc, vc, batch, 0.37), ref)
@@ -246,3 +248,14 @@ def test_the_learner_also_sees_prompt_steps_beside_fewer_decodes():
     assert 0 < FEWER_DECODES < 1
     kept = [list(mixed.block_ids).index(b) for b in copy.block_ids]
     assert kept == sorted(kept) and copy.context_lens.tolist() == mixed.context_lens[kept].tolist()
+
+
+def test_route_cost_weighs_only_buckets_with_causal_tiles_by_the_measured_slowdown(plan):
+    from vllm_gaudi_unified.bucket_plans.cost import TILED_CAUSAL_SLOWDOWN
+
+    model = plan.cost_model
+    decode, causal = Bucket("-su", 8, 8, 8, 8, 0), Bucket("csu", 8, 8, 8, 8, 2)
+    (graph,) = plan.prompt_graphs
+    assert model.route_cost(decode) == model.graph_cost(decode) and model.route_cost(graph) == model.graph_cost(graph)
+    assert model.route_cost(causal) == pytest.approx(TILED_CAUSAL_SLOWDOWN * model.graph_cost(causal))
+    assert model.route_cost(causal, 10.0) == pytest.approx(10.0 * TILED_CAUSAL_SLOWDOWN) and TILED_CAUSAL_SLOWDOWN > 1
