@@ -17,7 +17,7 @@ from conftest import Step, assert_matches, run_case
 from vllm_gaudi_unified import Bucket
 from vllm_gaudi_unified.bucket_plans import BucketPlan, ModelSpec, ServerSettings, TraceStep
 from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
-from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs, rounded_shape
+from vllm_gaudi_unified.bucket_plans.prompt_graphs import half_pow2, learn_prompt_graphs, rounded_shape
 from vllm_gaudi_unified.plan import plan_step
 from vllm_gaudi_unified.tools.cli import main
 from vllm_gaudi_unified.warmup import warmup
@@ -38,17 +38,20 @@ def trace_step(step: Step) -> TraceStep:
 def plan():
     tiled = exponential_plan(SETTINGS, MODEL)
     graphs, info = learn_prompt_graphs(tiled, [trace_step(CHUNK)] * 3 + [trace_step(Step([1, 1], [5, 9], 4))])
-    assert info == {"prompt_steps": 3, "prompt_steps_on_prompt_graphs": 3, "prompt_graph_candidates": 1}
+    assert info == {"prompt_steps": 3, "prompt_steps_on_prompt_graphs": 3, "prompt_graph_candidates": 2}
     return replace(tiled, prompt_graphs=graphs)
 
 
-def test_a_learned_graph_is_a_bucket_of_the_plan_with_the_steps_prompt_shape_in_powers_of_two(plan):
+def test_a_learned_graph_is_the_steps_prompt_shape_rounded_up_the_cheaper_way(plan):
     (graph,) = plan.prompt_graphs
     shape = plan_step(CHUNK.query_lens, CHUNK.context_lens, trace_step(CHUNK).block_table(), 4,
                       options=plan.step_options).shape
-    assert shape.prompts == (1, 12, 5) and graph.prompts == (1, 16, 8)
-    assert graph == rounded_shape(shape, SETTINGS, plan.gather_cap) and graph.phase == shape.phase == "--u"
-    assert all(g >= s and g & (g - 1) == 0 for g, s in zip(graph.sizes, shape.sizes) if s)  # powers of two
+    coarse = rounded_shape(shape, SETTINGS, plan.gather_cap)
+    assert shape.prompts == (1, 12, 5) and coarse.prompts == (1, 16, 8)
+    # both roundings are candidates; the finer one (1, 12, 6) covers the same steps for less time
+    assert graph == rounded_shape(shape, SETTINGS, plan.gather_cap, half_pow2) and graph.prompts == (1, 12, 6)
+    assert graph.phase == shape.phase == "--u" and graph.covers(shape) and coarse.covers(graph)
+    assert plan.cost_model.graph_cost(graph) < plan.cost_model.graph_cost(coarse)
     assert plan.step_options.prompt_route == "dense" and plan.settings.options.prompt_route == "tiles"
     assert plan.options_for(graph).prompt_route == "dense" and plan.options_for(plan.buckets[0]).prompt_route == "tiles"
 
@@ -71,14 +74,15 @@ def test_a_step_no_graph_covers_is_planned_again_on_the_tiled_route(plan, dtype)
 @pytest.mark.parametrize("buffers", [False, True], ids=["arrays", "step-buffers"])
 def test_a_step_whose_only_prompt_graph_costs_more_than_its_tiled_bucket_takes_the_tiled_route(plan, buffers):
     """A short chunk covered only by a large prompt graph (a question over a long document, at the largest
-    graph) runs in the cheaper tiled bucket, by the plan's time model; with the small graph, the prompt route."""
+    graph) runs in the cheaper tiled bucket, by the plan's time model weighed as the device runs it; with the small
+    graph, the prompt route."""
     from vllm_gaudi_unified.batch import StepBuffers, build_unified_batch
     from conftest import make_block_table, make_tensors
     from vllm_gaudi_unified.reference import reference_attention
     from vllm_gaudi_unified.attention import unified_attention
 
     (graph,) = plan.prompt_graphs
-    big = replace(graph, num_prompts=4, prompt_len=64, prompt_blocks=16)
+    big = replace(graph, num_prompts=4, prompt_len=64, prompt_blocks=48)
     for graphs, route in (([big], "tiles"), ([graph, big], "dense")):
         both = replace(plan, prompt_graphs=graphs)
         model = both.cost_model
@@ -88,7 +92,8 @@ def test_a_step_whose_only_prompt_graph_costs_more_than_its_tiled_bucket_takes_t
         batch = build_unified_batch(CHUNK.query_lens, CHUNK.context_lens, table, 4, num_blocks=num_blocks,
                                     options=both.step_options, bucket=both, buffers=into)
         tiled = both.find(plan_step(CHUNK.query_lens, CHUNK.context_lens, table, 4, options=both.settings.options).shape)
-        assert tiled.num_prompts == 0 and model.graph_cost(graph) < model.graph_cost(tiled) < model.graph_cost(big)
+        # (a tiled bucket with causal tiles weighs TILED_CAUSAL_SLOWDOWN times its cost: `CostModel.route_cost`)
+        assert tiled.num_prompts == 0 and model.graph_cost(graph) < model.route_cost(tiled) < model.graph_cost(big)
         assert batch.bucket == (tiled if route == "tiles" else graph)
         ref = reference_attention(q, k, v, kc, vc, CHUNK.query_lens, CHUNK.context_lens, table, 0.37)
         assert_matches(unified_attention(q, k, v, kc, vc, batch, 0.37), ref)
@@ -133,7 +138,7 @@ def test_learning_respects_the_count_and_refuses_a_bad_one(plan):
 
 def test_warmup_runs_the_prompt_graphs_too(plan):
     alone, _ = learn_prompt_graphs(plan, [trace_step(Step([33], [0], 4))])  # a prompt alone: phase '---'
-    assert [g.phase for g in alone] == ["---"] and alone[0].prompts == (1, 64, 0)
+    assert [g.phase for g in alone] == ["---"] and alone[0].prompts == (1, 48, 0)
     small = replace(plan, buckets=[plan.buckets[0], plan.buckets[-1]], prompt_graphs=plan.prompt_graphs + alone)
     report = warmup(small, device="cpu", mode="eager", dtype=torch.float32, progress=False)
     assert report.buckets == small.buckets + small.prompt_graphs and not report.skipped
@@ -169,18 +174,33 @@ def test_a_bucket_does_not_count_as_a_prompt_graph():
         PromptGraphs([Bucket("--u", 4, 0, 4, 4, 0)], 4)
 
 
-def test_an_eighth_of_the_graphs_go_to_the_long_prompts_the_frequent_ones_leave_out():
-    from collections import Counter
+def test_graphs_are_chosen_by_the_time_they_save_and_a_step_takes_the_cheapest_covering_one():
+    import numpy as np
 
-    from vllm_gaudi_unified.bucket_plans.prompt_graphs import _choose
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import PromptGraphs, _choose
 
-    short = [Bucket("--u", 64, 0, 64, 64, 0, 1, 16 << i, 4) for i in range(8)]  # frequent, short
-    long_ = [Bucket("--u", 4096, 0, 64, 64, 0, 1, n, 4) for n in (2048, 4096)]  # once each
-    hits = Counter({**{g: 100 - i for i, g in enumerate(short)}, **{g: 1 for g in long_}})
-    chosen = _choose(hits, 8, 4)
-    assert chosen[:7] == short[:7]  # by count
-    assert chosen[7] == long_[1]  # the ceiling: the 4096-row graph covers both long prompts
-    assert _choose(Counter(dict(list(hits.items())[:3])), 8, 4) == short[:3]  # fewer candidates: all of them
+    small = Bucket("--u", 64, 0, 64, 64, 0, 1, 64, 4)
+    large = Bucket("--u", 4096, 0, 64, 64, 0, 1, 4096, 4)
+    steps = np.array([small.sizes + small.prompts] * 10 + [large.sizes + large.prompts])
+    cost = np.array([1.0, 100.0])
+    # the one long prompt saves more time on its graph (1000 -> 100) than ten short ones (10 x (2 -> 1))
+    assert _choose([small, large], steps, cost, np.array([2.0] * 10 + [1000.0]), np.ones(11), 1) == [large]
+    assert _choose([small, large], steps, cost, np.array([2.0] * 10 + [1000.0]), np.ones(11), 2) == [large, small]
+    # a graph that costs more than the tiled route saves nothing: not chosen
+    assert _choose([small, large], steps, cost, np.array([0.5] * 10 + [50.0]), np.ones(11), 2) == []
+    graphs = PromptGraphs([large, small], 4, {small: 1.0, large: 100.0}.__getitem__)
+    assert graphs.buckets == [small, large] and graphs.find(small) == small and graphs.find(large) == large
+
+
+def test_half_powers_of_two_and_the_cap_on_a_graphs_rows():
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import MAX_GRID_BUDGETS, _fits
+
+    assert [half_pow2(n) for n in (0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 24, 25, 611)] == [0, 1, 2, 3, 4, 6, 6, 8, 12, 16, 24,
+                                                                                  32, 768]
+    plan = exponential_plan(SETTINGS, MODEL)
+    rows = MAX_GRID_BUDGETS * SETTINGS.max_num_batched_tokens
+    assert _fits(Bucket("--u", 64, 0, 4, 4, 0, 2, rows // 2, 4), SETTINGS, plan.gather_cap)
+    assert not _fits(Bucket("--u", 64, 0, 4, 4, 0, 4, rows // 2, 4), SETTINGS, plan.gather_cap)
 
 
 def test_buffers_reserved_for_the_buckets_and_the_prompt_graphs_allocate_nothing(plan, monkeypatch):
@@ -201,3 +221,41 @@ def test_buffers_reserved_for_the_buckets_and_the_prompt_graphs_allocate_nothing
                                     bucket=both, buffers=buffers)
         assert (batch.bucket in both.prompt_graphs) == graph, batch.bucket
     assert not grown
+
+
+def test_padding_on_routes_counts_each_step_where_a_server_runs_it(plan):
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import padding_on_routes
+
+    steps = [trace_step(CHUNK), trace_step(Step([1, 1], [5, 9], 4)), trace_step(LONG)]
+    r = padding_on_routes(plan, steps)
+    assert (r["graph"]["steps"], r["decode"]["steps"], r["tiled"]["steps"], r["skipped"]) == (1, 1, 1, 0)
+    model = plan.cost_model
+    chunk = plan_step(CHUNK.query_lens, CHUNK.context_lens, steps[0].block_table(), 4, options=plan.step_options).shape
+    assert r["graph"]["unpadded_us"] == pytest.approx(model.graph_cost(chunk))
+    assert r["graph"]["padded_us"] == pytest.approx(model.graph_cost(plan.prompt_graphs[0]))
+    assert r["padding"] == pytest.approx(r["padded_us"] / r["unpadded_us"]) and r["padding"] >= 1.0
+    assert all(r[k]["padded_us"] >= r[k]["unpadded_us"] for k in ("decode", "graph"))
+
+
+def test_the_learner_also_sees_prompt_steps_beside_fewer_decodes():
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import FEWER_DECODES, fewer_decodes
+
+    mixed = trace_step(Step([12] + [1] * 40, [20] + [9] * 40, 4))
+    steps, ids = fewer_decodes([mixed, trace_step(CHUNK), trace_step(Step([1, 1], [5, 9], 4))], np.array([0, 0, 1]))
+    assert len(steps) == 4 and ids.tolist() == [0, 0, 1, -1]  # only a prompt step with several decodes is copied
+    copy = steps[3]
+    assert copy.query_lens[0] == 12 and 1 <= (copy.query_lens == 1).sum() < 40  # the prompt kept, decodes thinned
+    assert 0 < FEWER_DECODES < 1
+    kept = [list(mixed.block_ids).index(b) for b in copy.block_ids]
+    assert kept == sorted(kept) and copy.context_lens.tolist() == mixed.context_lens[kept].tolist()
+
+
+def test_route_cost_weighs_only_buckets_with_causal_tiles_by_the_measured_slowdown(plan):
+    from vllm_gaudi_unified.bucket_plans.cost import TILED_CAUSAL_SLOWDOWN
+
+    model = plan.cost_model
+    decode, causal = Bucket("-su", 8, 8, 8, 8, 0), Bucket("csu", 8, 8, 8, 8, 2)
+    (graph,) = plan.prompt_graphs
+    assert model.route_cost(decode) == model.graph_cost(decode) and model.route_cost(graph) == model.graph_cost(graph)
+    assert model.route_cost(causal) == pytest.approx(TILED_CAUSAL_SLOWDOWN * model.graph_cost(causal))
+    assert model.route_cost(causal, 10.0) == pytest.approx(10.0 * TILED_CAUSAL_SLOWDOWN) and TILED_CAUSAL_SLOWDOWN > 1

@@ -99,10 +99,10 @@ class BucketPlan:
             if not isinstance(g, Bucket) or g.num_shared_blocks % kb or self.gather_cap.exceeded(g):
                 raise ValueError(f"prompt graph {g}: not a Bucket, or its shared slots are not whole tiles of {kb} "
                                  f"blocks, or it gathers more than the plan's cap {self.gather_cap}")
-        self._prompts = PromptGraphs(self.prompt_graphs, self.settings.block_size)
-        self.prompt_graphs = self._prompts.buckets
         model = self.cost_model
-        self._graph_costs = {g: model.graph_cost(g, self._weights) for g in self.prompt_graphs}
+        self._graph_costs = {g: model.graph_cost(g, self._weights) for g in set(self.prompt_graphs)}
+        self._prompts = PromptGraphs(self.prompt_graphs, self.settings.block_size, self._graph_costs.__getitem__)
+        self.prompt_graphs = self._prompts.buckets
 
     @property
     def step_options(self):
@@ -115,13 +115,15 @@ class BucketPlan:
         return on_route(self.settings.options, "dense") if bucket.num_prompts else self.settings.options
 
     def prompt_graph(self, shape: Bucket) -> Bucket | None:
-        """The prompt graph covering a step with prompts, or None: plan it on the tiled route."""
+        """The cheapest prompt graph (`CostModel.graph_cost`) covering a step with prompts, or None: plan it on
+        the tiled route."""
         return self._prompts.find(shape)
 
     def route(self, shape: Bucket, tiled_shape) -> str:
         """The route of a step with prompts (`shape`: planned on the prompt route): 'dense' when a prompt graph
         covers it and costs, in the plan's time model (`CostModel.graph_cost`), no more than the bucket its
-        tiled plan pads to; else 'tiles'. A short question over a long document may have only a large
+        tiled plan pads to (`CostModel.route_cost`: a bucket with causal tiles weighs `TILED_CAUSAL_SLOWDOWN`
+        times its cost, as measured on the device); else 'tiles'. A short question over a long document may have only a large
         prompt graph covering it, where a tiled bucket is far cheaper. `tiled_shape()` gives the tiled plan's
         shape; it is asked for only when the cheapest bucket with the step's query tokens and logits (the
         same on both routes) costs less than the graph, so most steps are planned once."""
@@ -133,7 +135,7 @@ class BucketPlan:
             return "dense"
         tiled = tiled_shape()
         i = -1 if self.gather_cap.exceeded(tiled) else self.find_sizes(*tiled.sizes)
-        return "dense" if i < 0 or cost <= self.costs[i] else "tiles"
+        return "dense" if i < 0 or cost <= self.cost_model.route_cost(self.buckets[i], float(self.costs[i])) else "tiles"
 
     def _tiled_floor(self, q: int, l: int) -> float:
         """The least cost of a bucket with at least `q` query tokens and `l` logits (inf: none)."""

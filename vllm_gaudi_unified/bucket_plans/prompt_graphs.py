@@ -5,9 +5,12 @@ bucket. The prompt route (`plan/prompts.py`: each prompt or chunk over its own
 context as one fused SDPA call, how vllm-gaudi runs prompts) is much faster for
 chunked prompts, but a step on it needs a graph of its bucket *and* its prompt
 shape `(num_prompts, prompt_len, prompt_blocks)`: a product no server can warm
-whole. So a plan also holds a few *prompt graphs*, the shapes the prompt steps
-of its traces need most often, each dimension rounded up to a power of two
-(`rounded_shape`), warmed like the other buckets.
+whole. So a plan also holds a few *prompt graphs*, the shapes that save the
+prompt steps of its traces the most time in the plan's time model (a step in no
+graph runs tiled, padded to a bucket), each dimension rounded up to a power of
+two or to one and a half times one (`rounded_shape`, `half_pow2`), none with
+more padded rows than `MAX_GRID_BUDGETS` token budgets, warmed like the other
+buckets. A step runs in the cheapest graph covering it.
 
 At serving time a step is planned on the prompt route first; when no prompt
 graph covers it, it is planned again on the tiled route, whose buckets cover
@@ -17,15 +20,31 @@ common prompt shapes at the prompt route's speed. A plan without prompt graphs
 """
 from __future__ import annotations
 
-from collections import Counter
 import numpy as np
 
 from vllm_gaudi_unified.bucket import Bucket, pow2
+from vllm_gaudi_unified.bucket_plans.trace import TraceStep
 from vllm_gaudi_unified.plan.options import on_route
 
 #: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm): with a robust
-#: plan's 44 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all.
-DEFAULT_PROMPT_GRAPHS = 56
+#: plan's 60 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all. Chosen by the time they
+#: save, 40 took about as much time off the shared traces as 56, and the 16 more buckets took it off the
+#: decodes (`docs/bucketing.md`).
+DEFAULT_PROMPT_GRAPHS = 40
+#: Most padded rows (`num_prompts x prompt_len`) a prompt graph may have, in token budgets
+#: (`max_num_batched_tokens`): the grid's scores and index arrays grow with its rows, so a graph of many
+#: prompts each padded to the longest would dominate warmup's memory; a step beyond it takes the tiles.
+MAX_GRID_BUDGETS = 2
+#: What the learner expects a step with prompts on the tiled route to pay, as a multiple of its own tiled
+#: shape's cost: the 8B default plan's buckets padded such steps of the shared RAG and chat traces 2.6 and
+#: 5.1x in the time model (a step of causal tiles finds few buckets of its size). Lower, the learner
+#: leaves more steps to the buckets, which then spend graphs on them.
+TILED_PADDING = 2.0
+#: The learner also sees each step with prompts beside decodes with each decode kept with this probability
+#: (0: not), its copies weighing `FEWER_DECODES_WEIGHT` against the steps as they came: a graph's decode part
+#: learned at one load pads the same prompts beside fewer decodes.
+FEWER_DECODES = 0.5
+FEWER_DECODES_WEIGHT = 0.25
 
 
 def prompt_work(b: Bucket, block_size: int) -> int:
@@ -34,13 +53,15 @@ def prompt_work(b: Bucket, block_size: int) -> int:
 
 
 class PromptGraphs:
-    """The prompt graphs of a plan and `find`, the smallest one covering a step."""
+    """The prompt graphs of a plan and `find`, the first one covering a step: the cheapest by `cost` (a
+    function of a graph; the plan's `CostModel.graph_cost`), else the smallest prompt call."""
 
-    def __init__(self, buckets, block_size: int):
-        buckets = sorted(set(buckets), key=lambda b: (prompt_work(b, block_size), b))
+    def __init__(self, buckets, block_size: int, cost=None):
         for b in buckets:
             if not isinstance(b, Bucket) or not b.num_prompts:
                 raise ValueError(f"a prompt graph is a Bucket with num_prompts > 0, got {b!r}")
+        key = (lambda b: (prompt_work(b, block_size), b)) if cost is None else (lambda b: (cost(b), b))
+        buckets = sorted(set(buckets), key=key)
         self.buckets = buckets
         self._shapes = np.array([b.sizes + b.prompts for b in buckets], np.int64).reshape(len(buckets), 8)
 
@@ -48,7 +69,7 @@ class PromptGraphs:
         return len(self.buckets)
 
     def find(self, shape: Bucket) -> Bucket | None:
-        """The first (smallest prompt call) graph covering `shape`, or None."""
+        """The first graph covering `shape`, or None."""
         if not self.buckets or not shape.num_prompts:
             return None
         covers = (self._shapes >= np.asarray(shape.sizes + shape.prompts)).all(1)
@@ -56,8 +77,15 @@ class PromptGraphs:
         return self.buckets[i] if covers[i] else None
 
 
-def rounded_shape(shape: Bucket, settings, cap) -> Bucket:
-    """The prompt graph of a step: each of its eight dimensions rounded up to a power of two (shared
+def half_pow2(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and one and a half times them) >= n;
+    0 for n <= 0."""
+    p = pow2(n)
+    return p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
+
+
+def rounded_shape(shape: Bucket, settings, cap, up=pow2) -> Bucket:
+    """The prompt graph of a step: each of its eight dimensions rounded up by `up` (powers of two; shared
     slots: whole tiles), within the settings' limits and the gather cap. Not a bucket of the plan:
     a prompt step has no causal tiles to speak of and a handful of decodes, which the plan's
     buckets, made for the tiled route, would pad with empty tiles."""
@@ -67,32 +95,40 @@ def rounded_shape(shape: Bucket, settings, cap) -> Bucket:
         lim[2] = min(lim[2], cap.max_unique_blocks)
     if cap.max_shared_blocks is not None:
         lim[1] = min(lim[1], cap.max_shared_blocks)
-    q, _, u, n, c = (max(min(pow2(x), hi), x) for x, hi in zip(shape.sizes, lim))
+    q, _, u, n, c = (max(min(up(x), hi), x) for x, hi in zip(shape.sizes, lim))
     tiles = -(-shape.num_shared_blocks // kb)
-    s = kb * max(min(pow2(tiles), lim[1] // kb), tiles)
-    return Bucket(shape.phase, q, s, u, n, c, *(pow2(x) for x in shape.prompts))
+    s = kb * max(min(up(tiles), lim[1] // kb), tiles)
+    return Bucket(shape.phase, q, s, u, n, c, *(up(x) for x in shape.prompts))
 
 
-def _choose(hits: Counter, count: int, block_size: int) -> list[Bucket]:
-    """`count` graphs among the candidates `hits` (graph -> steps): the most frequent, and an eighth of
-    them for the rare long prompts the others leave out, which the tiled route runs slowest (its causal
-    tiles grow with the square of a prompt): each time the candidate covering the most of them,
-    weighted by `num_prompts x prompt_len^2`."""
-    by_count = sorted(hits, key=lambda g: (-hits[g], prompt_work(g, block_size), g))
-    ceiling = count // 8 if len(hits) > count else 0
-    chosen = by_count[:count - ceiling]
-    left = [g for g in hits if PromptGraphs(chosen, block_size).find(g) is None]
-    weight = {g: hits[g] * g.num_prompts * g.prompt_len ** 2 for g in left}
-    for _ in range(ceiling):
-        if not left:
+def _fits(graph: Bucket, settings, cap) -> bool:
+    """Whether a prompt graph is within the gather cap and `MAX_GRID_BUDGETS`."""
+    return (not cap.exceeded(graph) and graph.num_prompts * graph.prompt_len <= MAX_GRID_BUDGETS *
+            settings.max_num_batched_tokens and (cap.max_unique_blocks is None or
+                                                 graph.num_prompts * graph.prompt_blocks <= cap.max_unique_blocks))
+
+
+def _choose(candidates: list[Bucket], shapes: np.ndarray, graph_cost: np.ndarray, fallback: np.ndarray,
+            weight: np.ndarray, count: int) -> list[Bucket]:
+    """`count` graphs among `candidates` (costs `graph_cost`) for the step shapes `shapes` [N, 8]: greedy
+    facility location on the steps' weighted time, a step costing its cheapest covering graph, or
+    `fallback` (the tiled route) where that is less or none covers it; each time the candidate that
+    lowers the total most."""
+    cand = np.array([g.sizes + g.prompts for g in candidates], np.int64).reshape(-1, 8)
+    covers = np.ones((len(cand), len(shapes)), bool)
+    for d in range(8):
+        covers &= cand[:, None, d] >= shapes[None, :, d]
+    cost = np.where(covers, graph_cost[:, None], np.inf)
+    cur = fallback.astype(np.float64).copy()
+    chosen: list[int] = []
+    while len(chosen) < count:
+        gain = (np.maximum(cur[None, :] - cost, 0.0) * weight[None, :]).sum(1)
+        best = int(np.argmax(gain))
+        if gain[best] <= 0:
             break
-        shapes = np.array([g.sizes + g.prompts for g in left], np.int64)
-        covers = (shapes[:, None, :] >= shapes[None, :, :]).all(2)  # [candidate, step shape]
-        gain = covers @ np.array([weight[g] for g in left], np.float64)
-        best = int(gain.argmax())
-        chosen.append(left[best])
-        left = [g for g, c in zip(left, covers[best]) if not c]
-    return chosen
+        chosen.append(best)
+        cur = np.minimum(cur, cost[best])
+    return [candidates[i] for i in chosen]
 
 
 def prompt_shapes(plan, steps, every: bool = False):
@@ -120,27 +156,118 @@ def on_prompt_graphs(plan, steps) -> np.ndarray:
                     bool)
 
 
-def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS) -> tuple[list[Bucket], dict]:
-    """The `max_graphs` prompt graphs most steps of `steps` (TraceSteps) need, and how many they cover.
+def fewer_decodes(steps, sources, seed: int = 0):
+    """`steps` and, after them, each step with prompts and decodes again with each decode kept with
+    probability `FEWER_DECODES` (a quieter hour, a server of fewer sequences), with their source ids
+    (a copy's: -1 - its step's)."""
+    rng = np.random.default_rng(seed)
+    out, ids = list(steps), list(sources)
+    for st, k in zip(steps, sources):
+        q = st.query_lens
+        if FEWER_DECODES and int(q.max()) > 1 and (q == 1).sum() > 1:
+            keep = (q > 1) | (rng.random(q.size) < FEWER_DECODES)
+            out.append(TraceStep(st.block_size, q[keep], st.context_lens[keep],
+                                 [b for b, x in zip(st.block_ids, keep) if x]))
+            ids.append(-1 - int(k))
+    return out, np.array(ids, np.int64)
 
-    Each step with prompts is planned on the prompt route (`plan_step`, the rules a server applies);
-    its graph is its shape rounded up (`rounded_shape`). The graphs most steps need are kept, and a few
-    for the long prompts (`_choose`); a step runs in the smallest kept graph that covers it. A graph whose prompt call gathers more block
-    slots than the plan's gather cap is never chosen."""
+
+def tiled_cost(plan, tiled: Bucket) -> float:
+    """What a step of tiled shape `tiled` costs on the tiled route of `plan` in its time model: the bucket it
+    pads to, or, where none of the plan's buckets covers it (a plan whose buckets are still to be learned),
+    its own shape `TILED_PADDING` times. (Weighed as the device runs it, `CostModel.route_cost`, the learner
+    gave the RAG trace's steps 300-499 1.785x padding on the routes against 1.715x: more steps on graphs
+    learned for one load, fewer buckets with causal tiles.)"""
+    i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+    return float(plan.costs[i]) if i >= 0 else TILED_PADDING * plan.cost_model.bucket_cost(tiled)
+
+
+def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, sources=None) -> tuple[list[Bucket], dict]:
+    """The `max_graphs` prompt graphs that save the steps of `steps` (TraceSteps) the most time, and how
+    many steps they cover.
+
+    Each step with prompts is planned on the prompt route (`plan_step`, the rules a server applies) and on
+    the tiled route. Candidates are its prompt shape rounded up in powers of two and, finer, in
+    `half_pow2` steps (at most 1.33x a dimension), within `MAX_GRID_BUDGETS` and the gather cap. A step
+    costs, in the plan's time model, its cheapest covering graph (`CostModel.graph_cost`, what
+    `BucketPlan.route` weighs) or its tiled shape padded (`tiled_cost`); the graphs are chosen
+    greedily by the time they save (`_choose`), each trace of `sources` (an id per step; default: one
+    trace) counted equally: a trace of long prompts would otherwise choose every graph."""
     if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 0:
         raise ValueError(f"the number of prompt graphs must be an int >= 0, got {max_graphs!r}")
-    s = plan.settings
-    cap = plan.gather_cap
-    hits: Counter = Counter()
-    prompt_steps = 0
-    for shape in prompt_shapes(plan, steps):
-        prompt_steps += 1
-        graph = rounded_shape(shape, s, cap)
-        if not cap.exceeded(graph) and (cap.max_unique_blocks is None
-                                        or graph.num_prompts * graph.prompt_blocks <= cap.max_unique_blocks):
-            hits[graph] += 1
-    chosen = PromptGraphs(_choose(hits, max_graphs, s.block_size), s.block_size)
-    covered = sum(n for g, n in hits.items() if chosen.find(g) is not None)
-    info = {"prompt_steps": prompt_steps, "prompt_steps_on_prompt_graphs": covered,
-            "prompt_graph_candidates": len(hits)}
+    from vllm_gaudi_unified.plan import plan_step
+
+    s, cap, model = plan.settings, plan.gather_cap, plan.cost_model
+    steps = list(steps)
+    sources = np.zeros(len(steps), np.int64) if sources is None else np.asarray(sources, np.int64)
+    if sources.shape != (len(steps),):
+        raise ValueError(f"sources must give one id per step ({len(steps)}), got {sources.shape}")
+    tiles = on_route(s.options, "tiles")
+    steps, sources = fewer_decodes(steps, sources)
+    shapes, fallback, own, src = [], [], [], []
+    for step, shape, k in zip(steps, prompt_shapes(plan, steps, True), sources):
+        if shape is None:
+            continue
+        tiled = plan_step(step.query_lens, step.context_lens, step.block_table(), step.block_size,
+                          sliding_window=s.sliding_window, options=tiles).shape
+        shapes.append(shape)
+        own.append(model.graph_cost(shape))
+        fallback.append(tiled_cost(plan, tiled))
+        src.append(k)
+    info = {"prompt_steps": int(sum(k >= 0 for k in src)), "prompt_steps_on_prompt_graphs": 0,
+            "prompt_graph_candidates": 0}
+    if not shapes or not max_graphs:
+        return [], info
+    candidates = sorted({g for shape in shapes for up in (pow2, half_pow2)
+                         for g in [rounded_shape(shape, s, cap, up)] if _fits(g, s, cap)})
+    info["prompt_graph_candidates"] = len(candidates)
+    if not candidates:
+        return [], info
+    src = np.array(src)
+    seen = src >= 0  # (`fewer_decodes` numbers its steps' traces below 0)
+    src = np.unique(src, return_inverse=True)[1].reshape(-1)
+    own = np.array(own)
+    weight = np.where(seen, 1.0, FEWER_DECODES_WEIGHT) / np.bincount(src, own)[src]  # a trace's steps weigh 1
+    sizes = np.array([x.sizes + x.prompts for x in shapes], np.int64)
+    chosen = PromptGraphs(_choose(candidates, sizes, np.array([model.graph_cost(g) for g in candidates]),
+                                  np.array(fallback), weight, max_graphs), s.block_size, model.graph_cost)
+    info["prompt_steps_on_prompt_graphs"] = int(sum(chosen.find(x) is not None for x, k in zip(shapes, seen) if k))
     return chosen.buckets, info
+
+
+def padding_on_routes(plan, steps) -> dict:
+    """Time (the plan's model) of `steps` (TraceSteps) unpadded and padded as a server runs them: a step with
+    prompts planned on the prompt route, in its graph where `BucketPlan.route` keeps it there (graph against
+    the unpadded prompt call), else on the tiled route in its bucket (against its unpadded prompt call too: the
+    route is the plan's choice; a bucket with causal tiles weighed as the device runs it,
+    `CostModel.route_cost`); every other step in its bucket. Per kind of step: count, unpadded, padded.
+    A step beyond the gather cap (its pieces) or no bucket covers is left out and counted in `skipped`."""
+    from vllm_gaudi_unified.plan import plan_step
+
+    s, model = plan.settings, plan.cost_model
+    tiles = on_route(s.options, "tiles")
+    out = {k: [0, 0.0, 0.0] for k in ("decode", "graph", "tiled")}
+    skipped = 0
+    for step, shape in zip(steps, prompt_shapes(plan, steps, True)):
+        plan_with = lambda options: plan_step(step.query_lens, step.context_lens, step.block_table(),  # noqa: E731
+                                              step.block_size, sliding_window=s.sliding_window, options=options)
+        if shape is None:
+            shape, kind, target = plan_with(plan.step_options).shape, "decode", None
+        elif plan.route(shape, lambda: plan_with(tiles).shape) == "dense":
+            kind, target = "graph", plan.prompt_graph(shape)
+        else:
+            kind, target = "tiled", None
+        if target is None:
+            tiled = shape if kind == "decode" else plan_with(tiles).shape
+            i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+            if i < 0:
+                skipped += 1
+                continue
+            target = plan.buckets[i]
+        row = out[kind]
+        row[0] += 1
+        row[1] += model.graph_cost(shape)
+        row[2] += model.route_cost(target)
+    unpadded, padded = (sum(r[i] for r in out.values()) for i in (1, 2))
+    return {"padding": padded / unpadded if unpadded else 1.0, "unpadded_us": unpadded, "padded_us": padded,
+            **{k: {"steps": r[0], "unpadded_us": r[1], "padded_us": r[2]} for k, r in out.items()}, "skipped": skipped}

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     g.add_argument("--seeds", type=comma_ints, default="1,2,3",
                    help="simulator seeds when no --trace is given (comma separated)")
     g.add_argument("--max-graphs", type=int_in(1, 4096), default=None,
-                   help="most buckets in the plan, prompt graphs apart (default: robust 44, trace 32)")
+                   help="most buckets in the plan, prompt graphs apart (default: robust 60, trace 32)")
     g.add_argument("--target-waste", type=float_in(1.0, 1e6), default=None,
                    help="stop at the fewest buckets whose padding waste on the traces is at most this (trace)")
     g.add_argument("--resolution", type=float_in(0.5, 8.0), default=3.0,
@@ -193,7 +193,8 @@ def make_plan_from_args(args):
     plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
-    return graphs_of(probe, plan)
+    # The prompt graphs again, now against the buckets a step left to the tiled route really pads to.
+    return with_prompt_graphs(plan, traces, args) if probe.prompt_graphs else graphs_of(probe, plan)
 
 
 def command_line(args) -> str:
@@ -262,7 +263,7 @@ def format_plan(plan) -> str:
 
 def cmd_evaluate(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
-    from vllm_gaudi_unified.bucket_plans.prompt_graphs import prompt_shapes
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import padding_on_routes, prompt_shapes
     from vllm_gaudi_unified.bucket_plans.trace import read_trace
     from vllm_gaudi_unified.tools.evaluate import evaluate
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
@@ -276,9 +277,10 @@ def cmd_evaluate(args) -> int:
         shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
         results.append(evaluate(plan, shapes, os.path.basename(t)))
         if plan.prompt_graphs:
-            found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, read_trace(t).steps)]
+            steps = read_trace(t).steps
+            found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, steps)]
             prompts.append({"trace": os.path.basename(t), "steps_with_prompts": len(found),
-                            "on_prompt_graphs": int(sum(found))})
+                            "on_prompt_graphs": int(sum(found)), "routes": padding_on_routes(plan, steps)})
         if args.upstream:
             upstream.append(evaluate_upstream(plan.settings, plan.cost_model, upstream_tuples_of_trace(t, plan.settings),
                                               float(shapes.needed.sum()), os.path.basename(t)))
@@ -288,6 +290,10 @@ def cmd_evaluate(args) -> int:
         print(f"\nprompt graphs on {p['trace']}: {p['on_prompt_graphs']} of the {p['steps_with_prompts']} steps with "
               f"prompts run in one of the plan's {len(plan.prompt_graphs)} (the others, and the padding above, "
               "on the tiled route)")
+        r = p["routes"]
+        print(f"padding, time model, on the routes a server takes (BucketPlan.route): {r['padding']:.3f}; "
+              + ", ".join(f"{k} steps {r[k]['steps']}: {r[k]['padded_us'] / max(r[k]['unpadded_us'], 1e-9):.3f}"
+                          for k in ("decode", "graph", "tiled")) + f"; {r['skipped']} steps left out")
     for u in upstream:
         print(f"\nupstream plan on {u['trace']}: {u['graphs']} graphs, uncovered {u['uncovered']} (run unpadded), "
               f"padding time {u['padding_time']:.3f} / score pairs {u['padding_pairs']:.3f}, worst step "

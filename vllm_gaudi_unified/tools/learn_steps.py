@@ -52,8 +52,10 @@ def with_prompt_graphs(plan, traces, args):
         return plan
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
 
-    steps = [s for _, src in traces for s in steps_of(src)]
-    graphs, info = learn_prompt_graphs(plan, steps, args.prompt_graphs)
+    runs = [steps_of(src) for _, src in traces]
+    steps = [s for run in runs for s in run]
+    graphs, info = learn_prompt_graphs(plan, steps, args.prompt_graphs,
+                                       sources=[i for i, run in enumerate(runs) for _ in run])
     return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
 
 
