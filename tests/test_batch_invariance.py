@@ -318,6 +318,8 @@ def test_verify_steps_are_units():
     assert slots == sorted((starts[r], table[r, b]) for r in units + decodes for b in range(-(-cl[r] // bs)))
     chunks = [r for r in range(len(ql)) if ql[r] > INVARIANT.unique_tokens and cl[r] > 0]
     assert plan.ctx_rows.tolist() == [starts[r] + j for r in chunks for j in range(ql[r])]
+    # a unit's new keys are its program's too: no causal flash segment
+    assert not set(plan.seg_rows.tolist()) & {starts[r] + j for r in units for j in range(ql[r])}
     # the tile route: a unit's rows are one tile of `unique_tokens` rows per chunk of its context
     kb = INVARIANT.blocks_per_tile(bs)
     real = (plan.unit_rows < plan.num_tokens).any(1)
