@@ -411,6 +411,10 @@ def test_invariant_mode_on_the_gaudi_route(name, dtype):
 
 def test_fast_route_interpreted():
     """The fast route under Triton's interpreter and the exact flash stand-in, in a process of its own
-    (tests/invariant_fast_cases.py): alone = in batch, and the float64 reference, every scenario."""
+    (tests/invariant_fast_cases.py): alone = in batch, and the float64 reference, every scenario and the
+    route's own worlds (`FAST_WORLDS`)."""
     pytest.importorskip("triton")
-    assert run_interpreted("invariant_fast_cases.py") == ["ok", str(len(SCENARIOS))]
+    import invariant_fast_cases
+
+    worlds = len(SCENARIOS) + len(invariant_fast_cases.FAST_WORLDS)
+    assert run_interpreted("invariant_fast_cases.py") == ["ok", str(worlds)]
