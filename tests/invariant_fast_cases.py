@@ -18,12 +18,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fused_standin  # noqa: E402
-from test_batch_invariance import INVARIANT, SCENARIOS, _block_table, _tensors, assert_same_bits, run_world  # noqa: E402
+from test_batch_invariance import (INVARIANT, SCENARIOS, Req, World, _block_table, _tensors,  # noqa: E402
+                                   assert_same_bits, run_world)
 
 from vllm_gaudi_unified import build_unified_batch, unified_attention  # noqa: E402
 from vllm_gaudi_unified.paths import fused, invariant_fast, unique  # noqa: E402
 from vllm_gaudi_unified.plan import invariant as plan_invariant  # noqa: E402
 from vllm_gaudi_unified.reference import reference_attention  # noqa: E402
+
+
+#: Worlds of the fast route's own: the programs that take their request's new keys (one-token requests, units)
+#: beside the ones that do not (a windowed chunk's tokens have slots but their new keys in a flash segment).
+FAST_WORLDS = {
+    "window_decode": World(Req(1, 22), others=(Req(13, 22), Req(1, 5), Req(2, 7)), position=1, sliding_window=9),
+    "window_chunk_beside_decodes": World(Req(13, 22), others=(Req(1, 22), Req(1, 5), Req(2, 7)), position=2,
+                                         sliding_window=9),
+    "lone_token": World(Req(1, 0), others=(Req(1, 40), Req(3, 12), Req(6, 30), Req(2, 0)), position=2,
+                        pad=(3, 2, 1, 0, 2)),
+}
 
 
 def check(set_attr=setattr) -> int:
@@ -35,7 +47,7 @@ def check(set_attr=setattr) -> int:
     set_attr(unique, "KERNEL_KEYS", 4)
     set_attr(plan_invariant, "SPLIT_KEYS", 8)
     done = 0
-    for name, world in SCENARIOS.items():
+    for name, world in {**SCENARIOS, **FAST_WORLDS}.items():
         before = len(calls)
         assert_same_bits(*run_world(world, INVARIANT, torch.float64))
         assert len(calls) > before or world.soft_cap is not None, name

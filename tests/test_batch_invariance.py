@@ -295,7 +295,7 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     several = [r for r, q in enumerate(ql) if q > 1 and cl[r] > 0]
     assert plan.ctx_rows.tolist() == [starts[r] + j for r in several for j in range(ql[r])]
     assert plan.ctx_used.tolist() == [cl[r] for r in several]
-    multi = [r for r, q in enumerate(ql) if q > 1]
+    multi = [r for r, q in enumerate(ql) if q > 1 and not (q <= INVARIANT.unique_tokens and cl[r] > 0)]  # not units
     assert sorted(plan.seg_rows.tolist()) == [starts[r] + j for r in multi for j in range(ql[r])]
     assert plan.seg_cu.tolist() == [0] + np.cumsum([ql[r] for r in multi]).tolist() and plan.seg_max == max(ql)
     assert plan.one_rows.tolist() == [starts[r] for r in decodes]
@@ -318,6 +318,8 @@ def test_verify_steps_are_units():
     assert slots == sorted((starts[r], table[r, b]) for r in units + decodes for b in range(-(-cl[r] // bs)))
     chunks = [r for r in range(len(ql)) if ql[r] > INVARIANT.unique_tokens and cl[r] > 0]
     assert plan.ctx_rows.tolist() == [starts[r] + j for r in chunks for j in range(ql[r])]
+    # a unit's new keys are its program's too: no causal flash segment
+    assert not set(plan.seg_rows.tolist()) & {starts[r] + j for r in units for j in range(ql[r])}
     # the tile route: a unit's rows are one tile of `unique_tokens` rows per chunk of its context
     kb = INVARIANT.blocks_per_tile(bs)
     real = (plan.unit_rows < plan.num_tokens).any(1)
@@ -409,6 +411,10 @@ def test_invariant_mode_on_the_gaudi_route(name, dtype):
 
 def test_fast_route_interpreted():
     """The fast route under Triton's interpreter and the exact flash stand-in, in a process of its own
-    (tests/invariant_fast_cases.py): alone = in batch, and the float64 reference, every scenario."""
+    (tests/invariant_fast_cases.py): alone = in batch, and the float64 reference, every scenario and the
+    route's own worlds (`FAST_WORLDS`)."""
     pytest.importorskip("triton")
-    assert run_interpreted("invariant_fast_cases.py") == ["ok", str(len(SCENARIOS))]
+    import invariant_fast_cases
+
+    worlds = len(SCENARIOS) + len(invariant_fast_cases.FAST_WORLDS)
+    assert run_interpreted("invariant_fast_cases.py") == ["ok", str(worlds)]

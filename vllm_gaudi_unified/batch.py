@@ -127,9 +127,9 @@ class InvariantBatch(UnifiedBatch):
     ctx_blocks: torch.Tensor  #: [blocks]
     ctx_cu_k: torch.Tensor  #: [segments + 1]
     ctx_used: torch.Tensor  #: [segments]
-    seg_rows: torch.Tensor  #: [rows] fast route: tokens of the requests with several new tokens
+    seg_rows: torch.Tensor  #: [rows] fast route: tokens of the requests with several new tokens, not units
     seg_cu: torch.Tensor  #: [segments + 1] fast route: each such request's new tokens, one causal flash segment
-    one_rows: torch.Tensor  #: [rows] fast route: tokens of the one-token requests (self pair elementwise)
+    one_rows: torch.Tensor  #: [rows] fast route: tokens of the one-token requests (self pair in their program)
     call_blocks: torch.Tensor  #: [blocks] own calls: each such request's context blocks, in order
 
 

@@ -2,10 +2,11 @@
 
 Why each part is invariant (a token's result depends on its own request only):
 
-* **self, one new token**: elementwise, the token's q against its own key
-  (`causal.self_partial`, the dot product summed by a fixed pairwise tree):
-  the token alone.
-* **self and causal, several new tokens**: one causal flash varlen call over
+* **self, one new token; self and causal, a unit**: in the token's (the
+  unit's) Triton program below, after the context keys of its split 0, its
+  request's new keys in the request's order (`NEW_KEYS` per step, causal by
+  the tokens' order): keys and order of the request alone.
+* **self and causal, several new tokens (not a unit)**: one causal flash varlen call over
   these requests' rows (gathered), each request one segment. Flash's row tiles
   and key blocks are counted from the segment's start, a row's result depends
   on its own q and its segment's keys only (the other rows of a tile have
@@ -31,9 +32,11 @@ Why each part is invariant (a token's result depends on its own request only):
 * **cached, flash** (requests with several new tokens, not units, no window): one
   varlen segment per request, its rows against its own gathered context,
   `seqused_k` its context length, non-causal, `max_q >= 2` as above.
-* each token gets its first partial (self, or self and causal) and its cached
-  partial from exactly one kernel each (written, not added), merged in that
-  order. The requests on their own calls (`invariant.own_rows`) are left out
+* a token of a flash causal segment gets it and its cached partial (Triton
+  or flash) from exactly one kernel each (written, not added), merged in that
+  order; a one-token request's or a unit's token gets all its pairs from its
+  Triton program (no merge: an empty partial beside it merges exactly).
+  The requests on their own calls (`invariant.own_rows`) are left out
   when those run (`own`): their entries are the arrays' last ones. Which
   kernel a request's pairs take depends on its own new-token count alone.
 No product here takes its shape from cuBLAS's choice for the batch: the
@@ -45,7 +48,6 @@ import torch
 
 from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all
 from vllm_gaudi_unified.paths import fused
-from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.plan import invariant as plan_invariant
@@ -61,11 +63,12 @@ def applies(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
 
 def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None, v_scale=None,
                  own: bool = False) -> Partial:
-    """Self and causal (elementwise for one new token, else flash per request), cached (Triton slots or the
-    request's flash segment); merged in that order. `own`: not the own-calls requests' rows (those come
+    """Self and causal pairs in flash per request (of the requests with several new tokens, not units),
+    cached keys (Triton slots, with the new keys of one-token requests and units, or the request's flash
+    segment); merged in that order. `own`: not the own-calls requests' rows (those come
     from their own calls): the prefixes of the `ctx_*` and `seg_*` arrays before theirs."""
     n, plan = q.shape[0], batch.plan
-    cached = _slots_partial(q, key_cache, value_cache, batch, scale, k_scale, v_scale)
+    cached = _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale)
     rows, segs, blocks, max_q, max_k = plan.ctx_own_from if own else (
         batch.ctx_rows.shape[0], batch.ctx_used.shape[0], batch.ctx_blocks.shape[0], *plan.ctx_max)
     if rows:
@@ -78,18 +81,13 @@ def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=N
                                   seqused_k=batch.ctx_used[:segs].to(torch.int32))
         cached = _placed(part, ctx_rows, n, cached)
     first = _causal_partial(q, k, v, batch, scale, own)
-    ones = batch.one_rows
-    if ones.shape[0] == n:  # a step of one-token requests, no padding: every row (elementwise: the same bits)
-        first = self_partial(q, k, v, scale, None, fixed_order=True)
-    elif ones.shape[0]:
-        first = _placed(self_partial(q[ones], k[ones], v[ones], scale, None, fixed_order=True), ones, n, first)
     return merge_all([p for p in (first, cached) if p is not None])
 
 
 def _causal_partial(q, k, v, batch, scale: float, own: bool = False) -> Partial | None:
-    """The self and causal pairs of the requests with several new tokens: one flash segment each, on their
-    rows gathered (`own`: not the own-calls requests'). Non-finite values contained as on the default path
-    (`fused.clean_causal_values`)."""
+    """The self and causal pairs of the requests with several new tokens but the units: one flash segment
+    each, on their rows gathered (`own`: not the own-calls requests'). Non-finite values contained as on
+    the default path (`fused.clean_causal_values`)."""
     plan = batch.plan
     rows, segs, max_q = plan.seg_own_from if own else (batch.seg_rows.shape[0], batch.seg_cu.shape[0] - 1,
                                                         plan.seg_max)
@@ -111,18 +109,24 @@ def _placed(part: Partial, rows: torch.Tensor, n: int, into: Partial | None = No
     return Partial(*(x.index_copy(0, rows, y) for x, y in zip(into, part)))
 
 
-def _slots_partial(q, key_cache, value_cache, batch, scale, k_scale=None, v_scale=None) -> Partial | None:
+def _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale=None,
+                   v_scale=None) -> Partial | None:
     """The Triton kernel over each token's slots (sorted by token, then position) in position-fixed
     splits of `plan.invariant.SPLIT_KEYS` keys, the splits folded by `fold_pairwise`. A unit
     (`plan.invariant.unit_requests`, a verify step) has its slots on its first token, whose programs
     take the request's rows (`UNITS` = `plan.slot_units` tokens x the KV head's query heads); every
-    other token's program writes its own rows (empty ones where it has no slot)."""
+    other token's program writes its own rows (empty ones where it has no slot). The programs of the
+    one-token requests and of the units take their request's new keys too (`k`, `v`: a decode's self
+    pair, a unit's self and causal pairs), in split 0 after its context keys, in the request's order."""
     from vllm_gaudi_unified.paths import unique, unique_kernel
 
-    rows = batch.slot_rows
-    if rows.shape[0] == 0:
+    rows, ones = batch.slot_rows, batch.one_rows
+    if rows.shape[0] == 0 and ones.shape[0] == 0:
         return None
     n, hq, d = q.shape
+    take = torch.zeros(n, dtype=torch.int32, device=q.device).index_fill_(0, ones, 1)
+    if batch.sliding_window is None:  # a token with slots is a one-token request's or a unit's first
+        take.index_fill_(0, rows, 1)
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
     starts = torch.searchsorted(rows, torch.arange(n + 1, device=q.device, dtype=rows.dtype))
@@ -143,6 +147,6 @@ def _slots_partial(q, key_cache, value_cache, batch, scale, k_scale=None, v_scal
         HQ=hq, G=g, ROWS=max(16, unique._pow2(units * g)), D=d, D_PAD=max(16, unique._pow2(d)), BS=bs,
         KEYS=unique.KERNEL_KEYS, SPLITS=splits, SLICE=False, K_SCALES=unique._scale_mode(ks),
         V_SCALES=unique._scale_mode(vs), SPLIT_KEYS=plan_invariant.SPLIT_KEYS, UNITS=units,
-        **unique._new_args(None, q, 1.0, 1.0, 1),
+        **unique._new_args((k, v), q, scale, v_factor, units, take),
         num_warps=unique.KERNEL_WARPS, num_stages=unique.KERNEL_STAGES)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])

@@ -268,16 +268,19 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
 
 
-def _new_args(new, q: torch.Tensor, scale: float, v_factor: float, units: int) -> dict:
+def _new_args(new, q: torch.Tensor, scale: float, v_factor: float, units: int,
+              take: torch.Tensor | None = None) -> dict:
     """The kernel's arguments for a unit's own new keys (`NEW_KEYS` 0: none; the query stands in for the
-    unused pointers). Every one is passed: torch.compile's wrapper of a Triton kernel takes no defaults."""
+    unused pointers); `take` (`[tokens]`, nonzero where a token's program takes them): only those tokens'
+    (else every token's). Every one is passed: torch.compile's wrapper of a Triton kernel takes no defaults."""
+    select = {"take_ptr": q if take is None else take, "NEW_SELECT": take is not None}
     if new is None:
         return {"kn_ptr": q, "vn_ptr": q, "skn_t": 0, "skn_h": 0, "svn_t": 0, "svn_h": 0, "new_scale": 1.0,
-                "new_v": 1.0, "NEW_KEYS": 0}
+                "new_v": 1.0, "NEW_KEYS": 0, **select}
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in new)
     return {"kn_ptr": k, "vn_ptr": v, "skn_t": k.stride(0), "skn_h": k.stride(1), "svn_t": v.stride(0),
             "svn_h": v.stride(1), "new_scale": scale, "new_v": 1.0 / v_factor,
-            "NEW_KEYS": max(16, _pow2(units))}
+            "NEW_KEYS": max(16, _pow2(units)), **select}
 
 
 def units_take_new_pairs(batch, kernel: bool) -> bool:

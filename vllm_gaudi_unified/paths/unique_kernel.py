@@ -30,7 +30,8 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                  HQ: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                  BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
                  K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr,
-                 kn_ptr, vn_ptr, skn_t, skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS: tl.constexpr):
+                 kn_ptr, vn_ptr, skn_t, skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS: tl.constexpr,
+                 take_ptr, NEW_SELECT: tl.constexpr):
     """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
     stride 1), scale tensors by strides (0 on broadcast axes; `K_SCALES`/`V_SCALES`: 0 none (a float
     folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
@@ -51,7 +52,9 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     strict-causal pairs, causality from the tokens' order within the request; a request longer than a unit
     (a chunk off the prompt route) has its later tokens each in its own program), scaled by `new_scale`
     (the score scale without an fp8 key scale) and `new_v` (1 / the value scale `v_scale` folds in). A new
-    value that is not finite is read as 0 and makes the scores of exactly the rows that see it NaN."""
+    value that is not finite is read as 0 and makes the scores of exactly the rows that see it NaN.
+    `NEW_SELECT` (the batch-invariant mode): only the programs of the tokens with `take[t]` != 0 take new keys
+    (the others' are on flash segments); else every program does."""
     t = tl.program_id(0).to(tl.int64)  # output offsets (t * SPLITS * HQ * D) may pass 2**31
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -133,9 +136,12 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
             p = p * tl.load(vs_ptr + blk * svs_b + j * svs_s + h * svs_h, mask=vis, other=0.0).to(acc_dtype)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), v.to(op_dtype)).to(acc_dtype)
         m_i = m_new
+    gate = sp  # the new keys go to split 0
+    if NEW_SELECT:
+        gate = tl.where(tl.load(take_ptr + t) != 0, sp, 1)
     if NEW_KEYS > 0 and UNITS == 1:  # a decode's own key: its self pair, in split 0
-        own = (offs_r * 0 + sp) == 0  # [ROWS] (a vector: the interpreter takes no scalar mask)
-        own_d = d_ok & ((offs_d * 0 + sp) == 0)
+        own = (offs_r * 0 + gate) == 0  # [ROWS] (a vector: the interpreter takes no scalar mask)
+        own_d = d_ok & ((offs_d * 0 + gate) == 0)
         kn = tl.load(kn_ptr + t * skn_t + h * skn_h + offs_d, mask=own_d, other=0.0).to(acc_dtype)
         vn = tl.load(vn_ptr + t * svn_t + h * svn_h + offs_d, mask=own_d, other=0.0).to(acc_dtype)
         bad = tl.sum(((vn != vn) | (tl.abs(vn) == float("inf"))).to(tl.int32), 0) > 0
@@ -150,7 +156,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
         m_i = m_new
     if NEW_KEYS > 0 and UNITS > 1:  # the new keys of this program's rows: from its request's first token to its last row
-        k_last = tl.max(tl.where(g_ok & (sp == 0), tok, -1), 0)  # (-1: no keys: a covered token, splits > 0)
+        k_last = tl.max(tl.where(g_ok & (gate == 0), tok, -1), 0)  # (-1: no keys: a covered token, splits > 0)
         for kstart in range(seg_t, k_last + 1, NEW_KEYS):
             ktok = kstart + tl.arange(0, NEW_KEYS)
             k_in = ktok <= k_last

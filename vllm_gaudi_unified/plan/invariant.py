@@ -128,12 +128,12 @@ class InvariantPlan(StepPlan):
     ctx_used: np.ndarray  #: [segments] the context length (keys used of the segment)
     ctx_max: tuple  #: (max rows, max keys) of a segment
     ctx_own_from: tuple  #: (rows, segments, blocks, max rows, max keys) of the segments before the own calls'
-    seg_rows: np.ndarray  #: [rows] tokens of the requests with several new tokens, one causal segment each
+    seg_rows: np.ndarray  #: [rows] tokens of the requests with several new tokens, not units: a causal segment each
     seg_cu: np.ndarray  #: [segments + 1] cumulative rows of `seg_rows`
     seg_max: int  #: the most new tokens of a segment, at least 2 (flash's one-row path never runs)
     seg_own_from: tuple  #: (rows, segments, max rows) of the segments before the own calls'
     slot_units: int  #: tokens of a Triton program's rows (`unique_tokens`; 1 under a window): `unit_requests`
-    one_rows: np.ndarray  #: [rows] tokens of the one-token requests (fast route: their self pair elementwise)
+    one_rows: np.ndarray  #: [rows] tokens of the one-token requests (fast route: their self pair in their program)
     pre_own_from: int  #: `pre_*` tiles before the own calls' (whole calls)
     causal_own_from: int  #: causal tiles before the own calls' (whole calls)
     calls: tuple  #: per own-calls request: (first token, new tokens, context, first `call_blocks` entry, blocks)
@@ -200,8 +200,9 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
     units = _plan_tiles(np.flatnonzero(unit), opts.unique_tokens, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb,
                         tok_pos, T, opts)
+    flash_rest = rest[~unit[rest]]  # several new tokens, not units (their new keys: the units' programs')
     pre_rest, pre_own = (_plan_tiles(reqs, rs, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
-                         for reqs in (rest[~unit[rest]], mine))
+                         for reqs in (flash_rest, mine))
     pre = {key: np.concatenate([pre_rest[key], pre_own[key]]) for key in pre_rest}
     causal_rest, causal_own = (_plan_causal_tiles(q, starts, W, opts, sel) for sel in (~own, own))
     causal_q, causal_k, causal_col = (np.concatenate(pair) for pair in zip(causal_rest, causal_own))
@@ -209,12 +210,12 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     causal_width = pow2(int(n_causal.max()) if n_causal.size else 1)
     slot_tokens = np.where(one | (W is not None), q, np.where(unit, 1, 0))  # a unit's slots: its first token's
     slots = _plan_slots(pair_req, pair_blk, phys, slot_tokens, starts, ctx, tok_pos, bs, W)
-    flash_ctx_reqs = rest[(ctx[rest] > 0) & ~unit[rest]]
+    flash_ctx_reqs = flash_rest[ctx[flash_rest] > 0]
     ctx_reqs = (flash_ctx_reqs, mine[ctx[mine] > 0]) if W is None else (np.zeros(0, np.int64),) * 2
     flash_ctx = _plan_ctx_segments(np.concatenate(ctx_reqs), q, starts, ctx, nb_ctx, bt, bs)
     c = ctx_reqs[0]
     flash_ctx["own_from"] = (int(q[c].sum()), c.size, int(nb_ctx[c].sum()), max(2, _most(q[c])), _most(nb_ctx[c]) * bs)
-    multi = np.concatenate([rest, mine])
+    multi = np.concatenate([flash_rest, mine])
     seg_rows, _ = ranges(starts[multi], q[multi])
     call_blk, call_owner = ranges(np.zeros_like(mine), nb_ctx[mine])
     call_first = np.cumsum(nb_ctx[mine]) - nb_ctx[mine]
@@ -240,7 +241,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         causal_width=causal_width, **{f"slot_{k}": v for k, v in slots.items()},
         **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_rows=seg_rows.astype(np.int32),
         seg_cu=np.concatenate([[0], np.cumsum(q[multi])]).astype(np.int32), seg_max=max(2, _most(q[multi])),
-        seg_own_from=(int(q[rest].sum()), rest.size, max(2, _most(q[rest]))),
+        seg_own_from=(int(q[flash_rest].sum()), flash_rest.size, max(2, _most(q[flash_rest]))),
         slot_units=opts.unique_tokens if W is None else 1,
         one_rows=starts[one].astype(np.int32), pre_own_from=pre_rest["rows"].shape[0],
         causal_own_from=causal_rest[0].size,
