@@ -28,8 +28,7 @@ applies, else `paths/mla_gluon.py`), whatever the default; `cuda_gluon_shared` /
 `MLA_GLUON_SHARED` on or off), the Gaudi route (`VLLM_GAUDI_UNIFIED_GAUDI_ROUTE`: torch
 ops only, on the bucket-shaped paths an HPU graph holds: the unique pairs on `paths/mla_chunks.py`, the dense decode route
 runs on the CPU only; `gaudi_unique_tiles`: the unique pairs on the generic tiles, the Gaudi route before
-mla_chunks.py; `gaudi_broadcast_adds`: the chunks' mask and shift as broadcast adds, `MLA_CHUNK_RANK1` off;
-`gaudi_mask_rank1`: the mask as a product of inner dim 1 after the scores, `MLA_CHUNK_MASK_INPUT` off; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
+mla_chunks.py; `gaudi_broadcast_adds`: the chunks' mask and shift as broadcast adds, `MLA_CHUNK_RANK1` off; `gaudi_chunksN`, `--chunk-keys`: mla_chunks.py with `MLA_CHUNK_KEYS = N`),
 each also with its shared pairs on the generic tiles (`*_generic_shared`: the route before mla_shared.py), the
 generic tiles for every pair (`tiles`: `mla_unique_route` and `mla_shared_applies` off), vllm-gaudi.
 `--profile`: each route's kernels over 5 steps (GPU time per step = the profile's CUDA total / 5).
@@ -160,14 +159,6 @@ def gaudi_broadcast_adds():
 
 
 @contextlib.contextmanager
-def gaudi_mask_rank1():
-    """The Gaudi route with the chunks' mask as a second product of inner dim 1 over the finished scores
-    (`mla_chunks.MLA_CHUNK_MASK_INPUT` off: the form before the mask became the scores product's input)."""
-    with fused.gaudi_route(), mock.patch.object(mla_chunks, "MLA_CHUNK_MASK_INPUT", False):
-        yield
-
-
-@contextlib.contextmanager
 def gaudi_generic_shared():
     with fused.gaudi_route(), generic_shared():
         yield
@@ -260,7 +251,6 @@ def measure(case, rates, report, profile=False, chunk_keys=()):
               "cuda_product_softmax": product_softmax, "gaudi": fused.gaudi_route,
               "gaudi_generic_shared": gaudi_generic_shared, "gaudi_product_softmax": gaudi_product_softmax,
               "gaudi_unique_tiles": gaudi_unique_tiles, "gaudi_broadcast_adds": gaudi_broadcast_adds,
-              "gaudi_mask_rank1": gaudi_mask_rank1,
               "tiles": tiles_only,
               **{f"gaudi_chunks{k}": gaudi_chunk_keys(k) for k in chunk_keys}}
     if "shared" not in case["name"]:  # (no shared pairs: the same as the columns beside them)

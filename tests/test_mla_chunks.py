@@ -266,21 +266,3 @@ def test_every_chunk_padding():
     assert_matches(normalize(part)[:2], ref)
     empty = mla_chunks.chunks_mla_partial(torch.randn(4, H, L + R, dtype=torch.float64), cache, L, batch, 0.25)
     assert (empty.max == float("-inf")).all() and (empty.sum == 0).all() and (empty.acc == 0).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
-@pytest.mark.parametrize("name", ["decode_even", "decode_no_cached_key", "ragged_partial", "parallel_sampling"])
-def test_the_mask_as_the_products_input_gives_the_same_rows(name, dtype, routes, monkeypatch):
-    """`MLA_CHUNK_MASK_INPUT` (the mask as the scores product's input) against the mask as a second product of
-    inner dim 1 over the finished scores: the same output bit for bit (a visible key's score is the
-    product's alone either way), unreadable slots poisoned; and the float64 rows match the reference."""
-    monkeypatch.setattr(mla_chunks, "MLA_CHUNK_KEYS", 8)
-    outs = []
-    for mask_input in (True, False):
-        monkeypatch.setattr(mla_chunks, "MLA_CHUNK_MASK_INPUT", mask_input)
-        out, ref, _, _ = mla_case(STEPS[name], dtype=dtype)
-        outs.append(out)
-    assert set(routes) == {"chunks"}
-    assert torch.equal(outs[0], outs[1])
-    if dtype == torch.float64:
-        assert_matches(outs[0], ref)

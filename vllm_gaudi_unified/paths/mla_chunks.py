@@ -54,11 +54,6 @@ MLA_CHUNK_KEYS = 1024
 #: broadcast adds, which take the slow general elementwise kernel over `[chunks, H, keys]` (H200, 128 x 4k:
 #: two such adds 0.47 of 2.21 ms).
 MLA_CHUNK_RANK1 = True
-#: With `MLA_CHUNK_RANK1`: the mask goes in as the scores product's own input (`baddbmm(mask, q, kv^T)`, the
-#: mask broadcast over the heads: a write of the scores' buffer, then read once by the product) rather than a
-#: second product of inner dim 1 over the finished scores (a read and a write of them, 0.18 ms at 128 x 4k
-#: on the H200). The same scores bit for bit: a visible key's score is the product's alone either way.
-MLA_CHUNK_MASK_INPUT = True
 
 
 def chunk_blocks(block_size: int) -> int:
@@ -123,13 +118,10 @@ def chunks_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     rows, real = _unit_rows(batch, token, n, units)  # [Nc, units]: the tokens of each chunk's unit
     kv = read_blocks(key_cache.view(-1, d), keys, kv_scale, op).to(op)  # [Nc, C * bs, L + R]: keys; values their dims
     bias = torch.zeros(visible.shape, dtype=op, device=q.device).masked_fill_(~visible, float("-inf"))
-    qr = q[rows.clamp(max=n - 1)].flatten(1, 2)  # [Nc, units * H, L + R]
-    if MLA_CHUNK_RANK1 and MLA_CHUNK_MASK_INPUT:  # [Nc, units * H, C * bs]
-        s = torch.baddbmm(bias[:, None, :].expand(-1, qr.shape[1], -1), qr.to(op), kv.transpose(1, 2), alpha=scale)
-    else:
-        s = latent_scores(qr, kv, None if MLA_CHUNK_RANK1 else bias[:, None, None, :], scale)
-        if MLA_CHUNK_RANK1:
-            _add_outer(s, None, bias)
+    s = latent_scores(q[rows.clamp(max=n - 1)].flatten(1, 2), kv, None if MLA_CHUNK_RANK1 else bias[:, None, None, :],
+                      scale)  # [Nc, units * H, C * bs]
+    if MLA_CHUNK_RANK1:
+        _add_outer(s, None, bias)
     into = torch.where(real, rows, n).reshape(-1)  # [Nc * units] each row's token (n: none)
     # the token's max over its chunks and its own keys (row n: the padding rows'), the shift of every e^
     start = torch.full((n + 1, hq), float("-inf"), dtype=dt, device=q.device)
