@@ -508,3 +508,63 @@ def test_a_step_split_between_the_grid_and_the_tiles_matches_the_reference(dtype
     out, ref, batch = run_case(Step([64, 2, 3, 2], [40, 200, 190, 201], 8), dtype=dtype)
     assert batch.bucket.num_prompts == 1 and batch.bucket.phase[0] == "c"
     assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+@pytest.mark.parametrize("form", ["full", "padded", "gathered"])
+@pytest.mark.parametrize("which", ["key", "value", "inf"])
+def test_prompts_without_context_contain_a_bad_new_key_through_the_inputs(dtype, form, which):
+    """Prompts without context off a Gaudi: one causal call with no pass over its rows (`_causal_keys`,
+    `StepPlan.prompt_full`). A non-finite new key or value of token 3 of prompt 1 (KV head 1) reaches its
+    rows 3.. (query heads 2, 3) and nothing else; the rest matches the reference; padding rows are zero."""
+    spec = Step([6, 6, 6], [0, 0, 0], 4, num_qo_heads=4, num_kv_heads=2)
+    table, nb = make_block_table(spec, np.random.default_rng(3))
+    q, k, v, kc, vc = make_tensors(spec, table, nb, dtype)
+    ref = reference_attention(q, k, v, kc, vc, spec.query_lens, spec.context_lens, table, 0.41)
+    batch = build_unified_batch(spec.query_lens, spec.context_lens, table, 4, num_blocks=nb, options=SMALL_TILES)
+    assert batch.plan.prompt_grid and batch.plan.prompt_full and batch.prompt_blocks.shape[1] == 0
+    if form == "gathered":
+        batch = replace(batch, plan=replace(batch.plan, prompt_grid=False))
+    pad = 0
+    if form == "padded":  # the same step in a larger bucket: padding rows hold NaN inputs and come out zero
+        s, pad = batch.plan.shape, 6
+        big = replace(s, query_len=s.query_len + pad, num_logits=s.num_logits + 1)
+        batch = build_unified_batch(spec.query_lens, spec.context_lens, table, 4, num_blocks=nb,
+                                    options=SMALL_TILES, bucket=big)
+        assert not batch.plan.prompt_full
+    nan = lambda x: torch.cat([x, torch.full((pad, *x.shape[1:]), float("nan"), dtype=x.dtype)])  # noqa: E731
+    out = unified_attention(nan(q), nan(k), nan(v), kc, vc, batch, 0.41)
+    assert_matches(out[:18], ref)
+    assert (out[18:] == 0).all()
+    bad_value = float("inf") if which == "inf" else float("nan")
+    (k if which == "key" else v)[9, 1, 5] = bad_value  # token 3 of prompt 1, KV head 1
+    bad = unified_attention(nan(q), nan(k), nan(v), kc, vc, batch, 0.41)
+    assert torch.isnan(bad[9:12, 2:]).all()
+    keep = torch.ones(bad.shape[:2], dtype=torch.bool)
+    keep[9:12, 2:] = False
+    assert torch.equal(bad[keep], out[keep])
+
+
+@pytest.mark.parametrize("ctx", [0, 5], ids=["no-context", "context"])
+def test_the_compiled_step_contains_a_bad_new_key_as_the_eager_one_does(ctx):
+    """`graphs.compiled_attention` (torch.compile per bucket): a NaN value or an inf key of token 3 of
+    prompt 1 reaches exactly its KV head's rows 3.. of that prompt, as eager. (The finiteness test once
+    read `(x * 0).sum() == 0`, which the compiler folds to True: the compiled step leaked NaN upwards.)"""
+    from vllm_gaudi_unified.graphs import clear, compiled_attention
+
+    spec = Step([6, 6, 6], [ctx] * 3, 4, num_qo_heads=4, num_kv_heads=2)
+    table, nb = make_block_table(spec, np.random.default_rng(4))
+    q, k, v, kc, vc = make_tensors(spec, table, nb, torch.bfloat16)
+    batch = build_unified_batch(spec.query_lens, spec.context_lens, table, 4, num_blocks=nb, options=SMALL_TILES)
+    clear()
+    clean = compiled_attention(q, k, v, kc, vc, batch, 0.41)
+    assert torch.equal(clean, unified_attention(q, k, v, kc, vc, batch, 0.41))
+    for which, value in (("value", float("nan")), ("key", float("inf"))):
+        kk, vv = k.clone(), v.clone()
+        (kk if which == "key" else vv)[9, 1, 5] = value
+        bad = compiled_attention(q, kk, vv, kc, vc, batch, 0.41)
+        assert torch.isnan(bad[9:12, 2:]).all(), which
+        keep = torch.ones(bad.shape[:2], dtype=torch.bool)
+        keep[9:12, 2:] = False
+        assert torch.equal(bad[keep], clean[keep]), which
+    clear()

@@ -26,14 +26,15 @@ _COMPILED: dict[tuple, Callable] = {}
 def bucket_key(batch, query: torch.Tensor, key_cache: torch.Tensor, **kwargs) -> tuple:
     """Everything that changes the compiled code: bucket, plan options, layout, dtypes (an fp8 cache
     included), shapes, device, the route and the prompt route's form (`prompts.SPLIT_CONTEXT`,
-    `attention.PROMPT_FLASH`, and on CUDA the plan's `prompt_ragged`), whether a latent route takes the drafts'
-    causal pairs (`drafts_in_units`), which keyword arguments are given."""
+    `attention.PROMPT_FLASH`, and on CUDA the plan's `prompt_ragged`; off a Gaudi its `prompt_full`), whether
+    a latent route takes the drafts' causal pairs (`drafts_in_units`), which keyword arguments are given."""
     return (batch.bucket, tuple(p.bucket for p in getattr(batch, "pieces", ())), batch.plan.options,
             batch.block_size, batch.sliding_window, batch.unique_layout, batch.plan.shared_prefix_visible,
             getattr(batch.plan, "prompts_only", False), getattr(batch.plan, "prompt_grid", False),
             getattr(batch.plan, "drafts_in_units", False), fused.CUDA_KERNELS,
             prompts.SPLIT_CONTEXT, attention.PROMPT_FLASH,
             fused.CUDA_KERNELS and query.device.type == "cuda" and getattr(batch.plan, "prompt_ragged", False),
+            prompts.causal_selects(query) and getattr(batch.plan, "prompt_full", False),
             query.dtype, key_cache.dtype, tuple(query.shape[1:]), tuple(key_cache.shape), str(query.device),
             tuple(sorted((k, v is None) for k, v in kwargs.items())))
 

@@ -33,7 +33,8 @@ in the fused call). A new key is hidden from the rows before it by the causal
 mask, where `0 * NaN` would still leak: non-finite new keys and values are
 zeroed and the rows at or past the first one set to NaN afterwards (a reduction
 over the new keys only), as `fused.mark_bad_rows` does for the other fused
-calls. So a bad value reaches only the rows that attend to it.
+calls. So a bad value reaches only the rows that attend to it. Prompts without context off a Gaudi mark
+through the inputs instead (`_causal_keys`); a full grid's rows are returned as the call wrote them.
 """
 from __future__ import annotations
 
@@ -187,12 +188,33 @@ def _clean_keys(q, k, v, key_cache, value_cache, batch, split: bool = False):
     return qr, kall, vall, valid, seq, new_bad
 
 
+def causal_selects(q: torch.Tensor) -> bool:
+    """Whether the causal call without a mask (`hpu.sdpa_final`) hides later keys' scores by selection, so a
+    NaN there reaches no earlier row: torch SDPA on CUDA and the CPU (tested); not known of FusedSDPA."""
+    return q.device.type in ("cuda", "cpu")
+
+
+def _causal_keys(q, k, v, batch):
+    """Rows, keys, values `[P, Qp, H, D]` of prompts without context (views on a grid, else gathered) for
+    that call: a new key whose key or value is not finite goes in as NaN, its value as zero (also past a
+    prompt's tokens), so exactly the rows at or past it come out NaN; test and write fuse into one pass."""
+    p, qp = batch.prompt_rows.shape
+    if batch.plan.prompt_grid:
+        qr, kr, vr = (x[: p * qp].view(p, qp, *x.shape[1:]) for x in (q, k, v))
+    else:
+        rows = batch.prompt_rows.clamp(max=q.shape[0] - 1)
+        qr, kr, vr = q[rows], k[rows], v[rows]
+    bad = ~_finite_tokens(kr, vr)[..., None]  # [P, Qp, Hkv, 1]
+    past = (torch.arange(qp, device=q.device)[None, :] >= batch.prompt_len[:, None])[..., None, None]
+    nan, zero = (torch.full((), x, dtype=kr.dtype, device=q.device) for x in (float("nan"), 0.0))
+    return qr, torch.where(bad, nan, kr), torch.where(bad | past, zero, vr)
+
+
 def _finite_tokens(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`[..., Hkv]` whether a token's key and value for a head are finite: `x * 0` is 0 for a finite `x`
-    and NaN otherwise, so one sum per head says it (one reduction over both, not four passes)."""
-    zero_k = (k * 0).sum(-1, dtype=torch.float32)
-    zero_v = zero_k if v is k else (v * 0).sum(-1, dtype=torch.float32)
-    return (zero_k + zero_v) == 0
+    """`[..., Hkv]` whether a token's key and value for a head are finite. (Not `(x * 0).sum() == 0`:
+    torch.compile folds `x * 0` to 0, and the compiled step let every bad key through.)"""
+    finite = torch.isfinite(k).all(-1)
+    return finite if v is k else finite & torch.isfinite(v).all(-1)
 
 
 def _positions(batch, keys: int, qp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,10 +312,14 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
     `flash` (CUDA kernels allowed): one flash varlen call, each prompt a segment of its real rows
     against its first `ctx + len` keys, causal bottom-right aligned: no mask at all. Else, with context
     blocks, the split form (`split_context`: two calls with statistics and a merge); else one SDPA call
-    (`hpu.sdpa_final`: FusedSDPA on a Gaudi) over the padded batch, with the mask the layout needs."""
+    (`hpu.sdpa_final`: FusedSDPA on a Gaudi) over the padded batch, with the mask the layout needs (none
+    without context; off a Gaudi then the call's rows as they come: `_causal_keys`)."""
     from vllm_gaudi_unified.hpu import sdpa_final
 
     value_dim = (v if context is None else context[1]).shape[-1]
+    if not flash and context is None and not first and batch.prompt_blocks.shape[1] == 0 and causal_selects(q):
+        qr, kall, vall = (x.transpose(1, 2) for x in _causal_keys(q, k, v, batch))
+        return sdpa_final(qr, kall, vall, None, scale).transpose(1, 2).reshape(-1, q.shape[1], value_dim)
     split = not flash and split_context(batch, value_dim == q.shape[-1] and fused.lse_kernel_for(q))
     # (split: only where a kernel returns the statistics, never a matmul over every score)
     if not flash and context is None and not first and key_cache is not None and not is_fp8(key_cache.dtype):
@@ -344,8 +370,11 @@ def _flash_rows(qr, kall, vall, batch, scale) -> torch.Tensor:
 def grid_rows(values: torch.Tensor, batch, n: int) -> torch.Tensor:
     """The `n` output rows of a step whose prompts are the grid of its rows (`plan.prompt_grid`): the
     prompt route's `[P * Qp]` rows where they are, zero past each prompt's tokens and past the grid.
-    Elementwise, so the compiled function writes it in the pass that marks the rows (no gather)."""
+    Elementwise, so the compiled function writes it in the pass that marks the rows (no gather); none on a
+    full grid (`StepPlan.prompt_full`) off a Gaudi (`causal_selects`: no marking either)."""
     p, qp = batch.prompt_rows.shape
+    if batch.plan.prompt_full and p * qp == n and causal_selects(values):
+        return values
     real = (torch.arange(qp, device=values.device)[None, :] < batch.prompt_len[:, None]).reshape(-1, 1, 1)
     out = torch.where(real, values, torch.zeros((), dtype=values.dtype, device=values.device))
     return out if p * qp == n else torch.cat([out, out.new_zeros((n - p * qp,) + out.shape[1:])])

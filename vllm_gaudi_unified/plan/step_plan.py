@@ -81,6 +81,13 @@ class StepPlan:
         )
 
     @property
+    def prompt_full(self) -> bool:
+        """The prompts' grid is every row of an unpadded step (`prompt_grid`, each prompt `prompt_len` tokens):
+        no padding row to zero, so the device may return the fused call's rows as they are."""
+        rows = self.prompt_rows
+        return self.prompt_grid and self.bucket == self.shape and rows is not None and rows.size == self.num_tokens
+
+    @property
     def unique_units(self) -> int:
         """Token rows of each unique slot in this plan's graph (`PlanOptions.unique_units`): the slot's row is
         its request's first token, and the next `unique_units - 1` tokens of the same request share it."""
