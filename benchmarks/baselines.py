@@ -321,12 +321,16 @@ def _readable(lay, device) -> torch.Tensor:
 
 
 def commit() -> str:
-    """The checkout measured: its short commit, `+dirty` when files differ from it ('' outside git)."""
+    """The checkout measured: its short commit, `+dirty` when files differ from it. A copy of the tree that is
+    not its own git checkout (one sent to a device inside another) names its commit in a `COMMIT` file at its
+    root; '' when neither says."""
     root = Path(__file__).resolve().parent.parent
     git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)  # noqa: E731
+    top = git("rev-parse", "--show-toplevel")
+    if top.returncode or Path(top.stdout.strip()).resolve() != root:
+        named = root / "COMMIT"
+        return named.read_text().strip() if named.is_file() else ""
     head = git("rev-parse", "--short", "HEAD")
-    if head.returncode:
-        return ""
     return head.stdout.strip() + ("+dirty" if git("status", "--porcelain", "-uno").stdout.strip() else "")
 
 
