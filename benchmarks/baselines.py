@@ -321,9 +321,8 @@ def _readable(lay, device) -> torch.Tensor:
 
 
 def commit() -> str:
-    """The checkout measured: its short commit, `+dirty` when files differ from it. A copy of the tree that is
-    not its own git checkout (one sent to a device inside another) names its commit in a `COMMIT` file at its
-    root; '' when neither says."""
+    """The checkout measured: its short commit, `+dirty` when files differ from it. A copy of the tree outside
+    its own git checkout may name its commit in a `COMMIT` file at its root; '' when neither says."""
     root = Path(__file__).resolve().parent.parent
     git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)  # noqa: E731
     top = git("rev-parse", "--show-toplevel")

@@ -184,3 +184,21 @@ def test_a_bad_context_value_reaches_exactly_the_rows_that_read_it():
                           torch.randn(t, L + R, generator=g, dtype=torch.float64), cache, batch, 0.3, L,
                           lambda c: c @ weight.T)
     assert out[:12].isfinite().all() and out[12:17].isnan().all()
+
+
+def test_a_bad_new_latent_of_prompts_without_context_reaches_only_later_rows():
+    """Prompts alone, no context: one causal call over the expanded keys (key and value head dims differ, so
+    torch SDPA takes its math kernel, which adds -inf to a NaN score rather than selecting it away). A NaN new
+    latent at token 3 of prompt 0 reaches that prompt's rows 3.. and nothing else."""
+    step = Step([12, 5], [0, 0], 4)
+    table, nb = make_block_table(step, np.random.default_rng(0))
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=nb, options=SMALL_TILES)
+    g = torch.Generator().manual_seed(0)
+    t = batch.bucket.query_len
+    weight = torch.randn(H * (P + V), L, generator=g, dtype=torch.float64)
+    latent = torch.randn(t, L + R, generator=g, dtype=torch.float64)
+    latent[3, 5] = float("nan")
+    out = mla_prompt_rows(torch.randn(t, H, P + R, generator=g, dtype=torch.float64), latent,
+                          torch.randn(nb, 4, L + R, generator=g, dtype=torch.float64), batch, 0.3, L,
+                          lambda c: c @ weight.T)
+    assert out[:3].isfinite().all() and out[3:12].isnan().all() and out[12:17].isfinite().all()

@@ -24,17 +24,13 @@ Two ways to finish, chosen by `final_rows` (all conditions there):
   the same batch through the matmul tiles (`tiles.attend`), strict-causal (the
   self pair is the self path's), as a `Partial` the exact merge folds in.
 
-Bad values (final form), at the cost of one elementwise pass fused into the
-gather: the slots no row may read (past a prompt's context in its last block,
-padding blocks, padding new keys) are zeroed, so a poisoned unused cache slot
-never reaches an output. A real context key is seen by every row of its prompt,
-so a non-finite one reaches exactly those rows by itself (NaN scores or values
-in the fused call). A new key is hidden from the rows before it by the causal
-mask, where `0 * NaN` would still leak: non-finite new keys and values are
-zeroed and the rows at or past the first one set to NaN afterwards (a reduction
-over the new keys only), as `fused.mark_bad_rows` does for the other fused
-calls. So a bad value reaches only the rows that attend to it. Prompts without context off a Gaudi mark
-through the inputs instead (`_causal_keys`); a full grid's rows are returned as the call wrote them.
+Bad values (final form), in one elementwise pass fused into the gather: the slots no row may read (past a
+prompt's context, padding blocks and new keys) are zeroed, so a poisoned unused slot reaches no output. A
+real context key is seen by every row of its prompt, so a non-finite one reaches exactly those rows by
+itself. A new key is hidden from earlier rows by the causal mask, where `0 * NaN` would still leak:
+non-finite new keys and values are zeroed and the rows at or past the first one set to NaN afterwards
+(as `fused.mark_bad_rows` does for the other fused calls). Prompts without context off a Gaudi mark
+through the inputs instead where the call selects (`_causal_keys`, `causal_selects`).
 """
 from __future__ import annotations
 
@@ -188,10 +184,15 @@ def _clean_keys(q, k, v, key_cache, value_cache, batch, split: bool = False):
     return qr, kall, vall, valid, seq, new_bad
 
 
-def causal_selects(q: torch.Tensor) -> bool:
+def causal_selects(q: torch.Tensor, value_dim: int | None = None) -> bool:
     """Whether the causal call without a mask (`hpu.sdpa_final`) hides later keys' scores by selection, so a
-    NaN there reaches no earlier row: torch SDPA on CUDA and the CPU (tested); not known of FusedSDPA."""
-    return q.device.type in ("cuda", "cpu")
+    NaN there reaches no earlier row: torch SDPA's fused kernels (tested: the CPU's for equal key and value
+    dims, CUDA's for 16-bit heads up to 256), not its math kernel (unequal dims: MLA's expanded prompts),
+    which adds -inf to a NaN score; not known of FusedSDPA."""
+    if value_dim is not None and value_dim != q.shape[-1]:
+        return False
+    cuda_ok = q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    return q.device.type == "cpu" or (q.device.type == "cuda" and cuda_ok)
 
 
 def _causal_keys(q, k, v, batch):
@@ -317,7 +318,7 @@ def prompt_final(q, k, v, key_cache, value_cache, batch, scale, k_scale=None, v_
     from vllm_gaudi_unified.hpu import sdpa_final
 
     value_dim = (v if context is None else context[1]).shape[-1]
-    if not flash and context is None and not first and batch.prompt_blocks.shape[1] == 0 and causal_selects(q):
+    if not flash and context is None and not first and batch.prompt_blocks.shape[1] == 0 and causal_selects(q, value_dim):
         qr, kall, vall = (x.transpose(1, 2) for x in _causal_keys(q, k, v, batch))
         return sdpa_final(qr, kall, vall, None, scale).transpose(1, 2).reshape(-1, q.shape[1], value_dim)
     split = not flash and split_context(batch, value_dim == q.shape[-1] and fused.lse_kernel_for(q))
@@ -371,7 +372,7 @@ def grid_rows(values: torch.Tensor, batch, n: int) -> torch.Tensor:
     """The `n` output rows of a step whose prompts are the grid of its rows (`plan.prompt_grid`): the
     prompt route's `[P * Qp]` rows where they are, zero past each prompt's tokens and past the grid.
     Elementwise, so the compiled function writes it in the pass that marks the rows (no gather); none on a
-    full grid (`StepPlan.prompt_full`) off a Gaudi (`causal_selects`: no marking either)."""
+    full grid (`StepPlan.prompt_full`) off a Gaudi (`causal_selects`: nothing to zero)."""
     p, qp = batch.prompt_rows.shape
     if batch.plan.prompt_full and p * qp == n and causal_selects(values):
         return values

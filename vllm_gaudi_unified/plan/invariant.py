@@ -49,9 +49,10 @@ step, `paths/invariant.py`):
   context, no window: `unit_requests`) has its slots listed once, on its first
   token, whose program takes all its rows (tokens x query heads of a KV head)
   in the same splits; another request with several new tokens has its context as one
-  flash segment (its rows against its gathered blocks, no split-KV); the new
-  tokens of a request with several, self pair included, are one causal flash
-  segment; a one-token request's self pair is elementwise (`self_partial`);
+  flash segment (its rows against its gathered blocks, no split-KV) and its new
+  tokens, self pair included, one causal flash segment; a one-token request and a
+  verify step take their new keys in their Triton program (split 0, after its
+  context keys, in the request's order);
 * **tile route** (torch products: the Gaudi route, fp32, soft cap): a
   request's context is cut into *chunks* of `blocks_per_tile` logical blocks
   (counted from block 0), a tile is one chunk and the rows of one request that

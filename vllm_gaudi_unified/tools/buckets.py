@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     g.add_argument("--seeds", type=comma_ints, default="1,2,3",
                    help="simulator seeds when no --trace is given (comma separated)")
     g.add_argument("--max-graphs", type=int_in(1, 4096), default=None,
-                   help="most buckets in the plan, prompt graphs apart (default: robust 60, trace 32)")
+                   help=f"most buckets in the plan, prompt graphs apart (default: robust {DEFAULT_ROBUST_GRAPHS}, trace 32)")
     g.add_argument("--target-waste", type=float_in(1.0, 1e6), default=None,
                    help="stop at the fewest buckets whose padding waste on the traces is at most this (trace)")
     g.add_argument("--resolution", type=float_in(0.5, 8.0), default=3.0,
