@@ -30,7 +30,7 @@ from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.files import atomic_write, output_path
 from vllm_gaudi_unified.flags import POSITIVE, float_in
 from vllm_gaudi_unified.log import get_logger
-from vllm_gaudi_unified.plan.smallest import can_hold_a_step
+from vllm_gaudi_unified.plan.smallest import can_hold_a_step, with_prompt
 
 logger = get_logger(__name__)
 
@@ -73,27 +73,10 @@ def step_for_bucket(bucket: Bucket, block_size: int, options=None,
         raise ValueError(f"bucket {bucket}: the planner makes no step of phase {bucket.phase!r} with these options")
     step, shape = smallest
     if bucket.num_prompts:  # the prompt route's shape: one more request on it (`with_prompt`)
-        step, shape = with_prompt(step, bucket, block_size, options, sliding_window)
+        step, shape = with_prompt(step, bool(bucket.prompt_blocks), block_size, options, sliding_window)
     if not bucket.covers(shape):
         raise ValueError(f"bucket {bucket} cannot hold the smallest step of its phase ({shape})")
     return step
-
-
-def with_prompt(step, bucket: Bucket, block_size: int, options, sliding_window=None):
-    """`step` and one more request on the prompt route: two new tokens, over one block of context of its
-    own when the bucket has prompt context blocks. Returns (step, shape)."""
-    from vllm_gaudi_unified.plan import plan_step
-
-    q, ctx, table = step
-    if ((q == 1) & (ctx == 0)).all():  # phase '---': that token would join the route as a prompt of its own
-        q, ctx, table = q[:0], ctx[:0], table[:0]
-    own = int(table.max()) + 1 if table.size else 1
-    width = max(table.shape[1], 1)
-    row = np.zeros((1, width), np.int64)
-    row[0, 0] = own
-    step = (np.append(q, 2), np.append(ctx, block_size if bucket.prompt_blocks else 0),
-            np.concatenate([np.pad(table, ((0, 0), (0, width - table.shape[1]))), row]))
-    return step, plan_step(*step, block_size, sliding_window=sliding_window, options=options).shape
 
 
 def batch_for_bucket(bucket: Bucket, block_size: int, options, sliding_window=None, device=None):

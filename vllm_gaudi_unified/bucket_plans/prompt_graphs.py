@@ -25,6 +25,7 @@ import numpy as np
 from vllm_gaudi_unified.bucket import Bucket, pow2
 from vllm_gaudi_unified.bucket_plans.trace import TraceStep
 from vllm_gaudi_unified.plan.options import on_route
+from vllm_gaudi_unified.plan.smallest import smallest_prompt_shape
 
 #: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm): with a robust
 #: plan's 60 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all. Chosen by the time they
@@ -99,6 +100,18 @@ def rounded_shape(shape: Bucket, settings, cap, up=pow2) -> Bucket:
     tiles = -(-shape.num_shared_blocks // kb)
     s = kb * max(min(up(tiles), lim[1] // kb), tiles)
     return Bucket(shape.phase, q, s, u, n, c, *(up(x) for x in shape.prompts))
+
+
+def warmable(graph: Bucket, plan) -> Bucket:
+    """`graph` raised to cover the step warmup runs for it where that step keeps the graph's phase
+    (`smallest_prompt_shape`: rounded in `half_pow2` steps a graph may have fewer logits or tokens than any
+    step of its phase with a prompt, e.g. `csu` with 3 logits); else as it is."""
+    s = plan.settings
+    least = smallest_prompt_shape(graph.phase, bool(graph.prompt_blocks), s.block_size, plan.options_for(graph),
+                                  s.sliding_window)
+    if least is None or least.phase != graph.phase:
+        return graph
+    return Bucket(graph.phase, *(int(x) for x in np.maximum(graph.sizes + graph.prompts, least.sizes + least.prompts)))
 
 
 def _fits(graph: Bucket, settings, cap) -> bool:
@@ -218,8 +231,8 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
             "prompt_graph_candidates": 0}
     if not shapes or not max_graphs:
         return [], info
-    candidates = sorted({g for shape in shapes for up in (pow2, half_pow2)
-                         for g in [rounded_shape(shape, s, cap, up)] if _fits(g, s, cap)})
+    rounded = {rounded_shape(shape, s, cap, up) for shape in shapes for up in (pow2, half_pow2)}
+    candidates = sorted({g for g in (warmable(r, plan) for r in rounded) if _fits(g, s, cap)})
     info["prompt_graph_candidates"] = len(candidates)
     if not candidates:
         return [], info

@@ -72,6 +72,32 @@ def smallest_steps(block_size: int, options, sliding_window: int | None = None) 
     return out
 
 
+def with_prompt(step, prompt_context: bool, block_size: int, options, sliding_window: int | None = None):
+    """`step` and one more request on the prompt route: two new tokens, over one block of context of its
+    own when `prompt_context` (the graph has prompt context blocks). Returns (step, shape)."""
+    from vllm_gaudi_unified.plan import plan_step
+
+    q, ctx, table = step
+    if ((q == 1) & (ctx == 0)).all():  # phase '---': that token would join the route as a prompt of its own
+        q, ctx, table = q[:0], ctx[:0], table[:0]
+    own = int(table.max()) + 1 if table.size else 1
+    width = max(table.shape[1], 1)
+    row = np.zeros((1, width), np.int64)
+    row[0, 0] = own
+    step = (np.append(q, 2), np.append(ctx, block_size if prompt_context else 0),
+            np.concatenate([np.pad(table, ((0, 0), (0, width - table.shape[1]))), row]))
+    return step, plan_step(*step, block_size, sliding_window=sliding_window, options=options).shape
+
+
+@lru_cache(maxsize=256)
+def smallest_prompt_shape(phase: str, prompt_context: bool, block_size: int, options,
+                          sliding_window: int | None = None) -> Bucket | None:
+    """The shape of the step warmup runs for a prompt graph of `phase` (its smallest step and a prompt,
+    `with_prompt`): a learned graph is raised to cover it; None where the planner makes no such step."""
+    found = smallest_steps(block_size, options, sliding_window)[phase]
+    return None if found is None else with_prompt(found[0], prompt_context, block_size, options, sliding_window)[1]
+
+
 def can_hold_a_step(bucket: Bucket, block_size: int, options, sliding_window: int | None = None) -> bool:
     """True when some step of `bucket`'s phase fits in it (it covers the phase's smallest step)."""
     smallest = smallest_steps(block_size, options, sliding_window)[bucket.phase]
