@@ -130,7 +130,7 @@ def run(device: str = "cpu") -> int:
 
 
 def combine_matches_the_merge(device: str) -> None:
-    """`mla_decode._combine` (one pass over a token's splits) against `merge.fold_pairwise` (the merge's own tree):
+    """`unique.combine_splits` (one pass over a token's splits) against `merge.fold_pairwise` (the merge's own tree):
     a split that saw no key (max -inf) adds nothing even with NaN in its acc, a NaN max stays in its own row only;
     the merged Partial, and the Final rows against its normalization."""
     dt = torch.float64 if device == "cpu" else torch.float32
@@ -144,7 +144,7 @@ def combine_matches_the_merge(device: str) -> None:
     m[2, 3, 4] = float("nan")  # (a bad value: its row only)
     acc, m, total = (x.to(device) for x in (acc, m, total))
     want = fold_pairwise(Partial(acc, m, total))
-    got = mla_decode._combine(acc, m, total, None)
+    got = mla_decode.combine_splits(acc, m, total, None)
     tol = dict(atol=1e-12 if device == "cpu" else 1e-5, rtol=1e-6, equal_nan=True)
     torch.testing.assert_close(got.acc, want.acc, **tol)
     torch.testing.assert_close(got.sum, want.sum, **tol)
@@ -152,7 +152,7 @@ def combine_matches_the_merge(device: str) -> None:
     torch.testing.assert_close(got.max[clean], want.max[clean], **tol)
     assert torch.isnan(got.acc[2, 4]).all() and torch.isnan(got.sum[2, 4])
     assert torch.isfinite(got.acc[:2]).all() and torch.isfinite(got.acc[2, :4]).all()
-    rows = mla_decode._combine(acc, m, total, dt)
+    rows = mla_decode.combine_splits(acc, m, total, dt)
     assert isinstance(rows, Final)
     torch.testing.assert_close(rows.out, normalize(want, dt), atol=1e-12 if device == "cpu" else 1e-5, rtol=1e-6,
                                equal_nan=True)

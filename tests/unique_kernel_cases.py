@@ -80,8 +80,10 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
     calls = []
     inner = unique.kernel_unique_partial
     # (each call records whether the units took the step's self and causal pairs: `units_take_new_pairs`)
+    finals = []  # (and whether it wrote the step's final rows: the only path, `final`)
     set_attr(attention, "kernel_unique_partial",
-             lambda *a, **kw: calls.append(kw.get("new") is not None) or inner(*a, **kw))
+             lambda *a, **kw: calls.append(kw.get("new") is not None) or finals.append(kw.get("final", False))
+             or inner(*a, **kw))
     defaults = {k: getattr(unique, k) for k in ("KERNEL_SPLIT_KEYS",)}
     done = 0
     for i, (name, fmt, k_form, layout, window, consts) in enumerate(CASES):
@@ -102,6 +104,7 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
         # a decode step's self pairs in the kernel (no causal tiles; where shared tiles join it, as these
         # cases' 4-row tiles do, one slot per token, it takes none)
         assert calls[-1] == (batch.phase[:2] == "--"), (name, batch.phase)
+        assert finals[-1] == (calls[-1] and batch.bucket.num_prompts == 0), name  # (then its rows are the only ones)
         ref = reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37,
                                   sliding_window=window)
         assert_matches(out.cpu(), ref)
@@ -128,6 +131,7 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
         assert len(calls) > before, i
         # the units take their requests' new pairs, but where the shared tiles join the kernel (one slot a token)
         assert calls[-1] == (batch.phase[1] != "s"), (i, batch.phase)
+        assert finals[-1] == (calls[-1] and batch.bucket.num_prompts == 0), (i, batch.phase)
         ref = reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37)
         assert_matches(out.cpu(), ref)
         done += 1

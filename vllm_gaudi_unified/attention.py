@@ -18,8 +18,7 @@ from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial
 from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_output
 from vllm_gaudi_unified.paths.mla_chunks import chunks_mla_partial
-from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_kernel_takes_shared
-from vllm_gaudi_unified.paths.mla_decode import mla_unique_route
+from vllm_gaudi_unified.paths.mla_decode import dense_mla_partial, kernel_mla_partial, mla_kernel_takes_shared, mla_unique_route
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8
 from vllm_gaudi_unified.paths.prompts import final_rows, grid_rows, prompt_final, prompt_partial, write_rows
 from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_shared_applies
@@ -306,8 +305,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
                 extra["drafts"] = True
             units = batch if drafts else per_token(batch, tokens)
             yield run(query, key_cache, value_cache.shape[-1], units, scale, key, **extra)
-        elif kernel:
-            yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale, new=new)
+        elif kernel:  # (with the units' new pairs and no shared tiles, the step's only path: its rows final)
+            yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale, new=new,
+                                        final=alone and new is not None and phase[1] == "-")
         elif flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale)
         else:

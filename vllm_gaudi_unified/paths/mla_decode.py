@@ -49,7 +49,7 @@ from vllm_gaudi_unified.paths.mla_drafts import fold_drafts
 from vllm_gaudi_unified.paths.mla_shared import latent_attend, latent_cache
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
 from vllm_gaudi_unified.paths.unique import KERNEL_CACHE_DTYPES, _pow2, _slots_with_shared, per_token, token_order
-from vllm_gaudi_unified.paths.unique import triton_importable
+from vllm_gaudi_unified.paths.unique import combine_splits, triton_importable
 
 #: Kernel constants: query heads per program, keys per loop step, keys a split aims at (power-of-two
 #: splits, at most `MLA_MAX_SPLITS`), warps, stages, how the tile is loaded (`mla_kernel.py`). Chosen on an
@@ -216,20 +216,7 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         return Final(acc)
     if splits == 1:
         return Partial(acc[:, 0], m[:, 0], total[:, 0])
-    return _combine(acc, m, total, q.dtype if final else None)
-
-
-def _combine(acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, out_dtype) -> Partial | Final:
-    """A token's split rows merged in one pass (`mla_kernel.split_combine`): `Final` rows in `out_dtype`, or with
-    None the merged Partial."""
-    from vllm_gaudi_unified.paths import mla_kernel
-
-    n, splits, hq, dv = acc.shape
-    out = torch.empty((n, hq, dv), dtype=out_dtype or acc.dtype, device=acc.device)
-    om, ol = torch.empty((2, n, hq), dtype=m.dtype, device=m.device)  # (the merged max and sum, without FINAL)
-    mla_kernel.split_combine[(n * hq, )](acc, m, total, out, om, ol, S=splits, S_PAD=max(2, splits), HQ=hq, DV=dv,
-                                         DV_PAD=max(16, _pow2(dv)), FINAL=out_dtype is not None)
-    return Final(out) if out_dtype is not None else Partial(out, om, ol)
+    return combine_splits(acc, m, total, q.dtype if final else None)
 
 
 def mla_splits(keys_per_token: float, programs: int, device) -> int:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge, scatter_merge
+from vllm_gaudi_unified.merge import Final, Partial, merge, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
@@ -221,13 +221,17 @@ def _slots_with_shared(batch, n: int):
 
 def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
                           scale: float, k_scale=None, v_scale=None, shared: bool = False,
-                          new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
+                          new: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          final: bool = False) -> Partial | Final | None:
     """`unique_partial` through the Triton kernel: one Partial row per token (its blocks merged in the
-    kernel, in splits merged by `fold_pairwise`). Slots are put in token order on the device (no sync);
+    kernel, in splits merged by `combine_splits`). Slots are put in token order on the device (no sync);
     the split count comes from the bucket (host numbers), so a bucket's graph is fixed.
     `shared`: the shared tiles' (row, block) cells as further slots of their rows (`kernel_takes_shared`).
     `new` (the step's keys and values; units only, `units_take_new_pairs`): each unit takes its request's
     self and causal pairs too, so the Partial is every pair of its tokens.
+    `final` (this is the step's only path): the rows normalized in q's dtype (`Final`), by the kernel where a
+    token has one split, else by the splits' merge: no fp32 Partial written and read again by a merge and a
+    normalize (a decode or verify step's rows, 4 MB of fp32 at 64 x 4 tokens x 32 heads).
     On CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1: tests)."""
     from vllm_gaudi_unified.paths import unique_kernel
 
@@ -250,9 +254,11 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     # Programs with work: one per (request, KV head) when units pack a request's tokens
     splits = _splits(keys_per_token, (n if units == 1 else batch.bucket.num_logits) * hkv)
     dt = compute_dtype(q.dtype)
-    acc = torch.empty((n, splits, hq, d), dtype=dt, device=q.device)
-    m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
-    total = torch.empty_like(m)
+    in_kernel = final and splits == 1  # (the kernel writes the final rows; acc/m/total give its dtype only)
+    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device) if in_kernel else None
+    acc = torch.empty((1,) if in_kernel else (n, splits, hq, d), dtype=dt, device=q.device)
+    m = acc if in_kernel else torch.empty((n, splits, hq), dtype=dt, device=q.device)
+    total = acc if in_kernel else torch.empty_like(m)
     ks, ks_strides, k_factor = _scale_args(k_scale)
     vs, vs_strides, v_factor = _scale_args(v_scale)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -262,10 +268,28 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
         HQ=hq, G=g, ROWS=max(16, _pow2(units * g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=slice_, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
-        SPLIT_KEYS=0, UNITS=units, **_new_args(new, q, scale, v_factor, units),
-        num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
-    part = Partial(acc, m, total)
-    return fold_pairwise(part) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+        SPLIT_KEYS=0, UNITS=units, **_new_args(new, q, scale, v_factor, units), out_ptr=acc if out is None else out,
+        FINAL=in_kernel, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+    if in_kernel:
+        return Final(out)
+    if splits == 1:
+        return Partial(acc[:, 0], m[:, 0], total[:, 0])
+    return combine_splits(acc, m, total, q.dtype if final else None)
+
+
+def combine_splits(acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, out_dtype) -> Partial | Final:
+    """A token's split rows (acc `[n, splits, heads, dv]`, m/total `[n, splits, heads]`) merged in one pass
+    (`mla_kernel.split_combine`, the exact merge of `merge.py`): `Final` rows in `out_dtype`, or with None the
+    merged Partial. Why: `merge.fold_pairwise`'s elementwise passes (about 15 kernels a level) cost more than
+    the unique kernel itself where few long tokens are split (MQA verify: 4 splits of 64 requests)."""
+    from vllm_gaudi_unified.paths import mla_kernel
+
+    n, splits, hq, dv = acc.shape
+    out = torch.empty((n, hq, dv), dtype=out_dtype or acc.dtype, device=acc.device)
+    om, ol = torch.empty((2, n, hq), dtype=m.dtype, device=m.device)  # (the merged max and sum, without FINAL)
+    mla_kernel.split_combine[(n * hq, )](acc, m, total, out, om, ol, S=splits, S_PAD=max(2, splits), HQ=hq, DV=dv,
+                                         DV_PAD=max(16, _pow2(dv)), FINAL=out_dtype is not None)
+    return Final(out) if out_dtype is not None else Partial(out, om, ol)
 
 
 def _new_args(new, q: torch.Tensor, scale: float, v_factor: float, units: int,

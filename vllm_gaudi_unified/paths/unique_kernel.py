@@ -8,8 +8,11 @@ by token beforehand), loads K/V in the cache's own dtype (fp8 included),
 dequantizes in registers (per-tensor scale folded into the score scale and
 the output; per-block scales loaded beside the block, applied to the scores
 and probabilities when they do not vary over channels), runs an online softmax
-and writes one `Partial` row per (token, split). The splits (a power of two)
-are merged by `merge.fold_pairwise`, so the merge stays the one exact merge.
+and writes one `Partial` row per (token, split), or, where it is the step's only
+path and a token has one split, the token's final rows. The splits (a power of
+two) are merged by the exact merge of `merge.py`: in one pass
+(`unique.combine_splits`), or in `merge.fold_pairwise`'s fixed tree (the
+batch-invariant mode).
 
 Only the slots a row may see are loaded (`lo <= slot < hi`): a NaN or inf in
 an unreadable slot is never read; a bad value in a readable one reaches that
@@ -31,7 +34,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                  BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
                  K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr,
                  kn_ptr, vn_ptr, skn_t, skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS: tl.constexpr,
-                 take_ptr, NEW_SELECT: tl.constexpr):
+                 take_ptr, NEW_SELECT: tl.constexpr, out_ptr, FINAL: tl.constexpr):
     """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
     stride 1), scale tensors by strides (0 on broadcast axes; `K_SCALES`/`V_SCALES`: 0 none (a float
     folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
@@ -54,7 +57,10 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     (the score scale without an fp8 key scale) and `new_v` (1 / the value scale `v_scale` folds in). A new
     value that is not finite is read as 0 and makes the scores of exactly the rows that see it NaN.
     `NEW_SELECT` (the batch-invariant mode): only the programs of the tokens with `take[t]` != 0 take new keys
-    (the others' are on flash segments); else every program does."""
+    (the others' are on flash segments); else every program does.
+
+    `FINAL` (one split, the step's only path): the rows normalized, in out's dtype (`out` `[n, HQ, D]`; a row
+    that saw no key gives 0, as `merge.normalize`), and no Partial written (acc/m/l: their dtype only)."""
     t = tl.program_id(0).to(tl.int64)  # output offsets (t * SPLITS * HQ * D) may pass 2**31
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -179,10 +185,15 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
             acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), vn.to(op_dtype)).to(acc_dtype)
             m_i = m_new
     row = (tok * SPLITS + sp) * HQ + heads
-    tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], (acc * v_scale).to(acc_dtype),
-             mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(m_ptr + row, m_i, mask=g_ok)
-    tl.store(l_ptr + row, l_i, mask=g_ok)
+    if FINAL:  # (SPLITS 1: row = tok * HQ + heads)
+        out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], (acc * v_scale).to(acc_dtype),
+                 mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(m_ptr + row, m_i, mask=g_ok)
+        tl.store(l_ptr + row, l_i, mask=g_ok)
 
 
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter instead
