@@ -1,6 +1,6 @@
 """Speculative verify steps on both routes, beside the peers and beside a decode step.
 
-    python -m benchmarks.verify --out DIR [--cases NAMES] [--time-budget S] [--no-peers] [--mla]
+    python -m benchmarks.verify --out DIR [--cases NAMES] [--routes cuda,gaudi] [--time-budget S] [--no-peers] [--mla]
 
 Per scenario of `scenarios.verify_scenarios` (block size 128, bf16), on the same tensors in one process:
 
@@ -131,7 +131,8 @@ def _peer(sc, name, build, ref, device, rows):
     print(f"[{sc.name} {name}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')}", flush=True)
 
 
-def run_case(sc, device, rows, peers: bool, tri, compile_: bool = False, variants=(), profile=False) -> None:
+def run_case(sc, device, rows, peers: bool, tri, compile_: bool = False, variants=(), profile=False,
+             route_names=("cuda", "gaudi")) -> None:
     lay, q, k, v, kc, vc = speed.case_tensors(sc, BS, device)  # the runner's tensors, new K/V in the cache
     ql, cl = list(sc.query_lens), list(sc.context_lens)
     hq, hkv, d = sc.heads
@@ -142,7 +143,7 @@ def run_case(sc, device, rows, peers: bool, tri, compile_: bool = False, variant
     blocks = [torch.as_tensor(b, device=device) for b in lay.owned]
     ref = baselines.reference_fp32(q, k, v, kc, vc, ql, cl, blocks, scale)
     dead = ~_readable(lay, device)
-    routes = (("cuda", False), ("gaudi", False)) + ((("gaudi", True),) if compile_ else ())
+    routes = tuple((r, False) for r in route_names) + ((("gaudi", True),) if compile_ else ())
     for route, comp in routes:
         _ours(sc, ql, cl, lay, (q, k, v, kc, vc), ref, dead, device, route, units, rows, "verify", comp,
               profile=profile and not comp)
@@ -231,6 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-variants", default="", help="';'-separated speed knob sets (uk_progs:1024,uk_split:4096) "
                    "the CUDA route is timed again under")
     p.add_argument("--profile", default="", help="scenarios whose eager steps are profiled (top CUDA kernels)")
+    p.add_argument("--routes", default="cuda,gaudi", help="comma-separated routes timed eager (cuda, gaudi)")
     p.add_argument("--mla", action="store_true", help="also MLA 128 x (2 and 3 over 4k) and its 1-token decode")
     args = p.parse_args(argv)
     device = torch.device("cuda")
@@ -250,7 +252,8 @@ def main(argv=None) -> int:
             continue
         try:
             run_case(sc, device, rows, not args.no_peers, tri, sc.name in args.compile.split(","),
-                     [v for v in args.kernel_variants.split(";") if v], sc.name in args.profile.split(","))
+                     [v for v in args.kernel_variants.split(";") if v], sc.name in args.profile.split(","),
+                     tuple(r for r in args.routes.split(",") if r))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         save()

@@ -183,12 +183,13 @@ def test_unique_kernel_compiles_as_torch_compile_launches_it(cache, k_scales):
     const = dict(HQ=32, G=4, ROWS=16, D=128, D_PAD=128, BS=16, KEYS=128, SPLITS=2, SLICE=False,
                  K_SCALES=k_scales, V_SCALES=0, SPLIT_KEYS=8192 if k_scales else 0,  # the invariant mode's splits
                  UNITS=1 + k_scales,  # a decode's and a verify step's units, with their new keys
-                 NEW_KEYS=16, NEW_SELECT=bool(k_scales))  # (the invariant mode's choice of programs)
+                 NEW_KEYS=16, NEW_SELECT=bool(k_scales),  # (the invariant mode's choice of programs)
+                 FINAL=not k_scales)  # (a decode step's final rows, written by the kernel)
     for scalar in ("fp64", "fp32"):
         types = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", ks_ptr="*fp32", vs_ptr="*fp32",
                      order_ptr="*i64", starts_ptr="*i64", ids_ptr="*i64", lo_ptr="*i64", hi_ptr="*i64", seg_ptr="*i64",
                      acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", score_scale=scalar, v_scale=scalar,
-                     kn_ptr="*bf16", vn_ptr="*bf16", new_scale=scalar, new_v=scalar, take_ptr="*i32")
+                     kn_ptr="*bf16", vn_ptr="*bf16", new_scale=scalar, new_v=scalar, take_ptr="*i32", out_ptr="*bf16")
         sig = {n: types.get(n, "constexpr" if n in const else "i32") for n in names}
         src = ASTSource(fn=unique_kernel, signature=sig, constexprs={(names.index(n),): x for n, x in const.items()})
         assert "mma" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
