@@ -71,11 +71,25 @@ def kernel_routes(device: str, set_attr=setattr) -> None:
     set_attr(unique, "KERNEL_KEYS", 16)
 
 
+def scan_order_matches(device: str) -> None:
+    """`unique.scan_token_order` (one Triton scan) is the stable sort by token: every slot once, a token's slots in
+    index order from its start; padding slots (row n) last; more slots than one scan chunk, tokens without
+    slots, a single slot."""
+    g = torch.Generator().manual_seed(5)
+    for s, n in ((2500, 37), (7, 300), (1, 1), (1030, 4)):
+        rows = torch.randint(0, n + 1, (s,), generator=g).to(device)
+        order, starts = unique.scan_token_order(rows, n)
+        want = torch.sort(rows.cpu(), stable=True).indices
+        assert torch.equal(order.cpu(), want), (s, n)
+        assert torch.equal(starts.cpu(), torch.searchsorted(rows.cpu()[want], torch.arange(n + 1))), (s, n)
+
+
 def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
     """Every case, then unquantized caches through the kernel (the query's dtype, fp16, bf16 on CUDA), then
     a padded bucket; returns the count.
     Flash (the exact stand-in off CUDA) on every path that takes it, the kernel on the unique path;
     `set_attr`: pytest's `monkeypatch.setattr` inside a test process."""
+    scan_order_matches(device)
     kernel_routes(device, set_attr)
     calls = []
     inner = unique.kernel_unique_partial

@@ -39,6 +39,9 @@ KERNEL_MIN_SPLIT_KEYS = 256
 KERNEL_SHARED_MAX_ROWS = 16
 #: Slots up to which the kernel's token order is computed by rank (`token_order`), not sorted.
 RANK_SORT_MAX_SLOTS = 1024
+#: (tokens + 1) x slots up to which the token order on CUDA is one scan kernel (`scan_token_order`): its rows
+#: read from L2 grow with that product (4M: about 64 MB, a few us), where a radix sort grows with the slots.
+SCAN_ORDER_MAX_WORK = 1 << 22
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
@@ -334,8 +337,11 @@ def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]
     (row, index) order, one comparison-sum kernel
     (the sort torch.compile makes of a few hundred keys took 9.5-18.6 us on an H100);
     more slots: a stable sort of 16-bit keys where the rows fit (a radix sort of int64 keys takes 8
-    passes, 50 us of a 0.8 ms decode step, torch.profiler on an H100)."""
+    passes, 50 us of a 0.8 ms decode step, torch.profiler on an H100). On CUDA, up to `SCAN_ORDER_MAX_WORK`,
+    one scan kernel instead (`scan_token_order`)."""
     s = rows.shape[0]
+    if rows.is_cuda and triton_importable() and 0 < s and (n + 1) * s <= SCAN_ORDER_MAX_WORK:
+        return scan_token_order(rows, n)
     if s <= RANK_SORT_MAX_SLOTS:
         index = torch.arange(s, device=rows.device, dtype=rows.dtype)
         key = rows * s + index  # distinct: the (row, index) order
@@ -344,6 +350,18 @@ def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]
     else:
         order = torch.argsort(rows.to(torch.int16 if n < 2**15 - 1 else torch.int32), stable=True)
     return order, torch.searchsorted(rows[order], torch.arange(n + 1, device=rows.device, dtype=rows.dtype))
+
+
+def scan_token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_order` as one Triton launch of `n + 1` programs, each scanning every slot's row
+    (`unique_kernel.order_kernel`): where the rank's comparisons or the sort's passes each cost a launch or more
+    (a verify step's 1601 slots: a 14 us radix sort beside the searchsorted, H200)."""
+    from vllm_gaudi_unified.paths import unique_kernel
+
+    rows = rows.contiguous()
+    order, starts = torch.empty_like(rows), torch.empty(n + 1, dtype=rows.dtype, device=rows.device)
+    unique_kernel.order_kernel[(n + 1,)](rows, order, starts, rows.shape[0], CHUNK=1024)
+    return order, starts
 
 
 def _splits(keys_per_token: float, programs: int) -> int:

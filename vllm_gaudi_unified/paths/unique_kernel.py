@@ -196,6 +196,28 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         tl.store(l_ptr + row, l_i, mask=g_ok)
 
 
+def _order_body(rows_ptr, order_ptr, starts_ptr, S, CHUNK: tl.constexpr):
+    """`unique.token_order` in one launch: program t (0..n) counts the slots whose row is below t (its start,
+    `starts[t]`) and writes its own slots' indices (row == t), in index order, from there (`order`). Every
+    program scans all `S` rows (`rows` <= n): for the few hundred tokens and thousands of slots of a decode or
+    verify step that is one short kernel where a sort takes several."""
+    t = tl.program_id(0)
+    before = tl.zeros([CHUNK], tl.int32)
+    for c in range(0, S, CHUNK):
+        idx = c + tl.arange(0, CHUNK)
+        r = tl.load(rows_ptr + idx, mask=idx < S, other=t)
+        before += (r < t).to(tl.int32)
+    pos = tl.sum(before, 0)
+    tl.store(starts_ptr + t, pos.to(tl.int64))
+    for c in range(0, S, CHUNK):
+        idx = c + tl.arange(0, CHUNK)
+        mine = (tl.load(rows_ptr + idx, mask=idx < S, other=t + 1) == t).to(tl.int32)
+        rank = tl.cumsum(mine, 0) - 1
+        tl.store(order_ptr + pos + rank, idx.to(tl.int64), mask=mine != 0)
+        pos += tl.sum(mine, 0)
+
+
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter instead
 #: (numpy on the CPU: how tests run it without a GPU, in a process of their own).
 unique_kernel = triton.jit(_unique_body)
+order_kernel = triton.jit(_order_body)
