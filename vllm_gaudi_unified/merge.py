@@ -32,8 +32,8 @@ class Partial(NamedTuple):
 
 class Final(NamedTuple):
     """A step's rows already normalized, in the output dtype: what a path writes when it is the step's only one
-    (`mla_decode.kernel_mla_partial(final=True)`, `unique.kernel_unique_partial(final=True)`), so no merge or normalize pass reads its rows again (an H100
-    decode step at DeepSeek-V3's shapes spent 45 us of 400 there)."""
+    (`mla_decode.kernel_mla_partial(final=True)`, `unique.kernel_unique_partial(final=True)`), so no merge or
+    normalize pass reads its rows again (an H100 decode step at DeepSeek-V3's shapes spent 45 us of 400 there)."""
     out: torch.Tensor  #: [rows, num_qo_heads, head_dim_v]
 
 
