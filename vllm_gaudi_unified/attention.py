@@ -269,9 +269,9 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     # A small group's shared tiles (parallel sampling) as more slots of the unique kernel: one kernel for
     # the step's cached keys (`paths/unique.py: kernel_takes_shared`).
     shared_in_kernel = kernel and phase[1] == "s" and kernel_takes_shared(batch)
-    # A request's self and causal pairs in the unique units (the kernel's, or the matmul tiles')
-    new_in_units = (new_tokens and phase[2] == "u" and not mla and not shared_in_kernel and (kernel or not flash)
-                    and units_take_new_pairs(batch, kernel))
+    # A request's self and causal pairs in the unique units (the kernel's, with shared cells one-token units only)
+    new_in_units = (new_tokens and (phase[2] == "u" or shared_in_kernel) and not mla and (kernel or not flash)
+                    and units_take_new_pairs(batch, kernel) and not (shared_in_kernel and batch.plan.unique_units > 1))
     new = (key, value) if new_in_units else None  # (for 4.)
     if not new_tokens or new_in_units:
         pass
@@ -287,7 +287,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     tokens = query.shape[0]
     if shared_in_kernel:
         yield kernel_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale,
-                                    shared=True)
+                                    shared=True, new=new, final=alone and new is not None)
     elif phase[1] == "s" and not mla_shared_in_kernel:
         if mla_shared_applies(batch, key_cache, value_cache, cap, k_scale, v_scale):  # paths/mla_shared.py
             yield latent_shared_partial(query, key_cache, value_cache.shape[-1], batch, scale, k_scale)

@@ -230,8 +230,8 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     kernel, in splits merged by `combine_splits`). Slots are put in token order on the device (no sync);
     the split count comes from the bucket (host numbers), so a bucket's graph is fixed.
     `shared`: the shared tiles' (row, block) cells as further slots of their rows (`kernel_takes_shared`).
-    `new` (the step's keys and values; units only, `units_take_new_pairs`): each unit takes its request's
-    self and causal pairs too, so the Partial is every pair of its tokens.
+    `new` (the step's keys and values, `units_take_new_pairs`; with `shared`, one-token units only): each unit
+    takes its request's self and causal pairs too, so the Partial is every pair of its tokens.
     `final` (this is the step's only path): the rows normalized in q's dtype (`Final`), by the kernel where a
     token has one split, else by the splits' merge: no fp32 Partial written and read again by a merge and a
     normalize (a decode or verify step's rows, 4 MB of fp32 at 64 x 4 tokens x 32 heads).
