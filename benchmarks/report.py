@@ -268,18 +268,18 @@ def _verify_rows(name: str) -> dict:
 
 
 def verify_table() -> list[str]:
-    runs, peers, mla = ("verify_h200/gaudi_compiled.json", "verify_h200/with_peers.json",
-                        "verify_h200/mla_units.json")
-    ours, peer = _verify_rows(runs), _verify_rows(peers)
+    runs, peers, mla, cuda_runs = ("verify_h200/gaudi_compiled.json", "verify_h200/with_peers.json",
+                                   "verify_h200/mla_units.json", "verify_h200/cuda_final.json")
+    ours, peer, cuda = _verify_rows(runs), _verify_rows(peers), _verify_rows(cuda_runs)
     titles = {r["scenario"]: r.get("title", r["scenario"]) for r in _load(runs)["rows"]}
     ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
     out = ["CUDA route:", ""] + _head("step", "ours", "vLLM Triton", "ours / Triton", "our decode, same contexts",
                                      "verify / decode", "floor")
     scenarios = sorted({k[0] for k in ours}, key=list(titles).index)
     for sc in scenarios:
-        v, t, d = ours.get((sc, "ours_verify", "cuda", False)), ours.get((sc, "triton", None, None)), \
-            ours.get((sc, "ours_decode", "cuda", False))
-        out.append(_row(sc, _f(v), _f(t), ratio(v, t), _f(d), ratio(v, d), _f(ours.get((sc, "floor", None, None)))))
+        v, t, d = cuda.get((sc, "ours_verify", "cuda", False)), cuda.get((sc, "triton", None, None)), \
+            cuda.get((sc, "ours_decode", "cuda", False))
+        out.append(_row(sc, _f(v), _f(t), ratio(v, t), _f(d), ratio(v, d), _f(cuda.get((sc, "floor", None, None)))))
     out += ["", "Gaudi route (compiled per bucket where a time is given, else eager), beside vllm-gaudi's two forms:",
             ""] + _head("step", "verify eager", "decode eager", "verify compiled", "decode compiled",
                         "verify / decode", "vllm-gaudi batch expansion", "vllm-gaudi prompt form", "ours / expansion",
@@ -299,7 +299,8 @@ def verify_table() -> list[str]:
         _row(sc, _f(cuda[sc]), ratio(cuda[sc], cuda["mla_128x1_4k"]), _f(gaudi[sc]),
              ratio(gaudi[sc], gaudi["mla_128x1_4k"])) for sc in cuda]
     src = lambda n, c: _source(n, c, _load(n)["env"]["device"], _load(n)["env"]["date"])  # noqa: E731
-    return out + ["", f"- {src(runs, 'python -m benchmarks.verify --out DIR --compile CASES')}",
+    return out + ["", f"- {src(cuda_runs, 'python -m benchmarks.verify --out DIR --no-peers --routes cuda')} "
+                  "(the CUDA table)", f"- {src(runs, 'python -m benchmarks.verify --out DIR --compile CASES')}",
                   f"- {src(peers, 'python -m benchmarks.verify --out DIR')} (vllm-gaudi's columns)",
                   f"- {src(mla, 'python -m benchmarks.verify --out DIR --mla')}"]
 
