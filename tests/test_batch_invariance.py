@@ -186,6 +186,10 @@ SCENARIOS = {
                                                  Req(3, 20, 2)), position=2, head_dim=16),
     "verify_units": World(Req(3, 37), others=(Req(2, 37, 6), Req(1, 41, 9), Req(3, 12), Req(7, 0), Req(1, 9),
                                               Req(5, 0), Req(6, 30, 3)), position=3, pad=(3, 2, 1, 0, 2)),
+    # The same with a wider head: the units take the one-row form with their rows stacked (3 x 4 heads <= 16).
+    "verify_units_stacked": World(Req(3, 37), others=(Req(2, 37, 6), Req(1, 41, 9), Req(3, 12), Req(7, 0), Req(1, 9),
+                                                      Req(5, 0), Req(6, 30, 3)), position=3, pad=(3, 2, 1, 0, 2),
+                                  head_dim=16),
 }
 
 

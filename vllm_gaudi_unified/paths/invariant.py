@@ -163,9 +163,10 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     size = tiles_per_call(opts) * max(kind[0].shape[1] for kind in kinds)
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
     none = torch.zeros(0, dtype=torch.int64, device=q.device)  # no tile left to mask (one-row tiles, below)
-    for all_rows, all_blocks, all_lo, all_hi, all_cols in kinds:
+    for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
         whole = all_lo is None  # group tiles: every row sees every slot of the chunk
         per_call = group_tiles_per_call(opts) if whole and all_rows.shape[1] > 1 else tiles_per_call(opts)
+        stacked = whole or all_rows.shape[1] == 1 or (kind == 2 and _units_stacked(q, all_rows.shape[1], batch))
         for start, stop in _chunks(all_rows.shape[0], per_call):
             rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
             blocks = _pad_to(all_blocks[start:stop], per_call, 0)
@@ -177,15 +178,23 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
                 mask = slot_mask(_pad_to(all_lo[start:stop], per_call, 0), _pad_to(all_hi[start:stop], per_call, 0),
                                  bs).flatten(2)  # [tiles, rows, chunk keys]
             masked = None
-            if rows.shape[1] == 1 and not whole:  # one-row tiles: the unseen keys zeroed in the gathered copy
-                vv.masked_fill_(~mask[:, 0, :, None, None], 0)
+            if stacked:  # the keys no row sees zeroed in the gathered copy (a tile's real rows see the same keys)
+                if not whole:
+                    vv.masked_fill_(~mask.any(1)[:, :, None, None], 0)
                 masked = none  # (nothing left to mask: the same values, the same products as V masked in a copy)
-            elif whole:
-                masked = none
-            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked, group=whole)
+            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked, group=stacked)
+            del kk, vv  # freed before the next call's gathers: one call's K and V held at a time, not two
             cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
     return slots.fold()
+
+
+def _units_stacked(q: torch.Tensor, rows: int, batch) -> bool:
+    """Whether verify units take the one-row form with their rows stacked (`tiles.attend`'s `group`): where
+    its scores of every head pair (rows x query heads per key and KV head) take no more bytes than the
+    copies of K and V the per-head form makes (head dim per key and KV head each), and every real row of a
+    unit sees the same keys (no window). A function of the step's shapes and options alone."""
+    return batch.sliding_window is None and rows * q.shape[1] <= q.shape[-1]
 
 
 def _causal_partial(q, k, v, batch, scale, soft_cap, own: bool = False) -> Partial | None:
