@@ -58,8 +58,10 @@ step, `paths/invariant.py`):
   (counted from block 0), a tile is one chunk and the rows of one request that
   read it: one row for a one-token request (a decode is one row),
   `unique_tokens` rows for a verify step (`unit_requests`: its tokens, one
-  tile per chunk), up to `invariant_rows` rows otherwise; tiles go through products of one fixed shape
-  per kind (`invariant_chunk` tiles per call, the last call padded), each (token, chunk)
+  tile per chunk), up to `invariant_rows` rows otherwise; decodes that read the same whole
+  chunk share *group tiles* of `invariant_rows` rows (`plan/invariant_groups.py`: the chunk
+  read once, each row's bits those of its one-row tile); tiles go through products of one
+  fixed shape per kind (`invariant_chunk` tiles per call, the last call padded), each (token, chunk)
   partial is written to slot `[token, chunk]` and the slots are folded by a
   fixed pairwise tree. Causal pairs: tiles of `causal_tile` x `causal_tile`
   counted from each request's first token, the same write-then-fold.
