@@ -180,9 +180,9 @@ SCENARIOS = {
                        pad=(4, 1, 2, 0, 1)),
     # A verify step (3 tokens over a context, a unit on the fast route) beside verify steps over the same
     # prefix, a longer chunk, decodes and prompts, padded.
-    # Decodes over the target's whole chunks (group tiles of `invariant_rows`: five members, the last tile
-    # padded), one of them sharing only the first chunks, beside a short chunk over a shorter prefix.
-    "sampling_groups": World(Req(1, 45), others=(Req(1, 45, 11), Req(1, 47, 11), Req(1, 45, 11), Req(1, 30, 4),
+    # Decodes over the target's whole chunks (parallel sampling: five readers of each chunk), one of them
+    # sharing only the first chunks, beside a short chunk over a shorter prefix.
+    "sampling_decodes": World(Req(1, 45), others=(Req(1, 45, 11), Req(1, 47, 11), Req(1, 45, 11), Req(1, 30, 4),
                                                  Req(3, 20, 2)), position=2, head_dim=16),
     "verify_units": World(Req(3, 37), others=(Req(2, 37, 6), Req(1, 41, 9), Req(3, 12), Req(7, 0), Req(1, 9),
                                               Req(5, 0), Req(6, 30, 3)), position=3, pad=(3, 2, 1, 0, 2)),
@@ -254,13 +254,13 @@ def invariant_options(draw):
                    invariant_chunk=draw(st.sampled_from([1, 3, 8, 512])),
                    invariant_causal_chunk=draw(st.sampled_from([1, 2, 16])),
                    unique_tokens=draw(st.sampled_from([1, 2, 4])),
-                   shared_tile_keys=draw(st.sampled_from([8, 16, 512])))  # small: whole chunks shared (group tiles)
+                   shared_tile_keys=draw(st.sampled_from([8, 16, 512])))  # small: whole chunks shared
 
 
 @st.composite
 def sibling_worlds(draw):
     """A decode among decodes that share some of its blocks (parallel sampling, a common prompt), beside a
-    few other requests: with small chunks, the target's whole shared chunks are group tiles in the batch."""
+    few other requests (parallel sampling, a common prompt; with small chunks, whole chunks shared)."""
     world = draw(worlds(False))
     bs = world.block_size
     target = Req(1, draw(st.integers(2 * bs, 60)))
@@ -286,7 +286,7 @@ def test_invariant_mode_random_batches(sharing, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_invariant_mode_random_siblings(dtype, device):
-    """Random decodes sharing the target's blocks (group tiles where whole chunks are shared)."""
+    """Random decodes sharing the target's blocks."""
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(world=sibling_worlds(), options=invariant_options())
@@ -444,8 +444,7 @@ def test_invariant_mode_on_the_gaudi_route(name, dtype):
         assert_same_bits(*run_world(SCENARIOS[name], INVARIANT, dtype, "cuda"))
 
 
-#: Decodes over a shared prefix at a Llama-3-8B layer's shapes: (siblings, prefix, own tokens). The target's whole
-#: chunks are group tiles in the batch and one-row tiles alone (plan/invariant_groups.py).
+#: Decodes over a shared prefix at a Llama-3-8B layer's shapes: (siblings, prefix, own tokens).
 SHARED_DECODES = [(15, 2048, 64), (63, 4096, 256)]
 
 
@@ -456,20 +455,15 @@ def _shared_decodes_world(siblings: int, prefix: int, own: int) -> World:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_group_tiles_at_model_shapes(dtype):
-    """A decode over a prefix it shares with 15 others: alone (one-row tiles) = in the batch (group tiles)."""
-    world = _shared_decodes_world(*SHARED_DECODES[0])
-    plan = plan_step([r.query_len for r in world.requests], [r.context_len for r in world.requests],
-                     _block_table(world, np.random.default_rng(world.seed))[0], 16,
-                     options=PlanOptions(batch_invariant=True))
-    assert (plan.grp_rows < plan.num_tokens).sum() == 16 * 4  # 16 decodes x 4 whole chunks of the prefix
-    assert_same_bits(*run_world(world, PlanOptions(batch_invariant=True), dtype))
+def test_shared_decodes_at_model_shapes(dtype):
+    """A decode over a prefix it shares with 15 others (parallel sampling): alone = in the batch."""
+    assert_same_bits(*run_world(_shared_decodes_world(*SHARED_DECODES[0]), PlanOptions(batch_invariant=True), dtype))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gaudi route is measured on CUDA")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHARED_DECODES, ids=["sampling_16x2k", "prefix_64x4k"])
-def test_group_tiles_on_the_gaudi_route(shape, dtype):
+def test_shared_decodes_on_the_gaudi_route(shape, dtype):
     """The benchmark's shared prefix and parallel sampling shapes on CUDA's Gaudi route: alone = in the batch."""
     from vllm_gaudi_unified.paths import fused
 

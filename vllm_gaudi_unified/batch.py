@@ -117,9 +117,6 @@ class InvariantBatch(UnifiedBatch):
     unit_lo: torch.Tensor  #: [unit tiles, unique_tokens, blocks_per_tile]
     unit_hi: torch.Tensor  #: [unit tiles, unique_tokens, blocks_per_tile]
     unit_col: torch.Tensor  #: [unit tiles]
-    grp_rows: torch.Tensor  #: [group tiles, invariant_rows] tile route: decodes that read one whole chunk
-    grp_blocks: torch.Tensor  #: [group tiles, blocks_per_tile]
-    grp_col: torch.Tensor  #: [group tiles]
     causal_col: torch.Tensor  #: [num_causal_tiles] key tile index within its request
     slot_rows: torch.Tensor  #: [slots] fast route: token per (token, block) slot, by token then position
     slot_blocks: torch.Tensor  #: [slots]

@@ -29,7 +29,6 @@ from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.prompts import final_rows, merge_split
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
-from vllm_gaudi_unified.plan.invariant_groups import group_tiles_per_call
 
 
 def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_cap: float | None,
@@ -146,43 +145,33 @@ def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None,
                     own: bool = False) -> Partial | None:
-    """One-row tiles, group tiles (`plan/invariant_groups.py`), then tiles of `invariant_rows` rows, each chunk
-    written to slot [token, chunk]; `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
+    """One-row tiles, then tiles of `invariant_rows` rows, each chunk written to slot [token, chunk];
+    `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
     pre = slice(0, batch.plan.pre_own_from if own else None)
-    opts, hkv = batch.plan.options, key_cache.shape[2]
-    group = (batch.grp_rows, batch.grp_blocks, None, None, batch.grp_col)
-    if hkv == 1:  # no head-diagonal form (`tiles.attend`): each member its one-row tile
-        group = (batch.grp_rows.reshape(-1, 1), batch.grp_blocks.repeat_interleave(opts.invariant_rows, 0), None,
-                 None, batch.grp_col.repeat_interleave(opts.invariant_rows, 0))
-    kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col), group,
+    kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col),
              (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
     if all(kind[0].shape[0] == 0 for kind in kinds):
         return None
-    n, bs = q.shape[0], key_cache.shape[1]
-    size = tiles_per_call(opts) * max(kind[0].shape[1] for kind in kinds)
+    n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
+    per_call = tiles_per_call(opts)
+    size = per_call * max(kind[0].shape[1] for kind in kinds)
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
     none = torch.zeros(0, dtype=torch.int64, device=q.device)  # no tile left to mask (one-row tiles, below)
     for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
-        whole = all_lo is None  # group tiles: every row sees every slot of the chunk
-        per_call = group_tiles_per_call(opts) if whole and all_rows.shape[1] > 1 else tiles_per_call(opts)
-        stacked = whole or all_rows.shape[1] == 1 or (kind == 2 and _units_stacked(q, all_rows.shape[1], batch))
+        stacked = all_rows.shape[1] == 1 or (kind == 1 and _units_stacked(q, all_rows.shape[1], batch))
         for start, stop in _chunks(all_rows.shape[0], per_call):
             rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
             blocks = _pad_to(all_blocks[start:stop], per_call, 0)
+            mask = slot_mask(_pad_to(all_lo[start:stop], per_call, 0), _pad_to(all_hi[start:stop], per_call, 0),
+                             bs).flatten(2)  # [tiles, rows, chunk keys]
             kk = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # fp8: dequantized after the gather
             vv = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
-            if whole:
-                mask = torch.ones((per_call, rows.shape[1], kk.shape[1]), dtype=torch.bool, device=q.device)
-            else:
-                mask = slot_mask(_pad_to(all_lo[start:stop], per_call, 0), _pad_to(all_hi[start:stop], per_call, 0),
-                                 bs).flatten(2)  # [tiles, rows, chunk keys]
             masked = None
             if stacked:  # the keys no row sees zeroed in the gathered copy (a tile's real rows see the same keys)
-                if not whole:
-                    vv.masked_fill_(~mask.any(1)[:, :, None, None], 0)
+                vv.masked_fill_(~mask.any(1)[:, :, None, None], 0)
                 masked = none  # (nothing left to mask: the same values, the same products as V masked in a copy)
-            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked, group=stacked)
+            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked, stacked=stacked)
             del kk, vv  # freed before the next call's gathers: one call's K and V held at a time, not two
             cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
@@ -190,7 +179,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
 
 
 def _units_stacked(q: torch.Tensor, rows: int, batch) -> bool:
-    """Whether verify units take the one-row form with their rows stacked (`tiles.attend`'s `group`): where
+    """Whether verify units take the one-row form with their rows stacked (`tiles.attend`'s `stacked`): where
     its scores of every head pair (rows x query heads per key and KV head) take no more bytes than the
     copies of K and V the per-head form makes (head dim per key and KV head each), and every real row of a
     unit sees the same keys (no window). A function of the step's shapes and options alone."""

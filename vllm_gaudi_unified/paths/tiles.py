@@ -93,7 +93,7 @@ def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
            soft_cap: float | None, masked_tiles: torch.Tensor | None = None, as_stored: bool = False,
-           group: bool = False) -> Partial:
+           stacked: bool = False) -> Partial:
     """q `[T, R, Hq, D]`, k `[T, K, Hkv, D]`, v `[T, K, Hkv, Dv]` (MLA: Dv < D), mask `[T, R, K]`
     (True = visible) -> Partial `[T*R, Hq, Dv]`.
 
@@ -105,9 +105,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     or no row: their partial may hold NaN, for the merge to drop) read V as is.
     `as_stored`: a tile of a few rows that all see the same keys (the unique path's
     units: one request's new tokens) takes the one-row form's products over K/V as
-    stored too; rows that see no key are for the merge to drop. `group` (with `masked_tiles` empty):
-    rows that all see every key (a group tile, `plan/invariant_groups.py`) take the one-row form
-    with the rows stacked in its two products, each row's bits those of its one-row tile.
+    stored too; rows that see no key are for the merge to drop. `stacked` (with `masked_tiles` empty,
+    V's unseen keys zeroed by the caller): rows that see the same keys (a verify unit's tokens; no-rows
+    see none) take the one-row form with the rows stacked in its two products.
     """
     t, r, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
@@ -115,7 +115,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     dt = compute_dtype(q.dtype)
     op = product_dtype(q.dtype)
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16
-    if (r == 1 or group) and hkv > 1 and k.is_contiguous() and v.is_contiguous():
+    if (r == 1 or stacked) and hkv > 1 and k.is_contiguous() and v.is_contiguous():
         return _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles)
     if as_stored:
         return _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles)
@@ -130,7 +130,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
     """`attend` for one-row tiles, K/V as stored `[T, K, Hkv, D]` (see the module docstring); several rows
-    (a group tile: every row sees every key, `masked_tiles` empty) stacked in the two products, the
+    (`attend`'s `stacked`: they see the same keys, `masked_tiles` empty) stacked in the two products, the
     rest on `[T * R, ...]` as for one-row tiles."""
     t, r, hq, d = q.shape
     nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]

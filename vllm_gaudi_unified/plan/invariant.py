@@ -58,10 +58,8 @@ step, `paths/invariant.py`):
   (counted from block 0), a tile is one chunk and the rows of one request that
   read it: one row for a one-token request (a decode is one row),
   `unique_tokens` rows for a verify step (`unit_requests`: its tokens, one
-  tile per chunk), up to `invariant_rows` rows otherwise; decodes that read the same whole
-  chunk share *group tiles* of `invariant_rows` rows (`plan/invariant_groups.py`: the chunk
-  read once, each row's bits those of its one-row tile); tiles go through products of one
-  fixed shape per kind (`invariant_chunk` tiles per call, the last call padded), each (token, chunk)
+  tile per chunk), up to `invariant_rows` rows otherwise; tiles go through products of one fixed shape
+  per kind (`invariant_chunk` tiles per call, the last call padded), each (token, chunk)
   partial is written to slot `[token, chunk]` and the slots are folded by a
   fixed pairwise tree. Causal pairs: tiles of `causal_tile` x `causal_tile`
   counted from each request's first token, the same write-then-fold.
@@ -78,7 +76,6 @@ import numpy as np
 from vllm_gaudi_unified.bucket import Bucket, phase_of
 from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, grow, move_no_row, ranges,
                                             step_tokens)
-from vllm_gaudi_unified.plan.invariant_groups import split_groups
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
@@ -117,9 +114,6 @@ class InvariantPlan(StepPlan):
     unit_lo: np.ndarray  #: [unit tiles, unique_tokens, blocks_per_tile]
     unit_hi: np.ndarray  #: [unit tiles, unique_tokens, blocks_per_tile]
     unit_col: np.ndarray  #: [unit tiles]
-    grp_rows: np.ndarray  #: [group tiles, invariant_rows] decodes that read one whole chunk (`plan/invariant_groups.py`)
-    grp_blocks: np.ndarray  #: [group tiles, blocks_per_tile]
-    grp_col: np.ndarray  #: [group tiles]
     causal_col: np.ndarray  #: [num_causal_tiles] key tile index within its request
     cached_width: int  #: slots per token for chunk partials (a power of two)
     causal_width: int  #: slots per token for causal partials (a power of two)
@@ -156,8 +150,7 @@ class InvariantPlan(StepPlan):
         b, opts = self.bucket, self.options
         keys = opts.blocks_per_tile(self.block_size) * self.block_size
         return PathWork(causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len,
-                        shared=(self.dec_rows.shape[0] + self.pre_rows.size + self.unit_rows.size + self.grp_rows.size)
-                        * keys)
+                        shared=(self.dec_rows.shape[0] + self.pre_rows.size + self.unit_rows.size) * keys)
 
 
 def pow2(n: int) -> int:
@@ -206,7 +199,6 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     rest = np.flatnonzero(~one & ~own)  # several new tokens, not on their own calls
     mine = np.flatnonzero(own)
     dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
-    dec, grp = split_groups(dec, T, bs, opts, tiles_per_call(opts))
     units = _plan_tiles(np.flatnonzero(unit), opts.unique_tokens, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb,
                         tok_pos, T, opts)
     flash_rest = rest[~unit[rest]]  # several new tokens, not units (their new keys: the units' programs')
@@ -228,12 +220,11 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     seg_rows, _ = ranges(starts[multi], q[multi])
     call_blk, call_owner = ranges(np.zeros_like(mine), nb_ctx[mine])
     call_first = np.cumsum(nb_ctx[mine]) - nb_ctx[mine]
-    n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0] + units["rows"].shape[0] + grp["rows"].shape[0]
+    n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0] + units["rows"].shape[0]
     shape = Bucket(phase=phase_of(causal_q.size, n_tiles, 0), query_len=T, num_shared_blocks=n_tiles,
                    num_unique_blocks=0, num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=int(np.minimum(tok_j + 1, W if W is not None else T + 1).sum()),
-                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec, pre, units))
-                                 + (grp["rows"] < T).sum() * kb * bs))
+                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec, pre, units))))
     rows_kb = np.zeros((0, opts.shared_rows), np.int32)
     none3 = np.zeros((0, opts.shared_rows, 1), np.int32)
     empty = np.zeros(0, np.int32)
@@ -246,7 +237,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         logits_indices=(starts + q - 1).astype(np.int32), max_block_id=max_block_id,
         work_needed=needed, shared_prefix_visible=False,
         **{f"dec_{k}": v for k, v in dec.items()}, **{f"pre_{k}": v for k, v in pre.items()},
-        **{f"unit_{k}": v for k, v in units.items()}, **{f"grp_{k}": v for k, v in grp.items()},
+        **{f"unit_{k}": v for k, v in units.items()},
         causal_col=causal_col, cached_width=pow2(int(chunks.max()) if chunks.size else 1),
         causal_width=causal_width, **{f"slot_{k}": v for k, v in slots.items()},
         **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_rows=seg_rows.astype(np.int32),
@@ -356,7 +347,7 @@ def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
     def rows(a):
         return move_no_row(a, T, Tp)
 
-    nd = bucket.num_shared_blocks - plan.pre_rows.shape[0] - plan.unit_rows.shape[0] - plan.grp_rows.shape[0]
+    nd = bucket.num_shared_blocks - plan.pre_rows.shape[0] - plan.unit_rows.shape[0]
     nc, nq = bucket.num_causal_tiles, bucket.num_unique_blocks
     empty = np.zeros(0, np.int32)
     return replace(
@@ -366,7 +357,7 @@ def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
         causal_col=grow(plan.causal_col, nc, 0),
         dec_rows=grow(rows(plan.dec_rows), nd, Tp), dec_blocks=grow(plan.dec_blocks, nd, 0),
         dec_lo=grow(plan.dec_lo, nd, 0), dec_hi=grow(plan.dec_hi, nd, 0), dec_col=grow(plan.dec_col, nd, 0),
-        pre_rows=rows(plan.pre_rows), unit_rows=rows(plan.unit_rows), grp_rows=rows(plan.grp_rows),
+        pre_rows=rows(plan.pre_rows), unit_rows=rows(plan.unit_rows),
         # A bucket made for the default mode may have unique slots: empty ones, never read.
         unique_rows=np.full(nq, Tp, np.int32), unique_blocks=np.zeros(nq, np.int32) if nq else empty,
         unique_lo=np.zeros(nq, np.int32), unique_hi=np.zeros(nq, np.int32),
