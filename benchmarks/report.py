@@ -257,8 +257,15 @@ def invariance_table() -> list[str]:
         out += [_row(r["scenario"], route, _f(r.get("default_graph_ms")), _f(r.get("invariant_graph_ms")),
                      f"{r['graph_ms_ratio']:.2f}x", f"{r['ms_ratio']:.2f}x", f"{r['peak_mb_ratio']:.2f}x")
                 for r in _load(name)]
-    return out + [""] + [f"- {_source(name, f'python -m benchmarks.invariance cost --route {route} --out FILE', _load(name)[0]['gpu'], _load(name)[0]['date'])}"
+    return out + [""] + [f"- {_source(name, f'python -m benchmarks.invariance cost --route {route} --out FILE', _load(name)[0]['gpu'], _runs(_load(name)))}"
                          for route, name in files.items()]
+
+
+def _runs(rows: list) -> str:
+    """The date of a results file's rows; rows re-measured at another commit (`--scenarios`) name theirs."""
+    runs = list(dict.fromkeys((r["date"], r["commit"]) for r in rows))
+    first = runs[0][0]
+    return first + "".join(f" (the {sum(r['commit'] == c for r in rows)} rows of commit {c}: {d})" for d, c in runs[1:])
 
 
 def _verify_rows(name: str) -> dict:

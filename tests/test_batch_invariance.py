@@ -180,8 +180,16 @@ SCENARIOS = {
                        pad=(4, 1, 2, 0, 1)),
     # A verify step (3 tokens over a context, a unit on the fast route) beside verify steps over the same
     # prefix, a longer chunk, decodes and prompts, padded.
+    # Decodes over the target's whole chunks (parallel sampling: five readers of each chunk), one of them
+    # sharing only the first chunks, beside a short chunk over a shorter prefix.
+    "sampling_decodes": World(Req(1, 45), others=(Req(1, 45, 11), Req(1, 47, 11), Req(1, 45, 11), Req(1, 30, 4),
+                                                 Req(3, 20, 2)), position=2, head_dim=16),
     "verify_units": World(Req(3, 37), others=(Req(2, 37, 6), Req(1, 41, 9), Req(3, 12), Req(7, 0), Req(1, 9),
                                               Req(5, 0), Req(6, 30, 3)), position=3, pad=(3, 2, 1, 0, 2)),
+    # The same with a wider head: the units take the one-row form with their rows stacked (3 x 4 heads <= 16).
+    "verify_units_stacked": World(Req(3, 37), others=(Req(2, 37, 6), Req(1, 41, 9), Req(3, 12), Req(7, 0), Req(1, 9),
+                                                      Req(5, 0), Req(6, 30, 3)), position=3, pad=(3, 2, 1, 0, 2),
+                                  head_dim=16),
 }
 
 
@@ -245,7 +253,21 @@ def invariant_options(draw):
                    invariant_rows=draw(st.sampled_from([1, 2, 4, 8])),
                    invariant_chunk=draw(st.sampled_from([1, 3, 8, 512])),
                    invariant_causal_chunk=draw(st.sampled_from([1, 2, 16])),
-                   unique_tokens=draw(st.sampled_from([1, 2, 4])))
+                   unique_tokens=draw(st.sampled_from([1, 2, 4])),
+                   shared_tile_keys=draw(st.sampled_from([8, 16, 512])))  # small: whole chunks shared
+
+
+@st.composite
+def sibling_worlds(draw):
+    """A decode among decodes that share some of its blocks (parallel sampling, a common prompt), beside a
+    few other requests (parallel sampling, a common prompt; with small chunks, whole chunks shared)."""
+    world = draw(worlds(False))
+    bs = world.block_size
+    target = Req(1, draw(st.integers(2 * bs, 60)))
+    siblings = tuple(Req(1, draw(st.integers(share * bs, 64)), share)
+                     for share in draw(st.lists(st.integers(1, target.context_len // bs), min_size=1, max_size=9)))
+    others = siblings + world.others[:2]
+    return replace(world, target=target, others=others, position=draw(st.integers(0, len(others))))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -255,6 +277,19 @@ def test_invariant_mode_random_batches(sharing, dtype, device):
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(world=worlds(sharing), options=invariant_options())
+    def check(world, options):
+        assert_same_bits(*run_world(world, options, dtype, device))
+
+    check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_invariant_mode_random_siblings(dtype, device):
+    """Random decodes sharing the target's blocks."""
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(world=sibling_worlds(), options=invariant_options())
     def check(world, options):
         assert_same_bits(*run_world(world, options, dtype, device))
 
@@ -407,6 +442,33 @@ def test_invariant_mode_on_the_gaudi_route(name, dtype):
 
     with fused.gaudi_route():
         assert_same_bits(*run_world(SCENARIOS[name], INVARIANT, dtype, "cuda"))
+
+
+#: Decodes over a shared prefix at a Llama-3-8B layer's shapes: (siblings, prefix, own tokens).
+SHARED_DECODES = [(15, 2048, 64), (63, 4096, 256)]
+
+
+def _shared_decodes_world(siblings: int, prefix: int, own: int) -> World:
+    others = tuple(Req(1, prefix + own, prefix // 16) for _ in range(siblings)) + (Req(1, 700), Req(9, 300))
+    return World(Req(1, prefix + own), others=others, position=siblings // 2, block_size=16, num_qo_heads=32,
+                 num_kv_heads=8, head_dim=128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_shared_decodes_at_model_shapes(dtype):
+    """A decode over a prefix it shares with 15 others (parallel sampling): alone = in the batch."""
+    assert_same_bits(*run_world(_shared_decodes_world(*SHARED_DECODES[0]), PlanOptions(batch_invariant=True), dtype))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gaudi route is measured on CUDA")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHARED_DECODES, ids=["sampling_16x2k", "prefix_64x4k"])
+def test_shared_decodes_on_the_gaudi_route(shape, dtype):
+    """The benchmark's shared prefix and parallel sampling shapes on CUDA's Gaudi route: alone = in the batch."""
+    from vllm_gaudi_unified.paths import fused
+
+    with fused.gaudi_route():
+        assert_same_bits(*run_world(_shared_decodes_world(*shape), PlanOptions(batch_invariant=True), dtype, "cuda"))
 
 
 def test_fast_route_interpreted():

@@ -158,7 +158,8 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     size = per_call * max(kind[0].shape[1] for kind in kinds)
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
     none = torch.zeros(0, dtype=torch.int64, device=q.device)  # no tile left to mask (one-row tiles, below)
-    for all_rows, all_blocks, all_lo, all_hi, all_cols in kinds:
+    for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
+        stacked = all_rows.shape[1] == 1 or (kind == 1 and _units_stacked(q, all_rows.shape[1], batch))
         for start, stop in _chunks(all_rows.shape[0], per_call):
             rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
             blocks = _pad_to(all_blocks[start:stop], per_call, 0)
@@ -167,13 +168,22 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
             kk = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # fp8: dequantized after the gather
             vv = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
             masked = None
-            if rows.shape[1] == 1:  # one-row tiles: the unseen keys zeroed in the gathered copy, not in a copy of it
-                vv.masked_fill_(~mask[:, 0, :, None, None], 0)
+            if stacked:  # the keys no row sees zeroed in the gathered copy (a tile's real rows see the same keys)
+                vv.masked_fill_(~mask.any(1)[:, :, None, None], 0)
                 masked = none  # (nothing left to mask: the same values, the same products as V masked in a copy)
-            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked)
+            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked, stacked=stacked)
+            del kk, vv  # freed before the next call's gathers: one call's K and V held at a time, not two
             cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
     return slots.fold()
+
+
+def _units_stacked(q: torch.Tensor, rows: int, batch) -> bool:
+    """Whether verify units take the one-row form with their rows stacked (`tiles.attend`'s `stacked`): where
+    its scores of every head pair (rows x query heads per key and KV head) take no more bytes than the
+    copies of K and V the per-head form makes (head dim per key and KV head each), and every real row of a
+    unit sees the same keys (no window). A function of the step's shapes and options alone."""
+    return batch.sliding_window is None and rows * q.shape[1] <= q.shape[-1]
 
 
 def _causal_partial(q, k, v, batch, scale, soft_cap, own: bool = False) -> Partial | None:

@@ -92,7 +92,8 @@ def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           soft_cap: float | None, masked_tiles: torch.Tensor | None = None, as_stored: bool = False) -> Partial:
+           soft_cap: float | None, masked_tiles: torch.Tensor | None = None, as_stored: bool = False,
+           stacked: bool = False) -> Partial:
     """q `[T, R, Hq, D]`, k `[T, K, Hkv, D]`, v `[T, K, Hkv, Dv]` (MLA: Dv < D), mask `[T, R, K]`
     (True = visible) -> Partial `[T*R, Hq, Dv]`.
 
@@ -104,7 +105,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     or no row: their partial may hold NaN, for the merge to drop) read V as is.
     `as_stored`: a tile of a few rows that all see the same keys (the unique path's
     units: one request's new tokens) takes the one-row form's products over K/V as
-    stored too; rows that see no key are for the merge to drop.
+    stored too; rows that see no key are for the merge to drop. `stacked` (with `masked_tiles` empty,
+    V's unseen keys zeroed by the caller): rows that see the same keys (a verify unit's tokens; no-rows
+    see none) take the one-row form with the rows stacked in its two products.
     """
     t, r, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
@@ -112,7 +115,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     dt = compute_dtype(q.dtype)
     op = product_dtype(q.dtype)
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16
-    if r == 1 and hkv > 1 and k.is_contiguous() and v.is_contiguous():
+    if (r == 1 or stacked) and hkv > 1 and k.is_contiguous() and v.is_contiguous():
         return _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles)
     if as_stored:
         return _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles)
@@ -126,27 +129,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
-    """`attend` for one-row tiles, K/V as stored `[T, K, Hkv, D]` (see the module docstring)."""
-    t, _, hq, d = q.shape
+    """`attend` for one-row tiles, K/V as stored `[T, K, Hkv, D]` (see the module docstring); several rows
+    (`attend`'s `stacked`: they see the same keys, `masked_tiles` empty) stacked in the two products, the
+    rest on `[T * R, ...]` as for one-row tiles."""
+    t, r, hq, d = q.shape
     nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
-    g = hq // hkv
+    g, tr = hq // hkv, t * r
     dt = compute_dtype(q.dtype)
-    every = torch.matmul(q.reshape(t, hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, Hq, K*Hkv]
-    scores = torch.diagonal(every.view(t, hkv, g, nk, hkv), dim1=1, dim2=4)  # [T, G, K, Hkv]: head h vs h // g
-    scores = scores.permute(0, 3, 1, 2).to(dt) * scale  # [T, Hkv, G, K]
+    every = torch.matmul(q.reshape(t, r * hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, R*Hq, K*Hkv]
+    scores = torch.diagonal(every.view(tr, hkv, g, nk, hkv), dim1=1, dim2=4)  # [TR, G, K, Hkv]: head h vs h // g
+    scores = scores.permute(0, 3, 1, 2).to(dt) * scale  # [TR, Hkv, G, K]
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    visible = mask[:, 0]  # [T, K]
+    visible = mask.reshape(tr, nk)  # [TR, K]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     p, m, total = masked_softmax_for(scores)(scores)
-    p_every = torch.zeros((t, hkv, g, nk, hkv), dtype=v.dtype, device=v.device)
+    p_every = torch.zeros((tr, hkv, g, nk, hkv), dtype=v.dtype, device=v.device)
     torch.diagonal(p_every, dim1=1, dim2=4).copy_(p.permute(0, 2, 3, 1))
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     if masked_tiles is None:
         vz = torch.where(visible[:, :, None, None], v, zero)
         acc = torch.matmul(p_every.view(t, hq, nk * hkv), vz.view(t, nk * hkv, dv)).to(dt)  # [T, Hq, Dv]
     else:  # V as stored, then the few tiles that miss a key again on masked V (one pass less over V)
-        acc = torch.matmul(p_every.view(t, hq, nk * hkv), v.view(t, nk * hkv, dv))
+        acc = torch.matmul(p_every.view(t, r * hq, nk * hkv), v.view(t, nk * hkv, dv)).view(tr, hq, dv)
         sel = masked_tiles
         if sel.shape[0]:  # (none: the caller zeroed V's unseen keys itself)
             vz = torch.where(visible[sel][:, :, None, None], v[sel], zero)
@@ -154,7 +159,7 @@ def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partia
             acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nk * hkv),
                                                        vz.view(-1, nk * hkv, dv)))
         acc = acc.to(dt)
-    return Partial(acc, m.reshape(t, hq), total.reshape(t, hq))
+    return Partial(acc, m.reshape(tr, hq), total.reshape(tr, hq))
 
 
 def _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
