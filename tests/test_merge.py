@@ -57,17 +57,6 @@ def test_scatter_merge_equals_merging_each_destination():
     assert torch.equal(normalize(out)[1], torch.zeros(2, 4, dtype=torch.float64))
 
 
-def test_scatter_merge_adds_16_bit_rows_in_the_statistics_dtype():
-    """Rows whose acc is bf16 (the unique path's units keep `p @ V` as the product gives it) are added in
-    fp32: 64 rows into one destination give the fp32 sum of the same bf16 values, not a bf16 running sum."""
-    g = torch.Generator().manual_seed(3)
-    acc = (torch.rand(64, 1, 8, generator=g) + 1).to(torch.bfloat16)
-    rows = Partial(acc, torch.zeros(64, 1), torch.ones(64, 1))
-    out = scatter_merge(rows, torch.zeros(64, dtype=torch.int64), 1)
-    assert out.acc.dtype == torch.float32
-    torch.testing.assert_close(out.acc[0], acc.float().sum(0), atol=1e-5, rtol=1e-6)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_normalize_writes_the_output_dtype_in_one_rounding(dtype):
     """`normalize(p, dtype)` divides straight into `dtype`: the same values as dividing in the partial's dtype and

@@ -84,9 +84,7 @@ def scatter_merge(rows: Partial, index: torch.Tensor, num_out: int) -> Partial:
     start = torch.full((num_out + 1, heads), float("-inf"), dtype=rows.max.dtype, device=rows.max.device)
     new_max = scatter_max(rows.max, index, start)
     row_acc, row_sum = _scaled(rows, new_max.gather(0, index.reshape(-1, 1).expand(-1, heads)))
-    # (in the compute dtype: rows may keep acc in the products' 16-bit dtype, `tiles._attend_units`)
-    acc = torch.zeros((num_out + 1,) + rows.acc.shape[1:], dtype=torch.promote_types(rows.acc.dtype, new_max.dtype),
-                      device=rows.acc.device)
+    acc = torch.zeros((num_out + 1,) + rows.acc.shape[1:], dtype=rows.acc.dtype, device=rows.acc.device)
     acc = acc.index_add(0, index, row_acc)
     total = torch.zeros_like(new_max).index_add(0, index, row_sum)
     return Partial(acc[:num_out], new_max[:num_out], total[:num_out])

@@ -160,38 +160,29 @@ def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partia
 def _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
     """`attend` for tiles of a few rows that see the same keys (`as_stored`: the unique path's units, one
     request's new tokens), K/V as stored `[T, K, Hkv, D]`: per KV head one batched product of the tile's
-    `R x G` rows against that head's keys read in place (a strided view, no copy, no product off its heads),
-    its softmax and its product with V, so no tensor of every head's scores is stacked. V is masked only on
-    `masked_tiles`, as in `_attend_one_row`. acc stays in the products' dtype (bf16: half the bytes of the
-    rows a unit writes, `tokens x heads x D` per block); the merge accumulates in the compute dtype
-    (`merge.scatter_merge`), and max and sum are in the compute dtype."""
+    `R x G` rows against that head's keys read in place (a strided view, no copy, no product off its heads);
+    V masked only on `masked_tiles`, as in `_attend_one_row`."""
     t, r, hq, d = q.shape
     nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
     dt = compute_dtype(q.dtype)
     qh = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # rows (g, r) per KV head
-    hidden = ~mask.any(1)  # [T, K]: keys no row of the tile sees (their V is zeroed)
-    visible = mask[:, None]  # [T, 1, R, K]
+    scores = torch.stack([torch.matmul(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+    scores = scores.view(t, hkv, g, r, nk).to(dt) * scale  # [T, Hkv, G, R, K]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    p, m, total = masked_softmax_for(scores)(scores)
+    p = p.to(v.dtype).view(t, hkv, g * r, nk)
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
-    sel = masked_tiles
-    accs, maxes, sums = [], [], []
-    for h in range(hkv):
-        scores = torch.matmul(qh[:, h], k[:, :, h].transpose(1, 2)).view(t, g, r, nk).to(dt) * scale
-        if soft_cap is not None:
-            scores = soft_cap * torch.tanh(scores / soft_cap)
-        p, m, total = masked_softmax_for(scores)(scores.masked_fill(~visible, float("-inf")))
-        p = p.to(v.dtype).view(t, g * r, nk)
-        vh = v[:, :, h]  # [T, K, Dv]
-        if sel is None:  # any tile may miss a key: V with the unseen keys zeroed, one product
-            acc = torch.matmul(p, torch.where(hidden[:, :, None], zero, vh))
-        else:  # V as stored, then the tiles whose real rows miss some key again on masked V
-            acc = torch.matmul(p, vh).index_copy_(0, sel, torch.matmul(p[sel], torch.where(hidden[sel][:, :, None],
-                                                                                            zero, vh[sel])))
-        accs.append(acc.view(t, g, r, dv))
-        maxes.append(m)
-        sums.append(total)
-
-    def rows(xs):  # per KV head [T, G, R, ...] -> [T*R, Hq, ...]
-        x = torch.stack(xs, 1)
-        return x.permute(0, 3, 1, 2, *range(4, x.dim())).reshape(t * r, hq, *x.shape[4:])
-    return Partial(rows(accs), rows(maxes).to(dt), rows(sums).to(dt))
+    if masked_tiles is None:  # any tile may miss a key: V with the unseen keys zeroed, one product
+        vz = torch.where(mask.any(1)[:, :, None, None], v, zero)
+        acc = torch.stack([torch.matmul(p[:, h], vz[:, :, h]) for h in range(hkv)], 1)  # [T, Hkv, G*R, Dv]
+    else:  # V as stored, then the tiles whose real rows miss some key again on masked V
+        acc = torch.stack([torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)], 1)
+        sel = masked_tiles
+        vz = torch.where(mask.any(1)[sel][:, :, None, None], v[sel], zero)
+        acc = acc.index_copy_(0, sel, torch.stack([torch.matmul(p[sel, h], vz[:, :, h]) for h in range(hkv)], 1))
+    acc = acc.to(dt).view(t, hkv, g, r, dv)
+    return Partial(acc.permute(0, 3, 1, 2, 4).reshape(t * r, hq, dv), m.permute(0, 3, 1, 2).reshape(t * r, hq),
+                   total.permute(0, 3, 1, 2).reshape(t * r, hq))
