@@ -161,3 +161,27 @@ def test_a_unit_bucket_sends_every_longer_request_to_the_prompt_route():
     assert batch.plan.prompt_len.tolist() == [6]  # request 0; request 2's 3 tokens on its units
     assert_matches(out, ref)
     assert run_case(step, options=SMALL_TILES)[2].plan.prompt_len.tolist() == [3]  # request 2 alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_bad_cached_value_stays_with_its_requests_unit(dtype):
+    """On the Gaudi route's units (`tiles._attend_units`: per KV head one product over a request's tokens),
+    a NaN in a cached value one request sees reaches that request's tokens, for the query heads of that KV
+    head alone; NaN in slots no request may read (`make_tensors`) reaches nothing."""
+    from conftest import make_block_table, make_tensors
+
+    from vllm_gaudi_unified import build_unified_batch, unified_attention
+    from vllm_gaudi_unified.paths import fused
+
+    step = Step([4, 3, 4], [13, 9, 30], 4, num_qo_heads=4, num_kv_heads=2)
+    table, nb = make_block_table(step, np.random.default_rng(4))
+    q, k, v, kc, vc = make_tensors(step, table, nb, dtype, 4)
+    vc[int(table[1, 1]), 2, 1, 0] = float("nan")  # request 1's context slot 6, KV head 1
+    with fused.gaudi_route():
+        batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=nb, options=UNITS)
+        out = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    assert batch.plan.unique_units == 4
+    bad = torch.isnan(out).any(-1)  # [tokens, heads]
+    want = torch.zeros_like(bad)
+    want[4:7, 2:] = True
+    assert torch.equal(bad, want)
