@@ -264,8 +264,7 @@ def invariance_table() -> list[str]:
 def _runs(rows: list) -> str:
     """The date of a results file's rows; rows re-measured at another commit (`--scenarios`) name theirs."""
     runs = list(dict.fromkeys((r["date"], r["commit"]) for r in rows))
-    first = runs[0][0]
-    return first + "".join(f" (the {sum(r['commit'] == c for r in rows)} rows of commit {c}: {d})" for d, c in runs[1:])
+    return runs[0][0] + "".join(f" (the {sum(r['commit'] == c for r in rows)} rows of commit {c}: {d})" for d, c in runs[1:])
 
 
 def _verify_rows(name: str) -> dict:
