@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket, pow2
+from vllm_gaudi_unified.bucket import Bucket, codes_of, phase_of, pow2
 from vllm_gaudi_unified.bucket_plans.trace import TraceStep
 from vllm_gaudi_unified.plan.options import on_route
 from vllm_gaudi_unified.plan.smallest import smallest_prompt_shape
@@ -46,6 +46,9 @@ TILED_PADDING = 2.0
 #: learned at one load pads the same prompts beside fewer decodes.
 FEWER_DECODES = 0.5
 FEWER_DECODES_WEIGHT = 0.25
+#: Shares of the prompt steps (by the cost of their decodes) whose decode loads' envelope is a decode level
+#: (`decode_levels`), beside the plan's own decode buckets.
+LEVEL_QUANTILES = (0.25, 0.5, 0.75, 0.9, 1.0)
 
 
 def prompt_work(b: Bucket, block_size: int) -> int:
@@ -112,6 +115,31 @@ def warmable(graph: Bucket, plan) -> Bucket:
     if least is None or least.phase != graph.phase:
         return graph
     return Bucket(graph.phase, *(int(x) for x in np.maximum(graph.sizes + graph.prompts, least.sizes + least.prompts)))
+
+
+def decode_levels(plan, sizes: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The decode loads `(shared, unique, logits)` a prompt graph's decode part may be raised to, so that one
+    prompt shape covers the decodes of a quiet and of a busy server alike (the sum of a prompt call and a
+    decode load, not their product), each [K, 3] by cost (`weights`: µs per unit, DIMS order): the envelopes
+    of the decode loads of the prompt steps `sizes` [N, 5] up to each of `LEVEL_QUANTILES` of their cost, and
+    the plan's decode buckets (no causal tiles) but the costliest of each phase (the limits)."""
+    own = sizes[:, 1:4]
+    cost = own @ weights[1:4]
+    env = np.array([own[cost <= np.quantile(cost, f)].max(0) for f in LEVEL_QUANTILES], np.int64).reshape(-1, 3)
+    b, codes = plan.sizes, codes_of(plan.sizes)  # (sorted by cost)
+    mine = [b[(codes == c) & (b[:, 4] == 0)][:-1, 1:4] for c in np.unique(codes[b[:, 4] == 0])]
+    return tuple(x[np.argsort(x @ weights[1:4], kind="stable")]
+                 for x in (np.unique(env, axis=0), np.unique(np.concatenate([np.zeros((0, 3), np.int64), *mine]), axis=0)))
+
+
+def with_decodes(graph: Bucket, level, settings) -> Bucket:
+    """`graph` with its decode part raised to the decode load `level` (shared, unique, logits) and its
+    query tokens to every prompt row of its grid beside that many decodes (within the token budget): one
+    more decode or one shorter prompt beside a longer one still fits."""
+    q, s, u, n, c = graph.sizes
+    s, u, n = (max(int(a), int(b)) for a, b in zip((s, u, n), level))
+    q = max(q, min(graph.num_prompts * graph.prompt_len + n, settings.max_num_batched_tokens))
+    return Bucket(phase_of(c, s, u), q, s, u, n, c, *graph.prompts)
 
 
 def _fits(graph: Bucket, settings, cap) -> bool:
@@ -231,8 +259,15 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
             "prompt_graph_candidates": 0}
     if not shapes or not max_graphs:
         return [], info
+    sizes = np.array([x.sizes + x.prompts for x in shapes], np.int64)
+    envelopes, buckets = decode_levels(plan, sizes[:, :5], model.weights)
     rounded = {rounded_shape(shape, s, cap, up) for shape in shapes for up in (pow2, half_pow2)}
-    candidates = sorted({g for g in (warmable(r, plan) for r in rounded) if _fits(g, s, cap)})
+    raised = set(rounded)
+    for r in rounded:  # each also at every envelope above its decodes and the two decode buckets covering them
+        load = np.array(r.sizes[1:4])
+        above = [*envelopes[(envelopes >= load).all(1)], *buckets[(buckets >= load).all(1)][:2]]
+        raised.update(with_decodes(r, level, s) for level in above)
+    candidates = sorted({g for g in (warmable(r, plan) for r in raised) if _fits(g, s, cap)})
     info["prompt_graph_candidates"] = len(candidates)
     if not candidates:
         return [], info
@@ -241,7 +276,6 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     src = np.unique(src, return_inverse=True)[1].reshape(-1)
     own = np.array(own)
     weight = np.where(seen, 1.0, FEWER_DECODES_WEIGHT) / np.bincount(src, own)[src]  # a trace's steps weigh 1
-    sizes = np.array([x.sizes + x.prompts for x in shapes], np.int64)
     chosen = PromptGraphs(_choose(candidates, sizes, np.array([model.graph_cost(g) for g in candidates]),
                                   np.array(fallback), weight, max_graphs), s.block_size, model.graph_cost)
     info["prompt_steps_on_prompt_graphs"] = int(sum(chosen.find(x) is not None for x, k in zip(shapes, seen) if k))
