@@ -286,6 +286,8 @@ def test_one_graph_covers_a_long_prompt_beside_few_decodes_and_a_short_one_besid
     assert {tuple(x) for x in buckets} < decode  # the plan's decode buckets but the limits
     raised = with_decodes(rounded_shape(shapes[0], SETTINGS, plan.gather_cap, half_pow2), envelopes[-1], SETTINGS)
     assert raised.prompts == (1, 12, 6) and raised.covers(shapes[1]) and graph.covers(raised)
+    shared = with_decodes(raised, (1, 0, 0), SETTINGS)  # shared slots in whole tiles
+    assert shared.num_shared_blocks == SETTINGS.blocks_per_tile and shared.phase == "-su"
 
 
 def test_top_graphs_hold_prompts_no_learned_graph_holds_and_take_a_tenth_of_the_count():

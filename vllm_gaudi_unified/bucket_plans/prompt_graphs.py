@@ -149,9 +149,10 @@ def decode_levels(plan, sizes: np.ndarray, weights: np.ndarray) -> tuple[np.ndar
 def with_decodes(graph: Bucket, level, settings) -> Bucket:
     """`graph` with its decode part raised to the decode load `level` (shared, unique, logits) and its
     query tokens to every prompt row of its grid beside that many decodes (within the token budget): one
-    more decode or one shorter prompt beside a longer one still fits."""
+    more decode or one shorter prompt beside a longer one still fits. Shared slots in whole tiles."""
     q, s, u, n, c = graph.sizes
     s, u, n = (max(int(a), int(b)) for a, b in zip((s, u, n), level))
+    s = -(-s // settings.blocks_per_tile) * settings.blocks_per_tile
     q = max(q, min(graph.num_prompts * graph.prompt_len + n, settings.max_num_batched_tokens))
     return Bucket(phase_of(c, s, u), q, s, u, n, c, *graph.prompts)
 
