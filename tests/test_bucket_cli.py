@@ -235,3 +235,25 @@ def test_lift_to_smallest_makes_the_reported_bucket_warmable():
     assert len(lifted) == 2 and ok in lifted  # duplicates merged, a warmable bucket unchanged
     (up,) = [b for b in lifted if b.phase == "csu"]
     assert can_hold_a_step(up, 32, BUCKET_OPTIONS) and up.num_logits == 2 and up.query_len == 21
+
+
+def test_evaluate_a_window_of_steps(tmp_path, trace, capsys):
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
+
+    plan_path, whole, part = (str(tmp_path / n) for n in ("plan.json", "whole.json", "part.json"))
+    assert main(["buckets", "generate", *SMALL, "--trace", trace, "--max-graphs", "8", "--jobs", "1",
+                 "-o", plan_path, "--no-progress"]) == 0
+    n = len(read_trace(trace).steps)
+    for window, out in ((f"0:{n + 5}", whole), ("2:6", part)):
+        assert main(["buckets", "evaluate", plan_path, "--trace", trace, "--steps", window, "--json", out,
+                     "--no-progress"]) == 0
+    assert main(["buckets", "evaluate", plan_path, "--trace", trace, "--json", str(tmp_path / "all.json"),
+                 "--no-progress", "--jobs", "1"]) == 0
+    results = [json.load(open(p))["results"][0] for p in (whole, part, str(tmp_path / "all.json"))]
+    assert results[0]["steps"] == results[2]["steps"] == n and results[1]["steps"] == 4
+    assert results[0]["padding_time"] == pytest.approx(results[2]["padding_time"])
+    capsys.readouterr()
+    assert _exit_code(["buckets", "evaluate", plan_path, "--trace", trace, "--steps", "6:2"]) == 2
+    assert "argument --steps: '6:2' needs 0 <= START < STOP" in capsys.readouterr().err
+    assert main(["buckets", "evaluate", plan_path, "--trace", trace, "--steps", "0:2", "--upstream"]) == 2
+    assert "--steps and --upstream" in capsys.readouterr().err

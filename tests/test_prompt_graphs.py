@@ -37,8 +37,8 @@ def trace_step(step: Step) -> TraceStep:
 @pytest.fixture(scope="module")
 def plan():
     tiled = exponential_plan(SETTINGS, MODEL)
-    graphs, info = learn_prompt_graphs(tiled, [trace_step(CHUNK)] * 3 + [trace_step(Step([1, 1], [5, 9], 4))])
-    assert info == {"prompt_steps": 3, "prompt_steps_on_prompt_graphs": 3, "prompt_graph_candidates": 2}
+    graphs, info = learn_prompt_graphs(tiled, [trace_step(CHUNK)] * 3 + [trace_step(Step([1, 1], [5, 9], 4))], 9)
+    assert info["prompt_steps"] == info["prompt_steps_on_prompt_graphs"] == 3 and info["prompt_graph_candidates"] >= 2
     return replace(tiled, prompt_graphs=graphs)
 
 
@@ -137,8 +137,12 @@ def test_learning_respects_the_count_and_refuses_a_bad_one(plan):
 
 
 def test_warmup_runs_the_prompt_graphs_too(plan):
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import top_graphs
+
     alone, _ = learn_prompt_graphs(plan, [trace_step(Step([33], [0], 4))])  # a prompt alone: phase '---'
-    assert [g.phase for g in alone] == ["---"] and alone[0].prompts == (1, 48, 0)
+    top = top_graphs(SETTINGS, (0, 0, 1), 0)  # (its top graphs: up to max_num_seqs prompts, no decodes)
+    assert [g.prompts for g in top] == [(1, 64, 0), (3, 42, 0)] and set(top) < set(alone)
+    assert {g.phase for g in alone} == {"---"} and [g.prompts for g in alone if g not in top] == [(1, 48, 0)]
     small = replace(plan, buckets=[plan.buckets[0], plan.buckets[-1]], prompt_graphs=plan.prompt_graphs + alone)
     report = warmup(small, device="cpu", mode="eager", dtype=torch.float32, progress=False)
     assert report.buckets == small.buckets + small.prompt_graphs and not report.skipped
@@ -259,3 +263,44 @@ def test_route_cost_weighs_only_buckets_with_causal_tiles_by_the_measured_slowdo
     assert model.route_cost(decode) == model.graph_cost(decode) and model.route_cost(graph) == model.graph_cost(graph)
     assert model.route_cost(causal) == pytest.approx(TILED_CAUSAL_SLOWDOWN * model.graph_cost(causal))
     assert model.route_cost(causal, 10.0) == pytest.approx(10.0 * TILED_CAUSAL_SLOWDOWN) and TILED_CAUSAL_SLOWDOWN > 1
+
+
+def test_one_graph_covers_a_long_prompt_beside_few_decodes_and_a_short_one_beside_many():
+    """Candidates raise a prompt shape's decode part to the decode loads of the plan's decode buckets and of the
+    steps (`decode_levels`): one graph then holds the longest prompt beside the most decodes (a sum of the two
+    loads), where the steps' own shapes rounded up (a product) need one graph each."""
+    from vllm_gaudi_unified.bucket import pow2
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import decode_levels, prompt_shapes, with_decodes
+
+    plan = exponential_plan(SETTINGS, MODEL)
+    busy = Step([6, 1, 1, 1], [8, 20, 24, 16], 4)  # a short chunk beside three decodes over long contexts
+    steps = [trace_step(CHUNK)] * 2 + [trace_step(busy)] * 2
+    shapes = list(prompt_shapes(plan, steps[1:3]))
+    assert not any(rounded_shape(a, SETTINGS, plan.gather_cap, up).covers(b) for a, b in (shapes, shapes[::-1])
+                   for up in (half_pow2, pow2))
+    (graph,), info = learn_prompt_graphs(plan, steps, max_graphs=1)
+    assert all(graph.covers(s) for s in shapes) and info["prompt_steps_on_prompt_graphs"] == 4
+    envelopes, buckets = decode_levels(plan, np.array([s.sizes for s in shapes]), plan.cost_model.weights)
+    assert (envelopes[-1] == np.max([s.sizes[1:4] for s in shapes], 0)).all()  # the busiest decodes' envelope
+    decode = {b.sizes[1:4] for b in plan.buckets if not b.num_causal_tiles}
+    assert {tuple(x) for x in buckets} < decode  # the plan's decode buckets but the limits
+    raised = with_decodes(rounded_shape(shapes[0], SETTINGS, plan.gather_cap, half_pow2), envelopes[-1], SETTINGS)
+    assert raised.prompts == (1, 12, 6) and raised.covers(shapes[1]) and graph.covers(raised)
+    shared = with_decodes(raised, (1, 0, 0), SETTINGS)  # shared slots in whole tiles
+    assert shared.num_shared_blocks == SETTINGS.blocks_per_tile and shared.phase == "-su"
+
+
+def test_top_graphs_hold_prompts_no_learned_graph_holds_and_take_a_tenth_of_the_count():
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import MAX_GRID_BUDGETS, TOP_GRAPH_PROMPTS, prompt_shapes
+
+    plan = exponential_plan(SETTINGS, MODEL)
+    steps = [trace_step(CHUNK)] * 3
+    long = next(prompt_shapes(plan, [trace_step(LONG)]))
+    few, _ = learn_prompt_graphs(plan, steps, max_graphs=9)
+    assert len(few) == 1 and not few[0].covers(long)  # learned from the chunk alone
+    graphs, _ = learn_prompt_graphs(plan, steps, max_graphs=10)
+    top = [g for g in graphs if g not in few]
+    assert len(top) == 1 and len(graphs) == 2 and top[0].covers(long)
+    assert top[0].num_prompts == TOP_GRAPH_PROMPTS[0] and top[0].prompt_len == SETTINGS.max_num_batched_tokens
+    assert top[0].num_prompts * top[0].prompt_len <= MAX_GRID_BUDGETS * SETTINGS.max_num_batched_tokens
+    assert replace(plan, prompt_graphs=graphs).prompt_graph(long) == top[0]

@@ -12,6 +12,16 @@ two or to one and a half times one (`rounded_shape`, `half_pow2`), none with
 more padded rows than `MAX_GRID_BUDGETS` token budgets, warmed like the other
 buckets. A step runs in the cheapest graph covering it.
 
+A graph is the product of its prompt call and the decodes beside it, and
+traffic varies the two apart: the same prompts arrive beside 20 decodes at a
+quiet hour and beside 256 over long contexts at a busy one. So a learned
+graph's decode part may be raised to a decode load of the plan or of its steps
+(`decode_levels`): one prompt shape then holds every load up to that one (the
+sum of the two sizes, not their product), at the cost of padding the decodes
+of quieter steps, which the learner weighs. And a few `top_graphs` (the most
+rows, a few prompt counts) hold the bursts of prompts no learned graph holds,
+which the tiled route would pad to the plan's largest buckets.
+
 At serving time a step is planned on the prompt route first; when no prompt
 graph covers it, it is planned again on the tiled route, whose buckets cover
 it (`batch.build_unified_batch`). Never a graph compiled while serving, and the
@@ -22,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket, pow2
+from vllm_gaudi_unified.bucket import Bucket, codes_of, phase_of, pow2
 from vllm_gaudi_unified.bucket_plans.trace import TraceStep
 from vllm_gaudi_unified.plan.options import on_route
 from vllm_gaudi_unified.plan.smallest import smallest_prompt_shape
@@ -46,6 +56,13 @@ TILED_PADDING = 2.0
 #: learned at one load pads the same prompts beside fewer decodes.
 FEWER_DECODES = 0.5
 FEWER_DECODES_WEIGHT = 0.25
+#: Prompts per step of the top graphs (`top_graphs`), each with the most rows `MAX_GRID_BUDGETS` allows, and
+#: the share of the prompt graphs they may take (none in a plan of fewer than 10).
+TOP_GRAPH_PROMPTS = (1, 3, 6, 12)
+TOP_GRAPH_SHARE = 0.1
+#: Shares of the prompt steps (by the cost of their decodes) whose decode loads' envelope is a decode level
+#: (`decode_levels`), beside the plan's own decode buckets.
+LEVEL_QUANTILES = (0.25, 0.5, 0.75, 0.9, 1.0)
 
 
 def prompt_work(b: Bucket, block_size: int) -> int:
@@ -114,6 +131,46 @@ def warmable(graph: Bucket, plan) -> Bucket:
     return Bucket(graph.phase, *(int(x) for x in np.maximum(graph.sizes + graph.prompts, least.sizes + least.prompts)))
 
 
+def decode_levels(plan, sizes: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The decode loads `(shared, unique, logits)` a prompt graph's decode part may be raised to, so that one
+    prompt shape covers the decodes of a quiet and of a busy server alike (the sum of a prompt call and a
+    decode load, not their product), each [K, 3] by cost (`weights`: µs per unit, DIMS order): the envelopes
+    of the decode loads of the prompt steps `sizes` [N, 5] up to each of `LEVEL_QUANTILES` of their cost, and
+    the plan's decode buckets (no causal tiles) but the costliest of each phase (the limits)."""
+    own = sizes[:, 1:4]
+    cost = own @ weights[1:4]
+    env = np.array([own[cost <= np.quantile(cost, f)].max(0) for f in LEVEL_QUANTILES], np.int64).reshape(-1, 3)
+    b, codes = plan.sizes, codes_of(plan.sizes)  # (sorted by cost)
+    mine = [b[(codes == c) & (b[:, 4] == 0)][:-1, 1:4] for c in np.unique(codes[b[:, 4] == 0])]
+    return tuple(x[np.argsort(x @ weights[1:4], kind="stable")]
+                 for x in (np.unique(env, axis=0), np.unique(np.concatenate([np.zeros((0, 3), np.int64), *mine]), axis=0)))
+
+
+def with_decodes(graph: Bucket, level, settings) -> Bucket:
+    """`graph` with its decode part raised to the decode load `level` (shared, unique, logits) and its
+    query tokens to every prompt row of its grid beside that many decodes (within the token budget): one
+    more decode or one shorter prompt beside a longer one still fits. Shared slots in whole tiles."""
+    q, s, u, n, c = graph.sizes
+    s, u, n = (max(int(a), int(b)) for a, b in zip((s, u, n), level))
+    s = -(-s // settings.blocks_per_tile) * settings.blocks_per_tile
+    q = max(q, min(graph.num_prompts * graph.prompt_len + n, settings.max_num_batched_tokens))
+    return Bucket(phase_of(c, s, u), q, s, u, n, c, *graph.prompts)
+
+
+def top_graphs(settings, level, prompt_blocks: int) -> list[Bucket]:
+    """The prompt graphs every plan with prompt graphs keeps, learned steps or not: for each of
+    `TOP_GRAPH_PROMPTS`, that many prompts of the most rows `MAX_GRID_BUDGETS` allows over `prompt_blocks`
+    context blocks, beside the decode load `level`. A burst of prompts no learned graph holds (several requests
+    over one long document at once) would take the tiled route, where only the plan's largest buckets hold
+    its causal tiles and shared slots; the route takes the cheaper of the two."""
+    rows = MAX_GRID_BUDGETS * settings.max_num_batched_tokens
+    out = []
+    for n in (n for n in TOP_GRAPH_PROMPTS if n <= settings.max_num_seqs):
+        top = Bucket("---", 1, 0, 0, 1, 0, n, min(rows // n, settings.max_num_batched_tokens), prompt_blocks)
+        out.append(with_decodes(top, level, settings))
+    return out
+
+
 def _fits(graph: Bucket, settings, cap) -> bool:
     """Whether a prompt graph is within the gather cap and `MAX_GRID_BUDGETS`."""
     return (not cap.exceeded(graph) and graph.num_prompts * graph.prompt_len <= MAX_GRID_BUDGETS *
@@ -122,25 +179,28 @@ def _fits(graph: Bucket, settings, cap) -> bool:
 
 
 def _choose(candidates: list[Bucket], shapes: np.ndarray, graph_cost: np.ndarray, fallback: np.ndarray,
-            weight: np.ndarray, count: int) -> list[Bucket]:
+            weight: np.ndarray, count: int, fixed: int = 0) -> list[Bucket]:
     """`count` graphs among `candidates` (costs `graph_cost`) for the step shapes `shapes` [N, 8]: greedy
     facility location on the steps' weighted time, a step costing its cheapest covering graph, or
     `fallback` (the tiled route) where that is less or none covers it; each time the candidate that
-    lowers the total most."""
+    lowers the total most, after the first `fixed` candidates, always chosen."""
     cand = np.array([g.sizes + g.prompts for g in candidates], np.int64).reshape(-1, 8)
     covers = np.ones((len(cand), len(shapes)), bool)
     for d in range(8):
         covers &= cand[:, None, d] >= shapes[None, :, d]
-    cost = np.where(covers, graph_cost[:, None], np.inf)
+    # Only (candidate, step) pairs where the candidate beats the tiled route can ever save time: kept sparse.
+    rows, cols = np.nonzero(covers & (graph_cost[:, None] < fallback[None, :]))
     cur = fallback.astype(np.float64).copy()
-    chosen: list[int] = []
+    chosen = list(range(min(fixed, count)))
+    for i in chosen:
+        cur[covers[i]] = np.minimum(cur[covers[i]], graph_cost[i])
     while len(chosen) < count:
-        gain = (np.maximum(cur[None, :] - cost, 0.0) * weight[None, :]).sum(1)
+        gain = np.bincount(rows, np.maximum(cur[cols] - graph_cost[rows], 0.0) * weight[cols], len(cand))
         best = int(np.argmax(gain))
         if gain[best] <= 0:
             break
         chosen.append(best)
-        cur = np.minimum(cur, cost[best])
+        cur[covers[best]] = np.minimum(cur[covers[best]], graph_cost[best])
     return [candidates[i] for i in chosen]
 
 
@@ -201,11 +261,13 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
 
     Each step with prompts is planned on the prompt route (`plan_step`, the rules a server applies) and on
     the tiled route. Candidates are its prompt shape rounded up in powers of two and, finer, in
-    `half_pow2` steps (at most 1.33x a dimension), within `MAX_GRID_BUDGETS` and the gather cap. A step
+    `half_pow2` steps (at most 1.33x a dimension), each also with its decode part raised to the decode loads
+    above it (`decode_levels`, `with_decodes`), within `MAX_GRID_BUDGETS` and the gather cap. A step
     costs, in the plan's time model, its cheapest covering graph (`CostModel.graph_cost`, what
-    `BucketPlan.route` weighs) or its tiled shape padded (`tiled_cost`); the graphs are chosen
-    greedily by the time they save (`_choose`), each trace of `sources` (an id per step; default: one
-    trace) counted equally: a trace of long prompts would otherwise choose every graph."""
+    `BucketPlan.route` weighs) or its tiled shape padded (`tiled_cost`); the `top_graphs` come first
+    (`TOP_GRAPH_SHARE` of the count), the others are chosen greedily by the time they save (`_choose`),
+    each trace of `sources` (an id per step; default: one trace) counted equally: a trace of long prompts
+    would otherwise choose every graph."""
     if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 0:
         raise ValueError(f"the number of prompt graphs must be an int >= 0, got {max_graphs!r}")
     from vllm_gaudi_unified.plan import plan_step
@@ -231,8 +293,18 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
             "prompt_graph_candidates": 0}
     if not shapes or not max_graphs:
         return [], info
+    sizes = np.array([x.sizes + x.prompts for x in shapes], np.int64)
+    envelopes, buckets = decode_levels(plan, sizes[:, :5], model.weights)
     rounded = {rounded_shape(shape, s, cap, up) for shape in shapes for up in (pow2, half_pow2)}
-    candidates = sorted({g for g in (warmable(r, plan) for r in rounded) if _fits(g, s, cap)})
+    raised = set(rounded)
+    for r in rounded:  # each also at every envelope above its decodes and the two decode buckets covering them
+        load = np.array(r.sizes[1:4])
+        above = [*envelopes[(envelopes >= load).all(1)], *buckets[(buckets >= load).all(1)][:2]]
+        raised.update(with_decodes(r, level, s) for level in above)
+    blocks = half_pow2(int(np.quantile(sizes[:, 7], 0.9)))
+    top = list(dict.fromkeys(g for g in (warmable(r, plan) for r in top_graphs(s, envelopes[-1], blocks))
+                             if _fits(g, s, cap)))[:int(TOP_GRAPH_SHARE * max_graphs)]
+    candidates = top + sorted({g for g in (warmable(r, plan) for r in raised) if _fits(g, s, cap)} - set(top))
     info["prompt_graph_candidates"] = len(candidates)
     if not candidates:
         return [], info
@@ -241,9 +313,8 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     src = np.unique(src, return_inverse=True)[1].reshape(-1)
     own = np.array(own)
     weight = np.where(seen, 1.0, FEWER_DECODES_WEIGHT) / np.bincount(src, own)[src]  # a trace's steps weigh 1
-    sizes = np.array([x.sizes + x.prompts for x in shapes], np.int64)
     chosen = PromptGraphs(_choose(candidates, sizes, np.array([model.graph_cost(g) for g in candidates]),
-                                  np.array(fallback), weight, max_graphs), s.block_size, model.graph_cost)
+                                  np.array(fallback), weight, max_graphs, len(top)), s.block_size, model.graph_cost)
     info["prompt_steps_on_prompt_graphs"] = int(sum(chosen.find(x) is not None for x, k in zip(shapes, seen) if k))
     return chosen.buckets, info
 

@@ -96,6 +96,9 @@ def register(subparsers) -> None:
     e.add_argument("--upstream", action="store_true",
                    help="also score the earlier Gaudi implementation's plan for the plan's settings (rebuilt "
                         "from its rules: 107 graphs at the 8B setting) on the same traces")
+    e.add_argument("--steps", type=step_window, default=None, metavar="START:STOP",
+                   help="only these steps of each trace (Python slice bounds, 0-based: 300:500 is steps "
+                        "300-499); not with --upstream")
     e.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying traces")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_evaluate)
@@ -261,23 +264,40 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
+def step_window(text: str) -> tuple[int, int]:
+    """`START:STOP` (0 <= START < STOP) as a pair of ints: a window of a trace's steps."""
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:STOP (two ints, e.g. 300:500)") from None
+    if not 0 <= start < stop:
+        raise argparse.ArgumentTypeError(f"{text!r} needs 0 <= START < STOP")
+    return start, stop
+
+
 def cmd_evaluate(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import padding_on_routes, prompt_shapes
     from vllm_gaudi_unified.bucket_plans.trace import read_trace
     from vllm_gaudi_unified.tools.evaluate import evaluate
-    from vllm_gaudi_unified.tools.shapes import shapes_of_trace
+    from vllm_gaudi_unified.tools.shapes import shapes_of_steps, shapes_of_trace
     from vllm_gaudi_unified.tools.upstream import evaluate_upstream, upstream_tuples_of_trace
 
     plan = BucketPlan.load(args.plan)
     if args.upstream and plan.settings.options.batch_invariant:
         raise ValueError("--upstream compares default-mode plans (the earlier scheme had no invariant mode)")
+    if args.steps and args.upstream:
+        raise ValueError("--steps and --upstream: the earlier plan is scored on whole traces only")
     results, upstream, prompts = [], [], []
     for t in args.trace:
-        shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
+        if args.steps:
+            steps = read_trace(t).steps[slice(*args.steps)]
+            shapes = shapes_of_steps(steps, plan.settings, f"{t}[{args.steps[0]}:{args.steps[1]}]")
+        else:
+            shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
         results.append(evaluate(plan, shapes, os.path.basename(t)))
         if plan.prompt_graphs:
-            steps = read_trace(t).steps
+            steps = read_trace(t).steps[slice(*args.steps)] if args.steps else read_trace(t).steps
             found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, steps)]
             prompts.append({"trace": os.path.basename(t), "steps_with_prompts": len(found),
                             "on_prompt_graphs": int(sum(found)), "routes": padding_on_routes(plan, steps)})
