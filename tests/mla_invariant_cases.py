@@ -3,7 +3,8 @@
 On the CPU `test_mla_invariant.py::test_mla_invariant_interpreted` runs this file in a process of its own with
 TRITON_INTERPRET=1 (float64 and float32, the kernel's keys per step and per split made small so that a token's
 keys span several loop steps and several splits); on CUDA `test_mla_invariant_on_cuda` runs `check("cuda")`
-compiled, float32 and bfloat16, with the small constants and with the module's own. Each case: a target decode alone, then inside batches
+compiled, bfloat16 and float16, and `test_mla_invariant_deepseek_on_cuda` `check_long` (DeepSeek's shapes, the
+module's own constants). Each case: a target decode alone, then inside batches
 that change everything else (other decodes whose longer contexts launch more splits, prompts and chunks and
 verify steps on the other routes, a padded bucket, other positions and orders): the target's rows the same
 bits every time; every batch against the dense reference (float64, expanded MLA: 1e-6; 16-bit: 1e-2 in
@@ -119,7 +120,7 @@ DEEPSEEK = (512, 64, 128, 128, 128)  # L, R, P, V, H
 
 
 def check_long(device: str = "cuda") -> int:
-    """`LONG` at DeepSeek's shapes, compiled (bf16 and fp32): alone = in the batch, both against the reference."""
+    """`LONG` at DeepSeek's shapes, compiled (bf16 and fp16): alone = in the batch, both against the reference."""
     global L, R, P, V, H
     saved = L, R, P, V, H
     L, R, P, V, H = DEEPSEEK
@@ -131,7 +132,7 @@ def check_long(device: str = "cuda") -> int:
 
 def check(device: str = "cpu", small: bool = True, cases=None) -> int:
     """Every case at three positions of the target: alone and in the batch the same bits, both against the
-    reference. On the CPU float64 and float32; on CUDA float32 and bfloat16. -> cases run."""
+    reference. On the CPU float64 and float32; on CUDA bfloat16 and float16. -> cases run."""
     real_route, real_rows, calls, seen = mla_decode.mla_unique_route, mla_invariant.decode_rows, [], set()
     saved = {"SPLIT_KEYS": plan_invariant.SPLIT_KEYS, "MLA_KEYS": mla_decode.MLA_KEYS}
 
@@ -147,11 +148,12 @@ def check(device: str = "cpu", small: bool = True, cases=None) -> int:
         mla_decode.mla_unique_route = route
     mla_invariant.decode_rows = rows
     if small:  # several loop steps and several splits per token at these lengths
-        mla_decode.MLA_KEYS, plan_invariant.SPLIT_KEYS = 8, 32
+        mla_decode.MLA_KEYS, plan_invariant.SPLIT_KEYS = (8 if device == "cpu" else 16), 32  # (GPU dots: 16+)
     done = 0
     try:
-        # (the interpreter has no bfloat16: numpy's loads of it are not its values; bf16 runs compiled on CUDA)
-        dtypes = [torch.float64, torch.float32] if device == "cpu" else [torch.float32, torch.bfloat16]
+        # (the interpreter has no bfloat16: numpy's loads of it are not its values. On CUDA the route takes
+        # 16-bit caches only, `unique.KERNEL_CACHE_DTYPES`: fp32 keeps the tile route there)
+        dtypes = [torch.float64, torch.float32] if device == "cpu" else [torch.bfloat16, torch.float16]
         for dtype in dtypes:
             for target, others, bs, pad in cases or CASES:
                 for position in sorted({0, len(others) // 2, len(others)}):

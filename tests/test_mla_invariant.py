@@ -26,16 +26,27 @@ def test_mla_invariant_interpreted():
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and Triton")
-@pytest.mark.parametrize("small", [True, False], ids=["small_splits", "module_constants"])
-def test_mla_invariant_on_cuda(small):
-    """Compiled, float32 and bfloat16: the small constants, the module's own, and DeepSeek's shapes over
-    splits of 8192 keys."""
+def test_mla_invariant_on_cuda():
+    """Compiled, bfloat16 and float16, the small constants (the Triton kernel: 16 heads)."""
     import mla_invariant_cases
 
-    if small:
-        assert mla_invariant_cases.check("cuda") > 0
-    else:
-        assert mla_invariant_cases.check_long("cuda") > 0
+    assert mla_invariant_cases.check("cuda") > 0
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("seesaw", [True, False], ids=["seesaw", "triton"])
+def test_mla_invariant_deepseek_on_cuda(seesaw, monkeypatch):
+    """DeepSeek's shapes, the module's constants (splits of 8192 keys, block 128): on sm_90 the Gluon seesaw
+    kernel (and the Triton one with it switched off); elsewhere the Triton kernel both times."""
+    import mla_invariant_cases
+
+    monkeypatch.setattr(mla_invariant, "SEESAW", seesaw)
+    taken = []
+    real = mla_invariant.seesaw_applies
+    monkeypatch.setattr(mla_invariant, "seesaw_applies", lambda *a: taken.append(real(*a)) or taken[-1])
+    assert mla_invariant_cases.check_long("cuda") > 0
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert taken and all(x == (seesaw and hopper) for x in taken), taken
 
 
 def test_route_conditions():
