@@ -36,8 +36,8 @@ def test_mla_invariant_on_cuda():
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("seesaw", [True, False], ids=["seesaw", "triton"])
 def test_mla_invariant_deepseek_on_cuda(seesaw, monkeypatch):
-    """DeepSeek's shapes, the module's constants (splits of 8192 keys, block 128): on sm_90 the Gluon seesaw
-    kernel (and the Triton one with it switched off); elsewhere the Triton kernel both times."""
+    """DeepSeek's shapes, bf16, the module's constants (splits of 8192 keys, block 128): on sm_90 the Gluon
+    seesaw kernel (and the Triton one with it switched off); elsewhere the Triton kernel both times."""
     import mla_invariant_cases
 
     monkeypatch.setattr(mla_invariant, "SEESAW", seesaw)
