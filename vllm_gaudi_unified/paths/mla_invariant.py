@@ -33,7 +33,10 @@ program and the same position-fixed splits: a program's two warpgroups take
 disjoint halves of its token's value columns and pass each tile's softmax
 statistics between them in a fixed schedule, so its rows are again its
 token's alone (normalized times the sum's reciprocal, as the combine then
-does too). Elsewhere the Triton kernel. The other
+does too). Elsewhere the Triton kernel, and under torch.compile too
+(`mla_decode.gluon_applies`: Gluon's launch is not traced): on sm_90 the two
+kernels round differently, so a server in this mode should run a layer's
+attention all compiled or all eager (or switch `SEESAW` off). The other
 requests of the step (prompts, chunks, verify steps) keep the invariant mode's
 routes (`invariant.invariant_partial` without the one-token requests' tiles),
 and these rows are written over theirs.
