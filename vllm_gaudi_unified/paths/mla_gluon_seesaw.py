@@ -206,20 +206,15 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
                             m_ptr, l_ptr, scale, splits, sq_t, sq_h, sk_t,
                             HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr,
                             KEYS: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr,
-                            FINAL: gl.constexpr, num_warps: gl.constexpr, tok_ptr=None, TOKENS: gl.constexpr = False,
-                            SPLIT_KEYS: gl.constexpr = 0):
+                            FINAL: gl.constexpr, num_warps: gl.constexpr):
     """`mla_gluon.mla_gluon_kernel`'s arguments (`FINAL` too), the latent descriptor in `[KEYS, DV // 2]` boxes
-    (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more.
-    `TOKENS`, `SPLIT_KEYS` (the batch-invariant mode): as `mla_kernel._mla_body`'s."""
+    (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more."""
     gl.static_assert(num_warps == 4)
     gl.static_assert(DR == KEYS)  # (P1 is written over its tile's rope part)
     hg = gl.program_id(0)
     sp = gl.program_id(1)
-    i = gl.program_id(2).to(gl.int64)
-    t = i
-    if TOKENS:
-        t = gl.load(tok_ptr + i).to(gl.int64)
-    first, k_begin, n_tiles = _split_tiles(starts_ptr, t, sp, splits, BS, KEYS, SPLIT_KEYS)
+    t = gl.program_id(2).to(gl.int64)
+    first, k_begin, n_tiles = _split_tiles(starts_ptr, t, sp, splits, BS, KEYS)
 
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     dtype: gl.constexpr = kn_desc.dtype
@@ -262,10 +257,7 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
     l0 = gl.where(self_on, 1.0, 0.0)
     fence_async_shared()
     gl.thread_barrier()
-    out_tok = i  # (`TOKENS`: Partial rows by program, `FINAL` rows by token)
-    if FINAL:
-        out_tok = t
-    out_row = (out_tok * splits + sp) * HQ + hg * 64
+    out_row = (t * splits + sp) * HQ + hg * 64
     gl.warp_specialize([(_warpgroup, (qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles,
                                       k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
                                       out_row, qk, l0, k_row, self_on, gl.constexpr(0), DV, BS, KEYS, SLICE, FINAL)),

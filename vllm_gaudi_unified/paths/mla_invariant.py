@@ -27,16 +27,8 @@ default runs too, with every quantity that could follow the batch fixed:
   (`FINAL`), which gives the same bits (the weight of a lone split is exp(0)
   = 1).
 
-On sm_90, where the default takes FlashMLA's seesaw schedule
-(`mla_gluon_seesaw.py`), so does this mode (`SEESAW`), with the same token per
-program and the same position-fixed splits: a program's two warpgroups take
-disjoint halves of its token's value columns and pass each tile's softmax
-statistics between them in a fixed schedule, so its rows are again its
-token's alone (normalized times the sum's reciprocal, as the combine then
-does too). Elsewhere the Triton kernel, and under torch.compile too
-(`mla_decode.gluon_applies`: Gluon's launch is not traced): on sm_90 the two
-kernels round differently, so a server in this mode should run a layer's
-attention all compiled or all eager (or switch `SEESAW` off). The other
+On sm_90 the default takes FlashMLA's seesaw schedule (`mla_gluon_seesaw.py`)
+where its shapes allow; this mode keeps the Triton kernel there too. The other
 requests of the step (prompts, chunks, verify steps) keep the invariant mode's
 routes (`invariant.invariant_partial` without the one-token requests' tiles),
 and these rows are written over theirs.
@@ -49,10 +41,6 @@ from vllm_gaudi_unified.paths import mla_decode
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.paths.unique import _pow2
 from vllm_gaudi_unified.plan import invariant as plan_invariant
-
-
-#: Whether the rows take the Gluon seesaw kernel where it applies (`seesaw_applies`; sm_90), else the Triton one.
-SEESAW = True
 
 
 def applies(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, soft_cap, sink,
@@ -100,38 +88,16 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()
     dr = d - value_dim
-    slots = (order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi)
-    seesaw = seesaw_applies(q, key_cache, value_dim)
-    if seesaw:
-        from vllm_gaudi_unified.paths import mla_gluon_seesaw
-
-        keep = mla_decode.MLA_GLUON_DESC_CACHE and not torch.cuda.is_current_stream_capturing()
-        kn_desc, kr_desc = mla_decode._gluon().cache_descriptors(key_cache, value_dim, 64, keep, halves=True)
-        mla_gluon_seesaw.mla_gluon_seesaw_kernel[(hq // 64, splits, m_rows)](
-            q, k, kn_desc, kr_desc, *slots, acc, m, total, scale, splits, q.stride(0), q.stride(1), k.stride(0),
-            HQ=hq, DV=value_dim, DR=dr, BS=bs, KEYS=64, SLICE=False, SELF=True, REGS=mla_decode.MLA_GLUON_SEESAW_REGS,
-            FINAL=final, num_warps=4, tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys)
-    else:
-        block_h = min(mla_decode.MLA_BLOCK_H, max(16, _pow2(hq)))
-        warps = mla_decode.MLA_WARPS if block_h >= 64 else min(mla_decode.MLA_WARPS, 4)
-        mla_kernel.mla_kernel[(-(-hq // block_h), splits, m_rows)](
-            q, k, cache, *slots, acc, m, total, scale, splits,
-            q.stride(0), q.stride(1), k.stride(0), cache.stride(0), cache.stride(1),
-            HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr,
-            DR_PAD=max(16, _pow2(dr)), BS=bs, KEYS=keys, SLICE=False, V_LOAD=mla_decode.MLA_V_LOAD,
-            ONE_SLOT=mla_decode.MLA_ONE_SLOT and bs % keys == 0, Q_LOOP=mla_decode.MLA_Q_LOOP, SELF=True,
-            FINAL=final, tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys, num_warps=warps,
-            num_stages=mla_decode.MLA_STAGES)
+    block_h = min(mla_decode.MLA_BLOCK_H, max(16, _pow2(hq)))
+    warps = mla_decode.MLA_WARPS if block_h >= 64 else min(mla_decode.MLA_WARPS, 4)
+    mla_kernel.mla_kernel[(-(-hq // block_h), splits, m_rows)](
+        q, k, cache, order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, acc, m, total, scale, splits,
+        q.stride(0), q.stride(1), k.stride(0), cache.stride(0), cache.stride(1),
+        HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
+        BS=bs, KEYS=keys, SLICE=False, V_LOAD=mla_decode.MLA_V_LOAD,
+        ONE_SLOT=mla_decode.MLA_ONE_SLOT and bs % keys == 0, Q_LOOP=mla_decode.MLA_Q_LOOP, SELF=True, FINAL=final,
+        tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys, num_warps=warps, num_stages=mla_decode.MLA_STAGES)
     if not final:
         mla_kernel.ordered_combine[(m_rows * hq,)](acc, m, total, tokens, out, splits, hq, DV=value_dim,
-                                                   DV_PAD=max(16, _pow2(value_dim)), RECIP=seesaw)
+                                                   DV_PAD=max(16, _pow2(value_dim)))
     return out
-
-
-def seesaw_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int) -> bool:
-    """Whether the rows take the Gluon seesaw kernel (`SEESAW` on, and where the default's `_launch_gluon`
-    takes it: `mla_decode.gluon_applies`, 64-key tiles, rope 64, values 128-512 dims), with the same
-    position-fixed splits; else the Triton kernel."""
-    return (SEESAW and mla_decode.gluon_applies(q, key_cache, value_dim) and mla_decode.MLA_GLUON_SEESAW
-            and mla_decode.MLA_GLUON_KEYS == 64 and q.shape[-1] - value_dim == 64 and value_dim >= 128
-            and plan_invariant.SPLIT_KEYS % 64 == 0)

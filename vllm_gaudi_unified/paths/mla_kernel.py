@@ -201,15 +201,14 @@ def _combine_body(acc_ptr, m_ptr, l_ptr, out_ptr, om_ptr, ol_ptr, S: tl.constexp
 
 
 def _ordered_combine_body(acc_ptr, m_ptr, l_ptr, tok_ptr, out_ptr, splits, HQ, DV: tl.constexpr,
-                          DV_PAD: tl.constexpr, RECIP: tl.constexpr = False):
+                          DV_PAD: tl.constexpr):
     """One (row i, head) of `_mla_body`'s `TOKENS` Partial rows (acc `[m, splits, HQ, DV]`, m/l `[m, splits,
     HQ]`), its splits merged one after the other in index order, normalized into token `tok[i]`'s row of out
     `[n, HQ, DV]` (out's dtype). Why not `_combine_body` (the batch-invariant mode): its sums over the splits
     are `tl.sum` reductions whose order follows their compile-time width `S_PAD`, the batch's split count;
     here `splits` is a run-time number and a split that saw no key (max -inf: a token's splits past its own
     keys) adds exactly 0 after its real ones, so a token's rows are the same for any count. With one real
-    split the weight is exp(0) = 1: the rows are `_mla_body`'s `FINAL` rows bit for bit (`RECIP`: normalized
-    as the Gluon seesaw kernel's `FINAL` rows are, times the sum's reciprocal)."""
+    split the weight is exp(0) = 1: the rows are `_mla_body`'s `FINAL` rows bit for bit."""
     row = tl.program_id(0).to(tl.int64)
     i = row // HQ
     h = row % HQ
@@ -233,10 +232,7 @@ def _ordered_combine_body(acc_ptr, m_ptr, l_ptr, tok_ptr, out_ptr, splits, HQ, D
         w = tl.where(seen, tl.exp(m - safe), 0.0)
         total += w * tl.load(l_ptr + at, mask=seen, other=0.0)
         acc += w * tl.load(acc_ptr + at * DV + d, mask=d < tl.where(seen, DV, 0), other=0.0)
-    if RECIP:
-        acc = acc * (1.0 / tl.where(total > 0, total, 1.0))
-    else:
-        acc = acc / tl.where(total > 0, total, 1.0)
+    acc = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + (t * HQ + h) * DV + d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
