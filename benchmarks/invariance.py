@@ -13,9 +13,10 @@ kernel off in both modes: what a Gaudi runs, as in every other benchmark here (`
 `VLLM_GAUDI_UNIFIED_GAUDI_ROUTE=1`: no flash varlen, no Triton; the fused SDPA calls kept, torch SDPA and
 cuDNN with statistics standing in for FusedSDPA). Besides the suite's scenarios: speculative verify steps
 (`scenarios.verify_scenarios`: 64 x (1 + k) over 3k, ragged drafts, other head shapes; both modes planned
-with `PlanOptions.unique_tokens` = the step's most new tokens, as a server with k drafts plans) and an MLA decode (`mla_decode_64x4k`:
-64 decodes over 4k at DeepSeek-V3's latent shapes, 128 heads, latent 512 + rope 64, block 128, through
-`mla.mla_attention`). On CUDA both modes are also timed as CUDA graph replays (one graph per step). A mode
+with `PlanOptions.unique_tokens` = the step's most new tokens, as a server with k drafts plans) and MLA decodes
+(`mla_decode_64x4k`: 64 decodes over 4k at DeepSeek-V3's latent shapes, 128 heads, latent 512 + rope 64, block
+128, through `mla.mla_attention`; `mla_decode_4x32k`: 4 over 32k, where the default splits each token's keys to
+fill the SMs). On CUDA both modes are also timed as CUDA graph replays (one graph per step). A mode
 that runs out of memory is recorded as such and the run goes on.
 
 `vllm`: the cascade-attention experiment with real vLLM on the CPU, one prompt alone and in a batch of 16.
@@ -79,10 +80,11 @@ MLA_HEADS, MLA_LATENT, MLA_ROPE, MLA_BLOCK = 128, 512, 64, 128
 
 
 def all_scenarios(scale: float) -> list:
-    """The suite's scenarios, the verify steps, and the MLA decode (a `Scenario` named `mla_*`)."""
+    """The suite's scenarios, the verify steps, and the MLA decodes (`Scenario`s named `mla_*`)."""
     s = lambda n: max(1, int(round(n * scale)))  # noqa: E731
-    mla = sc_mod.Scenario("mla_decode_64x4k", "MLA decode 64 x 4k", (1,) * s(64), (s(4096) - 1,) * s(64))
-    return sc_mod.scenarios(scale) + sc_mod.verify_scenarios(scale) + [mla]
+    mla = [sc_mod.Scenario("mla_decode_64x4k", "MLA decode 64 x 4k", (1,) * s(64), (s(4096) - 1,) * s(64)),
+           sc_mod.Scenario("mla_decode_4x32k", "MLA decode 4 x 32k", (1,) * s(4), (s(32768) - 1,) * s(4))]
+    return sc_mod.scenarios(scale) + sc_mod.verify_scenarios(scale) + mla
 
 
 def prompts():

@@ -35,12 +35,17 @@ def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_
                      sink: Partial | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """The step's rows `[rows, Hq, Dv]` in q's dtype: the own calls' rows final where `own_final`, every
     other row merged (self, cached, causal, then `sink`: the sinks' partial) and normalised."""
+    from vllm_gaudi_unified.paths import mla_invariant
+
+    mla = mla_invariant.applies(batch, q, key_cache, value_cache, soft_cap, sink, k_scale, v_scale)
     own = own_final(batch, q, v.shape[-1], soft_cap, sink)
     out = None
-    if not (own and batch.plan.calls_only):
-        parts = [invariant_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own)]
+    if not (own and batch.plan.calls_only) and not (mla and mla_invariant.decodes_only(batch)):
+        parts = [invariant_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own,
+                                   decodes=not mla)]
         out = normalize(merge_all(parts + ([] if sink is None else [sink])), q.dtype)
-    return own_rows(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, out) if own else out
+    out = own_rows(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, out) if own else out
+    return mla_invariant.decode_rows(q, k, key_cache, v.shape[-1], batch, scale, out) if mla else out
 
 
 def own_final(batch, q: torch.Tensor, value_dim: int, soft_cap, sink) -> bool:
@@ -93,14 +98,15 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
 
 def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, batch, scale: float, soft_cap: float | None,
-                      k_scale=None, v_scale=None, own: bool = False) -> Partial:
+                      k_scale=None, v_scale=None, own: bool = False, decodes: bool = True) -> Partial:
     """All keys of every token, merged in a fixed order: self, cached, causal; `own`: not the pairs of the
-    own-calls requests (their rows are `own_rows`')."""
+    own-calls requests (their rows are `own_rows`'); not `decodes`: not the one-token requests' cached
+    tiles (their rows are `mla_invariant.decode_rows`')."""
     from vllm_gaudi_unified.paths import invariant_fast
 
     if invariant_fast.applies(batch, q, key_cache, value_cache, soft_cap):
         return invariant_fast.fast_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, own)
-    cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own)
+    cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own, decodes)
     parts = (self_partial(q, k, v, scale, soft_cap, fixed_order=True), cached,
              _causal_partial(q, k, v, batch, scale, soft_cap, own))
     return merge_all([p for p in parts if p is not None])
@@ -144,13 +150,14 @@ def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 
 def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None,
-                    own: bool = False) -> Partial | None:
-    """One-row tiles, then tiles of `invariant_rows` rows, each chunk written to slot [token, chunk];
-    `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
+                    own: bool = False, decodes: bool = True) -> Partial | None:
+    """One-row tiles (unless not `decodes`), then tiles of `invariant_rows` rows, each chunk written to slot
+    [token, chunk]; `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
     pre = slice(0, batch.plan.pre_own_from if own else None)
     kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col),
              (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
+    kinds = kinds if decodes else kinds[1:]
     if all(kind[0].shape[0] == 0 for kind in kinds):
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]

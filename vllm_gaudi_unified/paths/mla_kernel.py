@@ -95,7 +95,7 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
               DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
               ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False,
-              FINAL: tl.constexpr = False):
+              FINAL: tl.constexpr = False, tok_ptr=None, TOKENS: tl.constexpr = False, SPLIT_KEYS: tl.constexpr = 0):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
     (strides `sc_b`, `sc_s`, last 1; `sc_s` a compile-time constant), `order`: slot ids sorted by token,
     `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block
@@ -107,13 +107,23 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
     the query tile is loaded in each loop step rather than held from the start (registers against
     reloads). `SELF`: the new tokens' keys `k` `[n, DV + DR]` (row stride `sk_t`, last 1): split 0 of
     token t starts from its own pair. `FINAL` (one split): acc `[n, HQ, DV]` in its own dtype gets the rows
-    normalized (acc / l; 0 where no key was seen), m and l are not written."""
+    normalized (acc / l; 0 where no key was seen), m and l are not written. `TOKENS` (the batch-invariant
+    mode): program i takes token `tok[i]`, its Partial rows are row i of acc/m/l, its `FINAL` rows token
+    `tok[i]`'s. `SPLIT_KEYS` (a multiple of KEYS; the batch-invariant mode): split `sp` is the keys
+    `[sp * SPLIT_KEYS, (sp + 1) * SPLIT_KEYS)` of the token's slots, whatever `splits` is; 0: the keys cut
+    into `splits` even parts."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
-    t = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
+    i = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
+    t = i
+    if TOKENS:
+        t = tl.load(tok_ptr + i).to(tl.int64)
     first = tl.load(starts_ptr + t)
     n_keys = (tl.load(starts_ptr + t + 1) - first) * BS
-    per_split = tl.cdiv(n_keys, splits * KEYS) * KEYS
+    if SPLIT_KEYS > 0:
+        per_split = SPLIT_KEYS
+    else:
+        per_split = tl.cdiv(n_keys, splits * KEYS) * KEYS
     k_begin = sp * per_split
     k_end = tl.minimum(n_keys, k_begin + per_split)
 
@@ -148,8 +158,9 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
         m_i, l_i, acc = _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr, sc_b, sc_s,
                               scale, h_ok, m_i, l_i, acc, q_nope, q_pe, DV, DV_PAD, DR, DR_PAD, BS, KEYS, SLICE,
                               V_LOAD, ONE_SLOT, Q_LOOP)
-    out = (t * splits + sp) * HQ + heads
+    out = (i * splits + sp) * HQ + heads
     if FINAL:
+        out = (t * splits + sp) * HQ + heads
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(acc_ptr + out[:, None] * DV + offs_v[None, :], acc.to(acc_ptr.dtype.element_ty),
                  mask=h_ok[:, None] & v_ok[None, :])
@@ -189,6 +200,43 @@ def _combine_body(acc_ptr, m_ptr, l_ptr, out_ptr, om_ptr, ol_ptr, S: tl.constexp
         tl.store(ol_ptr + row, total)
 
 
+def _ordered_combine_body(acc_ptr, m_ptr, l_ptr, tok_ptr, out_ptr, splits, HQ, DV: tl.constexpr,
+                          DV_PAD: tl.constexpr):
+    """One (row i, head) of `_mla_body`'s `TOKENS` Partial rows (acc `[m, splits, HQ, DV]`, m/l `[m, splits,
+    HQ]`), its splits merged one after the other in index order, normalized into token `tok[i]`'s row of out
+    `[n, HQ, DV]` (out's dtype). Why not `_combine_body` (the batch-invariant mode): its sums over the splits
+    are `tl.sum` reductions whose order follows their compile-time width `S_PAD`, the batch's split count;
+    here `splits` is a run-time number and a split that saw no key (max -inf: a token's splits past its own
+    keys) adds exactly 0 after its real ones, so a token's rows are the same for any count. With one real
+    split the weight is exp(0) = 1: the rows are `_mla_body`'s `FINAL` rows bit for bit."""
+    row = tl.program_id(0).to(tl.int64)
+    i = row // HQ
+    h = row % HQ
+    t = tl.load(tok_ptr + i).to(tl.int64)
+    d = tl.arange(0, DV_PAD)
+    d_ok = d < DV
+    top = tl.load(m_ptr + i * splits * HQ + h)
+    for sp in range(1, splits):  # (max is exact in any order)
+        top = tl.maximum(top, tl.load(m_ptr + (i * splits + sp) * HQ + h))
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    at = i * splits * HQ + h
+    m = tl.load(m_ptr + at)
+    seen = m != float("-inf")
+    w = tl.where(seen, tl.exp(m - safe), 0.0)
+    total = w * tl.load(l_ptr + at, mask=seen, other=0.0)
+    acc = w * tl.load(acc_ptr + at * DV + d, mask=d < tl.where(seen, DV, 0), other=0.0)
+    for sp in range(1, splits):
+        at = (i * splits + sp) * HQ + h
+        m = tl.load(m_ptr + at)
+        seen = m != float("-inf")
+        w = tl.where(seen, tl.exp(m - safe), 0.0)
+        total += w * tl.load(l_ptr + at, mask=seen, other=0.0)
+        acc += w * tl.load(acc_ptr + at * DV + d, mask=d < tl.where(seen, DV, 0), other=0.0)
+    acc = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + (t * HQ + h) * DV + d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter (tests).
 mla_kernel = triton.jit(_mla_body)
 split_combine = triton.jit(_combine_body)
+ordered_combine = triton.jit(_ordered_combine_body)

@@ -1,0 +1,60 @@
+"""MLA's one-token requests in the batch-invariant mode (paths/mla_invariant.py): the Triton MLA kernel in
+position-fixed splits, bitwise the same alone and in any batch; cases in tests/mla_invariant_cases.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_interpreted
+from vllm_gaudi_unified import PlanOptions, build_unified_batch
+from vllm_gaudi_unified.mla import latent_views
+from vllm_gaudi_unified.paths import mla_invariant
+from vllm_gaudi_unified.paths.unique import triton_importable
+
+HAS_TRITON = triton_importable()
+ON_CUDA = torch.cuda.is_available() and HAS_TRITON
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its interpreter runs the kernels on the CPU)")
+def test_mla_invariant_interpreted():
+    """float64 and float32 under the interpreter, a token's keys in several loop steps and splits."""
+    import mla_invariant_cases
+
+    words = run_interpreted("mla_invariant_cases.py")
+    runs = 2 * sum(len({0, len(o) // 2, len(o)}) for _, o, _, _ in mla_invariant_cases.CASES)  # dtypes x positions
+    assert words == ["ok", str(runs)]
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and Triton")
+def test_mla_invariant_on_cuda():
+    """Compiled, bfloat16 and float16, the small constants (the Triton kernel: 16 heads)."""
+    import mla_invariant_cases
+
+    assert mla_invariant_cases.check("cuda") > 0
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and Triton")
+def test_mla_invariant_deepseek_on_cuda():
+    """DeepSeek's shapes, bf16, the module's constants (splits of 8192 keys, block 128): 64-head programs on
+    8 warps, one split alone (the kernel's normalized rows) against four in the batch (the ordered combine)."""
+    import mla_invariant_cases
+
+    assert mla_invariant_cases.check_long("cuda") > 0
+
+
+def test_route_conditions():
+    """Taken by the step's device, cache and options only: off CUDA, with a soft cap, sinks, or values that
+    are not a view of the keys, the invariant mode's other routes take the rows."""
+    cache = torch.randn(4, 16, 24)
+    kc, vc = latent_views(cache, 16)
+    opts = PlanOptions(batch_invariant=True)
+    batch = build_unified_batch([1, 1], [5, 9], [[1, -1], [2, -1]], 16, options=opts)
+    q = torch.randn(2, 4, 24)
+    assert not mla_invariant.applies(batch, q, kc, vc, None, None, None, None)  # the CPU
+    if ON_CUDA:
+        cuda = batch.to("cuda")
+        qc, kcc, vcc = q.cuda().bfloat16(), kc.cuda().bfloat16(), vc.cuda().bfloat16()
+        assert mla_invariant.applies(cuda, qc, kcc, vcc, None, None, None, None)
+        assert not mla_invariant.applies(cuda, qc, kcc, vcc, 5.0, None, None, None)
+        assert not mla_invariant.applies(cuda, qc, kcc, vcc.clone(), None, None, None, None)
+        assert not mla_invariant.applies(cuda, qc, kcc, vcc, None, object(), None, None)
