@@ -72,8 +72,7 @@ UNIQUE_KNOBS = {"uk_split": ("unique", "KERNEL_SPLIT_KEYS"), "uk_max": ("unique"
                 "uk_keys": ("unique", "KERNEL_KEYS"), "uk_warps": ("unique", "KERNEL_WARPS"),
                 "uk_stages": ("unique", "KERNEL_STAGES"), "uk_progs": ("unique", "KERNEL_MIN_PROGRAMS"),
                 "uk_minsplit": ("unique", "KERNEL_MIN_SPLIT_KEYS"), "uk_shrows": ("unique", "KERNEL_SHARED_MAX_ROWS"),
-                "uk_rank": ("unique", "RANK_SORT_MAX_SLOTS"), "uk_scan": ("unique", "SCAN_ORDER_MAX_WORK"),
-                "prompt_split": ("prompts", "SPLIT_CONTEXT")}
+                "uk_rank": ("unique", "RANK_SORT_MAX_SLOTS"), "uk_scan": ("unique", "SCAN_ORDER_MAX_WORK"), "prompt_split": ("prompts", "SPLIT_CONTEXT")}
 
 
 def _variants(spec: str, routes=("cuda",)) -> dict:

@@ -131,8 +131,7 @@ def _peer(sc, name, build, ref, device, rows):
     print(f"[{sc.name} {name}] {row.get('ms', '-')} ms err {row.get('rel_err', '-')}", flush=True)
 
 
-def run_case(sc, device, rows, peers: bool, tri, compile_: bool = False, variants=(), profile=False,
-             route_names=("cuda", "gaudi")) -> None:
+def run_case(sc, device, rows, peers: bool, tri, compile_=False, variants=(), profile=False, route_names=("cuda", "gaudi")):
     lay, q, k, v, kc, vc = speed.case_tensors(sc, BS, device)  # the runner's tensors, new K/V in the cache
     ql, cl = list(sc.query_lens), list(sc.context_lens)
     hq, hkv, d = sc.heads
