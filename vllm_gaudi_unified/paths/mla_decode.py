@@ -197,26 +197,33 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     total = torch.empty_like(m)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = q if key is None else key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()  # (q: unused)
-    block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
-    warps = MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4)  # (8 warps: two warpgroups of 64 rows)
-    dr = d - value_dim
+    consts = kernel_constants(hq, d, value_dim, bs)
     slice_ = batch.unique_blocks is None and not shared  # (a slot is its block id: `ids` unread)
     if (MLA_GLUON_SHARED or not shared) and gluon_applies(q, key_cache, value_dim):
         _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, total, scale, splits, value_dim,
                       key is not None, final=fused_final)
     else:
-        mla_kernel.mla_kernel[(-(-hq // block_h), splits, n)](
+        mla_kernel.mla_kernel[(-(-hq // consts["BLOCK_H"]), splits, n)](
             q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
             q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
-            HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr,
-            DR_PAD=max(16, _pow2(dr)), BS=bs, KEYS=MLA_KEYS, SLICE=slice_,
-            V_LOAD=MLA_V_LOAD, ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
-            SELF=key is not None, FINAL=fused_final, num_warps=warps, num_stages=MLA_STAGES)
+            SLICE=slice_, SELF=key is not None, FINAL=fused_final, **consts)
     if fused_final:
         return Final(acc)
     if splits == 1:
         return Partial(acc[:, 0], m[:, 0], total[:, 0])
     return combine_splits(acc, m, total, q.dtype if final else None)
+
+
+def kernel_constants(hq: int, d: int, value_dim: int, bs: int) -> dict:
+    """`mla_kernel.mla_kernel`'s compile-time constants, warps and stages for a model's heads, latent and rope
+    dims and block size (never the batch's: the batch-invariant route, `mla_invariant.py`, launches it too)."""
+    block_h = min(MLA_BLOCK_H, max(16, _pow2(hq)))
+    dr = d - value_dim
+    return dict(HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr,
+                DR_PAD=max(16, _pow2(dr)), BS=bs, KEYS=MLA_KEYS, V_LOAD=MLA_V_LOAD,
+                ONE_SLOT=MLA_ONE_SLOT and bs % MLA_KEYS == 0, Q_LOOP=MLA_Q_LOOP,
+                num_warps=MLA_WARPS if block_h >= 64 else min(MLA_WARPS, 4),  # (8 warps: two warpgroups of 64 rows)
+                num_stages=MLA_STAGES)
 
 
 def mla_splits(keys_per_token: float, programs: int, device) -> int:

@@ -39,7 +39,6 @@ import torch
 
 from vllm_gaudi_unified.paths import mla_decode
 from vllm_gaudi_unified.paths.tiles import compute_dtype
-from vllm_gaudi_unified.paths.unique import _pow2
 from vllm_gaudi_unified.plan import invariant as plan_invariant
 
 
@@ -87,17 +86,12 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
     total = torch.empty_like(m)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()
-    dr = d - value_dim
-    block_h = min(mla_decode.MLA_BLOCK_H, max(16, _pow2(hq)))
-    warps = mla_decode.MLA_WARPS if block_h >= 64 else min(mla_decode.MLA_WARPS, 4)
-    mla_kernel.mla_kernel[(-(-hq // block_h), splits, m_rows)](
+    consts = mla_decode.kernel_constants(hq, d, value_dim, bs)
+    mla_kernel.mla_kernel[(-(-hq // consts["BLOCK_H"]), splits, m_rows)](
         q, k, cache, order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, acc, m, total, scale, splits,
         q.stride(0), q.stride(1), k.stride(0), cache.stride(0), cache.stride(1),
-        HQ=hq, BLOCK_H=block_h, DV=value_dim, DV_PAD=max(16, _pow2(value_dim)), DR=dr, DR_PAD=max(16, _pow2(dr)),
-        BS=bs, KEYS=keys, SLICE=False, V_LOAD=mla_decode.MLA_V_LOAD,
-        ONE_SLOT=mla_decode.MLA_ONE_SLOT and bs % keys == 0, Q_LOOP=mla_decode.MLA_Q_LOOP, SELF=True, FINAL=final,
-        tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys, num_warps=warps, num_stages=mla_decode.MLA_STAGES)
+        SLICE=False, SELF=True, FINAL=final, tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys, **consts)
     if not final:
         mla_kernel.ordered_combine[(m_rows * hq,)](acc, m, total, tokens, out, splits, hq, DV=value_dim,
-                                                   DV_PAD=max(16, _pow2(value_dim)))
+                                                   DV_PAD=consts["DV_PAD"])
     return out
