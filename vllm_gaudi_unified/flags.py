@@ -117,5 +117,16 @@ def comma_ints_in(lo: int, hi: int, what: str = "integers"):
     return check
 
 
+def step_window(text: str) -> tuple[int, int]:
+    """`START:STOP` (0 <= START < STOP) as a pair of ints: a window of a trace's steps."""
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:STOP (two ints, e.g. 300:500)") from None
+    if not 0 <= start < stop:
+        raise argparse.ArgumentTypeError(f"{text!r} needs 0 <= START < STOP")
+    return start, stop
+
+
 def parse_comma_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]

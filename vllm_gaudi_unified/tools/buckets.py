@@ -12,7 +12,7 @@ from vllm_gaudi_unified.bucket_plans.prompt_graphs import DEFAULT_PROMPT_GRAPHS
 from vllm_gaudi_unified.tools.learn_steps import graphs_of, learning_traces, off_prompt_graphs, with_prompt_graphs
 from vllm_gaudi_unified.tools.robust import DEFAULT_ROBUST_GRAPHS
 from vllm_gaudi_unified.files import atomic_write, output_path
-from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, comma_ints, float_in, int_in
+from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, comma_ints, float_in, int_in, step_window
 from vllm_gaudi_unified.tools.settings_flags import LEARN_NAMES, WORKLOAD_NAMES, add_model, add_settings, model_from_args, \
     settings_from_args
 
@@ -264,17 +264,6 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
-def step_window(text: str) -> tuple[int, int]:
-    """`START:STOP` (0 <= START < STOP) as a pair of ints: a window of a trace's steps."""
-    try:
-        start, stop = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not START:STOP (two ints, e.g. 300:500)") from None
-    if not 0 <= start < stop:
-        raise argparse.ArgumentTypeError(f"{text!r} needs 0 <= START < STOP")
-    return start, stop
-
-
 def cmd_evaluate(args) -> int:
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import padding_on_routes, prompt_shapes
@@ -290,14 +279,14 @@ def cmd_evaluate(args) -> int:
         raise ValueError("--steps and --upstream: the earlier plan is scored on whole traces only")
     results, upstream, prompts = [], [], []
     for t in args.trace:
-        if args.steps:
-            steps = read_trace(t).steps[slice(*args.steps)]
-            shapes = shapes_of_steps(steps, plan.settings, f"{t}[{args.steps[0]}:{args.steps[1]}]")
+        window = read_trace(t).steps[slice(*args.steps)] if args.steps else None
+        if window is not None:
+            shapes = shapes_of_steps(window, plan.settings, f"{t}[{args.steps[0]}:{args.steps[1]}]")
         else:
             shapes = shapes_of_trace(t, plan.settings, jobs=args.jobs, progress=not args.no_progress)
         results.append(evaluate(plan, shapes, os.path.basename(t)))
         if plan.prompt_graphs:
-            steps = read_trace(t).steps[slice(*args.steps)] if args.steps else read_trace(t).steps
+            steps = window if window is not None else read_trace(t).steps
             found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, steps)]
             prompts.append({"trace": os.path.basename(t), "steps_with_prompts": len(found),
                             "on_prompt_graphs": int(sum(found)), "routes": padding_on_routes(plan, steps)})
