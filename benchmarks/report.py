@@ -223,24 +223,29 @@ def _trace_name(t: str) -> str:
     return f"recorded {parts[1]}" if t.startswith("vllm-") else f"sim. {' '.join(parts[2:])}"
 
 
+def _pad_cell(h: dict) -> str:
+    """On the routes a server takes (plans with prompt graphs); every step on the tiled route: time / pairs (worst)."""
+    served = h.get("padding_time_served")
+    return ((f"**{served:.2f}**; " if served is not None else "") + f"{h['padding_time']:.2f} / {h['padding_pairs']:.2f} "
+            f"({h['worst_time']:.1f})" + (f", {h['uncovered']} uncovered" if h.get("uncovered") else ""))
+
+
 def bucket_table(settings=("llama8b-gaudi3", "bs32-seqs64")) -> list[str]:
     """Each shipped plan of each setting on the held-out traces, beside the earlier scheme's plan and the bound."""
     d, out = _load("bucketing_loads.json"), []
-    cell = lambda h: (f"{_f(h.get('padding_time_served'), 2)}; {h['padding_time']:.2f} / {h['padding_pairs']:.2f} "  # noqa: E731
-                      f"({h['worst_time']:.1f})" + (f", {h['uncovered']} uncovered" if h.get("uncovered") else ""))
     for setting in settings:
         plans = {k: e for k, e in d[setting].items() if "held_out" in e}
         robust, bound = plans[f"{setting}_robust"], d[setting]["in_sample_bound"]
         ups, own = list(robust["upstream"].values()), list(robust["held_out"].values())
         out += [f"**{setting}**", "", *_head("plan", "graphs", *map(_trace_name, robust["held_out"]))]
-        out += [_row(f"`{k}`", f"{e['buckets']} + {e['prompt_graphs']}", *map(cell, e["held_out"].values()))
+        out += [_row(f"`{k}`", f"{e['buckets']} + {e['prompt_graphs']}", *map(_pad_cell, e["held_out"].values()))
                 for k, e in plans.items()]
-        out += [_row("earlier scheme (rebuilt)", ups[0]["graphs"], *map(cell, ups)),
+        out += [_row("earlier scheme (rebuilt)", ups[0]["graphs"], *map(_pad_cell, ups)),
                 _row("pairs computed per pair needed, unpadded -> padded: earlier scheme; robust", "",
                      *(f"{u['algorithm_factor']:.2f} -> {u['total_factor']:.2f}; {h['algorithm_factor']:.2f} -> "
                        f"{h['total_factor']:.2f}" for u, h in zip(ups, own))),
                 _row(f"bound: {bound['buckets']} buckets fitted to the trace itself", bound["buckets"],
-                     *(cell(bound[t]) for t in robust["held_out"])), ""]
+                     *(_pad_cell(bound[t]) for t in robust["held_out"])), ""]
     gen = d["generate_10k"]
     out += [f"Making the default kind of plan from a 10 000-step trace: {statistics.median(gen['wall_seconds']):.1f} s "
             f"(median of {len(gen['wall_seconds'])}, a separate process from start to exit)."]
@@ -328,8 +333,8 @@ def verify_table() -> list[str]:
 
 
 TABLES = {"planning": planning_table, "speed": speed_table, "trace": trace_table, "mla": mla_table,
-          "buckets": lambda: bucket_table(("llama8b-gaudi3",)), "shipped": bucket_table, "serving": serving_table, "invariance": invariance_table,
-          "verify": verify_table}
+          "buckets": lambda: bucket_table(("llama8b-gaudi3",)), "shipped": bucket_table,
+          "serving": serving_table, "invariance": invariance_table, "verify": verify_table}
 _BLOCK = re.compile(r"(<!-- table:(\w+) -->\n).*?(<!-- end -->)", re.S)
 
 
