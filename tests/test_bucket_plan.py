@@ -151,6 +151,24 @@ def test_shipped_trace_plan_covers_every_step_it_learned_from():
     assert (plan.find_all(shapes.sizes) >= 0).all()
 
 
+@pytest.mark.slow
+def test_the_shipped_8b_plan_is_the_plan_auto_makes(tmp_path):
+    """`auto` for a Llama-3.1-8B server at the preset's settings makes the shipped plan, bucket for bucket: a
+    change of the planner or of its defaults shows here until `python -m benchmarks.bucketing_goals --loads`
+    remakes bucketing/."""
+    from vllm_gaudi_unified.bucket_plans.cost import ModelSpec
+    from vllm_gaudi_unified.bucket_plans.settings import PRESETS
+    from vllm_gaudi_unified.tools.cli import main as cli
+    from vllm_gaudi_unified.vllm_plugin.auto_plan import generate_command
+
+    made = str(tmp_path / "auto.json")
+    argv = generate_command(PRESETS["llama8b-gaudi3"], ModelSpec(), made)
+    assert cli(argv[argv.index("buckets"):]) == 0
+    auto, shipped = BucketPlan.load(made), BucketPlan.load(os.path.join(SHIPPED, "llama8b-gaudi3_robust.json"))
+    assert auto.settings == shipped.settings and auto.gather_cap == shipped.gather_cap
+    assert auto.buckets == shipped.buckets and auto.prompt_graphs == shipped.prompt_graphs
+
+
 def test_shipped_robust_plan_covers_the_recorded_trace_within_its_cap():
     from vllm_gaudi_unified.tools.evaluate import evaluate
     from vllm_gaudi_unified.tools.shapes import shapes_of_trace
