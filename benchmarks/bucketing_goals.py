@@ -4,12 +4,11 @@
     python -m benchmarks.bucketing_goals --quick   # fewer curve points, no cross-validation
     python -m benchmarks.bucketing_goals --loads   # the shipped plans, remade -> results/bucketing_loads.json
 
-Per setting (`llama8b-gaudi3`: an 8B model on one Gaudi 3;
-`bs32-seqs64`: the seed-1 trace recorded from vLLM), plans made by `buckets generate` and scored by `buckets
-evaluate` on held-out traces: the one recorded from vLLM (never learned from), simulated ones of seeds 101, 102.
+Per setting (`llama8b-gaudi3`: an 8B model on one Gaudi 3; `bs32-seqs64`: the seed-1 trace recorded from vLLM),
+plans scored on held-out traces: recorded from vLLM (never learned from), simulated ones of other seeds.
 
-By default: the shape-only replay (`tools/shapes.py`) checked equal to `plan_step` on every step; trace (32
-graphs) and exponential (base 2) plans from the training seeds 1-3; curves of padding waste against graphs
+By default: the shape-only replay (`tools/shapes.py`) checked equal to `plan_step` on every step; trace plans
+learned from simulated training seeds 1-3 against exponential plans: curves of padding waste against graphs
 (exponential bases 1.25 to 16, trace budgets 2 to 1024, with the default grid and with one chosen per budget
 by cross-validation on the training seeds) in docs/img/bucketing_curve_<setting>.png; the goals (a trace plan
 with a quarter of an exponential plan's graphs; the smallest budget with waste <= 1.15); `plan.find` per call
@@ -117,18 +116,17 @@ def wastes(plan: BucketPlan, tests: dict) -> dict:
 
 
 def make_and_evaluate(preset: str, plan_path: str, generate_args: list[str], tests: list[str],
-                      evaluate_args=(), keep_text: bool = True) -> tuple[dict, float]:
+                      evaluate_args=()) -> tuple[dict, float]:
     """A plan made with `buckets generate` and its `buckets evaluate` on `tests` (the report written beside it
-    as .eval.json, and .eval.txt when `keep_text`): (the evaluation, seconds to make the plan)."""
+    as .eval.json and .eval.txt): (the evaluation, seconds to make the plan)."""
     t0 = time.perf_counter()
     run(["buckets", "generate", "--preset", preset, *generate_args, "-o", plan_path, "--no-progress"])
     seconds = time.perf_counter() - t0
     eval_json = plan_path.replace(".json", ".eval.json")
     text = run(["buckets", "evaluate", plan_path, *[a for t in tests for a in ("--trace", t)], "--json", eval_json,
                 *evaluate_args, "--no-progress"])
-    if keep_text:
-        with open(plan_path.replace(".json", ".eval.txt"), "w", encoding="utf-8") as f:
-            f.write(text)
+    with open(plan_path.replace(".json", ".eval.txt"), "w", encoding="utf-8") as f:
+        f.write(text)
     with open(eval_json, encoding="utf-8") as f:
         return json.load(f), seconds
 
