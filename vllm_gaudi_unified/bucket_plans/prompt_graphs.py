@@ -38,9 +38,9 @@ from vllm_gaudi_unified.plan.options import on_route
 from vllm_gaudi_unified.plan.smallest import smallest_prompt_shape
 
 #: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm): with a robust
-#: plan's 60 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all. Chosen by the time they
-#: save, 40 took about as much time off the shared traces as 56, and the 16 more buckets took it off the
-#: decodes (`docs/bucketing.md`).
+#: plan's 50 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all. With 40 the learner spent
+#: them on the prompt steps beside the busiest decodes; the 10 more hold prompts beside half as many too, for
+#: less than the 10 buckets save on decodes (`docs/bucketing.md`).
 DEFAULT_PROMPT_GRAPHS = 50
 #: Most padded rows (`num_prompts x prompt_len`) a prompt graph may have, in token budgets
 #: (`max_num_batched_tokens`): the grid's scores and index arrays grow with its rows, so a graph of many
@@ -53,7 +53,8 @@ MAX_GRID_BUDGETS = 2
 TILED_PADDING = 2.0
 #: The learner also sees each step with prompts beside decodes with each decode kept with this probability
 #: (0: not), its copies weighing `FEWER_DECODES_WEIGHT` against the steps as they came: a graph's decode part
-#: learned at one load pads the same prompts beside fewer decodes.
+#: learned at one load pads the same prompts beside fewer decodes (a quieter hour, a server of fewer
+#: sequences: the mix's prompt steps sit beside the most decodes for 83-90 %).
 FEWER_DECODES = 0.5
 FEWER_DECODES_WEIGHT = 0.5
 #: Prompts per step of the top graphs (`top_graphs`), each with the most rows `MAX_GRID_BUDGETS` allows, and
