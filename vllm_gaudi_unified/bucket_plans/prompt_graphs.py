@@ -59,7 +59,7 @@ FEWER_DECODES = 0.5
 FEWER_DECODES_WEIGHT = 0.5
 #: Prompts per step of the top graphs (`top_graphs`), each with the most rows `MAX_GRID_BUDGETS` allows, and
 #: the share of the prompt graphs they may take (none in a plan of fewer than 10).
-TOP_GRAPH_PROMPTS = (1, 3, 6, 12)
+TOP_GRAPH_PROMPTS = (1, 3, 6, 8, 12)
 TOP_GRAPH_SHARE = 0.1
 #: Causal tiles of the top graphs, in multiples of the most a learned step with prompts has (rounded up to a
 #: power of two): a burst of prompts over a long document, some short ones left to the tiles beside the grid,
