@@ -40,6 +40,8 @@ def test_round_trip(tmp_path, trace, capsys):
     assert result["uncovered"] == 0 and result["padding_time"] >= 1.0 and result["worst_pairs"] >= 1.0
     assert result["padding_time"] == pytest.approx(plan.info["expected_padding_waste"], rel=1e-3)
     assert result["padding_pairs"] == pytest.approx(plan.info["expected_padding_pairs"], rel=1e-3)
+    routes = json.load(open(out_json))["prompt_graphs"][0]["routes"]  # what `generate` prints: the routes taken
+    assert plan.prompt_graphs and routes["padding"] == pytest.approx(plan.info["expected_padding_on_routes"], rel=1e-3)
     png = tmp_path / "plan.png"
     assert main(["buckets", "plot", plan_path, "--trace", trace, "-o", str(png), "--jobs", "1"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -304,3 +304,19 @@ def test_top_graphs_hold_prompts_no_learned_graph_holds_and_take_a_tenth_of_the_
     assert top[0].num_prompts == TOP_GRAPH_PROMPTS[0] and top[0].prompt_len == SETTINGS.max_num_batched_tokens
     assert top[0].num_prompts * top[0].prompt_len <= MAX_GRID_BUDGETS * SETTINGS.max_num_batched_tokens
     assert replace(plan, prompt_graphs=graphs).prompt_graph(long) == top[0]
+
+
+def test_decode_levels_are_each_traces_own_and_top_graphs_hold_a_few_causal_tiles():
+    """An envelope over two traces' decode loads takes the shared slots of one and the unique blocks of the other, a
+    load neither has: the levels are each trace's own. A top graph also holds causal tiles (the short prompts the
+    prompt route leaves to the tiles beside its grid)."""
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import decode_levels, top_graphs
+
+    plan = exponential_plan(SETTINGS, MODEL)
+    sizes = np.array([[8, 8, 2, 2, 0], [8, 0, 40, 2, 0]])  # documents read by many; long contexts of their own
+    mixed, _ = decode_levels(plan, sizes, plan.cost_model.weights)
+    apart, _ = decode_levels(plan, sizes, plan.cost_model.weights, [0, 1])
+    assert (8, 40, 2) in {tuple(x) for x in mixed} and {tuple(x) for x in apart} == {(8, 2, 2), (0, 40, 2)}
+    top = top_graphs(SETTINGS, (0, 0, 1), 0, causal_tiles=4)
+    assert top and all(g.num_causal_tiles == 4 and g.phase[0] == "c" for g in top)
+    assert [g.prompts for g in top] == [g.prompts for g in top_graphs(SETTINGS, (0, 0, 1), 0)]

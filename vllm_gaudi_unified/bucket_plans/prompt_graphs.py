@@ -38,10 +38,10 @@ from vllm_gaudi_unified.plan.options import on_route
 from vllm_gaudi_unified.plan.smallest import smallest_prompt_shape
 
 #: Prompt graphs `buckets generate` learns unless told otherwise (each one more graph to warm): with a robust
-#: plan's 60 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all. Chosen by the time they
-#: save, 40 took about as much time off the shared traces as 56, and the 16 more buckets took it off the
-#: decodes (`docs/bucketing.md`).
-DEFAULT_PROMPT_GRAPHS = 40
+#: plan's 50 buckets (`tools/robust.py: DEFAULT_ROBUST_GRAPHS`), 100 graphs in all. With 40 the learner spent
+#: them on the prompt steps beside the busiest decodes; the 10 more hold prompts beside half as many too, for
+#: less than the 10 buckets save on decodes (`docs/bucketing.md`).
+DEFAULT_PROMPT_GRAPHS = 50
 #: Most padded rows (`num_prompts x prompt_len`) a prompt graph may have, in token budgets
 #: (`max_num_batched_tokens`): the grid's scores and index arrays grow with its rows, so a graph of many
 #: prompts each padded to the longest would dominate warmup's memory; a step beyond it takes the tiles.
@@ -53,13 +53,19 @@ MAX_GRID_BUDGETS = 2
 TILED_PADDING = 2.0
 #: The learner also sees each step with prompts beside decodes with each decode kept with this probability
 #: (0: not), its copies weighing `FEWER_DECODES_WEIGHT` against the steps as they came: a graph's decode part
-#: learned at one load pads the same prompts beside fewer decodes.
+#: learned at one load pads the same prompts beside fewer decodes (a quieter hour, a server of fewer
+#: sequences: the mix's prompt steps sit beside the most decodes for 83-90 %).
 FEWER_DECODES = 0.5
-FEWER_DECODES_WEIGHT = 0.25
+FEWER_DECODES_WEIGHT = 0.5
 #: Prompts per step of the top graphs (`top_graphs`), each with the most rows `MAX_GRID_BUDGETS` allows, and
 #: the share of the prompt graphs they may take (none in a plan of fewer than 10).
-TOP_GRAPH_PROMPTS = (1, 3, 6, 12)
+TOP_GRAPH_PROMPTS = (1, 3, 6, 8, 12)
 TOP_GRAPH_SHARE = 0.1
+#: Causal tiles of the top graphs, in multiples of the most a learned step with prompts has (rounded up to a
+#: power of two): a burst of prompts over a long document, some short ones left to the tiles beside the grid,
+#: otherwise finds only the plan's largest causal bucket. On the device 128 of them took a top graph of 12 prompts
+#: from 13.2 to 15.4 ms, more than the time model says; the tiled bucket at the limits is priced 8x the top graph.
+TOP_GRAPH_CAUSAL = 2
 #: Shares of the prompt steps (by the cost of their decodes) whose decode loads' envelope is a decode level
 #: (`decode_levels`), beside the plan's own decode buckets.
 LEVEL_QUANTILES = (0.25, 0.5, 0.75, 0.9, 1.0)
@@ -131,15 +137,19 @@ def warmable(graph: Bucket, plan) -> Bucket:
     return Bucket(graph.phase, *(int(x) for x in np.maximum(graph.sizes + graph.prompts, least.sizes + least.prompts)))
 
 
-def decode_levels(plan, sizes: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def decode_levels(plan, sizes: np.ndarray, weights: np.ndarray, sources=None) -> tuple[np.ndarray, np.ndarray]:
     """The decode loads `(shared, unique, logits)` a prompt graph's decode part may be raised to, so that one
     prompt shape covers the decodes of a quiet and of a busy server alike (the sum of a prompt call and a
     decode load, not their product), each [K, 3] by cost (`weights`: µs per unit, DIMS order): the envelopes
-    of the decode loads of the prompt steps `sizes` [N, 5] up to each of `LEVEL_QUANTILES` of their cost, and
-    the plan's decode buckets (no causal tiles) but the costliest of each phase (the limits)."""
+    of the decode loads of the prompt steps `sizes` [N, 5] up to each of `LEVEL_QUANTILES` of their cost, each
+    trace of `sources` (an id per step; default: one trace) apart (an envelope over chat's many unique blocks
+    and RAG's many shared slots would fit neither), and the plan's decode buckets (no causal tiles) but the
+    costliest of each phase (the limits)."""
     own = sizes[:, 1:4]
     cost = own @ weights[1:4]
-    env = np.array([own[cost <= np.quantile(cost, f)].max(0) for f in LEVEL_QUANTILES], np.int64).reshape(-1, 3)
+    sources = np.zeros(len(own), np.int64) if sources is None else np.asarray(sources)
+    env = np.array([own[(sources == k) & (cost <= np.quantile(cost[sources == k], f))].max(0)
+                    for k in np.unique(sources) for f in LEVEL_QUANTILES], np.int64).reshape(-1, 3)
     b, codes = plan.sizes, codes_of(plan.sizes)  # (sorted by cost)
     mine = [b[(codes == c) & (b[:, 4] == 0)][:-1, 1:4] for c in np.unique(codes[b[:, 4] == 0])]
     return tuple(x[np.argsort(x @ weights[1:4], kind="stable")]
@@ -157,16 +167,18 @@ def with_decodes(graph: Bucket, level, settings) -> Bucket:
     return Bucket(phase_of(c, s, u), q, s, u, n, c, *graph.prompts)
 
 
-def top_graphs(settings, level, prompt_blocks: int) -> list[Bucket]:
+def top_graphs(settings, level, prompt_blocks: int, causal_tiles: int = 0) -> list[Bucket]:
     """The prompt graphs every plan with prompt graphs keeps, learned steps or not: for each of
     `TOP_GRAPH_PROMPTS`, that many prompts of the most rows `MAX_GRID_BUDGETS` allows over `prompt_blocks`
-    context blocks, beside the decode load `level`. A burst of prompts no learned graph holds (several requests
+    context blocks, beside the decode load `level` and `causal_tiles` causal tiles (the short prompts the
+    prompt route leaves to the tiles beside a grid). A burst of prompts no learned graph holds (several requests
     over one long document at once) would take the tiled route, where only the plan's largest buckets hold
     its causal tiles and shared slots; the route takes the cheaper of the two."""
     rows = MAX_GRID_BUDGETS * settings.max_num_batched_tokens
     out = []
     for n in (n for n in TOP_GRAPH_PROMPTS if n <= settings.max_num_seqs):
-        top = Bucket("---", 1, 0, 0, 1, 0, n, min(rows // n, settings.max_num_batched_tokens), prompt_blocks)
+        top = Bucket("c--" if causal_tiles else "---", 1, 0, 0, 1, causal_tiles, n,
+                     min(rows // n, settings.max_num_batched_tokens), prompt_blocks)
         out.append(with_decodes(top, level, settings))
     return out
 
@@ -294,7 +306,7 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     if not shapes or not max_graphs:
         return [], info
     sizes = np.array([x.sizes + x.prompts for x in shapes], np.int64)
-    envelopes, buckets = decode_levels(plan, sizes[:, :5], model.weights)
+    envelopes, buckets = decode_levels(plan, sizes[:, :5], model.weights, [k if k >= 0 else -1 - k for k in src])
     rounded = {rounded_shape(shape, s, cap, up) for shape in shapes for up in (pow2, half_pow2)}
     raised = set(rounded)
     for r in rounded:  # each also at every envelope above its decodes and the two decode buckets covering them
@@ -302,7 +314,8 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
         above = [*envelopes[(envelopes >= load).all(1)], *buckets[(buckets >= load).all(1)][:2]]
         raised.update(with_decodes(r, level, s) for level in above)
     blocks = half_pow2(int(np.quantile(sizes[:, 7], 0.9)))
-    top = list(dict.fromkeys(g for g in (warmable(r, plan) for r in top_graphs(s, envelopes[-1], blocks))
+    causal = TOP_GRAPH_CAUSAL * pow2(int(sizes[:, 4].max()))
+    top = list(dict.fromkeys(g for g in (warmable(r, plan) for r in top_graphs(s, envelopes.max(0), blocks, causal))
                              if _fits(g, s, cap)))[:int(TOP_GRAPH_SHARE * max_graphs)]
     candidates = top + sorted({g for g in (warmable(r, plan) for r in raised) if _fits(g, s, cap)} - set(top))
     info["prompt_graph_candidates"] = len(candidates)

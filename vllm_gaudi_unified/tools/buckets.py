@@ -9,7 +9,8 @@ import time
 
 from vllm_gaudi_unified.bucket_plans.bucket_plan import DEFAULT_MEMORY_SHARE
 from vllm_gaudi_unified.bucket_plans.prompt_graphs import DEFAULT_PROMPT_GRAPHS
-from vllm_gaudi_unified.tools.learn_steps import graphs_of, learning_traces, off_prompt_graphs, with_prompt_graphs
+from vllm_gaudi_unified.tools.learn_steps import graphs_of, learning_traces, off_prompt_graphs, with_prompt_graphs, \
+    with_route_padding
 from vllm_gaudi_unified.tools.robust import DEFAULT_ROBUST_GRAPHS
 from vllm_gaudi_unified.files import atomic_write, output_path
 from vllm_gaudi_unified.flags import JOBS, POSITIVE, SEED, comma_ints, float_in, int_in, step_window
@@ -137,7 +138,10 @@ def cmd_generate(args) -> int:
     plan.info["command"] = command_line(args)
     plan.save(args.output)
     extra = ""
-    if "expected_padding_waste" in plan.info:
+    if "expected_padding_on_routes" in plan.info:
+        extra = (f", padding {plan.info['expected_padding_on_routes']:.3f} on the routes a server takes over the "
+                 f"{plan.info['steps']} steps learned from")
+    elif "expected_padding_waste" in plan.info:
         extra = f", padding waste {plan.info['expected_padding_waste']:.3f} on {plan.info['steps']} steps learned from"
     if plan.info.get("prompt_steps"):
         extra += (f"; {len(plan.prompt_graphs)} prompt graphs take {plan.info['prompt_steps_on_prompt_graphs']} of "
@@ -180,7 +184,7 @@ def make_plan_from_args(args):
                           margin=0.2 if args.margin is None else args.margin, progress=not args.no_progress)
         if cap is not None:
             raise ValueError("--memory-share is for the robust and exponential strategies")
-        return graphs_of(probe, plan)
+        return with_route_padding(graphs_of(probe, plan), traces)
     fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
     scaled = [x for src in sources for x in load_scaled_shapes(src, settings, fractions, drain=True)]
     weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
@@ -197,7 +201,8 @@ def make_plan_from_args(args):
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
     # The prompt graphs again, now against the buckets a step left to the tiled route really pads to.
-    return with_prompt_graphs(plan, traces, args) if probe.prompt_graphs else graphs_of(probe, plan)
+    return with_route_padding(with_prompt_graphs(plan, traces, args) if probe.prompt_graphs else graphs_of(probe, plan),
+                              traces)
 
 
 def command_line(args) -> str:
@@ -250,7 +255,9 @@ def format_plan(plan) -> str:
                      f"{b.num_unique_blocks:>7} {b.num_logits:>7} {c:>10.1f}")
     if "expected_padding_waste" in plan.info:
         lines.append(f"padding waste on the {plan.info.get('steps')} steps it was made from: "
-                     f"{plan.info['expected_padding_waste']:.3f}")
+                     f"{plan.info['expected_padding_waste']:.3f} (every step in a bucket)"
+                     + (f", {plan.info['expected_padding_on_routes']:.3f} on the routes a server takes"
+                        if "expected_padding_on_routes" in plan.info else ""))
     if plan.prompt_graphs:
         lines += ["", f"prompt graphs ({len(plan.prompt_graphs)}): a bucket and its prompt route's shape, prompts x "
                       "rows x context blocks (other steps with prompts run on the tiled route)"]

@@ -39,6 +39,19 @@ def graphs_of(probe, plan):
     return replace(plan, prompt_graphs=probe.prompt_graphs, info={**plan.info, **info})
 
 
+def with_route_padding(plan, traces):
+    """`plan` with `expected_padding_on_routes` in its info where it has prompt graphs: the padding of the steps
+    of `traces` on the routes a server takes (`prompt_graphs.padding_on_routes`, what `buckets evaluate`
+    prints), each step with prompts in its prompt graph or tiled bucket. (`expected_padding_waste` pads every
+    step to a bucket, the measure of the buckets alone.)"""
+    if not plan.prompt_graphs:
+        return plan
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import padding_on_routes
+
+    routes = padding_on_routes(plan, [s for _, src in traces for s in steps_of(src)])
+    return replace(plan, info={**plan.info, "expected_padding_on_routes": round(routes["padding"], 4)})
+
+
 def steps_of(src):
     """The TraceSteps of a learning source: a trace path, or simulated steps."""
     from vllm_gaudi_unified.bucket_plans.trace import read_trace

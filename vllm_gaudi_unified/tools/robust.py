@@ -72,8 +72,8 @@ from vllm_gaudi_unified.bucket_plans.trace import step_lines
 
 Q, S, U, L, C = range(5)
 #: Buckets of a robust plan unless told otherwise: with `prompt_graphs.DEFAULT_PROMPT_GRAPHS` 100 graphs in all
-#: (the skeleton's four chains take 12 of them at the 8B Gaudi-3 setting).
-DEFAULT_ROBUST_GRAPHS = 60
+#: (the skeleton's four chains take 12 of the 50 at the 8B Gaudi-3 setting).
+DEFAULT_ROBUST_GRAPHS = 50
 #: Fractions of a step's requests kept to see it at lower loads.
 LOAD_FRACTIONS = (0.5, 0.25, 0.0625)
 

@@ -4,7 +4,7 @@ The plan is what `vllm-gaudi-unified buckets generate` makes by default, for the
 server's own settings (block size, max_num_seqs, max_num_batched_tokens,
 max_model_len, KV blocks, sliding window, speculative tokens), model and planner
 options: the robust plan learned from the simulated mix of chat, RAG over long
-shared documents and long prompts, 60 buckets and 40 prompt graphs (one seed of
+shared documents and long prompts, 50 buckets and 50 prompt graphs (one seed of
 each workload, `--seeds 1`: about 15 s on a shared 2-core host for the 8B
 Gaudi-3 setting, the child's start included). The exponential plan of the settings alone held thousands of graphs.
 
