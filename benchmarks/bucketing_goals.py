@@ -309,7 +309,7 @@ def shipped_plans(preset: str, cfg: dict) -> dict:
         out[f"{preset}_trace768"] = ["--strategy", "trace", "--max-graphs", "768", "--resolution", "4", "--margin",
                                      "0.3", *traces(True)]
         out[f"{preset}_invariant_robust27"] = ["--strategy", "robust", "--batch-invariant", "--invariant-chunk", "64",
-                                               *traces(False)]
+                                               "--max-graphs", "27", *traces(False)]
     out["load_growth_busy_only"] = traces(True)  # not shipped: how waste grows at loads a plan never saw
     return out
 
