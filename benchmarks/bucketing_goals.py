@@ -293,8 +293,11 @@ def shipped_plans(preset: str) -> dict:
     """name -> `buckets generate` arguments of the plans bucketing/ ships for a setting, each learned from the traffic
     `auto` learns from; `<preset>_robust` is the plan `auto` makes for a Llama-3.1-8B server of these settings."""
     mix = ["--seeds", AUTO_SEEDS]
-    return {f"{preset}_robust": ["--strategy", "robust", *mix], f"{preset}_trace": ["--strategy", "trace", *mix],
-            f"{preset}_exponential": ["--strategy", "exponential", "--memory-share", f"{DEFAULT_MEMORY_SHARE:g}", *mix]}
+    out = {f"{preset}_robust": ["--strategy", "robust", *mix], f"{preset}_trace": ["--strategy", "trace", *mix],
+           f"{preset}_exponential": ["--strategy", "exponential", "--memory-share", f"{DEFAULT_MEMORY_SHARE:g}", *mix]}
+    if preset == "llama8b-gaudi3":  # the plan for `--batch-invariant` servers (auto keeps an exponential one for them)
+        out[f"{preset}_invariant_robust"] = ["--strategy", "robust", "--batch-invariant", "--invariant-chunk", "64", *mix]
+    return out
 
 
 def at_loads(preset: str, cfg: dict) -> dict:

@@ -207,12 +207,20 @@ def test_limits_cover_a_chunk_and_decodes_over_a_shared_prefix():
 @given(st.data())
 def test_limits_cover_random_steps_with_one_shared_prefix(data):
     """Any step of <= max_num_seqs requests and <= max_num_batched_tokens tokens over a common prefix
-    plus own blocks fits the configured maxima (the bound the exponential plan's largest bucket uses)."""
+    plus own blocks fits the configured maxima (the bound the exponential plan's largest bucket uses), in
+    either mode (batch-invariant steps count padded products of context and causal tiles)."""
+    from dataclasses import replace
+
     from vllm_gaudi_unified import plan_step
 
     bs, seqs, budget, max_len = data.draw(st.sampled_from([(16, 6, 48, 256), (32, 8, 64, 512)]))
+    invariant = data.draw(st.booleans())
     s = ServerSettings(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                        num_blocks=4096)
+    if invariant:
+        s = replace(s, options=replace(s.options, batch_invariant=True, causal_tile=8,
+                                       invariant_chunk=data.draw(st.sampled_from([1, 4])),
+                                       invariant_causal_chunk=data.draw(st.sampled_from([1, 4]))))
     n = data.draw(st.integers(1, seqs))
     q = np.array(data.draw(st.lists(st.integers(1, budget), min_size=n, max_size=n)))
     # Scale into the token budget: each request keeps one token, the rest share what is left of it.
@@ -226,7 +234,7 @@ def test_limits_cover_random_steps_with_one_shared_prefix(data):
     ids = 1 + prefix + np.arange(int(own.sum()))
     for r, start in enumerate(np.cumsum(own) - own):
         table[r, prefix:need[r]] = ids[start:start + own[r]]
-    shape = plan_step(q, ctx, table, bs, num_blocks=s.num_blocks).shape
+    shape = plan_step(q, ctx, table, bs, num_blocks=s.num_blocks, options=s.options if invariant else None).shape
     assert (np.array([getattr(shape, d) for d in DIMS]) <= s.limits()).all(), shape
 
 

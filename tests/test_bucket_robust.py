@@ -128,3 +128,42 @@ def test_bad_arguments(busy):
             robust_plan(shapes, SETTINGS, **kw)
     with pytest.raises(ValueError, match="no step"):
         robust_plan([], SETTINGS)
+
+
+def _worst_steps(s: ServerSettings) -> list:
+    """The heaviest steps `s` can schedule, as (query_lens, context_lens, block table) over one block table
+    shared by all requests (a common prefix): a full-budget prompt; a long prompt and two-token prompts and
+    a two-token chunk (the most causal tiles, on both sides of the own-call split); a full-budget chunk over
+    the rest of the context beside decodes at the full length; short chunks at the full length."""
+    budget, seqs, length, bs = s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.block_size
+    c = s.options.causal_tile
+    big = (-(-budget // c) - 1) * c + 1
+    small = min(seqs - 1, (budget - big) // 2)
+    chunk = budget - (seqs - 1)
+    short = budget // seqs
+    steps = [([budget], [0]), ([big] + [2] * small, [0] * small + [bs]),
+             ([chunk] + [1] * (seqs - 1), [length - chunk] + [length - 1] * (seqs - 1)),
+             ([short] * seqs, [length - short] * seqs)]
+    table = 1 + np.arange(-(-length // bs))
+    return [(np.array(q), np.array(ctx), np.tile(table, (len(q), 1))) for q, ctx in steps]
+
+
+def test_an_invariant_plan_covers_the_heaviest_steps_its_settings_schedule(busy):
+    """Batch-invariant steps count context tiles and padded causal products (`plan/invariant.py`): the
+    limits, and the plan's largest bucket, must hold every step the settings allow in that mode."""
+    from vllm_gaudi_unified.plan import plan_step
+    from vllm_gaudi_unified.tools.robust import skeleton
+
+    inv = replace(SETTINGS, options=replace(SETTINGS.options, batch_invariant=True, invariant_chunk=8,
+                                            invariant_causal_chunk=8))
+    plan = robust_plan([shapes_of_steps(s, inv, exact=True) for s in busy], inv, max_graphs=10, skeleton_ratio=8)
+    assert plan.covers_limits() and (plan.sizes[:, 2] == 0).all()
+    for q, ctx, table in _worst_steps(inv):
+        shape = plan_step(q, ctx, table, inv.block_size, num_blocks=inv.num_blocks, options=inv.options).shape
+        assert (np.array(shape.sizes) <= inv.limits()).all(), shape
+        assert plan.find(shape) is not None
+    # no unique path in this mode: no skeleton bucket has one (such a bucket could hold no step, and went)
+    points = np.array([[64, 8, 0, 4, 8], [200, 40, 0, 16, 16]])
+    chains = skeleton(points, points @ plan.cost_model.weights, inv.limits(), plan.cost_model.weights, 4.0,
+                      [np.arange(0, 2000, 8)] * 5, [4, 8, 4, 2, 8])
+    assert len(chains) > 1 and (chains[:, 2] == 0).all()

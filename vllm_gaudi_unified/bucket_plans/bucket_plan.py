@@ -276,8 +276,11 @@ class BucketPlan:
             raise ValueError("bucket plan does not match the server: " + "; ".join(problems))
 
     def covers_limits(self) -> bool:
-        """True when the largest shape the settings allow has buckets: every piece the gather cap cuts it into."""
-        pieces, _ = piece_sizes(self.settings.limits()[None, :], self.gather_cap, self.settings.blocks_per_tile)
+        """True when the largest shape the settings allow (`ServerSettings.limits`, of the plan's mode) has
+        buckets: every piece the gather cap cuts it into; a batch-invariant step is never cut, so itself."""
+        lim = self.settings.limits()[None, :]
+        pieces = lim if self.settings.options.batch_invariant else piece_sizes(
+            lim, self.gather_cap, self.settings.blocks_per_tile)[0]
         return all(self.find_sizes(*(int(x) for x in p)) >= 0 for p in pieces)
 
     # ---- files ------------------------------------------------------------------------------

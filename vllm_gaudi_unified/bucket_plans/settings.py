@@ -114,11 +114,40 @@ class ServerSettings:
           slice);
         - num_logits: `max_num_seqs`;
         - num_causal_tiles: the lower triangle of tiles over a full token budget.
+
+        In batch-invariant mode the shapes count other things (`plan/invariant.py`): `invariant_limits`.
         """
+        if self.options.batch_invariant:
+            return self.invariant_limits()
         shared = self.max_shared_blocks(self.max_num_batched_tokens, self.max_num_seqs)
         n = -(-self.max_num_batched_tokens // self.options.causal_tile)
         return np.array([self.max_num_batched_tokens, shared, self.num_blocks, self.max_num_seqs, n * (n + 1) // 2],
                         dtype=np.int64)
+
+    def invariant_limits(self) -> np.ndarray:
+        """int64[5] (DIMS order): the largest shape a batch-invariant step can have at these settings.
+
+        - num_shared_blocks counts context tiles: a request's rows in tiles of `invariant_rows` (a decode's
+          or a verify step's: one tile) times the chunks of `blocks_per_tile` blocks its context spans, so
+          at most `(budget // invariant_rows + max_num_seqs)` row tiles of a full context's chunks; each
+          kind of tile (decode, verify, prompt, own-call) is padded to whole products of `invariant_chunk`;
+        - num_unique_blocks: 0 (no unique path);
+        - num_causal_tiles: each request's own triangle of tiles, the most with one long prompt and the
+          rest of the budget in two-token requests of one tile each; the requests on their own calls
+          and the others padded apart to whole products of `invariant_causal_chunk`.
+        """
+        o, budget, seqs = self.options, self.max_num_batched_tokens, self.max_num_seqs
+        kb, ic, cc, c = self.blocks_per_tile, o.invariant_chunk, o.invariant_causal_chunk, o.causal_tile
+        chunks = -(-min(self.blocks_per_seq, self.num_blocks) // kb)
+        kinds = 4 if o.unique_tokens > 1 else 3  # verify tiles only with speculative tokens
+        tiles = min(budget, budget // o.invariant_rows + seqs) * chunks
+        shared = -(-tiles // ic) * ic + (kinds - 1) * ic
+        x = np.arange(1, -(-budget // c) + 1)  # the long prompt's tiles per side, from its fewest tokens
+        fewest = np.maximum((x - 1) * c + 1, 2)
+        rest = np.minimum(seqs - 1, (budget - fewest) // 2)
+        most = int((x * (x + 1) // 2 + rest)[fewest <= budget].max(initial=0))
+        causal = -(-most // cc) * cc + (cc if most > 1 else 0)
+        return np.array([budget, shared, 0, seqs, causal], dtype=np.int64)
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",

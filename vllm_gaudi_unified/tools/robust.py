@@ -104,7 +104,8 @@ def skeleton(points: np.ndarray, own_cost: np.ndarray, top: np.ndarray, weights:
     codes = learn_phase(points)
     for code in np.unique(codes).tolist():
         causal = PHASES[code][0] == "c"
-        has = np.array([True, PHASES[code][1] == "s", PHASES[code][2] == "u", True, causal])
+        # (a size the settings never reach is no path: batch-invariant mode has no unique one)
+        has = np.array([True, PHASES[code][1] == "s", PHASES[code][2] == "u", True, causal]) & (top > 0)
         mine = codes == code
         hi = np.where(has, top, 0)
         if not causal:
