@@ -36,6 +36,9 @@ Why each part is invariant (a token's result depends on its own request only):
   or flash) from exactly one kernel each (written, not added), merged in that
   order; a one-token request's or a unit's token gets all its pairs from its
   Triton program (no merge: an empty partial beside it merges exactly).
+  With one split per token and no flash segment in the step the kernel
+  writes those rows normalized (`FINAL`), dividing as `merge.normalize`
+  does (IEEE's division of the same fp32 numbers): the same bits.
   The requests on their own calls (`invariant.own_rows`) are left out
   when those run (`own`): their entries are the arrays' last ones. Which
   kernel a request's pairs take depends on its own new-token count alone.
