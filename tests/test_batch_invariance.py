@@ -372,16 +372,14 @@ def test_verify_steps_are_units():
 
 def test_own_calls_are_taken(monkeypatch):
     """Prompts (no context) and chunks of `CALL_MIN_ROWS` tokens or more take their own calls (two fused calls
-    with statistics for a chunk, the default's causal call for a prompt); a short chunk and a decode stay on
-    the routes; with a soft cap the same requests' pairs run on the routes' arrays (no own call)."""
-    from vllm_gaudi_unified import hpu
+    with statistics for a chunk, one causal one for a prompt); a short chunk and a decode stay on the routes;
+    with a soft cap the same requests' pairs run on the routes' arrays (no own call)."""
     from vllm_gaudi_unified.paths import fused
 
     world = SCENARIOS["own_calls"]
     seen = []
-    inner, final = fused.sdpa_lse, hpu.sdpa_final
+    inner = fused.sdpa_lse
     monkeypatch.setattr(fused, "sdpa_lse", lambda *a, **kw: seen.append(kw.get("causal", False)) or inner(*a, **kw))
-    monkeypatch.setattr(hpu, "sdpa_final", lambda *a, **kw: seen.append("final") or final(*a, **kw))
     table, _ = _block_table(world, np.random.default_rng(world.seed))
     ql, cl = [r.query_len for r in world.requests], [r.context_len for r in world.requests]
     plan = plan_step(ql, cl, table, world.block_size, options=INVARIANT)
@@ -390,7 +388,7 @@ def test_own_calls_are_taken(monkeypatch):
     assert not plan.calls_only and plan.pre_own_from < plan.pre_rows.shape[0]
     assert_same_bits(*run_world(world, INVARIANT, torch.float32))
     # the target alone, then in the batch the other chunk, the target, and the prompt's one causal call
-    assert seen == [False, True] * 3 + ["final"]
+    assert seen == [False, True] * 3 + [True]
     seen.clear()
     assert_same_bits(*run_world(replace(world, soft_cap=5.0), INVARIANT, torch.float32))
     assert seen == []

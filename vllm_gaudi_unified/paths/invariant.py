@@ -26,7 +26,7 @@ from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, merge_all, n
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
-from vllm_gaudi_unified.paths.prompts import causal_selects, final_rows, merge_split
+from vllm_gaudi_unified.paths.prompts import final_rows, merge_split
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
 
@@ -62,16 +62,13 @@ def own_final(batch, q: torch.Tensor, value_dim: int, soft_cap, sink) -> bool:
 def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None, v_scale=None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """`out` (None: zeros) with the rows of each own-calls request written from its own calls: without
-    context one causal fused call, the default's (`hpu.sdpa_final`, where the call hides later keys by
-    selection, `prompts.causal_selects`: a bad new token's key goes in as NaN and its value as 0, so
-    exactly the rows at or past it come out NaN, with no pass to mark them), else the split form's
-    new-key call (`fused.sdpa_lse`: FusedSDPA with statistics on a Gaudi; `hpu.sdpa_final` where no kernel
-    with statistics runs); with context the split form, its context's keys exactly (gathered in position
-    order, no padding key) in one call with statistics, its new keys causal in another, merged by their
-    LSE (`prompts.merge_split`). Bad values there as on the fast route: non-finite new values zeroed,
-    the rows at or past one set to NaN (`fused.clean_causal_values`); a real context key is seen by
-    every row. (The calls of four 2k prompts take the GPU time of one call over the four:
-    docs/batch_invariance.md, Cost.)"""
+    context one causal fused call (`fused.sdpa_lse`, the split form's new-key call: cuDNN on CUDA,
+    FusedSDPA with statistics on a Gaudi, the CPU's flash; `hpu.sdpa_final` where none of those runs);
+    with context the split form, its context's keys exactly (gathered in position order, no padding key)
+    in one call with statistics, its new keys causal in another, merged by their LSE
+    (`prompts.merge_split`). Bad values as on the fast route: non-finite new values zeroed, the rows at or
+    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (The calls
+    of four 2k prompts take the GPU time of one call over the four: docs/batch_invariance.md, Cost.)"""
     from vllm_gaudi_unified.hpu import sdpa_final
 
     n, hq = q.shape[:2]
@@ -79,21 +76,13 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     if out is None:  # a step of prompts: every real row is written below, the padding rows are zeroed
         out = q.new_empty((n, hq, v.shape[-1]))
         out[batch.num_tokens:].zero_()
-    nan, zero = (torch.full((), x, dtype=out.dtype, device=out.device) for x in (float("nan"), 0.0))
+    v, bad = fused.clean_causal_values(v, batch.token_seg_start, None)
+    nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     heads = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731  [L, H, D] -> [1, H, L, D], a view
-    stats, selects = fused.lse_kernel_for(q), causal_selects(q)
-    cleaned = None
+    stats = fused.lse_kernel_for(q)
     for start, length, ctx, first, blocks in batch.plan.calls:
         rows = slice(start, start + length)
-        if ctx == 0 and selects:  # the default's causal call: a bad new token's key in as NaN, its value as 0
-            kr, vr = k[rows], v[rows]
-            bad = ~(torch.isfinite(kr).all(-1) & torch.isfinite(vr).all(-1))[..., None]  # [L, Hkv, 1]
-            rows_out = sdpa_final(heads(q[rows]), heads(torch.where(bad, nan, kr)), heads(torch.where(bad, zero, vr)),
-                                  None, scale)
-            out[rows].copy_(rows_out[0].transpose(0, 1))
-            continue
-        cleaned = cleaned or fused.clean_causal_values(v, batch.token_seg_start, None)
-        qr, kn, vn = heads(q[rows]), heads(k[rows]), heads(cleaned[0][rows])
+        qr, kn, vn = heads(q[rows]), heads(k[rows]), heads(v[rows])
         if ctx == 0:  # the split form's new-key call alone
             rows_out = fused.sdpa_lse(qr, kn, vn, None, scale, causal=True)[0] if stats else sdpa_final(
                 qr, kn, vn, None, scale)
@@ -103,7 +92,7 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
                       for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
             rows_out = merge_split(*fused.sdpa_lse(qr, kc, vc, None, scale),
                                    *fused.sdpa_lse(qr, kn, vn, None, scale, causal=True))
-        seen = cleaned[1][rows].repeat_interleave(g, 1)[..., None]
+        seen = bad[rows].repeat_interleave(g, 1)[..., None]
         torch.where(seen, nan, rows_out[0].transpose(0, 1), out=out[rows])  # written in place: no copy
     return out
 
