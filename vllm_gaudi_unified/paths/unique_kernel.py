@@ -189,8 +189,8 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     row = (tok * SPLITS + sp) * HQ + heads
     if FINAL:  # (SPLITS 1: row = tok * HQ + heads); IEEE division, as torch's (`merge.normalize`)
         denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
-        if acc_dtype == tl.float32:
-            out = tl.math.div_rn(acc * v_scale, denom)
+        if acc_dtype == tl.float32:  # (the product cast as the Partial's store casts it: fp64 under torch.compile)
+            out = tl.math.div_rn((acc * v_scale).to(acc_dtype), denom)
         else:  # (fp64: its `/` is IEEE's already; div_rn takes fp32 only)
             out = acc * v_scale / denom
         tl.store(out_ptr + row[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
