@@ -35,6 +35,11 @@ FAST_WORLDS = {
                                          sliding_window=9),
     "lone_token": World(Req(1, 0), others=(Req(1, 40), Req(3, 12), Req(6, 30), Req(2, 0)), position=2,
                         pad=(3, 2, 1, 0, 2)),
+    # One split per token and nothing else in the step: the kernel's final rows (alone), against the same rows
+    # folded and normalized next to a longer context (several splits) or a flash segment.
+    "final_decode": World(Req(1, 6), others=(Req(1, 5), Req(3, 7), Req(1, 40)), position=1, pad=(2, 0, 0, 0, 1)),
+    "final_unit": World(Req(3, 7), others=(Req(1, 6), Req(4, 0), Req(1, 40)), position=1),
+    "final_batch": World(Req(1, 6), others=(Req(1, 5), Req(2, 3)), pad=(3, 0, 0, 0, 2)),
 }
 
 

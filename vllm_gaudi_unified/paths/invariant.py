@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all, normalize
+from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, merge_all, normalize
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
@@ -41,9 +41,10 @@ def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_
     own = own_final(batch, q, v.shape[-1], soft_cap, sink)
     out = None
     if not (own and batch.plan.calls_only) and not (mla and mla_invariant.decodes_only(batch)):
-        parts = [invariant_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own,
-                                   decodes=not mla)]
-        out = normalize(merge_all(parts + ([] if sink is None else [sink])), q.dtype)
+        part = invariant_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own,
+                                 decodes=not mla, final=sink is None)
+        out = part.out if isinstance(part, Final) else normalize(
+            merge_all([part] + ([] if sink is None else [sink])), q.dtype)
     out = own_rows(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, out) if own else out
     return mla_invariant.decode_rows(q, k, key_cache, v.shape[-1], batch, scale, out) if mla else out
 
@@ -98,14 +99,17 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
 
 def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, batch, scale: float, soft_cap: float | None,
-                      k_scale=None, v_scale=None, own: bool = False, decodes: bool = True) -> Partial:
+                      k_scale=None, v_scale=None, own: bool = False, decodes: bool = True,
+                      final: bool = False) -> Partial | Final:
     """All keys of every token, merged in a fixed order: self, cached, causal; `own`: not the pairs of the
     own-calls requests (their rows are `own_rows`'); not `decodes`: not the one-token requests' cached
-    tiles (their rows are `mla_invariant.decode_rows`')."""
+    tiles (their rows are `mla_invariant.decode_rows`'); `final` (nothing merged after): the fast route
+    may give its rows normalized (`Final`, `invariant_fast.fast_partial`)."""
     from vllm_gaudi_unified.paths import invariant_fast
 
     if invariant_fast.applies(batch, q, key_cache, value_cache, soft_cap):
-        return invariant_fast.fast_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, own)
+        return invariant_fast.fast_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, own,
+                                           final=final and decodes)
     cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own, decodes)
     parts = (self_partial(q, k, v, scale, soft_cap, fixed_order=True), cached,
              _causal_partial(q, k, v, batch, scale, soft_cap, own))

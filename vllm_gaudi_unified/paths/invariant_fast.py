@@ -36,6 +36,9 @@ Why each part is invariant (a token's result depends on its own request only):
   or flash) from exactly one kernel each (written, not added), merged in that
   order; a one-token request's or a unit's token gets all its pairs from its
   Triton program (no merge: an empty partial beside it merges exactly).
+  With one split per token and no flash segment in the step the kernel
+  writes those rows normalized (`FINAL`), dividing as `merge.normalize`
+  does (IEEE's division of the same fp32 numbers): the same bits.
   The requests on their own calls (`invariant.own_rows`) are left out
   when those run (`own`): their entries are the arrays' last ones. Which
   kernel a request's pairs take depends on its own new-token count alone.
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, fold_pairwise, merge_all
+from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, merge_all
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import compute_dtype
@@ -62,15 +65,20 @@ def applies(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
 
 
 def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None, v_scale=None,
-                 own: bool = False) -> Partial:
+                 own: bool = False, final: bool = False) -> Partial | Final:
     """Self and causal pairs in flash per request (of the requests with several new tokens, not units),
     cached keys (Triton slots, with the new keys of one-token requests and units, or the request's flash
     segment); merged in that order. `own`: not the own-calls requests' rows (those come
-    from their own calls): the prefixes of the `ctx_*` and `seg_*` arrays before theirs."""
+    from their own calls): the prefixes of the `ctx_*` and `seg_*` arrays before theirs. `final` (no
+    partial follows: no sinks): where the Triton kernel is the step's only path with one split per token
+    (`plan.slot_splits` 1: no context past `SPLIT_KEYS`), its rows normalized by the kernel (`Final`)."""
     n, plan = q.shape[0], batch.plan
-    cached = _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale)
     rows, segs, blocks, max_q, max_k = plan.ctx_own_from if own else (
         batch.ctx_rows.shape[0], batch.ctx_used.shape[0], batch.ctx_blocks.shape[0], *plan.ctx_max)
+    causal_rows = plan.seg_own_from[0] if own else batch.seg_rows.shape[0]
+    if final and not rows and not causal_rows and plan.slot_splits == 1:
+        return _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, final=True)
+    cached = _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale)
     if rows:
         ids = batch.ctx_blocks[:blocks]
         kk = read_blocks(key_cache, ids, k_scale, q.dtype).flatten(0, 1)  # [keys, Hkv, D]
@@ -110,14 +118,16 @@ def _placed(part: Partial, rows: torch.Tensor, n: int, into: Partial | None = No
 
 
 def _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale=None,
-                   v_scale=None) -> Partial | None:
+                   v_scale=None, final: bool = False) -> Partial | Final | None:
     """The Triton kernel over each token's slots (sorted by token, then position) in position-fixed
     splits of `plan.invariant.SPLIT_KEYS` keys, the splits folded by `fold_pairwise`. A unit
     (`plan.invariant.unit_requests`, a verify step) has its slots on its first token, whose programs
     take the request's rows (`UNITS` = `plan.slot_units` tokens x the KV head's query heads); every
     other token's program writes its own rows (empty ones where it has no slot). The programs of the
     one-token requests and of the units take their request's new keys too (`k`, `v`: a decode's self
-    pair, a unit's self and causal pairs), in split 0 after its context keys, in the request's order."""
+    pair, a unit's self and causal pairs), in split 0 after its context keys, in the request's order.
+    `final` (one split, nothing else in the step): the kernel's `FINAL` rows in q's dtype, no Partial
+    written; its division is IEEE's, so they are `merge.normalize`'s of the Partial bit for bit."""
     from vllm_gaudi_unified.paths import unique, unique_kernel
 
     rows, ones = batch.slot_rows, batch.one_rows
@@ -133,9 +143,10 @@ def _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale=None,
     order = torch.arange(rows.shape[0], device=q.device, dtype=rows.dtype)  # already sorted by the planner
     splits, units = batch.plan.slot_splits, batch.plan.slot_units
     dt = compute_dtype(q.dtype)
-    acc = torch.empty((n, splits, hq, d), dtype=dt, device=q.device)
-    m = torch.empty((n, splits, hq), dtype=dt, device=q.device)
-    total = torch.empty_like(m)
+    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device) if final else None
+    acc = torch.empty((1,) if final else (n, splits, hq, d), dtype=dt, device=q.device)  # (final: its dtype)
+    m = acc if final else torch.empty((n, splits, hq), dtype=dt, device=q.device)
+    total = acc if final else torch.empty_like(m)
     ks, ks_strides, k_factor = unique._scale_args(k_scale)
     vs, vs_strides, v_factor = unique._scale_args(v_scale)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -147,6 +158,8 @@ def _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale=None,
         HQ=hq, G=g, ROWS=max(16, unique._pow2(units * g)), D=d, D_PAD=max(16, unique._pow2(d)), BS=bs,
         KEYS=unique.KERNEL_KEYS, SPLITS=splits, SLICE=False, K_SCALES=unique._scale_mode(ks),
         V_SCALES=unique._scale_mode(vs), SPLIT_KEYS=plan_invariant.SPLIT_KEYS, UNITS=units,
-        **unique._new_args((k, v), q, scale, v_factor, units, take), out_ptr=acc, FINAL=False,
-        num_warps=unique.KERNEL_WARPS, num_stages=unique.KERNEL_STAGES)
+        **unique._new_args((k, v), q, scale, v_factor, units, take), out_ptr=acc if out is None else out,
+        FINAL=final, num_warps=unique.KERNEL_WARPS, num_stages=unique.KERNEL_STAGES)
+    if final:
+        return Final(out)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])

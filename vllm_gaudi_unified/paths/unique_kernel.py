@@ -60,7 +60,9 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     (the others' are on flash segments); else every program does.
 
     `FINAL` (one split, the step's only path): the rows normalized, in out's dtype (`out` `[n, HQ, D]`; a row
-    that saw no key gives 0, as `merge.normalize`), and no Partial written (acc/m/l: their dtype only)."""
+    that saw no key gives 0, as `merge.normalize`), and no Partial written (acc/m/l: their dtype only). The
+    division rounds as IEEE's (`div_rn`, not the approximate fp32 `/`), so the rows are `merge.normalize`'s
+    of the same Partial bit for bit (the batch-invariant mode writes a row either way, by the step's form)."""
     t = tl.program_id(0).to(tl.int64)  # output offsets (t * SPLITS * HQ * D) may pass 2**31
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -185,8 +187,12 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
             acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), vn.to(op_dtype)).to(acc_dtype)
             m_i = m_new
     row = (tok * SPLITS + sp) * HQ + heads
-    if FINAL:  # (SPLITS 1: row = tok * HQ + heads)
-        out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if FINAL:  # (SPLITS 1: row = tok * HQ + heads); IEEE division, as torch's (`merge.normalize`)
+        denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if acc_dtype == tl.float32:  # (the product cast as the Partial's store casts it: fp64 under torch.compile)
+            out = tl.math.div_rn((acc * v_scale).to(acc_dtype), denom)
+        else:  # (fp64: its `/` is IEEE's already; div_rn takes fp32 only)
+            out = acc * v_scale / denom
         tl.store(out_ptr + row[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
     else:
