@@ -78,7 +78,9 @@ SEESAW_CASES = [
     (Step([1] * 4, [90, 33, 200, 7], 128), "default", (256, 64), SEESAW),
     (Step([2, 1, 1], [64, 511, 65], 64), "gather", (512, 64), dict(SEESAW, MLA_SPLIT_KEYS=128)),
     # verify steps (DeepSeek MTP: 1 + 1 or 1 + 2 tokens), the drafts inside the kernel (`UNITS`): ragged, a request
-    # without cached keys, several splits, both layouts, and the drafts folded after the kernel instead
+    # without cached keys, several splits, both layouts, a shared prefix (a slot per token), the drafts folded after
+    (Step([2, 2, 1], [200, 200, 90], 64, prefix_groups=[([0, 1], 2)]), PlanOptions(unique_tokens=2), (512, 64),
+     SEESAW),
     (Step([2, 1, 3, 2], [300, 129, 64, 0], 64), PlanOptions(unique_tokens=3), (512, 64), SEESAW),
     (Step([3, 2, 1], [1000, 65, 511], 64), PlanOptions(unique_tokens=3, unique_layout="gather"), (512, 64),
      dict(SEESAW, MLA_SPLIT_KEYS=128)),

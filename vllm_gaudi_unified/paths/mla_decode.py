@@ -180,10 +180,10 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     split count from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
-    units, seg = 1, None
-    if drafts:  # `batch`'s units a slot per token; its own pair and earlier drafts inside (`MLA_KERNEL_DRAFTS`)
-        units, seg, unit_batch = batch.plan.unique_units, batch.token_seg_start, batch
-        batch = per_token(batch, q.shape[0])
+    units, seg, rows = 1, None, False
+    if drafts:  # each token reads its unit's slots (a slot per token with shared cells); its drafts inside
+        units, seg, unit_batch, rows = batch.plan.unique_units, batch.token_seg_start, batch, not shared
+        batch = batch if rows and MLA_KERNEL_DRAFTS else per_token(batch, q.shape[0])
         if not MLA_KERNEL_DRAFTS:
             part = kernel_mla_partial(q, key_cache, value_dim, batch, scale, key, shared)
             return fold_drafts(part, q, key, unit_batch, scale, value_dim, units, final)
@@ -208,12 +208,12 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     slice_ = batch.unique_blocks is None and not shared  # (a slot is its block id: `ids` unread)
     if (MLA_GLUON_SHARED or not shared) and gluon_applies(q, key_cache, value_dim, units):
         _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, total, scale, splits, value_dim,
-                      key is not None, final=fused_final, seg=seg, units=units)
+                      key is not None, final=fused_final, seg=seg, units=units, unit_rows=rows)
     else:
         mla_kernel.mla_kernel[(-(-hq // consts["BLOCK_H"]), splits, n)](
             q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
             q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
-            SLICE=slice_, SELF=key is not None, FINAL=fused_final, seg_ptr=seg, UNITS=units, **consts)
+            SLICE=slice_, SELF=key is not None, FINAL=fused_final, seg_ptr=seg, UNITS=units, UNIT_ROWS=rows, **consts)
     if fused_final:
         return Final(acc)
     if splits == 1:
@@ -297,7 +297,7 @@ def _seesaw(d: int, value_dim: int, units: int = 1) -> bool:  # (`MLA_GLUON_SEES
 
 
 def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, total, scale, splits, value_dim,
-                  with_self, final=False, seg=None, units=1):
+                  with_self, final=False, seg=None, units=1, unit_rows=False):
     """`mla_gluon_seesaw.mla_gluon_seesaw_kernel` (`MLA_GLUON_SEESAW`, where its shapes allow) or
     `mla_gluon.mla_gluon_kernel` on the same arguments as the Triton kernel (the slots' `ids`, `lo`, `hi`: the
     unique slots', or with the shared cells after them), the cache as TMA descriptors."""
@@ -313,7 +313,7 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
             q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
             q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
             SELF=with_self, REGS=MLA_GLUON_SEESAW_REGS, FINAL=final, seg_ptr=starts if seg is None else seg,
-            UNITS=units, num_warps=4)
+            UNITS=units, UNIT_ROWS=unit_rows, num_warps=4)
         return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
         q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits,

@@ -227,17 +227,22 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
                             m_ptr, l_ptr, scale, splits, sq_t, sq_h, sk_t,
                             HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr,
                             KEYS: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr,
-                            FINAL: gl.constexpr, seg_ptr, UNITS: gl.constexpr, num_warps: gl.constexpr):
+                            FINAL: gl.constexpr, seg_ptr, UNITS: gl.constexpr, UNIT_ROWS: gl.constexpr,
+                            num_warps: gl.constexpr):
     """`mla_gluon.mla_gluon_kernel`'s arguments (`FINAL` too), the latent descriptor in `[KEYS, DV // 2]` boxes
     (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more.
     `UNITS` > 1 (with `SELF`: a verify step's drafts, `mla_kernel._mla_body`'s): split 0 of token t also takes the
-    new keys `t - UNITS + 1 .. t - 1` from `seg[t]` (its request's first new token) on."""
+    new keys `t - UNITS + 1 .. t - 1` from `seg[t]` (its request's first new token) on; `UNIT_ROWS`: token t
+    reads the slots of row `seg[t]`."""
     gl.static_assert(num_warps == 4)
     gl.static_assert(DR == KEYS)  # (P1 is written over its tile's rope part)
     hg = gl.program_id(0)
     sp = gl.program_id(1)
     t = gl.program_id(2).to(gl.int64)
-    first, k_begin, n_tiles = _split_tiles(starts_ptr, t, sp, splits, BS, KEYS)
+    r = t
+    if UNIT_ROWS:
+        r = gl.load(seg_ptr + t).to(gl.int64)
+    first, k_begin, n_tiles = _split_tiles(starts_ptr, r, sp, splits, BS, KEYS)
 
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     dtype: gl.constexpr = kn_desc.dtype

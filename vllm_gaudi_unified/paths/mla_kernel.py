@@ -96,7 +96,7 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
               DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
               ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False,
               FINAL: tl.constexpr = False, tok_ptr=None, TOKENS: tl.constexpr = False, SPLIT_KEYS: tl.constexpr = 0,
-              seg_ptr=None, UNITS: tl.constexpr = 1):
+              seg_ptr=None, UNITS: tl.constexpr = 1, UNIT_ROWS: tl.constexpr = False):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
     (strides `sc_b`, `sc_s`, last 1; `sc_s` a compile-time constant), `order`: slot ids sorted by token,
     `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block
@@ -114,15 +114,19 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
     `[sp * SPLIT_KEYS, (sp + 1) * SPLIT_KEYS)` of the token's slots, whatever `splits` is; 0: the keys cut
     into `splits` even parts. `UNITS` > 1 (with `SELF`: a verify step's drafts): split 0 of token t also takes
     the new keys `t - UNITS + 1 .. t - 1` of its request (those from `seg[t]`, its request's first new token
-    on): its causal pairs, no pass over its rows after the kernel."""
+    on): its causal pairs, no pass over its rows after the kernel. `UNIT_ROWS`: token t reads the slots of row
+    `seg[t]` (the slots as planned in units: a request's on its first new token's row)."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     i = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
     t = i
     if TOKENS:
         t = tl.load(tok_ptr + i).to(tl.int64)
-    first = tl.load(starts_ptr + t)
-    n_keys = (tl.load(starts_ptr + t + 1) - first) * BS
+    r = t
+    if UNIT_ROWS:
+        r = tl.load(seg_ptr + t).to(tl.int64)
+    first = tl.load(starts_ptr + r)
+    n_keys = (tl.load(starts_ptr + r + 1) - first) * BS
     if SPLIT_KEYS > 0:
         per_split = SPLIT_KEYS
     else:
