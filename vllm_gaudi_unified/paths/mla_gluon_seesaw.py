@@ -69,17 +69,6 @@ def _zero_unseen(kn_s, b, lo, hi, j0, rows_ld, ld_layout: gl.constexpr, DV: gl.c
 
 
 @gluon.jit
-def _draft_score(q_row, k_row, seen, qk, cols, D: gl.constexpr, ld_layout: gl.constexpr):
-    """The 64 heads' scores (log2 units) against the new key at `k_row`, -inf where not `seen`."""
-    s = gl.zeros([64], gl.float32, gl.SliceLayout(1, ld_layout))
-    for c in gl.static_range(D // 64):
-        q = gl.load(q_row + c * 64 + cols[None, :]).to(gl.float32)
-        kc = gl.load(k_row + c * 64 + cols, mask=seen, other=0.0).to(gl.float32)
-        s += gl.sum(q * kc[None, :], 1)
-    return gl.where(seen, s * qk, float("-inf"))
-
-
-@gluon.jit
 def _warpgroup(qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles, k_begin, first, order_ptr,
                ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row, self_on, drafts_seen, sk_t,
                X: gl.constexpr, DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr,
@@ -273,29 +262,41 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
     qk = scale * LOG2E
     k_row = k_ptr + t * sk_t
     self_on = SELF & (sp == 0)
+    gl.static_assert(UNITS <= 3)  # (the statistics in shared memory: 1 + 3 passes sm_90's 227 KB)
+    drafts_seen = gl.where(self_on, 1, 0)
+    if UNITS > 1:  # the token's own key and its request's earlier new keys, 1 + 1 or 1 + 2 of them
+        drafts_seen = gl.where(self_on, gl.minimum(t - gl.load(seg_ptr + t) + 1, UNITS), 0)
     s_self = gl.zeros([64], gl.float32, gl.SliceLayout(1, ld_layout))
+    s_1 = gl.zeros([64], gl.float32, gl.SliceLayout(1, ld_layout))
+    s_2 = gl.zeros([64], gl.float32, gl.SliceLayout(1, ld_layout))
     for c in gl.static_range((DV + DR) // 64):  # the query staged 64 columns at a time (few registers)
         q = gl.load(q_row + c * 64 + cols[None, :])
         if c * 64 < DV:
             qn_s.index(c // (H // 64)).slice((c % (H // 64)) * 64, 64, dim=1).store(q)
         else:
             qr_s.slice(c * 64 - DV, 64, dim=1).store(q)
+        qf = q.to(gl.float32)
         kc = gl.load(k_row + c * 64 + cols, mask=self_on, other=0.0).to(gl.float32)
-        s_self += gl.sum(q.to(gl.float32) * kc[None, :], 1)
+        s_self += gl.sum(qf * kc[None, :], 1)
+        if UNITS > 1:
+            kc = gl.load(k_row - sk_t + c * 64 + cols, mask=1 < drafts_seen, other=0.0).to(gl.float32)
+            s_1 += gl.sum(qf * kc[None, :], 1)
+        if UNITS > 2:
+            kc = gl.load(k_row - 2 * sk_t + c * 64 + cols, mask=2 < drafts_seen, other=0.0).to(gl.float32)
+            s_2 += gl.sum(qf * kc[None, :], 1)
     m_self = gl.where(self_on, s_self * qk, float("-inf"))
     l0 = gl.where(self_on, 1.0, 0.0)
-    drafts_seen = gl.where(self_on, 1, 0)
-    if UNITS > 1:  # the earlier drafts' scores (the query again from L1/L2), each new key's weight against their max
-        drafts_seen = gl.where(self_on, gl.minimum(t - gl.load(seg_ptr + t) + 1, UNITS), 0)
-        m_new = m_self
-        for j in gl.static_range(1, UNITS):
-            m_new = gl.maximum(m_new, _draft_score(q_row, k_row - j * sk_t, j < drafts_seen, qk, cols, DV + DR,
-                                                   ld_layout))
+    if UNITS > 1:  # each new key's weight against their max (log2 units), for `_warpgroup`
+        s_1 = gl.where(1 < drafts_seen, s_1 * qk, float("-inf"))
+        s_2 = gl.where(2 < drafts_seen, s_2 * qk, float("-inf"))
+        m_new = gl.maximum(m_self, s_1)
+        if UNITS > 2:
+            m_new = gl.maximum(m_new, s_2)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         stats.index(7).store(gl.where(self_on, gl.exp2(m_self - m_safe), 0.0))
-        for j in gl.static_range(1, UNITS):  # (the scores again: no shared-memory round trip between threads)
-            s_j = _draft_score(q_row, k_row - j * sk_t, j < drafts_seen, qk, cols, DV + DR, ld_layout)
-            stats.index(7 + j).store(gl.exp2(s_j - m_safe))
+        stats.index(8).store(gl.exp2(s_1 - m_safe))
+        if UNITS > 2:
+            stats.index(9).store(gl.exp2(s_2 - m_safe))
         m_self = m_new
     stats.index(6).store(m_self)
     fence_async_shared()
