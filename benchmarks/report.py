@@ -329,7 +329,7 @@ def verify_table() -> list[str]:
     return out + ["", f"- {src(cuda_runs, 'python -m benchmarks.verify --out DIR --no-peers --routes cuda')} "
                   "(the CUDA table)", f"- {src(runs, 'python -m benchmarks.verify --out DIR --compile CASES')}",
                   f"- {src(peers, 'python -m benchmarks.verify --out DIR')} (vllm-gaudi's columns)",
-                  f"- {src(mla, 'python -m benchmarks.verify --out DIR --mla')}"]
+                  f"- {src(mla, 'python -m benchmarks.verify --out DIR --mla --cases none --no-peers --no-triton')}"]
 
 
 TABLES = {"planning": planning_table, "speed": speed_table, "trace": trace_table, "mla": mla_table,

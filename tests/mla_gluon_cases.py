@@ -18,7 +18,7 @@ import torch
 from conftest import Step, assert_matches, make_block_table
 from test_mla import MODES
 
-from vllm_gaudi_unified import attention, build_unified_batch
+from vllm_gaudi_unified import PlanOptions, attention, build_unified_batch
 from vllm_gaudi_unified.mla import latent_views, mla_attention
 from vllm_gaudi_unified.merge import Partial
 from vllm_gaudi_unified.paths import mla_decode
@@ -77,6 +77,16 @@ SEESAW_CASES = [
     (Step([1] * 4, [90, 33, 200, 7], 64), "gather", (128, 64), dict(SEESAW, MLA_GLUON_DESC_CACHE=False)),
     (Step([1] * 4, [90, 33, 200, 7], 128), "default", (256, 64), SEESAW),
     (Step([2, 1, 1], [64, 511, 65], 64), "gather", (512, 64), dict(SEESAW, MLA_SPLIT_KEYS=128)),
+    # verify steps (DeepSeek MTP: 1 + 1 or 1 + 2 tokens), the drafts inside the kernel (`UNITS`): ragged, a request
+    # without cached keys, several splits, both layouts, a shared prefix (a slot per token), the drafts folded after
+    (Step([2, 2, 1], [200, 200, 90], 64, prefix_groups=[([0, 1], 2)]), PlanOptions(unique_tokens=2), (512, 64),
+     SEESAW),
+    (Step([2, 1, 3, 2], [300, 129, 64, 0], 64), PlanOptions(unique_tokens=3), (512, 64), SEESAW),
+    (Step([3, 2, 1], [1000, 65, 511], 64), PlanOptions(unique_tokens=3, unique_layout="gather"), (512, 64),
+     dict(SEESAW, MLA_SPLIT_KEYS=128)),
+    (Step([2, 2, 1], [700, 64, 129], 128), PlanOptions(unique_tokens=2), (512, 64), dict(SEESAW, MLA_SPLIT_KEYS=256)),
+    (Step([2, 1, 3], [300, 129, 64], 64), PlanOptions(unique_tokens=3), (512, 64),
+     dict(SEESAW, MLA_KERNEL_DRAFTS=False)),
 ]
 
 
@@ -112,7 +122,7 @@ def run(cases=CASES) -> int:
                                                   "MLA_GLUON_LAZY_SUM", "MLA_GLUON_META_AHEAD",
                                                   "MLA_KERNEL_SHARED", "MLA_GLUON_SHARED",
                                                   "MLA_GLUON_DESC_CACHE", "MLA_GLUON_SEESAW",
-                                                  "MLA_GLUON_SEESAW_REGS")}
+                                                  "MLA_GLUON_SEESAW_REGS", "MLA_KERNEL_DRAFTS")}
     try:
         for step, mode, (L, R), consts in cases:
             mla_decode.MLA_GLUON = True
@@ -121,7 +131,7 @@ def run(cases=CASES) -> int:
                 setattr(mla_decode, k, v)
             table, num_blocks, query, latent, cache = tensors(step, (L, R))
             batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size,
-                                        num_blocks=num_blocks, options=MODES[mode])
+                                        num_blocks=num_blocks, options=MODES.get(mode, mode))
             scale = (128 + R) ** -0.5
             launches.clear()
             out = mla_attention(query.cuda(), latent.cuda(), cache.cuda(), batch.to("cuda"), scale, L)

@@ -51,10 +51,12 @@ CASES = [
     (Step([1] * 3, [8, 8, 8], 4, prefix_groups=[([0, 1, 2], 2)]), "default", {}),
     (SPECS["parallel_sampling"], "default", {"MLA_KERNEL_SHARED": False}),
     (SPECS["prefix_caching"], "gather", {"MLA_KERNEL_SHARED": False}),
-    # verify steps (`unique_tokens`): each request's unit a slot per token, the drafts' causal pairs folded in
-    # after the kernel (`mla_drafts.py`): ragged drafts, partial blocks, drafts over a shared prefix, a long
-    # chunk beside them on the causal tiles (the prompt route off: no drafts fold)
+    # verify steps (`unique_tokens`): each request's unit a slot per token, the drafts' causal pairs inside the
+    # kernel (`UNITS`) or folded in after it (`mla_drafts.py`): ragged drafts, partial blocks, a request with no
+    # cached key, drafts over a shared prefix, a long chunk beside them on the causal tiles (the prompt route off)
     (Step([1, 3, 4, 2, 1], [13, 30, 7, 1, 2], 8), VERIFY, {"MLA_SPLIT_KEYS": 8}),
+    (Step([1, 3, 4, 2, 1], [13, 30, 7, 1, 2], 8), VERIFY, {"MLA_KERNEL_DRAFTS": False}),
+    (Step([2, 3, 1, 2], [13, 0, 30, 7], 8), replace(VERIFY, unique_tokens=3), {"MLA_SPLIT_KEYS": 8}),
     (Step([4, 2, 3, 4], [13, 13, 14, 13], 4, prefix_groups=[([0, 1, 2, 3], 3)]),
      replace(VERIFY, unique_layout="gather"), {}),
     (Step([9, 3, 1, 4, 12], [0, 21, 9, 5, 16], 4), replace(VERIFY, prompt_route="tiles"), {}),
@@ -93,7 +95,8 @@ def run(device: str = "cpu") -> int:
 
     attention.kernel_mla_partial = kernel_route
     saved = {k: getattr(mla_decode, k)
-             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP", "MLA_KERNEL_SHARED")}
+             for k in ("MLA_KEYS", "MLA_SPLIT_KEYS", "MLA_V_LOAD", "MLA_ONE_SLOT", "MLA_Q_LOOP",
+                       "MLA_KERNEL_SHARED", "MLA_KERNEL_DRAFTS")}
     try:
         for step, mode, consts in CASES:
             for k, v in consts.items():

@@ -30,7 +30,9 @@ chunk is gathered once and scored by all the request's tokens x heads in one
 product (`unique_units * H` rows), and each token's drafts (its request's new
 keys up to it, `mla_drafts.draft_scores`) start its max and sums where its own
 key does otherwise, so the step has no causal tiles to merge (H200, 128 x (2
-over 4k): 5.19 -> 3.84 ms).
+over 4k): 5.19 -> 3.84 ms). A unit's slots sit on its first token's row, so at
+most one token per request holds a slot: the bound takes the requests
+(`num_logits`), not the tokens (3.82 -> 3.32 ms; 1 + 2 tokens 6.03 -> 4.63).
 """
 from __future__ import annotations
 
@@ -67,8 +69,9 @@ def num_chunks(slots: int, rows: int, per_chunk: int) -> int:
     return (slots + min(rows, slots) * (per_chunk - 1)) // per_chunk
 
 
-def chunk_layout(batch, n: int, block_size: int, device):
-    """-> (keys `[Nc, C * bs]` flat cache slots, visible `[Nc, C * bs]`, token `[Nc]` (n: no token)).
+def chunk_layout(batch, n: int, block_size: int, device, heads: int | None = None):
+    """-> (keys `[Nc, C * bs]` flat cache slots, visible `[Nc, C * bs]`, token `[Nc]` (n: no token)). `heads`:
+    at most so many tokens hold a slot (default n; a verify step's units: one per request, `num_logits`).
 
     Slots sorted by token (`_slot_order`, every call: an HPU graph captured after an eager call on the same
     batch would otherwise hold the kept order, not its sort); token t's chunks start at the running sum of
@@ -78,7 +81,7 @@ def chunk_layout(batch, n: int, block_size: int, device):
     reaches `p @ V`."""
     u = batch.unique_rows.shape[0]
     per_chunk = chunk_blocks(block_size)
-    nc = num_chunks(u, n, per_chunk)
+    nc = num_chunks(u, n if heads is None else heads, per_chunk)
     order, starts, _ = _slot_order(batch, n, device, keep=False)  # (an HPU graph's capture is not detectable)
     count = starts[1:] - starts[:-1]  # [n] slots per token
     chunks = (count + per_chunk - 1) // per_chunk
@@ -114,7 +117,8 @@ def chunks_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
         return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
     n, hq, d = q.shape
     dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
-    keys, visible, token = chunk_layout(batch, n, key_cache.shape[1], q.device)
+    heads = min(n, batch.plan.bucket.num_logits) if drafts else n  # (a unit's slots: its first token's row)
+    keys, visible, token = chunk_layout(batch, n, key_cache.shape[1], q.device, heads)
     rows, real = _unit_rows(batch, token, n, units)  # [Nc, units]: the tokens of each chunk's unit
     kv = read_blocks(key_cache.view(-1, d), keys, kv_scale, op).to(op)  # [Nc, C * bs, L + R]: keys; values their dims
     bias = torch.zeros(visible.shape, dtype=op, device=q.device).masked_fill_(~visible, float("-inf"))

@@ -123,6 +123,9 @@ MLA_GLUON_SHARED = True
 #: looked up by the cache's device, address, shape, strides and dtype; none kept while a CUDA graph captures).
 #: Measured on an H100: building them costs the host 33-34 us a launch, finding them 3 us; `kernel_mla_partial` 208 -> 153 us.
 MLA_GLUON_DESC_CACHE = True
+#: Whether a verify step's drafts run inside the kernel (`UNITS`), its rows final out of it. False: a decode's rows,
+#: then `mla_drafts.fold_drafts` (fp32 rows written and read again: H200, 128 x (2 over 4k) 0.797 against 0.589 ms).
+MLA_KERNEL_DRAFTS = True
 _GLUON: list = []  # [module or None]: `mla_gluon` once imported (None: Gluon not importable)
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> (device, its dense layout)
@@ -172,18 +175,22 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     the step has no separate self pair to compute and merge (`attention._run_paths`); with `shared` the
     shared tiles' (row, block) cells as more slots of their rows (`mla_kernel_takes_shared`); with `final`
     (this is the step's only path) and one split, the rows normalized by the kernel in q's dtype (`Final`:
-    no fp32 partial written and read again); with `drafts` (a verify step: `batch` as planned, in units) the
-    tokens' causal pairs too. Slots sorted
-    by token on the device (no sync), once per batch (a server's layers share it); the split count comes
-    from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
+    no fp32 partial written and read again); with `drafts` (a verify step: `batch` in units) the tokens' causal
+    pairs too. Slots sorted by token on the device (no sync), once per batch (a server's layers share it); the
+    split count from the bucket (host numbers). On CPU it runs only under Triton's interpreter (tests)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
-    if drafts:  # `batch`'s units a slot per token (own pairs inside), then the earlier drafts (`mla_drafts.py`)
-        part = kernel_mla_partial(q, key_cache, value_dim, per_token(batch, q.shape[0]), scale, key, shared)
-        return fold_drafts(part, q, key, batch, scale, value_dim, batch.plan.unique_units, final)
+    units, seg, rows = 1, None, False
+    if drafts:  # each token reads its unit's slots (a slot per token with shared cells); its drafts inside
+        units, seg, unit_batch, rows = batch.plan.unique_units, batch.token_seg_start, batch, not shared
+        batch = batch if rows and MLA_KERNEL_DRAFTS else per_token(batch, q.shape[0])
+        if not MLA_KERNEL_DRAFTS:
+            part = kernel_mla_partial(q, key_cache, value_dim, batch, scale, key, shared)
+            return fold_drafts(part, q, key, unit_batch, scale, value_dim, units, final)
     slots = batch.unique_rows.shape[0] + (batch.shared_lo.numel() if shared else 0)
     if slots == 0:
-        return None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
+        part = None if key is None else self_partial(q, key, key[..., :value_dim], scale, None)
+        return part if units == 1 else fold_drafts(part, q, key, unit_batch, scale, value_dim, units, final)
     n, hq, d = q.shape
     bs = key_cache.shape[1]
     order, starts, (ids, lo, hi) = _slot_order(batch, n, q.device, shared=shared)
@@ -199,14 +206,14 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
     k = q if key is None else key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()  # (q: unused)
     consts = kernel_constants(hq, d, value_dim, bs)
     slice_ = batch.unique_blocks is None and not shared  # (a slot is its block id: `ids` unread)
-    if (MLA_GLUON_SHARED or not shared) and gluon_applies(q, key_cache, value_dim):
+    if (MLA_GLUON_SHARED or not shared) and gluon_applies(q, key_cache, value_dim, units):
         _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, total, scale, splits, value_dim,
-                      key is not None, final=fused_final)
+                      key is not None, final=fused_final, seg=seg, units=units, unit_rows=rows)
     else:
         mla_kernel.mla_kernel[(-(-hq // consts["BLOCK_H"]), splits, n)](
             q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
             q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
-            SLICE=slice_, SELF=key is not None, FINAL=fused_final, **consts)
+            SLICE=slice_, SELF=key is not None, FINAL=fused_final, seg_ptr=seg, UNITS=units, UNIT_ROWS=rows, **consts)
     if fused_final:
         return Final(acc)
     if splits == 1:
@@ -263,11 +270,12 @@ def _gluon():
     return _GLUON[0]
 
 
-def gluon_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int) -> bool:
+def gluon_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, units: int = 1) -> bool:
     """Whether `kernel_mla_partial` takes the Gluon kernel: switched on (`MLA_GLUON`), an sm_90 GPU, a 16-bit
     cache and query of one dtype, query heads in groups of 64, the values 64-512 dims and the rope part
     16-256 (powers of two) (the TMA boxes and `wgmma` shapes), whole tiles per block, cache rows
-    contiguous blocks 16-byte aligned (the TMA descriptors), Gluon importable, and not while torch compiles."""
+    contiguous blocks 16-byte aligned (the TMA descriptors), Gluon importable, not while torch compiles; drafts
+    (`units` > 1) on the seesaw kernel only, 3 at most (its statistics in shared memory: 1 + 3 passes sm_90's)."""
     if not (MLA_GLUON and q.device.type == "cuda" and key_cache.dtype in KERNEL_CACHE_DTYPES
             and q.dtype == key_cache.dtype) or torch.compiler.is_compiling():
         return False  # (under torch.compile the Triton kernel, which dynamo traces; Gluon's TMA launch is untested)
@@ -275,7 +283,7 @@ def gluon_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int) -> b
     bs, dr = key_cache.shape[1], d - value_dim
     keys = MLA_GLUON_KEYS
     if (hq % 64 or value_dim not in (64, 128, 256, 512) or dr not in (16, 32, 64, 128, 256) or bs % keys
-            or key_cache.shape[-1] != d):
+            or key_cache.shape[-1] != d or (units > 1 and not _seesaw(d, value_dim, units))):
         return False
     sc_s = key_cache.stride(1)
     if (key_cache.stride(-1) != 1 or sc_s % 8 or key_cache.stride(0) != bs * sc_s
@@ -284,15 +292,19 @@ def gluon_applies(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int) -> b
     return torch.cuda.get_device_capability(q.device) == (9, 0) and _gluon() is not None
 
 
+def _seesaw(d: int, value_dim: int, units: int = 1) -> bool:  # (`MLA_GLUON_SEESAW` on, and its shapes)
+    return MLA_GLUON_SEESAW and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128 and units <= 3
+
+
 def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, total, scale, splits, value_dim,
-                  with_self, final=False):
+                  with_self, final=False, seg=None, units=1, unit_rows=False):
     """`mla_gluon_seesaw.mla_gluon_seesaw_kernel` (`MLA_GLUON_SEESAW`, where its shapes allow) or
     `mla_gluon.mla_gluon_kernel` on the same arguments as the Triton kernel (the slots' `ids`, `lo`, `hi`: the
     unique slots', or with the shared cells after them), the cache as TMA descriptors."""
     g = _gluon()
     n, hq, d = q.shape
     keep = MLA_GLUON_DESC_CACHE and not torch.cuda.is_current_stream_capturing()
-    seesaw = MLA_GLUON_SEESAW and MLA_GLUON_KEYS == 64 and d - value_dim == 64 and value_dim >= 128
+    seesaw = _seesaw(d, value_dim)
     kn_desc, kr_desc = g.cache_descriptors(key_cache, value_dim, MLA_GLUON_KEYS, keep, halves=seesaw)
     if seesaw:
         from vllm_gaudi_unified.paths import mla_gluon_seesaw
@@ -300,7 +312,8 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
         mla_gluon_seesaw.mla_gluon_seesaw_kernel[(hq // 64, splits, n)](
             q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
             q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
-            SELF=with_self, REGS=MLA_GLUON_SEESAW_REGS, FINAL=final, num_warps=4)
+            SELF=with_self, REGS=MLA_GLUON_SEESAW_REGS, FINAL=final, seg_ptr=starts if seg is None else seg,
+            UNITS=units, UNIT_ROWS=unit_rows, num_warps=4)
         return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
         q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits,

@@ -13,7 +13,9 @@ product per step, `[n, H, D] @ [n, D, units]` against each token's window of
 token), and the route folds them in as more keys of the token:
 
 * 'chunks' (`mla_chunks.py`, the Gaudi route): they start the token's max and sums, as its own key did;
-* 'kernel' (CUDA): the kernel takes each token's own pair; `fold_drafts` adds the earlier ones to its row.
+* 'kernel' (CUDA): the kernels take them inside (`mla_kernel.py`, `mla_gluon_seesaw.py`: `UNITS`, split 0 of a
+  token starting from its own and earlier new keys); `fold_drafts` adds them after the kernel where that is off
+  (`mla_decode.MLA_KERNEL_DRAFTS`) or the step reads no cached key.
 """
 from __future__ import annotations
 

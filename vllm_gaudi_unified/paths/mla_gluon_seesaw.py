@@ -70,10 +70,12 @@ def _zero_unseen(kn_s, b, lo, hi, j0, rows_ld, ld_layout: gl.constexpr, DV: gl.c
 
 @gluon.jit
 def _warpgroup(qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles, k_begin, first, order_ptr,
-               ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row, self_on, X: gl.constexpr,
-               DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr, FINAL: gl.constexpr):
+               ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row, self_on, drafts_seen, sk_t,
+               X: gl.constexpr, DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr,
+               FINAL: gl.constexpr, UNITS: gl.constexpr):
     """Warpgroup X of the seesaw (module docstring): tiles 2j + X, value columns half X. `bars`: m0 and P0 ready,
-    P1 ready; `stats`: m0, a0, rowsum P0, m1, a1, rowsum P1, the own pair's score."""
+    P1 ready; `stats`: m0, a0, rowsum P0, m1, a1, rowsum P1, the own pair's score (with `UNITS` > 1: the max of the
+    new keys' scores, then the weight of key t - j, j < UNITS; `drafts_seen` of them)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -89,6 +91,14 @@ def _warpgroup(qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc,
     acc = gl.zeros([64, H], gl.float32, o_layout) + kn[None, :]  # (the own pair: weight 1, or nothing)
     m_i = stats.index(6).load(row_s)  # (the own pair's score, or -inf)
     l_i = gl.zeros([64], gl.float32, row_s) + l0
+    if UNITS > 1:  # the own pair and the earlier drafts, weighted against their max
+        acc = gl.zeros([64, H], gl.float32, o_layout)
+        l_i = gl.zeros([64], gl.float32, row_s)
+        for j in gl.static_range(UNITS):
+            kn = gl.load(k_row - j * sk_t + cols, mask=(cols < DV) & (j < drafts_seen), other=0.0).to(gl.float32)
+            w = stats.index(7 + j).load(row_s)
+            l_i += w
+            acc += gl.convert_layout(w, row_o)[:, None] * kn[None, :]
     jj = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
     rows_ld = gl.arange(0, KEYS, layout=gl.SliceLayout(1, ld_layout))
     for t0 in range(0, n_tiles, 2):
@@ -206,15 +216,22 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
                             m_ptr, l_ptr, scale, splits, sq_t, sq_h, sk_t,
                             HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr,
                             KEYS: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr,
-                            FINAL: gl.constexpr, num_warps: gl.constexpr):
+                            FINAL: gl.constexpr, seg_ptr, UNITS: gl.constexpr, UNIT_ROWS: gl.constexpr,
+                            num_warps: gl.constexpr):
     """`mla_gluon.mla_gluon_kernel`'s arguments (`FINAL` too), the latent descriptor in `[KEYS, DV // 2]` boxes
-    (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more."""
+    (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more.
+    `UNITS` > 1 (with `SELF`: a verify step's drafts, `mla_kernel._mla_body`'s): split 0 of token t also takes the
+    new keys `t - UNITS + 1 .. t - 1` from `seg[t]` (its request's first new token) on; `UNIT_ROWS`: token t
+    reads the slots of row `seg[t]`."""
     gl.static_assert(num_warps == 4)
     gl.static_assert(DR == KEYS)  # (P1 is written over its tile's rope part)
     hg = gl.program_id(0)
     sp = gl.program_id(1)
     t = gl.program_id(2).to(gl.int64)
-    first, k_begin, n_tiles = _split_tiles(starts_ptr, t, sp, splits, BS, KEYS)
+    r = t
+    if UNIT_ROWS:
+        r = gl.load(seg_ptr + t).to(gl.int64)
+    first, k_begin, n_tiles = _split_tiles(starts_ptr, r, sp, splits, BS, KEYS)
 
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     dtype: gl.constexpr = kn_desc.dtype
@@ -224,7 +241,8 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
     kn_s = gl.allocate_shared_memory(dtype, [4, KEYS, H], kn_desc.layout)  # (buffer b, half h: index 2 b + h)
     kr_s = gl.allocate_shared_memory(dtype, [2, KEYS, DR], kr_desc.layout)
     p0_s = gl.allocate_shared_memory(dtype, [1, 64, KEYS], kr_desc.layout)  # (index 0 from the loop counter)
-    stats = gl.allocate_shared_memory(gl.float32, [7, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    stats = gl.allocate_shared_memory(gl.float32, [7 + UNITS * (UNITS > 1), 64],  # (UNITS 3: 232244 of 232448 B)
+                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))
     rdy = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # (buffer b, part c: 3 b + c)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(6):
@@ -244,24 +262,52 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
     qk = scale * LOG2E
     k_row = k_ptr + t * sk_t
     self_on = SELF & (sp == 0)
+    gl.static_assert(UNITS <= 3)  # (the statistics in shared memory: 1 + 3 passes sm_90's 227 KB)
+    drafts_seen = gl.where(self_on, 1, 0)
+    if UNITS > 1:  # the token's own key and its request's earlier new keys, 1 + 1 or 1 + 2 of them
+        drafts_seen = gl.where(self_on, gl.minimum(t - gl.load(seg_ptr + t) + 1, UNITS), 0)
     s_self = gl.zeros([64], gl.float32, gl.SliceLayout(1, ld_layout))
+    s_1 = gl.zeros([64], gl.float32, gl.SliceLayout(1, ld_layout))
+    s_2 = gl.zeros([64], gl.float32, gl.SliceLayout(1, ld_layout))
     for c in gl.static_range((DV + DR) // 64):  # the query staged 64 columns at a time (few registers)
         q = gl.load(q_row + c * 64 + cols[None, :])
         if c * 64 < DV:
             qn_s.index(c // (H // 64)).slice((c % (H // 64)) * 64, 64, dim=1).store(q)
         else:
             qr_s.slice(c * 64 - DV, 64, dim=1).store(q)
+        qf = q.to(gl.float32)
         kc = gl.load(k_row + c * 64 + cols, mask=self_on, other=0.0).to(gl.float32)
-        s_self += gl.sum(q.to(gl.float32) * kc[None, :], 1)
-    stats.index(6).store(gl.where(self_on, s_self * qk, float("-inf")))
+        s_self += gl.sum(qf * kc[None, :], 1)
+        if UNITS > 1:
+            kc = gl.load(k_row - sk_t + c * 64 + cols, mask=1 < drafts_seen, other=0.0).to(gl.float32)
+            s_1 += gl.sum(qf * kc[None, :], 1)
+        if UNITS > 2:
+            kc = gl.load(k_row - 2 * sk_t + c * 64 + cols, mask=2 < drafts_seen, other=0.0).to(gl.float32)
+            s_2 += gl.sum(qf * kc[None, :], 1)
+    m_self = gl.where(self_on, s_self * qk, float("-inf"))
     l0 = gl.where(self_on, 1.0, 0.0)
+    if UNITS > 1:  # each new key's weight against their max (log2 units), for `_warpgroup`
+        s_1 = gl.where(1 < drafts_seen, s_1 * qk, float("-inf"))
+        s_2 = gl.where(2 < drafts_seen, s_2 * qk, float("-inf"))
+        m_new = gl.maximum(m_self, s_1)
+        if UNITS > 2:
+            m_new = gl.maximum(m_new, s_2)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        stats.index(7).store(gl.where(self_on, gl.exp2(m_self - m_safe), 0.0))
+        stats.index(8).store(gl.exp2(s_1 - m_safe))
+        if UNITS > 2:
+            stats.index(9).store(gl.exp2(s_2 - m_safe))
+        m_self = m_new
+    stats.index(6).store(m_self)
     fence_async_shared()
     gl.thread_barrier()
     out_row = (t * splits + sp) * HQ + hg * 64
     gl.warp_specialize([(_warpgroup, (qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles,
                                       k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
-                                      out_row, qk, l0, k_row, self_on, gl.constexpr(0), DV, BS, KEYS, SLICE, FINAL)),
+                                      out_row, qk, l0, k_row, self_on, drafts_seen, sk_t, gl.constexpr(0), DV, BS, KEYS,
+                                      SLICE, FINAL, UNITS)),
                         (_warpgroup, (qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles,
                                       k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
-                                      out_row, qk, l0, k_row, self_on, gl.constexpr(1), DV, BS, KEYS, SLICE, FINAL))],
+                                      out_row, qk, l0, k_row, self_on, drafts_seen, sk_t, gl.constexpr(1), DV, BS, KEYS,
+                                      SLICE, FINAL, UNITS))],
                        [4], [REGS])

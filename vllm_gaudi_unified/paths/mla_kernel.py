@@ -95,7 +95,8 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
               DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
               ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False,
-              FINAL: tl.constexpr = False, tok_ptr=None, TOKENS: tl.constexpr = False, SPLIT_KEYS: tl.constexpr = 0):
+              FINAL: tl.constexpr = False, tok_ptr=None, TOKENS: tl.constexpr = False, SPLIT_KEYS: tl.constexpr = 0,
+              seg_ptr=None, UNITS: tl.constexpr = 1, UNIT_ROWS: tl.constexpr = False):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
     (strides `sc_b`, `sc_s`, last 1; `sc_s` a compile-time constant), `order`: slot ids sorted by token,
     `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block
@@ -111,15 +112,21 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
     mode): program i takes token `tok[i]`, its Partial rows are row i of acc/m/l, its `FINAL` rows token
     `tok[i]`'s. `SPLIT_KEYS` (a multiple of KEYS; the batch-invariant mode): split `sp` is the keys
     `[sp * SPLIT_KEYS, (sp + 1) * SPLIT_KEYS)` of the token's slots, whatever `splits` is; 0: the keys cut
-    into `splits` even parts."""
+    into `splits` even parts. `UNITS` > 1 (with `SELF`: a verify step's drafts): split 0 of token t also takes
+    the new keys `t - UNITS + 1 .. t - 1` of its request (those from `seg[t]`, its request's first new token
+    on): its causal pairs, no pass over its rows after the kernel. `UNIT_ROWS`: token t reads the slots of row
+    `seg[t]` (the slots as planned in units: a request's on its first new token's row)."""
     hg = tl.program_id(0)
     sp = tl.program_id(1)
     i = tl.program_id(2).to(tl.int64)  # output offsets may pass 2**31
     t = i
     if TOKENS:
         t = tl.load(tok_ptr + i).to(tl.int64)
-    first = tl.load(starts_ptr + t)
-    n_keys = (tl.load(starts_ptr + t + 1) - first) * BS
+    r = t
+    if UNIT_ROWS:
+        r = tl.load(seg_ptr + t).to(tl.int64)
+    first = tl.load(starts_ptr + r)
+    n_keys = (tl.load(starts_ptr + r + 1) - first) * BS
     if SPLIT_KEYS > 0:
         per_split = SPLIT_KEYS
     else:
@@ -154,6 +161,20 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
         m_i = tl.where(here, s_self, m_i)
         l_i = tl.where(here, 1.0, l_i).to(acc_dtype)
         acc = tl.where(here, acc + kn[None, :], acc)
+        if UNITS > 1:
+            seg = tl.load(seg_ptr + t)
+            for j in tl.static_range(1, UNITS):  # the request's earlier new keys, online as the cached ones
+                ok = here & (t - j >= seg)
+                k_row = k_ptr + tl.maximum(t - j, 0) * sk_t
+                kn = tl.load(k_row + offs_v, mask=offs_v < tl.where(ok, DV, 0), other=0.0).to(acc_dtype)
+                kr = tl.load(k_row + DV + offs_r, mask=offs_r < tl.where(ok, DR, 0), other=0.0).to(acc_dtype)
+                s_j = ((tl.sum(qn * kn[None, :], 1) + tl.sum(qr * kr[None, :], 1)) * scale).to(acc_dtype)
+                m_new = tl.where(ok, tl.maximum(m_i, s_j), m_i)
+                alpha = tl.where(ok, tl.exp(m_i - m_new), 1.0).to(acc_dtype)
+                p_j = tl.where(ok, tl.exp(s_j - m_new), 0.0).to(acc_dtype)
+                l_i = l_i * alpha + p_j
+                acc = acc * alpha[:, None] + p_j[:, None] * kn[None, :]
+                m_i = m_new
     for start in range(k_begin, k_end, KEYS):
         m_i, l_i, acc = _tile(start, k_end, first, q_row, c_ptr, order_ptr, ids_ptr, lo_ptr, hi_ptr, sc_b, sc_s,
                               scale, h_ok, m_i, l_i, acc, q_nope, q_pe, DV, DV_PAD, DR, DR_PAD, BS, KEYS, SLICE,
