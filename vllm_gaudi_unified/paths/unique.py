@@ -20,6 +20,7 @@ from vllm_gaudi_unified.merge import Final, Partial, merge, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
+from vllm_gaudi_unified.paths.unique_units import units_partial
 
 #: Keys per loop step of the kernel, and the keys a split aims at (a token's blocks are cut into
 #: power-of-two splits of about this many keys, so long contexts still fill the GPU).
@@ -61,11 +62,10 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     block_size = key_cache.shape[1]
     mask = slot_mask(batch.unique_lo, batch.unique_hi, block_size)[:, None, :]  # [slots, 1, block_size]
     rows = batch.unique_rows
-    if batch.plan.unique_units > 1:  # a (request, block) unit: the request's new tokens x all heads, one product
+    if batch.plan.unique_units > 1:  # (request, block) units: a request's new tokens x the heads of a KV head
         tokens, real = unit_tokens(batch, n)
-        part = attend(q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap,
-                      masked_tiles=_partial_slots(batch, n, block_size), as_stored=True)
-        out = scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
+        out = units_partial(q, k, v, mask & real[:, :, None], tokens, real, scale, soft_cap,
+                            _partial_slots(batch, n, block_size))
         return out if new is None else merge(out, request_pairs(q, *new, batch, scale, soft_cap))
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
