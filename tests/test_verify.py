@@ -185,3 +185,22 @@ def test_a_bad_cached_value_stays_with_its_requests_unit(dtype):
     want = torch.zeros_like(bad)
     want[4:7, 2:] = True
     assert torch.equal(bad, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("extra", ["alone", "soft_cap", "sinks"])
+def test_units_in_the_tokens_scale(monkeypatch, dtype, extra):
+    """A verify step on the matmul units (`unique_units.units_rows`: each token's max over all its units
+    first, the units' products added in that scale): the step's only path writes its final rows; beside
+    sinks (merged after it) it is a Partial; a soft cap applies before the max. fp16 products in fp32."""
+    from conftest import record_calls
+
+    from vllm_gaudi_unified.merge import Final
+    from vllm_gaudi_unified.paths import unique
+
+    calls = record_calls(monkeypatch, unique, "units_rows")
+    kw = {"soft_cap": {"logits_soft_cap": 2.5}, "sinks": {"sinks": torch.linspace(-1, 2, 8, dtype=dtype)},
+          "alone": {}}[extra]
+    out, ref, batch = run_case(VERIFY["gqa"][0], dtype=dtype, options=UNITS, **kw)
+    assert_matches(out, ref)
+    assert isinstance(calls[0], Final) == (extra != "sinks")

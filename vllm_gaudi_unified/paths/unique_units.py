@@ -85,7 +85,7 @@ def units_rows(q: torch.Tensor, sets: list[UnitSet], scale: float, soft_cap: flo
             p = p.to(v.dtype).view(u, r * g, -1)
             a = torch.matmul(p, v[:, :, h])  # [U, R*G, Dv]
             if fix:
-                a = a.index_copy(0, s.masked_tiles, torch.matmul(p[s.masked_tiles], v_fix[:, :, h]))
+                a = a.index_copy_(0, s.masked_tiles, torch.matmul(p[s.masked_tiles], v_fix[:, :, h]))
             acc[h] = acc[h].index_add(0, dest, a.view(u * r, g, dv).to(dt))
         total = total.index_add(0, dest, torch.stack(sums, 2).view(u * r, hq))
     out = Partial(torch.cat(acc, 1)[:n], token_max[:n], total[:n])
