@@ -65,8 +65,8 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     rows = batch.unique_rows
     if batch.plan.unique_units > 1:  # (request, block) units: a request's new tokens x the heads of a KV head
         tokens, real = unit_tokens(batch, n)
-        sets = [UnitSet(k, v, mask & real[:, :, None], tokens, real, _partial_slots(batch, n, block_size))]
-        return units_rows(q, sets + ([] if new is None else [request_pairs(q, *new, batch)]), scale, soft_cap,
+        units = UnitSet(k, v, mask & real[:, :, None], tokens, real, _partial_slots(batch, n, block_size))
+        return units_rows(q, units, None if new is None else request_pairs(q, *new, batch), scale, soft_cap,
                           final and new is not None)
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
@@ -97,7 +97,7 @@ def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> U
     real = real_req[:, None] & (tokens <= last[:, None])
     idx = tokens.clamp(max=n - 1)
     causal = torch.ones((u, u), dtype=torch.bool, device=q.device).tril()
-    return UnitSet(k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, tokens, real, clean=True)
+    return UnitSet(k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, tokens, real)
 
 
 def per_token(batch, n: int):

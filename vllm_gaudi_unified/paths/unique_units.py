@@ -10,8 +10,8 @@ scattered into its token's max over all its units, read back, and every unit's p
 against the token's max. The units' sums and `p @ V` products are then in one scale: added into their
 tokens as they are (one `index_add` each), exact as a softmax over the token's keys is, no rescale pass.
 Each KV head runs apart (scores, max, probabilities, product, sum): no tensor of every head's scores or
-products is stacked. The requests' own new pairs (`UnitSet.clean`) are one more set of units in the same
-scale, so a step whose only path this is writes its final rows (`Final`) with one division.
+products is stacked. The requests' own new pairs (`request_pairs`: a few gathered keys, every head in one
+product) join the same token max, so a step whose only path this is writes its final rows (`Final`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from vllm_gaudi_unified.merge import Final, Partial, normalize, scatter_max
-from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
+from vllm_gaudi_unified.paths.tiles import clean_values, compute_dtype, mask_scores, product_dtype
 
 
 class UnitSet(NamedTuple):
@@ -32,74 +32,85 @@ class UnitSet(NamedTuple):
     mask: torch.Tensor
     tokens: torch.Tensor
     real: torch.Tensor
-    #: Units whose real rows miss some key (a partial last block): V masked on those alone, the others
-    #: read as stored; None: V's keys no row sees zeroed on every unit.
+    #: (`units_rows`' units) the units whose real rows miss some key (a partial last block): V masked on
+    #: those alone, the others read as stored (their keys are all seen, or no row sees any).
     masked_tiles: torch.Tensor | None = None
-    #: The rows see different keys (the causal pairs of a request's new tokens): a non-finite value is
-    #: zeroed in V and its NaN put in the scores of exactly the rows that see it (`tiles.clean_values`).
-    clean: bool = False
 
 
-def units_rows(q: torch.Tensor, sets: list[UnitSet], scale: float, soft_cap: float | None,
+def units_rows(q: torch.Tensor, units: UnitSet, pairs: UnitSet | None, scale: float, soft_cap: float | None,
                final: bool = False) -> Partial | Final:
-    """q `[n, Hq, D]` (the step's tokens) -> every token's pairs over the sets' units: a Partial
-    `[n, Hq, Dv]`, or with `final` the normalized rows in q's dtype."""
+    """q `[n, Hq, D]` (the step's tokens) -> every token's pairs over `units` and `pairs` (rows that see
+    different keys: a request's causal pairs; a non-finite value reaches exactly the rows that see it,
+    `tiles.clean_values`): a Partial `[n, Hq, Dv]`, or with `final` the normalized rows in q's dtype."""
     n, hq, d = q.shape
-    hkv, dv = sets[0].k.shape[2], sets[0].v.shape[-1]
+    u, r = units.tokens.shape
+    hkv, dv = units.k.shape[2], units.v.shape[-1]
     g = hq // hkv
     dt, op = compute_dtype(q.dtype), product_dtype(q.dtype)
+    dest = _dest(units, n)
+    qh = q[units.tokens.clamp(max=n - 1)].to(op).view(u, r, hkv, g, d).transpose(1, 2).reshape(u, hkv, r * g, d)
+    k, v = units.k.to(op), units.v.to(op)  # no-ops but for fp16
+    visible = units.mask[:, :, None, :]  # [U, R, 1, K]: a row's heads see its keys
+    scores = [_scores(qh[:, h], k[:, :, h], visible, scale, soft_cap) for h in range(hkv)]
     token_max = torch.full((n + 1, hq), float("-inf"), dtype=dt, device=q.device)
-    work = []
-    for s in sets:
-        u, r = s.tokens.shape
-        dest = torch.where(s.real, s.tokens, n).reshape(-1)  # [U * R]; n: dropped
-        qh = q[s.tokens.clamp(max=n - 1)].to(op).view(u, r, hkv, g, d).transpose(1, 2).reshape(u, hkv, r * g, d)
-        k, v = s.k.to(op), s.v.to(op)  # no-ops but for fp16
-        visible = s.mask[:, :, None, :]  # [U, R, 1, K]: a row's heads see its keys
-        zero = torch.zeros((), dtype=v.dtype, device=v.device)
-        seen = s.mask.any(1)[:, :, None]  # [U, K, 1]
-        bad = None
-        if s.clean:
-            finite = torch.isfinite(v).all(-1)  # [U, K, Hkv]
-            bad = seen & ~finite
-            v = torch.where((seen & finite)[..., None], v, zero)
-        elif s.masked_tiles is None:
-            v = torch.where(seen[..., None], v, zero)
-        scores = [_scores(qh[:, h], k[:, :, h], visible, None if bad is None else bad[:, :, h], scale, soft_cap)
-                  for h in range(hkv)]
-        row_max = torch.stack([x.amax(-1) for x in scores], 2).view(u * r, hq)  # [U*R, Hq]: small
-        token_max = scatter_max(row_max, dest, token_max)
-        work.append((s, dest, v, visible, scores))
-    acc = [torch.zeros((n + 1, g, dv), dtype=dt, device=q.device) for _ in range(hkv)]
-    total = torch.zeros((n + 1, hq), dtype=dt, device=q.device)
-    for s, dest, v, visible, scores in work:
-        u, r = s.tokens.shape
-        row_token_max = token_max[dest].view(u, r, hkv, g)
-        fix = s.masked_tiles is not None and s.masked_tiles.shape[0] > 0
-        if fix:  # the units that miss a key again, on V with those keys zeroed
-            v_fix = torch.where(s.mask[s.masked_tiles].any(1)[:, :, None, None], v[s.masked_tiles], 0.0)
-        sums = []
-        for h, x in enumerate(scores):
-            p = torch.where(visible, torch.exp(x - row_token_max[:, :, h, :, None]), 0.0)  # [U, R, G, K]
-            sums.append(p.sum(-1))
-            p = p.to(v.dtype).view(u, r * g, -1)
-            a = torch.matmul(p, v[:, :, h])  # [U, R*G, Dv]
-            if fix:
-                a = a.index_copy_(0, s.masked_tiles, torch.matmul(p[s.masked_tiles], v_fix[:, :, h]))
-            acc[h] = acc[h].index_add(0, dest, a.view(u * r, g, dv).to(dt))
-        total = total.index_add(0, dest, torch.stack(sums, 2).view(u * r, hq))
-    out = Partial(torch.cat(acc, 1)[:n], token_max[:n], total[:n])
+    token_max = scatter_max(torch.stack([x.amax(-1) for x in scores], 2).view(u * r, hq), dest, token_max)
+    if pairs is not None:
+        p_dest, p_scores, p_v = _pair_scores(q, pairs, scale, soft_cap)
+        t, _, _, pr, _ = p_scores.shape
+        token_max = scatter_max(p_scores.amax(-1).permute(0, 3, 1, 2).reshape(t * pr, hq), p_dest, token_max)
+    row_max = token_max[dest].view(u, r, hkv, g)
+    sel = units.masked_tiles
+    v_fix = torch.where(units.mask[sel].any(1)[:, :, None, None], v[sel], torch.zeros((), dtype=v.dtype,
+                                                                                       device=v.device))
+    acc, sums = [], []
+    for h, x in enumerate(scores):
+        p = torch.where(visible, torch.exp(x - row_max[:, :, h, :, None]), 0.0)  # [U, R, G, K]
+        sums.append(p.sum(-1))
+        p = p.to(v.dtype).view(u, r * g, -1)
+        a = torch.matmul(p, v[:, :, h])  # [U, R*G, Dv]; the units that miss a key again, on V with those zeroed
+        a = a.index_copy_(0, sel, torch.matmul(p[sel], v_fix[:, :, h]))
+        acc.append(torch.zeros((n + 1, g, dv), dtype=dt, device=q.device).index_add(0, dest,
+                                                                                      a.view(u * r, g, dv).to(dt)))
+    total = torch.zeros((n + 1, hq), dtype=dt, device=q.device).index_add(0, dest,
+                                                                            torch.stack(sums, 2).view(u * r, hq))
+    acc = torch.cat(acc, 1)
+    if pairs is not None:
+        p = torch.where(pairs.mask[:, None, None], torch.exp(p_scores - token_max[p_dest].view(
+            t, pr, hkv, g).permute(0, 2, 3, 1)[..., None]), 0.0)  # [T, Hkv, G, R, K]
+        total = total.index_add(0, p_dest, p.sum(-1).permute(0, 3, 1, 2).reshape(t * pr, hq))
+        a = torch.matmul(p.to(p_v.dtype).reshape(t, hkv, g * pr, -1), p_v).to(dt).view(t, hkv, g, pr, dv)
+        acc = acc.index_add(0, p_dest, a.permute(0, 3, 1, 2, 4).reshape(t * pr, hq, dv))
+    out = Partial(acc[:n], token_max[:n], total[:n])
     return Final(normalize(out, q.dtype)) if final else out
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, bad: torch.Tensor | None, scale: float,
+def _dest(s: UnitSet, n: int) -> torch.Tensor:
+    """Each row's token `[U * R]`; rows that are not real go to `n` (dropped)."""
+    return torch.where(s.real, s.tokens, n).reshape(-1)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float,
             soft_cap: float | None) -> torch.Tensor:
-    """One KV head's scores `[U, R, G, K]` (q `[U, R*G, D]`, k `[U, K, D]` a strided view): -inf where the row
-    does not see the key, NaN where it sees a bad value (`bad` `[U, K]`)."""
+    """One KV head's scores `[U, R, G, K]` (q `[U, R*G, D]`, k `[U, K, D]` a strided view), -inf where the
+    row does not see the key."""
     u, k_len = k.shape[0], k.shape[1]
     s = torch.matmul(q, k.transpose(1, 2)).view(u, visible.shape[1], -1, k_len).to(compute_dtype(q.dtype)) * scale
     if soft_cap is not None:
         s = soft_cap * torch.tanh(s / soft_cap)
-    if bad is not None:
-        s = torch.where(visible & bad[:, None, None, :], float("nan"), s)
     return s.masked_fill(~visible, float("-inf"))
+
+
+def _pair_scores(q: torch.Tensor, s: UnitSet, scale: float, soft_cap: float | None):
+    """(rows' tokens, scores `[T, Hkv, G, R, K]`, cleaned values `[T, Hkv, K, Dv]`) of the pairs: every head
+    in one product (the keys are gathered, a few per request)."""
+    n, hq, d = q.shape
+    t, r = s.tokens.shape
+    nk, hkv = s.k.shape[1], s.k.shape[2]
+    g = hq // hkv
+    op = product_dtype(q.dtype)
+    qg = q[s.tokens.clamp(max=n - 1)].to(op).view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)
+    scores = torch.matmul(qg, s.k.to(op).permute(0, 2, 3, 1)).view(t, hkv, g, r, nk).to(compute_dtype(q.dtype)) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    v, bad = clean_values(s.v.to(op), s.mask.any(1))
+    return _dest(s, n), mask_scores(scores, s.mask, bad), v
