@@ -23,6 +23,11 @@ from vllm_gaudi_unified.merge import Final, Partial, normalize, scatter_max
 from vllm_gaudi_unified.paths.tiles import clean_values, compute_dtype, mask_scores, product_dtype
 
 
+#: Each unit's probabilities against its own max, its rows rescaled to the token's max as they are added
+#: (one pass over the scores), instead of against the token's max (a second pass: the max first).
+RESCALE_IN_ADD = False
+
+
 class UnitSet(NamedTuple):
     """Units of one shape: `k` `[U, K, Hkv, D]` / `v` `[U, K, Hkv, Dv]` (each unit's keys, as stored),
     `mask` `[U, R, K]` (True: the row sees the key), `tokens` / `real` `[U, R]` (each row's token; rows that
@@ -53,7 +58,8 @@ def units_rows(q: torch.Tensor, units: UnitSet, pairs: UnitSet | None, scale: fl
     visible = units.mask[:, :, None, :]  # [U, R, 1, K]: a row's heads see its keys
     scores = [_scores(qh[:, h], k[:, :, h], visible, scale, soft_cap) for h in range(hkv)]
     token_max = torch.full((n + 1, hq), float("-inf"), dtype=dt, device=q.device)
-    token_max = scatter_max(torch.stack([x.amax(-1) for x in scores], 2).view(u * r, hq), dest, token_max)
+    unit_max = [x.amax(-1) for x in scores]  # [U, R, G] per KV head
+    token_max = scatter_max(torch.stack(unit_max, 2).view(u * r, hq), dest, token_max)
     if pairs is not None:
         p_dest, p_scores, p_v = _pair_scores(q, pairs, scale, soft_cap)
         t, _, _, pr, _ = p_scores.shape
@@ -64,15 +70,19 @@ def units_rows(q: torch.Tensor, units: UnitSet, pairs: UnitSet | None, scale: fl
                                                                                        device=v.device))
     acc, sums = [], []
     for h, x in enumerate(scores):
-        p = torch.where(visible, torch.exp(x - row_max[:, :, h, :, None]), 0.0)  # [U, R, G, K]
-        sums.append(p.sum(-1))
+        if RESCALE_IN_ADD:  # p against the unit's max (one pass over x), its rows rescaled as they are added
+            m, seen = unit_max[h], unit_max[h] != float("-inf")
+            w = torch.where(seen, torch.exp(m - row_max[:, :, h]), 0.0).view(u * r, g)
+            p = torch.exp(x - torch.where(seen, m, 0.0)[..., None])  # [U, R, G, K]
+        else:
+            w, p = None, torch.where(visible, torch.exp(x - row_max[:, :, h, :, None]), 0.0)
+        sums.append(p.sum(-1).view(u * r, g) * (1.0 if w is None else w))
         p = p.to(v.dtype).view(u, r * g, -1)
         a = torch.matmul(p, v[:, :, h])  # [U, R*G, Dv]; the units that miss a key again, on V with those zeroed
-        a = a.index_copy_(0, sel, torch.matmul(p[sel], v_fix[:, :, h]))
-        acc.append(torch.zeros((n + 1, g, dv), dtype=dt, device=q.device).index_add(0, dest,
-                                                                                      a.view(u * r, g, dv).to(dt)))
-    total = torch.zeros((n + 1, hq), dtype=dt, device=q.device).index_add(0, dest,
-                                                                            torch.stack(sums, 2).view(u * r, hq))
+        a = a.index_copy_(0, sel, torch.matmul(p[sel], v_fix[:, :, h])).view(u * r, g, dv).to(dt)
+        acc.append(torch.zeros((n + 1, g, dv), dtype=dt, device=q.device).index_add(
+            0, dest, a if w is None else a * w[..., None]))
+    total = torch.zeros((n + 1, hq), dtype=dt, device=q.device).index_add(0, dest, torch.cat(sums, 1))
     acc = torch.cat(acc, 1)
     if pairs is not None:
         p = torch.where(pairs.mask[:, None, None], torch.exp(p_scores - token_max[p_dest].view(
