@@ -165,7 +165,7 @@ def test_a_unit_bucket_sends_every_longer_request_to_the_prompt_route():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_a_bad_cached_value_stays_with_its_requests_unit(dtype):
-    """On the Gaudi route's units (`tiles._attend_units`: per KV head one product over a request's tokens),
+    """On the Gaudi route's units (`unique_units.units_rows`: per KV head one product over a request's tokens),
     a NaN in a cached value one request sees reaches that request's tokens, for the query heads of that KV
     head alone; NaN in slots no request may read (`make_tensors`) reaches nothing."""
     from conftest import make_block_table, make_tensors
