@@ -28,6 +28,11 @@ from vllm_gaudi_unified.paths.tiles import clean_values, compute_dtype, mask_sco
 RESCALE_IN_ADD = False
 
 
+#: Rows past the step's tokens that the rows with no token (ragged drafts' padding, dead slots) are added
+#: into, spread over them: the adds into one such row from every padding row would queue on the same addresses.
+DROP_ROWS = 64
+
+
 class UnitSet(NamedTuple):
     """Units of one shape: `k` `[U, K, Hkv, D]` / `v` `[U, K, Hkv, Dv]` (each unit's keys, as stored),
     `mask` `[U, R, K]` (True: the row sees the key), `tokens` / `real` `[U, R]` (each row's token; rows that
@@ -57,7 +62,7 @@ def units_rows(q: torch.Tensor, units: UnitSet, pairs: UnitSet | None, scale: fl
     k, v = units.k.to(op), units.v.to(op)  # no-ops but for fp16
     visible = units.mask[:, :, None, :]  # [U, R, 1, K]: a row's heads see its keys
     scores = [_scores(qh[:, h], k[:, :, h], visible, scale, soft_cap) for h in range(hkv)]
-    token_max = torch.full((n + 1, hq), float("-inf"), dtype=dt, device=q.device)
+    token_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
     unit_max = [x.amax(-1) for x in scores]  # [U, R, G] per KV head
     token_max = scatter_max(torch.stack(unit_max, 2).view(u * r, hq), dest, token_max)
     if pairs is not None:
@@ -80,9 +85,9 @@ def units_rows(q: torch.Tensor, units: UnitSet, pairs: UnitSet | None, scale: fl
         p = p.to(v.dtype).view(u, r * g, -1)
         a = torch.matmul(p, v[:, :, h])  # [U, R*G, Dv]; the units that miss a key again, on V with those zeroed
         a = a.index_copy_(0, sel, torch.matmul(p[sel], v_fix[:, :, h])).view(u * r, g, dv).to(dt)
-        acc.append(torch.zeros((n + 1, g, dv), dtype=dt, device=q.device).index_add(
+        acc.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(
             0, dest, a if w is None else a * w[..., None]))
-    total = torch.zeros((n + 1, hq), dtype=dt, device=q.device).index_add(0, dest, torch.cat(sums, 1))
+    total = torch.zeros((n + DROP_ROWS, hq), dtype=dt, device=q.device).index_add(0, dest, torch.cat(sums, 1))
     acc = torch.cat(acc, 1)
     if pairs is not None:
         p = torch.where(pairs.mask[:, None, None], torch.exp(p_scores - token_max[p_dest].view(
@@ -95,8 +100,9 @@ def units_rows(q: torch.Tensor, units: UnitSet, pairs: UnitSet | None, scale: fl
 
 
 def _dest(s: UnitSet, n: int) -> torch.Tensor:
-    """Each row's token `[U * R]`; rows that are not real go to `n` (dropped)."""
-    return torch.where(s.real, s.tokens, n).reshape(-1)
+    """Each row's token `[U * R]`; rows that are not real go to one of `DROP_ROWS` dropped rows from `n` on."""
+    spread = n + torch.arange(s.real.numel(), device=s.real.device).view(s.real.shape) % DROP_ROWS
+    return torch.where(s.real, s.tokens, spread).reshape(-1)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float,
