@@ -165,7 +165,7 @@ def test_a_unit_bucket_sends_every_longer_request_to_the_prompt_route():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_a_bad_cached_value_stays_with_its_requests_unit(dtype):
-    """On the Gaudi route's units (`unique_units.units_rows`: per KV head one product over a request's tokens),
+    """On the Gaudi route's units (`tiles._attend_units`: per KV head one product over a request's tokens),
     a NaN in a cached value one request sees reaches that request's tokens, for the query heads of that KV
     head alone; NaN in slots no request may read (`make_tensors`) reaches nothing."""
     from conftest import make_block_table, make_tensors
@@ -187,20 +187,14 @@ def test_a_bad_cached_value_stays_with_its_requests_unit(dtype):
     assert torch.equal(bad, want)
 
 
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 @pytest.mark.parametrize("extra", ["alone", "soft_cap", "sinks"])
-def test_units_in_the_tokens_scale(monkeypatch, dtype, extra):
-    """A verify step on the matmul units (`unique_units.units_rows`: each token's max over all its units
-    first, the units' products added in that scale): the step's only path writes its final rows; beside
-    sinks (merged after it) it is a Partial; a soft cap applies before the max. fp16 products in fp32."""
-    from conftest import record_calls
-
-    from vllm_gaudi_unified.merge import Final
-    from vllm_gaudi_unified.paths import unique
-
-    calls = record_calls(monkeypatch, unique, "units_rows")
+def test_units_with_a_soft_cap_sinks_and_fp16(dtype, extra):
+    """A verify step on the matmul units: a soft cap applies before the softmax, sinks join the merged rows,
+    fp16 products run in fp32."""
     kw = {"soft_cap": {"logits_soft_cap": 2.5}, "sinks": {"sinks": torch.linspace(-1, 2, 8, dtype=dtype)},
           "alone": {}}[extra]
     out, ref, batch = run_case(VERIFY["gqa"][0], dtype=dtype, options=UNITS, **kw)
+    assert batch.plan.unique_units == 4
     assert_matches(out, ref)
-    assert isinstance(calls[0], Final) == (extra != "sinks")

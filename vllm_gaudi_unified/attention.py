@@ -272,7 +272,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
     # A request's self and causal pairs in the unique units (the kernel's, with shared cells one-token units only)
     new_in_units = (new_tokens and (phase[2] == "u" or shared_in_kernel) and not mla and (kernel or not flash)
                     and units_take_new_pairs(batch, kernel) and not (shared_in_kernel and batch.plan.unique_units > 1))
-    new, sole = ((key, value), alone and phase[1] == "-") if new_in_units else (None, False)  # (for 4.)
+    new = (key, value) if new_in_units else None  # (for 4.)
     if not new_tokens or new_in_units:
         pass
     elif flash and phase[0] == "c" and not batch.plan.bidirectional and not prompts_merged:
@@ -307,11 +307,11 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
             yield run(query, key_cache, value_cache.shape[-1], units, scale, key, **extra)
         elif kernel:  # (with the units' new pairs and no shared tiles, the step's only path: its rows final)
             yield kernel_unique_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale, new=new,
-                                        final=sole)
+                                        final=alone and new is not None and phase[1] == "-")
         elif flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale)
         else:
-            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new, final=sole)
+            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new)
 
 
 def input_error(*args) -> ValueError | None:

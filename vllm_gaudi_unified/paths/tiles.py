@@ -92,17 +92,20 @@ def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           soft_cap: float | None, masked_tiles: torch.Tensor | None = None, stacked: bool = False) -> Partial:
+           soft_cap: float | None, masked_tiles: torch.Tensor | None = None, as_stored: bool = False,
+           stacked: bool = False) -> Partial:
     """q `[T, R, Hq, D]`, k `[T, K, Hkv, D]`, v `[T, K, Hkv, Dv]` (MLA: Dv < D), mask `[T, R, K]`
     (True = visible) -> Partial `[T*R, Hq, Dv]`.
 
     Keys no row of a tile may see are zeroed in `v` first: a poisoned cache slot
     (NaN, inf) times a zero probability would still be NaN; a non-finite value
     some rows see reaches those rows alone (module docstring). `masked_tiles`
-    (one-row tiles): indices of every tile whose real rows may miss
+    (one-row tiles, or `as_stored`): indices of every tile whose real rows may miss
     some key; then only those tiles are masked, and the others (all keys seen,
     or no row: their partial may hold NaN, for the merge to drop) read V as is.
-    `stacked` (with `masked_tiles` empty,
+    `as_stored`: a tile of a few rows that all see the same keys (the unique path's
+    units: one request's new tokens) takes the one-row form's products over K/V as
+    stored too; rows that see no key are for the merge to drop. `stacked` (with `masked_tiles` empty,
     V's unseen keys zeroed by the caller): rows that see the same keys (a verify unit's tokens; no-rows
     see none) take the one-row form with the rows stacked in its two products.
     """
@@ -114,6 +117,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16
     if (r == 1 or stacked) and hkv > 1 and k.is_contiguous() and v.is_contiguous():
         return _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles)
+    if as_stored:
+        return _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles)
     qg = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # [T, Hkv, G*R, D]
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).view(t, hkv, g, r, nk)
     scores = scores.to(dt) * scale
@@ -155,3 +160,34 @@ def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partia
                                                        vz.view(-1, nk * hkv, dv)))
         acc = acc.to(dt)
     return Partial(acc, m.reshape(tr, hq), total.reshape(tr, hq))
+
+
+def _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
+    """`attend` for tiles of a few rows that see the same keys (`as_stored`: the unique path's units, one
+    request's new tokens), K/V as stored `[T, K, Hkv, D]`: per KV head one batched product of the tile's
+    `R x G` rows against that head's keys read in place (a strided view, no copy, no product off its heads);
+    V masked only on `masked_tiles`, as in `_attend_one_row`."""
+    t, r, hq, d = q.shape
+    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hkv
+    dt = compute_dtype(q.dtype)
+    qh = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # rows (g, r) per KV head
+    scores = torch.stack([torch.matmul(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+    scores = scores.view(t, hkv, g, r, nk).to(dt) * scale  # [T, Hkv, G, R, K]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    p, m, total = masked_softmax_for(scores)(scores)
+    p = p.to(v.dtype).view(t, hkv, g * r, nk)
+    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    if masked_tiles is None:  # any tile may miss a key: V with the unseen keys zeroed, one product
+        vz = torch.where(mask.any(1)[:, :, None, None], v, zero)
+        acc = torch.stack([torch.matmul(p[:, h], vz[:, :, h]) for h in range(hkv)], 1)  # [T, Hkv, G*R, Dv]
+    else:  # V as stored, then the tiles whose real rows miss some key again on masked V
+        acc = torch.stack([torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)], 1)
+        sel = masked_tiles
+        vz = torch.where(mask.any(1)[sel][:, :, None, None], v[sel], zero)
+        acc = acc.index_copy_(0, sel, torch.stack([torch.matmul(p[sel, h], vz[:, :, h]) for h in range(hkv)], 1))
+    acc = acc.to(dt).view(t, hkv, g, r, dv)
+    return Partial(acc.permute(0, 3, 1, 2, 4).reshape(t * r, hq, dv), m.permute(0, 3, 1, 2).reshape(t * r, hq),
+                   total.permute(0, 3, 1, 2).reshape(t * r, hq))

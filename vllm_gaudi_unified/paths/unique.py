@@ -16,11 +16,10 @@ import math
 
 import torch
 
-from vllm_gaudi_unified.merge import Final, Partial, scatter_merge
+from vllm_gaudi_unified.merge import Final, Partial, merge, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
-from vllm_gaudi_unified.paths.unique_units import UnitSet, units_rows
 
 #: Keys per loop step of the kernel, and the keys a split aims at (a token's blocks are cut into
 #: power-of-two splits of about this many keys, so long contexts still fill the GPU).
@@ -47,11 +46,10 @@ SCAN_ORDER_MAX_WORK = 1 << 22
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
                    soft_cap: float | None, k_scale=None, v_scale=None,
-                   new: tuple[torch.Tensor, torch.Tensor] | None = None, final: bool = False) -> Partial | Final | None:
+                   new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
     """None when the batch has no unique block. An fp8 cache is dequantized after the gather (or slice).
     `new` (the step's keys and values; `units_take_new_pairs`): the requests' self and causal pairs too
-    (`request_pairs`), in the units' scale (`unique_units.py`); `final` (then the step's only path): the
-    rows normalized in q's dtype."""
+    (`request_pairs`), merged with the blocks' rows."""
     slots = batch.unique_rows.shape[0]
     if slots == 0:
         return None
@@ -63,11 +61,12 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     block_size = key_cache.shape[1]
     mask = slot_mask(batch.unique_lo, batch.unique_hi, block_size)[:, None, :]  # [slots, 1, block_size]
     rows = batch.unique_rows
-    if batch.plan.unique_units > 1:  # (request, block) units: a request's new tokens x the heads of a KV head
+    if batch.plan.unique_units > 1:  # a (request, block) unit: the request's new tokens x all heads, one product
         tokens, real = unit_tokens(batch, n)
-        units = UnitSet(k, v, mask & real[:, :, None], tokens, real, _partial_slots(batch, n, block_size))
-        return units_rows(q, units, None if new is None else request_pairs(q, *new, batch), scale, soft_cap,
-                          final and new is not None)
+        part = attend(q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap,
+                      masked_tiles=_partial_slots(batch, n, block_size), as_stored=True)
+        out = scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
+        return out if new is None else merge(out, request_pairs(q, *new, batch, scale, soft_cap))
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
     return scatter_merge(part, rows, n)
@@ -83,8 +82,9 @@ def unit_tokens(batch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, (tokens < n) & (seg == rows[:, None])
 
 
-def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> UnitSet:
-    """Every request's self and causal pairs as one unit per request of `unique_units` rows and keys (its new
+def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
+                  soft_cap: float | None) -> Partial:
+    """Every request's self and causal pairs, one tile per request of `unique_units` rows and keys (its new
     tokens from its first, `token_seg_start` of its last, `logits_indices`): row i sees key j <= i. A padded
     request repeats index 0 (no larger than the one before it) and has no row. Only where every request
     holds at most `unique_units` new tokens (`units_take_new_pairs`)."""
@@ -97,7 +97,8 @@ def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> U
     real = real_req[:, None] & (tokens <= last[:, None])
     idx = tokens.clamp(max=n - 1)
     causal = torch.ones((u, u), dtype=torch.bool, device=q.device).tril()
-    return UnitSet(k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, tokens, real)
+    part = attend(q[idx], k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, scale, soft_cap)
+    return scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
 
 
 def per_token(batch, n: int):
