@@ -187,7 +187,6 @@ def test_a_bad_cached_value_stays_with_its_requests_unit(dtype):
     assert torch.equal(bad, want)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 @pytest.mark.parametrize("extra", ["alone", "soft_cap", "sinks"])
 def test_units_with_a_soft_cap_sinks_and_fp16(dtype, extra):
