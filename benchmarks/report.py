@@ -81,12 +81,9 @@ def median_rows(rows: list[dict]) -> dict:
     rows with `round` 0, 1, ...; its `rounds_ms` lists them all). A later run of the same key (a row whose
     round does not follow the one before: another run, or a later file) replaces the earlier ones."""
     runs: dict = {}
-    for r in rows:
-        if r.get("ms") is None:
-            continue
+    for r in [r for r in rows if r.get("ms") is not None]:
         key = (r["scenario"], r["block_size"], r["method"], r.get("variant"))
-        run = runs.get(key)
-        if run is None or r.get("round", 0) <= run[-1].get("round", 0):
+        if (run := runs.get(key)) is None or r.get("round", 0) <= run[-1].get("round", 0):
             run = runs[key] = []
         run.append(r)
     out = {}
@@ -295,9 +292,9 @@ def _verify_rows(name: str) -> dict:
 
 
 def verify_table() -> list[str]:
-    runs, peers, mla, cuda_runs = ("verify_h200/gaudi_compiled.json", "verify_h200/with_peers.json",
-                                   "verify_h200/mla_units.json", "verify_h200/cuda_final.json")
-    ours, peer, cuda = _verify_rows(runs), _verify_rows(peers), _verify_rows(cuda_runs)
+    runs, peers, mla, cuda_runs, units = (f"verify_h200/{n}.json" for n in (
+        "gaudi_compiled", "with_peers", "mla_units", "cuda_final", "gaudi_units"))
+    ours, peer, cuda = {**_verify_rows(runs), **_verify_rows(units)}, _verify_rows(peers), _verify_rows(cuda_runs)
     titles = {r["scenario"]: r.get("title", r["scenario"]) for r in _load(runs)["rows"]}
     ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
     out = ["CUDA route:", ""] + _head("step", "ours", "vLLM Triton", "ours / Triton", "our decode, same contexts",
@@ -328,6 +325,8 @@ def verify_table() -> list[str]:
     src = lambda n, c: _source(n, c, _load(n)["env"]["device"], _load(n)["env"]["date"])  # noqa: E731
     return out + ["", f"- {src(cuda_runs, 'python -m benchmarks.verify --out DIR --no-peers --routes cuda')} "
                   "(the CUDA table)", f"- {src(runs, 'python -m benchmarks.verify --out DIR --compile CASES')}",
+                  f"- {src(units, 'python -m benchmarks.verify --out DIR --compile CASES --cases CASES --routes , --no-peers --no-triton')} "
+                  "(the Gaudi route's verify steps compiled, of its scenarios)",
                   f"- {src(peers, 'python -m benchmarks.verify --out DIR')} (vllm-gaudi's columns)",
                   f"- {src(mla, 'python -m benchmarks.verify --out DIR --mla --cases none --no-peers --no-triton')}"]
 

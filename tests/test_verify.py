@@ -185,3 +185,15 @@ def test_a_bad_cached_value_stays_with_its_requests_unit(dtype):
     want = torch.zeros_like(bad)
     want[4:7, 2:] = True
     assert torch.equal(bad, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("extra", ["alone", "soft_cap", "sinks"])
+def test_units_with_a_soft_cap_sinks_and_fp16(dtype, extra):
+    """A verify step on the matmul units: a soft cap applies before the softmax, sinks join the merged rows,
+    fp16 products run in fp32."""
+    kw = {"soft_cap": {"logits_soft_cap": 2.5}, "sinks": {"sinks": torch.linspace(-1, 2, 8, dtype=dtype)},
+          "alone": {}}[extra]
+    out, ref, batch = run_case(VERIFY["gqa"][0], dtype=dtype, options=UNITS, **kw)
+    assert batch.plan.unique_units == 4
+    assert_matches(out, ref)

@@ -37,6 +37,8 @@ KERNEL_MIN_SPLIT_KEYS = 256
 #: the kernel too, each row reading the tile's blocks itself (`kernel_takes_shared`): the re-reads mostly
 #: hit L2, and the step is one kernel instead of a gather, flash and a scatter merge (docs/benchmarks.md).
 KERNEL_SHARED_MAX_ROWS = 16
+#: Dropped rows the units' rows without a token are merged into (`unique_partial`), spread.
+DROP_ROWS = 64
 #: Slots up to which the kernel's token order is computed by rank (`token_order`), not sorted.
 RANK_SORT_MAX_SLOTS = 1024
 #: (tokens + 1) x slots up to which the token order on CUDA is one scan kernel (`scan_token_order`): its rows
@@ -65,7 +67,11 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
         tokens, real = unit_tokens(batch, n)
         part = attend(q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap,
                       masked_tiles=_partial_slots(batch, n, block_size), as_stored=True)
-        out = scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
+        # Rows without a token (ragged drafts' padding) spread over DROP_ROWS dropped rows: added into one, they
+        # would queue on its addresses.
+        drop = n + torch.arange(real.numel(), device=real.device).view(real.shape) % DROP_ROWS
+        out = Partial(*(x[:n] for x in scatter_merge(part, torch.where(real, tokens, drop).reshape(-1),
+                                                     n + DROP_ROWS - 1)))
         return out if new is None else merge(out, request_pairs(q, *new, batch, scale, soft_cap))
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
