@@ -34,7 +34,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                  BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
                  K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr,
                  kn_ptr, vn_ptr, skn_t, skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS: tl.constexpr,
-                 take_ptr, NEW_SELECT: tl.constexpr, out_ptr, FINAL: tl.constexpr):
+                 take_ptr, NEW_SELECT: tl.constexpr, out_ptr, FINAL: tl.constexpr, EXACT_DIV: tl.constexpr = False):
     """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
     stride 1), scale tensors by strides (0 on broadcast axes; `K_SCALES`/`V_SCALES`: 0 none (a float
     folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
@@ -60,9 +60,11 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     (the others' are on flash segments); else every program does.
 
     `FINAL` (one split, the step's only path): the rows normalized, in out's dtype (`out` `[n, HQ, D]`; a row
-    that saw no key gives 0, as `merge.normalize`), and no Partial written (acc/m/l: their dtype only). The
-    division rounds as IEEE's (`div_rn`, not the approximate fp32 `/`), so the rows are `merge.normalize`'s
-    of the same Partial bit for bit (the batch-invariant mode writes a row either way, by the step's form)."""
+    that saw no key gives 0, as `merge.normalize`), and no Partial written (acc/m/l: their dtype only). With
+    `EXACT_DIV` (the batch-invariant mode, which writes a row either way by the step's form) the division rounds
+    as IEEE's (`div_rn`, not the approximate fp32 `/`), so the rows are `merge.normalize`'s of the same Partial
+    bit for bit. The default needs no such match and keeps the approximate divide, cheaper where a program
+    finishes many rows (a verify step's units)."""
     t = tl.program_id(0).to(tl.int64)  # output offsets (t * SPLITS * HQ * D) may pass 2**31
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -187,12 +189,12 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
             acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), vn.to(op_dtype)).to(acc_dtype)
             m_i = m_new
     row = (tok * SPLITS + sp) * HQ + heads
-    if FINAL:  # (SPLITS 1: row = tok * HQ + heads); IEEE division, as torch's (`merge.normalize`)
+    if FINAL:  # (SPLITS 1: row = tok * HQ + heads); `EXACT_DIV`: IEEE division, as torch's (`merge.normalize`)
         denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
-        if acc_dtype == tl.float32:  # (the product cast as the Partial's store casts it: fp64 under torch.compile)
-            out = tl.math.div_rn((acc * v_scale).to(acc_dtype), denom)
-        else:  # (fp64: its `/` is IEEE's already; div_rn takes fp32 only)
-            out = acc * v_scale / denom
+        out = acc * v_scale / denom  # (fp64: its `/` is IEEE's already; div_rn takes fp32 only)
+        if EXACT_DIV:
+            if acc_dtype == tl.float32:  # (the product cast as the Partial's store casts it: fp64 under compile)
+                out = tl.math.div_rn((acc * v_scale).to(acc_dtype), denom)
         tl.store(out_ptr + row[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
     else:
