@@ -34,7 +34,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                  BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
                  K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr,
                  kn_ptr, vn_ptr, skn_t, skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS: tl.constexpr,
-                 take_ptr, NEW_SELECT: tl.constexpr, out_ptr, FINAL: tl.constexpr, EXACT_DIV: tl.constexpr = False):
+                 take_ptr, NEW_SELECT: tl.constexpr, out_ptr, FINAL: tl.constexpr, EXACT_DIV: tl.constexpr):
     """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
     stride 1), scale tensors by strides (0 on broadcast axes; `K_SCALES`/`V_SCALES`: 0 none (a float
     folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
