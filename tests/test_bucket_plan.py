@@ -246,7 +246,7 @@ def test_a_step_takes_a_bucket_of_its_own_phase_where_one_covers_it():
                               num_blocks=4096)
     small_csu = Bucket("csu", 64, 32, 64, 64, 1)
     su = Bucket("-su", 64, 256, 512, 64, 0)
-    u = Bucket("--u", 64, 0, 512, 64, 0)
+    u = Bucket("--u", 64, 0, 1024, 64, 0)
     plan = BucketPlan([small_csu, su, u], settings)
     assert plan.cost_model.bucket_cost(small_csu) < plan.cost_model.bucket_cost(u)  # the model's cheapest
     steps = [Bucket("-su", 32, 8, 40, 32, 0), Bucket("--u", 32, 0, 40, 32, 0), Bucket("c-u", 40, 0, 30, 4, 1)]

@@ -15,6 +15,7 @@ import torch
 
 from conftest import Step, assert_matches, run_case
 from vllm_gaudi_unified import Bucket
+from vllm_gaudi_unified.bucket import SIZE_FIELDS
 from vllm_gaudi_unified.bucket_plans import BucketPlan, ModelSpec, ServerSettings, TraceStep
 from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
 from vllm_gaudi_unified.bucket_plans.prompt_graphs import half_pow2, learn_prompt_graphs, rounded_shape
@@ -92,8 +93,7 @@ def test_a_step_whose_only_prompt_graph_costs_more_than_its_tiled_bucket_takes_t
         batch = build_unified_batch(CHUNK.query_lens, CHUNK.context_lens, table, 4, num_blocks=num_blocks,
                                     options=both.step_options, bucket=both, buffers=into)
         tiled = both.find(plan_step(CHUNK.query_lens, CHUNK.context_lens, table, 4, options=both.settings.options).shape)
-        # (a tiled bucket with causal tiles weighs TILED_CAUSAL_SLOWDOWN times its cost: `CostModel.route_cost`)
-        assert tiled.num_prompts == 0 and model.graph_cost(graph) < model.route_cost(tiled) < model.graph_cost(big)
+        assert tiled.num_prompts == 0 and model.graph_cost(graph) < model.graph_cost(tiled) < model.graph_cost(big)
         assert batch.bucket == (tiled if route == "tiles" else graph)
         ref = reference_attention(q, k, v, kc, vc, CHUNK.query_lens, CHUNK.context_lens, table, 0.37)
         assert_matches(unified_attention(q, k, v, kc, vc, batch, 0.37), ref)
@@ -254,15 +254,21 @@ def test_the_learner_also_sees_prompt_steps_beside_fewer_decodes():
     assert kept == sorted(kept) and copy.context_lens.tolist() == mixed.context_lens[kept].tolist()
 
 
-def test_route_cost_weighs_only_buckets_with_causal_tiles_by_the_measured_slowdown(plan):
-    from vllm_gaudi_unified.bucket_plans.cost import TILED_CAUSAL_SLOWDOWN
+def test_the_time_model_is_the_roofline_times_the_factors_measured_on_the_device(plan):
+    from vllm_gaudi_unified.bucket_plans.cost import CONTEXT_FACTOR, GRID_FACTOR, MEASURED_FACTORS
+    from vllm_gaudi_unified.plan.prompts import grid_pairs
 
     model = plan.cost_model
-    decode, causal = Bucket("-su", 8, 8, 8, 8, 0), Bucket("csu", 8, 8, 8, 8, 2)
+    roofline = np.array([model._unit(d) for d in SIZE_FIELDS])
+    assert model.weights == pytest.approx(roofline * MEASURED_FACTORS)
+    assert MEASURED_FACTORS[0] > 10 * MEASURED_FACTORS[2]  # a padded query row costs far more than its FLOPs
     (graph,) = plan.prompt_graphs
-    assert model.route_cost(decode) == model.graph_cost(decode) and model.route_cost(graph) == model.graph_cost(graph)
-    assert model.route_cost(causal) == pytest.approx(TILED_CAUSAL_SLOWDOWN * model.graph_cost(causal))
-    assert model.route_cost(causal, 10.0) == pytest.approx(10.0 * TILED_CAUSAL_SLOWDOWN) and TILED_CAUSAL_SLOWDOWN > 1
+    p, qp, cb = graph.prompts
+    m = model.model
+    kv = m.num_layers * p * cb * plan.settings.block_size * 2 * m.num_kv_heads * m.head_dim * m.dtype_bytes
+    call = (GRID_FACTOR * float(grid_pairs(p, qp, cb, plan.settings.block_size)) * model.pair_cost()
+            + CONTEXT_FACTOR * 1e6 * kv / (model.hardware.hbm_tb_s * 1e12))
+    assert model.graph_cost(graph) == pytest.approx(model.bucket_cost(graph) + call)
 
 
 def test_one_graph_covers_a_long_prompt_beside_few_decodes_and_a_short_one_beside_many():

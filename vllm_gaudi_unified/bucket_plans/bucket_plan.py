@@ -122,9 +122,9 @@ class BucketPlan:
     def route(self, shape: Bucket, tiled_shape) -> str:
         """The route of a step with prompts (`shape`: planned on the prompt route): 'dense' when a prompt graph
         covers it and costs, in the plan's time model (`CostModel.graph_cost`), no more than the bucket its
-        tiled plan pads to (`CostModel.route_cost`: a bucket with causal tiles weighs `TILED_CAUSAL_SLOWDOWN`
-        times its cost, as measured on the device); else 'tiles'. A short question over a long document may have only a large
-        prompt graph covering it, where a tiled bucket is far cheaper. `tiled_shape()` gives the tiled plan's
+        tiled plan pads to (both priced as the device runs them: `cost.MEASURED_FACTORS`); else 'tiles'. A
+        short question over a long document may have only a large prompt graph covering it, where a tiled
+        bucket is far cheaper. `tiled_shape()` gives the tiled plan's
         shape; it is asked for only when the cheapest bucket with the step's query tokens and logits (the
         same on both routes) costs less than the graph, so most steps are planned once."""
         graph = self.prompt_graph(shape)
@@ -135,7 +135,7 @@ class BucketPlan:
             return "dense"
         tiled = tiled_shape()
         i = -1 if self.gather_cap.exceeded(tiled) else self.find_sizes(*tiled.sizes)
-        return "dense" if i < 0 or cost <= self.cost_model.route_cost(self.buckets[i], float(self.costs[i])) else "tiles"
+        return "dense" if i < 0 or cost <= float(self.costs[i]) else "tiles"
 
     def _tiled_floor(self, q: int, l: int) -> float:
         """The least cost of a bucket with at least `q` query tokens and `l` logits (inf: none)."""

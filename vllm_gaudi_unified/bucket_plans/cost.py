@@ -27,7 +27,8 @@ exactly per dimension.
 The defaults describe Llama-3.1-8B in bf16 on one Gaudi 3 (about 1835 TFLOP/s of
 bf16 matrix math, 28.7 TFLOP/s of bf16 vector math, 3.7 TB/s of HBM; public
 figures, rounded). Only ratios matter for the waste, so other models and devices
-change the picture only through these ratios.
+change the picture only through these ratios. Each size's roofline time is then scaled by what the device
+measures for it (`MEASURED_FACTORS`): a padded query row or causal tile costs far more than its FLOPs.
 """
 from __future__ import annotations
 
@@ -75,13 +76,18 @@ class Hardware:
     memory_gb: float = 128.0  #: device memory (HBM), for the gather cap of a plan
 
 
-#: What a bucket with causal tiles (a step with prompts on the tiled route) takes on the device per µs of this
-#: model, against a prompt graph or a decode bucket: its many small masked tiles, gathers and merge run far
-#: below the peak rates the model assumes. Measured on an H200 on the Gaudi route (bf16, 32/8/128, block
-#: 128, 200-step windows of the shared chat and RAG traces padded to two 8B plans, 2026-11-29): 0.74 ms of
-#: device time per model ms on 56 steps in such buckets, 0.31 on 224 in prompt graphs and 0.33 on 362 in
-#: decode buckets. `BucketPlan.route` and the prompt-graph learner weigh such buckets by it.
-TILED_CAUSAL_SLOWDOWN = 2.4
+#: The device's time per unit of each size over the roofline's, relative to the unique blocks' (DIMS order),
+#: and the same for a prompt graph's grid pairs and its context's K and V: the roofline prices each size at
+#: peak rates, while a query row pays for its merges, writes and small per-row operations, a causal tile or
+#: shared slot for its masked tile, and the fused prompt call runs near its peak. Fitted (least squares on the
+#: relative error, a constant per step beside) to the device time of 3200 steps: steps 300-499 of the shared
+#: chat and RAG traces on the Gaudi route (bf16, 32/8/128, block 128), unpadded and padded to four 8B plans, on
+#: an H200 at commits 3645134, 86f277a, 19df27c and fb7cc7d (`benchmarks/results/trace_steps_h200/` and its
+#: history); median error 3 %, 1 % on the 60 steps in tiled buckets with causal tiles, which need no factor of
+#: their own (with the roofline alone they took 0.74 ms of device time per model ms, prompt graphs 0.31). The
+#: logits' LM head is not part of that time and keeps its roofline.
+MEASURED_FACTORS = np.array([20.6, 7.8, 1.0, 1.0, 11.7])
+GRID_FACTOR, CONTEXT_FACTOR = 0.66, 12.3
 
 
 @dataclass(frozen=True)
@@ -93,8 +99,9 @@ class CostModel:
 
     @property
     def weights(self) -> np.ndarray:
-        """float64[5]: estimated microseconds per unit of each size, in DIMS order."""
-        return np.array([self._unit(d) for d in DIMS])
+        """float64[5]: estimated microseconds per unit of each size, in DIMS order: the roofline's
+        (`breakdown`) times `MEASURED_FACTORS`."""
+        return np.array([self._unit(d) for d in DIMS]) * MEASURED_FACTORS
 
     def breakdown(self, dim: str) -> dict:
         """FLOPs, vector ops and bytes of one unit of `dim` (whole model, all layers)."""
@@ -133,13 +140,14 @@ class CostModel:
     def graph_cost(self, bucket: Bucket, weights: np.ndarray | None = None) -> float:
         """Work (estimated µs) of a graph: its five sizes (`bucket_cost`) plus, for a prompt graph, its prompt
         call: the pairs of its grid (`plan/prompts.py: grid_pairs`) at `pair_cost`, and its context's K and V
-        read once per layer. What `BucketPlan.route` weighs a prompt graph against a tiled bucket with."""
+        read once per layer (each times its measured factor, `GRID_FACTOR`, `CONTEXT_FACTOR`). What `BucketPlan.route` weighs a prompt graph against a tiled bucket with."""
         cost = float(np.dot(bucket.sizes, self.weights if weights is None else weights))
         p, qp, cb = bucket.prompts
         if p:
             m, bs = self.model, self.block_size
             kv_bytes = m.num_layers * p * cb * bs * 2 * m.num_kv_heads * m.head_dim * m.dtype_bytes
-            cost += float(grid_pairs(p, qp, cb, bs)) * self.pair_cost() + 1e6 * kv_bytes / (self.hardware.hbm_tb_s * 1e12)
+            cost += (GRID_FACTOR * float(grid_pairs(p, qp, cb, bs)) * self.pair_cost()
+                     + CONTEXT_FACTOR * 1e6 * kv_bytes / (self.hardware.hbm_tb_s * 1e12))
         return cost
 
     @property
@@ -157,9 +165,3 @@ class CostModel:
         m, h = self.model, self.hardware
         flops, vec = m.num_layers * 4 * m.num_qo_heads * m.head_dim, m.num_layers * 5 * m.num_qo_heads
         return 1e6 * (flops / (h.matmul_tflops * 1e12) + vec / (h.vector_tflops * 1e12))
-
-    def route_cost(self, bucket: Bucket, cost: float | None = None) -> float:
-        """A graph's cost for choosing a route: `graph_cost` (or `cost`, already computed), times
-        `TILED_CAUSAL_SLOWDOWN` for a bucket with causal tiles and no prompt grid."""
-        cost = self.graph_cost(bucket) if cost is None else cost
-        return cost * TILED_CAUSAL_SLOWDOWN if bucket.num_causal_tiles and not bucket.num_prompts else cost

@@ -260,9 +260,7 @@ def fewer_decodes(steps, sources, seed: int = 0):
 def tiled_cost(plan, tiled: Bucket) -> float:
     """What a step of tiled shape `tiled` costs on the tiled route of `plan` in its time model: the bucket it
     pads to, or, where none of the plan's buckets covers it (a plan whose buckets are still to be learned),
-    its own shape `TILED_PADDING` times. (Weighed as the device runs it, `CostModel.route_cost`, the learner
-    gave the RAG trace's steps 300-499 1.785x padding on the routes against 1.715x: more steps on graphs
-    learned for one load, fewer buckets with causal tiles.)"""
+    its own shape `TILED_PADDING` times."""
     i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
     return float(plan.costs[i]) if i >= 0 else TILED_PADDING * plan.cost_model.bucket_cost(tiled)
 
@@ -336,8 +334,7 @@ def padding_on_routes(plan, steps) -> dict:
     """Time (the plan's model) of `steps` (TraceSteps) unpadded and padded as a server runs them: a step with
     prompts planned on the prompt route, in its graph where `BucketPlan.route` keeps it there (graph against
     the unpadded prompt call), else on the tiled route in its bucket (against its unpadded prompt call too: the
-    route is the plan's choice; a bucket with causal tiles weighed as the device runs it,
-    `CostModel.route_cost`); every other step in its bucket. Per kind of step: count, unpadded, padded.
+    route is the plan's choice); every other step in its bucket. Per kind of step: count, unpadded, padded.
     A step beyond the gather cap (its pieces) or no bucket covers is left out and counted in `skipped`."""
     from vllm_gaudi_unified.plan import plan_step
 
@@ -364,7 +361,7 @@ def padding_on_routes(plan, steps) -> dict:
         row = out[kind]
         row[0] += 1
         row[1] += model.graph_cost(shape)
-        row[2] += model.route_cost(target)
+        row[2] += model.graph_cost(target)
     unpadded, padded = (sum(r[i] for r in out.values()) for i in (1, 2))
     return {"padding": padded / unpadded if unpadded else 1.0, "unpadded_us": unpadded, "padded_us": padded,
             **{k: {"steps": r[0], "unpadded_us": r[1], "padded_us": r[2]} for k, r in out.items()}, "skipped": skipped}

@@ -200,6 +200,11 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
     grown = np.maximum(grown, sizes)
     rounded = np.stack([round_up(grown[:, d], grids[d]) for d in range(len(DIMS))], 1)
     rounded = np.minimum(rounded, np.maximum(top[None, :], sizes))
+    # A decode step has at most `unique_tokens` query tokens per logit (one per request without drafts): its
+    # query rows rounded past that are rows no decode step fills (a padded row costs 20x its FLOPs).
+    per = settings.options.unique_tokens
+    rounded[:, Q] = np.where(rounded[:, C] == 0, np.maximum(np.minimum(rounded[:, Q], rounded[:, L] * per), sizes[:, Q]),
+                             rounded[:, Q])
     groups, inv = np.unique(rounded, axis=0, return_inverse=True)
     inv = inv.reshape(-1)
     G = len(groups)
