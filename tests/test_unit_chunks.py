@@ -123,3 +123,29 @@ def test_chunked_units_read_fp8(chunks, forms, layout):
         out = unified_attention(q, k, v, kq, vq, batch, 0.37, k_scale=ks, v_scale=vs)
     assert calls
     assert_matches(out, reference_attention(q, k, v, kd, vd, step.query_lens, step.context_lens, table, 0.37))
+
+
+def test_compiled_chunks_serve_every_verify_step_of_a_bucket(chunks):
+    """Compiled per bucket (`graphs.compiled_attention`, what an HPU graph holds): two verify steps of other
+    drafts and contexts padded to one bucket run one compiled function, each matching the reference."""
+    from vllm_gaudi_unified.graphs import clear, compiled_attention
+    from vllm_gaudi_unified.reference import reference_attention
+
+    calls = chunks(8)
+    steps = [Step([4, 2, 3], [13, 30, 9], 4, num_blocks=40), Step([1, 4], [22, 5], 4, num_blocks=40)]
+    first = make_block_table(steps[0], np.random.default_rng(0))[0]
+    with fused.gaudi_route():
+        s = build_unified_batch(steps[0].query_lens, steps[0].context_lens, first, 4, options=UNITS).shape
+        bucket = replace(s, query_len=s.query_len + 2, num_unique_blocks=s.num_unique_blocks + 4)
+        clear()
+        try:
+            for i, step in enumerate(steps):
+                table, nb = make_block_table(step, np.random.default_rng(i))
+                q, k, v, kc, vc = make_tensors(step, table, nb, seed=i)
+                batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=nb,
+                                            options=UNITS, bucket=bucket)
+                ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+                assert_matches(compiled_attention(q, k, v, kc, vc, batch, 0.37), ref)
+        finally:
+            clear()
+    assert calls
