@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from test_verify import UNITS, VERIFY
 
 from vllm_gaudi_unified import build_unified_batch, unified_attention
-from vllm_gaudi_unified.paths import fused, unique, unit_chunks
+from vllm_gaudi_unified.paths import fused, unit_chunks
 
 
 @pytest.fixture
 def chunks(monkeypatch):
     """Every unit of several tokens on the chunks (the tests' heads are few); `chunks(keys)` sets the chunk's keys."""
     monkeypatch.setattr(unit_chunks, "UNIT_CHUNK_MIN_ROWS", 1)
-    calls = record_calls(monkeypatch, unique, "chunked_units_partial")
+    calls = record_calls(monkeypatch, unit_chunks, "chunked_units_partial")
     return lambda keys: monkeypatch.setattr(unit_chunks, "UNIT_CHUNK_KEYS", keys) or calls
 
 

@@ -1,12 +1,13 @@
 """Unique path: cache blocks needed by exactly one query token (the usual decode).
 
-Computed per block, not per token: block slot `b` holds one block and the one token that sees it, the
-scores of all blocks come from one batched product, and the per-block partials are merged back into
-their tokens. The blocks are either the contiguous cache slice `[0, num_unique_blocks)` read in place (no
-gather: good when most of the slice is live) or the live blocks gathered by id (good when block ids are
-scattered over a large cache); the planner picks per step. With the Triton kernel (CUDA), a small group's
-shared tiles join the kernel's slots too (`kernel_takes_shared`): the step's cached keys in one launch.
-A verify step's units of many rows per KV head take a request's blocks in chunks (`unit_chunks.py`).
+Computed per block, not per token: block slot `b` holds one block and the one
+token that sees it, the scores of all blocks come from one batched product, and
+the per-block partials are merged back into their tokens. The blocks are either
+the contiguous cache slice `[0, num_unique_blocks)` read in place (no gather:
+good when most of the slice is live) or the live blocks gathered by id (good
+when block ids are scattered over a large cache); the planner picks per step.
+With the Triton kernel (CUDA), a small group's shared tiles join the kernel's slots too
+(`kernel_takes_shared`): the step's cached keys in one launch.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from vllm_gaudi_unified.merge import Final, Partial, merge, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
-from vllm_gaudi_unified.paths.unit_chunks import chunked_units_partial, unit_chunks_apply
 
 #: Keys per loop step of the kernel, and the keys a split aims at (a token's blocks are cut into
 #: power-of-two splits of about this many keys, so long contexts still fill the GPU).
@@ -52,17 +52,17 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     """None when the batch has no unique block. An fp8 cache is dequantized after the gather (or slice).
     `new` (the step's keys and values; `units_take_new_pairs`): the requests' self and causal pairs too
     (`request_pairs`), merged with the blocks' rows."""
-    slots, n = batch.unique_rows.shape[0], q.shape[0]
+    slots = batch.unique_rows.shape[0]
     if slots == 0:
         return None
-    if unit_chunks_apply(q, key_cache, batch):  # units of many rows per KV head: a request's blocks in chunks
-        out = chunked_units_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, DROP_ROWS)
-        return out if new is None else merge(out, request_pairs(q, *new, batch, scale, soft_cap))
+    n = q.shape[0]
     # The slice [0, slots) when unique_blocks is None: read in place (views), unless an fp8 cache is converted.
     ids = slots if batch.unique_blocks is None else batch.unique_blocks
-    k, v = read_blocks(key_cache, ids, k_scale, q.dtype), read_blocks(value_cache, ids, v_scale, q.dtype)
-    block_size, rows = key_cache.shape[1], batch.unique_rows
+    k = read_blocks(key_cache, ids, k_scale, q.dtype)
+    v = read_blocks(value_cache, ids, v_scale, q.dtype)
+    block_size = key_cache.shape[1]
     mask = slot_mask(batch.unique_lo, batch.unique_hi, block_size)[:, None, :]  # [slots, 1, block_size]
+    rows = batch.unique_rows
     if batch.plan.unique_units > 1:  # a (request, block) unit: the request's new tokens x all heads, one product
         tokens, real = unit_tokens(batch, n)
         part = attend(q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap,

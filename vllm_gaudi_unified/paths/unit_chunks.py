@@ -18,9 +18,11 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
-from vllm_gaudi_unified.merge import Partial, scatter_merge
+from vllm_gaudi_unified.merge import Partial, merge, scatter_merge
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
+from vllm_gaudi_unified.paths.mla_chunks import _unit_rows, chunk_slots
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype
+from vllm_gaudi_unified.paths.unique import DROP_ROWS, request_pairs, unique_partial
 
 #: Keys a chunk aims at (`C = max(1, UNIT_CHUNK_KEYS // block_size)` blocks); 0: units read one block per slot.
 UNIT_CHUNK_KEYS = 512
@@ -34,12 +36,23 @@ def unit_chunks_apply(q: torch.Tensor, key_cache: torch.Tensor, batch) -> bool:
     return UNIT_CHUNK_KEYS > 0 and batch.plan.unique_units > 1 and rows >= UNIT_CHUNK_MIN_ROWS
 
 
-def chunked_units_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
-                          soft_cap: float | None, k_scale=None, v_scale=None, drop_rows: int = 1) -> Partial:
-    """The units' cached pairs as one Partial row per token (module docstring); rows without a token (ragged
-    drafts' padding, chunks without a request) go to `drop_rows` dropped rows, spread."""
-    from vllm_gaudi_unified.paths.mla_chunks import _unit_rows, chunk_slots  # (unique.py imports this)
+def tiles_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
+                         soft_cap: float | None, k_scale=None, v_scale=None,
+                         new: tuple[torch.Tensor, torch.Tensor] | None = None) -> Partial | None:
+    """The unique path on the matmul tiles (`unique.unique_partial`'s contract): units of many rows per KV head
+    (`unit_chunks_apply`) in chunks, the others one block per slot."""
+    if not unit_chunks_apply(q, key_cache, batch):
+        return unique_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, new=new)
+    if batch.unique_rows.shape[0] == 0:
+        return None
+    out = chunked_units_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale)
+    return out if new is None else merge(out, request_pairs(q, *new, batch, scale, soft_cap))
 
+
+def chunked_units_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
+                          soft_cap: float | None, k_scale=None, v_scale=None) -> Partial:
+    """The units' cached pairs as one Partial row per token (module docstring); rows without a token (ragged
+    drafts' padding, chunks without a request) go to `unique.DROP_ROWS` dropped rows, spread."""
     n, hq, d = q.shape
     _, bs, hkv, _ = key_cache.shape
     g, u = hq // hkv, batch.plan.unique_units
@@ -61,7 +74,7 @@ def chunked_units_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     p, m, total = masked_softmax_for(s)(s)
     acc = torch.matmul(p.to(op), v).to(dt)  # [Nc, Hkv, u * g, Dv]
     as_rows = lambda x: x.view(nc, hkv, u, g, *x.shape[3:]).transpose(1, 2).flatten(0, 1).flatten(1, 2)  # noqa: E731
-    drop = n + torch.arange(nc * u, device=q.device) % drop_rows
+    drop = n + torch.arange(nc * u, device=q.device) % DROP_ROWS
     index = torch.where(real.reshape(-1), rows.reshape(-1), drop)
     return Partial(*(x[:n] for x in scatter_merge(Partial(as_rows(acc), as_rows(m), as_rows(total)), index,
-                                                  n + drop_rows - 1)))
+                                                  n + DROP_ROWS - 1)))
