@@ -8,10 +8,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_TILES, Step, assert_matches, make_block_table, make_tensors, record_calls, run_case
+from conftest import Step, assert_matches, make_block_table, make_tensors, record_calls, run_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_verify import UNITS, VERIFY
+import test_verify
+from test_verify import UNITS, VERIFY, draw_verify_step
 
 from vllm_gaudi_unified import build_unified_batch, unified_attention
 from vllm_gaudi_unified.paths import fused, unit_chunks
@@ -41,15 +42,8 @@ def test_chunked_units_match_reference(chunks, name, layout, dtype, keys):
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_random_chunked_verify_steps(data):
-    """Ragged drafts, partial blocks, GQA/MQA, shuffled tables, NaN in unreadable slots, padded buckets."""
-    k = data.draw(st.integers(1, 7))
-    r = data.draw(st.integers(1, 6))
-    q = data.draw(st.lists(st.integers(1, k + 1), min_size=r, max_size=r))
-    c = data.draw(st.lists(st.integers(0, 40), min_size=r, max_size=r))
-    hkv = data.draw(st.sampled_from([1, 2]))
-    step = Step(q, c, data.draw(st.sampled_from([2, 4, 8])), num_qo_heads=hkv * data.draw(st.sampled_from([1, 3])),
-                num_kv_heads=hkv)
-    opts = replace(SMALL_TILES, unique_tokens=k + 1, unique_layout=data.draw(st.sampled_from(["slice", "gather"])))
+    """Ragged drafts, partial blocks, GQA/MQA, shuffled tables, NaN in unreadable slots, chunks of 1 to 8 blocks."""
+    step, opts = draw_verify_step(data)
     saved = unit_chunks.UNIT_CHUNK_MIN_ROWS, unit_chunks.UNIT_CHUNK_KEYS
     unit_chunks.UNIT_CHUNK_MIN_ROWS, unit_chunks.UNIT_CHUNK_KEYS = 1, data.draw(st.sampled_from([2, 8, 16]))
     try:
@@ -81,20 +75,10 @@ def test_chunked_units_with_a_soft_cap_sinks_fp16_and_padding(chunks, dtype, ext
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_a_bad_cached_value_stays_with_its_requests_chunk(chunks, dtype):
     """A NaN in a cached value one request sees reaches that request's tokens, for the query heads of that
-    KV head alone; NaN in slots no request may read (`make_tensors`) reaches nothing."""
+    KV head alone; NaN in slots no request may read reaches nothing (`test_verify`'s case, on the chunks)."""
     calls = chunks(8)
-    step = Step([4, 3, 4], [13, 9, 30], 4, num_qo_heads=4, num_kv_heads=2)
-    table, nb = make_block_table(step, np.random.default_rng(4))
-    q, k, v, kc, vc = make_tensors(step, table, nb, dtype, 4)
-    vc[int(table[1, 1]), 2, 1, 0] = float("nan")  # request 1's context slot 6, KV head 1
-    with fused.gaudi_route():
-        batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, num_blocks=nb, options=UNITS)
-        out = unified_attention(q, k, v, kc, vc, batch, 0.37)
+    test_verify.test_a_bad_cached_value_stays_with_its_requests_unit(dtype)
     assert calls
-    bad = torch.isnan(out).any(-1)  # [tokens, heads]
-    want = torch.zeros_like(bad)
-    want[4:7, 2:] = True
-    assert torch.equal(bad, want)
 
 
 def test_which_units_take_the_chunks():
