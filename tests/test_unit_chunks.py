@@ -81,6 +81,15 @@ def test_a_bad_cached_value_stays_with_its_requests_chunk(chunks, dtype):
     assert calls
 
 
+def test_padded_bucket_and_decode_step_on_chunks(chunks):
+    """`test_verify`'s padded verify bucket and decode step in a verify bucket, on the chunks: padding slots,
+    tokens and requests, units of one real token."""
+    calls = chunks(8)
+    with fused.gaudi_route():
+        test_verify.test_padded_bucket_and_decode_step()
+    assert len(calls) == 3  # (the unpadded step first, for its shape)
+
+
 def test_which_units_take_the_chunks():
     """Units of at least `UNIT_CHUNK_MIN_ROWS` rows per KV head (8 tokens x 4 query heads per KV head: a verify
     step of 1 + 7 at Llama's heads), never one-token units (decodes)."""
