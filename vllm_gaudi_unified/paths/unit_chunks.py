@@ -28,6 +28,7 @@ from vllm_gaudi_unified.paths.unique import DROP_ROWS, request_pairs, unique_par
 UNIT_CHUNK_KEYS = 512
 #: Rows per KV head (the unit's tokens x query heads per KV head) from which the units take the chunks.
 UNIT_CHUNK_MIN_ROWS = 16
+KEYS_FIRST = False
 
 
 def unit_chunks_apply(q: torch.Tensor, key_cache: torch.Tensor, batch) -> bool:
@@ -67,12 +68,22 @@ def chunked_units_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     v = torch.where(visible[..., None], as_heads(read_blocks(value_cache, blocks, v_scale, q.dtype)), 0.0)
     rows, real = _unit_rows(batch, token, n, u)  # [Nc, u]: each chunk's request's tokens
     qh = q[rows.clamp(max=n - 1)].to(op).view(nc, u, hkv, g, d).transpose(1, 2).reshape(nc, hkv, u * g, d)
-    s = torch.matmul(qh, k.transpose(2, 3)).to(dt) * scale  # [Nc, Hkv, u * g, C * bs]
-    if soft_cap is not None:
-        s = soft_cap * torch.tanh(s / soft_cap)
-    s = s.masked_fill(~visible[:, :, None], float("-inf"))
-    p, m, total = masked_softmax_for(s)(s)
-    acc = torch.matmul(p.to(op), v).to(dt)  # [Nc, Hkv, u * g, Dv]
+    if KEYS_FIRST:  # scores [Nc, Hkv, C * bs, u * g]: K as gathered is the product's first operand
+        s = torch.matmul(k, qh.transpose(2, 3)).to(dt) * scale
+        if soft_cap is not None:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        s = s.masked_fill(~visible[..., None], float("-inf"))
+        m = s.amax(-2)
+        p = torch.exp(s - torch.where(m > float("-inf"), m, 0.0)[:, :, None, :])
+        total = p.sum(-2)
+        acc = torch.matmul(p.to(op).transpose(2, 3), v).to(dt)
+    else:
+        s = torch.matmul(qh, k.transpose(2, 3)).to(dt) * scale  # [Nc, Hkv, u * g, C * bs]
+        if soft_cap is not None:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        s = s.masked_fill(~visible[:, :, None], float("-inf"))
+        p, m, total = masked_softmax_for(s)(s)
+        acc = torch.matmul(p.to(op), v).to(dt)  # [Nc, Hkv, u * g, Dv]
     as_rows = lambda x: x.view(nc, hkv, u, g, *x.shape[3:]).transpose(1, 2).flatten(0, 1).flatten(1, 2)  # noqa: E731
     drop = n + torch.arange(nc * u, device=q.device) % DROP_ROWS
     index = torch.where(real.reshape(-1), rows.reshape(-1), drop)
