@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch
 from vllm_gaudi_unified.merge import Final, Partial, merge_all, normalize, sink_partial
-from vllm_gaudi_unified.paths.decodes import dense_decodes as dense_decodes_attention, dense_decodes_apply
+from vllm_gaudi_unified.paths.decodes import dense_decodes as dense_decodes_attention
+from vllm_gaudi_unified.paths.decodes import dense_decodes_apply
 from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
 from vllm_gaudi_unified.paths.fused import kernel_for
 from vllm_gaudi_unified.paths.invariant import invariant_output
@@ -24,9 +25,8 @@ from vllm_gaudi_unified.paths.mla_shared import latent_shared_partial, mla_share
 from vllm_gaudi_unified.paths.shared import fused_shared_partial, shared_partial
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.paths.unique import (fused_unique_applies, fused_unique_partial, kernel_takes_shared,
-                                             kernel_unique_applies, kernel_unique_partial, per_token,
+                                             kernel_unique_applies, kernel_unique_partial, per_token, unique_partial,
                                              units_take_new_pairs)
-from vllm_gaudi_unified.paths.unit_chunks import tiles_unique_partial
 
 
 #: The prompt route's final form on CUDA through flash varlen (`paths/prompts.py: _flash_rows`) instead of
@@ -310,8 +310,8 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
                                         final=alone and new is not None and phase[1] == "-")
         elif flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale)
-        else:  # (a verify step's units of many rows per KV head: in chunks of a request's blocks, unit_chunks.py)
-            yield tiles_unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new)
+        else:
+            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new)
 
 
 def input_error(*args) -> ValueError | None:

@@ -70,28 +70,17 @@ def num_chunks(slots: int, rows: int, per_chunk: int) -> int:
 
 
 def chunk_layout(batch, n: int, block_size: int, device, heads: int | None = None):
-    """-> (keys `[Nc, C * bs]` flat cache slots, visible `[Nc, C * bs]`, token `[Nc]` (n: no token)) of
-    `chunk_slots`. A key outside its slot's visible range (or of no slot) is not visible and reads the chunk's
-    first visible key instead (a finite value the token may see, or one it sees anyway), so no unused slot's
-    NaN reaches `p @ V`."""
-    blocks, lo, hi, token = chunk_slots(batch, n, chunk_blocks(block_size), device, heads)
-    within = torch.arange(block_size, device=device)
-    visible = ((within >= lo[..., None]) & (within < hi[..., None])).flatten(1)  # [Nc, C * bs]
-    keys = (blocks.to(torch.int64)[..., None] * block_size + within).flatten(1)
-    first = keys.gather(1, visible.to(torch.int32).argmax(1, keepdim=True))  # (the first visible key)
-    return torch.where(visible, keys, first), visible, token
-
-
-def chunk_slots(batch, n: int, per_chunk: int, device, heads: int | None = None):
-    """-> (blocks `[Nc, C]` cache block ids, lo, hi `[Nc, C]` each block's visible slots (lo = hi = 0: an entry
-    of no slot), token `[Nc]` (n: no token)) of chunks of `per_chunk` blocks. `heads`: at most so many tokens
-    hold a slot (default n; a verify step's units: one per request, `num_logits`).
+    """-> (keys `[Nc, C * bs]` flat cache slots, visible `[Nc, C * bs]`, token `[Nc]` (n: no token)). `heads`:
+    at most so many tokens hold a slot (default n; a verify step's units: one per request, `num_logits`).
 
     Slots sorted by token (`_slot_order`, every call: an HPU graph captured after an eager call on the same
     batch would otherwise hold the kept order, not its sort); token t's chunks start at the running sum of
-    `ceil(c / C)`; chunk j of token t holds its sorted slots `[j * C, (j + 1) * C)`; an entry past them holds
-    some slot's block, with nothing visible."""
+    `ceil(c / C)`; chunk j of token t holds its sorted slots `[j * C, (j + 1) * C)`. An entry past the
+    token's slots, or a key outside its slot's visible range, is not visible and reads the chunk's first
+    visible key instead (a finite value the token may see, or one it sees anyway), so no unused slot's NaN
+    reaches `p @ V`."""
     u = batch.unique_rows.shape[0]
+    per_chunk = chunk_blocks(block_size)
     nc = num_chunks(u, n if heads is None else heads, per_chunk)
     order, starts, _ = _slot_order(batch, n, device, keep=False)  # (an HPU graph's capture is not detectable)
     count = starts[1:] - starts[:-1]  # [n] slots per token
@@ -105,7 +94,13 @@ def chunk_slots(batch, n: int, per_chunk: int, device, heads: int | None = None)
     slot = order[(starts[t][:, None] + pos).clamp(max=u - 1)]
     blocks = slot if batch.unique_blocks is None else batch.unique_blocks[slot]
     zero = torch.zeros((), dtype=batch.unique_lo.dtype, device=device)
-    return blocks, torch.where(live, batch.unique_lo[slot], zero), torch.where(live, batch.unique_hi[slot], zero), token
+    lo = torch.where(live, batch.unique_lo[slot], zero)[..., None]
+    hi = torch.where(live, batch.unique_hi[slot], zero)[..., None]
+    within = torch.arange(block_size, device=device)
+    visible = ((within >= lo) & (within < hi)).flatten(1)  # [Nc, C * bs]
+    keys = (blocks.to(torch.int64)[..., None] * block_size + within).flatten(1)
+    first = keys.gather(1, visible.to(torch.int32).argmax(1, keepdim=True))  # (the first visible key)
+    return torch.where(visible, keys, first), visible, token
 
 
 def chunks_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
