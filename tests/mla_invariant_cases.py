@@ -40,7 +40,7 @@ CASES = [
     ((1, 70), [(1, 33), (7, 9), (1, 5)], 16, (3, 2, 2, 0, 2)),  # a padded bucket
     ((1, 70), [(1, 12), (2, 30), (6, 20), (5, 0), (1, 200)], 16, None),  # the same others reversed
     ((1, 0), [(1, 40), (3, 12)], 16, None),  # no context: the own pair alone
-    # alone one split (the kernel normalizes the rows: FINAL), in the batch several (the ordered combine)
+    # alone one split of the plan's (a few launched), in the batch several (more empty ones in the combine)
     ((1, 20), [(1, 200), (3, 12)], 16, None),
     ((1, 45), [(1, 2)], 4, None),  # 4-slot blocks: a key tile spans slots (no ONE_SLOT)
     ((1, 45), [(1, 90), (4, 7), (1, 3)], 4, (2, 0, 1, 0, 1)),
@@ -117,8 +117,8 @@ def step(query, q_nope, q_pe, latent, cache, w_uk, w_uv, ql, cl, table, num_bloc
     return out
 
 
-#: On CUDA with the module's own constants (`SPLIT_KEYS` 8192, `MLA_KEYS` 64) at DeepSeek's shapes: one split alone,
-#: three in the batch (the ordered combine), block 128.
+#: On CUDA with the module's own constants (`SPLIT_KEYS` 8192 in splits of 2048, `MLA_KEYS` 64) at DeepSeek's shapes:
+#: four splits launched alone, sixteen in the batch (the ordered combine), block 128.
 LONG = [((1, 5000), [(1, 20000), (1, 100), (4, 0), (1, 16384)], 128, None)]
 DEEPSEEK = (512, 64, 128, 128, 128)  # L, R, P, V, H
 
@@ -167,7 +167,7 @@ def check(device: str = "cpu", small: bool = True, cases=None, dtypes=None) -> i
                     assert_same_bits(*run_case(target, others, position, bs, pad, dtype, device, ref))
                     assert len(calls) == 2, "the invariant MLA kernel route did not run"
                     done += 1
-        # one split for the whole step (rows normalized in the kernel) and several (the ordered combine) both ran
+        # a step of one plan split (`slot_splits` 1) and one of several both ran
         assert 1 in seen and max(seen) >= 4, seen
     finally:
         mla_decode.mla_unique_route = real_route

@@ -35,8 +35,8 @@ def test_mla_invariant_on_cuda():
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and Triton")
 def test_mla_invariant_deepseek_on_cuda():
-    """DeepSeek's shapes, bf16, the module's constants (splits of 8192 keys, block 128): 64-head programs on
-    8 warps, one split alone (the kernel's normalized rows) against four in the batch (the ordered combine)."""
+    """DeepSeek's shapes, bf16, the module's constants (splits of 2048 keys, block 128): 64-head programs (the
+    seesaw kernel on sm_90), four splits launched alone against sixteen in the batch (the ordered combine)."""
     import mla_invariant_cases
 
     assert mla_invariant_cases.check_long("cuda") > 0

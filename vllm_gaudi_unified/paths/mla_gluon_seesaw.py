@@ -204,7 +204,8 @@ def _warpgroup(qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc,
         o = acc * gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), row_o)[:, None]  # (64 divisions)
         gl.store(acc_ptr + rows_o[:, None] * DV + cols[None, :], o.to(acc_ptr.dtype.element_ty))
     else:
-        gl.store(acc_ptr + rows_o[:, None] * DV + cols[None, :], acc)
+        if (n_tiles > 0) | self_on:  # (a split past its token's keys: its merge reads max -inf and sum 0 only)
+            gl.store(acc_ptr + rows_o[:, None] * DV + cols[None, :], acc)
         if X == 0:
             rows_s = out_row + gl.arange(0, 64, layout=row_s)
             gl.store(m_ptr + rows_s, m_i * (1.0 / LOG2E))
@@ -217,21 +218,26 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
                             HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr,
                             KEYS: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr,
                             FINAL: gl.constexpr, seg_ptr, UNITS: gl.constexpr, UNIT_ROWS: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            num_warps: gl.constexpr, tok_ptr=None, TOKENS: gl.constexpr = False,
+                            SPLIT_KEYS: gl.constexpr = 0):
     """`mla_gluon.mla_gluon_kernel`'s arguments (`FINAL` too), the latent descriptor in `[KEYS, DV // 2]` boxes
     (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more.
     `UNITS` > 1 (with `SELF`: a verify step's drafts, `mla_kernel._mla_body`'s): split 0 of token t also takes the
     new keys `t - UNITS + 1 .. t - 1` from `seg[t]` (its request's first new token) on; `UNIT_ROWS`: token t
-    reads the slots of row `seg[t]`."""
+    reads the slots of row `seg[t]`. `TOKENS`, `SPLIT_KEYS` (the batch-invariant mode, `mla_invariant.py`): as
+    `mla_kernel._mla_body`'s, program i takes token `tok[i]` and writes Partial row i, its splits position-fixed."""
     gl.static_assert(num_warps == 4)
     gl.static_assert(DR == KEYS)  # (P1 is written over its tile's rope part)
     hg = gl.program_id(0)
     sp = gl.program_id(1)
-    t = gl.program_id(2).to(gl.int64)
+    i = gl.program_id(2).to(gl.int64)
+    t = i
+    if TOKENS:
+        t = gl.load(tok_ptr + i).to(gl.int64)
     r = t
     if UNIT_ROWS:
         r = gl.load(seg_ptr + t).to(gl.int64)
-    first, k_begin, n_tiles = _split_tiles(starts_ptr, r, sp, splits, BS, KEYS)
+    first, k_begin, n_tiles = _split_tiles(starts_ptr, r, sp, splits, BS, KEYS, SPLIT_KEYS)
 
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     dtype: gl.constexpr = kn_desc.dtype
@@ -301,7 +307,10 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
     stats.index(6).store(m_self)
     fence_async_shared()
     gl.thread_barrier()
-    out_row = (t * splits + sp) * HQ + hg * 64
+    o = i  # (i == t but with TOKENS: its Partial rows are row i's, its FINAL rows token t's)
+    if FINAL:
+        o = t
+    out_row = (o * splits + sp) * HQ + hg * 64
     gl.warp_specialize([(_warpgroup, (qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles,
                                       k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
                                       out_row, qk, l0, k_row, self_on, drafts_seen, sk_t, gl.constexpr(0), DV, BS, KEYS,
