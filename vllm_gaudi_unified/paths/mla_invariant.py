@@ -16,17 +16,19 @@ FlashMLA's seesaw schedule, `mla_gluon_seesaw.py`, where its shapes allow; else
   `[sp * S, (sp + 1) * S)` of them (`split_size`: `plan.invariant.SPLIT_KEYS`
   over `MLA_SPLITS_PER`, a constant), walked in 64-key tiles from the split's
   start (the seesaw's pairs of tiles counted from there too); split 0 starts
-  from the token's own pair (`SELF`). The batch sets only how many splits are
-  launched (`slot_splits` times `MLA_SPLITS_PER`, from the longest context):
-  the extra ones see no key;
+  from the token's own pair (`SELF`); on the seesaw a token of at most
+  `MLA_ONE_SPLIT_KEYS` keys is one split (its own length decides). The batch
+  sets only how many splits are launched (the longest context's): the extra
+  ones see no key;
 * **the products**: one program's tile is its token's 64 heads (`BLOCK_H`)
   by 64 keys, whose shapes, warps and stages are compile-time constants of
   the model (heads, latent and rope dims, block size), never of the batch;
   the rows of other tokens are never in a product;
 * **the merge**: a token's splits folded one by one in index order
   (`mla_kernel.ordered_combine`: its real splits, then empty ones adding
-  exactly 0), always (at least `MLA_SPLITS_PER` splits are launched); the
-  kernels' `FINAL` rows are not used (the seesaw's multiply by `1 / l`).
+  exactly 0), or for a one-split token (the seesaw's `ONE_KEYS`) its rows
+  normalized by its own program and left alone by the combine: which form a
+  token takes follows its own context only.
 
 Why the splits are small: a few long requests must still fill the SMs (4 x 32k
 keys are 4 tokens x 2 head groups, 8 programs a split). The other
@@ -36,6 +38,9 @@ and these rows are written over theirs.
 """
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
 import torch
 
 from vllm_gaudi_unified.paths import mla_decode
@@ -46,6 +51,11 @@ from vllm_gaudi_unified.plan import invariant as plan_invariant
 MLA_SPLITS_PER = 4
 #: The seesaw kernel on sm_90 where `mla_decode.gluon_applies` (else the Triton kernel).
 MLA_INVARIANT_SEESAW = True
+#: On the seesaw kernel, a token of at most this many keys is one split whose rows the kernel writes normalized
+#: (no fp32 partial, no combine): a function of the token's own context (0: every token in `split_size` splits).
+MLA_ONE_SPLIT_KEYS = 4096
+
+_MOST_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plan -> the most slots of one token
 
 
 def applies(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, soft_cap, sink,
@@ -85,13 +95,15 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
     rows = batch.slot_rows
     starts = torch.searchsorted(rows, torch.arange(n + 1, device=q.device, dtype=rows.dtype))
     order = torch.arange(rows.shape[0], device=q.device, dtype=rows.dtype)  # (sorted by the planner)
-    splits = batch.plan.slot_splits * (plan_invariant.SPLIT_KEYS // split_keys)
     m_rows, dt = tokens.shape[0], compute_dtype(q.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()
     seesaw = MLA_INVARIANT_SEESAW and mla_decode.gluon_applies(q, cache, value_dim) and mla_decode._seesaw(
         d, value_dim)
-    acc = torch.empty((m_rows, splits, hq, value_dim), dtype=dt, device=q.device)
+    one = MLA_ONE_SPLIT_KEYS if seesaw else 0
+    most = _most_slots(batch.plan) * bs  # (the grid's splits: enough for the longest context)
+    splits = 1 if most <= one else max(1, -(-most // split_keys))
+    acc = torch.empty((m_rows, splits, hq, value_dim) if splits > 1 or not one else (1,), dtype=dt, device=q.device)
     m = torch.empty((m_rows, splits, hq), dtype=dt, device=q.device)
     total = torch.empty_like(m)
     consts = mla_decode.kernel_constants(hq, d, value_dim, bs)
@@ -104,15 +116,26 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
             q, k, kn_desc, kr_desc, order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, acc, m, total,
             scale, splits, q.stride(0), q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=d - value_dim, BS=bs,
             KEYS=64, SLICE=False, SELF=True, REGS=mla_decode.MLA_GLUON_SEESAW_REGS, FINAL=False, seg_ptr=starts,
-            UNITS=1, UNIT_ROWS=False, num_warps=4, tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys)
+            UNITS=1, UNIT_ROWS=False, num_warps=4, tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys, out_ptr=out,
+            ONE_KEYS=one)
     else:
         mla_kernel.mla_kernel[(-(-hq // consts["BLOCK_H"]), splits, m_rows)](
             q, k, cache, order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, acc, m, total, scale,
             splits, q.stride(0), q.stride(1), k.stride(0), cache.stride(0), cache.stride(1),
             SLICE=False, SELF=True, FINAL=False, tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys, **consts)
-    mla_kernel.ordered_combine[(m_rows * hq,)](acc, m, total, tokens, out, splits, hq, DV=value_dim,
-                                               DV_PAD=consts["DV_PAD"])
+    if splits > 1 or not one:  # (else every token's rows came normalized from the kernel)
+        mla_kernel.ordered_combine[(m_rows * hq,)](acc, m, total, tokens, out, splits, hq, DV=value_dim,
+                                                   DV_PAD=consts["DV_PAD"], starts_ptr=starts, BS=bs, ONE_KEYS=one)
     return out
+
+
+def _most_slots(plan) -> int:
+    """The most cache slots of one token in the plan (host numbers, once per plan: a step's layers share it)."""
+    most = _MOST_SLOTS.get(plan)
+    if most is None:
+        rows = plan.slot_rows
+        most = _MOST_SLOTS[plan] = int(np.bincount(rows).max()) if rows.size else 0
+    return most
 
 
 def split_size() -> int:
