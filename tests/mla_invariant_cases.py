@@ -137,6 +137,21 @@ def check_long(device: str = "cuda") -> int:
         L, R, P, V, H = saved
 
 
+def check_prompt_bf16(device: str = "cpu") -> None:
+    """A 4-token prompt without context and a short decode at DeepSeek's shapes in bf16 (the torch route's tiles
+    on the CPU) against the reference: its scores `|q . k|` reach ~250, where a bf16 score is off by up to 0.5."""
+    global L, R, P, V, H
+    saved = L, R, P, V, H
+    L, R, P, V, H = DEEPSEEK
+    try:
+        reqs, table, num_blocks, q_nope, q_pe, latent, cache, w_uk, w_uv = world((4, 0), [(1, 300)], 0, 128,
+                                                                                 torch.bfloat16)
+        step(absorb_query(q_nope, q_pe, w_uk), q_nope, q_pe, latent, cache, w_uk, w_uv, [q for q, _ in reqs],
+             [c for _, c in reqs], table, num_blocks, 128, None, torch.bfloat16, device)
+    finally:
+        L, R, P, V, H = saved
+
+
 def check(device: str = "cpu", small: bool = True, cases=None, dtypes=None) -> int:
     """Every case at three positions of the target: alone and in the batch the same bits, both against the
     reference. On the CPU float64 and float32; on CUDA bfloat16 and float16. -> cases run."""
