@@ -62,7 +62,7 @@ def test_route_conditions():
     assert not mla_invariant.applies(batch, q, kc, vc, None, None, None, None)  # the CPU
     if ON_CUDA:
         cuda = batch.to("cuda")
-        qc, kcc, vcc = q.cuda().bfloat16(), kc.cuda().bfloat16(), vc.cuda().bfloat16()
+        qc, (kcc, vcc) = q.cuda().bfloat16(), latent_views(cache.cuda().bfloat16(), 16)  # (views of one memory)
         assert mla_invariant.applies(cuda, qc, kcc, vcc, None, None, None, None)
         assert not mla_invariant.applies(cuda, qc, kcc, vcc, 5.0, None, None, None)
         assert not mla_invariant.applies(cuda, qc, kcc, vcc.clone(), None, None, None, None)
