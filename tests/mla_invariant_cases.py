@@ -119,9 +119,9 @@ def step(query, q_nope, q_pe, latent, cache, w_uk, w_uv, ql, cl, table, num_bloc
 
 #: On CUDA with the module's own constants (`SPLIT_KEYS` 8192 in splits of 2048, `MLA_KEYS` 64) at DeepSeek's shapes:
 #: three splits launched alone, ten in the batch (the ordered combine), block 128; a 3k decode (one split on the
-#: seesaw: its rows from the kernel) alone and beside longer ones.
+#: seesaw: its rows from the kernel) alone and beside a 9k one.
 LONG = [((1, 5000), [(1, 20000), (1, 100), (4, 0), (1, 16384)], 128, None),
-        ((1, 3000), [(1, 12000), (1, 6000)], 128, None)]  # one split (the seesaw's rows final) among several
+        ((1, 3000), [(1, 9000)], 128, None)]  # one split (the seesaw's rows final) beside five
 DEEPSEEK = (512, 64, 128, 128, 128)  # L, R, P, V, H
 
 

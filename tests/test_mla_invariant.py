@@ -37,7 +37,7 @@ def test_mla_invariant_on_cuda():
 def test_mla_invariant_deepseek_on_cuda():
     """DeepSeek's shapes, bf16, the module's constants (splits of 2048 keys, block 128): 64-head programs (the
     seesaw kernel on sm_90), three splits launched alone against ten in the batch (the ordered combine), and a
-    one-split decode (its rows from the kernel) alone and beside longer ones."""
+    one-split decode (its rows from the kernel) alone and beside a longer one."""
     import mla_invariant_cases
 
     assert mla_invariant_cases.check_long("cuda") > 0
