@@ -35,11 +35,20 @@ def test_mla_invariant_on_cuda():
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and Triton")
 def test_mla_invariant_deepseek_on_cuda():
-    """DeepSeek's shapes, bf16, the module's constants (splits of 8192 keys, block 128): 64-head programs on
-    8 warps, one split alone (the kernel's normalized rows) against four in the batch (the ordered combine)."""
+    """DeepSeek's shapes, bf16, the module's constants (splits of 2048 keys, block 128): 64-head programs (the
+    seesaw kernel on sm_90), three splits launched alone against ten in the batch (the ordered combine), and a
+    one-split decode (its rows from the kernel) alone and beside a longer one."""
     import mla_invariant_cases
 
     assert mla_invariant_cases.check_long("cuda") > 0
+
+
+def test_latent_prompt_bf16_against_the_reference():
+    """DeepSeek's shapes in bf16 on the CPU's torch route: the score products' output is fp32 (`tiles.score_product`),
+    so a 4-token prompt's rows stay within 1e-2 of the reference (bf16 scores were 0.027 off)."""
+    import mla_invariant_cases
+
+    mla_invariant_cases.check_prompt_bf16("cpu")
 
 
 def test_route_conditions():
@@ -53,7 +62,7 @@ def test_route_conditions():
     assert not mla_invariant.applies(batch, q, kc, vc, None, None, None, None)  # the CPU
     if ON_CUDA:
         cuda = batch.to("cuda")
-        qc, kcc, vcc = q.cuda().bfloat16(), kc.cuda().bfloat16(), vc.cuda().bfloat16()
+        qc, (kcc, vcc) = q.cuda().bfloat16(), latent_views(cache.cuda().bfloat16(), 16)  # (views of one memory)
         assert mla_invariant.applies(cuda, qc, kcc, vcc, None, None, None, None)
         assert not mla_invariant.applies(cuda, qc, kcc, vcc, 5.0, None, None, None)
         assert not mla_invariant.applies(cuda, qc, kcc, vcc.clone(), None, None, None, None)

@@ -310,10 +310,10 @@ def _launch_gluon(q, k, key_cache, order, starts, ids, lo, hi, slice_, acc, m, t
         from vllm_gaudi_unified.paths import mla_gluon_seesaw
 
         mla_gluon_seesaw.mla_gluon_seesaw_kernel[(hq // 64, splits, n)](
-            q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0),
-            q.stride(1), k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_,
-            SELF=with_self, REGS=MLA_GLUON_SEESAW_REGS, FINAL=final, seg_ptr=starts if seg is None else seg,
-            UNITS=units, UNIT_ROWS=unit_rows, num_warps=4)
+            q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0), q.stride(1),
+            k.stride(0), HQ=hq, DV=value_dim, DR=64, BS=key_cache.shape[1], KEYS=64, SLICE=slice_, SELF=with_self,
+            REGS=MLA_GLUON_SEESAW_REGS, FINAL=final, seg_ptr=starts if seg is None else seg, UNITS=units,
+            UNIT_ROWS=unit_rows, num_warps=4, tok_ptr=None, TOKENS=False, SPLIT_KEYS=0, out_ptr=None, ONE_KEYS=0)
         return
     g.mla_gluon_kernel[(hq // 64, splits, n)](
         q, k, kn_desc, kr_desc, order, starts, ids, lo, hi, acc, m, total, scale, splits,

@@ -53,12 +53,19 @@ def _meta(tile, n_tiles, k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, BS:
 
 
 @gluon.jit
-def _split_tiles(starts_ptr, t, sp, splits, BS: gl.constexpr, KEYS: gl.constexpr):
+def _split_tiles(starts_ptr, t, sp, splits, BS: gl.constexpr, KEYS: gl.constexpr, SPLIT_KEYS: gl.constexpr = 0,
+                 ONE_KEYS: gl.constexpr = 0):
     """Token `t`'s first place in the slot order, and split `sp`'s first key and its number of `KEYS` tiles
-    (the token's keys cut into `splits` parts of whole tiles, as `mla_kernel._mla_body` cuts them)."""
+    (the token's keys cut into `splits` parts of whole tiles, or with `SPLIT_KEYS` into parts of that many keys
+    counted from its first, as `mla_kernel._mla_body` cuts them; `ONE_KEYS`: up to that many keys in one)."""
     first = gl.load(starts_ptr + t)
     n_keys = (gl.load(starts_ptr + t + 1) - first).to(gl.int32) * BS
-    per_split = gl.cdiv(n_keys, splits * KEYS) * KEYS
+    if ONE_KEYS > 0:
+        per_split = gl.where(n_keys <= ONE_KEYS, ONE_KEYS, SPLIT_KEYS)
+    elif SPLIT_KEYS > 0:
+        per_split = SPLIT_KEYS
+    else:
+        per_split = gl.cdiv(n_keys, splits * KEYS) * KEYS
     k_begin = sp * per_split
     return first, k_begin, gl.maximum(gl.cdiv(gl.minimum(n_keys, k_begin + per_split) - k_begin, KEYS), 0)
 

@@ -71,8 +71,8 @@ def _zero_unseen(kn_s, b, lo, hi, j0, rows_ld, ld_layout: gl.constexpr, DV: gl.c
 @gluon.jit
 def _warpgroup(qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles, k_begin, first, order_ptr,
                ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr, out_row, qk, l0, k_row, self_on, drafts_seen, sk_t,
-               X: gl.constexpr, DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr, SLICE: gl.constexpr,
-               FINAL: gl.constexpr, UNITS: gl.constexpr):
+               out_ptr, fin_row, X: gl.constexpr, DV: gl.constexpr, BS: gl.constexpr, KEYS: gl.constexpr,
+               SLICE: gl.constexpr, FINAL: gl.constexpr, UNITS: gl.constexpr, ONE: gl.constexpr):
     """Warpgroup X of the seesaw (module docstring): tiles 2j + X, value columns half X. `bars`: m0 and P0 ready,
     P1 ready; `stats`: m0, a0, rowsum P0, m1, a1, rowsum P1, the own pair's score (with `UNITS` > 1: the max of the
     new keys' scores, then the weight of key t - j, j < UNITS; `drafts_seen` of them)."""
@@ -204,7 +204,15 @@ def _warpgroup(qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc,
         o = acc * gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), row_o)[:, None]  # (64 divisions)
         gl.store(acc_ptr + rows_o[:, None] * DV + cols[None, :], o.to(acc_ptr.dtype.element_ty))
     else:
-        gl.store(acc_ptr + rows_o[:, None] * DV + cols[None, :], acc)
+        write = (n_tiles > 0) | self_on  # (a split past its token's keys: its merge reads max -inf and sum 0 only)
+        if ONE:  # (`ONE_KEYS`: a token whose keys are one split has its rows normalized here, row `fin_row`)
+            write = write & (fin_row < 0)
+            if fin_row >= 0:
+                rows_f = fin_row + gl.arange(0, 64, layout=row_o)
+                o = acc * gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), row_o)[:, None]
+                gl.store(out_ptr + rows_f[:, None] * DV + cols[None, :], o.to(out_ptr.dtype.element_ty))
+        if write:
+            gl.store(acc_ptr + rows_o[:, None] * DV + cols[None, :], acc)
         if X == 0:
             rows_s = out_row + gl.arange(0, 64, layout=row_s)
             gl.store(m_ptr + rows_s, m_i * (1.0 / LOG2E))
@@ -217,21 +225,32 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
                             HQ: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, BS: gl.constexpr,
                             KEYS: gl.constexpr, SLICE: gl.constexpr, SELF: gl.constexpr, REGS: gl.constexpr,
                             FINAL: gl.constexpr, seg_ptr, UNITS: gl.constexpr, UNIT_ROWS: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            num_warps: gl.constexpr, tok_ptr=None, TOKENS: gl.constexpr = False,
+                            SPLIT_KEYS: gl.constexpr = 0, out_ptr=None, ONE_KEYS: gl.constexpr = 0):
     """`mla_gluon.mla_gluon_kernel`'s arguments (`FINAL` too), the latent descriptor in `[KEYS, DV // 2]` boxes
     (`mla_gluon.cache_descriptors(..., halves=True)`); 4 warps here (warpgroup 0), one worker warpgroup more.
     `UNITS` > 1 (with `SELF`: a verify step's drafts, `mla_kernel._mla_body`'s): split 0 of token t also takes the
     new keys `t - UNITS + 1 .. t - 1` from `seg[t]` (its request's first new token) on; `UNIT_ROWS`: token t
-    reads the slots of row `seg[t]`."""
+    reads the slots of row `seg[t]`. `TOKENS`, `SPLIT_KEYS` (the batch-invariant mode, `mla_invariant.py`): as
+    `mla_kernel._mla_body`'s, program i takes token `tok[i]` and writes Partial row i, its splits position-fixed;
+    `ONE_KEYS` (with them): a token of at most that many keys is one split, whose rows go normalized into token
+    `tok[i]`'s row of `out_ptr` `[n, HQ, DV]` (no Partial row), a function of the token's own keys."""
     gl.static_assert(num_warps == 4)
     gl.static_assert(DR == KEYS)  # (P1 is written over its tile's rope part)
     hg = gl.program_id(0)
     sp = gl.program_id(1)
-    t = gl.program_id(2).to(gl.int64)
+    i = gl.program_id(2).to(gl.int64)
+    t = i
+    if TOKENS:
+        t = gl.load(tok_ptr + i).to(gl.int64)
     r = t
     if UNIT_ROWS:
         r = gl.load(seg_ptr + t).to(gl.int64)
-    first, k_begin, n_tiles = _split_tiles(starts_ptr, r, sp, splits, BS, KEYS)
+    first, k_begin, n_tiles = _split_tiles(starts_ptr, r, sp, splits, BS, KEYS, SPLIT_KEYS, ONE_KEYS)
+    fin_row = t  # (unread without ONE_KEYS)
+    if ONE_KEYS > 0:
+        one = (gl.load(starts_ptr + r + 1) - first).to(gl.int32) * BS <= ONE_KEYS
+        fin_row = gl.where(one & (sp == 0), t * HQ + hg * 64, -1)
 
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     dtype: gl.constexpr = kn_desc.dtype
@@ -301,13 +320,16 @@ def mla_gluon_seesaw_kernel(q_ptr, k_ptr, kn_desc, kr_desc, order_ptr, starts_pt
     stats.index(6).store(m_self)
     fence_async_shared()
     gl.thread_barrier()
-    out_row = (t * splits + sp) * HQ + hg * 64
+    o = i  # (i == t but with TOKENS: its Partial rows are row i's, its FINAL rows token t's)
+    if FINAL:
+        o = t
+    out_row = (o * splits + sp) * HQ + hg * 64
     gl.warp_specialize([(_warpgroup, (qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles,
                                       k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
-                                      out_row, qk, l0, k_row, self_on, drafts_seen, sk_t, gl.constexpr(0), DV, BS, KEYS,
-                                      SLICE, FINAL, UNITS)),
+                                      out_row, qk, l0, k_row, self_on, drafts_seen, sk_t, out_ptr, fin_row,
+                                      gl.constexpr(0), DV, BS, KEYS, SLICE, FINAL, UNITS, ONE_KEYS > 0)),
                         (_warpgroup, (qn_s, qr_s, kn_s, kr_s, p0_s, stats, rdy, bars, kn_desc, kr_desc, n_tiles,
                                       k_begin, first, order_ptr, ids_ptr, lo_ptr, hi_ptr, acc_ptr, m_ptr, l_ptr,
-                                      out_row, qk, l0, k_row, self_on, drafts_seen, sk_t, gl.constexpr(1), DV, BS, KEYS,
-                                      SLICE, FINAL, UNITS))],
+                                      out_row, qk, l0, k_row, self_on, drafts_seen, sk_t, out_ptr, fin_row,
+                                      gl.constexpr(1), DV, BS, KEYS, SLICE, FINAL, UNITS, ONE_KEYS > 0))],
                        [4], [REGS])

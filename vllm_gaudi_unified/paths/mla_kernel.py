@@ -222,39 +222,43 @@ def _combine_body(acc_ptr, m_ptr, l_ptr, out_ptr, om_ptr, ol_ptr, S: tl.constexp
 
 
 def _ordered_combine_body(acc_ptr, m_ptr, l_ptr, tok_ptr, out_ptr, splits, HQ, DV: tl.constexpr,
-                          DV_PAD: tl.constexpr):
+                          DV_PAD: tl.constexpr, starts_ptr=None, BS: tl.constexpr = 0, ONE_KEYS: tl.constexpr = 0):
     """One (row i, head) of `_mla_body`'s `TOKENS` Partial rows (acc `[m, splits, HQ, DV]`, m/l `[m, splits,
     HQ]`), its splits merged one after the other in index order, normalized into token `tok[i]`'s row of out
     `[n, HQ, DV]` (out's dtype). Why not `_combine_body` (the batch-invariant mode): its sums over the splits
     are `tl.sum` reductions whose order follows their compile-time width `S_PAD`, the batch's split count;
     here `splits` is a run-time number and a split that saw no key (max -inf: a token's splits past its own
     keys) adds exactly 0 after its real ones, so a token's rows are the same for any count. With one real
-    split the weight is exp(0) = 1: the rows are `_mla_body`'s `FINAL` rows bit for bit."""
+    split the weight is exp(0) = 1: the rows are `_mla_body`'s `FINAL` rows bit for bit. `ONE_KEYS`: a token of
+    at most that many keys (its slots `starts[t]:starts[t + 1]` of `BS` keys) is left alone (the seesaw kernel
+    wrote its rows)."""
     row = tl.program_id(0).to(tl.int64)
     i = row // HQ
     h = row % HQ
     t = tl.load(tok_ptr + i).to(tl.int64)
+    many = t >= 0
+    if ONE_KEYS > 0:
+        many = (tl.load(starts_ptr + t + 1) - tl.load(starts_ptr + t)) * BS > ONE_KEYS
     d = tl.arange(0, DV_PAD)
-    d_ok = d < DV
     top = tl.load(m_ptr + i * splits * HQ + h)
     for sp in range(1, splits):  # (max is exact in any order)
         top = tl.maximum(top, tl.load(m_ptr + (i * splits + sp) * HQ + h))
     safe = tl.where(top == float("-inf"), 0.0, top)
     at = i * splits * HQ + h
     m = tl.load(m_ptr + at)
-    seen = m != float("-inf")
+    seen = (m != float("-inf")) & many
     w = tl.where(seen, tl.exp(m - safe), 0.0)
     total = w * tl.load(l_ptr + at, mask=seen, other=0.0)
     acc = w * tl.load(acc_ptr + at * DV + d, mask=d < tl.where(seen, DV, 0), other=0.0)
     for sp in range(1, splits):
         at = (i * splits + sp) * HQ + h
         m = tl.load(m_ptr + at)
-        seen = m != float("-inf")
+        seen = (m != float("-inf")) & many
         w = tl.where(seen, tl.exp(m - safe), 0.0)
         total += w * tl.load(l_ptr + at, mask=seen, other=0.0)
         acc += w * tl.load(acc_ptr + at * DV + d, mask=d < tl.where(seen, DV, 0), other=0.0)
     acc = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + (t * HQ + h) * DV + d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(out_ptr + (t * HQ + h) * DV + d, acc.to(out_ptr.dtype.element_ty), mask=d < tl.where(many, DV, 0))
 
 
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter (tests).

@@ -6,7 +6,8 @@ which returns one `Partial` row per (tile, row). GQA is done by grouping query
 heads per KV head inside the matmul, so K/V are never repeated in memory.
 
 Precision and bytes: the two matmuls take the inputs' own dtype (bf16 tensor
-cores, fp32 accumulation inside), so K/V are never copied up to fp32; scores,
+cores, fp32 accumulation inside), so K/V are never copied up to fp32 on CUDA;
+the scores leave their product in fp32 (`score_product`); scores,
 max, sum and the merged accumulators are in the compute dtype (fp32, fp64 for
 fp64 inputs). Probabilities are rounded to the value dtype for `p @ V`, as
 flash attention does. fp16 is the exception: its range ends at 65504, so a
@@ -52,6 +53,22 @@ def slot_mask(lo: torch.Tensor, hi: torch.Tensor, block_size: int) -> torch.Tens
 def product_dtype(dtype: torch.dtype) -> torch.dtype:
     """Operand dtype of the two products: fp16 goes up to fp32 (its range overflows at 65504), others stay."""
     return torch.float32 if dtype == torch.float16 else dtype
+
+
+def score_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` (the same batch dims) in the compute dtype. 16-bit operands keep their dtype in the product
+    (tensor cores, fp32 accumulation) but not in its output, as flash keeps its scores: a bf16 score is off
+    by up to 2^-9 of itself, 0.5 at |q . k| ~ 256 (DeepSeek's 576-dim latent), a logit error of 0.036
+    after the scale, which moves a row by more than the output's own bf16 rounding. On CUDA the product
+    writes fp32 (`bmm`'s `out_dtype`); on the CPU the operands go up to fp32; a Gaudi keeps the
+    product's dtype (its fp32 matmul runs at a fraction of the bf16 rate)."""
+    dt = compute_dtype(a.dtype)
+    if a.dtype == dt or a.device.type == "hpu":
+        return torch.matmul(a, b)
+    if a.device.type != "cuda":
+        return torch.matmul(a.to(dt), b.to(dt))
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=dt)
+    return out.view(*a.shape[:-1], b.shape[-1])
 
 
 def clean_values(v: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +137,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if as_stored:
         return _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles)
     qg = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # [T, Hkv, G*R, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).view(t, hkv, g, r, nk)
+    scores = score_product(qg, k.permute(0, 2, 3, 1)).view(t, hkv, g, r, nk)
     scores = scores.to(dt) * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
@@ -136,7 +153,7 @@ def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partia
     nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g, tr = hq // hkv, t * r
     dt = compute_dtype(q.dtype)
-    every = torch.matmul(q.reshape(t, r * hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, R*Hq, K*Hkv]
+    every = score_product(q.reshape(t, r * hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, R*Hq, K*Hkv]
     scores = torch.diagonal(every.view(tr, hkv, g, nk, hkv), dim1=1, dim2=4)  # [TR, G, K, Hkv]: head h vs h // g
     scores = scores.permute(0, 3, 1, 2).to(dt) * scale  # [TR, Hkv, G, K]
     if soft_cap is not None:
@@ -172,7 +189,7 @@ def _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
     g = hq // hkv
     dt = compute_dtype(q.dtype)
     qh = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # rows (g, r) per KV head
-    scores = torch.stack([torch.matmul(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+    scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
     scores = scores.view(t, hkv, g, r, nk).to(dt) * scale  # [T, Hkv, G, R, K]
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
