@@ -20,6 +20,8 @@ request (nor the bucket's padding) is in it.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, merge_all, normalize
@@ -27,7 +29,7 @@ from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.prompts import final_rows, merge_split
-from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
+from vllm_gaudi_unified.paths.tiles import attend, attend_gathered, compute_dtype, slot_mask
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
 
 
@@ -168,7 +170,6 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     per_call = tiles_per_call(opts)
     size = per_call * max(kind[0].shape[1] for kind in kinds)
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
-    none = torch.zeros(0, dtype=torch.int64, device=q.device)  # no tile left to mask (one-row tiles, below)
     for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
         stacked = all_rows.shape[1] == 1 or (kind == 1 and _units_stacked(q, all_rows.shape[1], batch))
         for start, stop in _chunks(all_rows.shape[0], per_call):
@@ -176,17 +177,22 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
             blocks = _pad_to(all_blocks[start:stop], per_call, 0)
             mask = slot_mask(_pad_to(all_lo[start:stop], per_call, 0), _pad_to(all_hi[start:stop], per_call, 0),
                              bs).flatten(2)  # [tiles, rows, chunk keys]
-            kk = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # fp8: dequantized after the gather
-            vv = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
-            masked = None
-            if stacked:  # the keys no row sees zeroed in the gathered copy (a tile's real rows see the same keys)
-                vv.masked_fill_(~mask.any(1)[:, :, None, None], 0)
-                masked = none  # (nothing left to mask: the same values, the same products as V masked in a copy)
-            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked, stacked=stacked)
-            del kk, vv  # freed before the next call's gathers: one call's K and V held at a time, not two
+            read_k = partial(_gather, key_cache, blocks, k_scale, q.dtype)
+            qr = q[rows.clamp(max=n - 1)]
+            if stacked:  # V gathered once K is freed, its keys no row sees zeroed (a tile's real rows see the same)
+                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype, ~mask.any(1)[:, :, None, None])
+                part = attend_gathered(qr, read_k, read_v, mask, scale, soft_cap)
+            else:
+                part = attend(qr, read_k(), _gather(value_cache, blocks, v_scale, q.dtype), mask, scale, soft_cap)
             cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
     return slots.fold()
+
+
+def _gather(cache, blocks, sc, dtype, unseen=None) -> torch.Tensor:
+    """A call's K or V `[tiles, chunk keys, Hkv, D]` (fp8: dequantized after the gather), `unseen` keys zeroed."""
+    x = read_blocks(cache, blocks, sc, dtype).flatten(1, 2)
+    return x if unseen is None else x.masked_fill_(unseen, 0)
 
 
 def _units_stacked(q: torch.Tensor, rows: int, batch) -> bool:
