@@ -10,7 +10,10 @@ fp32, soft cap). Both merge self, cached and causal partials in that order.
 
 Tile route: every product has one shape per tile kind (`tiles_per_call` tiles
 per call, the last call padded); each (token, chunk) or (token, key tile) partial is written
-to its own slot and the slots are folded by a fixed pairwise tree.
+to its own slot and the slots are folded by a fixed pairwise tree. A one-row call gathers its
+V once its scores are taken and its K freed. A share call (`plan.share_*`: one-row tiles of one
+whole chunk) is the one-row call with its K and V a view repeating the chunk, read once: a
+row's products have the same operand values and shapes as in its own one-row tile.
 
 Own calls, per request, the default's prompt route at the request's own shapes
 (`hpu.sdpa_final`: FusedSDPA on a Gaudi, torch SDPA elsewhere; `fused.sdpa_lse`
@@ -164,7 +167,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
              (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
     kinds = kinds if decodes else kinds[1:]
-    if all(kind[0].shape[0] == 0 for kind in kinds):
+    if all(kind[0].shape[0] == 0 for kind in kinds) and not (decodes and batch.share_rows.shape[0]):
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
     per_call = tiles_per_call(opts)
@@ -186,6 +189,13 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
                 part = attend(qr, read_k(), _gather(value_cache, blocks, v_scale, q.dtype), mask, scale, soft_cap)
             cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
+    for c in range(batch.share_rows.shape[0] if decodes else 0):  # whole chunks read by many one-token rows
+        rows, blocks = batch.share_rows[c][:, None], batch.share_blocks[c:c + 1]  # [tiles, 1], [1, chunk blocks]
+        kk, vv = (_gather(cache, blocks, sc, q.dtype) for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
+        mask = (rows < n)[:, :, None].expand(per_call, 1, kk.shape[1])  # a real row sees every key of its chunk
+        part = attend_gathered(q[rows.clamp(max=n - 1)], partial(kk.expand, per_call, -1, -1, -1),
+                               partial(vv.expand, per_call, -1, -1, -1), mask, scale, soft_cap)
+        slots.write(part, rows, batch.share_col[c][:, None], rows < n)
     return slots.fold()
 
 
