@@ -183,7 +183,9 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
             read_k = partial(_gather, key_cache, blocks, k_scale, q.dtype)
             qr = q[rows.clamp(max=n - 1)]
             if stacked:  # V gathered once K is freed, its keys no row sees zeroed (a tile's real rows see the same)
-                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype, ~mask.any(1)[:, :, None, None])
+                whole = kind == 0 and decodes and stop <= batch.plan.dec_whole  # every key seen: nothing to zero
+                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype,
+                                 None if whole else ~mask.any(1)[:, :, None, None])
                 part = attend_gathered(qr, read_k, read_v, mask, scale, soft_cap)
             else:
                 part = attend(qr, read_k(), _gather(value_cache, blocks, v_scale, q.dtype), mask, scale, soft_cap)

@@ -96,15 +96,16 @@ class InvariantPlan(StepPlan):
 
     Tile route: `dec_*` one-row tiles (requests with one new token), `unit_*` tiles of `unique_tokens`
     rows (verify steps, `unit_requests`), `pre_*` tiles of `invariant_rows` rows (the others), each one chunk of
-    `blocks_per_tile` logical blocks, `share_*` calls of one-row tiles of one chunk; causal tiles per request. Fast route: `slot_*`, `ctx_*`, `seg_*`. Own calls:
-    `calls`, `call_blocks`; their requests' entries sit last in `pre_*`, `causal_*`, `ctx_*` and `seg_*`,
-    from the `*_own_from` counts on."""
+    `blocks_per_tile` logical blocks, `share_*` calls of one-row tiles of one chunk; causal tiles per request.
+    Fast route: `slot_*`, `ctx_*`, `seg_*`. Own calls: `calls`, `call_blocks`; their requests' entries sit
+    last in `pre_*`, `causal_*`, `ctx_*` and `seg_*`, from the `*_own_from` counts on."""
 
     dec_rows: np.ndarray  #: [dec tiles, 1] the tile's token (query_len: none)
     dec_blocks: np.ndarray  #: [dec tiles, blocks_per_tile] physical blocks of the chunk (0 where unseen)
     dec_lo: np.ndarray  #: [dec tiles, 1, blocks_per_tile] first visible slot
     dec_hi: np.ndarray  #: [dec tiles, 1, blocks_per_tile] end of visible slots (0: unseen)
     dec_col: np.ndarray  #: [dec tiles] chunk index in the request's context
+    dec_whole: int  #: the first `dec_whole` dec tiles see every key of their chunk (no V mask needed)
     share_rows: np.ndarray  #: [share calls, invariant_chunk] one-token requests' tokens reading a whole chunk
     share_blocks: np.ndarray  #: [share calls, blocks_per_tile] that chunk's physical blocks (read once per call)
     share_col: np.ndarray  #: [share calls, invariant_chunk] the chunk's index in each row's context
@@ -203,8 +204,8 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     unit = unit_requests(q, ctx, W, opts) & ~own
     rest = np.flatnonzero(~one & ~own)  # several new tokens, not on their own calls
     mine = np.flatnonzero(own)
-    dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
-    dec, share = _plan_share_calls(dec, T, bs, W, tiles_per_call(opts))
+    dec_all = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
+    dec, share = _plan_share_calls(dec_all, T, bs, W, tiles_per_call(opts))
     units = _plan_tiles(np.flatnonzero(unit), opts.unique_tokens, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb,
                         tok_pos, T, opts)
     flash_rest = rest[~unit[rest]]  # several new tokens, not units (their new keys: the units' programs')
@@ -230,7 +231,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     shape = Bucket(phase=phase_of(causal_q.size, n_tiles, 0), query_len=T, num_shared_blocks=n_tiles,
                    num_unique_blocks=0, num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=int(np.minimum(tok_j + 1, W if W is not None else T + 1).sum()),
-                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec, pre, units))))
+                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec_all, pre, units))))
     rows_kb = np.zeros((0, opts.shared_rows), np.int32)
     none3 = np.zeros((0, opts.shared_rows, 1), np.int32)
     empty = np.zeros(0, np.int32)
@@ -296,18 +297,18 @@ def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, to
 
 
 def _plan_share_calls(dec: dict, T: int, bs: int, W: int | None, per_call: int) -> tuple[dict, dict]:
-    """(`dec` without the tiles below, re-padded to whole calls; the share calls): the one-row tiles of a
-    whole chunk (every key seen, no window) whose blocks at least `max(2, per_call // 4)` tiles read, their
-    rows `per_call` to a call against the chunk read once (the one-row call's products on a view that repeats
-    it: the same values, the same shapes). Which rows share a call follows the batch; a row's bits do not."""
+    """(`dec` less the tiles below, those that see their whole chunk first (`whole` of them), in whole calls;
+    the share calls): one-row tiles of a whole chunk (every key seen, no window) that `max(2, per_call // 4)`
+    tiles or more read, `per_call` rows a call against the chunk read once (the one-row call's products on a
+    view repeating it: the same values and shapes). Which rows share a call follows the batch; no bit does."""
     rows, blocks = dec["rows"][:, 0], dec["blocks"]
-    full = np.flatnonzero((rows < T) & (dec["hi"][:, 0] == bs).all(-1) & (W is None))
+    whole = (rows < T) & (dec["hi"][:, 0] == bs).all(-1) & (dec["lo"][:, 0] == 0).all(-1)
+    full = np.flatnonzero(whole & (W is None))
     _, group, count = np.unique(blocks[full], axis=0, return_inverse=True, return_counts=True)
     group = group.reshape(-1)
     sel = count[group] >= max(2, per_call // 4)
-    tiles, group = full[sel], group[sel]
-    order = np.lexsort((rows[tiles], group))
-    tiles, group = tiles[order], group[order]
+    order = np.lexsort((rows[full[sel]], group[sel]))
+    tiles, group = full[sel][order], group[sel][order]
     rank = np.arange(tiles.size) - np.searchsorted(group, group)  # the tile's place among its chunk's readers
     new = np.ones(tiles.size, bool)
     new[1:] = (group[1:] != group[:-1]) | (rank[1:] % per_call == 0)
@@ -315,11 +316,12 @@ def _plan_share_calls(dec: dict, T: int, bs: int, W: int | None, per_call: int) 
     share_rows = np.full((int(new.sum()), per_call), T, np.int32)
     share_col = np.zeros_like(share_rows)
     share_rows[call, rank % per_call], share_col[call, rank % per_call] = rows[tiles], dec["col"][tiles]
-    keep = np.flatnonzero(rows < T)
-    keep = keep[~np.isin(keep, tiles)]
+    keep = np.flatnonzero((rows < T) & ~np.isin(np.arange(rows.size), tiles))
+    keep = keep[np.argsort(~whole[keep], kind="stable")]
     n = _round_up(keep.size, per_call)
     rest = {k: np.concatenate([a[keep], np.full((n - keep.size,) + a.shape[1:], T if k == "rows" else 0, a.dtype)])
             for k, a in dec.items()}
+    rest["whole"] = int(whole[keep].sum())
     return rest, dict(rows=share_rows, blocks=blocks[tiles[new]], col=share_col)
 
 
