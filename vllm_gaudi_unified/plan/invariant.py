@@ -227,7 +227,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     seg_rows, _ = ranges(starts[multi], q[multi])
     call_blk, call_owner = ranges(np.zeros_like(mine), nb_ctx[mine])
     call_first = np.cumsum(nb_ctx[mine]) - nb_ctx[mine]
-    n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0] + units["rows"].shape[0] + share["rows"].size
+    n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0] + units["rows"].shape[0] + int((share["rows"] < T).sum())
     shape = Bucket(phase=phase_of(causal_q.size, n_tiles, 0), query_len=T, num_shared_blocks=n_tiles,
                    num_unique_blocks=0, num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=int(np.minimum(tok_j + 1, W if W is not None else T + 1).sum()),
@@ -383,7 +383,7 @@ def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
     def rows(a):
         return move_no_row(a, T, Tp)
 
-    nd = bucket.num_shared_blocks - plan.pre_rows.shape[0] - plan.unit_rows.shape[0] - plan.share_rows.size
+    nd = bucket.num_shared_blocks - plan.pre_rows.shape[0] - plan.unit_rows.shape[0] - int((plan.share_rows < T).sum())
     nc, nq = bucket.num_causal_tiles, bucket.num_unique_blocks
     empty = np.zeros(0, np.int32)
     return replace(
