@@ -152,6 +152,13 @@ def _chunks(total: int, size: int):
     return ((c, min(c + size, total)) for c in range(0, total, size))
 
 
+def _calls(total: int, whole: int, size: int):
+    """(start, stop, tiles) of each call of one kind: `size` tiles to `whole`, then tail calls of a quarter."""
+    tail = max(1, size // 4)
+    return [(a, b, size) for a, b in _chunks(whole, size)] + [(whole + a, whole + b, tail)
+                                                               for a, b in _chunks(total - whole, tail)]
+
+
 def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     if x.shape[0] == n:
         return x
@@ -175,21 +182,22 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
     for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
         stacked = all_rows.shape[1] == 1 or (kind == 1 and _units_stacked(q, all_rows.shape[1], batch))
-        for start, stop in _chunks(all_rows.shape[0], per_call):
-            rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
-            blocks = _pad_to(all_blocks[start:stop], per_call, 0)
-            mask = slot_mask(_pad_to(all_lo[start:stop], per_call, 0), _pad_to(all_hi[start:stop], per_call, 0),
+        dec = kind == 0 and decodes
+        whole = batch.plan.dec_whole if dec else all_rows.shape[0]  # one-row tiles of whole chunks, then tail calls
+        for start, stop, tiles in _calls(all_rows.shape[0], whole, per_call):
+            rows = _pad_to(all_rows[start:stop], tiles, n)  # [tiles, rows]
+            blocks = _pad_to(all_blocks[start:stop], tiles, 0)
+            mask = slot_mask(_pad_to(all_lo[start:stop], tiles, 0), _pad_to(all_hi[start:stop], tiles, 0),
                              bs).flatten(2)  # [tiles, rows, chunk keys]
             read_k = partial(_gather, key_cache, blocks, k_scale, q.dtype)
             qr = q[rows.clamp(max=n - 1)]
             if stacked:  # V gathered once K is freed, its keys no row sees zeroed (a tile's real rows see the same)
-                whole = kind == 0 and decodes and stop <= batch.plan.dec_whole  # every key seen: nothing to zero
-                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype,
-                                 None if whole else ~mask.any(1)[:, :, None, None])
+                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype,  # (whole tiles: nothing to zero)
+                                 None if dec and stop <= whole else ~mask.any(1)[:, :, None, None])
                 part = attend_gathered(qr, read_k, read_v, mask, scale, soft_cap)
             else:
                 part = attend(qr, read_k(), _gather(value_cache, blocks, v_scale, q.dtype), mask, scale, soft_cap)
-            cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
+            cols = _pad_to(all_cols[start:stop], tiles, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
     for c in range(batch.share_rows.shape[0] if decodes else 0):  # whole chunks read by many one-token rows
         rows, blocks = batch.share_rows[c][:, None], batch.share_blocks[c:c + 1]  # [tiles, 1], [1, chunk blocks]

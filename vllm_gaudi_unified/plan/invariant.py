@@ -54,16 +54,15 @@ step, `paths/invariant.py`):
   verify step take their new keys in their Triton program (split 0, after its
   context keys, in the request's order);
 * **tile route** (torch products: the Gaudi route, fp32, soft cap): a
-  request's context is cut into *chunks* of `blocks_per_tile` logical blocks
-  (counted from block 0), a tile is one chunk and the rows of one request that
-  read it: one row for a one-token request (a decode is one row),
-  `unique_tokens` rows for a verify step (`unit_requests`: its tokens, one
-  tile per chunk), up to `invariant_rows` rows otherwise; tiles go through products of one fixed shape
-  per kind (`invariant_chunk` tiles per call, the last call padded), each (token, chunk)
-  partial is written to slot `[token, chunk]` and the slots are folded by a
-  fixed pairwise tree. A whole chunk many one-row tiles read is a *share call* (`share_*`): the
-  one-row call's products, its K and V a view repeating the chunk read once. Causal pairs: tiles of
-  `causal_tile` x `causal_tile` counted from each request's first token, the same write-then-fold.
+  request's context is cut into *chunks* of `blocks_per_tile` logical blocks (counted from block 0),
+  a tile is one chunk and the rows of one request that read it: one row for a one-token request (a
+  decode is one row), `unique_tokens` rows for a verify step (`unit_requests`: its tokens, one tile
+  per chunk), up to `invariant_rows` rows otherwise; tiles go through products of one fixed shape
+  per kind (`invariant_chunk` tiles per call, a quarter for one-row tiles that miss a key of their
+  chunk; the last call padded), each (token, chunk) partial is written to slot `[token, chunk]` and
+  the slots are folded by a fixed pairwise tree. A whole chunk many one-row tiles read is a *share
+  call* (`share_*`): the one-row call's products, its K and V a view repeating the chunk read once.
+  Causal pairs: tiles of `causal_tile` x `causal_tile` counted from each request's first token.
 
 Padding to a bucket adds rows no request owns and empty tiles: they touch no
 real row.
@@ -169,7 +168,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def tiles_per_call(opts: PlanOptions) -> int:
-    """Tiles per product of the tile route (either kind): one shape per kind, whatever the batch."""
+    """Tiles per product of the tile route (a tail call: a quarter): one shape per kind, whatever the batch."""
     return opts.invariant_chunk
 
 
@@ -297,31 +296,32 @@ def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, to
 
 
 def _plan_share_calls(dec: dict, T: int, bs: int, W: int | None, per_call: int) -> tuple[dict, dict]:
-    """(`dec` less the tiles below, those that see their whole chunk first (`whole` of them), in whole calls;
+    """(`dec` less the tiles below: those that see their whole chunk in calls of `per_call` (`whole`: where
+    they end), then the others (a request's last chunk, or cut by a window) in *tail calls* of a quarter;
     the share calls): one-row tiles of a whole chunk (every key seen, no window) that `max(2, per_call // 4)`
     tiles or more read, `per_call` rows a call against the chunk read once (the one-row call's products on a
     view repeating it: the same values and shapes). Which rows share a call follows the batch; no bit does."""
     rows, blocks = dec["rows"][:, 0], dec["blocks"]
     whole = (rows < T) & (dec["hi"][:, 0] == bs).all(-1) & (dec["lo"][:, 0] == 0).all(-1)
     full = np.flatnonzero(whole & (W is None))
-    _, group, count = np.unique(blocks[full], axis=0, return_inverse=True, return_counts=True)
+    group, count = np.unique(blocks[full], axis=0, return_inverse=True, return_counts=True)[1:]
     group = group.reshape(-1)
     sel = count[group] >= max(2, per_call // 4)
     order = np.lexsort((rows[full[sel]], group[sel]))
     tiles, group = full[sel][order], group[sel][order]
     rank = np.arange(tiles.size) - np.searchsorted(group, group)  # the tile's place among its chunk's readers
-    new = np.ones(tiles.size, bool)
-    new[1:] = (group[1:] != group[:-1]) | (rank[1:] % per_call == 0)
+    new = rank % per_call == 0  # the first row of a call
     call = np.cumsum(new) - 1
-    share_rows = np.full((int(new.sum()), per_call), T, np.int32)
-    share_col = np.zeros_like(share_rows)
+    share_rows, share_col = np.full((2, int(new.sum()), per_call), [[[T]], [[0]]], np.int32)  # no row; column 0
     share_rows[call, rank % per_call], share_col[call, rank % per_call] = rows[tiles], dec["col"][tiles]
     keep = np.flatnonzero((rows < T) & ~np.isin(np.arange(rows.size), tiles))
     keep = keep[np.argsort(~whole[keep], kind="stable")]
-    n = _round_up(keep.size, per_call)
-    rest = {k: np.concatenate([a[keep], np.full((n - keep.size,) + a.shape[1:], T if k == "rows" else 0, a.dtype)])
+    nw = int(whole[keep].sum())
+    parts = ((keep[:nw], _round_up(nw, per_call)), (keep[nw:], _round_up(keep.size - nw, max(1, per_call // 4))))
+    rest = {k: np.concatenate([x for i, n in parts for x in (a[i], np.full((n - i.size,) + a.shape[1:],
+                                                                          T if k == "rows" else 0, a.dtype))])
             for k, a in dec.items()}
-    rest["whole"] = int(whole[keep].sum())
+    rest["whole"] = parts[0][1]
     return rest, dict(rows=share_rows, blocks=blocks[tiles[new]], col=share_col)
 
 
