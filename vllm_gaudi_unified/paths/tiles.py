@@ -163,7 +163,7 @@ def _one_row_values(p_every, m, total, visible, v, masked_tiles=None) -> Partial
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     if masked_tiles is None:
         vz = torch.where(visible[:, :, None, None], v, zero)
-        acc = torch.matmul(p_every, vz.view(t, nkh, dv)).to(dt)  # [T, Hq, Dv]
+        acc = torch.matmul(p_every, vz.view(t, nkh, dv)).view(tr, hq, dv).to(dt)
     else:  # V as stored, then the few tiles that miss a key again on masked V (one pass less over V)
         acc = torch.matmul(p_every, v.view(t, nkh, dv)).view(tr, hq, dv)
         sel = masked_tiles
