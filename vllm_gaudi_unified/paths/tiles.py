@@ -143,13 +143,15 @@ def _one_row_probs(q, k, mask, scale, soft_cap):
     g, tr = hq // hkv, t * r
     every = torch.matmul(q.reshape(t, r * hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, R*Hq, K*Hkv]
     scores = torch.diagonal(every.view(tr, hkv, g, nk, hkv), dim1=1, dim2=4)  # [TR, G, K, Hkv]: head h vs h // g
-    scores = scores.permute(0, 3, 1, 2).to(compute_dtype(q.dtype)) * scale  # [TR, Hkv, G, K]
-    del every
+    scores = scores.permute(0, 3, 1, 2).to(compute_dtype(q.dtype))  # [TR, Hkv, G, K]
+    del every  # (freed here where the line above copied: bf16, fp16)
+    scores = scores * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     visible = mask.reshape(tr, nk)  # [TR, K]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     p, m, total = masked_softmax_for(scores)(scores)
+    del scores
     p_every = torch.zeros((t, r * hq, nk * hkv), dtype=k.dtype, device=k.device)
     torch.diagonal(p_every.view(tr, hkv, g, nk, hkv), dim1=1, dim2=4).copy_(p.permute(0, 2, 3, 1))
     return p_every, m.reshape(tr, hq), total.reshape(tr, hq), visible
