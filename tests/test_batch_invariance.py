@@ -304,20 +304,22 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     (token, chunk) one tile row, once, a decode's tile has one row; the context of a request with
     several tokens is one flash segment; each request's new tokens one causal segment."""
     world = SCENARIOS["shared_prefix_prefill"]
-    world = replace(world, others=world.others + (Req(1, 61, 2), Req(1, 30)))
+    world = replace(world, others=world.others + (Req(1, 61, 2), Req(1, 30), Req(1, 33, 2)))
     table, _ = _block_table(world, np.random.default_rng(0))
     reqs = world.requests
     ql, cl, bs = [r.query_len for r in reqs], [r.context_len for r in reqs], world.block_size
     plan = plan_step(ql, cl, table, bs, options=INVARIANT)
     assert plan.bucket.num_unique_blocks == 0 and plan.dec_rows.shape[1] == 1
     assert plan.pre_rows.shape[1] == INVARIANT.invariant_rows
+    kb = INVARIANT.blocks_per_tile(bs)
     starts = np.cumsum(ql) - ql
     decodes = [r for r, q in enumerate(ql) if q == 1]
     slots = sorted(zip(plan.slot_rows.tolist(), plan.slot_blocks.tolist()))
     assert slots == sorted((starts[r], table[r, b]) for r in decodes for b in range(-(-cl[r] // bs)))
     assert (np.diff(plan.slot_rows) >= 0).all()
-    kb = INVARIANT.blocks_per_tile(bs)
-    kinds = ((plan.dec_rows, plan.dec_col), (plan.unit_rows, plan.unit_col), (plan.pre_rows, plan.pre_col))
+    kinds = ((plan.dec_rows, plan.dec_col), (plan.unit_rows, plan.unit_col), (plan.pre_rows, plan.pre_col),
+             (plan.share_rows.ravel()[:, None], plan.share_col.ravel()))  # the two decodes' shared first chunk
+    assert (plan.share_rows < plan.num_tokens).sum() == 2 and plan.share_blocks.tolist() == [table[1, :kb].tolist()]
     for rows, cols in kinds:
         real = rows < plan.num_tokens
         pairs = sorted(zip(rows[real].tolist(), np.broadcast_to(cols[:, None], rows.shape)[real].tolist()))

@@ -107,6 +107,9 @@ class InvariantBatch(UnifiedBatch):
     dec_lo: torch.Tensor  #: [dec tiles, 1, blocks_per_tile]
     dec_hi: torch.Tensor  #: [dec tiles, 1, blocks_per_tile]
     dec_col: torch.Tensor  #: [dec tiles] chunk index in the request's context
+    share_rows: torch.Tensor  #: [share calls, invariant_chunk] tile route: one-token rows of one whole chunk
+    share_blocks: torch.Tensor  #: [share calls, blocks_per_tile] that chunk's blocks
+    share_col: torch.Tensor  #: [share calls, invariant_chunk] its index in each row's context
     pre_rows: torch.Tensor  #: [pre tiles, invariant_rows] tile route: tokens of one request
     pre_blocks: torch.Tensor  #: [pre tiles, blocks_per_tile]
     pre_lo: torch.Tensor  #: [pre tiles, invariant_rows, blocks_per_tile]

@@ -10,7 +10,10 @@ fp32, soft cap). Both merge self, cached and causal partials in that order.
 
 Tile route: every product has one shape per tile kind (`tiles_per_call` tiles
 per call, the last call padded); each (token, chunk) or (token, key tile) partial is written
-to its own slot and the slots are folded by a fixed pairwise tree.
+to its own slot and the slots are folded by a fixed pairwise tree. A one-row call gathers its
+V once its scores are taken and its K freed. A share call (`plan.share_*`: one-row tiles of one
+whole chunk) is the one-row call with its K and V a view repeating the chunk, read once: a
+row's products have the same operand values and shapes as in its own one-row tile.
 
 Own calls, per request, the default's prompt route at the request's own shapes
 (`hpu.sdpa_final`: FusedSDPA on a Gaudi, torch SDPA elsewhere; `fused.sdpa_lse`
@@ -20,6 +23,8 @@ request (nor the bucket's padding) is in it.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, merge_all, normalize
@@ -27,7 +32,7 @@ from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.prompts import final_rows, merge_split
-from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
+from vllm_gaudi_unified.paths.tiles import attend, attend_gathered, compute_dtype, slot_mask
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
 
 
@@ -147,6 +152,13 @@ def _chunks(total: int, size: int):
     return ((c, min(c + size, total)) for c in range(0, total, size))
 
 
+def _calls(total: int, whole: int, size: int):
+    """(start, stop, tiles) of each call of one kind: `size` tiles to `whole`, then tail calls of a quarter."""
+    tail = max(1, size // 4)
+    return [(a, b, size) for a, b in _chunks(whole, size)] + [(whole + a, whole + b, tail)
+                                                               for a, b in _chunks(total - whole, tail)]
+
+
 def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     if x.shape[0] == n:
         return x
@@ -162,31 +174,45 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
              (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
     kinds = kinds if decodes else kinds[1:]
-    if all(kind[0].shape[0] == 0 for kind in kinds):
+    if all(kind[0].shape[0] == 0 for kind in kinds) and not (decodes and batch.share_rows.shape[0]):
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
     per_call = tiles_per_call(opts)
-    size = per_call * max(kind[0].shape[1] for kind in kinds)
+    size = per_call * max((kind[0].shape[1] for kind in kinds if kind[0].shape[0]), default=1)  # dump rows a call
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
-    none = torch.zeros(0, dtype=torch.int64, device=q.device)  # no tile left to mask (one-row tiles, below)
     for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
         stacked = all_rows.shape[1] == 1 or (kind == 1 and _units_stacked(q, all_rows.shape[1], batch))
-        for start, stop in _chunks(all_rows.shape[0], per_call):
-            rows = _pad_to(all_rows[start:stop], per_call, n)  # [tiles, rows]
-            blocks = _pad_to(all_blocks[start:stop], per_call, 0)
-            mask = slot_mask(_pad_to(all_lo[start:stop], per_call, 0), _pad_to(all_hi[start:stop], per_call, 0),
+        dec = kind == 0 and decodes
+        whole = batch.plan.dec_whole if dec else all_rows.shape[0]  # one-row tiles of whole chunks, then tail calls
+        for start, stop, tiles in _calls(all_rows.shape[0], whole, per_call):
+            rows = _pad_to(all_rows[start:stop], tiles, n)  # [tiles, rows]
+            blocks = _pad_to(all_blocks[start:stop], tiles, 0)
+            mask = slot_mask(_pad_to(all_lo[start:stop], tiles, 0), _pad_to(all_hi[start:stop], tiles, 0),
                              bs).flatten(2)  # [tiles, rows, chunk keys]
-            kk = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # fp8: dequantized after the gather
-            vv = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
-            masked = None
-            if stacked:  # the keys no row sees zeroed in the gathered copy (a tile's real rows see the same keys)
-                vv.masked_fill_(~mask.any(1)[:, :, None, None], 0)
-                masked = none  # (nothing left to mask: the same values, the same products as V masked in a copy)
-            part = attend(q[rows.clamp(max=n - 1)], kk, vv, mask, scale, soft_cap, masked_tiles=masked, stacked=stacked)
-            del kk, vv  # freed before the next call's gathers: one call's K and V held at a time, not two
-            cols = _pad_to(all_cols[start:stop], per_call, 0)[:, None].expand_as(rows)
+            read_k = partial(_gather, key_cache, blocks, k_scale, q.dtype)
+            qr = q[rows.clamp(max=n - 1)]
+            if stacked:  # V gathered once K is freed, its keys no row sees zeroed (a tile's real rows see the same)
+                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype,  # (whole tiles: nothing to zero)
+                                 None if dec and stop <= whole else ~mask.any(1)[:, :, None, None])
+                part = attend_gathered(qr, read_k, read_v, mask, scale, soft_cap)
+            else:
+                part = attend(qr, read_k(), _gather(value_cache, blocks, v_scale, q.dtype), mask, scale, soft_cap)
+            cols = _pad_to(all_cols[start:stop], tiles, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
+    for c in range(batch.share_rows.shape[0] if decodes else 0):  # whole chunks read by many one-token rows
+        rows, blocks = batch.share_rows[c][:, None], batch.share_blocks[c:c + 1]  # [tiles, 1], [1, chunk blocks]
+        kk, vv = (_gather(cache, blocks, sc, q.dtype) for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
+        mask = (rows < n)[:, :, None].expand(per_call, 1, kk.shape[1])  # a real row sees every key of its chunk
+        part = attend_gathered(q[rows.clamp(max=n - 1)], partial(kk.expand, per_call, -1, -1, -1),
+                               partial(vv.expand, per_call, -1, -1, -1), mask, scale, soft_cap)
+        slots.write(part, rows, batch.share_col[c][:, None], rows < n)
     return slots.fold()
+
+
+def _gather(cache, blocks, sc, dtype, unseen=None) -> torch.Tensor:
+    """A call's K or V `[tiles, chunk keys, Hkv, D]` (fp8: dequantized after the gather), `unseen` keys zeroed."""
+    x = read_blocks(cache, blocks, sc, dtype).flatten(1, 2)
+    return x if unseen is None else x.masked_fill_(unseen, 0)
 
 
 def _units_stacked(q: torch.Tensor, rows: int, batch) -> bool:

@@ -149,34 +149,64 @@ def _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partia
     """`attend` for one-row tiles, K/V as stored `[T, K, Hkv, D]` (see the module docstring); several rows
     (`attend`'s `stacked`: they see the same keys, `masked_tiles` empty) stacked in the two products, the
     rest on `[T * R, ...]` as for one-row tiles."""
+    return _one_row_values(*_one_row_probs(q, k, mask, scale, soft_cap), v, masked_tiles)
+
+
+def _one_row_probs(q, k, mask, scale, soft_cap):
+    """The one-row form's first half: (probabilities `[T, R*Hq, K*Hkv]` zero off a row's heads, max, sum,
+    visible `[T*R, K]`). Nothing of K is held after it (the scores of every head pair freed too)."""
     t, r, hq, d = q.shape
-    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    nk, hkv = k.shape[1], k.shape[2]
     g, tr = hq // hkv, t * r
-    dt = compute_dtype(q.dtype)
     every = score_product(q.reshape(t, r * hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, R*Hq, K*Hkv]
     scores = torch.diagonal(every.view(tr, hkv, g, nk, hkv), dim1=1, dim2=4)  # [TR, G, K, Hkv]: head h vs h // g
-    scores = scores.permute(0, 3, 1, 2).to(dt) * scale  # [TR, Hkv, G, K]
+    scores = scores.permute(0, 3, 1, 2).to(compute_dtype(q.dtype))  # [TR, Hkv, G, K]
+    del every  # (freed here where the line above copied: bf16, fp16)
+    scores = scores * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     visible = mask.reshape(tr, nk)  # [TR, K]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     p, m, total = masked_softmax_for(scores)(scores)
-    p_every = torch.zeros((tr, hkv, g, nk, hkv), dtype=v.dtype, device=v.device)
-    torch.diagonal(p_every, dim1=1, dim2=4).copy_(p.permute(0, 2, 3, 1))
+    del scores
+    p_every = torch.zeros((t, r * hq, nk * hkv), dtype=k.dtype, device=k.device)
+    torch.diagonal(p_every.view(tr, hkv, g, nk, hkv), dim1=1, dim2=4).copy_(p.permute(0, 2, 3, 1))
+    return p_every, m.reshape(tr, hq), total.reshape(tr, hq), visible
+
+
+def _one_row_values(p_every, m, total, visible, v, masked_tiles=None) -> Partial:
+    """The one-row form's second half: `p @ V` over V as stored `[T, K, Hkv, Dv]`, masked as `attend` says."""
+    t, rhq, nkh = p_every.shape
+    tr, hq, dv = m.shape[0], m.shape[1], v.shape[-1]
+    dt = m.dtype
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     if masked_tiles is None:
         vz = torch.where(visible[:, :, None, None], v, zero)
-        acc = torch.matmul(p_every.view(t, hq, nk * hkv), vz.view(t, nk * hkv, dv)).to(dt)  # [T, Hq, Dv]
+        acc = torch.matmul(p_every, vz.view(t, nkh, dv)).view(tr, hq, dv).to(dt)
     else:  # V as stored, then the few tiles that miss a key again on masked V (one pass less over V)
-        acc = torch.matmul(p_every.view(t, r * hq, nk * hkv), v.view(t, nk * hkv, dv)).view(tr, hq, dv)
+        acc = torch.matmul(p_every, v.view(t, nkh, dv)).view(tr, hq, dv)
         sel = masked_tiles
         if sel.shape[0]:  # (none: the caller zeroed V's unseen keys itself)
             vz = torch.where(visible[sel][:, :, None, None], v[sel], zero)
             # Fixed in the product's own dtype, so the cast to fp32 stays fused into the merge that reads it.
-            acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nk * hkv),
-                                                       vz.view(-1, nk * hkv, dv)))
+            acc = acc.index_copy_(0, sel, torch.matmul(p_every[sel].view(-1, hq, nkh), vz.view(-1, nkh, dv)))
         acc = acc.to(dt)
-    return Partial(acc, m.reshape(tr, hq), total.reshape(tr, hq))
+    return Partial(acc, m, total)
+
+
+def attend_gathered(q, read_k, read_v, mask, scale, soft_cap) -> Partial:
+    """`attend(q, read_k(), read_v(), ..., masked_tiles=<none>, stacked=True)` (the tile's rows see the same
+    keys; `read_v` zeroes the keys no row sees), where in the one-row form V is gathered only once the
+    scores are taken and K is freed: a call holds one of its two gathers at a time. The same products, in
+    the same order, on the same values: the same bits."""
+    none = torch.zeros(0, dtype=torch.int64, device=q.device)
+    k = read_k()
+    if k.shape[2] == 1:  # one KV head: `attend`'s per-head form
+        return attend(q, k, read_v(), mask, scale, soft_cap, masked_tiles=none, stacked=True)
+    op = product_dtype(q.dtype)
+    probs = _one_row_probs(q.to(op), k.to(op), mask, scale, soft_cap)
+    del k
+    return _one_row_values(*probs, read_v().to(op), none)  # gathers are contiguous, as the one-row form needs
 
 
 def _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:

@@ -54,15 +54,15 @@ step, `paths/invariant.py`):
   verify step take their new keys in their Triton program (split 0, after its
   context keys, in the request's order);
 * **tile route** (torch products: the Gaudi route, fp32, soft cap): a
-  request's context is cut into *chunks* of `blocks_per_tile` logical blocks
-  (counted from block 0), a tile is one chunk and the rows of one request that
-  read it: one row for a one-token request (a decode is one row),
-  `unique_tokens` rows for a verify step (`unit_requests`: its tokens, one
-  tile per chunk), up to `invariant_rows` rows otherwise; tiles go through products of one fixed shape
-  per kind (`invariant_chunk` tiles per call, the last call padded), each (token, chunk)
-  partial is written to slot `[token, chunk]` and the slots are folded by a
-  fixed pairwise tree. Causal pairs: tiles of `causal_tile` x `causal_tile`
-  counted from each request's first token, the same write-then-fold.
+  request's context is cut into *chunks* of `blocks_per_tile` logical blocks (counted from block 0),
+  a tile is one chunk and the rows of one request that read it: one row for a one-token request (a
+  decode is one row), `unique_tokens` rows for a verify step (`unit_requests`: its tokens, one tile
+  per chunk), up to `invariant_rows` rows otherwise; tiles go through products of one fixed shape
+  per kind (`invariant_chunk` tiles per call, a quarter for one-row tiles that miss a key of their
+  chunk; the last call padded), each (token, chunk) partial is written to slot `[token, chunk]` and
+  the slots are folded by a fixed pairwise tree. A whole chunk many one-row tiles read is a *share
+  call* (`share_*`): the one-row call's products, its K and V a view repeating the chunk read once.
+  Causal pairs: tiles of `causal_tile` x `causal_tile` counted from each request's first token.
 
 Padding to a bucket adds rows no request owns and empty tiles: they touch no
 real row.
@@ -94,16 +94,20 @@ class InvariantPlan(StepPlan):
     """A batch-invariant step (module docstring); the shared/unique arrays of `StepPlan` are empty.
 
     Tile route: `dec_*` one-row tiles (requests with one new token), `unit_*` tiles of `unique_tokens`
-    rows (verify steps, `unit_requests`), `pre_*` tiles of `invariant_rows` rows (the others), each one chunk of `blocks_per_tile` logical blocks; causal
-    tiles counted from each request's first token. Fast route: `slot_*`, `ctx_*`, `seg_*`. Own calls:
-    `calls`, `call_blocks`; their requests' entries sit last in `pre_*`, `causal_*`, `ctx_*` and `seg_*`,
-    from the `*_own_from` counts on."""
+    rows (verify steps, `unit_requests`), `pre_*` tiles of `invariant_rows` rows (the others), each one chunk of
+    `blocks_per_tile` logical blocks, `share_*` calls of one-row tiles of one chunk; causal tiles per request.
+    Fast route: `slot_*`, `ctx_*`, `seg_*`. Own calls: `calls`, `call_blocks`; their requests' entries sit
+    last in `pre_*`, `causal_*`, `ctx_*` and `seg_*`, from the `*_own_from` counts on."""
 
     dec_rows: np.ndarray  #: [dec tiles, 1] the tile's token (query_len: none)
     dec_blocks: np.ndarray  #: [dec tiles, blocks_per_tile] physical blocks of the chunk (0 where unseen)
     dec_lo: np.ndarray  #: [dec tiles, 1, blocks_per_tile] first visible slot
     dec_hi: np.ndarray  #: [dec tiles, 1, blocks_per_tile] end of visible slots (0: unseen)
     dec_col: np.ndarray  #: [dec tiles] chunk index in the request's context
+    dec_whole: int  #: the first `dec_whole` dec tiles see every key of their chunk (no V mask needed)
+    share_rows: np.ndarray  #: [share calls, invariant_chunk] one-token requests' tokens reading a whole chunk
+    share_blocks: np.ndarray  #: [share calls, blocks_per_tile] that chunk's physical blocks (read once per call)
+    share_col: np.ndarray  #: [share calls, invariant_chunk] the chunk's index in each row's context
     pre_rows: np.ndarray  #: [pre tiles, invariant_rows] tokens of one request (query_len: none)
     pre_blocks: np.ndarray  #: [pre tiles, blocks_per_tile]
     pre_lo: np.ndarray  #: [pre tiles, invariant_rows, blocks_per_tile]
@@ -150,7 +154,8 @@ class InvariantPlan(StepPlan):
         b, opts = self.bucket, self.options
         keys = opts.blocks_per_tile(self.block_size) * self.block_size
         return PathWork(causal=b.num_causal_tiles * opts.causal_tile**2 + b.query_len,
-                        shared=(self.dec_rows.shape[0] + self.pre_rows.size + self.unit_rows.size) * keys)
+                        shared=(self.dec_rows.shape[0] + self.pre_rows.size + self.unit_rows.size
+                                + self.share_rows.size) * keys)
 
 
 def pow2(n: int) -> int:
@@ -163,7 +168,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def tiles_per_call(opts: PlanOptions) -> int:
-    """Tiles per product of the tile route (either kind): one shape per kind, whatever the batch."""
+    """Tiles per product of the tile route (a tail call: a quarter): one shape per kind, whatever the batch."""
     return opts.invariant_chunk
 
 
@@ -198,7 +203,8 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     unit = unit_requests(q, ctx, W, opts) & ~own
     rest = np.flatnonzero(~one & ~own)  # several new tokens, not on their own calls
     mine = np.flatnonzero(own)
-    dec = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
+    dec_all = _plan_tiles(np.flatnonzero(one), 1, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts)
+    dec, share = _plan_share_calls(dec_all, T, bs, W, tiles_per_call(opts))
     units = _plan_tiles(np.flatnonzero(unit), opts.unique_tokens, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb,
                         tok_pos, T, opts)
     flash_rest = rest[~unit[rest]]  # several new tokens, not units (their new keys: the units' programs')
@@ -220,11 +226,11 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     seg_rows, _ = ranges(starts[multi], q[multi])
     call_blk, call_owner = ranges(np.zeros_like(mine), nb_ctx[mine])
     call_first = np.cumsum(nb_ctx[mine]) - nb_ctx[mine]
-    n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0] + units["rows"].shape[0]
+    n_tiles = dec["rows"].shape[0] + pre["rows"].shape[0] + units["rows"].shape[0] + int((share["rows"] < T).sum())
     shape = Bucket(phase=phase_of(causal_q.size, n_tiles, 0), query_len=T, num_shared_blocks=n_tiles,
                    num_unique_blocks=0, num_logits=R, num_causal_tiles=causal_q.size)
     needed = PathWork(causal=int(np.minimum(tok_j + 1, W if W is not None else T + 1).sum()),
-                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec, pre, units))))
+                      shared=int(sum((t["hi"] - t["lo"]).sum() for t in (dec_all, pre, units))))
     rows_kb = np.zeros((0, opts.shared_rows), np.int32)
     none3 = np.zeros((0, opts.shared_rows, 1), np.int32)
     empty = np.zeros(0, np.int32)
@@ -237,7 +243,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         logits_indices=(starts + q - 1).astype(np.int32), max_block_id=max_block_id,
         work_needed=needed, shared_prefix_visible=False,
         **{f"dec_{k}": v for k, v in dec.items()}, **{f"pre_{k}": v for k, v in pre.items()},
-        **{f"unit_{k}": v for k, v in units.items()},
+        **{f"unit_{k}": v for k, v in units.items()}, **{f"share_{k}": v for k, v in share.items()},
         causal_col=causal_col, cached_width=pow2(int(chunks.max()) if chunks.size else 1),
         causal_width=causal_width, **{f"slot_{k}": v for k, v in slots.items()},
         **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_rows=seg_rows.astype(np.int32),
@@ -287,6 +293,36 @@ def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, to
     return dict(rows=padded(tok, T), blocks=padded(ids, 0, np.int64),  # block ids need 64 bits
                 lo=padded(np.where(sees[..., None], lo, 0), 0), hi=padded(np.where(sees[..., None], hi, 0), 0),
                 col=padded(col, 0))
+
+
+def _plan_share_calls(dec: dict, T: int, bs: int, W: int | None, per_call: int) -> tuple[dict, dict]:
+    """(`dec` less the tiles below: those that see their whole chunk in calls of `per_call` (`whole`: where
+    they end), then the others (a request's last chunk, or cut by a window) in *tail calls* of a quarter;
+    the share calls): one-row tiles of a whole chunk (every key seen, no window) that `max(2, per_call // 4)`
+    tiles or more read, `per_call` rows a call against the chunk read once (the one-row call's products on a
+    view repeating it: the same values and shapes). Which rows share a call follows the batch; no bit does."""
+    rows, blocks = dec["rows"][:, 0], dec["blocks"]
+    whole = (rows < T) & (dec["hi"][:, 0] == bs).all(-1) & (dec["lo"][:, 0] == 0).all(-1)
+    full = np.flatnonzero(whole & (W is None))
+    group, count = np.unique(blocks[full], axis=0, return_inverse=True, return_counts=True)[1:]
+    group = group.reshape(-1)
+    sel = count[group] >= max(2, per_call // 4)
+    order = np.lexsort((rows[full[sel]], group[sel]))
+    tiles, group = full[sel][order], group[sel][order]
+    rank = np.arange(tiles.size) - np.searchsorted(group, group)  # the tile's place among its chunk's readers
+    new = rank % per_call == 0  # the first row of a call
+    call = np.cumsum(new) - 1
+    share_rows, share_col = np.full((2, int(new.sum()), per_call), [[[T]], [[0]]], np.int32)  # no row; column 0
+    share_rows[call, rank % per_call], share_col[call, rank % per_call] = rows[tiles], dec["col"][tiles]
+    keep = np.flatnonzero((rows < T) & ~np.isin(np.arange(rows.size), tiles))
+    keep = keep[np.argsort(~whole[keep], kind="stable")]
+    nw = int(whole[keep].sum())
+    parts = ((keep[:nw], _round_up(nw, per_call)), (keep[nw:], _round_up(keep.size - nw, max(1, per_call // 4))))
+    rest = {k: np.concatenate([x for i, n in parts for x in (a[i], np.full((n - i.size,) + a.shape[1:],
+                                                                          T if k == "rows" else 0, a.dtype))])
+            for k, a in dec.items()}
+    rest["whole"] = parts[0][1]
+    return rest, dict(rows=share_rows, blocks=blocks[tiles[new]], col=share_col)
 
 
 def _plan_slots(pair_req, pair_blk, phys, tokens, starts, ctx, tok_pos, bs, W):
@@ -347,7 +383,7 @@ def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
     def rows(a):
         return move_no_row(a, T, Tp)
 
-    nd = bucket.num_shared_blocks - plan.pre_rows.shape[0] - plan.unit_rows.shape[0]
+    nd = bucket.num_shared_blocks - plan.pre_rows.shape[0] - plan.unit_rows.shape[0] - int((plan.share_rows < T).sum())
     nc, nq = bucket.num_causal_tiles, bucket.num_unique_blocks
     empty = np.zeros(0, np.int32)
     return replace(
@@ -357,7 +393,7 @@ def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
         causal_col=grow(plan.causal_col, nc, 0),
         dec_rows=grow(rows(plan.dec_rows), nd, Tp), dec_blocks=grow(plan.dec_blocks, nd, 0),
         dec_lo=grow(plan.dec_lo, nd, 0), dec_hi=grow(plan.dec_hi, nd, 0), dec_col=grow(plan.dec_col, nd, 0),
-        pre_rows=rows(plan.pre_rows), unit_rows=rows(plan.unit_rows),
+        pre_rows=rows(plan.pre_rows), unit_rows=rows(plan.unit_rows), share_rows=rows(plan.share_rows),
         # A bucket made for the default mode may have unique slots: empty ones, never read.
         unique_rows=np.full(nq, Tp, np.int32), unique_blocks=np.zeros(nq, np.int32) if nq else empty,
         unique_lo=np.zeros(nq, np.int32), unique_hi=np.zeros(nq, np.int32),
