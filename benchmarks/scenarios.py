@@ -82,6 +82,8 @@ def scenarios(scale: float = 1.0, seed: int = 0) -> list[Scenario]:
         Scenario("chunked_ragged", "chunked prefill 256/1k/1.9k/700 over 7k/300/1.5k/0",
                  (s(256), s(1024), s(1900), s(700)), (s(7000), s(300), s(1500), 0)),
         Scenario("prefill_ragged", "prefill 100/1.5k/3k/700", (s(100), s(1500), s(3000), s(700)), _rep(4, 0)),
+        Scenario("parallel_sampling_h8", "parallel sampling 16 x (2k + 64), heads 8/1/128 (a 70B at TP 8)", _rep(16, 1),
+                 _rep(16, s(2048) + s(64)), prefix=((0, 16, s(2048)),), heads=(8, 1, 128)),
     ]
 
 
