@@ -82,6 +82,18 @@ def scan_order_matches(device: str) -> None:
         want = torch.sort(rows.cpu(), stable=True).indices
         assert torch.equal(order.cpu(), want), (s, n)
         assert torch.equal(starts.cpu(), torch.searchsorted(rows.cpu()[want], torch.arange(n + 1))), (s, n)
+    # units of 4: requests of 1-9 new tokens, then 3 padding tokens (each its own): the unit starts listed after
+    # the starts, in token order, their count last
+    lens = np.array([1, 3, 4, 9, 2, 5])
+    seg = np.concatenate([np.repeat(np.cumsum(lens) - lens, lens), np.arange(lens.sum(), lens.sum() + 3)])
+    n = seg.size
+    rows = torch.randint(0, n + 1, (50,), generator=g).to(device)
+    order, starts = unique.scan_token_order(rows, n, torch.as_tensor(seg).to(device), 4)
+    t = np.arange(n)
+    listed = t[(seg == t) | (t - seg >= 4)]
+    assert starts.shape[0] == 2 * n + 2 and starts[-1].item() == listed.size
+    assert np.array_equal(starts[n + 1:n + 1 + listed.size].cpu().numpy(), listed)
+    assert torch.equal(order.cpu(), torch.sort(rows.cpu(), stable=True).indices)
 
 
 def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
@@ -123,8 +135,12 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
                                   sliding_window=window)
         assert_matches(out.cpu(), ref)
         done += 1
-    takes = unique.units_take_new_pairs
+    takes, plain = unique.units_take_new_pairs, unique.token_order
     for i, (step, fmt, k_form, layout, units, consts) in enumerate(VERIFY_CASES):
+        # every other case with the unit starts listed (a program per unit: the scan, on the CPU too), the others
+        # with a program per token (as where the scan does not apply)
+        set_attr(unique, "token_order", lambda rows, n, seg=None, units=1, listed=i % 2 == 0: (
+            unique.scan_token_order(rows, n, seg, units) if listed and rows.numel() else plain(rows, n)))
         consts = dict(consts)
         route = consts.pop("prompt_route", "dense")
         # on the tiles, long requests too (`units_take_new_pairs` keeps the kernel's units to dense steps)
@@ -152,6 +168,7 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
     for k, v in defaults.items():
         set_attr(unique, k, v)
     set_attr(attention, "units_take_new_pairs", takes)
+    set_attr(unique, "token_order", plain)
     # Unquantized caches through the kernel: the query's dtype, and the 16-bit ones the route takes on CUDA
     # (products in that dtype, fp32 statistics: 1e-2 against the reference over the rounded inputs); then a
     # bucket with padding slots (rows past the tokens sort last and are never read).

@@ -159,7 +159,7 @@ def _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale=None,
         KEYS=unique.KERNEL_KEYS, SPLITS=splits, SLICE=False, K_SCALES=unique._scale_mode(ks),
         V_SCALES=unique._scale_mode(vs), SPLIT_KEYS=plan_invariant.SPLIT_KEYS, UNITS=units,
         **unique._new_args((k, v), q, scale, v_factor, units, take), out_ptr=acc if out is None else out,
-        FINAL=final, EXACT_DIV=final, num_warps=unique.KERNEL_WARPS, num_stages=unique.KERNEL_STAGES)
+        FINAL=final, EXACT_DIV=final, WORK=False, num_warps=unique.KERNEL_WARPS, num_stages=unique.KERNEL_STAGES)
     if final:
         return Final(out)
     return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])

@@ -238,9 +238,8 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     `shared`: the shared tiles' (row, block) cells as further slots of their rows (`kernel_takes_shared`).
     `new` (the step's keys and values, `units_take_new_pairs`; with `shared`, one-token units only): each unit
     takes its request's self and causal pairs too, so the Partial is every pair of its tokens.
-    `final` (this is the step's only path): the rows normalized in q's dtype (`Final`), by the kernel where a
-    token has one split, else by the splits' merge: no fp32 Partial written and read again by a merge and a
-    normalize (a decode or verify step's rows, 4 MB of fp32 at 64 x 4 tokens x 32 heads).
+    `final` (the step's only path): the rows normalized in q's dtype (`Final`), by the kernel where a token has
+    one split, else by the splits' merge: no fp32 Partial written and read again (4 MB at 64 x 4 x 32 heads).
     On CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1: tests)."""
     from vllm_gaudi_unified.paths import unique_kernel
 
@@ -257,11 +256,11 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
     units = 1 if shared else batch.plan.unique_units  # (with shared cells: `per_token`'s batch)
-    order, starts = token_order(rows, n)
+    order, starts = token_order(rows, n, batch.token_seg_start, units)
+    work = starts.shape[0] > n + 1  # the unit starts listed: a program per request's unit, not per token
     ids = order if slice_ else ids  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
-    # Programs with work: one per (request, KV head) when units pack a request's tokens
-    splits = _splits(keys_per_token, (n if units == 1 else batch.bucket.num_logits) * hkv)
+    splits = _splits(keys_per_token, (n if units == 1 else batch.bucket.num_logits) * hkv)  # (programs with work)
     dt = compute_dtype(q.dtype)
     in_kernel = final and splits == 1  # (the kernel writes the final rows; acc/m/total give its dtype only)
     out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device) if in_kernel else None
@@ -271,14 +270,14 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     ks, ks_strides, k_factor = _scale_args(k_scale)
     vs, vs_strides, v_factor = _scale_args(v_scale)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    unique_kernel.unique_kernel[(n, hkv, splits)](
+    unique_kernel.unique_kernel[(max(1, min(n, batch.bucket.num_logits)) if work else n, hkv, splits)](
         q, key_cache, value_cache, key_cache if ks is None else ks, value_cache if vs is None else vs,  # (unused)
         order, starts, ids, lo, hi, batch.token_seg_start, n, acc, m, total, scale * k_factor, v_factor,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
         HQ=hq, G=g, ROWS=max(16, _pow2(units * g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=slice_, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
         SPLIT_KEYS=0, UNITS=units, **_new_args(new, q, scale, v_factor, units), out_ptr=acc if out is None else out,
-        FINAL=in_kernel, EXACT_DIV=False, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+        FINAL=in_kernel, EXACT_DIV=False, WORK=work, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     if in_kernel:
         return Final(out)
     if splits == 1:
@@ -288,9 +287,8 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
 
 def combine_splits(acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, out_dtype) -> Partial | Final:
     """A token's split rows (acc `[n, splits, heads, dv]`, m/total `[n, splits, heads]`) merged in one pass
-    (`mla_kernel.split_combine`, the exact merge of `merge.py`): `Final` rows in `out_dtype`, or with None the
-    merged Partial. Why: `merge.fold_pairwise`'s elementwise passes (about 15 kernels a level) cost more than
-    the unique kernel itself where few long tokens are split (MQA verify: 4 splits of 64 requests)."""
+    (`mla_kernel.split_combine`, `merge.py`'s exact merge): `Final` rows in `out_dtype`, or (None) the Partial.
+    `merge.fold_pairwise`'s passes (~15 kernels a level) cost more than the kernel (MQA verify: 4 splits)."""
     from vllm_gaudi_unified.paths import mla_kernel
 
     n, splits, hq, dv = acc.shape
@@ -336,7 +334,7 @@ def units_take_new_pairs(batch, kernel: bool) -> bool:
     return plan.options.prompt_route == "dense" and (kernel or batch.bucket.num_prompts == 0)
 
 
-def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_order(rows: torch.Tensor, n: int, seg=None, units: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The slots' indices sorted by token (rows <= n), stable, and each token's first place in that order
     (`n + 1` starts: token t's slots are `order[starts[t]:starts[t + 1]]`; the unique kernel's and the MLA
     routes'). Up to `RANK_SORT_MAX_SLOTS` slots by rank: a slot's place is the count of slots before it in
@@ -344,10 +342,10 @@ def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]
     (the sort torch.compile makes of a few hundred keys took 9.5-18.6 us on an H100);
     more slots: a stable sort of 16-bit keys where the rows fit (a radix sort of int64 keys takes 8
     passes, 50 us of a 0.8 ms decode step, torch.profiler on an H100). On CUDA, up to `SCAN_ORDER_MAX_WORK`,
-    one scan kernel instead (`scan_token_order`)."""
-    s = rows.shape[0]
-    if rows.is_cuda and triton_importable() and 0 < s and (n + 1) * s <= SCAN_ORDER_MAX_WORK:
-        return scan_token_order(rows, n)
+    one scan kernel instead (`scan_token_order`; with `units` > 1 and `seg`, the unit starts listed too)."""
+    s, units = rows.shape[0], units if seg is not None else 1
+    if rows.is_cuda and triton_importable() and 0 < s and (n + 1) * max(s, n * (units > 1)) <= SCAN_ORDER_MAX_WORK:
+        return scan_token_order(rows, n, seg, units)
     if s <= RANK_SORT_MAX_SLOTS:
         index = torch.arange(s, device=rows.device, dtype=rows.dtype)
         key = rows * s + index  # distinct: the (row, index) order
@@ -358,15 +356,18 @@ def token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]
     return order, torch.searchsorted(rows[order], torch.arange(n + 1, device=rows.device, dtype=rows.dtype))
 
 
-def scan_token_order(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def scan_token_order(rows: torch.Tensor, n: int, seg=None, units: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_order` as one Triton launch of `n + 1` programs, each scanning every slot's row
     (`unique_kernel.order_kernel`): where the rank's comparisons or the sort's passes each cost a launch or more
-    (a verify step's 1601 slots: a 14 us radix sort beside the searchsorted, H200)."""
+    (a verify step's 1601 slots: a 14 us radix sort beside the searchsorted, H200). `units` > 1: the starts
+    (`[2n + 2]`) list the tokens that start a unit of `seg`'s requests after the `n + 1` starts, then their count."""
     from vllm_gaudi_unified.paths import unique_kernel
 
     rows = rows.contiguous()
-    order, starts = torch.empty_like(rows), torch.empty(n + 1, dtype=rows.dtype, device=rows.device)
-    unique_kernel.order_kernel[(n + 1,)](rows, order, starts, rows.shape[0], CHUNK=1024)
+    order = torch.empty_like(rows)
+    starts = torch.empty((n + 1) * (1 + (units > 1)), dtype=rows.dtype, device=rows.device)
+    unique_kernel.order_kernel[(n + 1,)](rows, order, starts, rows.shape[0], rows if units == 1 else seg, CHUNK=1024,
+                                         UNITS=units)
     return order, starts
 
 
@@ -390,9 +391,8 @@ def _scale_mode(scale: torch.Tensor | None) -> int:
 
 
 def _scale_args(scale) -> tuple[torch.Tensor | None, tuple[int, int, int, int], float]:
-    """(tensor the kernel loads per key, or None; its strides over [block, slot, kv head, channel], 0
-    where it broadcasts; the float folded into the scores or the output): a float is folded, a tensor
-    (one element or per block) is loaded beside the blocks, on the device, without a sync."""
+    """(tensor the kernel loads per key, or None; its strides over [block, slot, kv head, channel], 0 where it
+    broadcasts; the float folded into the scores or the output): a tensor is loaded on the device, no sync."""
     if not isinstance(scale, torch.Tensor):
         return None, (0, 0, 0, 0), 1.0 if scale is None else float(scale)
     if scale.numel() == 1:

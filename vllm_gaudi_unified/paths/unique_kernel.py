@@ -25,8 +25,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+#: Scores in base 2 (`exp2`: one multiply less per score than `exp`, which scales by log2(e) itself); the
+#: Partial's max back in base e.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
-def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr,
+
+@triton.jit
+def _token(t, h, sp, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr,
                  seg_ptr, n_tokens, acc_ptr, m_ptr, l_ptr, score_scale, v_scale,
                  sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
                  sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d,
@@ -65,9 +71,6 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     as IEEE's (`div_rn`, not the approximate fp32 `/`), so the rows are `merge.normalize`'s of the same Partial
     bit for bit. The default needs no such match and keeps the approximate divide, cheaper where a program
     finishes many rows (a verify step's units)."""
-    t = tl.program_id(0).to(tl.int64)  # output offsets (t * SPLITS * HQ * D) may pass 2**31
-    h = tl.program_id(1)
-    sp = tl.program_id(2)
     first = tl.load(starts_ptr + t)
     n_keys = (tl.load(starts_ptr + t + 1) - first) * BS
     offs_r = tl.arange(0, ROWS)
@@ -126,14 +129,14 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                             mask=vis2, other=0.0).to(acc_dtype)
         # Scaled before the cast: under torch.compile a float argument is fp64, which would promote s (and
         # the loop-carried m_i) to fp64 where a plain launch passes fp32.
-        s = (tl.dot(q, tl.trans(k.to(op_dtype))) * score_scale).to(acc_dtype)  # [ROWS, KEYS]
+        s = (tl.dot(q, tl.trans(k.to(op_dtype))) * (score_scale * LOG2E)).to(acc_dtype)  # [ROWS, KEYS]
         if K_SCALES == 1:  # one per key: on its scores
             s = s * tl.load(ks_ptr + blk * sks_b + j * sks_s + h * sks_h, mask=vis, other=0.0).to(acc_dtype)[None, :]
         s = tl.where(vis[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         v = tl.load(v_ptr + (blk * sv_b + j * sv_s + h * sv_h)[:, None] + offs_d[None, :], mask=vis2, other=0.0)
         if v.dtype.is_fp8():
             v = v.to(tl.float32)
@@ -156,12 +159,12 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
         vn = tl.load(vn_ptr + t * svn_t + h * svn_h + offs_d, mask=own_d, other=0.0).to(acc_dtype)
         bad = tl.sum(((vn != vn) | (tl.abs(vn) == float("inf"))).to(tl.int32), 0) > 0
         vn = tl.where(bad, 0.0, vn) * new_v
-        s = (tl.sum(q.to(acc_dtype) * kn[None, :], 1) * new_scale).to(acc_dtype)  # [ROWS]
+        s = (tl.sum(q.to(acc_dtype) * kn[None, :], 1) * (new_scale * LOG2E)).to(acc_dtype)  # [ROWS]
         s = tl.where(own, tl.where(bad, float("nan"), s), float("-inf"))
         m_new = tl.maximum(m_i, s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe)
         l_i = l_i * alpha + p
         acc = acc * alpha[:, None] + p[:, None] * vn[None, :]
         m_i = m_new
@@ -177,14 +180,14 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
             vn = vn.to(acc_dtype)
             bad = tl.sum(((vn != vn) | (tl.abs(vn) == float("inf"))).to(tl.int32), 1) > 0  # [NEW_KEYS]
             vn = tl.where(bad[:, None], 0.0, vn) * new_v
-            s = (tl.dot(q, tl.trans(kn.to(op_dtype))) * new_scale).to(acc_dtype)  # [ROWS, NEW_KEYS]
+            s = (tl.dot(q, tl.trans(kn.to(op_dtype))) * (new_scale * LOG2E)).to(acc_dtype)  # [ROWS, NEW_KEYS]
             vis = own[None, :] & (ktok[None, :] <= tok[:, None])
             s = tl.where(vis & bad[None, :], float("nan"), s)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(op_dtype), vn.to(op_dtype)).to(acc_dtype)
             m_i = m_new
@@ -200,15 +203,51 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
     else:
         tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], (acc * v_scale).to(acc_dtype),
                  mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(m_ptr + row, m_i, mask=g_ok)
+        tl.store(m_ptr + row, m_i * LN2, mask=g_ok)  # (the Partial's max in e's units)
         tl.store(l_ptr + row, l_i, mask=g_ok)
 
 
-def _order_body(rows_ptr, order_ptr, starts_ptr, S, CHUNK: tl.constexpr):
+def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_ptr,
+                 seg_ptr, n_tokens, acc_ptr, m_ptr, l_ptr, score_scale, v_scale,
+                 sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
+                 sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d,
+                 HQ: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                 BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
+                 K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr,
+                 kn_ptr, vn_ptr, skn_t, skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS: tl.constexpr,
+                 take_ptr, NEW_SELECT: tl.constexpr, out_ptr, FINAL: tl.constexpr, EXACT_DIV: tl.constexpr,
+                 WORK: tl.constexpr):
+    """The unique kernel: `_token` for one (token, KV head, split) a program, where `WORK` is off: program t
+    the token t (int64: output offsets, t * SPLITS * HQ * D, may pass 2**31). `WORK` (units of several tokens;
+    `unique.scan_token_order` listed the unit starts after the `n + 1` starts: `starts[n + 1 + e]`, their count
+    `starts[2n + 1]`): program p takes the listed tokens p, p + P, ... (P programs). With a program per token,
+    those of the tokens another token's unit covers (3 in 4 of a 1 + 3 verify step) write nothing but take an
+    SM's slot each, its shared memory and a launch."""
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    if WORK:
+        listed = starts_ptr + n_tokens + 1
+        for e in range(tl.program_id(0), tl.load(listed + n_tokens), tl.num_programs(0)):
+            _token(tl.load(listed + e), h, sp, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids_ptr,
+                   lo_ptr, hi_ptr, seg_ptr, n_tokens, acc_ptr, m_ptr, l_ptr, score_scale, v_scale, sq_t, sq_h, sk_b,
+                   sk_s, sk_h, sv_b, sv_s, sv_h, sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d, HQ, G, ROWS,
+                   D, D_PAD, BS, KEYS, SPLITS, SLICE, K_SCALES, V_SCALES, SPLIT_KEYS, UNITS, kn_ptr, vn_ptr, skn_t,
+                   skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS, take_ptr, NEW_SELECT, out_ptr, FINAL, EXACT_DIV)
+    else:
+        _token(tl.program_id(0).to(tl.int64), h, sp, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr,
+               ids_ptr, lo_ptr, hi_ptr, seg_ptr, n_tokens, acc_ptr, m_ptr, l_ptr, score_scale, v_scale, sq_t, sq_h,
+               sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d, HQ, G,
+               ROWS, D, D_PAD, BS, KEYS, SPLITS, SLICE, K_SCALES, V_SCALES, SPLIT_KEYS, UNITS, kn_ptr, vn_ptr, skn_t,
+               skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS, take_ptr, NEW_SELECT, out_ptr, FINAL, EXACT_DIV)
+
+
+def _order_body(rows_ptr, order_ptr, starts_ptr, S, seg_ptr, CHUNK: tl.constexpr, UNITS: tl.constexpr):
     """`unique.token_order` in one launch: program t (0..n) counts the slots whose row is below t (its start,
     `starts[t]`) and writes its own slots' indices (row == t), in index order, from there (`order`). Every
     program scans all `S` rows (`rows` <= n): for the few hundred tokens and thousands of slots of a decode or
-    verify step that is one short kernel where a sort takes several."""
+    verify step that is one short kernel where a sort takes several. `UNITS` > 1 (`seg` `[n]`: each token's
+    request's first token): the tokens that start a unit (their request's first, or `UNITS` or more past it)
+    listed after the starts, for the unique kernel's `WORK`: `starts[n + 1 + e]`, their count `starts[2n + 1]`."""
     t = tl.program_id(0)
     before = tl.zeros([CHUNK], tl.int32)
     for c in range(0, S, CHUNK):
@@ -223,6 +262,19 @@ def _order_body(rows_ptr, order_ptr, starts_ptr, S, CHUNK: tl.constexpr):
         rank = tl.cumsum(mine, 0) - 1
         tl.store(order_ptr + pos + rank, idx.to(tl.int64), mask=mine != 0)
         pos += tl.sum(mine, 0)
+    if UNITS > 1:  # the unit starts listed: token t (< n) at its rank among them, their count by program n
+        n = tl.num_programs(0) - 1
+        listed = tl.zeros([CHUNK], tl.int32)
+        for c in range(0, t, CHUNK):
+            idx = c + tl.arange(0, CHUNK)
+            seg = tl.load(seg_ptr + idx, mask=idx < t, other=0)
+            listed += ((idx < t) & ((seg == idx) | (idx - seg >= UNITS))).to(tl.int32)
+        at = tl.sum(listed, 0)
+        seg_t = tl.load(seg_ptr + tl.minimum(t, n - 1))
+        start = (t == n) | (seg_t == t) | (t - seg_t >= UNITS)
+        two = tl.arange(0, 2)  # (a vector store, its first lane: the interpreter takes no scalar mask)
+        tl.store(starts_ptr + tl.where(t == n, 2 * n + 1, n + 1 + at) + two, tl.where(t == n, at, t) + two * 0,
+                 mask=(2 * two + start.to(tl.int32)) == 1)
 
 
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter instead
