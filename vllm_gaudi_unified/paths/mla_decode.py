@@ -211,9 +211,9 @@ def kernel_mla_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: int,
                       key is not None, final=fused_final, seg=seg, units=units, unit_rows=rows)
     else:
         mla_kernel.mla_kernel[(-(-hq // consts["BLOCK_H"]), splits, n)](
-            q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits,
-            q.stride(0), q.stride(1), k.stride(0), key_cache.stride(0), key_cache.stride(1),
-            SLICE=slice_, SELF=key is not None, FINAL=fused_final, seg_ptr=seg, UNITS=units, UNIT_ROWS=rows, **consts)
+            q, k, key_cache, order, starts, ids, lo, hi, acc, m, total, scale, splits, q.stride(0), q.stride(1),
+            k.stride(0), key_cache.stride(0), key_cache.stride(1), SLICE=slice_, SELF=key is not None,
+            FINAL=fused_final, tok_ptr=None, TOKENS=False, SPLIT_KEYS=0, seg_ptr=seg, UNITS=units, UNIT_ROWS=rows, **consts)
     if fused_final:
         return Final(acc)
     if splits == 1:

@@ -103,7 +103,8 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
     one = MLA_ONE_SPLIT_KEYS if seesaw else 0
     most = _most_slots(batch.plan) * bs  # (the grid's splits: enough for the longest context)
     splits = 1 if most <= one else max(1, -(-most // split_keys))
-    acc = torch.empty((m_rows, splits, hq, value_dim) if splits > 1 or not one else (1,), dtype=dt, device=q.device)
+    combine = splits > 1 or not one  # (else every token's rows come normalized from the kernel)
+    acc = torch.empty((m_rows, splits, hq, value_dim) if combine else (1,), dtype=dt, device=q.device)
     m = torch.empty((m_rows, splits, hq), dtype=dt, device=q.device)
     total = torch.empty_like(m)
     consts = mla_decode.kernel_constants(hq, d, value_dim, bs)
@@ -122,8 +123,9 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
         mla_kernel.mla_kernel[(-(-hq // consts["BLOCK_H"]), splits, m_rows)](
             q, k, cache, order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, acc, m, total, scale,
             splits, q.stride(0), q.stride(1), k.stride(0), cache.stride(0), cache.stride(1),
-            SLICE=False, SELF=True, FINAL=False, tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys, **consts)
-    if splits > 1 or not one:  # (else every token's rows came normalized from the kernel)
+            SLICE=False, SELF=True, FINAL=False, tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys, seg_ptr=None,
+            UNITS=1, UNIT_ROWS=False, **consts)
+    if combine:
         mla_kernel.ordered_combine[(m_rows * hq,)](acc, m, total, tokens, out, splits, hq, DV=value_dim,
                                                    DV_PAD=consts["DV_PAD"], starts_ptr=starts, BS=bs, ONE_KEYS=one)
     return out

@@ -94,9 +94,8 @@ def _mla_body(q_ptr, k_ptr, c_ptr, order_ptr, starts_ptr, ids_ptr, lo_ptr, hi_pt
               sq_t, sq_h, sk_t, sc_b, sc_s: tl.constexpr,
               HQ: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, DR: tl.constexpr,
               DR_PAD: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr, SLICE: tl.constexpr, V_LOAD: tl.constexpr,
-              ONE_SLOT: tl.constexpr = False, Q_LOOP: tl.constexpr = False, SELF: tl.constexpr = False,
-              FINAL: tl.constexpr = False, tok_ptr=None, TOKENS: tl.constexpr = False, SPLIT_KEYS: tl.constexpr = 0,
-              seg_ptr=None, UNITS: tl.constexpr = 1, UNIT_ROWS: tl.constexpr = False):
+              ONE_SLOT: tl.constexpr, Q_LOOP: tl.constexpr, SELF: tl.constexpr, FINAL: tl.constexpr, tok_ptr,
+              TOKENS: tl.constexpr, SPLIT_KEYS: tl.constexpr, seg_ptr, UNITS: tl.constexpr, UNIT_ROWS: tl.constexpr):
     """One (head group, split, token). q `[n, HQ, DV + DR]` (last stride 1), cache `[blocks, BS, DV + DR]`
     (strides `sc_b`, `sc_s`, last 1; `sc_s` a compile-time constant), `order`: slot ids sorted by token,
     `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless `SLICE`: slot = block
@@ -222,7 +221,7 @@ def _combine_body(acc_ptr, m_ptr, l_ptr, out_ptr, om_ptr, ol_ptr, S: tl.constexp
 
 
 def _ordered_combine_body(acc_ptr, m_ptr, l_ptr, tok_ptr, out_ptr, splits, HQ, DV: tl.constexpr,
-                          DV_PAD: tl.constexpr, starts_ptr=None, BS: tl.constexpr = 0, ONE_KEYS: tl.constexpr = 0):
+                          DV_PAD: tl.constexpr, starts_ptr, BS: tl.constexpr, ONE_KEYS: tl.constexpr):
     """One (row i, head) of `_mla_body`'s `TOKENS` Partial rows (acc `[m, splits, HQ, DV]`, m/l `[m, splits,
     HQ]`), its splits merged one after the other in index order, normalized into token `tok[i]`'s row of out
     `[n, HQ, DV]` (out's dtype). Why not `_combine_body` (the batch-invariant mode): its sums over the splits

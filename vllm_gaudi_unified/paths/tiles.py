@@ -161,7 +161,7 @@ def _one_row_probs(q, k, mask, scale, soft_cap):
     every = score_product(q.reshape(t, r * hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, R*Hq, K*Hkv]
     scores = torch.diagonal(every.view(tr, hkv, g, nk, hkv), dim1=1, dim2=4)  # [TR, G, K, Hkv]: head h vs h // g
     scores = scores.permute(0, 3, 1, 2).to(compute_dtype(q.dtype))  # [TR, Hkv, G, K]
-    del every  # (freed here where the line above copied: bf16, fp16)
+    del every  # (freed here where the line above copied: a product kept in 16 bits, on an HPU)
     scores = scores * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
