@@ -137,7 +137,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if as_stored:
         return _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles)
     qg = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # [T, Hkv, G*R, D]
-    scores = score_product(qg, k.permute(0, 2, 3, 1)).view(t, hkv, g, r, nk)
+    kt = k.permute(0, 2, 3, 1)  # [T, Hkv, D, K]
+    if hkv > 1:  # one layout at every tile count: the product folds T and Hkv, a view of kt for one tile and a
+        kt = kt.contiguous()  # copy for more, whose bits differ (a bucket's padding tile changed real rows)
+    scores = score_product(qg, kt).view(t, hkv, g, r, nk)
     scores = scores.to(dt) * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
