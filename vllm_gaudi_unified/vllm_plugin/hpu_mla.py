@@ -68,6 +68,7 @@ from vllm_gaudi_unified.mla import latent_views, mla_attention
 from vllm_gaudi_unified.mla_prompts import mla_prompt_rows
 from vllm_gaudi_unified.paths.kv_quant import check_scale, is_fp8, quantize, read_blocks
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
+from vllm_gaudi_unified.vllm_plugin.mla_backend import GaudiUnifiedMLABackend
 
 logger = get_logger("vllm.gaudi_unified.mla")  # under "vllm": vLLM's log settings
 
@@ -112,12 +113,11 @@ class UnifiedHpuMLABackend(HPUMLAAttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(16)]  # as the unified HPU backend (vllm-gaudi's default 128 is one)
+        return GaudiUnifiedMLABackend.get_supported_kernel_block_sizes()  # (vllm-gaudi's default 128 is one)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        # The latent: kv_lora_rank + rope dims (DeepSeek: 512 + 64), as the CPU path's MLA backend.
-        return list(range(32, 1025, 16))
+        return GaudiUnifiedMLABackend.get_supported_head_sizes()  # the latent: kv_lora_rank + rope dims
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
