@@ -24,15 +24,16 @@ def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """Each token against its own key: q/k/v `[T, H, D]` -> Partial `[T, Hq, D]`.
 
     `fixed_order` (the batch-invariant mode): the dot products are summed by a fixed
-    pairwise tree over `head_dim` (elementwise adds), whatever kernel `sum` would pick. Else one small
-    product per token and KV head (`score_product`: no fp32 copy of q), and `acc` keeps the values' own
+    pairwise tree over `head_dim` (elementwise adds), whatever kernel `sum` would pick. Else, on an accelerator,
+    one small product per token and KV head (`score_product`: no fp32 copy of q); `acc` keeps the values' own
     dtype (the merge scales it in the compute dtype, where a 16-bit value is exact): a step's every row
     (a bucket's padding rows too) writes half the bytes."""
     t, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     dt = compute_dtype(q.dtype)
-    if fixed_order:
-        s = _tree_sum(q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)).reshape(t, hq) * scale
+    if fixed_order or q.device.type not in ("cuda", "hpu"):  # (the CPU's product takes fp32 copies anyway)
+        products = q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)
+        s = (_tree_sum(products) if fixed_order else products.sum(-1)).reshape(t, hq) * scale
     else:
         s = score_product(q.reshape(t * hkv, hq // hkv, d), k.reshape(t * hkv, d, 1)).to(dt).reshape(t, hq) * scale
     if soft_cap is not None:
