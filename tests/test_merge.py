@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from vllm_gaudi_unified.merge import Partial, merge, merge_all, normalize, scatter_merge
+from vllm_gaudi_unified.merge import Partial, Scattered, merge, merge_all, merge_rows, normalize, scatter_merge
 
 
 def partial_of(scores, values):
@@ -70,3 +70,28 @@ def test_normalize_writes_the_output_dtype_in_one_rounding(dtype):
     assert out.dtype == dtype
     assert torch.equal(out, normalize(Partial(acc, m, total)).to(dtype))
     assert torch.equal(out[1], torch.zeros(3, 8, dtype=dtype))
+
+
+def test_merge_rows_equals_merging_the_scattered_paths_first():
+    """`merge_rows` (one accumulator) is `normalize(merge_all(...))` of the same parts with each `Scattered`
+    path merged into its tokens first: rows that see no key and dropped rows add nothing, a NaN row keeps its
+    NaN for its own token alone, a 16-bit acc (the self pair's values) is scaled in the compute dtype."""
+    g = torch.Generator().manual_seed(3)
+    first = partial_of(torch.randn(4, 2, 1, generator=g, dtype=torch.float64),
+                       torch.randn(1, 3, generator=g, dtype=torch.float64))
+    rows = partial_of(torch.randn(7, 2, 5, generator=g, dtype=torch.float64) * 3,
+                      torch.randn(5, 3, generator=g, dtype=torch.float64))
+    rows.max[2], rows.sum[2], rows.acc[2] = float("-inf"), 0.0, float("nan")  # (saw no key: its acc is not read)
+    rows.acc[5, 1, 0] = float("nan")  # (met a bad value: token 1 alone)
+    index = torch.tensor([0, 3, 1, 4, 3, 1, 0])  # 4 = dropped; token 2 takes only the first part
+    more = partial_of(torch.randn(3, 2, 4, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g,
+                                                                                          dtype=torch.float64))
+    parts = [first, Scattered(rows, index), Scattered(more, torch.tensor([2, 4, 0]))]
+    want = normalize(merge_all([first, scatter_merge(rows, index, 4), scatter_merge(more, torch.tensor([2, 4, 0]), 4)]))
+    got = merge_rows(parts, 4)
+    assert torch.isnan(got[1]).any() and not torch.isnan(got[[0, 2, 3]]).any()
+    torch.testing.assert_close(got[[0, 2, 3]], want[[0, 2, 3]], atol=1e-12, rtol=0)
+    half = Partial(first.acc.to(torch.bfloat16), first.max, first.sum)
+    wide = Partial(half.acc.double(), first.max, first.sum)
+    out = merge_rows([half, Scattered(more, torch.tensor([2, 4, 0]))], 4, torch.float64)
+    assert torch.equal(out, merge_rows([wide, Scattered(more, torch.tensor([2, 4, 0]))], 4, torch.float64))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch
-from vllm_gaudi_unified.merge import Final, Partial, merge_all, normalize, sink_partial
+from vllm_gaudi_unified.merge import Final, Partial, Scattered, merge_rows, sink_partial
 from vllm_gaudi_unified.paths.decodes import dense_decodes as dense_decodes_attention
 from vllm_gaudi_unified.paths.decodes import dense_decodes_apply
 from vllm_gaudi_unified.paths.causal import causal_partial, fused_causal_partial, self_partial
@@ -170,7 +170,7 @@ def run_step(query, key, value, key_cache, value_cache, batch, scale, *, logits_
     if isinstance(partials[0], Final):  # (only given alone: `_run_paths`)
         out = partials[0].out
     else:
-        out = normalize(merge_all(partials), query.dtype)
+        out = merge_rows(partials, padded, query.dtype)  # (the tile paths' rows `Scattered`)
     if out.shape[0] < query.shape[0]:  # a split step: the rows past its tokens are padding
         out = F.pad(out, (0, 0, 0, 0, 0, query.shape[0] - out.shape[0]))
     if final and prompt_route:  # the prompt route's rows are final: written over what the other paths gave them
@@ -207,8 +207,8 @@ class BucketRows:
         return out
 
 
-def _first_rows(p: Partial, rows: int) -> Partial:
-    return Partial(*(x[:rows] for x in p))
+def _first_rows(p: Partial | Scattered, rows: int) -> Partial | Scattered:
+    return Scattered(p.rows, p.index.clamp(max=rows)) if isinstance(p, Scattered) else Partial(*(x[:rows] for x in p))
 
 
 def _piece_partials(query, key, value, key_cache, value_cache, pieces, scale, cap, k_scale, v_scale
@@ -282,7 +282,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         if not mla:  # (MLA's latent routes take each token's own pair too: paths/mla_decode.py)
             yield self_partial(query, key, value, scale, cap)
         if phase[0] == "c" and not drafts:
-            yield causal_partial(query, key, value, batch, scale, cap)
+            yield causal_partial(query, key, value, batch, scale, cap, scattered=True)
     # Routes that read a block per token take a unique unit (a request's drafts) as one slot per token.
     tokens = query.shape[0]
     if shared_in_kernel:
@@ -294,7 +294,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         elif flash and batch.plan.shared_prefix_visible:
             yield fused_shared_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         else:
-            yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
+            yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, scattered=True)
     if (phase[2] == "u" or mla_shared_in_kernel) and not shared_in_kernel:
         if mla:  # MLA's latent: one Partial row per token, the latent read once, the self pair inside
             run = {"kernel": kernel_mla_partial, "dense": dense_mla_partial, "chunks": chunks_mla_partial}[mla]
@@ -311,7 +311,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         elif flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale)
         else:
-            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new)
+            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new, scattered=True)
 
 
 def input_error(*args) -> ValueError | None:

@@ -16,6 +16,11 @@ see) keeps it, for its own token alone. `merge_all` is a fold over `merge` in a 
 `scatter_merge` the same merge when many rows (tiles, blocks) feed one destination token.
 `normalize` turns the merged Partial into the rows; a path that is a step's only one may return its rows
 already normalized (`Final`), and then nothing here runs. `sink_partial`: an attention sink as a Partial.
+
+`merge_rows` is `normalize(merge_all(...))` for a step whose tile paths hand their rows unmerged
+(`Scattered`): every path's rows are scaled once to the step's max and added into one accumulator, so a
+token row (a bucket's padding rows included) pays one zeroed row and its normalize, not a dense Partial per
+path and the passes of each `merge` over them.
 """
 from __future__ import annotations
 
@@ -90,12 +95,58 @@ def scatter_merge(rows: Partial, index: torch.Tensor, num_out: int) -> Partial:
     return Partial(acc[:num_out], new_max[:num_out], total[:num_out])
 
 
+class Scattered(NamedTuple):
+    """A path's rows before `scatter_merge`: `rows` (a Partial of tile rows) and `index`, each row's token
+    (the step's row count: none). `merge_rows` takes them as they are."""
+    rows: Partial
+    index: torch.Tensor
+
+
+def merge_rows(parts: Sequence[Partial | Scattered], rows: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`normalize(merge_all(...), dtype)` of `[rows]` Partials and `Scattered` rows in one accumulator: the
+    step's max per token (the Partials' and the scattered rows' `scatter_max`), then each part scaled to it
+    (`_scaled`: a row that saw no key adds exactly 0) and added in order, the scattered rows by `index_add`.
+    The same exact merge, rounded once per part instead of once per path and again per `merge`."""
+    if not any(isinstance(p, Scattered) for p in parts):
+        return normalize(merge_all(parts), dtype)
+    start = not isinstance(parts[0], Scattered)  # a Partial first: its scaled rows start the sums (no zeroed pass)
+    some = parts[0] if start else parts[0].rows
+    heads, dim = some.acc.shape[1:]
+    new_max = some.max.new_full((rows + 1, heads), float("-inf"))  # (row `rows`: the dropped rows')
+    for p in parts:
+        if isinstance(p, Scattered):
+            new_max = scatter_max(p.rows.max, p.index, new_max)
+        else:
+            new_max[:rows] = torch.maximum(new_max[:rows], p.max)
+    acc, total = new_max.new_empty((rows + 1, heads, dim)), new_max.new_empty((rows + 1, heads))
+    if start:  # (acc, sum) of `_scaled`, written where the sums are
+        p, parts = parts[0], parts[1:]
+        seen = p.max != float("-inf")
+        w = torch.exp(torch.where(seen, p.max - new_max[:rows], 0.0))
+        zero = new_max.new_zeros(())
+        torch.where(seen[..., None], p.acc * w[..., None], zero, out=acc[:rows])
+        torch.where(seen, p.sum * w, zero, out=total[:rows])
+    for x in (acc, total):
+        (x[rows:] if start else x).zero_()
+    for p in parts:
+        if isinstance(p, Scattered):
+            index = p.index.reshape(-1)
+            row_acc, row_sum = _scaled(p.rows, new_max.gather(0, index[:, None].expand(-1, heads)))
+            acc.index_add_(0, index, row_acc)
+            total.index_add_(0, index, row_sum)
+        else:
+            row_acc, row_sum = _scaled(p, new_max[:rows])
+            acc[:rows] += row_acc
+            total[:rows] += row_sum
+    return normalize(Partial(acc[:rows], new_max[:rows], total[:rows]), dtype)
+
+
 def normalize(p: Partial, dtype: torch.dtype | None = None) -> torch.Tensor:
     """acc / sum in `dtype` (default acc's); a row that saw no key (only possible for padding rows) gives 0.
     The quotient is written in `dtype` by the division itself: no second pass to convert (an H100 decode step
     spent 15 us of 50 in that pass)."""
     denom = torch.where(p.sum > 0, p.sum, 1.0)[..., None]
-    if dtype is None or dtype == p.acc.dtype:
+    if dtype is None or dtype == torch.promote_types(p.acc.dtype, denom.dtype):  # (a 16-bit acc: the self pair)
         return p.acc / denom
     return torch.div(p.acc, denom, out=torch.empty(p.acc.shape, dtype=dtype, device=p.acc.device))
 

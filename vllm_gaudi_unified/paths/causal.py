@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, scatter_merge
+from vllm_gaudi_unified.merge import Partial, Scattered, scatter_merge
 from vllm_gaudi_unified.paths import fused
-from vllm_gaudi_unified.paths.tiles import attend, compute_dtype
+from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, score_product
 
 
 def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -24,15 +24,21 @@ def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """Each token against its own key: q/k/v `[T, H, D]` -> Partial `[T, Hq, D]`.
 
     `fixed_order` (the batch-invariant mode): the dot products are summed by a fixed
-    pairwise tree over `head_dim` (elementwise adds), whatever kernel `sum` would pick."""
+    pairwise tree over `head_dim` (elementwise adds), whatever kernel `sum` would pick. Else, on an accelerator,
+    one small product per token and KV head (`score_product`: no fp32 copy of q); `acc` keeps the values' own
+    dtype (the merge scales it in the compute dtype, where a 16-bit value is exact): a step's every row
+    (a bucket's padding rows too) writes half the bytes."""
     t, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     dt = compute_dtype(q.dtype)
-    products = q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)
-    s = (_tree_sum(products) if fixed_order else products.sum(-1)).reshape(t, hq) * scale
+    if fixed_order or q.device.type not in ("cuda", "hpu"):  # (the CPU's product takes fp32 copies anyway)
+        products = q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)
+        s = (_tree_sum(products) if fixed_order else products.sum(-1)).reshape(t, hq) * scale
+    else:
+        s = score_product(q.reshape(t * hkv, hq // hkv, d), k.reshape(t * hkv, d, 1)).to(dt).reshape(t, hq) * scale
     if soft_cap is not None:
         s = soft_cap * torch.tanh(s / soft_cap)
-    acc = v.to(dt)[:, :, None, :].expand(t, hkv, hq // hkv, dv).reshape(t, hq, dv)
+    acc = (v.to(dt) if fixed_order else v)[:, :, None, :].expand(t, hkv, hq // hkv, dv).reshape(t, hq, dv)
     return Partial(acc, s, torch.ones_like(s))
 
 
@@ -48,8 +54,9 @@ def _tree_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None) -> Partial | None:
-    """Strict-causal pairs within each request; None when the batch lists no causal tile."""
+                   soft_cap: float | None, scattered: bool = False) -> Partial | Scattered | None:
+    """Strict-causal pairs within each request; None when the batch lists no causal tile. `scattered`: the
+    tiles' rows unmerged, for `merge.merge_rows`."""
     if batch.causal_q_start.numel() == 0:
         return None
     n = q.shape[0]
@@ -69,7 +76,8 @@ def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, sca
     if fused.kernel_for(batch, q, soft_cap, v.shape[-1]) == "hpu":  # FusedSDPA with statistics on the same tiles
         tile_attend = fused.sdpa_attend
     part = tile_attend(q[rows_in], k[keys_in], v[keys_in], mask, scale, soft_cap)
-    return scatter_merge(part, rows.clamp(max=n).reshape(-1), n)
+    index = rows.clamp(max=n).reshape(-1)
+    return Scattered(part, index) if scattered else scatter_merge(part, index, n)
 
 
 def fused_causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float) -> Partial:

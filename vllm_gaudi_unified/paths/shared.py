@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, scatter_merge
+from vllm_gaudi_unified.merge import Partial, Scattered, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 
 
 def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None, k_scale=None, v_scale=None) -> Partial | None:
-    """None when the batch has no shared tile. An fp8 cache is dequantized per tile, after the gather."""
+                   soft_cap: float | None, k_scale=None, v_scale=None, scattered: bool = False
+                   ) -> Partial | Scattered | None:
+    """None when the batch has no shared tile. An fp8 cache is dequantized per tile, after the gather.
+    `scattered`: the tiles' rows unmerged, for `merge.merge_rows`."""
     if batch.shared_rows.shape[0] == 0:
         return None
     n = q.shape[0]
@@ -41,7 +43,8 @@ def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     if fused.kernel_for(batch, q, soft_cap, value_cache.shape[-1]) == "hpu":
         tile_attend = fused.sdpa_attend
     part = tile_attend(q[batch.shared_rows.clamp(max=n - 1)], k, v, mask, scale, soft_cap)
-    return scatter_merge(part, batch.shared_rows.reshape(-1), n)
+    index = batch.shared_rows.reshape(-1)
+    return Scattered(part, index) if scattered else scatter_merge(part, index, n)
 
 
 def fused_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
