@@ -204,7 +204,7 @@ def make_plan_from_args(args):
 
 
 def with_graphs_again(plan, probe, traces, args):
-    """`plan` with the prompt graphs learned again, now against the buckets a step left to the tiled route
+    """`plan` with the prompt graphs learned again, against the buckets a step left to the tiled route
     really pads to, and the top graphs (the probe of `off_prompt_graphs` has none)."""
     graphs = with_prompt_graphs(plan, traces, args) if probe.prompt_graphs else graphs_of(probe, plan)
     return with_route_padding(graphs, traces)
