@@ -326,3 +326,24 @@ def test_decode_levels_are_each_traces_own_and_top_graphs_hold_a_few_causal_tile
     top = top_graphs(SETTINGS, (0, 0, 1), 0, causal_tiles=4)
     assert top and all(g.num_causal_tiles == 4 and g.phase[0] == "c" for g in top)
     assert [g.prompts for g in top] == [g.prompts for g in top_graphs(SETTINGS, (0, 0, 1), 0)]
+
+
+def test_a_top_graph_keeps_within_a_working_set_context_first_and_the_first_pass_has_none():
+    """`within_bytes` lowers a top graph's context (to its floor), then its prompt length, until its warmup working set
+    fits; the first pass of `buckets generate` learns without top graphs (`with_top=False`)."""
+    from vllm_gaudi_unified.bucket_plans.memory import graph_bytes
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import half_pow2, top_graphs, within_bytes
+
+    plan = exponential_plan(SETTINGS, MODEL)
+    size = lambda g: sum(graph_bytes(g, SETTINGS, MODEL).values())  # noqa: E731
+    (top, *_) = top_graphs(SETTINGS, (0, 0, 1), 12)
+    assert within_bytes(top, size(top), plan, 3) == top
+    fewer = replace(top, prompt_blocks=6)
+    assert within_bytes(top, size(fewer), plan, 6) == fewer  # the context first (12 -> 8 -> 6) ...
+    shorter = within_bytes(top, size(fewer) - 1, plan, 6)  # ... then, at its floor, the prompt length
+    assert shorter.prompt_blocks == 6 and shorter.prompt_len < top.prompt_len and size(shorter) < size(fewer)
+    assert shorter.prompt_len == half_pow2(shorter.prompt_len)
+    steps = [trace_step(CHUNK)] * 3
+    with_top, _ = learn_prompt_graphs(plan, steps, max_graphs=10)
+    without, _ = learn_prompt_graphs(plan, steps, max_graphs=10, with_top=False)
+    assert len(with_top) == 2 and without == [g for g in with_top if g.num_prompts == 1 and g.prompt_len < 64]

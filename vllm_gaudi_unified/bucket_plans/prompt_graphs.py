@@ -30,9 +30,12 @@ common prompt shapes at the prompt route's speed. A plan without prompt graphs
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from vllm_gaudi_unified.bucket import Bucket, codes_of, phase_of, pow2
+from vllm_gaudi_unified.bucket import Bucket, bucket_from_sizes, codes_of, phase_of, pow2
+from vllm_gaudi_unified.bucket_plans.memory import graph_bytes
 from vllm_gaudi_unified.bucket_plans.trace import TraceStep
 from vllm_gaudi_unified.plan.options import on_route
 from vllm_gaudi_unified.plan.smallest import smallest_prompt_shape
@@ -58,9 +61,19 @@ TILED_PADDING = 2.0
 FEWER_DECODES = 0.5
 FEWER_DECODES_WEIGHT = 0.5
 #: Prompts per step of the top graphs (`top_graphs`), each with the most rows `MAX_GRID_BUDGETS` allows, and
-#: the share of the prompt graphs they may take (none in a plan of fewer than 10).
-TOP_GRAPH_PROMPTS = (1, 3, 6, 8, 12)
-TOP_GRAPH_SHARE = 0.1
+#: the share of the prompt graphs they may take (none in a plan of fewer than `TOP_GRAPH_FEWEST`). RAG brings
+#: bursts of 7-23 prompts over one document: in no graph, such a step takes the limits bucket (18-44x its time).
+TOP_GRAPH_PROMPTS = (1, 3, 6, 8, 12, 16, 24, 32)
+TOP_GRAPH_SHARE, TOP_GRAPH_FEWEST = 0.16, 10
+#: Context blocks of the top graphs: the first quantile of the learned steps' prompt blocks (rounded by
+#: `half_pow2`): the bursts no learned graph holds are over the longest documents (at 0.9, 24 blocks at the 8B
+#: setting, bursts of the held-out traces over 26-50 blocks found no top graph). A top graph whose warmup working
+#: set would pass the plan's largest bucket's holds less context, down to the second quantile, then shorter
+#: prompts (`within_bytes`).
+TOP_GRAPH_BLOCKS_QUANTILES = (0.99, 0.9)
+#: The top graphs' unique blocks: the learned prompt steps' most, this share more (within the limits and the gather
+#: cap): decodes' own blocks grow with their contexts; a longer-context hour's long prompts would take the limits.
+TOP_GRAPH_UNIQUE_MARGIN = 0.25
 #: Causal tiles of the top graphs, in multiples of the most a learned step with prompts has (rounded up to a
 #: power of two): a burst of prompts over a long document, some short ones left to the tiles beside the grid,
 #: otherwise finds only the plan's largest causal bucket. On the device 128 of them took a top graph of 12 prompts
@@ -108,17 +121,18 @@ def half_pow2(n: int) -> int:
     return p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
 
 
+def _limits(settings, cap) -> list[int]:
+    """The settings' limits (`ServerSettings.limits`), shared and unique slots within the gather cap."""
+    q, s, u, n, c = (int(x) for x in settings.limits())
+    return [q, min(s, cap.max_shared_blocks or s), min(u, cap.max_unique_blocks or u), n, c]
+
+
 def rounded_shape(shape: Bucket, settings, cap, up=pow2) -> Bucket:
     """The prompt graph of a step: each of its eight dimensions rounded up by `up` (powers of two; shared
     slots: whole tiles), within the settings' limits and the gather cap. Not a bucket of the plan:
     a prompt step has no causal tiles to speak of and a handful of decodes, which the plan's
     buckets, made for the tiled route, would pad with empty tiles."""
-    kb = settings.blocks_per_tile
-    lim = [int(x) for x in settings.limits()]
-    if cap.max_unique_blocks is not None:
-        lim[2] = min(lim[2], cap.max_unique_blocks)
-    if cap.max_shared_blocks is not None:
-        lim[1] = min(lim[1], cap.max_shared_blocks)
+    kb, lim = settings.blocks_per_tile, _limits(settings, cap)
     q, _, u, n, c = (max(min(up(x), hi), x) for x, hi in zip(shape.sizes, lim))
     tiles = -(-shape.num_shared_blocks // kb)
     s = kb * max(min(up(tiles), lim[1] // kb), tiles)
@@ -181,6 +195,21 @@ def top_graphs(settings, level, prompt_blocks: int, causal_tiles: int = 0) -> li
                      min(rows // n, settings.max_num_batched_tokens), prompt_blocks)
         out.append(with_decodes(top, level, settings))
     return out
+
+
+def within_bytes(graph: Bucket, most: int, plan, fewest_blocks: int) -> Bucket:
+    """`graph` within `most` bytes of warmup working set (`memory.graph_bytes`; the plan's largest bucket's, so a
+    top graph never raises warmup's peak): its context lowered in `half_pow2` levels down to `fewest_blocks`,
+    then its prompt length, until it fits."""
+    def lower(n: int) -> int:  # the next `half_pow2` level below n
+        p = pow2(n)
+        return p * 3 // 4 if p >= 4 and n > p * 3 // 4 else p // 2
+    big = lambda g: sum(graph_bytes(g, plan.settings, plan.model).values()) > most  # noqa: E731
+    while big(graph) and graph.prompt_blocks > fewest_blocks:
+        graph = replace(graph, prompt_blocks=max(fewest_blocks, lower(graph.prompt_blocks)))
+    while big(graph) and graph.prompt_len > 1:
+        graph = replace(graph, prompt_len=lower(graph.prompt_len))
+    return graph
 
 
 def _fits(graph: Bucket, settings, cap) -> bool:
@@ -265,7 +294,8 @@ def tiled_cost(plan, tiled: Bucket) -> float:
     return float(plan.costs[i]) if i >= 0 else TILED_PADDING * plan.cost_model.bucket_cost(tiled)
 
 
-def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, sources=None) -> tuple[list[Bucket], dict]:
+def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, sources=None,
+                        with_top: bool = True) -> tuple[list[Bucket], dict]:
     """The `max_graphs` prompt graphs that save the steps of `steps` (TraceSteps) the most time, and how
     many steps they cover.
 
@@ -275,9 +305,8 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     above it (`decode_levels`, `with_decodes`), within `MAX_GRID_BUDGETS` and the gather cap. A step
     costs, in the plan's time model, its cheapest covering graph (`CostModel.graph_cost`, what
     `BucketPlan.route` weighs) or its tiled shape padded (`tiled_cost`); the `top_graphs` come first
-    (`TOP_GRAPH_SHARE` of the count), the others are chosen greedily by the time they save (`_choose`),
-    each trace of `sources` (an id per step; default: one trace) counted equally: a trace of long prompts
-    would otherwise choose every graph."""
+    (`TOP_GRAPH_SHARE` of the count; none without `with_top`), the others are chosen greedily by the time
+    they save (`_choose`), each trace of `sources` (an id per step; default: one trace) counted equally."""
     if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 0:
         raise ValueError(f"the number of prompt graphs must be an int >= 0, got {max_graphs!r}")
     from vllm_gaudi_unified.plan import plan_step
@@ -311,10 +340,14 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
         load = np.array(r.sizes[1:4])
         above = [*envelopes[(envelopes >= load).all(1)], *buckets[(buckets >= load).all(1)][:2]]
         raised.update(with_decodes(r, level, s) for level in above)
-    blocks = half_pow2(int(np.quantile(sizes[:, 7], 0.9)))
+    blocks, fewer = (half_pow2(int(np.quantile(sizes[:, 7], f))) for f in TOP_GRAPH_BLOCKS_QUANTILES)
     causal = TOP_GRAPH_CAUSAL * pow2(int(sizes[:, 4].max()))
-    top = list(dict.fromkeys(g for g in (warmable(r, plan) for r in top_graphs(s, envelopes.max(0), blocks, causal))
-                             if _fits(g, s, cap)))[:int(TOP_GRAPH_SHARE * max_graphs)]
+    level, lim = envelopes.max(0), _limits(s, cap)  # (every learned plan holds a bucket at `lim`, its largest)
+    level[1] = min(int(level[1] * (1 + TOP_GRAPH_UNIQUE_MARGIN)), lim[2])
+    most = max(sum(graph_bytes(b, s, plan.model).values()) for b in [*plan.buckets, bucket_from_sizes(lim)])
+    top = list(dict.fromkeys(g for g in (warmable(within_bytes(r, most, plan, fewer), plan)
+                                         for r in top_graphs(s, level, blocks, causal)) if _fits(g, s, cap)))
+    top = top[:int(TOP_GRAPH_SHARE * max_graphs) if with_top and max_graphs >= TOP_GRAPH_FEWEST else 0]
     candidates = top + sorted({g for g in (warmable(r, plan) for r in raised) if _fits(g, s, cap)} - set(top))
     info["prompt_graph_candidates"] = len(candidates)
     if not candidates:

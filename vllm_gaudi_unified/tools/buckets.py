@@ -184,7 +184,7 @@ def make_plan_from_args(args):
                           margin=0.2 if args.margin is None else args.margin, progress=not args.no_progress)
         if cap is not None:
             raise ValueError("--memory-share is for the robust and exponential strategies")
-        return with_route_padding(graphs_of(probe, plan), traces)
+        return with_graphs_again(plan, probe, traces, args)
     fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
     scaled = [x for src in sources for x in load_scaled_shapes(src, settings, fractions, drain=True)]
     weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
@@ -200,9 +200,14 @@ def make_plan_from_args(args):
     plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
-    # The prompt graphs again, now against the buckets a step left to the tiled route really pads to.
-    return with_route_padding(with_prompt_graphs(plan, traces, args) if probe.prompt_graphs else graphs_of(probe, plan),
-                              traces)
+    return with_graphs_again(plan, probe, traces, args)
+
+
+def with_graphs_again(plan, probe, traces, args):
+    """`plan` with the prompt graphs learned again, against the buckets a step left to the tiled route
+    really pads to, and the top graphs (the probe of `off_prompt_graphs` has none)."""
+    graphs = with_prompt_graphs(plan, traces, args) if probe.prompt_graphs else graphs_of(probe, plan)
+    return with_route_padding(graphs, traces)
 
 
 def command_line(args) -> str:

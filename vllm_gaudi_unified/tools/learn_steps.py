@@ -11,7 +11,9 @@ def off_prompt_graphs(traces, settings, cap, args):
     """The step shapes of `traces` the plan's buckets must serve, and the sources to see at lower loads
     (`robust.load_scaled_shapes`), and a plan holding the prompt graphs learned from the traces: without
     the steps those prompt graphs take, which never run in a bucket. Learned with them, the buckets spent
-    graphs on shapes no step pads to."""
+    graphs on shapes no step pads to. The probe has no top graphs (`prompt_graphs.top_graphs`): the bursts
+    they hold, left to the buckets, give the plan `csu` buckets between the learned ones and the limits, for
+    the bursts no top graph holds (8 `csu` buckets of 50 at the 8B setting, 5 with the bursts left out)."""
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
     from vllm_gaudi_unified.bucket import bucket_from_sizes
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import on_prompt_graphs
@@ -19,7 +21,8 @@ def off_prompt_graphs(traces, settings, cap, args):
 
     parts = [s for s, _ in traces]
     kw = {} if cap is None else {"gather_cap": cap}
-    probe = with_prompt_graphs(BucketPlan([bucket_from_sizes((1, 0, 1, 1, 0))], settings, **kw), traces, args)
+    probe = with_prompt_graphs(BucketPlan([bucket_from_sizes((1, 0, 1, 1, 0))], settings, **kw), traces, args,
+                               with_top=False)
     if not probe.prompt_graphs:
         return parts, [src for _, src in traces], probe
     out, sources = [], []
@@ -59,8 +62,9 @@ def steps_of(src):
     return read_trace(src).steps if isinstance(src, str) else src
 
 
-def with_prompt_graphs(plan, traces, args):
-    """`plan` with `--prompt-graphs` prompt graphs learned from the steps of `traces` (`learning_traces`)."""
+def with_prompt_graphs(plan, traces, args, with_top: bool = True):
+    """`plan` with `--prompt-graphs` prompt graphs learned from the steps of `traces` (`learning_traces`); the
+    top graphs with `with_top` (`learn_prompt_graphs`)."""
     if not args.prompt_graphs:
         return plan
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
@@ -68,7 +72,7 @@ def with_prompt_graphs(plan, traces, args):
     runs = [steps_of(src) for _, src in traces]
     steps = [s for run in runs for s in run]
     graphs, info = learn_prompt_graphs(plan, steps, args.prompt_graphs,
-                                       sources=[i for i, run in enumerate(runs) for _ in run])
+                                       sources=[i for i, run in enumerate(runs) for _ in run], with_top=with_top)
     return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
 
 
