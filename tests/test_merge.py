@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from vllm_gaudi_unified.merge import Partial, merge, merge_all, normalize, scatter_max, scatter_merge
+from vllm_gaudi_unified.merge import Partial, merge, merge_all, normalize, scatter_merge
 
 
 def partial_of(scores, values):
@@ -55,38 +55,6 @@ def test_scatter_merge_equals_merging_each_destination():
                                                      out.sum[dest:dest + 1])), normalize(want), atol=1e-12, rtol=0)
     assert torch.isinf(out.max[1]).all() and (out.sum[1] == 0).all()
     assert torch.equal(normalize(out)[1], torch.zeros(2, 4, dtype=torch.float64))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_scatter_max_over_ordered_integers_takes_the_float_maxima(dtype):
-    """`scatter_max(as_int=True)` (CUDA's form): the same maxima as the float scatter, over every sign, zeros of
-    both signs, infinities and rows that saw no key; a row whose max is NaN of either sign still puts NaN in
-    its token's merged rows (its own rescale), and in no other token's."""
-    g = torch.Generator().manual_seed(3)
-    rows = torch.randn(300, 5, generator=g, dtype=dtype) * 50
-    rows[3, 2], rows[9, 1], rows[11, 4], rows[12, 4] = float("-inf"), float("inf"), -0.0, 0.0
-    rows[7] = float("-inf")
-    index = torch.randint(0, 23, (300,), generator=g)
-    start = torch.full((23, 5), float("-inf"), dtype=dtype)
-    start[4] = 1e3
-    floats, ints = (scatter_max(rows, index, start, as_int=a) for a in (False, True))
-    assert torch.equal(floats, ints) and torch.equal(floats.signbit(), ints.signbit())
-    import vllm_gaudi_unified.merge as merge_module
-    saved = merge_module.scatter_max
-    acc, total = torch.randn(300, 5, 2, generator=g, dtype=dtype), torch.rand(300, 5, generator=g, dtype=dtype) + 1
-    for nan in (float("nan"), -float("nan")):
-        bad = rows.clone()
-        bad[5, 3] = nan
-        outs = []
-        for as_int in (False, True):
-            merge_module.scatter_max = lambda *a, as_int=as_int: saved(*a, as_int=as_int)
-            try:
-                outs.append(normalize(scatter_merge(Partial(acc, bad, total), index, 22)))
-            finally:
-                merge_module.scatter_max = saved
-        assert torch.equal(torch.isnan(outs[0]), torch.isnan(outs[1]))
-        assert torch.isnan(outs[1][index[5], 3]).all() or index[5] == 22
-        torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -230,12 +230,11 @@ def _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles=None) -> Partial:
     if masked_tiles is None:  # any tile may miss a key: V with the unseen keys zeroed, one product
         vz = torch.where(mask.any(1)[:, :, None, None], v, zero)
         acc = torch.stack([torch.matmul(p[:, h], vz[:, :, h]) for h in range(hkv)], 1)  # [T, Hkv, G*R, Dv]
-    else:  # V as stored, then the tiles whose real rows miss some key again on masked V, written into each
-        # head's product: fixed after the stack, the stacked rows would be written whole only to take the fix
+    else:  # V as stored, then the tiles whose real rows miss some key again on masked V
+        acc = torch.stack([torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)], 1)
         sel = masked_tiles
         vz = torch.where(mask.any(1)[sel][:, :, None, None], v[sel], zero)
-        acc = torch.stack([torch.matmul(p[:, h], v[:, :, h]).index_copy_(0, sel, torch.matmul(p[sel, h], vz[:, :, h]))
-                           for h in range(hkv)], 1)
+        acc = acc.index_copy_(0, sel, torch.stack([torch.matmul(p[sel, h], vz[:, :, h]) for h in range(hkv)], 1))
     acc = acc.to(dt).view(t, hkv, g, r, dv)
     return Partial(acc.permute(0, 3, 1, 2, 4).reshape(t * r, hq, dv), m.permute(0, 3, 1, 2).reshape(t * r, hq),
                    total.permute(0, 3, 1, 2).reshape(t * r, hq))
