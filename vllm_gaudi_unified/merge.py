@@ -85,13 +85,28 @@ def scatter_max(rows_max: torch.Tensor, index: torch.Tensor, start: torch.Tensor
 
 def scatter_merge(rows: Partial, index: torch.Tensor, num_out: int) -> Partial:
     """Merge rows into `num_out` destinations; `index[i]` is row i's destination, `num_out` = drop."""
-    heads = rows.max.shape[1]
-    start = torch.full((num_out + 1, heads), float("-inf"), dtype=rows.max.dtype, device=rows.max.device)
-    new_max = scatter_max(rows.max, index, start)
-    row_acc, row_sum = _scaled(rows, new_max.gather(0, index.reshape(-1, 1).expand(-1, heads)))
-    acc = torch.zeros((num_out + 1,) + rows.acc.shape[1:], dtype=rows.acc.dtype, device=rows.acc.device)
-    acc = acc.index_add(0, index, row_acc)
+    return scatter_merge_groups([rows.acc], rows.max, rows.sum, index, num_out)
+
+
+def scatter_merge_groups(accs: Sequence[torch.Tensor], rows_max: torch.Tensor, rows_sum: torch.Tensor,
+                         index: torch.Tensor, num_out: int) -> Partial:
+    """`scatter_merge` of rows whose acc comes in groups of heads (`accs[j]` `[rows, heads / len(accs), dv]`,
+    in head order; max and sum `[rows, heads]`): each group added apart, so groups made apart (a verify unit's
+    products, one per KV head) are not stacked into one tensor that is written whole only to be read once."""
+    heads = rows_max.shape[1]
+    start = torch.full((num_out + 1, heads), float("-inf"), dtype=rows_max.dtype, device=rows_max.device)
+    new_max = scatter_max(rows_max, index, start)
+    row_max = new_max.gather(0, index.reshape(-1, 1).expand(-1, heads))
+    g = heads // len(accs)
+    acc = []
+    for j, a in enumerate(accs):
+        h = slice(j * g, (j + 1) * g)
+        row_acc, _ = _scaled(Partial(a, rows_max[:, h], rows_sum[:, h]), row_max[:, h])
+        acc.append(torch.zeros((num_out + 1,) + a.shape[1:], dtype=row_acc.dtype, device=a.device)
+                   .index_add(0, index, row_acc))
+    _, row_sum = _scaled(Partial(rows_sum[..., None], rows_max, rows_sum), row_max)
     total = torch.zeros_like(new_max).index_add(0, index, row_sum)
+    acc = acc[0] if len(acc) == 1 else torch.cat(acc, 1)
     return Partial(acc[:num_out], new_max[:num_out], total[:num_out])
 
 

@@ -65,13 +65,13 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     rows = batch.unique_rows
     if batch.plan.unique_units > 1:  # a (request, block) unit: the request's new tokens x all heads, one product
         tokens, real = unit_tokens(batch, n)
-        part = attend(q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap,
-                      masked_tiles=_partial_slots(batch, n, block_size), as_stored=True)
         # Rows without a token (ragged drafts' padding) spread over DROP_ROWS dropped rows: added into one, they
         # would queue on its addresses.
         drop = n + torch.arange(real.numel(), device=real.device).view(real.shape) % DROP_ROWS
-        out = Partial(*(x[:n] for x in scatter_merge(part, torch.where(real, tokens, drop).reshape(-1),
-                                                     n + DROP_ROWS - 1)))
+        out = Partial(*(x[:n] for x in attend(
+            q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap, as_stored=True,
+            masked_tiles=_partial_slots(batch, n, block_size),
+            into=(torch.where(real, tokens, drop).reshape(-1), n + DROP_ROWS - 1))))
         return out if new is None else merge(out, request_pairs(q, *new, batch, scale, soft_cap))
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
