@@ -129,6 +129,22 @@ def test_kernel_selection():
     assert not hpu.select_fused_sdpa("cuda", bf16, importable=True)
 
 
+def test_score_products_keep_16_bits_where_a_gaudi_runs_them():
+    """`tiles.score_product` writes fp32 scores for 16-bit operands on CUDA and the CPU, and keeps the operands'
+    dtype on an HPU and on CUDA's Gaudi route (which runs, times and holds what a Gaudi does)."""
+    assert tiles._gaudi_product("hpu") and not tiles._gaudi_product("cpu") and not tiles._gaudi_product("cuda")
+    with fused.gaudi_route():
+        assert tiles._gaudi_product("cuda") and not tiles._gaudi_product("cpu")
+    assert not tiles._gaudi_product("cuda")
+    a, b = torch.randn(2, 3, 8).bfloat16(), torch.randn(2, 8, 5).bfloat16()
+    assert tiles.score_product(a, b).dtype == torch.float32
+    if torch.cuda.is_available():
+        a, b = a.cuda(), b.cuda()
+        assert tiles.score_product(a, b).dtype == torch.float32
+        with fused.gaudi_route():
+            assert tiles.score_product(a, b).dtype == torch.bfloat16
+
+
 def test_fused_sdpa_partial_equals_the_matmul_tile():
     """FusedSDPA's (out, m, linv) as a Partial: same as `attend`, including rows that see no key and
     poisoned values at masked keys."""

@@ -42,6 +42,11 @@ class Final(NamedTuple):
     out: torch.Tensor  #: [rows, num_qo_heads, head_dim_v]
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A Partial's dtype for inputs of `dtype`: fp32 for fp16/bf16/fp32, fp64 kept (the reference checks)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _scaled(p: Partial, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(acc, sum) of `p` rescaled to `new_max`: times e^(max - new_max), and exactly 0 where `p` saw no
     key (max = -inf) whatever its acc holds (a NaN there would survive a multiplication by 0).

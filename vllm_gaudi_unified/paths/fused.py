@@ -25,8 +25,7 @@ import contextlib
 import torch
 
 from vllm_gaudi_unified.flags import env_flag
-from vllm_gaudi_unified.merge import Partial
-from vllm_gaudi_unified.paths.tiles import compute_dtype
+from vllm_gaudi_unified.merge import Partial, compute_dtype
 
 #: The CUDA kernel; a module attribute so CPU tests can put an exact stand-in in its place.
 FLASH = torch.ops.aten._flash_attention_forward

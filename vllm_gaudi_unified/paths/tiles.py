@@ -7,7 +7,7 @@ heads per KV head inside the matmul, so K/V are never repeated in memory.
 
 Precision and bytes: the two matmuls take the inputs' own dtype (bf16 tensor
 cores, fp32 accumulation inside), so K/V are never copied up to fp32 on CUDA;
-the scores leave their product in fp32 (`score_product`); scores,
+the scores leave their product in fp32 but on a Gaudi (`score_product`); scores,
 max, sum and the merged accumulators are in the compute dtype (fp32, fp64 for
 fp64 inputs). Probabilities are rounded to the value dtype for `p @ V`, as
 flash attention does. fp16 is the exception: its range ends at 65504, so a
@@ -36,12 +36,8 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
-from vllm_gaudi_unified.merge import Partial, scatter_merge_groups
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 accumulation for fp16/bf16/fp32 inputs, fp64 kept as is (for the reference checks)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from vllm_gaudi_unified.merge import Partial, compute_dtype, scatter_merge_groups
+from vllm_gaudi_unified.paths import fused
 
 
 def slot_mask(lo: torch.Tensor, hi: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -61,14 +57,20 @@ def score_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     by up to 2^-9 of itself, 0.5 at |q . k| ~ 256 (DeepSeek's 576-dim latent), a logit error of 0.036
     after the scale, which moves a row by more than the output's own bf16 rounding. On CUDA the product
     writes fp32 (`bmm`'s `out_dtype`); on the CPU the operands go up to fp32; a Gaudi keeps the
-    product's dtype (its fp32 matmul runs at a fraction of the bf16 rate)."""
+    product's dtype (its fp32 matmul runs at a fraction of the bf16 rate), and so does CUDA on the Gaudi
+    route (`fused.gaudi_route()`), so that it runs, times and holds what a Gaudi does."""
     dt = compute_dtype(a.dtype)
-    if a.dtype == dt or a.device.type == "hpu":
+    if a.dtype == dt or _gaudi_product(a.device.type):
         return torch.matmul(a, b)
     if a.device.type != "cuda":
         return torch.matmul(a.to(dt), b.to(dt))
     out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=dt)
     return out.view(*a.shape[:-1], b.shape[-1])
+
+
+def _gaudi_product(device_type: str) -> bool:
+    """A Gaudi's product dtype: an HPU tensor, or a CUDA one on the Gaudi route (`fused.CUDA_KERNELS` off)."""
+    return device_type == "hpu" or (device_type == "cuda" and not fused.CUDA_KERNELS)
 
 
 def clean_values(v: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +167,7 @@ def _one_row_probs(q, k, mask, scale, soft_cap):
     every = score_product(q.reshape(t, r * hq, d), k.reshape(t, nk * hkv, d).transpose(1, 2))  # [T, R*Hq, K*Hkv]
     scores = torch.diagonal(every.view(tr, hkv, g, nk, hkv), dim1=1, dim2=4)  # [TR, G, K, Hkv]: head h vs h // g
     scores = scores.permute(0, 3, 1, 2).to(compute_dtype(q.dtype))  # [TR, Hkv, G, K]
-    del every  # (freed here where the line above copied: a product kept in 16 bits, on an HPU)
+    del every  # (freed here where the line above copied: a product kept in 16 bits, a Gaudi's)
     scores = scores * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
