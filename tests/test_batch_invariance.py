@@ -462,6 +462,21 @@ def test_shared_decodes_at_model_shapes(dtype):
     assert_same_bits(*run_world(_shared_decodes_world(*SHARED_DECODES[0]), PlanOptions(batch_invariant=True), dtype))
 
 
+def test_invariant_step_traces_as_one_graph():
+    """A step with share calls, own tiles and a prompt chunk traces whole: an HPU graph (or torch.compile) takes
+    the step as one graph, not pieces between Python breaks."""
+    world = replace(_shared_decodes_world(*SHARED_DECODES[0]), num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    table, num_blocks = _block_table(world, np.random.default_rng(world.seed))
+    q, k, v, kc, vc, _, _ = _tensors(world, table, num_blocks, torch.float32, "cpu")
+    lens = [r.query_len for r in world.requests], [r.context_len for r in world.requests]
+    batch = build_unified_batch(*lens, table, world.block_size, num_blocks=num_blocks,
+                                options=PlanOptions(batch_invariant=True))
+    assert batch.share_rows.shape[0] > 0  # the step runs share calls
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(unified_attention)(q, k, v, kc, vc, batch, 0.37)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gaudi route is measured on CUDA")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHARED_DECODES, ids=["sampling_16x2k", "prefix_64x4k"])

@@ -178,7 +178,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
     per_call = tiles_per_call(opts)
-    size = per_call * max((kind[0].shape[1] for kind in kinds if kind[0].shape[0]), default=1)  # dump rows a call
+    size = per_call * max([1] + [kind[0].shape[1] for kind in kinds if kind[0].shape[0]])  # dump rows a call
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
     for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
         stacked = all_rows.shape[1] == 1 or (kind == 1 and _units_stacked(q, all_rows.shape[1], batch))
