@@ -16,10 +16,11 @@ import math
 
 import torch
 
-from vllm_gaudi_unified.merge import Final, Partial, Scattered, merge, scatter_merge
+from vllm_gaudi_unified.merge import Final, Partial, Scattered, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, read_blocks
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, slot_mask
+from vllm_gaudi_unified.paths.units import request_pairs, units_partial
 
 #: Keys per loop step of the kernel, and the keys a split aims at (a token's blocks are cut into
 #: power-of-two splits of about this many keys, so long contexts still fill the GPU).
@@ -37,8 +38,6 @@ KERNEL_MIN_SPLIT_KEYS = 256
 #: the kernel too, each row reading the tile's blocks itself (`kernel_takes_shared`): the re-reads mostly
 #: hit L2, and the step is one kernel instead of a gather, flash and a scatter merge (docs/benchmarks.md).
 KERNEL_SHARED_MAX_ROWS = 16
-#: Dropped rows the units' rows without a token are merged into (`unique_partial`), spread.
-DROP_ROWS = 64
 #: Slots up to which the kernel's token order is computed by rank (`token_order`), not sorted.
 RANK_SORT_MAX_SLOTS = 1024
 #: (tokens + 1) x slots up to which the token order on CUDA is one scan kernel (`scan_token_order`): its rows
@@ -51,7 +50,7 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
                    scattered: bool = False) -> Partial | Scattered | None:
     """None when the batch has no unique block; `scattered` (one-token units): the slots' rows unmerged
     (`merge.merge_rows`). An fp8 cache is dequantized after the gather (or slice). `new` (the step's keys and
-    values; `units_take_new_pairs`): the requests' self and causal pairs too (`request_pairs`), merged in."""
+    values; `units_take_new_pairs`): the requests' self and causal pairs too (`units.request_pairs`), merged in."""
     slots = batch.unique_rows.shape[0]
     if slots == 0:
         return None
@@ -63,16 +62,10 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     block_size = key_cache.shape[1]
     mask = slot_mask(batch.unique_lo, batch.unique_hi, block_size)[:, None, :]  # [slots, 1, block_size]
     rows = batch.unique_rows
-    if batch.plan.unique_units > 1:  # a (request, block) unit: the request's new tokens x all heads, one product
-        tokens, real = unit_tokens(batch, n)
-        # Rows without a token (ragged drafts' padding) spread over DROP_ROWS dropped rows: added into one, they
-        # would queue on its addresses.
-        drop = n + torch.arange(real.numel(), device=real.device).view(real.shape) % DROP_ROWS
-        out = Partial(*(x[:n] for x in attend(
-            q[tokens.clamp(max=n - 1)], k, v, mask & real[:, :, None], scale, soft_cap, as_stored=True,
-            masked_tiles=_partial_slots(batch, n, block_size),
-            into=(torch.where(real, tokens, drop).reshape(-1), n + DROP_ROWS - 1))))
-        return out if new is None else merge(out, request_pairs(q, *new, batch, scale, soft_cap))
+    if batch.plan.unique_units > 1:  # a (request, block) unit: the request's new tokens x all heads
+        pairs = None if new is None else request_pairs(q, *new, batch, scale, soft_cap)
+        return units_partial(q, k, v, *unit_tokens(batch, n), mask, _partial_slots(batch, n, block_size), scale,
+                             soft_cap, pairs)
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
     return Scattered(part, rows) if scattered else scatter_merge(part, rows, n)
@@ -86,25 +79,6 @@ def unit_tokens(batch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = rows[:, None] + torch.arange(batch.plan.unique_units, device=rows.device, dtype=rows.dtype)
     seg = batch.token_seg_start[tokens.clamp(max=n - 1)]
     return tokens, (tokens < n) & (seg == rows[:, None])
-
-
-def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
-                  soft_cap: float | None) -> Partial:
-    """Every request's self and causal pairs, one tile per request of `unique_units` rows and keys (its new
-    tokens from its first, `token_seg_start` of its last, `logits_indices`): row i sees key j <= i. A padded
-    request repeats index 0 (no larger than the one before it) and has no row. Only where every request
-    holds at most `unique_units` new tokens (`units_take_new_pairs`)."""
-    n, u = q.shape[0], batch.plan.unique_units
-    last = batch.logits_indices
-    first = batch.token_seg_start[last]
-    real_req = torch.ones_like(last, dtype=torch.bool)
-    real_req[1:] = last[1:] > last[:-1]
-    tokens = first[:, None] + torch.arange(u, device=q.device, dtype=first.dtype)  # [R, u]
-    real = real_req[:, None] & (tokens <= last[:, None])
-    idx = tokens.clamp(max=n - 1)
-    causal = torch.ones((u, u), dtype=torch.bool, device=q.device).tril()
-    part = attend(q[idx], k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, scale, soft_cap)
-    return scatter_merge(part, torch.where(real, tokens, n).reshape(-1), n)
 
 
 def per_token(batch, n: int):
@@ -324,7 +298,7 @@ def units_take_new_pairs(batch, kernel: bool) -> bool:
       request of more new tokens than a unit takes the prompt route (`plan/prompts.py: prompt_requests`),
       whose tokens are segments of their own (`token_seg_start`: the self pair), but for the chunks the
       prompt grid leaves out (`fill_grid`). The kernel takes those too (their later tokens one program
-      each); the tiles' one tile per request (`request_pairs`) needs a bucket without prompt rows (the grid
+      each); the tiles' one tile per request (`units.request_pairs`) needs a bucket without prompt rows (the grid
       keeps at least one)."""
     plan = batch.plan
     if plan.bidirectional:

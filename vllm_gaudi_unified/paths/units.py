@@ -1,0 +1,107 @@
+"""The unique path's verify units on the matmul route (the Gaudi route: torch ops an HPU graph holds).
+
+A unit is one (request, cache block) slot; its rows are the request's new tokens x the query heads of
+a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). Per KV head one
+batched product over every unit reads that head's keys in place (a strided view of the block as
+stored, no copy), then one softmax over all heads, and per KV head `p @ V` again on V as stored.
+
+The tiles whose real rows miss some key (a request's partial last block: its unused slots may hold
+NaN, and `0 * NaN` would reach every row of the tile) take `p @ V` again on masked V, all heads in one
+product; their rows replace those tiles' rows in the merge. The merge is one accumulator: each row is
+scaled to its token's max and added at its token (a slot's rows that belong to no token at the
+dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside them.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_gaudi_unified.hpu import masked_softmax_for
+from vllm_gaudi_unified.merge import Partial, _scaled, compute_dtype, scatter_max
+from vllm_gaudi_unified.paths.tiles import attend, score_product
+
+#: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
+#: its addresses.
+DROP_ROWS = 64
+
+
+def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
+                  mask: torch.Tensor, masked: torch.Tensor, scale: float, soft_cap: float | None,
+                  pairs: tuple[Partial, torch.Tensor] | None = None) -> Partial:
+    """q `[n, Hq, D]` (the step's queries), k/v `[slots, K, Hkv, D]` (the units' blocks as stored), the
+    units' tokens and which are real `[slots, R]` (`unique.unit_tokens`), mask `[slots, 1, K]` (the
+    slot's visible keys), `masked`: the slots whose real rows may miss a key (`unique._partial_slots`),
+    `pairs`: the requests' own new pairs as rows and their tokens (`request_pairs`) -> Partial `[n]`."""
+    n = q.shape[0]
+    t, r = tokens.shape
+    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    hq, d = q.shape[1:]
+    g = hq // hkv
+    dt = compute_dtype(q.dtype)
+    drop = n + torch.arange(t * r, device=q.device) % DROP_ROWS  # [T*R]
+    index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
+    mask = mask & real[:, :, None]  # [T, R, K]
+    # rows (r, g) per KV head: the gathered queries written once in the products' layout
+    qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
+    scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+    scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
+    p, m, total = masked_softmax_for(scores)(scores)
+    p = p.to(v.dtype).view(t, hkv, r * g, nk)
+    acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
+    m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
+    # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
+    s = masked.shape[0]
+    zero = torch.zeros((), dtype=v.dtype, device=v.device)
+    vz = torch.where(mask.any(1)[masked][:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
+    fix = torch.matmul(p[masked], vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
+    listed = torch.arange(s, device=q.device)
+    once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
+    fix_rows = (masked[:, None] * r + torch.arange(r, device=q.device)).reshape(-1)  # [S*R]
+    fix_index = torch.where(once[:, None].expand(s, r).reshape(-1), index[fix_rows], drop[:s * r])
+    fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
+    acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)  # their rows: the fix's
+    # one accumulator: every row's max first, then each row scaled to its token's and added
+    new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
+    if pairs is not None:
+        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
+    new_max = scatter_max(m, index, new_max)
+    row_max = new_max.gather(0, index[:, None].expand(-1, hq))
+    out = []
+    for h in range(hkv):
+        hs = slice(h * g, (h + 1) * g)
+        row_acc, _ = _scaled(Partial(acc[h].view(t * r, g, dv), m[:, hs], total[:, hs]), row_max[:, hs])
+        out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, acc_index, row_acc))
+    out = torch.cat(out, 1)
+    fix_acc, _ = _scaled(Partial(fix, m[fix_rows], total[fix_rows]), row_max[fix_rows])
+    out = out.index_add(0, fix_index, fix_acc)
+    _, row_sum = _scaled(Partial(total[..., None], m, total), row_max)
+    sums = torch.zeros_like(new_max).index_add(0, index, row_sum)
+    if pairs is not None:
+        rows, where = pairs
+        pair_max = new_max.gather(0, where[:, None].expand(-1, hq))
+        pair_acc, pair_sum = _scaled(rows, pair_max)
+        out = out.index_add(0, where, pair_acc)
+        sums = sums.index_add(0, where, pair_sum)
+    return Partial(out[:n], new_max[:n], sums[:n])
+
+
+def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
+                  soft_cap: float | None) -> tuple[Partial, torch.Tensor]:
+    """Every request's self and causal pairs, one tile per request of `unique_units` rows and keys (its new
+    tokens from its first, `token_seg_start` of its last, `logits_indices`): row i sees key j <= i. A padded
+    request repeats index 0 (no larger than the one before it) and has no row. Returns the tile rows and
+    their tokens (`n`: none), for `units_partial`'s merge. Only where every request holds at most
+    `unique_units` new tokens (`unique.units_take_new_pairs`)."""
+    n, u = q.shape[0], batch.plan.unique_units
+    last = batch.logits_indices
+    first = batch.token_seg_start[last]
+    real_req = torch.ones_like(last, dtype=torch.bool)
+    real_req[1:] = last[1:] > last[:-1]
+    tokens = first[:, None] + torch.arange(u, device=q.device, dtype=first.dtype)  # [R, u]
+    real = real_req[:, None] & (tokens <= last[:, None])
+    idx = tokens.clamp(max=n - 1)
+    causal = torch.ones((u, u), dtype=torch.bool, device=q.device).tril()
+    part = attend(q[idx], k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, scale, soft_cap)
+    return part, torch.where(real, tokens, n).reshape(-1)
