@@ -119,7 +119,7 @@ def test_mla_verify_steps(name, gaudi):
 
 def test_units_take_the_requests_new_pairs(monkeypatch):
     """On the matmul tiles a verify step runs no self or causal path: each request's new pairs are one tile
-    beside its units (`unique.request_pairs`); a step with a prompt-route row keeps the causal tiles."""
+    beside its units (`units.request_pairs`); a step with a prompt-route row keeps the causal tiles."""
     from vllm_gaudi_unified import attention
 
     ran = []
@@ -165,7 +165,7 @@ def test_a_unit_bucket_sends_every_longer_request_to_the_prompt_route():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_a_bad_cached_value_stays_with_its_requests_unit(dtype):
-    """On the Gaudi route's units (`tiles._attend_units`: per KV head one product over a request's tokens),
+    """On the Gaudi route's units (`paths/units.py`: per KV head one product over a request's tokens),
     a NaN in a cached value one request sees reaches that request's tokens, for the query heads of that KV
     head alone; NaN in slots no request may read (`make_tensors`) reaches nothing."""
     from conftest import make_block_table, make_tensors

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
-from vllm_gaudi_unified.merge import Partial, compute_dtype, scatter_merge_groups
+from vllm_gaudi_unified.merge import Partial, compute_dtype
 from vllm_gaudi_unified.paths import fused
 
 
@@ -111,21 +111,17 @@ def scores_to_partial(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           soft_cap: float | None, masked_tiles: torch.Tensor | None = None, as_stored: bool = False,
-           stacked: bool = False, into: tuple[torch.Tensor, int] | None = None) -> Partial:
+           soft_cap: float | None, masked_tiles: torch.Tensor | None = None, stacked: bool = False) -> Partial:
     """q `[T, R, Hq, D]`, k `[T, K, Hkv, D]`, v `[T, K, Hkv, Dv]` (MLA: Dv < D), mask `[T, R, K]`
     (True = visible) -> Partial `[T*R, Hq, Dv]`.
 
     Keys no row of a tile may see are zeroed in `v` first: a poisoned cache slot
     (NaN, inf) times a zero probability would still be NaN; a non-finite value
     some rows see reaches those rows alone (module docstring). `masked_tiles`
-    (one-row tiles, or `as_stored`): indices of every tile whose real rows may miss
+    (one-row tiles): indices of every tile whose real rows may miss
     some key; then only those tiles are masked, and the others (all keys seen,
     or no row: their partial may hold NaN, for the merge to drop) read V as is.
-    `as_stored`: a tile of a few rows that all see the same keys (the unique path's
-    units: one request's new tokens) takes the one-row form's products over K/V as
-    stored too; rows that see no key are for the merge to drop; `into` (index, num_out): merged into
-    `num_out` tokens by `attend` itself (`merge.scatter_merge`'s index). `stacked` (with `masked_tiles` empty,
+    `stacked` (with `masked_tiles` empty,
     V's unseen keys zeroed by the caller): rows that see the same keys (a verify unit's tokens; no-rows
     see none) take the one-row form with the rows stacked in its two products.
     """
@@ -137,8 +133,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16
     if (r == 1 or stacked) and hkv > 1 and k.is_contiguous() and v.is_contiguous():
         return _attend_one_row(q, k, v, mask, scale, soft_cap, masked_tiles)
-    if as_stored:
-        return _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles, into)
     qg = q.view(t, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(t, hkv, g * r, d)  # [T, Hkv, G*R, D]
     kt = k.permute(0, 2, 3, 1)  # [T, Hkv, D, K]
     if hkv > 1:  # one layout at every tile count: the product folds T and Hkv, a view of kt for one tile and a
@@ -213,38 +207,3 @@ def attend_gathered(q, read_k, read_v, mask, scale, soft_cap) -> Partial:
     probs = _one_row_probs(q.to(op), k.to(op), mask, scale, soft_cap)
     del k
     return _one_row_values(*probs, read_v().to(op), none)  # gathers are contiguous, as the one-row form needs
-
-
-def _attend_units(q, k, v, mask, scale, soft_cap, masked_tiles=None, into=None) -> Partial:
-    """`attend` for tiles of a few rows that see the same keys (`as_stored`: the unique path's units, one
-    request's new tokens), K/V as stored `[T, K, Hkv, D]`: per KV head one batched product of the tile's
-    `R x G` rows against that head's keys read in place (a strided view, no copy, no product off its heads);
-    V masked only on `masked_tiles`, as in `_attend_one_row`, the fix written into each head's product.
-    `into` (index, num_out): the rows merged into their tokens (`merge.scatter_merge_groups`), each head's
-    products apart: stacked, they would be written whole only to be read once by the merge."""
-    t, r, hq, d = q.shape
-    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
-    g = hq // hkv
-    dt = compute_dtype(q.dtype)
-    qh = q.view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)  # rows (r, g) per KV head
-    scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
-    scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
-    if soft_cap is not None:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
-    p, m, total = masked_softmax_for(scores)(scores)
-    p = p.to(v.dtype).view(t, hkv, r * g, nk)
-    zero = torch.zeros((), dtype=v.dtype, device=v.device)
-    if masked_tiles is None:  # any tile may miss a key: V with the unseen keys zeroed, one product per head
-        vz = torch.where(mask.any(1)[:, :, None, None], v, zero)
-        acc = [torch.matmul(p[:, h], vz[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each
-    else:  # V as stored, then the tiles whose real rows miss some key again on masked V
-        sel = masked_tiles
-        vz = torch.where(mask.any(1)[sel][:, :, None, None], v[sel], zero)
-        acc = [torch.matmul(p[:, h], v[:, :, h]).index_copy_(0, sel, torch.matmul(p[sel, h], vz[:, :, h]))
-               for h in range(hkv)]
-    m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
-    acc = [a.view(t * r, g, dv) for a in acc]
-    if into is not None:
-        return scatter_merge_groups(acc, m, total, *into)
-    return Partial(torch.stack(acc, 1).view(t * r, hq, dv).to(dt), m, total)

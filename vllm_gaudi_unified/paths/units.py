@@ -17,7 +17,7 @@ import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, _scaled, compute_dtype, scatter_max
-from vllm_gaudi_unified.paths.tiles import attend, score_product
+from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
 #: its addresses.
@@ -37,6 +37,8 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     hq, d = q.shape[1:]
     g = hq // hkv
     dt = compute_dtype(q.dtype)
+    op = product_dtype(q.dtype)
+    q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16 (its products in fp32)
     drop = n + torch.arange(t * r, device=q.device) % DROP_ROWS  # [T*R]
     index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
     mask = mask & real[:, :, None]  # [T, R, K]
