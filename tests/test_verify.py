@@ -197,3 +197,27 @@ def test_units_with_a_soft_cap_sinks_and_fp16(dtype, extra):
     out, ref, batch = run_case(VERIFY["gqa"][0], dtype=dtype, options=UNITS, **kw)
     assert batch.plan.unique_units == 4
     assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("masked", [[1, 0, 0], [0, 1, 1, 0], [1]])
+def test_units_add_a_masked_slot_listed_twice_once(masked):
+    """`units.units_partial`: a slot listed in `masked` more than once (the bucket's count is padded with slot 0)
+    adds its rows once; a masked slot's unseen NaN value reaches no row; the same as the general tiles merged."""
+    from vllm_gaudi_unified.merge import normalize, scatter_merge
+    from vllm_gaudi_unified.paths.tiles import attend
+    from vllm_gaudi_unified.paths.units import units_partial
+
+    g = torch.Generator().manual_seed(3)
+    n, hq, hkv, d, bs = 6, 4, 2, 8, 4
+    q = torch.randn(n, hq, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(4, bs, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    v[1, 3] = float("nan")  # slot 1 sees keys 0-1 only
+    tokens = torch.tensor([[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]])
+    real = torch.tensor([[True, True, True], [True, True, True], [True, True, False], [True, True, False]])
+    mask = torch.ones(4, 1, bs, dtype=torch.bool)
+    mask[1, 0, 2:] = False
+    got = normalize(units_partial(q, k, v, tokens, real, mask, torch.tensor(masked), 0.4, None))
+    want = attend(q[tokens], k, v, mask & real[:, :, None], 0.4, None)
+    want = normalize(scatter_merge(want, torch.where(real, tokens, n).reshape(-1), n))
+    torch.testing.assert_close(got[:5], want[:5], rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[5], torch.zeros_like(got[5]))  # token 5 sees no key here
