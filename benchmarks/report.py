@@ -326,7 +326,7 @@ def verify_table() -> list[str]:
     return out + ["", f"- {src(cuda_runs, 'python -m benchmarks.verify --out DIR --no-peers --routes cuda')} "
                   "(the CUDA table)", f"- {src(runs, 'python -m benchmarks.verify --out DIR --compile CASES')}",
                   *(f"- {src(n, 'python -m benchmarks.verify --out DIR --compile CASES --cases CASES --routes , --no-peers --no-triton')} "
-                    f"(the Gaudi route's {w})" for n, w in ((heads, "steps it holds compiled, over the file above"), (units, "64 x 8 and ragged steps compiled, over the file above"))),
+                    f"(the Gaudi route's {w})" for n, w in ((heads, "steps it holds compiled, over the file above"), (units, "steps re-measured compiled, over the file above"))),
                   f"- {src(peers, 'python -m benchmarks.verify --out DIR')} (vllm-gaudi's columns)",
                   f"- {src(mla, 'python -m benchmarks.verify --out DIR --mla --cases none --no-peers --no-triton')}"]
 

@@ -75,7 +75,7 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
         hs = slice(h * g, (h + 1) * g)
         row_acc, _ = _scaled(Partial(acc[h].view(t * r, g, dv), m[:, hs], total[:, hs]), row_max[:, hs])
         out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, acc_index, row_acc))
-    out = torch.cat(out, 1)
+    out = out[0] if hkv == 1 else torch.cat(out, 1)
     fix_acc, _ = _scaled(Partial(fix, m[fix_rows], total[fix_rows]), row_max[fix_rows])
     out = out.index_add(0, fix_index, fix_acc)
     _, row_sum = _scaled(Partial(total[..., None], m, total), row_max)
