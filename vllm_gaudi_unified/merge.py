@@ -47,13 +47,27 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _scaled(p: Partial, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(acc, sum) of `p` rescaled to `new_max`: times e^(max - new_max), and exactly 0 where `p` saw no
-    key (max = -inf) whatever its acc holds (a NaN there would survive a multiplication by 0).
-    A NaN max counts as seen: a row that met a bad value keeps it (its own token only)."""
-    seen = p.max != float("-inf")
-    w = torch.exp(torch.where(seen, p.max - new_max, 0.0))
-    return (torch.where(seen[..., None], p.acc * w[..., None], 0.0), torch.where(seen, p.sum * w, 0.0))
+def _weights(old_max: torch.Tensor, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seen, w): rows that saw a key (max != -inf; a NaN max counts as seen: a row that met a bad value keeps
+    it, its own token only) and their rescale e^(max - new_max), 1 where unseen (no inf - inf)."""
+    seen = old_max != float("-inf")
+    return seen, torch.exp(torch.where(seen, old_max - new_max, 0.0))
+
+
+def _times(x: torch.Tensor, seen: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * w, exactly 0 where unseen whatever x holds (a NaN there would survive a multiplication by 0);
+    `out`: written there (the `where` writes its result in place of a copy)."""
+    if x.dim() > seen.dim():
+        seen, w = seen[..., None], w[..., None]
+    if out is None:
+        return torch.where(seen, x * w, 0.0)
+    return torch.where(seen, x * w, w.new_zeros(()), out=out)
+
+
+def _scaled(p: Partial, new_max: torch.Tensor, out: tuple = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(acc, sum) of `p` rescaled to `new_max` (`_times`), into `out` where given."""
+    seen, w = _weights(p.max, new_max)
+    return _times(p.acc, seen, w, out[0]), _times(p.sum, seen, w, out[1])
 
 
 def merge(a: Partial, b: Partial) -> Partial:
@@ -102,15 +116,15 @@ def scatter_merge_groups(accs: Sequence[torch.Tensor], rows_max: torch.Tensor, r
     start = torch.full((num_out + 1, heads), float("-inf"), dtype=rows_max.dtype, device=rows_max.device)
     new_max = scatter_max(rows_max, index, start)
     row_max = new_max.gather(0, index.reshape(-1, 1).expand(-1, heads))
+    seen, w = _weights(rows_max, row_max)
     g = heads // len(accs)
     acc = []
     for j, a in enumerate(accs):
         h = slice(j * g, (j + 1) * g)
-        row_acc, _ = _scaled(Partial(a, rows_max[:, h], rows_sum[:, h]), row_max[:, h])
+        row_acc = _times(a, seen[:, h], w[:, h])
         acc.append(torch.zeros((num_out + 1,) + a.shape[1:], dtype=row_acc.dtype, device=a.device)
                    .index_add(0, index, row_acc))
-    _, row_sum = _scaled(Partial(rows_sum[..., None], rows_max, rows_sum), row_max)
-    total = torch.zeros_like(new_max).index_add(0, index, row_sum)
+    total = torch.zeros_like(new_max).index_add(0, index, _times(rows_sum, seen, w))
     acc = acc[0] if len(acc) == 1 else torch.cat(acc, 1)
     return Partial(acc[:num_out], new_max[:num_out], total[:num_out])
 
@@ -139,13 +153,9 @@ def merge_rows(parts: Sequence[Partial | Scattered], rows: int, dtype: torch.dty
         else:
             new_max[:rows] = torch.maximum(new_max[:rows], p.max)
     acc, total = new_max.new_empty((rows + 1, heads, dim)), new_max.new_empty((rows + 1, heads))
-    if start:  # (acc, sum) of `_scaled`, written where the sums are
+    if start:  # a Partial first: its scaled rows written where the sums are
         p, parts = parts[0], parts[1:]
-        seen = p.max != float("-inf")
-        w = torch.exp(torch.where(seen, p.max - new_max[:rows], 0.0))
-        zero = new_max.new_zeros(())
-        torch.where(seen[..., None], p.acc * w[..., None], zero, out=acc[:rows])
-        torch.where(seen, p.sum * w, zero, out=total[:rows])
+        _scaled(p, new_max[:rows], out=(acc[:rows], total[:rows]))
     for x in (acc, total):
         (x[rows:] if start else x).zero_()
     for p in parts:

@@ -25,10 +25,9 @@ from vllm_gaudi_unified.paths.tiles import attend, slot_mask
 
 
 def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None, k_scale=None, v_scale=None, scattered: bool = False
-                   ) -> Partial | Scattered | None:
-    """None when the batch has no shared tile. An fp8 cache is dequantized per tile, after the gather.
-    `scattered`: the tiles' rows unmerged, for `merge.merge_rows`."""
+                   soft_cap: float | None, k_scale=None, v_scale=None) -> Scattered | None:
+    """The tiles' rows unmerged (for `merge.merge_rows`); None when the batch has no shared tile. An fp8
+    cache is dequantized per tile, after the gather."""
     if batch.shared_rows.shape[0] == 0:
         return None
     n = q.shape[0]
@@ -44,7 +43,7 @@ def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
         tile_attend = fused.sdpa_attend
     part = tile_attend(q[batch.shared_rows.clamp(max=n - 1)], k, v, mask, scale, soft_cap)
     index = batch.shared_rows.reshape(-1)
-    return Scattered(part, index) if scattered else scatter_merge(part, index, n)
+    return Scattered(part, index)
 
 
 def fused_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
