@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -90,22 +91,23 @@ class PlanOptions:
         (1.58x its rows, where 64-row tiles for all computed 3.8x)."""
         if self.shared_rows_max <= self.shared_rows:
             return self.shared_rows
-        rows = np.atleast_1d(np.asarray(group_rows, np.int64))
-        if rows.size == 0 or int(rows.max()) <= self.shared_rows:
+        rows = np.asarray(group_rows, np.int64).reshape(-1)
+        most = int(rows.max()) if rows.size else 0
+        if most <= self.shared_rows:
             return self.shared_rows
-        cols = np.ones_like(rows) if group_cols is None else np.atleast_1d(np.asarray(group_cols, np.int64))
-        top = min(self.shared_rows_max, 1 << (int(rows.max()) - 1).bit_length())
+        top = min(self.shared_rows_max, 1 << (most - 1).bit_length())
         steps = (-(-top // self.shared_rows) - 1).bit_length() + 1  # doublings from shared_rows up to top
         cand = np.minimum(self.shared_rows << np.arange(steps, dtype=np.int64), top)
-        cost = (-(-rows[None, :] // cand[:, None]) * cols[None, :]).sum(1) * (cand + GATHER_ROWS)
-        return int(cand[int(np.argmin(cost))])
+        chunks = -(-rows // cand[:, None])  # row chunks of each group, per candidate
+        gathers = chunks.sum(1) if group_cols is None else chunks @ np.asarray(group_cols, np.int64).reshape(-1)
+        return int(cand[int(np.argmin(gathers * (cand + GATHER_ROWS)))])
 
     def with_tile_rows(self, rows: int) -> "PlanOptions":
         """These options with the shared tiles fixed at `rows` rows: what a plan records, so its bucket
         and graph key say which tile it was made with (one graph per bucket and options)."""
         if self.shared_rows == rows and self.shared_rows_max <= rows:
             return self
-        return replace(self, shared_rows=rows, shared_rows_max=rows)
+        return _rows_fixed(self, int(rows))
 
     def unique_units(self, bucket, sliding_window: int | None) -> int:
         """Token rows of one unique (request, block) unit in `bucket`'s graph: `unique_tokens` where a request
@@ -117,6 +119,13 @@ class PlanOptions:
     def blocks_per_tile(self, block_size: int) -> int:
         """Cache blocks in one shared tile."""
         return max(1, self.shared_tile_keys // block_size)
+
+
+@lru_cache(maxsize=64)
+def _rows_fixed(options: PlanOptions, rows: int) -> PlanOptions:
+    """`with_tile_rows`' options, made once per (options, rows): every plan records them, and a dataclass
+    `replace` (its checks run again) is a tenth of a decode step's planning."""
+    return replace(options, shared_rows=rows, shared_rows_max=rows)
 
 
 def on_route(options: PlanOptions, route: str) -> PlanOptions:

@@ -105,7 +105,7 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     cpos_sorted = col_pos[col_order]
     cc_pos[cdest] = cpos_sorted
     # Tiles: every (row chunk, column chunk) of each group, row chunk major.
-    per_group = shared_tiles(rows_per_group, cols_per_group, opts, bs)
+    per_group = shared_tiles(rows_per_group, cols_per_group, opts, bs, qt)
     local, tile_group = ranges(np.zeros(G, _I64), per_group)
     cg = c_chunks[tile_group]
     ri = r_off[tile_group] + local // cg
