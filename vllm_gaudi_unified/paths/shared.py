@@ -21,7 +21,7 @@ import torch
 from vllm_gaudi_unified.merge import Partial, Scattered, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
-from vllm_gaudi_unified.paths.tiles import attend, slot_mask
+from vllm_gaudi_unified.paths.tiles import attend_heads, slot_mask
 
 
 def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
@@ -37,7 +37,7 @@ def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     k = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # [tiles, blocks_per_tile * block_size, Hkv, D]
     v = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
     mask = slot_mask(batch.shared_lo, batch.shared_hi, block_size).flatten(2)  # [tiles, rows, keys]
-    tile_attend = attend
+    tile_attend = attend_heads
     # FusedSDPA with statistics on the same tiles (one head dim: not for MLA's latent)
     if fused.kernel_for(batch, q, soft_cap, value_cache.shape[-1]) == "hpu":
         tile_attend = fused.sdpa_attend
