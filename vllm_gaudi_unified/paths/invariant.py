@@ -19,9 +19,7 @@ Own calls, per request, the default's prompt route at the request's own shapes
 (`hpu.sdpa_final`: FusedSDPA on a Gaudi, torch SDPA elsewhere; `fused.sdpa_lse`
 with statistics: FusedSDPA's, cuDNN, the CPU's flash): the same call with the
 same inputs alone or in any batch, so the same bits; nothing of another
-request (nor the bucket's padding) is in it. On CUDA's fast route their new
-keys are the segments of one flash varlen call, which never splits a
-segment's keys nor lets one segment's rows into another's arithmetic.
+request (nor the bucket's padding) is in it.
 """
 from __future__ import annotations
 
@@ -73,10 +71,9 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     FusedSDPA with statistics on a Gaudi, the CPU's flash; `hpu.sdpa_final` where none of those runs);
     with context the split form, its context's keys exactly (gathered in position order, no padding key)
     in one call with statistics, its new keys causal in another, merged by their LSE
-    (`prompts.merge_split`). On the fast route (`invariant_fast.applies`) every request's new-key call is a
-    segment of one flash varlen call (`invariant_fast.own_new_keys`). Bad values as on the fast route:
-    non-finite new values zeroed, the rows at or past one set to NaN (`fused.clean_causal_values`); a real
-    context key is seen by every row."""
+    (`prompts.merge_split`). Bad values as on the fast route: non-finite new values zeroed, the rows at or
+    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (The calls
+    of four 2k prompts take the GPU time of one call over the four: docs/batch_invariance.md, Cost.)"""
     from vllm_gaudi_unified.hpu import sdpa_final
     from vllm_gaudi_unified.paths import invariant_fast
 
