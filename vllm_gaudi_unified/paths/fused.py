@@ -129,18 +129,10 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, *, c
     """Flash attention over segments: rows `cu_q[i]:cu_q[i+1]` see keys `cu_k[i]:cu_k[i+1]` (their first
     `seqused_k[i]` when given); causal is bottom-right aligned; `window` keeps the last `window` positions.
     Rows past `cu_q[-1]` are left unwritten (their partial is garbage: callers drop them)."""
-    return lse_partial(*flash_rows(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=causal, window=window,
-                                   seqused_k=seqused_k))
-
-
-def flash_rows(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, *, causal: bool,
-               window: int | None = None, seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`flash_varlen`'s call as the kernel returns it: the normalised rows `[rows, Hq, D]` in q's dtype and
-    the LSE `[rows, Hq]` (fp32), for rows that are final (no fp32 copy of them)."""
     out, lse = FLASH(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
                      window_size_left=None if window is None else window - 1,
                      window_size_right=None if window is None else 0, seqused_k=seqused_k)[:2]
-    return out, lse.t()
+    return lse_partial(out, lse.t())
 
 
 def flash_blocks(q, k, v, scale: float) -> Partial:

@@ -75,10 +75,9 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (The calls
     of four 2k prompts take the GPU time of one call over the four: docs/batch_invariance.md, Cost.)"""
     from vllm_gaudi_unified.hpu import sdpa_final
-    from vllm_gaudi_unified.paths import invariant_fast
 
     n, hq = q.shape[:2]
-    hkv = k.shape[1]
+    g = hq // k.shape[1]
     if out is None:  # a step of prompts: every real row is written below, the padding rows are zeroed
         out = q.new_empty((n, hq, v.shape[-1]))
         out[batch.num_tokens:].zero_()
@@ -86,27 +85,20 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     heads = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731  [L, H, D] -> [1, H, L, D], a view
     stats = fused.lse_kernel_for(q)
-    fast = invariant_fast.applies(batch, q, key_cache, value_cache, None)
-    new_rows, new_lse = invariant_fast.own_new_keys(q, k, v, batch, scale) if fast else (None, None)
-    at = 0
     for start, length, ctx, first, blocks in batch.plan.calls:
         rows = slice(start, start + length)
         qr, kn, vn = heads(q[rows]), heads(k[rows]), heads(v[rows])
-        if fast:  # this request's rows of the one flash call
-            new = heads(new_rows[at:at + length]), new_lse[at:at + length].t()[None]
-            at += length
-        if ctx == 0:  # the new keys' rows alone
-            rows_out = new[0] if fast else fused.sdpa_lse(qr, kn, vn, None, scale, causal=True)[0] if stats \
-                else sdpa_final(qr, kn, vn, None, scale)
+        if ctx == 0:  # the split form's new-key call alone
+            rows_out = fused.sdpa_lse(qr, kn, vn, None, scale, causal=True)[0] if stats else sdpa_final(
+                qr, kn, vn, None, scale)
         else:
             ids = batch.call_blocks[first:first + blocks]
             kc, vc = (heads(read_blocks(cache, ids, sc, q.dtype).flatten(0, 1)[:ctx])
                       for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
             rows_out = merge_split(*fused.sdpa_lse(qr, kc, vc, None, scale),
-                                   *(new if fast else fused.sdpa_lse(qr, kn, vn, None, scale, causal=True)))
-        by_head = lambda x: x.unflatten(1, (hkv, hq // hkv))  # noqa: E731  [L, Hkv, G, D]: a KV head's rows
-        torch.where(bad[rows][:, :, None, None], nan, by_head(rows_out[0].transpose(0, 1)),
-                    out=by_head(out[rows]))  # written in place: no copy
+                                   *fused.sdpa_lse(qr, kn, vn, None, scale, causal=True))
+        seen = bad[rows].repeat_interleave(g, 1)[..., None]
+        torch.where(seen, nan, rows_out[0].transpose(0, 1), out=out[rows])  # written in place: no copy
     return out
 
 

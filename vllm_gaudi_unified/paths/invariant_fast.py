@@ -108,25 +108,6 @@ def _causal_partial(q, k, v, batch, scale: float, own: bool = False) -> Partial 
     return _placed(fused.mark_bad_rows(part, bad[idx]), idx, q.shape[0])
 
 
-def own_new_keys(q, k, v, batch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The new keys of the requests on their own calls (`invariant.own_rows`), self pair included: one causal
-    flash varlen call, a segment per request (the `seg_*` entries from `plan.seg_own_from` on, in the calls'
-    order), invariant as the causal segments above. Returns the normalised rows `[rows, Hq, D]` in q's dtype
-    and their LSE `[rows, Hq]`, the calls' rows one after the other. Calls on consecutive tokens (a step of
-    prompts) are read in place, not gathered."""
-    plan = batch.plan
-    r0, s0, _ = plan.seg_own_from
-    first, length = plan.calls[0][0], sum(c[1] for c in plan.calls)
-    if plan.calls[-1][0] + plan.calls[-1][1] - first == length:
-        q, k, v = q[first:first + length], k[first:first + length], v[first:first + length]
-    else:
-        idx = batch.seg_rows[r0:]
-        q, k, v = q[idx], k[idx], v[idx]
-    cu = (batch.seg_cu[s0:] - r0).to(torch.int32)
-    most = max(2, max(c[1] for c in plan.calls))
-    return fused.flash_rows(q, k, v, cu, cu, most, most, scale, causal=True)
-
-
 def _placed(part: Partial, rows: torch.Tensor, n: int, into: Partial | None = None) -> Partial:
     """`part`'s rows written (index_copy: each row once) at `rows` of `into` (default: n empty rows)."""
     if into is None:
