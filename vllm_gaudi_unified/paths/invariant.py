@@ -77,7 +77,7 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     from vllm_gaudi_unified.hpu import sdpa_final
 
     n, hq = q.shape[:2]
-    g = hq // k.shape[1]
+    by_head = lambda x: x.unflatten(1, (k.shape[1], hq // k.shape[1]))  # noqa: E731  [L, Hkv, G, D]
     if out is None:  # a step of prompts: every real row is written below, the padding rows are zeroed
         out = q.new_empty((n, hq, v.shape[-1]))
         out[batch.num_tokens:].zero_()
@@ -97,8 +97,8 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
                       for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
             rows_out = merge_split(*fused.sdpa_lse(qr, kc, vc, None, scale),
                                    *fused.sdpa_lse(qr, kn, vn, None, scale, causal=True))
-        seen = bad[rows].repeat_interleave(g, 1)[..., None]
-        torch.where(seen, nan, rows_out[0].transpose(0, 1), out=out[rows])  # written in place: no copy
+        torch.where(bad[rows][:, :, None, None], nan, by_head(rows_out[0].transpose(0, 1)),
+                    out=by_head(out[rows]))  # written in place: no copy; each KV head's rows marked
     return out
 
 
