@@ -84,14 +84,16 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
         out = q.new_empty((n, hq, v.shape[-1]))
         out[batch.num_tokens:].zero_()
     select = causal_selects(q)  # bad new keys contained through each call's inputs, else zeroed and rows marked
-    if not select:
+    if select:  # tested once for the step, poisoned per call (no whole copy of k and v held)
+        ok = fused.finite_heads(k, v)
+    else:
         v, bad = fused.clean_causal_values(v, batch.token_seg_start, None)
     nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     heads = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731  [L, H, D] -> [1, H, L, D], a view
     stats = fused.lse_kernel_for(q)
     for start, length, ctx, first, blocks in batch.plan.calls:
         rows = slice(start, start + length)
-        qr, kn, vn = heads(q[rows]), *(heads(x) for x in (fused.poison_keys(k[rows], v[rows]) if select
+        qr, kn, vn = heads(q[rows]), *(heads(x) for x in (fused.poison_keys(k[rows], v[rows], ok[rows]) if select
                                                           else (k[rows], v[rows])))
         if ctx == 0:  # the split form's new-key call alone
             rows_out = fused.sdpa_lse(qr, kn, vn, None, scale, causal=True)[0] if stats else sdpa_final(
