@@ -339,3 +339,26 @@ def test_ragged_prompts_take_flash_by_default(flash_calls, monkeypatch, setting)
     real = 2 * (6 * 8 + 21)
     assert prompt_ragged(lengths, ctx, (2, 6, 2), 4) is (real < RAGGED_FILL * 2 * 6 * (8 + 3.5))
     assert prompt_ragged(lengths, ctx, (2, 24, 16), 4) and not prompt_ragged(lengths[:0], ctx[:0], (0, 0, 0), 4)
+
+
+@pytest.mark.parametrize("name", ["prefix_caching", "parallel_sampling", "seed"])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_shared_tiles_with_a_gaudis_16_bit_scores_match_the_reference(name, soft_cap, monkeypatch):
+    """The shared tiles as a Gaudi computes them (`score_product` keeping bf16: the scale folded into q, one
+    softmax over bf16 scores, its row maximum for the sum), run on the CPU: within bf16's 1e-2 of the
+    float64 reference, every unused slot poisoned, padded to a bucket with more shared tiles or not."""
+    from conftest import record_calls
+
+    from vllm_gaudi_unified.paths import shared
+
+    monkeypatch.setattr(tiles, "_gaudi_product", lambda device_type: True)
+    calls = record_calls(monkeypatch, shared, "attend_heads")
+    products = record_calls(monkeypatch, tiles, "score_product")
+    out, ref, batch = run_case(SPECS[name], dtype=torch.bfloat16, logits_soft_cap=soft_cap)
+    s, kb = batch.shape, batch.shared_blocks.shape[1]
+    big = Bucket("csu", s.query_len + 3, s.num_shared_blocks + 2 * kb, s.num_unique_blocks, s.num_logits,
+                 s.num_causal_tiles + 1, s.num_prompts, s.prompt_len, s.prompt_blocks)
+    padded, _, _ = run_case(SPECS[name], dtype=torch.bfloat16, logits_soft_cap=soft_cap, bucket=big)
+    assert len(calls) == 2 and products and all(p.dtype == torch.bfloat16 for p in products)
+    for o in (out, padded):
+        assert_matches(o, ref)

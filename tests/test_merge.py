@@ -4,8 +4,7 @@ import itertools
 import pytest
 import torch
 
-from vllm_gaudi_unified.merge import (Partial, Scattered, merge, merge_all, merge_rows, normalize, scatter_merge,
-                                      scatter_merge_groups)
+from vllm_gaudi_unified.merge import Partial, Scattered, merge, merge_all, merge_rows, normalize, scatter_merge
 
 
 def partial_of(scores, values):
@@ -56,24 +55,6 @@ def test_scatter_merge_equals_merging_each_destination():
                                                      out.sum[dest:dest + 1])), normalize(want), atol=1e-12, rtol=0)
     assert torch.isinf(out.max[1]).all() and (out.sum[1] == 0).all()
     assert torch.equal(normalize(out)[1], torch.zeros(2, 4, dtype=torch.float64))
-
-
-def test_scatter_merge_of_head_groups_equals_the_merge_of_the_stacked_rows():
-    """`scatter_merge_groups` (a verify unit's rows, one acc per KV head): the same merge as `scatter_merge` over
-    the groups' heads side by side, rows that saw no key and a row's NaN (its heads' group alone) included."""
-    g = torch.Generator().manual_seed(4)
-    rows = Partial(torch.randn(40, 6, 3, generator=g, dtype=torch.float64),
-                   torch.randn(40, 6, generator=g, dtype=torch.float64) * 5,
-                   torch.rand(40, 6, generator=g, dtype=torch.float64) + 0.5)
-    rows.max[3] = float("-inf")
-    rows.sum[3] = 0
-    rows.acc[7, 4, 1] = float("nan")
-    index = torch.randint(0, 9, (40,), generator=g)
-    want = scatter_merge(rows, index, 8)
-    got = scatter_merge_groups(list(rows.acc.split(2, 1)), rows.max, rows.sum, index, 8)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
-    assert torch.isnan(got.acc).any(-1).nonzero().tolist() == ([[int(index[7]), 4]] if index[7] < 8 else [])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

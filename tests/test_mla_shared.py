@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import SPECS, Step, assert_matches
 from test_mla import MODES, H, L, mla_case
 from vllm_gaudi_unified import PlanOptions, attention
-from vllm_gaudi_unified.merge import normalize
+from vllm_gaudi_unified.merge import merge_rows, normalize
 from vllm_gaudi_unified.mla import latent_views, mla_attention
 from vllm_gaudi_unified.paths import mla_shared
 from vllm_gaudi_unified.paths.shared import shared_partial
@@ -78,8 +78,8 @@ def _partials(step, options, poison_seen=False, dtype=torch.float64, seed=0):
         slot = int(batch.shared_lo[0, 0, 0])
         cache[blk, slot, 3] = float("nan")
     a = mla_shared.latent_shared_partial(query, kc, L, batch, scale)
-    b = shared_partial(query, kc, vc, batch, scale, None)
-    return normalize(a), normalize(b), batch
+    b = shared_partial(query, kc, vc, batch, scale, None)  # the tiles' rows, merged here
+    return normalize(a), merge_rows([b], query.shape[0]), batch
 
 
 @pytest.mark.parametrize("name", sorted(SHARED))

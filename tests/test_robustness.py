@@ -213,6 +213,35 @@ def test_issue_example_nan_value_in_a_shared_causal_tile():
         assert finite.tolist() == [True, True, False, False, True]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows", [2, 16])
+def test_a_bad_shared_value_makes_exactly_its_readers_nan(rows, dtype, monkeypatch):
+    """Four decodes share two full blocks (the shared path's tiles), a fifth reads its own; unused slots of
+    every block hold NaN. A NaN or inf in one shared slot's value turns exactly the four sharers NaN (as
+    the reference does: their output is not a number) and leaves the fifth bit-equal to the clean run."""
+    from conftest import record_calls
+
+    from vllm_gaudi_unified.paths import shared
+
+    calls = record_calls(monkeypatch, shared, "attend_heads")
+    table = np.array([[0, 1, 2], [0, 1, 3], [0, 1, 4], [0, 1, 5], [6, 7, 8]])
+    options = PlanOptions(shared_rows=rows, shared_rows_max=rows, shared_tile_keys=8)
+    batch = build_unified_batch([1] * 5, [9] * 5, table, 4, options=options)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, h, 8, generator=g).to(dtype) for h in (4, 2, 2))
+    kc, vc = (torch.randn(9, 4, 2, 8, generator=g).to(dtype) for _ in range(2))
+    for c in (kc, vc):
+        c[[2, 3, 4, 5, 8], 2:] = float("nan")  # slots 10, 11 of each request's last block: never written
+    clean = unified_attention(q, k, v, kc, vc, batch, 0.5)
+    for bad in (float("nan"), float("inf")):
+        poisoned = vc.clone()
+        poisoned[1, 2, 1, 3] = bad
+        out = unified_attention(q, k, v, kc, poisoned, batch, 0.5)
+        assert torch.isfinite(clean).all() and calls
+        assert torch.isnan(out[:4, 2:]).all() and torch.isfinite(out[:4, :2]).all()  # KV head 1's queries only
+        torch.testing.assert_close(out[4], clean[4], rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------- 2. fp16 range
 
 

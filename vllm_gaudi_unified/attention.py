@@ -282,7 +282,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         if not mla:  # (MLA's latent routes take each token's own pair too: paths/mla_decode.py)
             yield self_partial(query, key, value, scale, cap)
         if phase[0] == "c" and not drafts:
-            yield causal_partial(query, key, value, batch, scale, cap, scattered=True)
+            yield causal_partial(query, key, value, batch, scale, cap)
     # Routes that read a block per token take a unique unit (a request's drafts) as one slot per token.
     tokens = query.shape[0]
     if shared_in_kernel:
@@ -294,7 +294,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         elif flash and batch.plan.shared_prefix_visible:
             yield fused_shared_partial(query, key_cache, value_cache, batch, scale, k_scale, v_scale)
         else:
-            yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, scattered=True)
+            yield shared_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale)
     if (phase[2] == "u" or mla_shared_in_kernel) and not shared_in_kernel:
         if mla:  # MLA's latent: one Partial row per token, the latent read once, the self pair inside
             run = {"kernel": kernel_mla_partial, "dense": dense_mla_partial, "chunks": chunks_mla_partial}[mla]
@@ -311,7 +311,7 @@ def _run_paths(query, key, value, key_cache, value_cache, batch, scale, cap, k_s
         elif flash and fused_unique_applies(batch, key_cache):
             yield fused_unique_partial(query, key_cache, value_cache, per_token(batch, tokens), scale, k_scale, v_scale)
         else:
-            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new, scattered=True)
+            yield unique_partial(query, key_cache, value_cache, batch, scale, cap, k_scale, v_scale, new=new)
 
 
 def input_error(*args) -> ValueError | None:

@@ -47,13 +47,27 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _scaled(p: Partial, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(acc, sum) of `p` rescaled to `new_max`: times e^(max - new_max), and exactly 0 where `p` saw no
-    key (max = -inf) whatever its acc holds (a NaN there would survive a multiplication by 0).
-    A NaN max counts as seen: a row that met a bad value keeps it (its own token only)."""
-    seen = p.max != float("-inf")
-    w = torch.exp(torch.where(seen, p.max - new_max, 0.0))
-    return (torch.where(seen[..., None], p.acc * w[..., None], 0.0), torch.where(seen, p.sum * w, 0.0))
+def rescale_weights(old_max: torch.Tensor, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seen, w): rows that saw a key (max != -inf; a NaN max counts as seen: a row that met a bad value keeps
+    it, its own token only) and their rescale e^(max - new_max), 1 where unseen (no inf - inf)."""
+    seen = old_max != float("-inf")
+    return seen, torch.exp(torch.where(seen, old_max - new_max, 0.0))
+
+
+def rescaled(x: torch.Tensor, seen: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * w, exactly 0 where unseen whatever x holds (a NaN there would survive a multiplication by 0);
+    `out`: written there (the `where` writes its result in place of a copy)."""
+    if x.dim() > seen.dim():
+        seen, w = seen[..., None], w[..., None]
+    if out is None:
+        return torch.where(seen, x * w, 0.0)
+    return torch.where(seen, x * w, w.new_zeros(()), out=out)
+
+
+def _scaled(p: Partial, new_max: torch.Tensor, out: tuple = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(acc, sum) of `p` rescaled to `new_max` (`rescaled`), into `out` where given."""
+    seen, w = rescale_weights(p.max, new_max)
+    return rescaled(p.acc, seen, w, out[0]), rescaled(p.sum, seen, w, out[1])
 
 
 def merge(a: Partial, b: Partial) -> Partial:
@@ -90,28 +104,13 @@ def scatter_max(rows_max: torch.Tensor, index: torch.Tensor, start: torch.Tensor
 
 def scatter_merge(rows: Partial, index: torch.Tensor, num_out: int) -> Partial:
     """Merge rows into `num_out` destinations; `index[i]` is row i's destination, `num_out` = drop."""
-    return scatter_merge_groups([rows.acc], rows.max, rows.sum, index, num_out)
-
-
-def scatter_merge_groups(accs: Sequence[torch.Tensor], rows_max: torch.Tensor, rows_sum: torch.Tensor,
-                         index: torch.Tensor, num_out: int) -> Partial:
-    """`scatter_merge` of rows whose acc comes in groups of heads (`accs[j]` `[rows, heads / len(accs), dv]`,
-    in head order; max and sum `[rows, heads]`): each group added apart, so groups made apart (a verify unit's
-    products, one per KV head) are not stacked into one tensor that is written whole only to be read once."""
-    heads = rows_max.shape[1]
-    start = torch.full((num_out + 1, heads), float("-inf"), dtype=rows_max.dtype, device=rows_max.device)
-    new_max = scatter_max(rows_max, index, start)
-    row_max = new_max.gather(0, index.reshape(-1, 1).expand(-1, heads))
-    g = heads // len(accs)
-    acc = []
-    for j, a in enumerate(accs):
-        h = slice(j * g, (j + 1) * g)
-        row_acc, _ = _scaled(Partial(a, rows_max[:, h], rows_sum[:, h]), row_max[:, h])
-        acc.append(torch.zeros((num_out + 1,) + a.shape[1:], dtype=row_acc.dtype, device=a.device)
-                   .index_add(0, index, row_acc))
-    _, row_sum = _scaled(Partial(rows_sum[..., None], rows_max, rows_sum), row_max)
+    heads = rows.max.shape[1]
+    start = torch.full((num_out + 1, heads), float("-inf"), dtype=rows.max.dtype, device=rows.max.device)
+    new_max = scatter_max(rows.max, index, start)
+    row_acc, row_sum = _scaled(rows, new_max.gather(0, index.reshape(-1, 1).expand(-1, heads)))
+    acc = torch.zeros((num_out + 1,) + rows.acc.shape[1:], dtype=row_acc.dtype, device=rows.acc.device)
+    acc = acc.index_add(0, index, row_acc)
     total = torch.zeros_like(new_max).index_add(0, index, row_sum)
-    acc = acc[0] if len(acc) == 1 else torch.cat(acc, 1)
     return Partial(acc[:num_out], new_max[:num_out], total[:num_out])
 
 
@@ -139,13 +138,9 @@ def merge_rows(parts: Sequence[Partial | Scattered], rows: int, dtype: torch.dty
         else:
             new_max[:rows] = torch.maximum(new_max[:rows], p.max)
     acc, total = new_max.new_empty((rows + 1, heads, dim)), new_max.new_empty((rows + 1, heads))
-    if start:  # (acc, sum) of `_scaled`, written where the sums are
+    if start:  # a Partial first: its scaled rows written where the sums are
         p, parts = parts[0], parts[1:]
-        seen = p.max != float("-inf")
-        w = torch.exp(torch.where(seen, p.max - new_max[:rows], 0.0))
-        zero = new_max.new_zeros(())
-        torch.where(seen[..., None], p.acc * w[..., None], zero, out=acc[:rows])
-        torch.where(seen, p.sum * w, zero, out=total[:rows])
+        _scaled(p, new_max[:rows], out=(acc[:rows], total[:rows]))
     for x in (acc, total):
         (x[rows:] if start else x).zero_()
     for p in parts:

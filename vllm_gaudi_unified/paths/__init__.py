@@ -1,6 +1,7 @@
 """The device side of a step (torch): partial softmax results per path, merged by `merge.py`.
 
-- `tiles`: the one `attend` (a masked score tile -> `Partial`), `slot_mask`, `compute_dtype`;
+- `tiles`: `attend` (a masked score tile -> `Partial`; `attend_heads`, the shared tiles' form), `slot_mask`,
+  `compute_dtype`;
 - `causal`: `self_partial` (each token with its own key) and the strict-causal tiles;
 - `shared`: cache blocks several query tokens read, in (tokens x blocks) tiles;
 - `unique`: cache blocks one query token reads, one row per block;

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Partial, Scattered, scatter_merge
+from vllm_gaudi_unified.merge import Partial, Scattered
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.tiles import attend, compute_dtype, score_product
 
@@ -54,9 +54,9 @@ def _tree_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None, scattered: bool = False) -> Partial | Scattered | None:
-    """Strict-causal pairs within each request; None when the batch lists no causal tile. `scattered`: the
-    tiles' rows unmerged, for `merge.merge_rows`."""
+                   soft_cap: float | None) -> Scattered | None:
+    """Strict-causal pairs within each request, the tiles' rows unmerged (for `merge.merge_rows`); None when
+    the batch lists no causal tile."""
     if batch.causal_q_start.numel() == 0:
         return None
     n = q.shape[0]
@@ -77,7 +77,7 @@ def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, sca
         tile_attend = fused.sdpa_attend
     part = tile_attend(q[rows_in], k[keys_in], v[keys_in], mask, scale, soft_cap)
     index = rows.clamp(max=n).reshape(-1)
-    return Scattered(part, index) if scattered else scatter_merge(part, index, n)
+    return Scattered(part, index)
 
 
 def fused_causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float) -> Partial:

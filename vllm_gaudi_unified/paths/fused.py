@@ -114,6 +114,24 @@ def clean_causal_values(v: torch.Tensor, seg_start: torch.Tensor,
     return torch.where(finite, v, torch.zeros((), dtype=v.dtype, device=v.device)), seen > 0
 
 
+def poison_keys(k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v `[T, Hkv, D]` for causal calls that hide later keys' scores by selection (`prompts.causal_selects`):
+    a token's head whose key or value has a non-finite entry goes in with a NaN key and a zero value, so
+    exactly the rows that see it come out NaN (their score, their LSE), and no other row's sum changes (a
+    hidden score is selected away, its zero value adds an exact 0). No scan and no pass over the rows
+    afterwards. `ok`: `finite_heads(k, v)` of these rows, when already taken for a larger tensor."""
+    ok = (finite_heads(k, v) if ok is None else ok)[..., None]
+    nan, zero = (torch.full((), x, dtype=k.dtype, device=k.device) for x in (float("nan"), 0.0))
+    return torch.where(ok, k, nan), torch.where(ok, v, zero)
+
+
+def finite_heads(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`[T, Hkv]` whether a token's key and value of a head are finite: one max-magnitude reduction per
+    tensor (NaN and inf propagate through it)."""
+    inf = float("inf")
+    return torch.linalg.vector_norm(k, inf, -1).isfinite() & torch.linalg.vector_norm(v, inf, -1).isfinite()
+
+
 def mark_bad_rows(part: Partial, bad: torch.Tensor) -> Partial:
     """Rows `[rows, Hkv]` that saw a bad value get NaN max, sum and acc, for every query head of the KV
     head, as a NaN score gives on the tile paths (`tiles.mask_scores`): the merge and `normalize` keep

@@ -31,7 +31,7 @@ from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, merge_all, n
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
-from vllm_gaudi_unified.paths.prompts import final_rows, merge_split
+from vllm_gaudi_unified.paths.prompts import causal_selects, final_rows, merge_split
 from vllm_gaudi_unified.paths.tiles import attend, attend_gathered, compute_dtype, slot_mask
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
 
@@ -71,23 +71,30 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
     FusedSDPA with statistics on a Gaudi, the CPU's flash; `hpu.sdpa_final` where none of those runs);
     with context the split form, its context's keys exactly (gathered in position order, no padding key)
     in one call with statistics, its new keys causal in another, merged by their LSE
-    (`prompts.merge_split`). Bad values as on the fast route: non-finite new values zeroed, the rows at or
-    past one set to NaN (`fused.clean_causal_values`); a real context key is seen by every row. (The calls
-    of four 2k prompts take the GPU time of one call over the four: docs/batch_invariance.md, Cost.)"""
+    (`prompts.merge_split`). Bad new keys and values: where the calls hide later keys' scores by selection
+    (`prompts.causal_selects`: CUDA's 16-bit kernels, the CPU's) through the inputs (`fused.poison_keys`: a
+    NaN key, a zero value), so exactly the rows that see one come out NaN (a chunk's through its new-key
+    call's LSE) and the rows are copied as they come; elsewhere as on the fast route, the values zeroed and
+    the rows at or past one set to NaN (`fused.clean_causal_values`). A real context key is seen by every row."""
     from vllm_gaudi_unified.hpu import sdpa_final
 
     n, hq = q.shape[:2]
-    g = hq // k.shape[1]
+    by_head = lambda x: x.unflatten(1, (k.shape[1], hq // k.shape[1]))  # noqa: E731  [L, Hkv, G, D]
     if out is None:  # a step of prompts: every real row is written below, the padding rows are zeroed
         out = q.new_empty((n, hq, v.shape[-1]))
         out[batch.num_tokens:].zero_()
-    v, bad = fused.clean_causal_values(v, batch.token_seg_start, None)
+    select = causal_selects(q)  # bad new keys contained through each call's inputs, else zeroed and rows marked
+    if select:  # tested once for the step, poisoned per call (no whole copy of k and v held)
+        ok = fused.finite_heads(k, v)
+    else:
+        v, bad = fused.clean_causal_values(v, batch.token_seg_start, None)
     nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     heads = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731  [L, H, D] -> [1, H, L, D], a view
     stats = fused.lse_kernel_for(q)
     for start, length, ctx, first, blocks in batch.plan.calls:
         rows = slice(start, start + length)
-        qr, kn, vn = heads(q[rows]), heads(k[rows]), heads(v[rows])
+        qr, kn, vn = heads(q[rows]), *(heads(x) for x in (fused.poison_keys(k[rows], v[rows], ok[rows]) if select
+                                                          else (k[rows], v[rows])))
         if ctx == 0:  # the split form's new-key call alone
             rows_out = fused.sdpa_lse(qr, kn, vn, None, scale, causal=True)[0] if stats else sdpa_final(
                 qr, kn, vn, None, scale)
@@ -97,8 +104,10 @@ def own_rows(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=None,
                       for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
             rows_out = merge_split(*fused.sdpa_lse(qr, kc, vc, None, scale),
                                    *fused.sdpa_lse(qr, kn, vn, None, scale, causal=True))
-        seen = bad[rows].repeat_interleave(g, 1)[..., None]
-        torch.where(seen, nan, rows_out[0].transpose(0, 1), out=out[rows])  # written in place: no copy
+        if select:
+            out[rows] = rows_out[0].transpose(0, 1)
+        else:  # written in place: no copy; each KV head's rows marked
+            torch.where(bad[rows][:, :, None, None], nan, by_head(rows_out[0].transpose(0, 1)), out=by_head(out[rows]))
     return out
 
 

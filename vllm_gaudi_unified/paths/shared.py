@@ -21,14 +21,13 @@ import torch
 from vllm_gaudi_unified.merge import Partial, Scattered, scatter_merge
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
-from vllm_gaudi_unified.paths.tiles import attend, slot_mask
+from vllm_gaudi_unified.paths.tiles import attend_heads, slot_mask
 
 
 def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None, k_scale=None, v_scale=None, scattered: bool = False
-                   ) -> Partial | Scattered | None:
-    """None when the batch has no shared tile. An fp8 cache is dequantized per tile, after the gather.
-    `scattered`: the tiles' rows unmerged, for `merge.merge_rows`."""
+                   soft_cap: float | None, k_scale=None, v_scale=None) -> Scattered | None:
+    """The tiles' rows unmerged (for `merge.merge_rows`); None when the batch has no shared tile. An fp8
+    cache is dequantized per tile, after the gather."""
     if batch.shared_rows.shape[0] == 0:
         return None
     n = q.shape[0]
@@ -38,13 +37,13 @@ def shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     k = read_blocks(key_cache, blocks, k_scale, q.dtype).flatten(1, 2)  # [tiles, blocks_per_tile * block_size, Hkv, D]
     v = read_blocks(value_cache, blocks, v_scale, q.dtype).flatten(1, 2)
     mask = slot_mask(batch.shared_lo, batch.shared_hi, block_size).flatten(2)  # [tiles, rows, keys]
-    tile_attend = attend
+    tile_attend = attend_heads
     # FusedSDPA with statistics on the same tiles (one head dim: not for MLA's latent)
     if fused.kernel_for(batch, q, soft_cap, value_cache.shape[-1]) == "hpu":
         tile_attend = fused.sdpa_attend
     part = tile_attend(q[batch.shared_rows.clamp(max=n - 1)], k, v, mask, scale, soft_cap)
     index = batch.shared_rows.reshape(-1)
-    return Scattered(part, index) if scattered else scatter_merge(part, index, n)
+    return Scattered(part, index)
 
 
 def fused_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,

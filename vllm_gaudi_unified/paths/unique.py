@@ -46,11 +46,11 @@ SCAN_ORDER_MAX_WORK = 1 << 22
 
 
 def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch, scale: float,
-                   soft_cap: float | None, k_scale=None, v_scale=None, new: tuple | None = None,
-                   scattered: bool = False) -> Partial | Scattered | None:
-    """None when the batch has no unique block; `scattered` (one-token units): the slots' rows unmerged
-    (`merge.merge_rows`). An fp8 cache is dequantized after the gather (or slice). `new` (the step's keys and
-    values; `units_take_new_pairs`): the requests' self and causal pairs too (`units.request_pairs`), merged in."""
+                   soft_cap: float | None, k_scale=None, v_scale=None,
+                   new: tuple | None = None) -> Partial | Scattered | None:
+    """None when the batch has no unique block; one-token units: the slots' rows unmerged (`merge.merge_rows`).
+    An fp8 cache is dequantized after the gather (or slice). `new` (the step's keys and values;
+    `units_take_new_pairs`): the requests' self and causal pairs too (`units.request_pairs`), merged in."""
     slots = batch.unique_rows.shape[0]
     if slots == 0:
         return None
@@ -68,7 +68,7 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
                              soft_cap, pairs)
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
-    return Scattered(part, rows) if scattered else scatter_merge(part, rows, n)
+    return Scattered(part, rows)
 
 
 def unit_tokens(batch, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
-from vllm_gaudi_unified.merge import Partial, _scaled, compute_dtype, scatter_max
+from vllm_gaudi_unified.merge import Partial, _scaled, compute_dtype, rescale_weights, rescaled, scatter_max
 from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
@@ -70,16 +70,15 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
         new_max = scatter_max(pairs[0].max, pairs[1], new_max)
     new_max = scatter_max(m, index, new_max)
     row_max = new_max.gather(0, index[:, None].expand(-1, hq))
+    seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
     out = []
     for h in range(hkv):
         hs = slice(h * g, (h + 1) * g)
-        row_acc, _ = _scaled(Partial(acc[h].view(t * r, g, dv), m[:, hs], total[:, hs]), row_max[:, hs])
+        row_acc = rescaled(acc[h].view(t * r, g, dv), seen[:, hs], w[:, hs])
         out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, acc_index, row_acc))
     out = out[0] if hkv == 1 else torch.cat(out, 1)
-    fix_acc, _ = _scaled(Partial(fix, m[fix_rows], total[fix_rows]), row_max[fix_rows])
-    out = out.index_add(0, fix_index, fix_acc)
-    _, row_sum = _scaled(Partial(total[..., None], m, total), row_max)
-    sums = torch.zeros_like(new_max).index_add(0, index, row_sum)
+    out = out.index_add(0, fix_index, rescaled(fix, seen[fix_rows], w[fix_rows]))
+    sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
     if pairs is not None:
         rows, where = pairs
         pair_max = new_max.gather(0, where[:, None].expand(-1, hq))
