@@ -32,8 +32,12 @@ from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.prompts import final_rows, merge_split
-from vllm_gaudi_unified.paths.tiles import attend, attend_gathered, compute_dtype, slot_mask
+from vllm_gaudi_unified.paths.tiles import (attend, attend_gathered, compute_dtype, product_dtype, score_product,
+                                            slot_mask)
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
+
+#: Calls of whole chunks taken together (`_whole_chunks`): their scores are held at once.
+GROUP_CALLS = 4
 
 
 def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_cap: float | None,
@@ -179,12 +183,16 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
     per_call = tiles_per_call(opts)
     size = per_call * max([1] + [kind[0].shape[1] for kind in kinds if kind[0].shape[0]])  # dump rows a call
+    if decodes and (batch.plan.dec_whole or batch.share_rows.shape[0]):  # a group's rows: one dump slot each
+        size = max(size, GROUP_CALLS * per_call)
     slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
     for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
         stacked = all_rows.shape[1] == 1 or (kind == 1 and _units_stacked(q, all_rows.shape[1], batch))
         dec = kind == 0 and decodes
         whole = batch.plan.dec_whole if dec else all_rows.shape[0]  # one-row tiles of whole chunks, then tail calls
         for start, stop, tiles in _calls(all_rows.shape[0], whole, per_call):
+            if dec and stop <= whole:  # whole chunks: `_whole_chunks`
+                continue
             rows = _pad_to(all_rows[start:stop], tiles, n)  # [tiles, rows]
             blocks = _pad_to(all_blocks[start:stop], tiles, 0)
             mask = slot_mask(_pad_to(all_lo[start:stop], tiles, 0), _pad_to(all_hi[start:stop], tiles, 0),
@@ -192,21 +200,85 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
             read_k = partial(_gather, key_cache, blocks, k_scale, q.dtype)
             qr = q[rows.clamp(max=n - 1)]
             if stacked:  # V gathered once K is freed, its keys no row sees zeroed (a tile's real rows see the same)
-                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype,  # (whole tiles: nothing to zero)
-                                 None if dec and stop <= whole else ~mask.any(1)[:, :, None, None])
+                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype, ~mask.any(1)[:, :, None, None])
                 part = attend_gathered(qr, read_k, read_v, mask, scale, soft_cap)
             else:
                 part = attend(qr, read_k(), _gather(value_cache, blocks, v_scale, q.dtype), mask, scale, soft_cap)
             cols = _pad_to(all_cols[start:stop], tiles, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
-    for c in range(batch.share_rows.shape[0] if decodes else 0):  # whole chunks read by many one-token rows
-        rows, blocks = batch.share_rows[c][:, None], batch.share_blocks[c:c + 1]  # [tiles, 1], [1, chunk blocks]
-        kk, vv = (_gather(cache, blocks, sc, q.dtype) for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
-        mask = (rows < n)[:, :, None].expand(per_call, 1, kk.shape[1])  # a real row sees every key of its chunk
-        part = attend_gathered(q[rows.clamp(max=n - 1)], partial(kk.expand, per_call, -1, -1, -1),
-                               partial(vv.expand, per_call, -1, -1, -1), mask, scale, soft_cap)
-        slots.write(part, rows, batch.share_col[c][:, None], rows < n)
+    if decodes:
+        _whole_chunks(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, per_call)
     return slots.fold()
+
+
+def _whole_chunks(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, per_call) -> None:
+    """The one-row tiles that see every key of their chunk, written to `slots`: the first `dec_whole` dec
+    tiles (each tile's chunk gathered) and the share calls (a call's one chunk read once, repeated by a view),
+    `GROUP_CALLS` calls of one kind at a time (`_whole_group`)."""
+    whole, shares = batch.plan.dec_whole // per_call, batch.share_rows.shape[0]
+    for c in range(0, whole, GROUP_CALLS):
+        tiles = slice(c * per_call, min(c + GROUP_CALLS, whole) * per_call)
+        _whole_group(q, key_cache, value_cache, batch.dec_rows[tiles].view(-1, per_call),
+                     batch.dec_col[tiles].view(-1, per_call), batch.dec_blocks[tiles], scale, soft_cap, k_scale,
+                     v_scale, slots)
+    for c in range(0, shares, GROUP_CALLS):
+        calls = slice(c, min(c + GROUP_CALLS, shares))
+        _whole_group(q, key_cache, value_cache, batch.share_rows[calls], batch.share_col[calls],
+                     batch.share_blocks[calls], scale, soft_cap, k_scale, v_scale, slots)
+
+
+def _whole_group(q, key_cache, value_cache, rows, cols, blocks, scale, soft_cap, k_scale, v_scale, slots) -> None:
+    """Calls `rows` `[calls, tiles]` of one-row tiles that see every key of their chunk: `blocks` one chunk per
+    tile (`[calls x tiles, chunk blocks]`) or per call (`[calls, chunk blocks]`, a share call: read once, a view
+    repeats it). Each call runs its two products at the one shape `[tiles, Hq, D] @ [tiles, D, keys x Hkv]`
+    (every head pair, its own heads' diagonal kept: `tiles.attend`'s one-row form) and its sum over keys at
+    one shape; every other pass (scale, max, exp, casts, the writes) runs over the group at once, elementwise
+    or a max. So a row's bits are its own call's products on its own values, in any call or group. (Real rows
+    see every key: no mask; a padding tile's row goes to a dump slot.)"""
+    calls, tiles = rows.shape
+    n, hq, d = q.shape
+    shared = blocks.shape[0] == calls
+    op, dt = product_dtype(q.dtype), compute_dtype(q.dtype)
+    qg = q[rows.clamp(max=n - 1)].to(op)  # [calls, tiles, Hq, D]
+
+    def read(cache, sc, c, every=None):  # call c's K or V `[tiles, keys, Hkv, D]`
+        if shared:
+            every = _gather(cache, blocks, sc, q.dtype) if every is None else every
+            return every[c:c + 1].expand(tiles, -1, -1, -1), every
+        return _gather(cache, blocks[c * tiles:(c + 1) * tiles], sc, q.dtype), None
+
+    scores = chunks = None
+    for c in range(calls):
+        k, chunks = read(key_cache, k_scale, c, chunks)
+        nk, hkv = k.shape[1], k.shape[2]
+        g = hq // hkv
+        every = score_product(qg[c].reshape(tiles, hq, d), k.to(op).reshape(tiles, nk * hkv, d).transpose(1, 2))
+        if scores is None:
+            scores = every.new_empty((calls, tiles, hkv, g, nk))
+        scores[c].copy_(torch.diagonal(every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4).permute(0, 3, 1, 2))
+        del k, every
+    chunks = None
+    s = scores.to(dt) if scores.dtype != dt else scores
+    del scores
+    s = s.mul_(scale)
+    if soft_cap is not None:
+        s = soft_cap * torch.tanh(s / soft_cap)
+    m = s.amax(-1)
+    s = s.sub_(torch.where(m > float("-inf"), m, 0.0)[..., None]).exp_()
+    total = m.new_empty(m.shape)
+    for c in range(calls):  # one shape per call
+        torch.sum(s[c], -1, out=total[c])
+    p = s.to(op)
+    del s
+    p_every = torch.zeros((tiles, hq, nk * hkv), dtype=op, device=q.device)  # each call writes its diagonal only
+    accs = []
+    for c in range(calls):
+        torch.diagonal(p_every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4).copy_(p[c].permute(0, 2, 3, 1))
+        v, chunks = read(value_cache, v_scale, c, chunks)
+        accs.append(torch.matmul(p_every, v.to(op).reshape(tiles, nk * hkv, -1)))  # [tiles, Hq, Dv]
+    acc = torch.stack(accs).view(calls * tiles, hq, -1).to(dt)
+    part = Partial(acc, m.view(calls * tiles, hq), total.view(calls * tiles, hq))
+    slots.write(part, rows.reshape(-1, 1), cols.reshape(-1, 1), rows.reshape(-1, 1) < n)
 
 
 def _gather(cache, blocks, sc, dtype, unseen=None) -> torch.Tensor:
