@@ -36,8 +36,8 @@ from vllm_gaudi_unified.paths.tiles import (attend, attend_gathered, compute_dty
                                             slot_mask)
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
 
-#: Calls of whole chunks taken together (`_whole_chunks`): their scores are held at once.
-GROUP_CALLS = 4
+#: One-row tiles taken together (`_one_row_tiles`, whole calls): their scores are held at once.
+GROUP_TILES = 256
 
 
 def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_cap: float | None,
@@ -156,13 +156,6 @@ def _chunks(total: int, size: int):
     return ((c, min(c + size, total)) for c in range(0, total, size))
 
 
-def _calls(total: int, whole: int, size: int):
-    """(start, stop, tiles) of each call of one kind: `size` tiles to `whole`, then tail calls of a quarter."""
-    tail = max(1, size // 4)
-    return [(a, b, size) for a, b in _chunks(whole, size)] + [(whole + a, whole + b, tail)
-                                                               for a, b in _chunks(total - whole, tail)]
-
-
 def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     if x.shape[0] == n:
         return x
@@ -171,28 +164,24 @@ def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None,
                     own: bool = False, decodes: bool = True) -> Partial | None:
-    """One-row tiles (unless not `decodes`), then tiles of `invariant_rows` rows, each chunk written to slot
-    [token, chunk]; `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
+    """One-row tiles (unless not `decodes`: `_one_row_tiles`), then verify units' tiles and tiles of
+    `invariant_rows` rows, each chunk written to slot [token, chunk]; `own`: not the own-calls requests' tiles
+    (the last ones, whole calls)."""
     pre = slice(0, batch.plan.pre_own_from if own else None)
-    kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col),
-             (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
+    kinds = [(batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
-    kinds = kinds if decodes else kinds[1:]
-    if all(kind[0].shape[0] == 0 for kind in kinds) and not (decodes and batch.share_rows.shape[0]):
+    one_row = decodes and (batch.dec_rows.shape[0] or batch.share_rows.shape[0])
+    if all(kind[0].shape[0] == 0 for kind in kinds) and not one_row:
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
-    per_call = tiles_per_call(opts)
-    size = per_call * max([1] + [kind[0].shape[1] for kind in kinds if kind[0].shape[0]])  # dump rows a call
-    if decodes and (batch.plan.dec_whole or batch.share_rows.shape[0]):  # a group's rows: one dump slot each
-        size = max(size, GROUP_CALLS * per_call)
-    slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
-    for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
-        stacked = all_rows.shape[1] == 1 or (kind == 1 and _units_stacked(q, all_rows.shape[1], batch))
-        dec = kind == 0 and decodes
-        whole = batch.plan.dec_whole if dec else all_rows.shape[0]  # one-row tiles of whole chunks, then tail calls
-        for start, stop, tiles in _calls(all_rows.shape[0], whole, per_call):
-            if dec and stop <= whole:  # whole chunks: `_whole_chunks`
-                continue
+    tiles = tiles_per_call(opts)
+    size = tiles * max([1] + [kind[0].shape[1] for kind in kinds if kind[0].shape[0]])  # dump rows a call
+    slots = _Slots(q, batch.plan.cached_width, max(size, GROUP_TILES) if one_row else size, value_cache.shape[-1])
+    if one_row:
+        _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, tiles)
+    for units, (all_rows, all_blocks, all_lo, all_hi, all_cols) in zip((True, False), kinds):
+        stacked = all_rows.shape[1] == 1 or (units and _units_stacked(q, all_rows.shape[1], batch))
+        for start, stop in _chunks(all_rows.shape[0], tiles):
             rows = _pad_to(all_rows[start:stop], tiles, n)  # [tiles, rows]
             blocks = _pad_to(all_blocks[start:stop], tiles, 0)
             mask = slot_mask(_pad_to(all_lo[start:stop], tiles, 0), _pad_to(all_hi[start:stop], tiles, 0),
@@ -206,38 +195,43 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
                 part = attend(qr, read_k(), _gather(value_cache, blocks, v_scale, q.dtype), mask, scale, soft_cap)
             cols = _pad_to(all_cols[start:stop], tiles, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
-    if decodes:
-        _whole_chunks(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, per_call)
     return slots.fold()
 
 
-def _whole_chunks(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, per_call) -> None:
-    """The one-row tiles that see every key of their chunk, written to `slots`: the first `dec_whole` dec
-    tiles (each tile's chunk gathered) and the share calls (a call's one chunk read once, repeated by a view),
-    `GROUP_CALLS` calls of one kind at a time (`_whole_group`)."""
-    whole, shares = batch.plan.dec_whole // per_call, batch.share_rows.shape[0]
-    for c in range(0, whole, GROUP_CALLS):
-        tiles = slice(c * per_call, min(c + GROUP_CALLS, whole) * per_call)
-        _whole_group(q, key_cache, value_cache, batch.dec_rows[tiles].view(-1, per_call),
-                     batch.dec_col[tiles].view(-1, per_call), batch.dec_blocks[tiles], scale, soft_cap, k_scale,
-                     v_scale, slots)
-    for c in range(0, shares, GROUP_CALLS):
-        calls = slice(c, min(c + GROUP_CALLS, shares))
-        _whole_group(q, key_cache, value_cache, batch.share_rows[calls], batch.share_col[calls],
-                     batch.share_blocks[calls], scale, soft_cap, k_scale, v_scale, slots)
+def _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, per_call) -> None:
+    """The one-row tiles (one-token requests), written to `slots` about `GROUP_TILES` at a time
+    (`_one_row_group`): the first `dec_whole` dec tiles (they see every key of their chunk; `per_call` a
+    call), the other dec tiles (tail calls of a quarter: a request's last chunk, or one cut by a window),
+    then the share calls (a call's one chunk read once)."""
+    n, bs, whole, count = q.shape[0], key_cache.shape[1], batch.plan.dec_whole, batch.dec_rows.shape[0]
+    for first, stop, size, tail in ((0, whole, per_call, False), (whole, count, max(1, per_call // 4), True)):
+        step = max(1, GROUP_TILES // size) * size
+        for a in range(first, stop, step):
+            b = min(a + step, stop)
+            m = -(-(b - a) // size) * size
+            mask = None if not tail else slot_mask(_pad_to(batch.dec_lo[a:b, 0], m, 0),
+                                                     _pad_to(batch.dec_hi[a:b, 0], m, 0), bs).flatten(1)
+            _one_row_group(q, key_cache, value_cache, _pad_to(batch.dec_rows[a:b, 0], m, n).view(-1, size),
+                           _pad_to(batch.dec_col[a:b], m, 0).view(-1, size), _pad_to(batch.dec_blocks[a:b], m, 0),
+                           mask, scale, soft_cap, k_scale, v_scale, slots)
+    shares, step = batch.share_rows.shape[0], max(1, GROUP_TILES // per_call)
+    for c in range(0, shares, step):
+        calls = slice(c, min(c + step, shares))
+        _one_row_group(q, key_cache, value_cache, batch.share_rows[calls], batch.share_col[calls],
+                       batch.share_blocks[calls], None, scale, soft_cap, k_scale, v_scale, slots, shared=True)
 
 
-def _whole_group(q, key_cache, value_cache, rows, cols, blocks, scale, soft_cap, k_scale, v_scale, slots) -> None:
-    """Calls `rows` `[calls, tiles]` of one-row tiles that see every key of their chunk: `blocks` one chunk per
-    tile (`[calls x tiles, chunk blocks]`) or per call (`[calls, chunk blocks]`, a share call: read once, a view
-    repeats it). Each call runs its two products at the one shape `[tiles, Hq, D] @ [tiles, D, keys x Hkv]`
+def _one_row_group(q, key_cache, value_cache, rows, cols, blocks, mask, scale, soft_cap, k_scale, v_scale,
+                   slots, shared: bool = False) -> None:
+    """Calls `rows` `[calls, tiles]` of one-row tiles: `blocks` one chunk per tile (`[calls x tiles, chunk
+    blocks]`) or, `shared`, per call (`[calls, chunk blocks]`, share calls: read once, a view repeats it); `mask`
+    `[calls x tiles, chunk keys]` the keys each tile's row sees (None: every key). Each call runs its two products at the one shape `[tiles, Hq, D] @ [tiles, D, keys x Hkv]`
     (every head pair, its own heads' diagonal kept: `tiles.attend`'s one-row form) and its sum over keys at
     one shape; every other pass (scale, max, exp, casts, the writes) runs over the group at once, elementwise
-    or a max. So a row's bits are its own call's products on its own values, in any call or group. (Real rows
-    see every key: no mask; a padding tile's row goes to a dump slot.)"""
+    or a max. So a row's bits are its own call's products on its own values, in any call or group. V's keys
+    no row sees are zeroed (NaN in unused slots); a padding tile's row goes to a dump slot."""
     calls, tiles = rows.shape
     n, hq, d = q.shape
-    shared = blocks.shape[0] == calls
     op, dt = product_dtype(q.dtype), compute_dtype(q.dtype)
     qg = q[rows.clamp(max=n - 1)].to(op)  # [calls, tiles, Hq, D]
 
@@ -245,7 +239,8 @@ def _whole_group(q, key_cache, value_cache, rows, cols, blocks, scale, soft_cap,
         if shared:
             every = _gather(cache, blocks, sc, q.dtype) if every is None else every
             return every[c:c + 1].expand(tiles, -1, -1, -1), every
-        return _gather(cache, blocks[c * tiles:(c + 1) * tiles], sc, q.dtype), None
+        unseen = None if mask is None or cache is key_cache else ~mask[c * tiles:(c + 1) * tiles, :, None, None]
+        return _gather(cache, blocks[c * tiles:(c + 1) * tiles], sc, q.dtype, unseen), None
 
     scores = chunks = None
     for c in range(calls):
@@ -263,6 +258,8 @@ def _whole_group(q, key_cache, value_cache, rows, cols, blocks, scale, soft_cap,
     s = s.mul_(scale)
     if soft_cap is not None:
         s = soft_cap * torch.tanh(s / soft_cap)
+    if mask is not None:
+        s = s.masked_fill_(~mask.view(calls, tiles, 1, 1, -1), float("-inf"))
     m = s.amax(-1)
     s = s.sub_(torch.where(m > float("-inf"), m, 0.0)[..., None]).exp_()
     total = m.new_empty(m.shape)
