@@ -224,12 +224,14 @@ def _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v
 def _one_row_group(q, key_cache, value_cache, rows, cols, blocks, mask, scale, soft_cap, k_scale, v_scale,
                    slots, shared: bool = False) -> None:
     """Calls `rows` `[calls, tiles]` of one-row tiles: `blocks` one chunk per tile (`[calls x tiles, chunk
-    blocks]`) or, `shared`, per call (`[calls, chunk blocks]`, share calls: read once, a view repeats it); `mask`
-    `[calls x tiles, chunk keys]` the keys each tile's row sees (None: every key). Each call runs its two products at the one shape `[tiles, Hq, D] @ [tiles, D, keys x Hkv]`
-    (every head pair, its own heads' diagonal kept: `tiles.attend`'s one-row form) and its sum over keys at
-    one shape; every other pass (scale, max, exp, casts, the writes) runs over the group at once, elementwise
-    or a max. So a row's bits are its own call's products on its own values, in any call or group. V's keys
-    no row sees are zeroed (NaN in unused slots); a padding tile's row goes to a dump slot."""
+    blocks]`) or, `shared`, one per call (`[calls, chunk blocks]`, share calls: read once, a view repeats it);
+    `mask` `[calls x tiles, chunk keys]` the keys each tile's row sees (None: every key).
+
+    Each call runs its two products at the one shape `[tiles, Hq, D] @ [tiles, D, keys x Hkv]` (every head
+    pair, its own heads' diagonal kept: `tiles.attend`'s one-row form) and its sum over keys at one shape;
+    every other pass (scale, mask, max, exp, casts, the writes) runs over the group at once, elementwise or a
+    max. So a row's bits are its own call's products on its own values, in any call or group. V's keys no
+    row sees are zeroed (NaN in unused slots); a padding tile's row goes to a dump slot."""
     calls, tiles = rows.shape
     n, hq, d = q.shape
     op, dt = product_dtype(q.dtype), compute_dtype(q.dtype)
