@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, merge_all, normalize
+from vllm_gaudi_unified.merge import Final, Partial, merge_all, normalize
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
@@ -146,9 +146,21 @@ class _Slots:
         self.sum.index_copy_(0, dest, part.sum)
 
     def fold(self) -> Partial:
-        """Each token's `width` slots merged by the fixed pairwise tree of `merge.fold_pairwise`."""
+        """Each token's `width` slots merged in one fixed order: each scaled once to the token's max over its
+        slots, then added by a fixed pairwise tree (halves, then halves again; an empty slot adds an exact
+        0, so a wider step changes nothing). `merge.fold_pairwise`'s value in a third of its passes: those
+        rescale at every level of the tree."""
         n, w = self.tokens, self.width
-        return fold_pairwise(Partial(*(x[:n * w].view(n, w, *x.shape[1:]) for x in (self.acc, self.max, self.sum))))
+        acc, m, total = (x[:n * w].view(n, w, *x.shape[1:]) for x in (self.acc, self.max, self.sum))
+        top = m.amax(1)
+        seen = m != float("-inf")  # (a NaN max counts as seen: the row keeps it, as in `merge`)
+        weight = torch.exp(torch.where(seen, m - top[:, None], 0.0))
+        acc = torch.where(seen[..., None], acc * weight[..., None], 0.0)
+        total = torch.where(seen, total * weight, 0.0)
+        while acc.shape[1] > 1:
+            h = acc.shape[1] // 2
+            acc, total = acc[:, :h] + acc[:, h:], total[:, :h] + total[:, h:]
+        return Partial(acc[:, 0], top, total[:, 0])
 
 
 def _chunks(total: int, size: int):
