@@ -9,11 +9,12 @@ Triton kernel apply, else the tile route here (torch products: Gaudi, CPU,
 fp32, soft cap). Both merge self, cached and causal partials in that order.
 
 Tile route: every product has one shape per tile kind (`tiles_per_call` tiles
-per call, the last call padded); each (token, chunk) or (token, key tile) partial is written
-to its own slot and the slots are folded by a fixed pairwise tree. A one-row call gathers its
-V once its scores are taken and its K freed. A share call (`plan.share_*`: one-row tiles of one
-whole chunk) is the one-row call with its K and V a view repeating the chunk, read once: a
-row's products have the same operand values and shapes as in its own one-row tile.
+per call, the last call padded); each (token, chunk) or (token, key tile) partial is written to its own
+slot; a token's slots are scaled to its max over them and added by a fixed pairwise tree. One-row tiles
+(`_one_row_group`) run their products and their sums over keys per call, at one shape, and every other
+pass over a group of calls at once (elementwise, or a max): a row's bits are its own call's. A share call
+(`plan.share_*`: one-row tiles of one whole chunk) is the one-row call with its K and V a view repeating
+the chunk, read once: a row's products have the same operand values and shapes as in its own one-row tile.
 
 Own calls, per request, the default's prompt route at the request's own shapes
 (`hpu.sdpa_final`: FusedSDPA on a Gaudi, torch SDPA elsewhere; `fused.sdpa_lse`
