@@ -38,7 +38,7 @@ from vllm_gaudi_unified.paths.tiles import (attend, attend_gathered, compute_dty
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
 
 #: One-row tiles taken together (`_one_row_tiles`, whole calls): their scores are held at once.
-GROUP_TILES = 256
+GROUP_TILES = 512
 
 
 def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_cap: float | None,
@@ -120,28 +120,33 @@ def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
     if invariant_fast.applies(batch, q, key_cache, value_cache, soft_cap):
         return invariant_fast.fast_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, own,
                                            final=final and decodes)
-    cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own, decodes)
-    parts = (self_partial(q, k, v, scale, soft_cap, fixed_order=True), cached,
-             _causal_partial(q, k, v, batch, scale, soft_cap, own))
+    own_pair = self_partial(q, k, v, scale, soft_cap, fixed_order=True)
+    cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own, decodes,
+                             own_pair)
+    parts = (own_pair if cached is None else cached, _causal_partial(q, k, v, batch, scale, soft_cap, own))
     return merge_all([p for p in parts if p is not None])
 
 
 class _Slots:
     """A `[tokens, width]` array of partials plus one dump slot per row of a call; each real
-    (token, slot) is written once, never added to, so no order of writes matters."""
+    (token, slot) is written once, never added to, so no order of writes matters. `first`: a partial per
+    token in slot 0 (the self pair), the written ones from slot 1 on (`width` counts slot 0)."""
 
-    def __init__(self, q: torch.Tensor, width: int, call_rows: int, value_dim: int):
+    def __init__(self, q: torch.Tensor, width: int, call_rows: int, value_dim: int, first: Partial | None = None):
         tokens, hq, d = *q.shape[:2], value_dim  # the values' head dim (MLA: smaller than the keys')
         dtype, device = compute_dtype(q.dtype), q.device
-        self.tokens, self.width, self.call_rows = tokens, width, call_rows
+        self.tokens, self.width, self.call_rows, self.offset = tokens, width, call_rows, int(first is not None)
         size = tokens * width + call_rows
         self.acc = torch.zeros((size, hq, d), dtype=dtype, device=device)
         self.max = torch.full((size, hq), float("-inf"), dtype=dtype, device=device)
         self.sum = torch.zeros((size, hq), dtype=dtype, device=device)
         self.dump = tokens * width + torch.arange(call_rows, device=device)
+        for x, y in zip((self.acc, self.max, self.sum), first or ()):
+            x[:tokens * width].view(tokens, width, *x.shape[1:])[:, 0] = y
 
     def write(self, part: Partial, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> None:
-        dest = torch.where(valid, rows * self.width + cols, self.dump[:valid.numel()].view(valid.shape)).reshape(-1)
+        dest = torch.where(valid, rows * self.width + (cols + self.offset if self.offset else cols),
+                           self.dump[:valid.numel()].view(valid.shape)).reshape(-1)
         self.acc.index_copy_(0, dest, part.acc)
         self.max.index_copy_(0, dest, part.max)
         self.sum.index_copy_(0, dest, part.sum)
@@ -176,20 +181,24 @@ def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 
 def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None,
-                    own: bool = False, decodes: bool = True) -> Partial | None:
+                    own: bool = False, decodes: bool = True, own_pair: Partial | None = None) -> Partial | None:
     """One-row tiles (unless not `decodes`: `_one_row_tiles`), then verify units' tiles and tiles of
-    `invariant_rows` rows, each chunk written to slot [token, chunk]; `own`: not the own-calls requests' tiles
-    (the last ones, whole calls)."""
+    `invariant_rows` rows, each chunk written to slot [token, chunk]; `own_pair` (the self pair): in slot 0,
+    chunk c in slot c + 1 (a token with no chunk gets its values back: scaled by 1, zeros added); `own`: not
+    the own-calls requests' tiles (the last ones, whole calls)."""
     pre = slice(0, batch.plan.pre_own_from if own else None)
     kinds = [(batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
-    one_row = decodes and (batch.dec_rows.shape[0] or batch.share_rows.shape[0])
+    whole, tail = batch.plan.dec_whole, max(1, tiles_per_call(batch.plan.options) // 4)
+    one_row = min(GROUP_TILES, max(whole, -(-(batch.dec_rows.shape[0] - whole) // tail) * tail,
+                                   batch.share_rows.numel())) if decodes else 0  # the largest group's rows
     if all(kind[0].shape[0] == 0 for kind in kinds) and not one_row:
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
     tiles = tiles_per_call(opts)
     size = tiles * max([1] + [kind[0].shape[1] for kind in kinds if kind[0].shape[0]])  # dump rows a call
-    slots = _Slots(q, batch.plan.cached_width, max(size, GROUP_TILES) if one_row else size, value_cache.shape[-1])
+    width = batch.plan.cached_width * (1 if own_pair is None else 2)  # (a power of two past the last chunk)
+    slots = _Slots(q, width, max(size, one_row), value_cache.shape[-1], own_pair)
     if one_row:
         _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, tiles)
     for units, (all_rows, all_blocks, all_lo, all_hi, all_cols) in zip((True, False), kinds):
