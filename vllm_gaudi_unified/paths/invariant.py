@@ -25,6 +25,7 @@ request (nor the bucket's padding) is in it.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -38,7 +39,7 @@ from vllm_gaudi_unified.paths.tiles import (attend, attend_gathered, compute_dty
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
 
 #: One-row tiles taken together (`_one_row_tiles`, whole calls): their scores are held at once.
-GROUP_TILES = 512
+GROUP_TILES = 1024
 
 
 def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_cap: float | None,
@@ -190,8 +191,8 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     kinds = [(batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
     whole, tail = batch.plan.dec_whole, max(1, tiles_per_call(batch.plan.options) // 4)
-    one_row = min(GROUP_TILES, max(whole, -(-(batch.dec_rows.shape[0] - whole) // tail) * tail,
-                                   batch.share_rows.numel())) if decodes else 0  # the largest group's rows
+    one_row = min(GROUP_TILES, whole + -(-(batch.dec_rows.shape[0] - whole) // tail) * tail
+                  + batch.share_rows.numel()) if decodes else 0  # the most rows of a group
     if all(kind[0].shape[0] == 0 for kind in kinds) and not one_row:
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
@@ -220,12 +221,24 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     return slots.fold()
 
 
+class _Calls(NamedTuple):
+    """One-row calls of one kind: `rows`, `cols` `[calls, tiles]`; `blocks` one chunk per tile (`[calls x
+    tiles, chunk blocks]`) or, `shared`, one per call (`[calls, chunk blocks]`: read once, a view repeats
+    it); `mask` `[calls x tiles, chunk keys]` the keys each tile's row sees (None: every key)."""
+    rows: torch.Tensor
+    cols: torch.Tensor
+    blocks: torch.Tensor
+    mask: torch.Tensor | None
+    shared: bool
+
+
 def _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, per_call) -> None:
-    """The one-row tiles (one-token requests), written to `slots` about `GROUP_TILES` at a time
+    """The one-row tiles (one-token requests), written to `slots` in groups of up to `GROUP_TILES` rows
     (`_one_row_group`): the first `dec_whole` dec tiles (they see every key of their chunk; `per_call` a
     call), the other dec tiles (tail calls of a quarter: a request's last chunk, or one cut by a window),
-    then the share calls (a call's one chunk read once)."""
+    the share calls (a call's one chunk read once)."""
     n, bs, whole, count = q.shape[0], key_cache.shape[1], batch.plan.dec_whole, batch.dec_rows.shape[0]
+    kinds = []
     for first, stop, size, tail in ((0, whole, per_call, False), (whole, count, max(1, per_call // 4), True)):
         step = max(1, GROUP_TILES // size) * size
         for a in range(first, stop, step):
@@ -233,73 +246,91 @@ def _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v
             m = -(-(b - a) // size) * size
             mask = None if not tail else slot_mask(_pad_to(batch.dec_lo[a:b, 0], m, 0),
                                                      _pad_to(batch.dec_hi[a:b, 0], m, 0), bs).flatten(1)
-            _one_row_group(q, key_cache, value_cache, _pad_to(batch.dec_rows[a:b, 0], m, n).view(-1, size),
-                           _pad_to(batch.dec_col[a:b], m, 0).view(-1, size), _pad_to(batch.dec_blocks[a:b], m, 0),
-                           mask, scale, soft_cap, k_scale, v_scale, slots)
+            kinds.append(_Calls(_pad_to(batch.dec_rows[a:b, 0], m, n).view(-1, size),
+                                _pad_to(batch.dec_col[a:b], m, 0).view(-1, size), _pad_to(batch.dec_blocks[a:b], m, 0),
+                                mask, False))
     shares, step = batch.share_rows.shape[0], max(1, GROUP_TILES // per_call)
     for c in range(0, shares, step):
         calls = slice(c, min(c + step, shares))
-        _one_row_group(q, key_cache, value_cache, batch.share_rows[calls], batch.share_col[calls],
-                       batch.share_blocks[calls], None, scale, soft_cap, k_scale, v_scale, slots, shared=True)
+        kinds.append(_Calls(batch.share_rows[calls], batch.share_col[calls], batch.share_blocks[calls], None, True))
+    group, rows = [], 0
+    for calls in kinds:  # in order, as many kinds a group as fit
+        if group and rows + calls.rows.numel() > GROUP_TILES:
+            _one_row_group(q, key_cache, value_cache, group, scale, soft_cap, k_scale, v_scale, slots)
+            group, rows = [], 0
+        group, rows = group + [calls], rows + calls.rows.numel()
+    if group:
+        _one_row_group(q, key_cache, value_cache, group, scale, soft_cap, k_scale, v_scale, slots)
 
 
-def _one_row_group(q, key_cache, value_cache, rows, cols, blocks, mask, scale, soft_cap, k_scale, v_scale,
-                   slots, shared: bool = False) -> None:
-    """Calls `rows` `[calls, tiles]` of one-row tiles: `blocks` one chunk per tile (`[calls x tiles, chunk
-    blocks]`) or, `shared`, one per call (`[calls, chunk blocks]`, share calls: read once, a view repeats it);
-    `mask` `[calls x tiles, chunk keys]` the keys each tile's row sees (None: every key).
-
-    Each call runs its two products at the one shape `[tiles, Hq, D] @ [tiles, D, keys x Hkv]` (every head
-    pair, its own heads' diagonal kept: `tiles.attend`'s one-row form) and its sum over keys at one shape;
-    every other pass (scale, mask, max, exp, casts, the writes) runs over the group at once, elementwise or a
-    max. So a row's bits are its own call's products on its own values, in any call or group. V's keys no
-    row sees are zeroed (NaN in unused slots); a padding tile's row goes to a dump slot."""
-    calls, tiles = rows.shape
+def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_cap, k_scale, v_scale,
+                   slots) -> None:
+    """The calls of `group`, written to `slots`. Each call runs its two products at its kind's one shape
+    `[tiles, Hq, D] @ [tiles, D, keys x Hkv]` (every head pair, its own heads' diagonal kept: `tiles.attend`'s
+    one-row form) and its sum over keys at one shape (a slice of whole calls of the group's scores); every
+    other pass (scale, mask, max, exp, casts, the writes) runs over the group at once, elementwise or a max.
+    So a row's bits are its own call's products on its own values, in any call or group. V's keys no row
+    sees are zeroed (NaN in unused slots); a padding tile's row goes to a dump slot."""
     n, hq, d = q.shape
     op, dt = product_dtype(q.dtype), compute_dtype(q.dtype)
-    qg = q[rows.clamp(max=n - 1)].to(op)  # [calls, tiles, Hq, D]
+    rows = torch.cat([k.rows.reshape(-1) for k in group]) if len(group) > 1 else group[0].rows.reshape(-1)
+    qg = q[rows.clamp(max=n - 1)].to(op)  # [group rows, Hq, D]
+    calls, at = [], 0  # (kind, call, first row in the group, tiles)
+    for kind in group:
+        for c in range(kind.rows.shape[0]):
+            calls.append((kind, c, at, kind.rows.shape[1]))
+            at += kind.rows.shape[1]
+    chunks = {}
 
-    def read(cache, sc, c, every=None):  # call c's K or V `[tiles, keys, Hkv, D]`
-        if shared:
-            every = _gather(cache, blocks, sc, q.dtype) if every is None else every
-            return every[c:c + 1].expand(tiles, -1, -1, -1), every
+    def read(kind, cache, sc, c, tiles):  # call c's K or V `[tiles, keys, Hkv, D]`
+        if kind.shared:
+            key = (id(kind), cache is key_cache)
+            chunks[key] = _gather(cache, kind.blocks, sc, q.dtype) if key not in chunks else chunks[key]
+            return chunks[key][c:c + 1].expand(tiles, -1, -1, -1)
+        mask = kind.mask
         unseen = None if mask is None or cache is key_cache else ~mask[c * tiles:(c + 1) * tiles, :, None, None]
-        return _gather(cache, blocks[c * tiles:(c + 1) * tiles], sc, q.dtype, unseen), None
+        return _gather(cache, kind.blocks[c * tiles:(c + 1) * tiles], sc, q.dtype, unseen)
 
-    scores = chunks = None
-    for c in range(calls):
-        k, chunks = read(key_cache, k_scale, c, chunks)
+    scores = None
+    for kind, c, at, tiles in calls:
+        k = read(kind, key_cache, k_scale, c, tiles)
         nk, hkv = k.shape[1], k.shape[2]
         g = hq // hkv
-        every = score_product(qg[c].reshape(tiles, hq, d), k.to(op).reshape(tiles, nk * hkv, d).transpose(1, 2))
+        every = score_product(qg[at:at + tiles], k.to(op).reshape(tiles, nk * hkv, d).transpose(1, 2))
         if scores is None:
-            scores = every.new_empty((calls, tiles, hkv, g, nk))
-        scores[c].copy_(torch.diagonal(every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4).permute(0, 3, 1, 2))
+            scores = every.new_empty((rows.shape[0], hkv, g, nk))
+        scores[at:at + tiles].copy_(torch.diagonal(every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4)
+                                    .permute(0, 3, 1, 2))
         del k, every
-    chunks = None
+    chunks.clear()
     s = scores.to(dt) if scores.dtype != dt else scores
     del scores
     s = s.mul_(scale)
     if soft_cap is not None:
         s = soft_cap * torch.tanh(s / soft_cap)
-    if mask is not None:
-        s = s.masked_fill_(~mask.view(calls, tiles, 1, 1, -1), float("-inf"))
+    at = 0
+    for kind in group:
+        if kind.mask is not None:
+            s[at:at + kind.mask.shape[0]].masked_fill_(~kind.mask[:, None, None, :], float("-inf"))
+        at += kind.rows.numel()
     m = s.amax(-1)
     s = s.sub_(torch.where(m > float("-inf"), m, 0.0)[..., None]).exp_()
     total = m.new_empty(m.shape)
-    for c in range(calls):  # one shape per call
-        torch.sum(s[c], -1, out=total[c])
+    for _, _, at, tiles in calls:  # one shape per call
+        torch.sum(s[at:at + tiles], -1, out=total[at:at + tiles])
     p = s.to(op)
     del s
-    p_every = torch.zeros((tiles, hq, nk * hkv), dtype=op, device=q.device)  # each call writes its diagonal only
-    accs = []
-    for c in range(calls):
-        torch.diagonal(p_every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4).copy_(p[c].permute(0, 2, 3, 1))
-        v, chunks = read(value_cache, v_scale, c, chunks)
+    buffers, accs = {}, []  # every head pair's probabilities, one buffer per call shape: a call writes its diagonal
+    for kind, c, at, tiles in calls:
+        if tiles not in buffers:
+            buffers[tiles] = torch.zeros((tiles, hq, nk * hkv), dtype=op, device=q.device)
+        p_every = buffers[tiles]
+        torch.diagonal(p_every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4).copy_(p[at:at + tiles].permute(0, 2, 3, 1))
+        v = read(kind, value_cache, v_scale, c, tiles)
         accs.append(torch.matmul(p_every, v.to(op).reshape(tiles, nk * hkv, -1)))  # [tiles, Hq, Dv]
-    acc = torch.stack(accs).view(calls * tiles, hq, -1).to(dt)
-    part = Partial(acc, m.view(calls * tiles, hq), total.view(calls * tiles, hq))
-    slots.write(part, rows.reshape(-1, 1), cols.reshape(-1, 1), rows.reshape(-1, 1) < n)
+    cols = torch.cat([k.cols.reshape(-1) for k in group]) if len(group) > 1 else group[0].cols.reshape(-1)
+    part = Partial(torch.cat(accs).to(dt), m.view(-1, hq), total.view(-1, hq))
+    slots.write(part, rows[:, None], cols[:, None], rows[:, None] < n)
 
 
 def _gather(cache, blocks, sc, dtype, unseen=None) -> torch.Tensor:
