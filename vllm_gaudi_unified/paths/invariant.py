@@ -198,8 +198,7 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
     tiles = tiles_per_call(opts)
     size = tiles * max([1] + [kind[0].shape[1] for kind in kinds if kind[0].shape[0]])  # dump rows a call
-    width = batch.plan.cached_width * (1 if own_pair is None else 2)  # (a power of two past the last chunk)
-    slots = _Slots(q, width, max(size, one_row), value_cache.shape[-1], own_pair)
+    slots = _Slots(q, batch.plan.cached_width, max(size, one_row), value_cache.shape[-1], own_pair)
     if one_row:
         _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, tiles)
     for units, (all_rows, all_blocks, all_lo, all_hi, all_cols) in zip((True, False), kinds):
