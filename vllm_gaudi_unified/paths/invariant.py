@@ -129,9 +129,10 @@ def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
 
 
 class _Slots:
-    """A `[tokens, width]` array of partials plus one dump slot per row of a call; each real
-    (token, slot) is written once, never added to, so no order of writes matters. `first`: a partial per
-    token in slot 0 (the self pair), the written ones from slot 1 on (`width` counts slot 0)."""
+    """A `[width, tokens]` array of partials (slot-major: a slot's tokens contiguous, so the fold's halves are
+    too) plus one dump slot per row of a call; each real (token, slot) is written once, never added to, so no
+    order of writes matters. `first`: a partial per token in slot 0 (the self pair), the written ones from
+    slot 1 on (`width` counts slot 0)."""
 
     def __init__(self, q: torch.Tensor, width: int, call_rows: int, value_dim: int, first: Partial | None = None):
         tokens, hq, d = *q.shape[:2], value_dim  # the values' head dim (MLA: smaller than the keys')
@@ -143,10 +144,10 @@ class _Slots:
         self.sum = torch.zeros((size, hq), dtype=dtype, device=device)
         self.dump = tokens * width + torch.arange(call_rows, device=device)
         for x, y in zip((self.acc, self.max, self.sum), first or ()):
-            x[:tokens * width].view(tokens, width, *x.shape[1:])[:, 0] = y
+            x[:tokens] = y
 
     def write(self, part: Partial, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> None:
-        dest = torch.where(valid, rows * self.width + (cols + self.offset if self.offset else cols),
+        dest = torch.where(valid, (cols + self.offset if self.offset else cols) * self.tokens + rows,
                            self.dump[:valid.numel()].view(valid.shape)).reshape(-1)
         self.acc.index_copy_(0, dest, part.acc)
         self.max.index_copy_(0, dest, part.max)
@@ -158,16 +159,16 @@ class _Slots:
         0, so a wider step changes nothing). `merge.fold_pairwise`'s value in a third of its passes: those
         rescale at every level of the tree."""
         n, w = self.tokens, self.width
-        acc, m, total = (x[:n * w].view(n, w, *x.shape[1:]) for x in (self.acc, self.max, self.sum))
-        top = m.amax(1)
+        acc, m, total = (x[:n * w].view(w, n, *x.shape[1:]) for x in (self.acc, self.max, self.sum))
+        top = m.amax(0)
         seen = m != float("-inf")  # (a NaN max counts as seen: the row keeps it, as in `merge`)
-        weight = torch.exp(torch.where(seen, m - top[:, None], 0.0))
+        weight = torch.exp(torch.where(seen, m - top, 0.0))
         acc = torch.where(seen[..., None], acc * weight[..., None], 0.0)
         total = torch.where(seen, total * weight, 0.0)
-        while acc.shape[1] > 1:
-            h = acc.shape[1] // 2
-            acc, total = acc[:, :h] + acc[:, h:], total[:, :h] + total[:, h:]
-        return Partial(acc[:, 0], top, total[:, 0])
+        while acc.shape[0] > 1:
+            h = acc.shape[0] // 2
+            acc, total = acc[:h] + acc[h:], total[:h] + total[h:]
+        return Partial(acc[0], top, total[0])
 
 
 def _chunks(total: int, size: int):
