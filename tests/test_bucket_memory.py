@@ -23,7 +23,9 @@ def test_two_graphs_counted_by_hand(tmp_path, capsys):
     io = 16 * (2 * 4 + 2 * 2) * 8 * 2
     assert graph_bytes(tiled, SETTINGS, MODEL) == {
         "gathered_kv": (128 + 8) * kv_slot, "scores": 4 * 4 * (128 * 16 * 4 + 8 * 4 + 2 * 64 * 64),
-        "inputs_outputs": io, "partials": 16 * 4 * (8 + 2) * 4, "indices": 8 * (16 + 136 + 4 + 2)}
+        "inputs_outputs": io, "indices": 8 * (16 + 136 + 4 + 2),
+        # rows the one merge holds: a shared tile's 16, 8 unique slots, 2 causal tiles of 64, the 16-row accumulator
+        "partials": (16 + 8 + 2 * 64 + 16) * 4 * (8 + 2) * 4}
     # the prompt call: 16 rows x 32 context keys, and its new keys causal (no split below SPLIT_MIN_PAIRS: a square)
     assert graph_bytes(graph, SETTINGS, MODEL)["scores"] == 4 * 4 * (4 * 4 + 16 * 32 + 16 * 16)
     mem = warmup_memory(plan)

@@ -141,7 +141,8 @@ def test_warmup_runs_the_prompt_graphs_too(plan):
 
     alone, _ = learn_prompt_graphs(plan, [trace_step(Step([33], [0], 4))])  # a prompt alone: phase '---'
     top = top_graphs(SETTINGS, (0, 0, 1), 0)  # (its top graphs: up to max_num_seqs prompts, no decodes)
-    assert [g.prompts for g in top] == [(1, 64, 0), (3, 42, 0)] and set(top) < set(alone)
+    # (and the short one: 4 prompts of half the 64-token budget between them)
+    assert [g.prompts for g in top] == [(1, 64, 0), (3, 42, 0), (4, 8, 0)] and set(top) < set(alone)
     assert {g.phase for g in alone} == {"---"} and [g.prompts for g in alone if g not in top] == [(1, 48, 0)]
     small = replace(plan, buckets=[plan.buckets[0], plan.buckets[-1]], prompt_graphs=plan.prompt_graphs + alone)
     report = warmup(small, device="cpu", mode="eager", dtype=torch.float32, progress=False)
@@ -324,7 +325,8 @@ def test_decode_levels_are_each_traces_own_and_top_graphs_hold_a_few_causal_tile
     apart, _ = decode_levels(plan, sizes, plan.cost_model.weights, [0, 1])
     assert (8, 40, 2) in {tuple(x) for x in mixed} and {tuple(x) for x in apart} == {(8, 2, 2), (0, 40, 2)}
     top = top_graphs(SETTINGS, (0, 0, 1), 0, causal_tiles=4)
-    assert top and all(g.num_causal_tiles == 4 and g.phase[0] == "c" for g in top)
+    assert top and all(g.num_causal_tiles == 4 and g.phase[0] == "c" for g in top[:-1])
+    assert top[-1].prompts == (4, 8, 0) and top[-1].phase == "---"  # the short one: every prompt in its grid
     assert [g.prompts for g in top] == [g.prompts for g in top_graphs(SETTINGS, (0, 0, 1), 0)]
 
 

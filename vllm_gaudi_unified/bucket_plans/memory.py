@@ -11,7 +11,7 @@ the model's heads, head size and element size and `bs` the block size:
 | gathered K and V | `2 (num_shared_blocks + num_unique_blocks + num_prompts x prompt_blocks) bs Hkv D B` |
 | scores (float32) | `4 Hq` x the graph's (query, key) pairs: shared tiles `num_shared_blocks x shared_rows x bs`, unique `num_unique_blocks x bs`, causal `num_causal_tiles x causal_tile^2`, the prompt call's grid (`grid_pairs`) |
 | inputs and outputs | `query_len (2 Hq + 2 Hkv) D B` (q, k, v, output) |
-| partial outputs | float32, a head's output and row statistics per shared-tile row, to merge |
+| partial outputs | float32, a head's output and row statistics per row the step's one merge (`merge.merge_rows`) holds until its end: every shared-tile row, unique slot and causal-tile row, and the accumulator's query row |
 | index arrays | 8 bytes per query token, block slot, logit row, causal tile and prompt grid cell |
 
 What warmup keeps across graphs: each graph's inputs and outputs and its
@@ -38,9 +38,10 @@ def graph_bytes(bucket: Bucket, settings, model) -> dict:
     slots = bucket.num_shared_blocks + bucket.num_unique_blocks + p * cb
     pairs = (bucket.num_shared_blocks * o.shared_rows * bs + bucket.num_unique_blocks * bs
              + bucket.num_causal_tiles * o.causal_tile ** 2 + int(grid_pairs(p, qp, cb, bs)))
-    tile_rows = bucket.num_shared_blocks // settings.blocks_per_tile * o.shared_rows
+    rows = (bucket.num_shared_blocks // settings.blocks_per_tile * o.shared_rows + bucket.num_unique_blocks
+            + bucket.num_causal_tiles * o.causal_tile + bucket.query_len)
     return {"gathered_kv": 2 * slots * bs * hkv * d * b, "scores": 4 * hq * pairs,
-            "inputs_outputs": bucket.query_len * (2 * hq + 2 * hkv) * d * b, "partials": tile_rows * hq * (d + 2) * 4,
+            "inputs_outputs": bucket.query_len * (2 * hq + 2 * hkv) * d * b, "partials": rows * hq * (d + 2) * 4,
             "indices": 8 * (bucket.query_len + slots + bucket.num_logits + bucket.num_causal_tiles + p * qp)}
 
 

@@ -64,7 +64,8 @@ FEWER_DECODES_WEIGHT = 0.5
 #: the share of the prompt graphs they may take (none in a plan of fewer than `TOP_GRAPH_FEWEST`). RAG brings
 #: bursts of 7-23 prompts over one document: in no graph, such a step takes the limits bucket (18-44x its time).
 TOP_GRAPH_PROMPTS = (1, 3, 6, 8, 12, 16, 24, 32)
-TOP_GRAPH_SHARE, TOP_GRAPH_FEWEST = 0.16, 10
+SHORT_GRAPH_PROMPTS = (4,)  #: and short ones beside the most decodes, half the token budget, 2nd quantile's context
+TOP_GRAPH_SHARE, TOP_GRAPH_FEWEST = 0.18, 10
 #: Context blocks of the top graphs: the first quantile of the learned steps' prompt blocks (rounded by
 #: `half_pow2`): the bursts no learned graph holds are over the longest documents (at 0.9, 24 blocks at the 8B
 #: setting, bursts of the held-out traces over 26-50 blocks found no top graph). A top graph whose warmup working
@@ -181,20 +182,19 @@ def with_decodes(graph: Bucket, level, settings) -> Bucket:
     return Bucket(phase_of(c, s, u), q, s, u, n, c, *graph.prompts)
 
 
-def top_graphs(settings, level, prompt_blocks: int, causal_tiles: int = 0) -> list[Bucket]:
+def top_graphs(settings, level, prompt_blocks: int, causal_tiles: int = 0, short_blocks: int = 0) -> list[Bucket]:
     """The prompt graphs every plan with prompt graphs keeps, learned steps or not: for each of
     `TOP_GRAPH_PROMPTS`, that many prompts of the most rows `MAX_GRID_BUDGETS` allows over `prompt_blocks`
     context blocks, beside the decode load `level` and `causal_tiles` causal tiles (the short prompts the
     prompt route leaves to the tiles beside a grid). A burst of prompts no learned graph holds (several requests
-    over one long document at once) would take the tiled route, where only the plan's largest buckets hold
-    its causal tiles and shared slots; the route takes the cheaper of the two."""
-    rows = MAX_GRID_BUDGETS * settings.max_num_batched_tokens
-    out = []
-    for n in (n for n in TOP_GRAPH_PROMPTS if n <= settings.max_num_seqs):
-        top = Bucket("c--" if causal_tiles else "---", 1, 0, 0, 1, causal_tiles, n,
-                     min(rows // n, settings.max_num_batched_tokens), prompt_blocks)
-        out.append(with_decodes(top, level, settings))
-    return out
+    over one long document at once) would take the tiled route (the cheaper of the two). Then `SHORT_GRAPH_PROMPTS`:
+    3-4 short prompts beside many decodes would otherwise take a top graph of 4096-row prompts."""
+    rows, budget = MAX_GRID_BUDGETS * settings.max_num_batched_tokens, settings.max_num_batched_tokens
+    tops = [Bucket("c--" if causal_tiles else "---", 1, 0, 0, 1, causal_tiles, n, min(rows // n, budget), prompt_blocks)
+            for n in TOP_GRAPH_PROMPTS if n <= settings.max_num_seqs]
+    shorts = [Bucket("---", 1, 0, 0, 1, 0, n, budget // (2 * n), short_blocks or prompt_blocks)
+              for n in SHORT_GRAPH_PROMPTS if n <= settings.max_num_seqs]
+    return [with_decodes(top, level, settings) for top in tops + shorts]
 
 
 def within_bytes(graph: Bucket, most: int, plan, fewest_blocks: int) -> Bucket:
@@ -346,7 +346,7 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     level[1] = min(int(level[1] * (1 + TOP_GRAPH_UNIQUE_MARGIN)), lim[2])
     most = max(sum(graph_bytes(b, s, plan.model).values()) for b in [*plan.buckets, bucket_from_sizes(lim)])
     top = list(dict.fromkeys(g for g in (warmable(within_bytes(r, most, plan, fewer), plan)
-                                         for r in top_graphs(s, level, blocks, causal)) if _fits(g, s, cap)))
+                                         for r in top_graphs(s, level, blocks, causal, fewer)) if _fits(g, s, cap)))
     top = top[:int(TOP_GRAPH_SHARE * max_graphs) if with_top and max_graphs >= TOP_GRAPH_FEWEST else 0]
     candidates = top + sorted({g for g in (warmable(r, plan) for r in raised) if _fits(g, s, cap)} - set(top))
     info["prompt_graph_candidates"] = len(candidates)

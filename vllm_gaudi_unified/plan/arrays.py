@@ -28,6 +28,8 @@ def is_int(x) -> bool:
 
 
 def _as_array(name: str, values, what: str) -> np.ndarray:
+    if type(values) is np.ndarray:  # (what np.asarray returns as is: no attribute lookups on the usual step)
+        return values
     device = getattr(values, "device", None)  # a torch tensor: the host reads it, so only a CPU one
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise ValueError(f"{name} is a tensor on {device}: the planner runs on the host (a list, a numpy array "
@@ -42,7 +44,7 @@ def _check_integers(name: str, arr: np.ndarray) -> None:
     """Integer dtype, and no uint64 value that int64 would silently turn negative."""
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64_MAX:
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and arr.max() > _INT64_MAX:
         i = np.unravel_index(int(np.argmax(arr > _INT64_MAX)), arr.shape)
         raise ValueError(f"{name}[{', '.join(map(str, i))}] = {int(arr[i])} is beyond int64")
 
@@ -92,13 +94,14 @@ def validate(query_lens, context_lens, block_table, block_size, sliding_window, 
         raise ValueError(f"context_lens has {ctx.size} entries but query_lens has {q.size}")
     if q.min() < 1:
         first_bad("query_lens", q < 1, q, ">= 1")
-    if ctx.min() < 0:
+    ctx_max = int(ctx.view(np.uint64).max())  # a negative length reads as huge: one reduction checks both ends
+    if ctx_max > _INT64_MAX:
         first_bad("context_lens", ctx < 0, ctx, ">= 0")
     q_max = int(q.max())
     if q_max > MAX_STEP_TOKENS or q_max * q.size > MAX_STEP_TOKENS and int(q.sum()) > MAX_STEP_TOKENS:
         raise ValueError(f"sum(query_lens) = {sum(int(x) for x in q)} new tokens in one step: the planner "
                          f"takes at most {MAX_STEP_TOKENS}")
-    if int(ctx.max()) + q_max > MAX_POSITION:
+    if ctx_max + q_max > MAX_POSITION:
         r = int(np.argmax(ctx + q > MAX_POSITION))
         raise ValueError(f"context_lens[{r}] = {int(ctx[r])} with query_lens[{r}] = {int(q[r])}: positions "
                          f"beyond {MAX_POSITION}")
@@ -107,8 +110,9 @@ def validate(query_lens, context_lens, block_table, block_size, sliding_window, 
     if bt.ndim != 2 or bt.shape[0] != q.size:
         raise ValueError(f"block_table must have shape [{q.size}, max_blocks], got {tuple(bt.shape)}")
     _check_integers("block_table", bt)
-    nb_ctx = -(-ctx // int(block_size))
-    need = int(nb_ctx.max())
+    bs = int(block_size)
+    nb_ctx = (ctx + (bs - 1)) // bs
+    need = -(-ctx_max // bs)
     if need > bt.shape[1]:
         r = int(np.argmax(nb_ctx > bt.shape[1]))
         raise ValueError(

@@ -191,7 +191,6 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out, T=None):
         has = nb_ctx > 0
         last, last_hi = last[has], last_hi[has]
     no_row = verify[0] if verify else R
-    work = PathWork(R, 0, int(ctx.sum()) if not verify else int(np.dot(ctx, q)))
     if unique_reads_slice(P, max_id, opts):
         rows = out.full("unique_rows", span, no_row)
         rows[phys] = req
@@ -201,7 +200,7 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out, T=None):
             np.multiply(seen, bs, out=hi)
             hi[phys[last]] = last_hi
             unique = rows, None, out.zeros("unique_lo", span), hi
-            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, work, q, verify)
+            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, None, q, verify)
         shared = repeated(phys, span, out)
     else:
         shared = repeated(phys, span, out)
@@ -209,7 +208,7 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out, T=None):
             hi = out.full("unique_hi", P, bs)
             hi[last] = last_hi
             unique = out.keep("unique_rows", req), out.keep("unique_blocks", phys), out.zeros("unique_lo", P), hi
-            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, work, q, verify)
+            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, None, q, verify)
     if verify:  # a block several requests hold: the general path's shared tiles
         return None
     split = split_shared(shared, phys, max_id, req, ends, nb_ctx, ctx, last, last_hi, bt.shape[1], q, bs, opts, out)
@@ -230,18 +229,19 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out, T=None):
 
 
 def _decode_plan(bs, opts, out, ctx, max_id, shared, unique, work, q=None, verify=None) -> StepPlan:
-    """The decode branch's plan; `verify` (T, each request's first token, _): a verify step's."""
+    """The decode branch's plan (`work` None: all pairs unique); `verify` (T, first tokens, _): a verify step's."""
     R = T = ctx.size
     causal_q = causal_k = empty((0,))
     if verify:
         T, starts, _ = verify
         seg_start = out.keep("token_seg_start", np.repeat(starts, q))
         causal_q, causal_k, causal_needed = _plan_causal(q, seg_start, T, None, opts.causal_tile, out)
-        work = replace(work, causal=causal_needed)
+        work = PathWork(causal_needed, 0, int(np.dot(ctx, q)))
         logits = out.keep("logits_indices", starts + (q - 1))
     else:
         seg_start = out.keep("token_seg_start", np.arange(R))
         logits = out.keep("logits_indices", np.arange(R))
+        work = PathWork(R, 0, int(ctx.sum())) if work is None else work
     if shared is None:
         shared = _no_shared(opts, bs, None)
     shape = _bucket(T, causal_q.size, shared[0].shape[0] * opts.blocks_per_tile(bs), unique[0].size, R)

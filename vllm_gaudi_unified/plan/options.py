@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -90,22 +91,29 @@ class PlanOptions:
         (1.58x its rows, where 64-row tiles for all computed 3.8x)."""
         if self.shared_rows_max <= self.shared_rows:
             return self.shared_rows
-        rows = np.atleast_1d(np.asarray(group_rows, np.int64))
-        if rows.size == 0 or int(rows.max()) <= self.shared_rows:
+        one = group_cols is None and isinstance(group_rows, (int, np.integer))  # (a step's one group: ints)
+        rows = int(group_rows) if one else np.asarray(group_rows, np.int64).reshape(-1)
+        most = rows if one else int(rows.max()) if rows.size else 0
+        if most <= self.shared_rows:
             return self.shared_rows
-        cols = np.ones_like(rows) if group_cols is None else np.atleast_1d(np.asarray(group_cols, np.int64))
-        top = min(self.shared_rows_max, 1 << (int(rows.max()) - 1).bit_length())
+        top = min(self.shared_rows_max, 1 << (most - 1).bit_length())
         steps = (-(-top // self.shared_rows) - 1).bit_length() + 1  # doublings from shared_rows up to top
-        cand = np.minimum(self.shared_rows << np.arange(steps, dtype=np.int64), top)
-        cost = (-(-rows[None, :] // cand[:, None]) * cols[None, :]).sum(1) * (cand + GATHER_ROWS)
-        return int(cand[int(np.argmin(cost))])
+        cand = [min(self.shared_rows << i, top) for i in range(steps)]
+        if one:
+            cost = [-(-rows // c) * (c + GATHER_ROWS) for c in cand]
+        else:
+            c = np.array(cand, np.int64)
+            chunks = -(-rows // c[:, None])  # row chunks of each group, per candidate
+            gathers = chunks.sum(1) if group_cols is None else chunks @ np.asarray(group_cols, np.int64).reshape(-1)
+            cost = (gathers * (c + GATHER_ROWS)).tolist()
+        return cand[cost.index(min(cost))]
 
     def with_tile_rows(self, rows: int) -> "PlanOptions":
         """These options with the shared tiles fixed at `rows` rows: what a plan records, so its bucket
         and graph key say which tile it was made with (one graph per bucket and options)."""
         if self.shared_rows == rows and self.shared_rows_max <= rows:
             return self
-        return replace(self, shared_rows=rows, shared_rows_max=rows)
+        return _replaced(self, shared_rows=int(rows), shared_rows_max=int(rows))
 
     def unique_units(self, bucket, sliding_window: int | None) -> int:
         """Token rows of one unique (request, block) unit in `bucket`'s graph: `unique_tokens` where a request
@@ -121,7 +129,15 @@ class PlanOptions:
 
 def on_route(options: PlanOptions, route: str) -> PlanOptions:
     """`options` with `prompt_route` set to `route` ('dense' or 'tiles')."""
-    return options if options.prompt_route == route else replace(options, prompt_route=route)
+    return options if options.prompt_route == route else _replaced(options, prompt_route=route)
+
+
+@lru_cache(maxsize=128)
+def _replaced(options: PlanOptions, **changes) -> PlanOptions:
+    """`replace(options, **changes)`, made once per (options, changes): every plan records its options with the
+    tile rows fixed and a step with prompts asks for its tiled ones, where a dataclass `replace` (its checks
+    run again) would be a tenth of a decode step's planning."""
+    return replace(options, **changes)
 
 
 #: The one default: what `plan_step` / `build_unified_batch` use when given no options. Bucket plans

@@ -73,12 +73,14 @@ def group_columns(col_seg: np.ndarray, req_sorted: np.ndarray, req_key: np.ndarr
     return col_group, bad
 
 
-def shared_tiles(group_rows: np.ndarray, group_cols: np.ndarray, options: PlanOptions, block_size: int) -> np.ndarray:
+def shared_tiles(group_rows: np.ndarray, group_cols: np.ndarray, options: PlanOptions, block_size: int,
+                 rows: int | None = None) -> np.ndarray:
     """Tiles per group of one step: every (chunk of `tile_rows` query tokens, chunk of `blocks_per_tile`
-    blocks); the rows follow the step's groups (`PlanOptions.tile_rows`; fixed in a bucket plan's
-    settings, whose tools pass groups of many steps at once)."""
+    blocks); the rows follow the step's groups (`PlanOptions.tile_rows`, or `rows` where the caller has
+    them; fixed in a bucket plan's settings, whose tools pass groups of many steps at once)."""
     col_chunks = -(-group_cols // options.blocks_per_tile(block_size))
-    return -(-group_rows // options.tile_rows(group_rows, col_chunks)) * col_chunks
+    rows = options.tile_rows(group_rows, col_chunks) if rows is None else rows
+    return -(-group_rows // rows) * col_chunks
 
 
 def causal_spans(tile_key: np.ndarray, t: np.ndarray, klo: np.ndarray, needs: np.ndarray,

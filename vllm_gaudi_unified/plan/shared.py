@@ -48,9 +48,9 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     col_users = np.empty_like(col_start)  # (np.diff with append= costs more than the step's other calls here)
     np.subtract(col_start[1:], col_start[:-1], out=col_users[:-1])
     col_users[-1] = n - col_start[-1]
-    if W is None and T == q.size:  # decodes, no window
+    if W is None:  # one group of one-token requests (a decode batch's common prefix, beside prompts or not)
         users = _one_group(col_users, req_sorted)
-        if users is not None:
+        if users is not None and (T == q.size or int(q[users].max()) == 1):
             qt = opts.tile_rows(users.size)
             return _plan_one_group(users, order[col_start], s_phys, s_blk, s_hi, starts, ctx, bs, T, qt, kb, out)
     col_group, collided = group_columns(np.zeros(col_start.size, _I64), req_sorted, req_sorted, col_start, col_users)
@@ -105,7 +105,7 @@ def plan_shared(mask, phys, pair_req, pair_blk, pair_hi, width, q, starts, ctx, 
     cpos_sorted = col_pos[col_order]
     cc_pos[cdest] = cpos_sorted
     # Tiles: every (row chunk, column chunk) of each group, row chunk major.
-    per_group = shared_tiles(rows_per_group, cols_per_group, opts, bs)
+    per_group = shared_tiles(rows_per_group, cols_per_group, opts, bs, qt)
     local, tile_group = ranges(np.zeros(G, _I64), per_group)
     cg = c_chunks[tile_group]
     ri = r_off[tile_group] + local // cg
@@ -152,7 +152,7 @@ def _one_group(col_users, req_sorted):
 
 
 def _plan_one_group(users, first_pair, s_phys, s_blk, s_hi, starts, ctx, bs, T, qt, kb, out):
-    """`plan_shared` for decodes (no window) whose shared columns form one group: the same arrays in a
+    """`plan_shared` for one-token requests (no window) whose shared columns form one group: the same arrays in a
     third of the calls (no grouping; one row chunk list and one column chunk list; a cell's `hi` is
     `clip(row context - column position, 0, bs)`, which is what the general path's cases give: real
     cells of one group, padding rows of context 0, padding columns at `_FAR`)."""

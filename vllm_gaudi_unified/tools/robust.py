@@ -74,6 +74,11 @@ Q, S, U, L, C = range(5)
 #: Buckets of a robust plan unless told otherwise: with `prompt_graphs.DEFAULT_PROMPT_GRAPHS` 100 graphs in all
 #: (the skeleton's four chains take 12 of the 50 at the 8B Gaudi-3 setting).
 DEFAULT_ROBUST_GRAPHS = 50
+#: The shared dimension's grid is this many times finer than the others': a padded shared slot costs the device
+#: 16 x 128 score pairs, the most of any size after a causal tile, and shared slots change only when prefix
+#: groups do, so steps sit on few values that a coarse grid rounds far up. Not in batch-invariant mode, whose shared
+#: grid steps are whole products of `invariant_chunk` units.
+SHARED_FINER = 2
 #: Fractions of a step's requests kept to see it at lower loads.
 LOAD_FRACTIONS = (0.5, 0.25, 0.0625)
 
@@ -194,7 +199,8 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
 
     steps = [4, kb, 4, 2, c_step]  # grid steps: small, so that a one-request step is not padded by the grid
     top[S], top[C] = -(-top[S] // kb) * kb, -(-top[C] // c_step) * c_step
-    grids = [grid_values(int(top[d]), steps[d], resolution, lo=steps[d] if d in (S, C) else 1)
+    finer = [SHARED_FINER if d == S and not o.batch_invariant else 1 for d in range(len(DIMS))]  # (invariant: products)
+    grids = [grid_values(int(top[d]), steps[d], resolution * finer[d], lo=steps[d] if d in (S, C) else 1)
              for d in range(len(DIMS))]
     grown = np.where(sizes > 0, np.minimum(np.ceil(sizes * (1 + margin)).astype(np.int64), top[None, :]), 0)
     grown = np.maximum(grown, sizes)
