@@ -320,14 +320,17 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
         torch.sum(s[at:at + tiles], -1, out=total[at:at + tiles])
     p = s.to(op)
     del s
-    buffers, accs = {}, []  # every head pair's probabilities, one buffer per call shape: a call writes its diagonal
+    p_every, accs = None, []  # every head pair's probabilities, one buffer a kind: a call writes its diagonal
     for kind, c, at, tiles in calls:
-        if tiles not in buffers:
-            buffers[tiles] = torch.zeros((tiles, hq, nk * hkv), dtype=op, device=q.device)
-        p_every = buffers[tiles]
+        if p_every is None or p_every.shape[0] != tiles:
+            p_every = None  # (freed before the next is made)
+            p_every = torch.zeros((tiles, hq, nk * hkv), dtype=op, device=q.device)
         torch.diagonal(p_every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4).copy_(p[at:at + tiles].permute(0, 2, 3, 1))
         v = read(kind, value_cache, v_scale, c, tiles)
         accs.append(torch.matmul(p_every, v.to(op).reshape(tiles, nk * hkv, -1)))  # [tiles, Hq, Dv]
+        del v  # (a gathered V freed before the next call's)
+    del p, p_every
+    chunks.clear()
     cols = torch.cat([k.cols.reshape(-1) for k in group]) if len(group) > 1 else group[0].cols.reshape(-1)
     part = Partial(torch.cat(accs).to(dt), m.view(-1, hq), total.view(-1, hq))
     slots.write(part, rows[:, None], cols[:, None], rows[:, None] < n)
