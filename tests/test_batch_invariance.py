@@ -336,7 +336,7 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     assert sorted(plan.seg_rows.tolist()) == [starts[r] + j for r in multi for j in range(ql[r])]
     assert plan.seg_cu.tolist() == [0] + np.cumsum([ql[r] for r in multi]).tolist() and plan.seg_max == max(ql)
     assert plan.one_rows.tolist() == [starts[r] for r in decodes]
-    assert plan.cached_width == 8  # 61 tokens of context / 4 -> 16 blocks -> 8 chunks of 2
+    assert plan.cached_width == 16  # 61 tokens of context / 4 -> 16 blocks -> 8 chunks of 2, and the self pair
 
 
 def test_verify_steps_are_units():

@@ -9,11 +9,12 @@ Triton kernel apply, else the tile route here (torch products: Gaudi, CPU,
 fp32, soft cap). Both merge self, cached and causal partials in that order.
 
 Tile route: every product has one shape per tile kind (`tiles_per_call` tiles
-per call, the last call padded); each (token, chunk) or (token, key tile) partial is written
-to its own slot and the slots are folded by a fixed pairwise tree. A one-row call gathers its
-V once its scores are taken and its K freed. A share call (`plan.share_*`: one-row tiles of one
-whole chunk) is the one-row call with its K and V a view repeating the chunk, read once: a
-row's products have the same operand values and shapes as in its own one-row tile.
+per call, the last call padded); each (token, chunk) or (token, key tile) partial is written to its own
+slot; a token's slots are scaled to its max over them and added by a fixed pairwise tree. One-row tiles
+(`_one_row_group`) run their products and their sums over keys per call, at one shape, and every other
+pass over a group of calls at once (elementwise, or a max): a row's bits are its own call's. A share call
+(`plan.share_*`: one-row tiles of one whole chunk) is the one-row call with its K and V a view repeating
+the chunk, read once: a row's products have the same operand values and shapes as in its own one-row tile.
 
 Own calls, per request, the default's prompt route at the request's own shapes
 (`hpu.sdpa_final`: FusedSDPA on a Gaudi, torch SDPA elsewhere; `fused.sdpa_lse`
@@ -24,16 +25,21 @@ request (nor the bucket's padding) is in it.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
-from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, merge_all, normalize
+from vllm_gaudi_unified.merge import Final, Partial, merge_all, normalize
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.causal import self_partial
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.prompts import causal_selects, final_rows, merge_split
-from vllm_gaudi_unified.paths.tiles import attend, attend_gathered, compute_dtype, slot_mask
+from vllm_gaudi_unified.paths.tiles import (attend, attend_gathered, compute_dtype, product_dtype, score_product,
+                                            slot_mask)
 from vllm_gaudi_unified.plan.invariant import tiles_per_call
+
+#: One-row tiles taken together (`_one_row_tiles`, whole calls): their scores are held at once.
+GROUP_TILES = 1024
 
 
 def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_cap: float | None,
@@ -124,48 +130,59 @@ def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
     if invariant_fast.applies(batch, q, key_cache, value_cache, soft_cap):
         return invariant_fast.fast_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, own,
                                            final=final and decodes)
-    cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own, decodes)
-    parts = (self_partial(q, k, v, scale, soft_cap, fixed_order=True), cached,
-             _causal_partial(q, k, v, batch, scale, soft_cap, own))
+    own_pair = self_partial(q, k, v, scale, soft_cap, fixed_order=True)
+    cached = _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own, decodes,
+                             own_pair)
+    parts = (own_pair if cached is None else cached, _causal_partial(q, k, v, batch, scale, soft_cap, own))
     return merge_all([p for p in parts if p is not None])
 
 
 class _Slots:
-    """A `[tokens, width]` array of partials plus one dump slot per row of a call; each real
-    (token, slot) is written once, never added to, so no order of writes matters."""
+    """A `[width, tokens]` array of partials (slot-major: a slot's tokens contiguous, so the fold's halves are
+    too) plus one dump slot per row of a call; each real (token, slot) is written once, never added to, so no
+    order of writes matters. `first`: a partial per token in slot 0 (the self pair), the written ones from
+    slot 1 on (`width` counts slot 0)."""
 
-    def __init__(self, q: torch.Tensor, width: int, call_rows: int, value_dim: int):
+    def __init__(self, q: torch.Tensor, width: int, call_rows: int, value_dim: int, first: Partial | None = None):
         tokens, hq, d = *q.shape[:2], value_dim  # the values' head dim (MLA: smaller than the keys')
         dtype, device = compute_dtype(q.dtype), q.device
-        self.tokens, self.width, self.call_rows = tokens, width, call_rows
+        self.tokens, self.width, self.call_rows, self.offset = tokens, width, call_rows, int(first is not None)
         size = tokens * width + call_rows
         self.acc = torch.zeros((size, hq, d), dtype=dtype, device=device)
         self.max = torch.full((size, hq), float("-inf"), dtype=dtype, device=device)
         self.sum = torch.zeros((size, hq), dtype=dtype, device=device)
         self.dump = tokens * width + torch.arange(call_rows, device=device)
+        for x, y in zip((self.acc, self.max, self.sum), first or ()):
+            x[:tokens] = y
 
     def write(self, part: Partial, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> None:
-        dest = torch.where(valid, rows * self.width + cols, self.dump[:valid.numel()].view(valid.shape)).reshape(-1)
+        dest = torch.where(valid, (cols + self.offset if self.offset else cols) * self.tokens + rows,
+                           self.dump[:valid.numel()].view(valid.shape)).reshape(-1)
         self.acc.index_copy_(0, dest, part.acc)
         self.max.index_copy_(0, dest, part.max)
         self.sum.index_copy_(0, dest, part.sum)
 
     def fold(self) -> Partial:
-        """Each token's `width` slots merged by the fixed pairwise tree of `merge.fold_pairwise`."""
+        """Each token's `width` slots merged in one fixed order: each scaled once to the token's max over its
+        slots, then added by a fixed pairwise tree (halves, then halves again; an empty slot adds an exact
+        0, so a wider step changes nothing). `merge.fold_pairwise`'s value in a third of its passes: those
+        rescale at every level of the tree."""
         n, w = self.tokens, self.width
-        return fold_pairwise(Partial(*(x[:n * w].view(n, w, *x.shape[1:]) for x in (self.acc, self.max, self.sum))))
+        acc, m, total = (x[:n * w].view(w, n, *x.shape[1:]) for x in (self.acc, self.max, self.sum))
+        top = m.amax(0)
+        seen = m != float("-inf")  # (a NaN max counts as seen: the row keeps it, as in `merge`)
+        weight = torch.exp(torch.where(seen, m - top, 0.0))
+        acc = torch.where(seen[..., None], acc * weight[..., None], 0.0)
+        total = torch.where(seen, total * weight, 0.0)
+        while acc.shape[0] > 1:
+            h = acc.shape[0] // 2
+            acc, total = acc[:h] + acc[h:], total[:h] + total[h:]
+        return Partial(acc[0], top, total[0])
 
 
 def _chunks(total: int, size: int):
     """(start, stop) of each call; the last may be short and is padded by the caller."""
     return ((c, min(c + size, total)) for c in range(0, total, size))
-
-
-def _calls(total: int, whole: int, size: int):
-    """(start, stop, tiles) of each call of one kind: `size` tiles to `whole`, then tail calls of a quarter."""
-    tail = max(1, size // 4)
-    return [(a, b, size) for a, b in _chunks(whole, size)] + [(whole + a, whole + b, tail)
-                                                               for a, b in _chunks(total - whole, tail)]
 
 
 def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -175,25 +192,28 @@ def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 
 def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None,
-                    own: bool = False, decodes: bool = True) -> Partial | None:
-    """One-row tiles (unless not `decodes`), then tiles of `invariant_rows` rows, each chunk written to slot
-    [token, chunk]; `own`: not the own-calls requests' tiles (the last ones, whole calls)."""
+                    own: bool = False, decodes: bool = True, own_pair: Partial | None = None) -> Partial | None:
+    """One-row tiles (unless not `decodes`: `_one_row_tiles`), then verify units' tiles and tiles of
+    `invariant_rows` rows, each chunk written to slot [token, chunk]; `own_pair` (the self pair): in slot 0,
+    chunk c in slot c + 1 (a token with no chunk gets its values back: scaled by 1, zeros added); `own`: not
+    the own-calls requests' tiles (the last ones, whole calls)."""
     pre = slice(0, batch.plan.pre_own_from if own else None)
-    kinds = [(batch.dec_rows, batch.dec_blocks, batch.dec_lo, batch.dec_hi, batch.dec_col),
-             (batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
+    kinds = [(batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
-    kinds = kinds if decodes else kinds[1:]
-    if all(kind[0].shape[0] == 0 for kind in kinds) and not (decodes and batch.share_rows.shape[0]):
+    whole, tail = batch.plan.dec_whole, max(1, tiles_per_call(batch.plan.options) // 4)
+    one_row = min(GROUP_TILES, whole + -(-(batch.dec_rows.shape[0] - whole) // tail) * tail
+                  + batch.share_rows.numel()) if decodes else 0  # the most rows of a group
+    if all(kind[0].shape[0] == 0 for kind in kinds) and not one_row:
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
-    per_call = tiles_per_call(opts)
-    size = per_call * max([1] + [kind[0].shape[1] for kind in kinds if kind[0].shape[0]])  # dump rows a call
-    slots = _Slots(q, batch.plan.cached_width, size, value_cache.shape[-1])
-    for kind, (all_rows, all_blocks, all_lo, all_hi, all_cols) in enumerate(kinds):
-        stacked = all_rows.shape[1] == 1 or (kind == 1 and _units_stacked(q, all_rows.shape[1], batch))
-        dec = kind == 0 and decodes
-        whole = batch.plan.dec_whole if dec else all_rows.shape[0]  # one-row tiles of whole chunks, then tail calls
-        for start, stop, tiles in _calls(all_rows.shape[0], whole, per_call):
+    tiles = tiles_per_call(opts)
+    size = tiles * max([1] + [kind[0].shape[1] for kind in kinds if kind[0].shape[0]])  # dump rows a call
+    slots = _Slots(q, batch.plan.cached_width, max(size, one_row), value_cache.shape[-1], own_pair)
+    if one_row:
+        _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, tiles)
+    for units, (all_rows, all_blocks, all_lo, all_hi, all_cols) in zip((True, False), kinds):
+        stacked = all_rows.shape[1] == 1 or (units and _units_stacked(q, all_rows.shape[1], batch))
+        for start, stop in _chunks(all_rows.shape[0], tiles):
             rows = _pad_to(all_rows[start:stop], tiles, n)  # [tiles, rows]
             blocks = _pad_to(all_blocks[start:stop], tiles, 0)
             mask = slot_mask(_pad_to(all_lo[start:stop], tiles, 0), _pad_to(all_hi[start:stop], tiles, 0),
@@ -201,21 +221,128 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
             read_k = partial(_gather, key_cache, blocks, k_scale, q.dtype)
             qr = q[rows.clamp(max=n - 1)]
             if stacked:  # V gathered once K is freed, its keys no row sees zeroed (a tile's real rows see the same)
-                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype,  # (whole tiles: nothing to zero)
-                                 None if dec and stop <= whole else ~mask.any(1)[:, :, None, None])
+                read_v = partial(_gather, value_cache, blocks, v_scale, q.dtype, ~mask.any(1)[:, :, None, None])
                 part = attend_gathered(qr, read_k, read_v, mask, scale, soft_cap)
             else:
                 part = attend(qr, read_k(), _gather(value_cache, blocks, v_scale, q.dtype), mask, scale, soft_cap)
             cols = _pad_to(all_cols[start:stop], tiles, 0)[:, None].expand_as(rows)
             slots.write(part, rows, cols, rows < n)
-    for c in range(batch.share_rows.shape[0] if decodes else 0):  # whole chunks read by many one-token rows
-        rows, blocks = batch.share_rows[c][:, None], batch.share_blocks[c:c + 1]  # [tiles, 1], [1, chunk blocks]
-        kk, vv = (_gather(cache, blocks, sc, q.dtype) for cache, sc in ((key_cache, k_scale), (value_cache, v_scale)))
-        mask = (rows < n)[:, :, None].expand(per_call, 1, kk.shape[1])  # a real row sees every key of its chunk
-        part = attend_gathered(q[rows.clamp(max=n - 1)], partial(kk.expand, per_call, -1, -1, -1),
-                               partial(vv.expand, per_call, -1, -1, -1), mask, scale, soft_cap)
-        slots.write(part, rows, batch.share_col[c][:, None], rows < n)
     return slots.fold()
+
+
+class _Calls(NamedTuple):
+    """One-row calls of one kind: `rows`, `cols` `[calls, tiles]`; `blocks` one chunk per tile (`[calls x
+    tiles, chunk blocks]`) or, `shared`, one per call (`[calls, chunk blocks]`: read once, a view repeats
+    it); `mask` `[calls x tiles, chunk keys]` the keys each tile's row sees (None: every key)."""
+    rows: torch.Tensor
+    cols: torch.Tensor
+    blocks: torch.Tensor
+    mask: torch.Tensor | None
+    shared: bool
+
+
+def _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, per_call) -> None:
+    """The one-row tiles (one-token requests), written to `slots` in groups of up to `GROUP_TILES` rows
+    (`_one_row_group`): the first `dec_whole` dec tiles (they see every key of their chunk; `per_call` a
+    call), the other dec tiles (tail calls of a quarter: a request's last chunk, or one cut by a window),
+    the share calls (a call's one chunk read once)."""
+    n, bs, whole, count = q.shape[0], key_cache.shape[1], batch.plan.dec_whole, batch.dec_rows.shape[0]
+    kinds = []
+    for first, stop, size, tail in ((0, whole, per_call, False), (whole, count, max(1, per_call // 4), True)):
+        step = max(1, GROUP_TILES // size) * size
+        for a in range(first, stop, step):
+            b = min(a + step, stop)
+            m = -(-(b - a) // size) * size
+            mask = None if not tail else slot_mask(_pad_to(batch.dec_lo[a:b, 0], m, 0),
+                                                     _pad_to(batch.dec_hi[a:b, 0], m, 0), bs).flatten(1)
+            kinds.append(_Calls(_pad_to(batch.dec_rows[a:b, 0], m, n).view(-1, size),
+                                _pad_to(batch.dec_col[a:b], m, 0).view(-1, size), _pad_to(batch.dec_blocks[a:b], m, 0),
+                                mask, False))
+    shares, step = batch.share_rows.shape[0], max(1, GROUP_TILES // per_call)
+    for c in range(0, shares, step):
+        calls = slice(c, min(c + step, shares))
+        kinds.append(_Calls(batch.share_rows[calls], batch.share_col[calls], batch.share_blocks[calls], None, True))
+    group, rows = [], 0
+    for calls in kinds:  # in order, as many kinds a group as fit
+        if group and rows + calls.rows.numel() > GROUP_TILES:
+            _one_row_group(q, key_cache, value_cache, group, scale, soft_cap, k_scale, v_scale, slots)
+            group, rows = [], 0
+        group, rows = group + [calls], rows + calls.rows.numel()
+    if group:
+        _one_row_group(q, key_cache, value_cache, group, scale, soft_cap, k_scale, v_scale, slots)
+
+
+def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_cap, k_scale, v_scale,
+                   slots) -> None:
+    """The calls of `group`, written to `slots`. Each call runs its two products at its kind's one shape
+    `[tiles, Hq, D] @ [tiles, D, keys x Hkv]` (every head pair, its own heads' diagonal kept: `tiles.attend`'s
+    one-row form) and its sum over keys at one shape (a slice of whole calls of the group's scores); every
+    other pass (scale, mask, max, exp, casts, the writes) runs over the group at once, elementwise or a max.
+    So a row's bits are its own call's products on its own values, in any call or group. V's keys no row
+    sees are zeroed (NaN in unused slots); a padding tile's row goes to a dump slot."""
+    n, hq, d = q.shape
+    op, dt = product_dtype(q.dtype), compute_dtype(q.dtype)
+    rows = torch.cat([k.rows.reshape(-1) for k in group]) if len(group) > 1 else group[0].rows.reshape(-1)
+    qg = q[rows.clamp(max=n - 1)].to(op)  # [group rows, Hq, D]
+    calls, at = [], 0  # (kind, call, first row in the group, tiles)
+    for kind in group:
+        for c in range(kind.rows.shape[0]):
+            calls.append((kind, c, at, kind.rows.shape[1]))
+            at += kind.rows.shape[1]
+    chunks = {}
+
+    def read(kind, cache, sc, c, tiles):  # call c's K or V `[tiles, keys, Hkv, D]`
+        if kind.shared:
+            key = (id(kind), cache is key_cache)
+            chunks[key] = _gather(cache, kind.blocks, sc, q.dtype) if key not in chunks else chunks[key]
+            return chunks[key][c:c + 1].expand(tiles, -1, -1, -1)
+        mask = kind.mask
+        unseen = None if mask is None or cache is key_cache else ~mask[c * tiles:(c + 1) * tiles, :, None, None]
+        return _gather(cache, kind.blocks[c * tiles:(c + 1) * tiles], sc, q.dtype, unseen)
+
+    scores = None
+    for kind, c, at, tiles in calls:
+        k = read(kind, key_cache, k_scale, c, tiles)
+        nk, hkv = k.shape[1], k.shape[2]
+        g = hq // hkv
+        every = score_product(qg[at:at + tiles], k.to(op).reshape(tiles, nk * hkv, d).transpose(1, 2))
+        if scores is None:
+            scores = every.new_empty((rows.shape[0], hkv, g, nk))
+        scores[at:at + tiles].copy_(torch.diagonal(every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4)
+                                    .permute(0, 3, 1, 2))
+        del k, every
+    chunks.clear()
+    s = scores.to(dt) if scores.dtype != dt else scores
+    del scores
+    s = s.mul_(scale)
+    if soft_cap is not None:
+        s = soft_cap * torch.tanh(s / soft_cap)
+    at = 0
+    for kind in group:
+        if kind.mask is not None:
+            s[at:at + kind.mask.shape[0]].masked_fill_(~kind.mask[:, None, None, :], float("-inf"))
+        at += kind.rows.numel()
+    m = s.amax(-1)
+    s = s.sub_(torch.where(m > float("-inf"), m, 0.0)[..., None]).exp_()
+    total = m.new_empty(m.shape)
+    for _, _, at, tiles in calls:  # one shape per call
+        torch.sum(s[at:at + tiles], -1, out=total[at:at + tiles])
+    p = s.to(op)
+    del s
+    p_every, accs = None, []  # every head pair's probabilities, one buffer a kind: a call writes its diagonal
+    for kind, c, at, tiles in calls:
+        if p_every is None or p_every.shape[0] != tiles:
+            p_every = None  # (freed before the next is made)
+            p_every = torch.zeros((tiles, hq, nk * hkv), dtype=op, device=q.device)
+        torch.diagonal(p_every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4).copy_(p[at:at + tiles].permute(0, 2, 3, 1))
+        v = read(kind, value_cache, v_scale, c, tiles)
+        accs.append(torch.matmul(p_every, v.to(op).reshape(tiles, nk * hkv, -1)))  # [tiles, Hq, Dv]
+        del v  # (a gathered V freed before the next call's)
+    del p, p_every
+    chunks.clear()
+    cols = torch.cat([k.cols.reshape(-1) for k in group]) if len(group) > 1 else group[0].cols.reshape(-1)
+    part = Partial(torch.cat(accs).to(dt), m.view(-1, hq), total.view(-1, hq))
+    slots.write(part, rows[:, None], cols[:, None], rows[:, None] < n)
 
 
 def _gather(cache, blocks, sc, dtype, unseen=None) -> torch.Tensor:

@@ -119,7 +119,7 @@ class InvariantPlan(StepPlan):
     unit_hi: np.ndarray  #: [unit tiles, unique_tokens, blocks_per_tile]
     unit_col: np.ndarray  #: [unit tiles]
     causal_col: np.ndarray  #: [num_causal_tiles] key tile index within its request
-    cached_width: int  #: slots per token for chunk partials (a power of two)
+    cached_width: int  #: slots per token: its self pair's partial, then its chunks' (a power of two)
     causal_width: int  #: slots per token for causal partials (a power of two)
     slot_rows: np.ndarray  #: [slots] token of each (token, block) slot, sorted by token then position
     slot_blocks: np.ndarray  #: [slots] physical block
@@ -244,7 +244,7 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         work_needed=needed, shared_prefix_visible=False,
         **{f"dec_{k}": v for k, v in dec.items()}, **{f"pre_{k}": v for k, v in pre.items()},
         **{f"unit_{k}": v for k, v in units.items()}, **{f"share_{k}": v for k, v in share.items()},
-        causal_col=causal_col, cached_width=pow2(int(chunks.max()) if chunks.size else 1),
+        causal_col=causal_col, cached_width=pow2(int(chunks.max()) + 1 if chunks.size else 1),
         causal_width=causal_width, **{f"slot_{k}": v for k, v in slots.items()},
         **{f"ctx_{k}": v for k, v in flash_ctx.items()}, seg_rows=seg_rows.astype(np.int32),
         seg_cu=np.concatenate([[0], np.cumsum(q[multi])]).astype(np.int32), seg_max=max(2, _most(q[multi])),
