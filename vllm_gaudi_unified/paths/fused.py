@@ -125,11 +125,19 @@ def poison_keys(k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor | None = None
     return torch.where(ok, k, nan), torch.where(ok, v, zero)
 
 
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """`isfinite(x).all(-1)` as one max-magnitude reduction (NaN and inf propagate through it) where
+    `isfinite` and `all` are several kernels and a bool copy of `x`. (Not `(x * 0).sum() == 0`:
+    torch.compile folds `x * 0` to 0 and lets every bad entry through.) An HPU takes the plain form."""
+    if x.device.type == "hpu":
+        return torch.isfinite(x).all(-1)
+    return torch.linalg.vector_norm(x, float("inf"), -1).isfinite()
+
+
 def finite_heads(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`[T, Hkv]` whether a token's key and value of a head are finite: one max-magnitude reduction per
-    tensor (NaN and inf propagate through it)."""
-    inf = float("inf")
-    return torch.linalg.vector_norm(k, inf, -1).isfinite() & torch.linalg.vector_norm(v, inf, -1).isfinite()
+    """`[T, Hkv]` whether a token's key and value of a head are finite (`v is k`: a latent cache)."""
+    finite = finite_rows(k)
+    return finite if v is k else finite & finite_rows(v)
 
 
 def mark_bad_rows(part: Partial, bad: torch.Tensor) -> Partial:
@@ -181,7 +189,7 @@ def sdpa_stats_partial(op, q, k, v, mask, scale) -> Partial:
     hkv = k.shape[2]
     dt = compute_dtype(q.dtype)
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
-    key_bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [T, K, Hkv]
+    key_bad = ~finite_heads(k, v)  # [T, K, Hkv]
     row_bad = (mask[:, :, :, None] & key_bad[:, None]).any(2).reshape(t * r, hkv)
     k = torch.where(torch.isfinite(k), k, zero)
     v = torch.where(mask.any(1)[:, :, None, None] & torch.isfinite(v), v, zero)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_unified.merge import Partial, scatter_merge
+from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import one_tensor_scale, read_blocks
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype, slot_mask
 
@@ -116,7 +117,7 @@ def latent_shared_partial(q: torch.Tensor, key_cache: torch.Tensor, value_dim: i
     bs = key_cache.shape[1]
     kv = read_blocks(key_cache, batch.shared_blocks, kv_scale, q.dtype).reshape(tiles, -1, d)  # each tile's blocks
     visible = slot_mask(batch.shared_lo, batch.shared_hi, bs).flatten(2)  # [tiles, rows, K]
-    finite = torch.isfinite(kv).all(-1)  # [tiles, K]
+    finite = fused.finite_rows(kv)  # [tiles, K]
     zero = torch.zeros((), dtype=kv.dtype, device=kv.device)
     kv = torch.where((finite & visible.any(1))[..., None], kv, zero)
     bias = torch.zeros(visible.shape, dtype=product_dtype(q.dtype), device=q.device)

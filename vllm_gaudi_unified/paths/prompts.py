@@ -103,7 +103,7 @@ def _keys(q, k, v, key_cache, value_cache, batch, k_scale, v_scale, compact: boo
     new_bad = None
     if clean:
         zero = torch.zeros((), dtype=kn.dtype, device=kn.device)
-        finite = _finite_tokens(kn, vn)  # [P, Qp, Hkv]
+        finite = fused.finite_heads(kn, vn)  # [P, Qp, Hkv]
         real = (torch.arange(kn.shape[1], device=q.device)[None, :] < length)[..., None]
         new_bad = real & ~finite
         keep = (real & finite)[..., None]
@@ -153,7 +153,7 @@ def _clean_keys(q, k, v, key_cache, value_cache, batch, split: bool = False):
     cb, bs = blocks.shape[1], key_cache.shape[1]
     keys = cb * bs
     ctx, length = batch.prompt_ctx[:, None], batch.prompt_len[:, None]
-    finite = _finite_tokens(k, v)  # [n, Hkv]: per token, not per row
+    finite = fused.finite_heads(k, v)  # [n, Hkv]: per token, not per row
     real = (torch.arange(qp, device=dev)[None, :] < length)[..., None]
     new_bad = real & ~finite[rows]  # [P, Qp, Hkv]
     pos = torch.arange(keys + qp, device=dev)
@@ -205,17 +205,10 @@ def _causal_keys(q, k, v, batch):
     else:
         rows = batch.prompt_rows.clamp(max=q.shape[0] - 1)
         qr, kr, vr = q[rows], k[rows], v[rows]
-    bad = ~_finite_tokens(kr, vr)[..., None]  # [P, Qp, Hkv, 1]
+    bad = ~fused.finite_heads(kr, vr)[..., None]  # [P, Qp, Hkv, 1]
     past = (torch.arange(qp, device=q.device)[None, :] >= batch.prompt_len[:, None])[..., None, None]
     nan, zero = (torch.full((), x, dtype=kr.dtype, device=q.device) for x in (float("nan"), 0.0))
     return qr, torch.where(bad, nan, kr), torch.where(bad | past, zero, vr)
-
-
-def _finite_tokens(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`[..., Hkv]` whether a token's key and value for a head are finite. (Not `(x * 0).sum() == 0`:
-    torch.compile folds `x * 0` to 0, and the compiled step let every bad key through.)"""
-    finite = torch.isfinite(k).all(-1)
-    return finite if v is k else finite & torch.isfinite(v).all(-1)
 
 
 def _positions(batch, keys: int, qp: int) -> tuple[torch.Tensor, torch.Tensor]:

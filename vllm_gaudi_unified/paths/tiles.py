@@ -83,7 +83,7 @@ def clean_values(v: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, tor
     (v with unseen keys and non-finite values set to 0, as contiguous `[T, Hkv, K, D]`;
     bad `[T, Hkv, K]`: seen keys whose value is not finite)."""
     t, k, hkv, d = v.shape
-    finite = torch.isfinite(v).all(-1)  # [T, K, Hkv]
+    finite = fused.finite_rows(v)  # [T, K, Hkv]
     keep = seen[:, :, None] & finite
     out = torch.empty((t, hkv, k, d), dtype=v.dtype, device=v.device)
     torch.where(keep.permute(0, 2, 1)[..., None], v.permute(0, 2, 1, 3),
@@ -236,7 +236,7 @@ def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     qv = q.view(t, r, hkv, g, d).permute(2, 0, 1, 3, 4)
     torch.mul(qv, scale, out=qh) if fold else qh.copy_(qv)
     kh = torch.empty((hkv, t, nk, d), dtype=k.dtype, device=k.device).copy_(heads(k))
-    finite = _finite(v)  # [T, K, Hkv]
+    finite = fused.finite_rows(v)  # [T, K, Hkv]
     vh = torch.empty((hkv, t, nk, dv), dtype=v.dtype, device=v.device)
     torch.where(heads(finite & mask.any(1)[:, :, None])[..., None], heads(v), v.new_zeros(()), out=vh)
     bad_rows = (mask & ~heads(finite)[:, :, None, :]).any(-1)  # [Hkv, T, R]: rows that see a non-finite value
@@ -257,12 +257,3 @@ def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     m = torch.where(bad_rows[..., None], float("nan"), m)
     total = torch.where(seen, 1 / p_max, 0.0)
     return Partial(out.view(t * r, hq, dv), *(as_rows(x).reshape(t * r, hq) for x in (m, total)))
-
-
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """`isfinite(x).all(-1)`: on CUDA and the CPU one reduction (`aminmax`: a NaN or an inf shows in the
-    min or the max) where `isfinite` and `all` are five kernels (an H200: 160 us of a 51-tile step)."""
-    if x.device.type == "hpu":
-        return torch.isfinite(x).all(-1)
-    lo, hi = torch.aminmax(x, dim=-1)
-    return torch.isfinite(lo) & torch.isfinite(hi)
