@@ -124,3 +124,10 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
                                                    DV_PAD=consts["DV_PAD"], starts_ptr=starts, BS=bs, ONE_KEYS=one,
                                                    TOKENS=True, FINAL=True, EXACT_DIV=False)
     return out
+
+
+def split_size() -> int:
+    """Keys per split: `plan.invariant.SPLIT_KEYS` cut in `MLA_SPLITS_PER` (while whole `MLA_KEYS` tiles),
+    a constant of the module, never of the batch."""
+    per = max(1, min(MLA_SPLITS_PER, plan_invariant.SPLIT_KEYS // mla_decode.MLA_KEYS))
+    return plan_invariant.SPLIT_KEYS // per
