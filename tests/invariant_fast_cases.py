@@ -4,8 +4,9 @@ interpreter, flash as the exact stand-in (tests/fused_standin.py), float64.
 Run by `test_batch_invariance.py::test_fast_route_interpreted` in a process of its own with
 TRITON_INTERPRET=1 (Triton reads it when first imported). Checks the route's plumbing: every named
 scenario, the target alone = inside its batch bitwise (with several position-fixed splits per token:
-`SPLIT_KEYS` 8, `KEYS` 4), and the batch against the float64 dense reference (1e-6). On CUDA the same
-scenarios run through the compiled kernel and the real flash in bf16 (`test_invariant_mode_scenarios`).
+`SPLIT_KEYS` 8, `SPLIT_HEAD_KEYS` 4, `KEYS` 4), and the batch against the float64 dense reference (1e-6).
+On CUDA the same scenarios run through the compiled kernel and the real flash in bf16
+(`test_invariant_mode_scenarios`).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ FAST_WORLDS = {
     "final_decode": World(Req(1, 6), others=(Req(1, 5), Req(3, 7), Req(1, 40)), position=1, pad=(2, 0, 0, 0, 1)),
     "final_unit": World(Req(3, 7), others=(Req(1, 6), Req(4, 0), Req(1, 40)), position=1),
     "final_batch": World(Req(1, 6), others=(Req(1, 5), Req(2, 3)), pad=(3, 0, 0, 0, 2)),
+    # One KV head: splits of `SPLIT_HEAD_KEYS` keys (an MQA verify step in 8 splits), folded by the ordered
+    # combine into final rows alone, into a Partial beside a flash segment (a chunk of 5 over a context).
+    "mqa_unit_splits": World(Req(3, 30), others=(Req(1, 6), Req(5, 9), Req(1, 13)), position=1, num_qo_heads=6,
+                             num_kv_heads=1, pad=(2, 0, 0, 0, 1)),
 }
 
 
@@ -51,6 +56,7 @@ def check(set_attr=setattr) -> int:
     set_attr(fused, "FLASH", fused_standin.flash)
     set_attr(unique, "KERNEL_KEYS", 4)
     set_attr(plan_invariant, "SPLIT_KEYS", 8)
+    set_attr(plan_invariant, "SPLIT_HEAD_KEYS", 4)  # (one KV head: splits of 4 keys)
     done = 0
     for name, world in {**SCENARIOS, **FAST_WORLDS}.items():
         before = len(calls)

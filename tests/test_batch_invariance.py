@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import run_interpreted
-from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, plan_step, unified_attention
+from vllm_gaudi_unified import Bucket, PlanOptions, build_unified_batch, pad_plan, plan_step, unified_attention
 from vllm_gaudi_unified.bucket import phase_of
 from vllm_gaudi_unified.reference import reference_attention
 
@@ -366,6 +366,14 @@ def test_verify_steps_are_units():
         sorted((tuple(range(starts[r], starts[r] + ql[r])), c) for r in units for c in range(-(-cl[r] // (bs * kb))))
     assert not set(plan.pre_rows[plan.pre_rows < plan.num_tokens].tolist()) & \
         {starts[r] + j for r in units for j in range(ql[r])}
+    # the fast route's host arrays: where each token's slots start, the tokens whose programs take new keys
+    # (one-token requests, a unit's first token), the most slots of a token; padding adds tokens without any
+    assert plan.slot_starts.tolist() == np.searchsorted(plan.slot_rows, np.arange(plan.num_tokens + 1)).tolist()
+    assert np.flatnonzero(plan.slot_take).tolist() == sorted(starts[r] for r in units + decodes)
+    assert plan.slot_most == max(-(-cl[r] // bs) for r in units + decodes)
+    padded = pad_plan(plan, _padded_bucket(plan.shape, (3, 0, 0, 0, 0)))
+    assert padded.slot_starts.tolist() == plan.slot_starts.tolist() + [plan.slot_rows.size] * 3
+    assert padded.slot_take.tolist() == plan.slot_take.tolist() + [0] * 3
     windowed = plan_step(ql, cl, table, bs, sliding_window=9, options=INVARIANT)
     assert windowed.slot_units == 1
     assert sorted(set(windowed.slot_rows.tolist())) == [starts[r] + j for r in range(len(ql)) if cl[r] > 0
@@ -432,6 +440,17 @@ def test_long_contexts_on_cuda(target, dtype):
     others = (Req(1, 20000), Req(37, 5000), Req(1, 9000), Req(300, 0)) + tuple(Req(1, 100 + i) for i in range(60))
     world = World(target, others=others, position=1, block_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     assert_same_bits(*run_world(world, PlanOptions(batch_invariant=True), dtype, "cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast route's flash and Triton kernels need CUDA")
+@pytest.mark.parametrize("target", [Req(4, 3000), Req(1, 3000), Req(2, 700)], ids=["verify", "decode", "one_split"])
+def test_mqa_splits_on_cuda(target):
+    """One KV head (8 query heads, head size 128): splits of 1024 keys. The target alone is final rows (the ordered
+    combine's, or the kernel's for one split); beside a 20k decode and a chunk of 9 over 500 (a flash segment) its
+    splits are folded into a Partial, merged and normalized by torch: the same bits."""
+    others = (Req(1, 20000), Req(9, 500), Req(3, 1200)) + tuple(Req(1, 100 + 37 * i) for i in range(40))
+    world = World(target, others=others, position=2, block_size=16, num_qo_heads=8, num_kv_heads=1, head_dim=128)
+    assert_same_bits(*run_world(world, PlanOptions(batch_invariant=True, unique_tokens=4), torch.bfloat16, "cuda"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gaudi route is measured on CUDA")

@@ -185,6 +185,7 @@ def test_unique_kernel_compiles_as_torch_compile_launches_it(cache, k_scales):
                  UNITS=1 + k_scales,  # a decode's and a verify step's units, with their new keys
                  NEW_KEYS=16, NEW_SELECT=bool(k_scales),  # (the invariant mode's choice of programs)
                  FINAL=not k_scales, EXACT_DIV=not k_scales,  # (a decode step's final rows, IEEE-divided)
+                 SORTED=bool(k_scales),  # (the invariant mode's slots, in token order from the planner)
                  WORK=bool(k_scales))  # (a verify step's programs over the listed unit starts)
     for scalar in ("fp64", "fp32"):
         types = dict(q_ptr="*bf16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", ks_ptr="*fp32", vs_ptr="*fp32",

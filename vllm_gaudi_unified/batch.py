@@ -125,6 +125,8 @@ class InvariantBatch(UnifiedBatch):
     slot_blocks: torch.Tensor  #: [slots]
     slot_lo: torch.Tensor  #: [slots]
     slot_hi: torch.Tensor  #: [slots]
+    slot_starts: torch.Tensor  #: [query_len + 1] token t's slots: `slot_*[slot_starts[t]:slot_starts[t + 1]]`
+    slot_take: torch.Tensor  #: [query_len] 1: the token's Triton program takes its request's new keys
     ctx_rows: torch.Tensor  #: [rows] fast route: tokens whose context is one flash segment per request
     ctx_cu_q: torch.Tensor  #: [segments + 1]
     ctx_blocks: torch.Tensor  #: [blocks]

@@ -14,12 +14,15 @@ Why each part is invariant (a token's result depends on its own request only):
   path (which reorders heads and may split the keys by the batch's size).
 * **cached, Triton** (requests with one new token; every request under a
   sliding window): one program per (token, KV head, split) walks the token's
-  own slots in position order, `KEYS` keys a step; split `sp` is the keys
-  `[sp * SPLIT_KEYS, (sp + 1) * SPLIT_KEYS)` of the token's slots, so a
-  split's keys and its loop steps are positions of the token's context. The
-  batch sets only how many splits are launched (the longest context): the
-  extra ones write empty partials, and `fold_pairwise` folds a power-of-two
-  width whose padding merges exactly (`x` with an empty partial is `x`).
+  own slots in position order (the plan lists them by token: `slot_starts`),
+  `KEYS` keys a step; split `sp` is the keys `[sp * S, (sp + 1) * S)` of the
+  token's slots, `S` = `plan.invariant.split_keys(kv heads)` (a constant of the
+  model), so a split's keys and its loop steps are positions of the token's
+  context. The batch sets only how many splits are launched (the longest
+  context's count): the extra ones write empty partials, and
+  `mla_kernel.ordered_combine` folds a token's splits one after the other in
+  index order, an empty one leaving the sums as they are (its split count a
+  run-time number, the same compiled code for any batch).
 * **cached, Triton units** (verify steps: 2 to `unique_tokens` new tokens over a
   context, no window, `plan.invariant.unit_requests`): the request's slots
   are listed once, on its first token; that token's program takes the
@@ -36,9 +39,10 @@ Why each part is invariant (a token's result depends on its own request only):
   or flash) from exactly one kernel each (written, not added), merged in that
   order; a one-token request's or a unit's token gets all its pairs from its
   Triton program (no merge: an empty partial beside it merges exactly).
-  With one split per token and no flash segment in the step the kernel
-  writes those rows normalized (`FINAL`), dividing as `merge.normalize`
-  does (IEEE's division of the same fp32 numbers): the same bits.
+  With no flash segment in the step the rows come normalized: the kernel's
+  (`FINAL`) where no token has more than one split, else the combine's;
+  both divide as `merge.normalize` does (IEEE's division of the same fp32
+  numbers; one real split has weight exp(0) = 1): the same bits.
   The requests on their own calls (`invariant.own_rows`) are left out
   when those run (`own`): their entries are the arrays' last ones. Which
   kernel a request's pairs take depends on its own new-token count alone.
@@ -49,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_unified.merge import Final, Partial, fold_pairwise, merge_all
+from vllm_gaudi_unified.merge import Final, Partial, merge_all
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.tiles import compute_dtype
@@ -70,13 +74,13 @@ def fast_partial(q, k, v, key_cache, value_cache, batch, scale: float, k_scale=N
     cached keys (Triton slots, with the new keys of one-token requests and units, or the request's flash
     segment); merged in that order. `own`: not the own-calls requests' rows (those come
     from their own calls): the prefixes of the `ctx_*` and `seg_*` arrays before theirs. `final` (no
-    partial follows: no sinks): where the Triton kernel is the step's only path with one split per token
-    (`plan.slot_splits` 1: no context past `SPLIT_KEYS`), its rows normalized by the kernel (`Final`)."""
+    partial follows: no sinks): where the Triton kernel is the step's only path, its rows normalized by the
+    kernel or its splits' combine (`Final`)."""
     n, plan = q.shape[0], batch.plan
     rows, segs, blocks, max_q, max_k = plan.ctx_own_from if own else (
         batch.ctx_rows.shape[0], batch.ctx_used.shape[0], batch.ctx_blocks.shape[0], *plan.ctx_max)
     causal_rows = plan.seg_own_from[0] if own else batch.seg_rows.shape[0]
-    if final and not rows and not causal_rows and plan.slot_splits == 1:
+    if final and not rows and not causal_rows:
         return _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, final=True)
     cached = _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale)
     if rows:
@@ -119,47 +123,53 @@ def _placed(part: Partial, rows: torch.Tensor, n: int, into: Partial | None = No
 
 def _slots_partial(q, k, v, key_cache, value_cache, batch, scale, k_scale=None,
                    v_scale=None, final: bool = False) -> Partial | Final | None:
-    """The Triton kernel over each token's slots (sorted by token, then position) in position-fixed
-    splits of `plan.invariant.SPLIT_KEYS` keys, the splits folded by `fold_pairwise`. A unit
+    """The Triton kernel over each token's slots (sorted by token, then position: `slot_starts` from the
+    plan) in position-fixed splits of `plan.invariant.split_keys` keys (a constant of the model's KV heads),
+    the splits folded in index order by `mla_kernel.ordered_combine`. A unit
     (`plan.invariant.unit_requests`, a verify step) has its slots on its first token, whose programs
     take the request's rows (`UNITS` = `plan.slot_units` tokens x the KV head's query heads); every
     other token's program writes its own rows (empty ones where it has no slot). The programs of the
-    one-token requests and of the units take their request's new keys too (`k`, `v`: a decode's self
-    pair, a unit's self and causal pairs), in split 0 after its context keys, in the request's order.
-    `final` (one split, nothing else in the step): the kernel's `FINAL` rows in q's dtype, no Partial
-    written; its division is IEEE's, so they are `merge.normalize`'s of the Partial bit for bit."""
-    from vllm_gaudi_unified.paths import unique, unique_kernel
+    one-token requests and of the units (`slot_take`) take their request's new keys too (`k`, `v`: a decode's
+    self pair, a unit's self and causal pairs), in split 0 after its context keys, in the request's order.
+    `final` (nothing else in the step): the rows in q's dtype, no Partial returned: with one split the kernel's
+    `FINAL` rows, else the combine's; both divide as IEEE's, so they are `merge.normalize`'s of the Partial
+    bit for bit."""
+    from vllm_gaudi_unified.paths import mla_kernel, unique, unique_kernel
 
-    rows, ones = batch.slot_rows, batch.one_rows
-    if rows.shape[0] == 0 and ones.shape[0] == 0:
+    if batch.slot_rows.shape[0] == 0 and batch.one_rows.shape[0] == 0:
         return None
     n, hq, d = q.shape
-    take = torch.zeros(n, dtype=torch.int32, device=q.device).index_fill_(0, ones, 1)
-    if batch.sliding_window is None:  # a token with slots is a one-token request's or a unit's first
-        take.index_fill_(0, rows, 1)
     _, bs, hkv, _ = key_cache.shape
-    g = hq // hkv
-    starts = torch.searchsorted(rows, torch.arange(n + 1, device=q.device, dtype=rows.dtype))
-    order = torch.arange(rows.shape[0], device=q.device, dtype=rows.dtype)  # already sorted by the planner
-    splits, units = batch.plan.slot_splits, batch.plan.slot_units
+    g, plan = hq // hkv, batch.plan
+    split = plan_invariant.split_keys(hkv)
+    splits, units = max(1, -(-plan.slot_most * bs // split)), plan.slot_units
     dt = compute_dtype(q.dtype)
-    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device) if final else None
-    acc = torch.empty((1,) if final else (n, splits, hq, d), dtype=dt, device=q.device)  # (final: its dtype)
-    m = acc if final else torch.empty((n, splits, hq), dtype=dt, device=q.device)
-    total = acc if final else torch.empty_like(m)
+    in_kernel = final and splits == 1
+    out = torch.empty((n, hq, d), dtype=q.dtype if final else dt, device=q.device) if final or splits > 1 else None
+    acc = torch.empty((1,) if in_kernel else (n, splits, hq, d), dtype=dt, device=q.device)  # (in_kernel: its dtype)
+    m = acc if in_kernel else torch.empty((n, splits, hq), dtype=dt, device=q.device)
+    total = acc if in_kernel else torch.empty_like(m)
     ks, ks_strides, k_factor = unique._scale_args(k_scale)
     vs, vs_strides, v_factor = unique._scale_args(v_scale)
     q = q if q.stride(-1) == 1 else q.contiguous()
+    starts = batch.slot_starts
     unique_kernel.unique_kernel[(n, hkv, splits)](
         q, key_cache, value_cache, key_cache if ks is None else ks, value_cache if vs is None else vs,
-        order, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, batch.token_seg_start, n, acc, m, total,
+        starts, starts, batch.slot_blocks, batch.slot_lo, batch.slot_hi, batch.token_seg_start, n, acc, m, total,
         scale * k_factor, v_factor,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3], *ks_strides, *vs_strides,
         HQ=hq, G=g, ROWS=max(16, unique._pow2(units * g)), D=d, D_PAD=max(16, unique._pow2(d)), BS=bs,
         KEYS=unique.KERNEL_KEYS, SPLITS=splits, SLICE=False, K_SCALES=unique._scale_mode(ks),
-        V_SCALES=unique._scale_mode(vs), SPLIT_KEYS=plan_invariant.SPLIT_KEYS, UNITS=units,
-        **unique._new_args((k, v), q, scale, v_factor, units, take), out_ptr=acc if out is None else out,
-        FINAL=final, EXACT_DIV=final, WORK=False, num_warps=unique.KERNEL_WARPS, num_stages=unique.KERNEL_STAGES)
-    if final:
+        V_SCALES=unique._scale_mode(vs), SPLIT_KEYS=split, UNITS=units,
+        **unique._new_args((k, v), q, scale, v_factor, units, batch.slot_take), out_ptr=out if in_kernel else acc,
+        FINAL=in_kernel, EXACT_DIV=in_kernel, SORTED=True, WORK=False, num_warps=unique.KERNEL_WARPS,
+        num_stages=unique.KERNEL_STAGES)
+    if in_kernel:
         return Final(out)
-    return fold_pairwise(Partial(acc, m, total)) if splits > 1 else Partial(acc[:, 0], m[:, 0], total[:, 0])
+    if splits == 1:
+        return Partial(acc[:, 0], m[:, 0], total[:, 0])
+    om, ol = (None, None) if final else torch.empty((2, n, hq), dtype=dt, device=q.device)
+    mla_kernel.ordered_combine[(n * hq,)](acc, m, total, starts, out, out if final else om, out if final else ol,
+                                          splits, hq, DV=d, DV_PAD=max(16, unique._pow2(d)), starts_ptr=starts, BS=bs,
+                                          ONE_KEYS=0, TOKENS=False, FINAL=final, EXACT_DIV=final)
+    return Final(out) if final else Partial(out, om, ol)

@@ -38,9 +38,6 @@ and these rows are written over theirs.
 """
 from __future__ import annotations
 
-import weakref
-
-import numpy as np
 import torch
 
 from vllm_gaudi_unified.paths import mla_decode
@@ -54,8 +51,6 @@ MLA_INVARIANT_SEESAW = True
 #: On the seesaw kernel, a token of at most this many keys is one split whose rows the kernel writes normalized
 #: (no fp32 partial, no combine): a function of the token's own context (0: every token in `split_size` splits).
 MLA_ONE_SPLIT_KEYS = 4096
-
-_MOST_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plan -> the most slots of one token
 
 
 def applies(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, soft_cap, sink,
@@ -92,16 +87,15 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
     if split_keys % keys:
         raise ValueError(f"the MLA split {split_keys} keys must be a multiple of MLA_KEYS {keys}")
     bs = cache.shape[1]
-    rows = batch.slot_rows
-    starts = torch.searchsorted(rows, torch.arange(n + 1, device=q.device, dtype=rows.dtype))
-    order = torch.arange(rows.shape[0], device=q.device, dtype=rows.dtype)  # (sorted by the planner)
+    starts = batch.slot_starts  # (from the planner, which sorts the slots by token)
+    order = torch.arange(batch.slot_rows.shape[0], device=q.device, dtype=starts.dtype)
     m_rows, dt = tokens.shape[0], compute_dtype(q.dtype)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = key[:, 0] if key.stride(-1) == 1 else key[:, 0].contiguous()
     seesaw = MLA_INVARIANT_SEESAW and mla_decode.gluon_applies(q, cache, value_dim) and mla_decode._seesaw(
         d, value_dim)
     one = MLA_ONE_SPLIT_KEYS if seesaw else 0
-    most = _most_slots(batch.plan) * bs  # (the grid's splits: enough for the longest context)
+    most = batch.plan.slot_most * bs  # (the grid's splits: enough for the longest context)
     splits = 1 if most <= one else max(1, -(-most // split_keys))
     combine = splits > 1 or not one  # (else every token's rows come normalized from the kernel)
     acc = torch.empty((m_rows, splits, hq, value_dim) if combine else (1,), dtype=dt, device=q.device)
@@ -126,18 +120,10 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
             SLICE=False, SELF=True, FINAL=False, tok_ptr=tokens, TOKENS=True, SPLIT_KEYS=split_keys, seg_ptr=None,
             UNITS=1, UNIT_ROWS=False, **consts)
     if combine:
-        mla_kernel.ordered_combine[(m_rows * hq,)](acc, m, total, tokens, out, splits, hq, DV=value_dim,
-                                                   DV_PAD=consts["DV_PAD"], starts_ptr=starts, BS=bs, ONE_KEYS=one)
+        mla_kernel.ordered_combine[(m_rows * hq,)](acc, m, total, tokens, out, out, out, splits, hq, DV=value_dim,
+                                                   DV_PAD=consts["DV_PAD"], starts_ptr=starts, BS=bs, ONE_KEYS=one,
+                                                   TOKENS=True, FINAL=True, EXACT_DIV=False)
     return out
-
-
-def _most_slots(plan) -> int:
-    """The most cache slots of one token in the plan (host numbers, once per plan: a step's layers share it)."""
-    most = _MOST_SLOTS.get(plan)
-    if most is None:
-        rows = plan.slot_rows
-        most = _MOST_SLOTS[plan] = int(np.bincount(rows).max()) if rows.size else 0
-    return most
 
 
 def split_size() -> int:

@@ -220,21 +220,27 @@ def _combine_body(acc_ptr, m_ptr, l_ptr, out_ptr, om_ptr, ol_ptr, S: tl.constexp
         tl.store(ol_ptr + row, total)
 
 
-def _ordered_combine_body(acc_ptr, m_ptr, l_ptr, tok_ptr, out_ptr, splits, HQ, DV: tl.constexpr,
-                          DV_PAD: tl.constexpr, starts_ptr, BS: tl.constexpr, ONE_KEYS: tl.constexpr):
-    """One (row i, head) of `_mla_body`'s `TOKENS` Partial rows (acc `[m, splits, HQ, DV]`, m/l `[m, splits,
-    HQ]`), its splits merged one after the other in index order, normalized into token `tok[i]`'s row of out
-    `[n, HQ, DV]` (out's dtype). Why not `_combine_body` (the batch-invariant mode): its sums over the splits
-    are `tl.sum` reductions whose order follows their compile-time width `S_PAD`, the batch's split count;
-    here `splits` is a run-time number and a split that saw no key (max -inf: a token's splits past its own
-    keys) adds exactly 0 after its real ones, so a token's rows are the same for any count. With one real
-    split the weight is exp(0) = 1: the rows are `_mla_body`'s `FINAL` rows bit for bit. `ONE_KEYS`: a token of
-    at most that many keys (its slots `starts[t]:starts[t + 1]` of `BS` keys) is left alone (the seesaw kernel
-    wrote its rows)."""
+def _ordered_combine_body(acc_ptr, m_ptr, l_ptr, tok_ptr, out_ptr, om_ptr, ol_ptr, splits, HQ, DV: tl.constexpr,
+                          DV_PAD: tl.constexpr, starts_ptr, BS: tl.constexpr, ONE_KEYS: tl.constexpr,
+                          TOKENS: tl.constexpr, FINAL: tl.constexpr, EXACT_DIV: tl.constexpr):
+    """One (row i, head) of a kernel's Partial rows in splits (acc `[m, splits, HQ, DV]`, m/l `[m, splits, HQ]`,
+    natural-log units), its splits merged one after the other in index order: with `FINAL` normalized into
+    token t's row of out `[n, HQ, DV]` (out's dtype), else the merged acc into that row of out and its max and
+    sum into om/ol `[n, HQ]` (a Partial). t is i, or `tok[i]` with `TOKENS` (`_mla_body`'s `TOKENS` rows).
+    Why not `_combine_body` (the batch-invariant mode): its sums over the splits are `tl.sum` reductions whose
+    order follows their compile-time width `S_PAD`, the batch's split count; here `splits` is a run-time number
+    (not specialized) and a split that saw no key (max -inf: a token's splits past its own keys) leaves the
+    sums as they are, so a token's rows are the same for any count. With one real split the weight is
+    exp(0) = 1: the rows are that split's (normalized: the kernels' `FINAL` rows) bit for bit; `EXACT_DIV`
+    (fp32) divides as IEEE's (`div_rn`), as `merge.normalize` and the unique kernel's `EXACT_DIV`.
+    `ONE_KEYS`: a token of at most that many keys (its slots `starts[t]:starts[t + 1]` of `BS` keys) is left
+    alone (the seesaw kernel wrote its rows)."""
     row = tl.program_id(0).to(tl.int64)
     i = row // HQ
     h = row % HQ
-    t = tl.load(tok_ptr + i).to(tl.int64)
+    t = i
+    if TOKENS:
+        t = tl.load(tok_ptr + i).to(tl.int64)
     many = t >= 0
     if ONE_KEYS > 0:
         many = (tl.load(starts_ptr + t + 1) - tl.load(starts_ptr + t)) * BS > ONE_KEYS
@@ -254,13 +260,23 @@ def _ordered_combine_body(acc_ptr, m_ptr, l_ptr, tok_ptr, out_ptr, splits, HQ, D
         m = tl.load(m_ptr + at)
         seen = (m != float("-inf")) & many
         w = tl.where(seen, tl.exp(m - safe), 0.0)
-        total += w * tl.load(l_ptr + at, mask=seen, other=0.0)
-        acc += w * tl.load(acc_ptr + at * DV + d, mask=d < tl.where(seen, DV, 0), other=0.0)
-    acc = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + (t * HQ + h) * DV + d, acc.to(out_ptr.dtype.element_ty), mask=d < tl.where(many, DV, 0))
+        total = tl.where(seen, total + w * tl.load(l_ptr + at, mask=seen, other=0.0), total)
+        acc = tl.where(seen, acc + w * tl.load(acc_ptr + at * DV + d, mask=d < tl.where(seen, DV, 0), other=0.0), acc)
+    dest = (t * HQ + h) * DV + d
+    if FINAL:
+        denom = tl.where(total > 0, total, 1.0)
+        out = acc / denom  # (fp64: its `/` is IEEE's already; div_rn takes fp32 only)
+        if EXACT_DIV:
+            if acc.dtype == tl.float32:
+                out = tl.math.div_rn(acc, denom)
+        tl.store(out_ptr + dest, out.to(out_ptr.dtype.element_ty), mask=d < tl.where(many, DV, 0))
+    else:
+        tl.store(out_ptr + dest, acc, mask=d < DV)
+        tl.store(om_ptr + t * HQ + h, top)
+        tl.store(ol_ptr + t * HQ + h, total)
 
 
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter (tests).
 mla_kernel = triton.jit(_mla_body)
 split_combine = triton.jit(_combine_body)
-ordered_combine = triton.jit(_ordered_combine_body)
+ordered_combine = triton.jit(_ordered_combine_body, do_not_specialize=["splits"])

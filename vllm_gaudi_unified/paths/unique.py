@@ -251,7 +251,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         HQ=hq, G=g, ROWS=max(16, _pow2(units * g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=slice_, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
         SPLIT_KEYS=0, UNITS=units, **_new_args(new, q, scale, v_factor, units), out_ptr=acc if out is None else out,
-        FINAL=in_kernel, EXACT_DIV=False, WORK=work, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+        FINAL=in_kernel, EXACT_DIV=False, SORTED=False, WORK=work, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     if in_kernel:
         return Final(out)
     if splits == 1:

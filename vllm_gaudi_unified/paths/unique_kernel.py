@@ -10,9 +10,9 @@ the output; per-block scales loaded beside the block, applied to the scores
 and probabilities when they do not vary over channels), runs an online softmax
 and writes one `Partial` row per (token, split), or, where it is the step's only
 path and a token has one split, the token's final rows. The splits (a power of
-two) are merged by the exact merge of `merge.py`: in one pass
-(`unique.combine_splits`), or in `merge.fold_pairwise`'s fixed tree (the
-batch-invariant mode).
+two in the default) are merged by the exact merge of `merge.py`: in one pass
+(`unique.combine_splits`), or one after the other in index order
+(`mla_kernel.ordered_combine`, the batch-invariant mode).
 
 Only the slots a row may see are loaded (`lo <= slot < hi`): a NaN or inf in
 an unreadable slot is never read; a bad value in a readable one reaches that
@@ -40,13 +40,15 @@ def _token(t, h, sp, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr,
                  BS: tl.constexpr, KEYS: tl.constexpr, SPLITS: tl.constexpr, SLICE: tl.constexpr,
                  K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr,
                  kn_ptr, vn_ptr, skn_t, skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS: tl.constexpr,
-                 take_ptr, NEW_SELECT: tl.constexpr, out_ptr, FINAL: tl.constexpr, EXACT_DIV: tl.constexpr):
+                 take_ptr, NEW_SELECT: tl.constexpr, out_ptr, FINAL: tl.constexpr, EXACT_DIV: tl.constexpr,
+                 SORTED: tl.constexpr):
     """One (token, KV head, split). q `[n, HQ, D]` (last stride 1), caches `[blocks, BS, Hkv, D]` (last
     stride 1), scale tensors by strides (0 on broadcast axes; `K_SCALES`/`V_SCALES`: 0 none (a float
     folded in `score_scale`/`v_scale`), 1 one per key, 2 one per key and channel), `order`: slot
-    ids sorted by token, `starts[t]:starts[t+1]` token t's part of it, `ids`: block id per slot (unless
-    `SLICE`: slot = block id). Out: acc `[n, SPLITS, HQ, D]`, m/l `[n, SPLITS, HQ]` in acc's dtype.
-    `SPLIT_KEYS` (a multiple of KEYS; the batch-invariant mode): split `sp` is keys `[sp * SPLIT_KEYS,
+    ids sorted by token, `starts[t]:starts[t+1]` token t's part of it (`SORTED`: the slots are in that order
+    already, `order` is not read), `ids`: block id per slot (unless `SLICE`: slot = block id). Out: acc
+    `[n, SPLITS, HQ, D]`, m/l `[n, SPLITS, HQ]` in acc's dtype.
+    `SPLIT_KEYS` (the batch-invariant mode): split `sp` is keys `[sp * SPLIT_KEYS,
     (sp + 1) * SPLIT_KEYS)` of the token's slots, boundaries fixed by position (splits past the
     token's keys write empty partials); 0: the token's keys cut into SPLITS even parts.
 
@@ -110,7 +112,10 @@ def _token(t, h, sp, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr,
     for start in range(k_begin, k_end, KEYS):
         kk = start + tl.arange(0, KEYS)
         key_ok = kk < k_end
-        slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
+        if SORTED:
+            slot = first + kk // BS
+        else:
+            slot = tl.load(order_ptr + first + kk // BS, mask=key_ok, other=0)
         if SLICE:
             blk = slot
         else:
@@ -216,7 +221,7 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                  K_SCALES: tl.constexpr, V_SCALES: tl.constexpr, SPLIT_KEYS: tl.constexpr, UNITS: tl.constexpr,
                  kn_ptr, vn_ptr, skn_t, skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS: tl.constexpr,
                  take_ptr, NEW_SELECT: tl.constexpr, out_ptr, FINAL: tl.constexpr, EXACT_DIV: tl.constexpr,
-                 WORK: tl.constexpr):
+                 SORTED: tl.constexpr, WORK: tl.constexpr):
     """The unique kernel: `_token` for one (token, KV head, split) a program, where `WORK` is off: program t
     the token t (int64: output offsets, t * SPLITS * HQ * D, may pass 2**31). `WORK` (units of several tokens;
     `unique.scan_token_order` listed the unit starts after the `n + 1` starts: `starts[n + 1 + e]`, their count
@@ -232,13 +237,14 @@ def _unique_body(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr, ids
                    lo_ptr, hi_ptr, seg_ptr, n_tokens, acc_ptr, m_ptr, l_ptr, score_scale, v_scale, sq_t, sq_h, sk_b,
                    sk_s, sk_h, sv_b, sv_s, sv_h, sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d, HQ, G, ROWS,
                    D, D_PAD, BS, KEYS, SPLITS, SLICE, K_SCALES, V_SCALES, SPLIT_KEYS, UNITS, kn_ptr, vn_ptr, skn_t,
-                   skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS, take_ptr, NEW_SELECT, out_ptr, FINAL, EXACT_DIV)
+                   skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS, take_ptr, NEW_SELECT, out_ptr, FINAL, EXACT_DIV,
+                   SORTED)
     else:
         _token(tl.program_id(0).to(tl.int64), h, sp, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, order_ptr, starts_ptr,
                ids_ptr, lo_ptr, hi_ptr, seg_ptr, n_tokens, acc_ptr, m_ptr, l_ptr, score_scale, v_scale, sq_t, sq_h,
                sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sks_b, sks_s, sks_h, sks_d, svs_b, svs_s, svs_h, svs_d, HQ, G,
                ROWS, D, D_PAD, BS, KEYS, SPLITS, SLICE, K_SCALES, V_SCALES, SPLIT_KEYS, UNITS, kn_ptr, vn_ptr, skn_t,
-               skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS, take_ptr, NEW_SELECT, out_ptr, FINAL, EXACT_DIV)
+               skn_h, svn_t, svn_h, new_scale, new_v, NEW_KEYS, take_ptr, NEW_SELECT, out_ptr, FINAL, EXACT_DIV, SORTED)
 
 
 def _order_body(rows_ptr, order_ptr, starts_ptr, S, seg_ptr, CHUNK: tl.constexpr, UNITS: tl.constexpr):

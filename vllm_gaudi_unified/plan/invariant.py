@@ -44,8 +44,8 @@ step, `paths/invariant.py`):
 * **fast route** (CUDA flash + Triton, `paths/invariant_fast.py`): a request
   with one new token (or any request under a sliding window) has its cached
   blocks as *slots* (one per (token, block), sorted by token then position),
-  which the Triton kernel walks in splits of `SPLIT_KEYS` keys counted from the
-  token's first slot; a verify step (2 to `unique_tokens` new tokens over a
+  which the Triton kernel walks in splits of `split_keys` keys counted from the
+  token's first slot (a constant of the model's KV heads); a verify step (2 to `unique_tokens` new tokens over a
   context, no window: `unit_requests`) has its slots listed once, on its first
   token, whose program takes all its rows (tokens x query heads of a KV head)
   in the same splits; another request with several new tokens has its context as one
@@ -76,6 +76,7 @@ import numpy as np
 from vllm_gaudi_unified.bucket import Bucket, phase_of
 from vllm_gaudi_unified.plan.arrays import (cached_pairs, check_causal_tiles, check_covers, grow, move_no_row, ranges,
                                             step_tokens)
+from vllm_gaudi_unified.plan.invariant_slots import most as _most, plan_ctx_segments, plan_slots
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
@@ -85,8 +86,16 @@ from vllm_gaudi_unified.plan.step_plan import StepPlan
 CALL_MIN_ROWS = 16
 
 #: Keys per split of the fast route's Triton kernel, counted from a token's first slot: a split's
-#: boundaries are positions of the token's own context, never a function of the batch.
+#: boundaries are positions of the token's own context, never a function of the batch. `split_keys`:
+#: `SPLIT_HEAD_KEYS` per KV head, at most `SPLIT_KEYS` (a token's programs, KV heads x splits, take about as
+#: many keys each whatever the model's KV heads: an MQA verify step still fills the SMs).
 SPLIT_KEYS = 8192
+SPLIT_HEAD_KEYS = 1024
+
+
+def split_keys(kv_heads: int) -> int:
+    """Keys per split of the fast route's Triton kernel for a model of `kv_heads` KV heads (a constant of the model)."""
+    return min(SPLIT_KEYS, SPLIT_HEAD_KEYS * kv_heads)
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,7 +134,9 @@ class InvariantPlan(StepPlan):
     slot_blocks: np.ndarray  #: [slots] physical block
     slot_lo: np.ndarray  #: [slots] first visible slot of the block
     slot_hi: np.ndarray  #: [slots] end of visible slots
-    slot_splits: int  #: Triton splits per token: the most any token needs, a power of two
+    slot_starts: np.ndarray  #: [tokens + 1] token t's slots are `slot_*[slot_starts[t]:slot_starts[t + 1]]`
+    slot_take: np.ndarray  #: [tokens] 1: the token's program takes its request's new keys (one-token requests, units)
+    slot_most: int  #: the most slots of one token (the kernel's split count: `split_keys` at run time)
     ctx_rows: np.ndarray  #: [rows] tokens of the requests whose context is one flash segment, in order
     ctx_cu_q: np.ndarray  #: [segments + 1] cumulative rows
     ctx_blocks: np.ndarray  #: [blocks] each segment's context blocks, in order
@@ -216,10 +227,11 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
     n_causal = np.where(q >= 2, -(-q // opts.causal_tile), 0)
     causal_width = pow2(int(n_causal.max()) if n_causal.size else 1)
     slot_tokens = np.where(one | (W is not None), q, np.where(unit, 1, 0))  # a unit's slots: its first token's
-    slots = _plan_slots(pair_req, pair_blk, phys, slot_tokens, starts, ctx, tok_pos, bs, W)
+    slots = plan_slots(pair_req, pair_blk, phys, slot_tokens, starts, ctx, tok_pos, bs, W)
+    slots["take"] = np.bincount(starts[one | unit], minlength=T).astype(np.int32)  # (W: no unit)
     flash_ctx_reqs = flash_rest[ctx[flash_rest] > 0]
     ctx_reqs = (flash_ctx_reqs, mine[ctx[mine] > 0]) if W is None else (np.zeros(0, np.int64),) * 2
-    flash_ctx = _plan_ctx_segments(np.concatenate(ctx_reqs), q, starts, ctx, nb_ctx, bt, bs)
+    flash_ctx = plan_ctx_segments(np.concatenate(ctx_reqs), q, starts, ctx, nb_ctx, bt, bs)
     c = ctx_reqs[0]
     flash_ctx["own_from"] = (int(q[c].sum()), c.size, int(nb_ctx[c].sum()), max(2, _most(q[c])), _most(nb_ctx[c]) * bs)
     multi = np.concatenate([flash_rest, mine])
@@ -254,10 +266,6 @@ def plan_invariant(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int |
         causal_own_from=causal_rest[0].size,
         calls=tuple(zip(*(a.tolist() for a in (starts[mine], q[mine], ctx[mine], call_first, nb_ctx[mine])))),
         call_blocks=bt[mine[call_owner], call_blk] if call_blk.size else np.zeros(0, np.int64))
-
-
-def _most(n: np.ndarray) -> int:
-    return int(n.max()) if n.size else 0
 
 
 def _plan_tiles(reqs, rows, q, starts, ctx, nb_ctx, first_blk, bt, bs, W, kb, tok_pos, T, opts):
@@ -325,34 +333,6 @@ def _plan_share_calls(dec: dict, T: int, bs: int, W: int | None, per_call: int) 
     return rest, dict(rows=share_rows, blocks=blocks[tiles[new]], col=share_col)
 
 
-def _plan_slots(pair_req, pair_blk, phys, tokens, starts, ctx, tok_pos, bs, W):
-    """(token, block) slots of the Triton route, by token, then position: of request r's first `tokens[r]`
-    tokens (its new tokens; 1 for a unit, whose first token's slots serve all of them; 0: not this route)."""
-    keep = tokens[pair_req] > 0
-    pair_req, pair_blk, phys = pair_req[keep], pair_blk[keep], phys[keep]
-    row_j, row_pair = ranges(np.zeros_like(pair_req), tokens[pair_req])
-    req, blk, ids = pair_req[row_pair], pair_blk[row_pair], phys[row_pair]
-    tok = starts[req] + row_j
-    hi = np.minimum(bs, ctx[req] - blk * bs)
-    lo = np.zeros_like(hi) if W is None else np.clip(tok_pos[tok] - W + 1 - blk * bs, 0, hi)
-    sel = lo < hi
-    order = np.lexsort((blk[sel], tok[sel]))
-    tok, ids, lo, hi = tok[sel][order], ids[sel][order], lo[sel][order], hi[sel][order]
-    per_token = np.bincount(tok, minlength=1).max() if tok.size else 0
-    return dict(rows=tok.astype(np.int32), blocks=ids, lo=lo.astype(np.int32), hi=hi.astype(np.int32),
-                splits=pow2(-(-int(per_token) * bs // SPLIT_KEYS)))
-
-
-def _plan_ctx_segments(reqs, q, starts, ctx, nb_ctx, bt, bs):
-    """The context of each request in `reqs` as one flash segment: its tokens against its blocks."""
-    rows, _ = ranges(starts[reqs], q[reqs])
-    flat, owner = ranges(np.zeros_like(reqs), nb_ctx[reqs])
-    blocks = bt[reqs[owner], flat] if flat.size else np.zeros(0, np.int64)
-    cu = lambda n: np.concatenate([[0], np.cumsum(n)]).astype(np.int32)  # noqa: E731
-    return dict(rows=rows.astype(np.int32), cu_q=cu(q[reqs]), blocks=blocks, cu_k=cu(nb_ctx[reqs] * bs),
-                used=ctx[reqs].astype(np.int32), max=(max(2, _most(q[reqs])), _most(nb_ctx[reqs]) * bs))
-
-
 def _plan_causal_tiles(q, starts, W, opts, sel):
     """(query tile a, key tile b <= a) of each request of `sel` with two or more new tokens, tiles
     counted from the request's first token; padded to a multiple of `invariant_causal_chunk`."""
@@ -394,6 +374,7 @@ def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
         dec_rows=grow(rows(plan.dec_rows), nd, Tp), dec_blocks=grow(plan.dec_blocks, nd, 0),
         dec_lo=grow(plan.dec_lo, nd, 0), dec_hi=grow(plan.dec_hi, nd, 0), dec_col=grow(plan.dec_col, nd, 0),
         pre_rows=rows(plan.pre_rows), unit_rows=rows(plan.unit_rows), share_rows=rows(plan.share_rows),
+        slot_starts=grow(plan.slot_starts, Tp + 1, plan.slot_rows.size), slot_take=grow(plan.slot_take, Tp, 0),
         # A bucket made for the default mode may have unique slots: empty ones, never read.
         unique_rows=np.full(nq, Tp, np.int32), unique_blocks=np.zeros(nq, np.int32) if nq else empty,
         unique_lo=np.zeros(nq, np.int32), unique_hi=np.zeros(nq, np.int32),
