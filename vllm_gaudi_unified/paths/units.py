@@ -31,8 +31,7 @@ DROP_ROWS = 64
 UNIT_CHUNK = 8
 
 
-def unit_chunks(rows: torch.Tensor, live: torch.Tensor, n: int, groups: int, per_chunk: int = UNIT_CHUNK
-                ) -> torch.Tensor:
+def unit_chunks(rows: torch.Tensor, live: torch.Tensor, n: int, groups: int, per_chunk: int) -> torch.Tensor:
     """The slots `[S]` of each request laid out densely: `[Nc, per_chunk]` slot indices (S: none), a chunk's
     slots one request's (same `rows`, `live`), every live slot once. `groups`: at most so many distinct rows
     (the requests; `n + 1` always holds). Chunks bounded from the shapes alone (`Nc = (S + G (C - 1)) // C`,
@@ -89,7 +88,7 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
     fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
     # A request's slots in dense chunks: maxima, then rows scaled to their token's max, reduced per chunk.
-    layout = unit_chunks(tokens[:, 0], real[:, 0], n, n + 1 if groups is None else groups)  # [Nc, C]
+    layout = unit_chunks(tokens[:, 0], real[:, 0], n, n + 1 if groups is None else groups, UNIT_CHUNK)  # [Nc, C]
     nc = layout.shape[0]
     used = layout < t
     slot = layout.clamp(max=t - 1)
