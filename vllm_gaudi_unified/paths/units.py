@@ -29,6 +29,7 @@ DROP_ROWS = 64
 #: Slots of one request folded densely before the scatter into its tokens (`unit_chunks`): the scatter takes
 #: this many times fewer rows; a request's last chunk pads up to it.
 UNIT_CHUNK = 8
+UNIT_HEADWISE = False
 
 
 def unit_chunks(rows: torch.Tensor, live: torch.Tensor, n: int, groups: int, per_chunk: int) -> torch.Tensor:
@@ -70,20 +71,37 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     mask = mask & real[:, :, None]  # [T, R, K]
     # rows (r, g) per KV head: the gathered queries written once in the products' layout
     qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
-    scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
-    scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
-    if soft_cap is not None:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
-    p, m, total = masked_softmax_for(scores)(scores)
-    p = p.to(v.dtype).view(t, hkv, r * g, nk)
-    acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
-    m, total = (x.transpose(1, 2).reshape(t, r, hq) for x in (m, total))  # [T, R, Hq]
+    if UNIT_HEADWISE:
+        ms, tots, acc, pm = [], [], [], []
+        for h in range(hkv):
+            sh = score_product(qh[:, h], k[:, :, h].transpose(1, 2)).view(t, r, g, nk).to(dt) * scale
+            if soft_cap is not None:
+                sh = soft_cap * torch.tanh(sh / soft_cap)
+            sh = sh.masked_fill(~mask[:, :, None], float("-inf"))
+            ph, mh, th = masked_softmax_for(sh)(sh)
+            ph = ph.to(v.dtype).view(t, r * g, nk)
+            acc.append(torch.matmul(ph, v[:, :, h]))
+            ms.append(mh)
+            tots.append(th)
+            pm.append(ph[masked])
+        m, total = (torch.stack(x, 2).reshape(t, r, hq) for x in (ms, tots))
+        p_masked = torch.stack(pm, 1)
+    else:
+        scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+        scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
+        p, m, total = masked_softmax_for(scores)(scores)
+        p = p.to(v.dtype).view(t, hkv, r * g, nk)
+        acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
+        m, total = (x.transpose(1, 2).reshape(t, r, hq) for x in (m, total))  # [T, R, Hq]
+        p_masked = p[masked]
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     vz = torch.where(mask.any(1)[masked][:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
-    fix = torch.matmul(p[masked], vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
+    fix = torch.matmul(p_masked, vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
     listed = torch.arange(s, device=q.device)
     once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
     fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
