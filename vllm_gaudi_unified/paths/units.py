@@ -29,7 +29,9 @@ DROP_ROWS = 64
 #: Slots of one request folded densely before the scatter into its tokens (`unit_chunks`): the scatter takes
 #: this many times fewer rows; a request's last chunk pads up to it.
 UNIT_CHUNK = 8
-UNIT_HEADWISE = False
+#: Scores, softmax and `p @ V` one KV head at a time (each head's scores and probabilities a few MB, read back
+#: from L2, and no stacked copy of every head's), rather than one softmax over all heads' stacked scores.
+UNIT_HEADWISE = True
 
 
 def unit_chunks(rows: torch.Tensor, live: torch.Tensor, n: int, groups: int, per_chunk: int) -> torch.Tensor:
