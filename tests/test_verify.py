@@ -221,32 +221,3 @@ def test_units_add_a_masked_slot_listed_twice_once(masked):
     want = normalize(scatter_merge(want, torch.where(real, tokens, n).reshape(-1), n))
     torch.testing.assert_close(got[:5], want[:5], rtol=1e-6, atol=1e-6)
     assert torch.equal(got[5], torch.zeros_like(got[5]))  # token 5 sees no key here
-
-
-@pytest.mark.parametrize("per_chunk", [1, 2, 3, 8])
-def test_unit_chunks_hold_each_live_slot_once_per_request(per_chunk):
-    """`units.unit_chunks`: every live slot in exactly one place, a chunk's slots one request's, at most
-    `per_chunk` of them, within the bound the shapes give (slots in any order, dead slots and gaps)."""
-    from vllm_gaudi_unified.paths.units import unit_chunks
-
-    rows = torch.tensor([5, 0, 9, 5, 0, 0, 12, 5, 0, 12, 9, 0, 0])  # 12: no row (n)
-    live = rows < 12
-    layout = unit_chunks(rows, live, 12, 4, per_chunk)
-    s = rows.shape[0]
-    assert layout.shape[0] == (s + 4 * (per_chunk - 1)) // per_chunk and layout.shape[1] == per_chunk
-    listed = layout[layout < s]
-    assert sorted(listed.tolist()) == torch.nonzero(live)[:, 0].tolist()
-    for chunk in layout:
-        assert len(set(rows[chunk[chunk < s]].tolist())) <= 1
-
-
-@pytest.mark.parametrize("per_chunk", [1, 3])
-def test_units_fold_the_same_in_any_chunk_size(monkeypatch, per_chunk):
-    """A verify step (ragged drafts, a bad unused slot) matches the reference whatever `UNIT_CHUNK` is."""
-    from vllm_gaudi_unified.paths import units
-
-    monkeypatch.setattr(units, "UNIT_CHUNK", per_chunk)
-    for name in ("ragged", "mqa"):
-        out, ref, batch = run_case(VERIFY[name][0], dtype=torch.float64, options=UNITS)
-        assert batch.plan.unique_units == 4
-        assert_matches(out, ref)

@@ -7,13 +7,9 @@ stored, no copy), then one softmax over all heads, and per KV head `p @ V` again
 
 The tiles whose real rows miss some key (a request's partial last block: its unused slots may hold
 NaN, and `0 * NaN` would reach every row of the tile) take `p @ V` again on masked V, all heads in one
-product; their rows replace those tiles' rows in the merge.
-
-The merge folds a request's units densely before anything is scattered (`unit_chunks`): its slots are
-laid out in chunks of `UNIT_CHUNK`, one request's each, and a chunk's rows are reduced over that dense
-axis (its maxima by one `amax`, its rows scaled to their token's max and summed), so the scatter max and
-the `index_add` into the tokens take a chunk's rows, not every slot's (the atomics of 8 rows to one address
-were a third of a 64 x 8 step). The requests' own new pairs (`request_pairs`) are merged beside them.
+product; their rows replace those tiles' rows in the merge. The merge is one accumulator: each row is
+scaled to its token's max and added at its token (a slot's rows that belong to no token at the
+dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside them.
 """
 from __future__ import annotations
 
@@ -26,42 +22,15 @@ from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
 #: its addresses.
 DROP_ROWS = 64
-#: Slots of one request folded densely before the scatter into its tokens (`unit_chunks`): the scatter takes
-#: this many times fewer rows; a request's last chunk pads up to it.
-UNIT_CHUNK = 8
-#: Scores, softmax and `p @ V` one KV head at a time (each head's scores and probabilities a few MB, read back
-#: from L2, and no stacked copy of every head's), rather than one softmax over all heads' stacked scores.
-UNIT_HEADWISE = True
-
-
-def unit_chunks(rows: torch.Tensor, live: torch.Tensor, n: int, groups: int, per_chunk: int) -> torch.Tensor:
-    """The slots `[S]` of each request laid out densely: `[Nc, per_chunk]` slot indices (S: none), a chunk's
-    slots one request's (same `rows`, `live`), every live slot once. `groups`: at most so many distinct rows
-    (the requests; `n + 1` always holds). Chunks bounded from the shapes alone (`Nc = (S + G (C - 1)) // C`,
-    G = min(groups, S)): one-hot ranks and cumulative sums, no sort and no shape that follows the data."""
-    s, c = rows.shape[0], per_chunk
-    g = min(groups, s)
-    nc = (s + g * (c - 1)) // c
-    first = torch.zeros(n + 1, dtype=torch.int32, device=rows.device).index_fill_(0, rows, 1)
-    group = (torch.cumsum(first, 0) - 1)[rows].clamp(max=g - 1)  # [S]: rows' rank among the distinct rows
-    onehot = (group[:, None] == torch.arange(g, device=rows.device)) & live[:, None]
-    ranks = torch.cumsum(onehot.to(torch.int32), 0)  # [S, G]
-    rank = ranks.gather(1, group[:, None])[:, 0] - 1  # a live slot's place among its request's
-    chunks = (ranks[-1] + c - 1) // c
-    base = torch.cumsum(chunks, 0) - chunks  # [G] a request's first chunk
-    pos = torch.where(live, base[group] * c + rank, nc * c).to(torch.int64)
-    layout = torch.full((nc * c + 1,), s, dtype=torch.int64, device=rows.device)
-    return layout.scatter_(0, pos, torch.arange(s, device=rows.device))[:nc * c].view(nc, c)
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
                   mask: torch.Tensor, masked: torch.Tensor, scale: float, soft_cap: float | None,
-                  pairs: tuple[Partial, torch.Tensor] | None = None, groups: int | None = None) -> Partial:
+                  pairs: tuple[Partial, torch.Tensor] | None = None) -> Partial:
     """q `[n, Hq, D]` (the step's queries), k/v `[slots, K, Hkv, D]` (the units' blocks as stored), the
     units' tokens and which are real `[slots, R]` (`unique.unit_tokens`), mask `[slots, 1, K]` (the
     slot's visible keys), `masked`: the slots whose real rows may miss a key (`unique._partial_slots`),
-    `pairs`: the requests' own new pairs as rows and their tokens (`request_pairs`), `groups`: at most so
-    many requests hold a unit (`unit_chunks`; default n + 1) -> Partial `[n]`."""
+    `pairs`: the requests' own new pairs as rows and their tokens (`request_pairs`) -> Partial `[n]`."""
     n = q.shape[0]
     t, r = tokens.shape
     nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -70,71 +39,46 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     dt = compute_dtype(q.dtype)
     op = product_dtype(q.dtype)
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16 (its products in fp32)
+    drop = n + torch.arange(t * r, device=q.device) % DROP_ROWS  # [T*R]
+    index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
     mask = mask & real[:, :, None]  # [T, R, K]
     # rows (r, g) per KV head: the gathered queries written once in the products' layout
     qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
-    if UNIT_HEADWISE:
-        ms, tots, acc, pm = [], [], [], []
-        for h in range(hkv):
-            sh = score_product(qh[:, h], k[:, :, h].transpose(1, 2)).view(t, r, g, nk).to(dt) * scale
-            if soft_cap is not None:
-                sh = soft_cap * torch.tanh(sh / soft_cap)
-            sh = sh.masked_fill(~mask[:, :, None], float("-inf"))
-            ph, mh, th = masked_softmax_for(sh)(sh)
-            ph = ph.to(v.dtype).view(t, r * g, nk)
-            acc.append(torch.matmul(ph, v[:, :, h]))
-            ms.append(mh)
-            tots.append(th)
-            pm.append(ph[masked])
-        m, total = (torch.stack(x, 2).reshape(t, r, hq) for x in (ms, tots))
-        p_masked = torch.stack(pm, 1)
-    else:
-        scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
-        scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
-        if soft_cap is not None:
-            scores = soft_cap * torch.tanh(scores / soft_cap)
-        scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
-        p, m, total = masked_softmax_for(scores)(scores)
-        p = p.to(v.dtype).view(t, hkv, r * g, nk)
-        acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
-        m, total = (x.transpose(1, 2).reshape(t, r, hq) for x in (m, total))  # [T, R, Hq]
-        p_masked = p[masked]
+    scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+    scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
+    p, m, total = masked_softmax_for(scores)(scores)
+    p = p.to(v.dtype).view(t, hkv, r * g, nk)
+    acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
+    m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     vz = torch.where(mask.any(1)[masked][:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
-    fix = torch.matmul(p_masked, vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
+    fix = torch.matmul(p[masked], vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
     listed = torch.arange(s, device=q.device)
     once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
+    fix_rows = (masked[:, None] * r + torch.arange(r, device=q.device)).reshape(-1)  # [S*R]
+    fix_index = torch.where(once[:, None].expand(s, r).reshape(-1), index[fix_rows], drop[:s * r])
     fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
-    # A request's slots in dense chunks: maxima, then rows scaled to their token's max, reduced per chunk.
-    layout = unit_chunks(tokens[:, 0], real[:, 0], n, n + 1 if groups is None else groups, UNIT_CHUNK)  # [Nc, C]
-    nc = layout.shape[0]
-    used = layout < t
-    slot = layout.clamp(max=t - 1)
-    head = slot[:, 0]
-    drop = n + torch.arange(nc * r, device=q.device) % DROP_ROWS
-    into = torch.where((used[:, :1] & real[head]).reshape(-1), tokens[head].reshape(-1), drop)  # [Nc*R]
-    fix_into = torch.where((once[:, None] & real[masked]).reshape(-1), tokens[masked].reshape(-1), drop[:s * r])
+    acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)  # their rows: the fix's
+    # one accumulator: every row's max first, then each row scaled to its token's and added
     new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
     if pairs is not None:
         new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    chunk_max = torch.where(used[:, :, None, None], m[slot], float("-inf")).amax(1)  # [Nc, R, Hq]
-    new_max = scatter_max(chunk_max.view(-1, hq), into, new_max)
-    row_max = new_max.gather(0, into[:, None].expand(-1, hq)).view(nc, 1, r, hq)
-    seen, w = rescale_weights(m[slot], row_max)  # [Nc, C, R, Hq], once for every head group and the sums
-    seen = seen & used[:, :, None, None]
-    adds = seen & ~fixed[slot][:, :, None, None]  # a masked slot's rows: its fix's
+    new_max = scatter_max(m, index, new_max)
+    row_max = new_max.gather(0, index[:, None].expand(-1, hq))
+    seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
     out = []
     for h in range(hkv):
         hs = slice(h * g, (h + 1) * g)
-        rows_h = rescaled(acc[h].view(t, r, g, dv)[slot], adds[..., hs], w[..., hs]).sum(1)  # [Nc, R, G, Dv]
-        out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device)
-                   .index_add(0, into, rows_h.reshape(-1, g, dv)))
+        row_acc = rescaled(acc[h].view(t * r, g, dv), seen[:, hs], w[:, hs])
+        out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, acc_index, row_acc))
     out = out[0] if hkv == 1 else torch.cat(out, 1)
-    fix_w = rescale_weights(m[masked].reshape(s * r, hq), new_max.gather(0, fix_into[:, None].expand(-1, hq)))
-    out = out.index_add(0, fix_into, rescaled(fix, *fix_w))
-    sums = torch.zeros_like(new_max).index_add(0, into, rescaled(total[slot], seen, w).sum(1).reshape(-1, hq))
+    out = out.index_add(0, fix_index, rescaled(fix, seen[fix_rows], w[fix_rows]))
+    sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
     if pairs is not None:
         rows, where = pairs
         seen_p, w_p = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
