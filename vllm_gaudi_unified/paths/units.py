@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
-from vllm_gaudi_unified.merge import Partial, _scaled, compute_dtype, rescale_weights, rescaled, scatter_max
+from vllm_gaudi_unified.merge import Partial, compute_dtype, rescale_weights, rescaled, scatter_max
 from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
@@ -81,10 +81,9 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
     if pairs is not None:
         rows, where = pairs
-        pair_max = new_max.gather(0, where[:, None].expand(-1, hq))
-        pair_acc, pair_sum = _scaled(rows, pair_max)
-        out = out.index_add(0, where, pair_acc)
-        sums = sums.index_add(0, where, pair_sum)
+        seen_p, w_p = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
+        out = out.index_add(0, where, rescaled(rows.acc, seen_p, w_p))
+        sums = sums.index_add(0, where, rescaled(rows.sum, seen_p, w_p))
     return Partial(out[:n], new_max[:n], sums[:n])
 
 
