@@ -35,7 +35,7 @@ import torch
 from vllm_gaudi_unified.merge import Partial, normalize, scatter_max
 from vllm_gaudi_unified.paths.kv_quant import one_tensor_scale, read_blocks
 from vllm_gaudi_unified.paths.mla_shared import finite_shift, latent_cache
-from vllm_gaudi_unified.paths import tiles
+from vllm_gaudi_unified.paths import mla_chunks, tiles
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype, slot_mask
 from vllm_gaudi_unified.plan.invariant import pow2, tiles_per_call
 
@@ -81,7 +81,14 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
     into = torch.where(rows < n, rows, n)
     top = scatter_max(s.amax(-1).to(dt), into, torch.cat([own, own.new_full((1, hq), float("-inf"))]))
     shift = finite_shift(top)  # [n + 1, H]
-    p = s.sub_(shift[into].to(sdt)[..., None]).exp_()
+    rows_shift = shift[into].to(sdt)
+    if mla_chunks.MLA_CHUNK_RANK1:  # s - shift as products of inner dim 1, per call (`mla_chunks._add_outer`)
+        rows_shift = rows_shift.neg_()
+        for a, b in _calls(whole, nt, per, tail):
+            mla_chunks._add_outer(s[a:b], rows_shift[a:b], None)
+        p = s.exp_()
+    else:
+        p = s.sub_(rows_shift[..., None]).exp_()
     p = p if sdt == op else p.to(op)
     del s
     acc = torch.empty((nt + 1, hq, value_dim), dtype=op, device=q.device)
