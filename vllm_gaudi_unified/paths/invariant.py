@@ -126,7 +126,8 @@ def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
                       final: bool = False) -> Partial | Final:
     """All keys of every token, merged in a fixed order: self, cached, causal; `own`: not the pairs of the
     own-calls requests (their rows are `own_rows`'); not `decodes`: not the one-token requests' cached
-    tiles (their rows are `mla_invariant.decode_rows`'); `final` (nothing merged after): the fast route
+    tiles (their rows are `mla_invariant.decode_rows`' or
+    `mla_invariant_torch.decode_rows`'); `final` (nothing merged after): the fast route
     may give its rows normalized (`Final`, `invariant_fast.fast_partial`)."""
     from vllm_gaudi_unified.paths import invariant_fast
 

@@ -51,7 +51,7 @@ def applies(batch, key_cache: torch.Tensor, value_cache: torch.Tensor, soft_cap,
 
 def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, value_dim: int, batch, scale: float,
                 out: torch.Tensor | None = None, kv_scale=None) -> torch.Tensor:
-    """`out` `[n, H, L]` (None: a new one) with the rows of the one-token requests written final (module
+    """`out` `[n, H, L]` (None: a new one, the rows past the step's tokens zeroed) with the rows of the one-token requests written final (module
     docstring): q `[n, H, L + R]`, the new latents `key` `[n, 1, L + R]`, the latent cache as keys
     `[blocks, block_size, 1, L + R]`."""
     n, hq, d = q.shape
@@ -110,7 +110,8 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, val
     out_acc += w[..., None] * own_v[:, None, :]
     out_sum += w
     rows_out = normalize(Partial(out_acc, top[:n], out_sum), q.dtype)
-    if out is None:
+    if out is None:  # (the rows past the step's tokens zeroed, as the kernel route's)
+        rows_out[batch.num_tokens:] = 0
         return rows_out
     out[batch.one_rows] = rows_out[batch.one_rows]
     return out
