@@ -13,6 +13,7 @@ latent space); NaN in every unreadable cache slot.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -47,9 +48,10 @@ CASES = [
 ]
 
 
-def world(target, others, position, bs, dtype, seed=0):
+def world(target, others, position, bs, dtype, seed=0, shared=0):
     """Block table (shuffled, null block 0), cache (NaN where unreadable), queries and latents; the target's
-    drawn from its own generator, so alone and in a batch it has the same tensors."""
+    drawn from its own generator, so alone and in a batch it has the same tensors. `shared`: the target's
+    first blocks that every other request with as many whole blocks of context reads too (a shared prefix)."""
     reqs = others[:position] + [target] + others[position:]
     rng = np.random.default_rng(seed)
     need = [-(-(c + q) // bs) for q, c in reqs]
@@ -58,6 +60,9 @@ def world(target, others, position, bs, dtype, seed=0):
     table = np.full((len(reqs), max(need) + 1), -1, np.int64)
     for r, n in enumerate(need):
         table[r, :n] = [free.pop() for _ in range(n)]
+    for r, (_, c) in enumerate(reqs):
+        if shared and r != position and c >= shared * bs:
+            table[r, :shared] = table[position, :shared]
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape, gen=g, s=1.0: (s * torch.randn(*shape, generator=gen, dtype=torch.float64))  # noqa: E731
     cache = rand(num_blocks, bs, L + R)
@@ -78,10 +83,11 @@ def world(target, others, position, bs, dtype, seed=0):
     return reqs, table, num_blocks, torch.cat(q_nope), torch.cat(q_pe), torch.cat(latent), cache, w_uk, w_uv
 
 
-def run_case(target, others, position, bs, pad, dtype, device, ref=True):
+def run_case(target, others, position, bs, pad, dtype, device, ref=True, shared=0):
     """-> (the target alone, the target in the batch): its latent rows `[1, H, L]` from the same cache, after
     checking both steps against the reference (with `ref`)."""
-    reqs, table, num_blocks, q_nope, q_pe, latent, cache, w_uk, w_uv = world(target, others, position, bs, dtype)
+    reqs, table, num_blocks, q_nope, q_pe, latent, cache, w_uk, w_uv = world(target, others, position, bs, dtype,
+                                                                             shared=shared)
     ql, cl = [q for q, _ in reqs], [c for _, c in reqs]
     start = sum(ql[:position])
     query = absorb_query(q_nope, q_pe, w_uk)
@@ -191,6 +197,57 @@ def check(device: str = "cpu", small: bool = True, cases=None, dtypes=None) -> i
         mla_decode.mla_unique_route = real_route
         mla_invariant.decode_rows = real_rows
         mla_decode.MLA_KEYS, plan_invariant.SPLIT_KEYS = saved["MLA_KEYS"], saved["SPLIT_KEYS"]
+    return done
+
+
+#: The torch route's own cases (`mla_invariant_torch.py`): decodes over the target's first 4 blocks (its whole
+#: chunks: share calls in the batch, one-row tiles alone), as (case, shared blocks).
+SHARED = [(((1, 70), [(1, 80), (1, 75), (1, 200), (3, 12), (1, 66)], 16, None), 4),
+          (((1, 70), [(1, 90), (1, 64), (5, 0), (1, 71)], 16, (3, 2, 2, 0, 2)), 4)]
+
+
+def check_torch(device: str = "cpu", dtypes=None, gaudi_scores: bool = False, long: bool = False) -> int:
+    """Every case (`CASES`, then `SHARED`) on the torch route (`mla_invariant_torch.decode_rows`, the Gaudi
+    route's): alone and in the batch the same bits at three positions, every step against the reference;
+    `gaudi_scores`: the scores in the product's 16 bits, as a Gaudi keeps them (`tiles.gaudi_product`);
+    `long`: `LONG` at DeepSeek's shapes with the default options (chunks of 4 blocks of 128), bitwise only."""
+    global L, R, P, V, H
+    if long:
+        saved_shapes, (L, R, P, V, H) = (L, R, P, V, H), DEEPSEEK
+        try:
+            return _check_torch(device, dtypes or [torch.bfloat16], gaudi_scores, [(case, 0) for case in LONG],
+                                PlanOptions(batch_invariant=True), ref=False)
+        finally:
+            L, R, P, V, H = saved_shapes
+    return _check_torch(device, dtypes or [torch.float64, torch.float32, torch.bfloat16], gaudi_scores,
+                        [(case, 0) for case in CASES] + SHARED, replace(OPTIONS, shared_tile_keys=32), ref=True)
+
+
+def _check_torch(device, dtypes, gaudi_scores, cases, options, ref) -> int:
+    from vllm_gaudi_unified.paths import mla_invariant_torch, tiles
+
+    global OPTIONS
+    real_rows, real_product, saved, calls, done = mla_invariant_torch.decode_rows, tiles.gaudi_product, OPTIONS, [], 0
+    OPTIONS = options  # (`CASES`: chunks of 2 blocks of 16, several a token, whole ones shared)
+
+    def rows(*args, **kwargs):
+        calls.append(args[4].share_rows.shape[0])
+        return real_rows(*args, **kwargs)
+
+    mla_invariant_torch.decode_rows = rows
+    if gaudi_scores:
+        tiles.gaudi_product = lambda device_type: True
+    try:
+        for dtype in dtypes:
+            for (target, others, bs, pad), shared in cases:
+                for position in sorted({0, len(others) // 2, len(others)}):
+                    calls.clear()
+                    assert_same_bits(*run_case(target, others, position, bs, pad, dtype, device, ref, shared))
+                    assert len(calls) == 2, "the torch MLA route did not run"
+                    assert not shared or (calls[0] == 0 and calls[1] > 0), calls  # alone no share call, in batch
+                    done += 1
+    finally:
+        mla_invariant_torch.decode_rows, tiles.gaudi_product, OPTIONS = real_rows, real_product, saved
     return done
 
 

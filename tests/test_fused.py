@@ -132,10 +132,10 @@ def test_kernel_selection():
 def test_score_products_keep_16_bits_where_a_gaudi_runs_them():
     """`tiles.score_product` writes fp32 scores for 16-bit operands on CUDA and the CPU, and keeps the operands'
     dtype on an HPU and on CUDA's Gaudi route (which runs, times and holds what a Gaudi does)."""
-    assert tiles._gaudi_product("hpu") and not tiles._gaudi_product("cpu") and not tiles._gaudi_product("cuda")
+    assert tiles.gaudi_product("hpu") and not tiles.gaudi_product("cpu") and not tiles.gaudi_product("cuda")
     with fused.gaudi_route():
-        assert tiles._gaudi_product("cuda") and not tiles._gaudi_product("cpu")
-    assert not tiles._gaudi_product("cuda")
+        assert tiles.gaudi_product("cuda") and not tiles.gaudi_product("cpu")
+    assert not tiles.gaudi_product("cuda")
     a, b = torch.randn(2, 3, 8).bfloat16(), torch.randn(2, 8, 5).bfloat16()
     assert tiles.score_product(a, b).dtype == torch.float32
     if torch.cuda.is_available():
@@ -351,7 +351,7 @@ def test_shared_tiles_with_a_gaudis_16_bit_scores_match_the_reference(name, soft
 
     from vllm_gaudi_unified.paths import shared
 
-    monkeypatch.setattr(tiles, "_gaudi_product", lambda device_type: True)
+    monkeypatch.setattr(tiles, "gaudi_product", lambda device_type: True)
     calls = record_calls(monkeypatch, shared, "attend_heads")
     products = record_calls(monkeypatch, tiles, "score_product")
     out, ref, batch = run_case(SPECS[name], dtype=torch.bfloat16, logits_soft_cap=soft_cap)

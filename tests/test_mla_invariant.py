@@ -43,6 +43,29 @@ def test_mla_invariant_deepseek_on_cuda():
     assert mla_invariant_cases.check_long("cuda") > 0
 
 
+def test_mla_invariant_torch_route():
+    """The torch route's decodes (`mla_invariant_torch.py`) on the CPU: float64, float32 and bfloat16 (fp32
+    scores), and bfloat16 with the scores in the product's 16 bits (a Gaudi's); chunks shared by several
+    decodes (share calls in the batch, one-row tiles alone), a padded bucket."""
+    import mla_invariant_cases
+
+    assert mla_invariant_cases.check_torch("cpu") == 87
+    assert mla_invariant_cases.check_torch("cpu", dtypes=[torch.bfloat16], gaudi_scores=True) == 29
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mla_invariant_torch_on_the_gaudi_route():
+    """On CUDA's Gaudi route (`fused.gaudi_route()`: no Triton, the products' 16-bit scores): bf16 and fp32 at
+    the small shapes, and at DeepSeek's shapes with the default options (bitwise)."""
+    import mla_invariant_cases
+
+    from vllm_gaudi_unified.paths import fused
+
+    with fused.gaudi_route():
+        assert mla_invariant_cases.check_torch("cuda", dtypes=[torch.bfloat16, torch.float32]) == 58
+        assert mla_invariant_cases.check_torch("cuda", long=True) == 5
+
+
 def test_latent_prompt_bf16_against_the_reference():
     """DeepSeek's shapes in bf16 on the CPU's torch route: the score products' output is fp32 (`tiles.score_product`),
     so a 4-token prompt's rows stay within 1e-2 of the reference (bf16 scores were 0.027 off)."""

@@ -46,9 +46,10 @@ def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_
                      sink: Partial | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """The step's rows `[rows, Hq, Dv]` in q's dtype: the own calls' rows final where `own_final`, every
     other row merged (self, cached, causal, then `sink`: the sinks' partial) and normalised."""
-    from vllm_gaudi_unified.paths import mla_invariant
+    from vllm_gaudi_unified.paths import mla_invariant, mla_invariant_torch
 
-    mla = mla_invariant.applies(batch, q, key_cache, value_cache, soft_cap, sink, k_scale, v_scale)
+    kernel = mla_invariant.applies(batch, q, key_cache, value_cache, soft_cap, sink, k_scale, v_scale)
+    mla = kernel or mla_invariant_torch.applies(batch, key_cache, value_cache, soft_cap, sink, k_scale, v_scale)
     own = own_final(batch, q, v.shape[-1], soft_cap, sink)
     out = None
     if not (own and batch.plan.calls_only) and not (mla and mla_invariant.decodes_only(batch)):
@@ -57,7 +58,9 @@ def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_
         out = part.out if isinstance(part, Final) else normalize(
             merge_all([part] + ([] if sink is None else [sink])), q.dtype)
     out = own_rows(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, out) if own else out
-    return mla_invariant.decode_rows(q, k, key_cache, v.shape[-1], batch, scale, out) if mla else out
+    if kernel:
+        return mla_invariant.decode_rows(q, k, key_cache, v.shape[-1], batch, scale, out)
+    return mla_invariant_torch.decode_rows(q, k, key_cache, v.shape[-1], batch, scale, out, k_scale) if mla else out
 
 
 def own_final(batch, q: torch.Tensor, value_dim: int, soft_cap, sink) -> bool:
@@ -123,7 +126,8 @@ def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
                       final: bool = False) -> Partial | Final:
     """All keys of every token, merged in a fixed order: self, cached, causal; `own`: not the pairs of the
     own-calls requests (their rows are `own_rows`'); not `decodes`: not the one-token requests' cached
-    tiles (their rows are `mla_invariant.decode_rows`'); `final` (nothing merged after): the fast route
+    tiles (their rows are `mla_invariant.decode_rows`' or
+    `mla_invariant_torch.decode_rows`'); `final` (nothing merged after): the fast route
     may give its rows normalized (`Final`, `invariant_fast.fast_partial`)."""
     from vllm_gaudi_unified.paths import invariant_fast
 

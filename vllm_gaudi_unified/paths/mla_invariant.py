@@ -3,7 +3,8 @@
 A latent step's decodes would otherwise take the invariant tile route (one
 torch product per chunk, every (token, chunk) partial of `[128, 512]` fp32
 written to its own slot and folded by a tree): that costs the default's MLA
-kernel many times over in time and memory (docs/batch_invariance.md, Cost).
+kernel many times over in time and memory (docs/batch_invariance.md, Cost;
+where the kernel does not run, `mla_invariant_torch.py` takes them).
 Here each one-token request's rows come from the default's MLA kernel (on sm_90
 FlashMLA's seesaw schedule, `mla_gluon_seesaw.py`, where its shapes allow; else
 `mla_kernel.py`), with every quantity that could follow the batch fixed:

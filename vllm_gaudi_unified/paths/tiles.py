@@ -65,7 +65,7 @@ def score_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     product's dtype (its fp32 matmul runs at a fraction of the bf16 rate), and so does CUDA on the Gaudi
     route (`fused.gaudi_route()`), so that it runs, times and holds what a Gaudi does."""
     dt = compute_dtype(a.dtype)
-    if a.dtype == dt or _gaudi_product(a.device.type):
+    if a.dtype == dt or gaudi_product(a.device.type):
         return torch.matmul(a, b)
     if a.device.type != "cuda":
         return torch.matmul(a.to(dt), b.to(dt))
@@ -73,7 +73,7 @@ def score_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.view(*a.shape[:-1], b.shape[-1])
 
 
-def _gaudi_product(device_type: str) -> bool:
+def gaudi_product(device_type: str) -> bool:
     """A Gaudi's product dtype: an HPU tensor, or a CUDA one on the Gaudi route (`fused.CUDA_KERNELS` off)."""
     return device_type == "hpu" or (device_type == "cuda" and not fused.CUDA_KERNELS)
 
@@ -231,7 +231,7 @@ def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     op = product_dtype(q.dtype)
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16
     heads = lambda x: x.permute(2, 0, 1, *range(3, x.dim()))  # [T, K, Hkv, ...] -> [Hkv, T, K, ...]  # noqa: E731
-    fold = soft_cap is None and (q.dtype == dt or _gaudi_product(q.device.type))
+    fold = soft_cap is None and (q.dtype == dt or gaudi_product(q.device.type))
     qh = torch.empty((hkv, t, r, g, d), dtype=q.dtype, device=q.device)
     qv = q.view(t, r, hkv, g, d).permute(2, 0, 1, 3, 4)
     torch.mul(qv, scale, out=qh) if fold else qh.copy_(qv)
