@@ -11,10 +11,11 @@ fp32, soft cap). Both merge self, cached and causal partials in that order.
 Tile route: every product has one shape per tile kind (`tiles_per_call` tiles
 per call, the last call padded); each (token, chunk) or (token, key tile) partial is written to its own
 slot; a token's slots are scaled to its max over them and added by a fixed pairwise tree. One-row tiles
-(`_one_row_group`) run their products and their sums over keys per call, at one shape, and every other
-pass over a group of calls at once (elementwise, or a max): a row's bits are its own call's. A share call
-(`plan.share_*`: one-row tiles of one whole chunk) is the one-row call with its K and V a view repeating
-the chunk, read once: a row's products have the same operand values and shapes as in its own one-row tile.
+(`_one_row_group`) run their products per call, at one shape, and every other pass over a group of calls'
+real rows at once (elementwise, a max, the sum over keys by a fixed pairwise tree): a row's bits are its
+own call's. A share call (`plan.share_*`: one-row tiles of one whole chunk) is the one-row call with its K
+and V a view repeating the chunk, read once: a row's products have the same operand values and shapes as in
+its own one-row tile.
 
 Own calls, per request, the default's prompt route at the request's own shapes
 (`hpu.sdpa_final`: FusedSDPA on a Gaudi, torch SDPA elsewhere; `fused.sdpa_lse`
@@ -281,8 +282,7 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
     real one (`_Calls.real`: a share call's empty rows are not held). Every other pass (scale, mask, max,
     exp, the sum over keys by a fixed pairwise tree, casts, the writes) runs over the group's rows at once,
     elementwise or a max. So a row's bits are its own call's products on its own values, in any call or
-    group, whatever rows the group holds. V's keys no row sees are zeroed (NaN in unused slots); a padding
-    row goes to the dump slot."""
+    group, whatever rows it holds. V's keys no row sees are zeroed; a padding row goes to the dump slot."""
     n, hq, d = q.shape
     op, dt = product_dtype(q.dtype), compute_dtype(q.dtype)
     calls, at = [], 0  # (kind, call, tiles, rows kept, first kept row in the group)
