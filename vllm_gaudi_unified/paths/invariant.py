@@ -142,25 +142,29 @@ class _Slots:
     """A `[width, tokens]` array of partials (slot-major: a slot's tokens contiguous, so the fold's halves are
     too) plus one dump slot, where every padding row of a call goes (its bits unread); each real (token,
     slot) is written once, never added to, so no order of writes matters. `first`: a partial per token in
-    slot 0 (the self pair), the written ones from slot 1 on (`width` counts slot 0)."""
+    slot 0 (the self pair), the written ones from slot 1 on (`width` counts slot 0). Made at the first write
+    (or fold): a one-row group's buffers are freed by then, so the two are not held together."""
 
     def __init__(self, q: torch.Tensor, width: int, value_dim: int, first: Partial | None = None):
-        tokens, hq, d = *q.shape[:2], value_dim  # the values' head dim (MLA: smaller than the keys')
-        dtype, device = compute_dtype(q.dtype), q.device
-        self.tokens, self.width, self.offset = tokens, width, int(first is not None)
-        size = tokens * width + 1
-        self.acc = torch.zeros((size, hq, d), dtype=dtype, device=device)
-        self.max = torch.full((size, hq), float("-inf"), dtype=dtype, device=device)
-        self.sum = torch.zeros((size, hq), dtype=dtype, device=device)
-        for x, y in zip((self.acc, self.max, self.sum), first or ()):
-            x[:tokens] = y
+        self.tokens, self.width, self.offset, self.first = q.shape[0], width, int(first is not None), first
+        self.like, self.dims, self.arrays = q, (q.shape[1], value_dim), None  # (MLA: values narrower than keys)
+
+    def made(self) -> tuple:
+        """(acc, max, sum) `[tokens x width + 1, Hq, ...]`, in the compute dtype."""
+        if self.arrays is None:
+            size, (hq, d), like = self.tokens * self.width + 1, self.dims, dict(
+                dtype=compute_dtype(self.like.dtype), device=self.like.device)
+            self.arrays = (torch.zeros((size, hq, d), **like), torch.full((size, hq), float("-inf"), **like),
+                           torch.zeros((size, hq), **like))
+            for x, y in zip(self.arrays, self.first or ()):
+                x[:self.tokens] = y
+        return self.arrays
 
     def write(self, part: Partial, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> None:
         dest = torch.where(valid, (cols + self.offset if self.offset else cols) * self.tokens + rows,
                            self.tokens * self.width).reshape(-1)
-        self.acc.index_copy_(0, dest, part.acc)
-        self.max.index_copy_(0, dest, part.max)
-        self.sum.index_copy_(0, dest, part.sum)
+        for x, y in zip(self.made(), part):
+            x.index_copy_(0, dest, y)
 
     def fold(self) -> Partial:
         """Each token's `width` slots merged in one fixed order: each scaled once to the token's max over its
@@ -168,7 +172,7 @@ class _Slots:
         halves again; an empty slot adds an exact 0, so a wider step changes nothing). `merge.fold_pairwise`'s
         value in a third of its passes: those rescale at every level of the tree."""
         n, w = self.tokens, self.width
-        acc, m, total = (x[:n * w].view(w, n, *x.shape[1:]) for x in (self.acc, self.max, self.sum))
+        acc, m, total = (x[:n * w].view(w, n, *x.shape[1:]) for x in self.made())
         top = m.amax(0)
         seen, weight = rescale_weights(m, top)
         acc, total = rescaled(acc, seen, weight), rescaled(total, seen, weight)
@@ -294,20 +298,19 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
     if not calls:
         return
     cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]  # noqa: E731
-    qg = q[cat([kind.rows[c] for kind, c, *_ in calls]).clamp(max=n - 1)].to(op)  # every call's tiles
-    chunks = {}
 
-    def read(kind, cache, sc, c, tiles):  # call c's K or V `[tiles, keys, Hkv, D]`
+    def read(kind, cache, sc, c, tiles):  # call c's K or V `[tiles, keys, Hkv, D]` (a share call's chunk: a view)
         if kind.shared:
-            key = (id(kind), cache is key_cache)
-            chunks[key] = _gather(cache, kind.blocks, sc, q.dtype) if key not in chunks else chunks[key]
-            return chunks[key][c:c + 1].expand(tiles, -1, -1, -1)
+            return _gather(cache, kind.blocks[c:c + 1], sc, q.dtype).expand(tiles, -1, -1, -1)
         mask = kind.mask
         unseen = None if mask is None or cache is key_cache else ~mask[c * tiles:(c + 1) * tiles, :, None, None]
         return _gather(cache, kind.blocks[c * tiles:(c + 1) * tiles], sc, q.dtype, unseen)
 
-    scores, first = None, 0
+    scores, qkind = None, None
     for kind, c, tiles, r, at in calls:
+        if kind is not qkind:  # each kind's q rows, its calls' tiles (its calls that run: the first ones)
+            qg, runs = None, sum(k is kind for k, *_ in calls)
+            qg, qkind, first = q[kind.rows[:runs].reshape(-1).clamp(max=n - 1)].to(op), kind, 0
         k = read(kind, key_cache, k_scale, c, tiles)
         nk, hkv = k.shape[1], k.shape[2]
         g = hq // hkv
@@ -319,12 +322,9 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
                                 .permute(0, 3, 1, 2))
         del k, every
     del qg
-    chunks.clear()
-    if scores.dtype == dt:
-        s = scores.mul_(scale)
-    else:  # cast and scaled in one pass (a one-element scale: the product in dt)
-        s = torch.mul(scores, scores.new_full((1,), scale, dtype=dt))
-        del scores
+    # scaled in place, or cast and scaled in one pass (a one-element scale tensor: the product in dt)
+    s = scores.mul_(scale) if scores.dtype == dt else torch.mul(scores, scores.new_full((1,), scale, dtype=dt))
+    del scores
     if soft_cap is not None:
         s = soft_cap * torch.tanh(s / soft_cap)
     for kind in group:  # each kind's calls are consecutive in the group
@@ -347,7 +347,6 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
         accs.append(torch.matmul(p_every, v.to(op).reshape(tiles, nk * hkv, -1))[:r])  # [r, Hq, Dv]
         del v  # (a gathered V freed before the next call's)
     del p, p_every
-    chunks.clear()
     rows = cat([kind.rows[c, :r] for kind, c, _, r, _ in calls])
     cols = cat([kind.cols[c, :r] for kind, c, _, r, _ in calls])
     part = Partial(cat(accs).to(dt), m.view(-1, hq), total.view(-1, hq))
