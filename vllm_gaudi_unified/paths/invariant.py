@@ -149,8 +149,7 @@ class _Slots:
         self.tokens, self.width, self.offset, self.first = q.shape[0], width, int(first is not None), first
         self.like, self.dims, self.arrays = q, (q.shape[1], value_dim), None  # (MLA: values narrower than keys)
 
-    def made(self) -> tuple:
-        """(acc, max, sum) `[tokens x width + 1, Hq, ...]`, in the compute dtype."""
+    def made(self) -> tuple:  # (acc, max, sum) `[tokens x width + 1, Hq, ...]`, in the compute dtype
         if self.arrays is None:
             size, (hq, d), like = self.tokens * self.width + 1, self.dims, dict(
                 dtype=compute_dtype(self.like.dtype), device=self.like.device)
@@ -298,19 +297,20 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
     if not calls:
         return
     cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]  # noqa: E731
+    qg = q[cat([kind.rows[c] for kind, c, *_ in calls]).clamp(max=n - 1)].to(op)  # every call's tiles
+    chunks = {}
 
-    def read(kind, cache, sc, c, tiles):  # call c's K or V `[tiles, keys, Hkv, D]` (a share call's chunk: a view)
+    def read(kind, cache, sc, c, tiles):  # call c's K or V `[tiles, keys, Hkv, D]`
         if kind.shared:
-            return _gather(cache, kind.blocks[c:c + 1], sc, q.dtype).expand(tiles, -1, -1, -1)
+            key = (id(kind), cache is key_cache)
+            chunks[key] = _gather(cache, kind.blocks, sc, q.dtype) if key not in chunks else chunks[key]
+            return chunks[key][c:c + 1].expand(tiles, -1, -1, -1)
         mask = kind.mask
         unseen = None if mask is None or cache is key_cache else ~mask[c * tiles:(c + 1) * tiles, :, None, None]
         return _gather(cache, kind.blocks[c * tiles:(c + 1) * tiles], sc, q.dtype, unseen)
 
-    scores, qkind = None, None
+    scores, first = None, 0
     for kind, c, tiles, r, at in calls:
-        if kind is not qkind:  # each kind's q rows, its calls' tiles (its calls that run: the first ones)
-            qg, runs = None, sum(k is kind for k, *_ in calls)
-            qg, qkind, first = q[kind.rows[:runs].reshape(-1).clamp(max=n - 1)].to(op), kind, 0
         k = read(kind, key_cache, k_scale, c, tiles)
         nk, hkv = k.shape[1], k.shape[2]
         g = hq // hkv
@@ -322,20 +322,20 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
                                 .permute(0, 3, 1, 2))
         del k, every
     del qg
-    # scaled in place, or cast and scaled in one pass (a one-element scale tensor: the product in dt)
-    s = scores.mul_(scale) if scores.dtype == dt else torch.mul(scores, scores.new_full((1,), scale, dtype=dt))
-    del scores
-    if soft_cap is not None:
-        s = soft_cap * torch.tanh(s / soft_cap)
+    chunks.clear()
+    if soft_cap is not None:  # (then scaled here, and by 1 below)
+        scores = soft_cap * torch.tanh(scores.to(dt) * scale / soft_cap)
+    scale_t = scores.new_full((1,), 1.0 if soft_cap is not None else scale, dtype=dt)  # (a product with it: in dt)
     for kind in group:  # each kind's calls are consecutive in the group
         mine = [(c, t, r, at) for k, c, t, r, at in calls if k is kind]
         if kind.mask is not None and mine:
             mask = cat([kind.mask[c * t:c * t + r] for c, t, r, _ in mine])
-            s[mine[0][3]:mine[0][3] + mask.shape[0]].masked_fill_(~mask[:, None, None, :], float("-inf"))
-    m = s.amax(-1)
-    s = s.sub_(torch.where(m > float("-inf"), m, 0.0)[..., None]).exp_()
-    total = tree_sum(s)
+            scores[mine[0][3]:mine[0][3] + mask.shape[0]].masked_fill_(~mask[:, None, None, :], float("-inf"))
+    m = scores.amax(-1).to(dt) * scale_t  # (the max in the product's dtype: exact; a rounding is monotone)
+    s = torch.addcmul(-torch.where(m > float("-inf"), m, 0.0)[..., None], scores, scale_t).exp_()  # one pass
+    del scores
     p = s.to(op)
+    total = tree_sum(s, overwrite=p is not s)  # (p is s where the products take dt)
     del s
     p_every, accs = None, []  # every head pair's probabilities, one buffer a kind: a call writes its diagonal
     for kind, c, tiles, r, at in calls:  # (a padding tile's entry may keep an earlier call's: never kept)
@@ -347,6 +347,7 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
         accs.append(torch.matmul(p_every, v.to(op).reshape(tiles, nk * hkv, -1))[:r])  # [r, Hq, Dv]
         del v  # (a gathered V freed before the next call's)
     del p, p_every
+    chunks.clear()
     rows = cat([kind.rows[c, :r] for kind, c, _, r, _ in calls])
     cols = cat([kind.cols[c, :r] for kind, c, _, r, _ in calls])
     part = Partial(cat(accs).to(dt), m.view(-1, hq), total.view(-1, hq))
