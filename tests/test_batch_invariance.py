@@ -320,6 +320,11 @@ def test_invariant_plan_does_not_depend_on_the_batch():
     kinds = ((plan.dec_rows, plan.dec_col), (plan.unit_rows, plan.unit_col), (plan.pre_rows, plan.pre_col),
              (plan.share_rows.ravel()[:, None], plan.share_col.ravel()))  # the two decodes' shared first chunk
     assert (plan.share_rows < plan.num_tokens).sum() == 2 and plan.share_blocks.tolist() == [table[1, :kb].tolist()]
+    for rows, real in ((plan.share_rows, plan.share_real), (plan.dec_rows[:plan.dec_whole, 0], plan.dec_real[:1]),
+                       (plan.dec_rows[plan.dec_whole:, 0], plan.dec_real[1:])):  # real rows first, counted
+        rows = rows.reshape(len(real), -1)
+        assert [int((r < plan.num_tokens).sum()) for r in rows] == list(real)
+        assert all((r[:n] < plan.num_tokens).all() for r, n in zip(rows, real))
     for rows, cols in kinds:
         real = rows < plan.num_tokens
         pairs = sorted(zip(rows[real].tolist(), np.broadcast_to(cols[:, None], rows.shape)[real].tolist()))

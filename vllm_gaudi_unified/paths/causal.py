@@ -33,7 +33,7 @@ def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     dt = compute_dtype(q.dtype)
     if fixed_order or q.device.type not in ("cuda", "hpu"):  # (the CPU's product takes fp32 copies anyway)
         products = q.to(dt).view(t, hkv, hq // hkv, d) * k.to(dt).view(t, hkv, 1, d)
-        s = (_tree_sum(products) if fixed_order else products.sum(-1)).reshape(t, hq) * scale
+        s = (tree_sum(products) if fixed_order else products.sum(-1)).reshape(t, hq) * scale
     else:
         s = score_product(q.reshape(t * hkv, hq // hkv, d), k.reshape(t * hkv, d, 1)).to(dt).reshape(t, hq) * scale
     if soft_cap is not None:
@@ -42,14 +42,16 @@ def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return Partial(acc, s, torch.ones_like(s))
 
 
-def _tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim by a fixed pairwise tree (zero-padded to a power of two)."""
+def tree_sum(x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+    """Sum over the last dim by a fixed pairwise tree (zero-padded to a power of two); `overwrite`: the partial
+    sums are written over x's first halves but the last (a new tensor of one sum a row: x's storage not held
+    by the result; the same adds, the same bits)."""
     n = x.shape[-1]
     if n & (n - 1):
         x = torch.nn.functional.pad(x, (0, (1 << (n - 1).bit_length()) - n))
     while x.shape[-1] > 1:
         h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
+        x = x[..., :h].add_(x[..., h:]) if overwrite and h > 1 else x[..., :h] + x[..., h:]
     return x[..., 0]
 
 

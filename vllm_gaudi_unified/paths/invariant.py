@@ -1,26 +1,24 @@
 """The device run of the batch-invariant mode (`plan/invariant.py` says what and why).
 
-A step's requests on their own calls (`plan.invariant.own_calls`: prompts and
-prompt chunks) get their rows final from those calls (`own_rows`), when the
-step's form allows (`own_final`). Every other request takes one of two routes,
-chosen per step by the step's dtype, soft cap, options and device (never by
-the batch): the fast route of `invariant_fast.py` where CUDA flash and the
-Triton kernel apply, else the tile route here (torch products: Gaudi, CPU,
-fp32, soft cap). Both merge self, cached and causal partials in that order.
+A step's requests on their own calls (`plan.invariant.own_calls`: prompts and prompt chunks) get their rows
+final from those calls (`own_rows`), when the step's form allows (`own_final`). Every other request takes one of
+two routes, chosen per step by the step's dtype, soft cap, options and device (never by the batch): the fast
+route of `invariant_fast.py` where CUDA flash and the Triton kernel apply, else the tile route here (torch
+products: Gaudi, CPU, fp32, soft cap). Both merge self, cached and causal partials in that order.
 
 Tile route: every product has one shape per tile kind (`tiles_per_call` tiles
 per call, the last call padded); each (token, chunk) or (token, key tile) partial is written to its own
 slot; a token's slots are scaled to its max over them and added by a fixed pairwise tree. One-row tiles
-(`_one_row_group`) run their products and their sums over keys per call, at one shape, and every other
-pass over a group of calls at once (elementwise, or a max): a row's bits are its own call's. A share call
-(`plan.share_*`: one-row tiles of one whole chunk) is the one-row call with its K and V a view repeating
-the chunk, read once: a row's products have the same operand values and shapes as in its own one-row tile.
+(`_one_row_group`) run their products per call, at one shape, and every other pass over a group of calls'
+real rows at once (elementwise, a max, the sum over keys by a fixed pairwise tree): a row's bits are its
+own call's. A share call (`plan.share_*`: one-row tiles of one whole chunk) is the one-row call with its K
+and V a view repeating the chunk, read once: a row's products have the same operand values and shapes as in
+its own one-row tile.
 
-Own calls, per request, the default's prompt route at the request's own shapes
-(`hpu.sdpa_final`: FusedSDPA on a Gaudi, torch SDPA elsewhere; `fused.sdpa_lse`
-with statistics: FusedSDPA's, cuDNN, the CPU's flash): the same call with the
-same inputs alone or in any batch, so the same bits; nothing of another
-request (nor the bucket's padding) is in it.
+Own calls, per request, the default's prompt route at the request's own shapes (`hpu.sdpa_final`: FusedSDPA on a
+Gaudi, torch SDPA elsewhere; `fused.sdpa_lse` with statistics: FusedSDPA's, cuDNN, the CPU's flash): the same
+call with the same inputs alone or in any batch, so the same bits; nothing of another request (nor the bucket's
+padding) is in it.
 """
 from __future__ import annotations
 
@@ -29,9 +27,9 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_gaudi_unified.merge import Final, Partial, merge_all, normalize
+from vllm_gaudi_unified.merge import Final, Partial, merge_all, normalize, rescale_weights, rescaled
 from vllm_gaudi_unified.paths import fused
-from vllm_gaudi_unified.paths.causal import self_partial
+from vllm_gaudi_unified.paths.causal import self_partial, tree_sum
 from vllm_gaudi_unified.paths.kv_quant import read_blocks
 from vllm_gaudi_unified.paths.prompts import causal_selects, final_rows, merge_split
 from vllm_gaudi_unified.paths.tiles import (attend, attend_gathered, compute_dtype, product_dtype, score_product,
@@ -126,8 +124,7 @@ def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
                       final: bool = False) -> Partial | Final:
     """All keys of every token, merged in a fixed order: self, cached, causal; `own`: not the pairs of the
     own-calls requests (their rows are `own_rows`'); not `decodes`: not the one-token requests' cached
-    tiles (their rows are `mla_invariant.decode_rows`' or
-    `mla_invariant_torch.decode_rows`'); `final` (nothing merged after): the fast route
+    tiles (their rows are `mla_invariant[_torch].decode_rows`'); `final` (nothing merged after): the fast route
     may give its rows normalized (`Final`, `invariant_fast.fast_partial`)."""
     from vllm_gaudi_unified.paths import invariant_fast
 
@@ -143,41 +140,41 @@ def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
 
 class _Slots:
     """A `[width, tokens]` array of partials (slot-major: a slot's tokens contiguous, so the fold's halves are
-    too) plus one dump slot per row of a call; each real (token, slot) is written once, never added to, so no
-    order of writes matters. `first`: a partial per token in slot 0 (the self pair), the written ones from
-    slot 1 on (`width` counts slot 0)."""
+    too) plus one dump slot, where every padding row of a call goes (its bits unread); each real (token,
+    slot) is written once, never added to, so no order of writes matters. `first`: a partial per token in
+    slot 0 (the self pair), the written ones from slot 1 on (`width` counts slot 0). Made at the first write
+    (or fold): a one-row group's buffers are freed by then, so the two are not held together."""
 
-    def __init__(self, q: torch.Tensor, width: int, call_rows: int, value_dim: int, first: Partial | None = None):
-        tokens, hq, d = *q.shape[:2], value_dim  # the values' head dim (MLA: smaller than the keys')
-        dtype, device = compute_dtype(q.dtype), q.device
-        self.tokens, self.width, self.call_rows, self.offset = tokens, width, call_rows, int(first is not None)
-        size = tokens * width + call_rows
-        self.acc = torch.zeros((size, hq, d), dtype=dtype, device=device)
-        self.max = torch.full((size, hq), float("-inf"), dtype=dtype, device=device)
-        self.sum = torch.zeros((size, hq), dtype=dtype, device=device)
-        self.dump = tokens * width + torch.arange(call_rows, device=device)
-        for x, y in zip((self.acc, self.max, self.sum), first or ()):
-            x[:tokens] = y
+    def __init__(self, q: torch.Tensor, width: int, value_dim: int, first: Partial | None = None):
+        self.tokens, self.width, self.offset, self.first = q.shape[0], width, int(first is not None), first
+        self.like, self.dims, self.arrays = q, (q.shape[1], value_dim), None  # (MLA: values narrower than keys)
+
+    def made(self) -> tuple:  # (acc, max, sum) `[tokens x width + 1, Hq, ...]`, in the compute dtype
+        if self.arrays is None:
+            size, (hq, d), like = self.tokens * self.width + 1, self.dims, dict(
+                dtype=compute_dtype(self.like.dtype), device=self.like.device)
+            self.arrays = (torch.zeros((size, hq, d), **like), torch.full((size, hq), float("-inf"), **like),
+                           torch.zeros((size, hq), **like))
+            for x, y in zip(self.arrays, self.first or ()):
+                x[:self.tokens] = y
+        return self.arrays
 
     def write(self, part: Partial, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor) -> None:
         dest = torch.where(valid, (cols + self.offset if self.offset else cols) * self.tokens + rows,
-                           self.dump[:valid.numel()].view(valid.shape)).reshape(-1)
-        self.acc.index_copy_(0, dest, part.acc)
-        self.max.index_copy_(0, dest, part.max)
-        self.sum.index_copy_(0, dest, part.sum)
+                           self.tokens * self.width).reshape(-1)
+        for x, y in zip(self.made(), part):
+            x.index_copy_(0, dest, y)
 
     def fold(self) -> Partial:
         """Each token's `width` slots merged in one fixed order: each scaled once to the token's max over its
-        slots, then added by a fixed pairwise tree (halves, then halves again; an empty slot adds an exact
-        0, so a wider step changes nothing). `merge.fold_pairwise`'s value in a third of its passes: those
-        rescale at every level of the tree."""
+        slots (`merge.rescale_weights`, `merge.rescaled`), then added by a fixed pairwise tree (halves, then
+        halves again; an empty slot adds an exact 0, so a wider step changes nothing). `merge.fold_pairwise`'s
+        value in a third of its passes: those rescale at every level of the tree."""
         n, w = self.tokens, self.width
-        acc, m, total = (x[:n * w].view(w, n, *x.shape[1:]) for x in (self.acc, self.max, self.sum))
+        acc, m, total = (x[:n * w].view(w, n, *x.shape[1:]) for x in self.made())
         top = m.amax(0)
-        seen = m != float("-inf")  # (a NaN max counts as seen: the row keeps it, as in `merge`)
-        weight = torch.exp(torch.where(seen, m - top, 0.0))
-        acc = torch.where(seen[..., None], acc * weight[..., None], 0.0)
-        total = torch.where(seen, total * weight, 0.0)
+        seen, weight = rescale_weights(m, top)
+        acc, total = rescaled(acc, seen, weight), rescaled(total, seen, weight)
         while acc.shape[0] > 1:
             h = acc.shape[0] // 2
             acc, total = acc[:h] + acc[h:], total[:h] + total[h:]
@@ -190,9 +187,8 @@ def _chunks(total: int, size: int):
 
 
 def _pad_to(x: torch.Tensor, n: int, fill) -> torch.Tensor:
-    if x.shape[0] == n:
-        return x
-    return torch.cat([x, torch.full((n - x.shape[0],) + x.shape[1:], fill, dtype=x.dtype, device=x.device)])
+    return x if x.shape[0] == n else torch.cat([x, torch.full((n - x.shape[0],) + x.shape[1:], fill, dtype=x.dtype,
+                                                              device=x.device)])
 
 
 def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=None, v_scale=None,
@@ -204,15 +200,12 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
     pre = slice(0, batch.plan.pre_own_from if own else None)
     kinds = [(batch.unit_rows, batch.unit_blocks, batch.unit_lo, batch.unit_hi, batch.unit_col),
              (batch.pre_rows[pre], batch.pre_blocks[pre], batch.pre_lo[pre], batch.pre_hi[pre], batch.pre_col[pre])]
-    whole, tail = batch.plan.dec_whole, max(1, tiles_per_call(batch.plan.options) // 4)
-    one_row = min(GROUP_TILES, whole + -(-(batch.dec_rows.shape[0] - whole) // tail) * tail
-                  + batch.share_rows.numel()) if decodes else 0  # the most rows of a group
+    one_row = decodes and (batch.dec_rows.shape[0] > 0 or batch.share_rows.numel() > 0)
     if all(kind[0].shape[0] == 0 for kind in kinds) and not one_row:
         return None
     n, opts, bs = q.shape[0], batch.plan.options, key_cache.shape[1]
     tiles = tiles_per_call(opts)
-    size = tiles * max([1] + [kind[0].shape[1] for kind in kinds if kind[0].shape[0]])  # dump rows a call
-    slots = _Slots(q, batch.plan.cached_width, max(size, one_row), value_cache.shape[-1], own_pair)
+    slots = _Slots(q, batch.plan.cached_width, value_cache.shape[-1], own_pair)
     if one_row:
         _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, tiles)
     for units, (all_rows, all_blocks, all_lo, all_hi, all_cols) in zip((True, False), kinds):
@@ -237,12 +230,19 @@ def _cached_partial(q, key_cache, value_cache, batch, scale, soft_cap, k_scale=N
 class _Calls(NamedTuple):
     """One-row calls of one kind: `rows`, `cols` `[calls, tiles]`; `blocks` one chunk per tile (`[calls x
     tiles, chunk blocks]`) or, `shared`, one per call (`[calls, chunk blocks]`: read once, a view repeats
-    it); `mask` `[calls x tiles, chunk keys]` the keys each tile's row sees (None: every key)."""
+    it); `mask` `[calls x tiles, chunk keys]` the keys each tile's row sees (None: every key); `real` per
+    call, its tiles up to its last real row (the plan's: the rest padding, never kept; 0: none, not run)."""
     rows: torch.Tensor
     cols: torch.Tensor
     blocks: torch.Tensor
     mask: torch.Tensor | None
     shared: bool
+    real: tuple
+
+
+def _real(real: int, first: int, calls: int, size: int) -> tuple:
+    """Per call of `size` tiles from tile `first` of a range whose first `real` tiles are real: its real tiles."""
+    return tuple(min(size, max(0, real - first - i * size)) for i in range(calls))
 
 
 def _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, slots, per_call) -> None:
@@ -261,11 +261,12 @@ def _one_row_tiles(q, key_cache, value_cache, batch, scale, soft_cap, k_scale, v
                                                      _pad_to(batch.dec_hi[a:b, 0], m, 0), bs).flatten(1)
             kinds.append(_Calls(_pad_to(batch.dec_rows[a:b, 0], m, n).view(-1, size),
                                 _pad_to(batch.dec_col[a:b], m, 0).view(-1, size), _pad_to(batch.dec_blocks[a:b], m, 0),
-                                mask, False))
+                                mask, False, _real(batch.plan.dec_real[tail], a - first, m // size, size)))
     shares, step = batch.share_rows.shape[0], max(1, GROUP_TILES // per_call)
     for c in range(0, shares, step):
         calls = slice(c, min(c + step, shares))
-        kinds.append(_Calls(batch.share_rows[calls], batch.share_col[calls], batch.share_blocks[calls], None, True))
+        kinds.append(_Calls(batch.share_rows[calls], batch.share_col[calls], batch.share_blocks[calls], None, True,
+                            batch.plan.share_real[calls]))
     group, rows = [], 0
     for calls in kinds:  # in order, as many kinds a group as fit
         if group and rows + calls.rows.numel() > GROUP_TILES:
@@ -280,19 +281,23 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
                    slots) -> None:
     """The calls of `group`, written to `slots`. Each call runs its two products at its kind's one shape
     `[tiles, Hq, D] @ [tiles, D, keys x Hkv]` (every head pair, its own heads' diagonal kept: `tiles.attend`'s
-    one-row form) and its sum over keys at one shape (a slice of whole calls of the group's scores); every
-    other pass (scale, mask, max, exp, casts, the writes) runs over the group at once, elementwise or a max.
-    So a row's bits are its own call's products on its own values, in any call or group. V's keys no row
-    sees are zeroed (NaN in unused slots); a padding tile's row goes to a dump slot."""
+    one-row form), all its tiles, padding ones included; the group keeps each call's rows up to its last
+    real one (`_Calls.real`: a share call's empty rows are not held). Every other pass (scale, mask, max,
+    exp, the sum over keys by a fixed pairwise tree, casts, the writes) runs over the group's rows at once,
+    elementwise or a max. So a row's bits are its own call's products on its own values, in any call or
+    group, whatever rows it holds. V's keys no row sees are zeroed; a padding row goes to the dump slot."""
     n, hq, d = q.shape
     op, dt = product_dtype(q.dtype), compute_dtype(q.dtype)
-    rows = torch.cat([k.rows.reshape(-1) for k in group]) if len(group) > 1 else group[0].rows.reshape(-1)
-    qg = q[rows.clamp(max=n - 1)].to(op)  # [group rows, Hq, D]
-    calls, at = [], 0  # (kind, call, first row in the group, tiles)
+    calls, at = [], 0  # (kind, call, tiles, rows kept, first kept row in the group)
     for kind in group:
-        for c in range(kind.rows.shape[0]):
-            calls.append((kind, c, at, kind.rows.shape[1]))
-            at += kind.rows.shape[1]
+        for c, r in enumerate(kind.real):
+            if r:
+                calls.append((kind, c, kind.rows.shape[1], r, at))
+                at += r
+    if not calls:
+        return
+    cat = lambda xs: torch.cat(xs) if len(xs) > 1 else xs[0]  # noqa: E731
+    qg = q[cat([kind.rows[c] for kind, c, *_ in calls]).clamp(max=n - 1)].to(op)  # every call's tiles
     chunks = {}
 
     def read(kind, cache, sc, c, tiles):  # call c's K or V `[tiles, keys, Hkv, D]`
@@ -304,55 +309,59 @@ def _one_row_group(q, key_cache, value_cache, group: list[_Calls], scale, soft_c
         unseen = None if mask is None or cache is key_cache else ~mask[c * tiles:(c + 1) * tiles, :, None, None]
         return _gather(cache, kind.blocks[c * tiles:(c + 1) * tiles], sc, q.dtype, unseen)
 
-    scores = None
-    for kind, c, at, tiles in calls:
+    scores, first = None, 0
+    for kind, c, tiles, r, at in calls:
         k = read(kind, key_cache, k_scale, c, tiles)
         nk, hkv = k.shape[1], k.shape[2]
         g = hq // hkv
-        every = score_product(qg[at:at + tiles], k.to(op).reshape(tiles, nk * hkv, d).transpose(1, 2))
+        every = score_product(qg[first:first + tiles], k.to(op).reshape(tiles, nk * hkv, d).transpose(1, 2))
+        first += tiles
         if scores is None:
-            scores = every.new_empty((rows.shape[0], hkv, g, nk))
-        scores[at:at + tiles].copy_(torch.diagonal(every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4)
-                                    .permute(0, 3, 1, 2))
+            scores = every.new_empty((calls[-1][3] + calls[-1][4], hkv, g, nk))
+        scores[at:at + r].copy_(torch.diagonal(every[:r].view(r, hkv, g, nk, hkv), dim1=1, dim2=4)
+                                .permute(0, 3, 1, 2))
         del k, every
+    del qg
     chunks.clear()
-    s = scores.to(dt) if scores.dtype != dt else scores
+    if soft_cap is not None:  # (then scaled here, and by 1 below)
+        scores = soft_cap * torch.tanh(scores.to(dt) * scale / soft_cap)
+    scale_t = scores.new_full((1,), 1.0 if soft_cap is not None else scale, dtype=dt)  # (a product with it: in dt)
+    for kind in group:  # each kind's calls are consecutive in the group
+        mine = [(c, t, r, at) for k, c, t, r, at in calls if k is kind]
+        if kind.mask is not None and mine:
+            mask = cat([kind.mask[c * t:c * t + r] for c, t, r, _ in mine])
+            scores[mine[0][3]:mine[0][3] + mask.shape[0]].masked_fill_(~mask[:, None, None, :], float("-inf"))
+    m = scores.amax(-1).to(dt) * scale_t  # (the max in the product's dtype: exact; a rounding is monotone)
+    s = torch.addcmul(-torch.where(m > float("-inf"), m, 0.0)[..., None], scores, scale_t).exp_()  # one pass
     del scores
-    s = s.mul_(scale)
-    if soft_cap is not None:
-        s = soft_cap * torch.tanh(s / soft_cap)
-    at = 0
-    for kind in group:
-        if kind.mask is not None:
-            s[at:at + kind.mask.shape[0]].masked_fill_(~kind.mask[:, None, None, :], float("-inf"))
-        at += kind.rows.numel()
-    m = s.amax(-1)
-    s = s.sub_(torch.where(m > float("-inf"), m, 0.0)[..., None]).exp_()
-    total = m.new_empty(m.shape)
-    for _, _, at, tiles in calls:  # one shape per call
-        torch.sum(s[at:at + tiles], -1, out=total[at:at + tiles])
     p = s.to(op)
+    total = tree_sum(s, overwrite=p is not s)  # (p is s where the products take dt)
     del s
     p_every, accs = None, []  # every head pair's probabilities, one buffer a kind: a call writes its diagonal
-    for kind, c, at, tiles in calls:
+    for kind, c, tiles, r, at in calls:  # (a padding tile's entry may keep an earlier call's: never kept)
         if p_every is None or p_every.shape[0] != tiles:
             p_every = None  # (freed before the next is made)
             p_every = torch.zeros((tiles, hq, nk * hkv), dtype=op, device=q.device)
-        torch.diagonal(p_every.view(tiles, hkv, g, nk, hkv), dim1=1, dim2=4).copy_(p[at:at + tiles].permute(0, 2, 3, 1))
+        torch.diagonal(p_every[:r].view(r, hkv, g, nk, hkv), dim1=1, dim2=4).copy_(p[at:at + r].permute(0, 2, 3, 1))
         v = read(kind, value_cache, v_scale, c, tiles)
-        accs.append(torch.matmul(p_every, v.to(op).reshape(tiles, nk * hkv, -1)))  # [tiles, Hq, Dv]
+        accs.append(torch.matmul(p_every, v.to(op).reshape(tiles, nk * hkv, -1))[:r])  # [r, Hq, Dv]
         del v  # (a gathered V freed before the next call's)
     del p, p_every
     chunks.clear()
-    cols = torch.cat([k.cols.reshape(-1) for k in group]) if len(group) > 1 else group[0].cols.reshape(-1)
-    part = Partial(torch.cat(accs).to(dt), m.view(-1, hq), total.view(-1, hq))
+    rows = cat([kind.rows[c, :r] for kind, c, _, r, _ in calls])
+    cols = cat([kind.cols[c, :r] for kind, c, _, r, _ in calls])
+    part = Partial(cat(accs).to(dt), m.view(-1, hq), total.view(-1, hq))
     slots.write(part, rows[:, None], cols[:, None], rows[:, None] < n)
 
 
 def _gather(cache, blocks, sc, dtype, unseen=None) -> torch.Tensor:
-    """A call's K or V `[tiles, chunk keys, Hkv, D]` (fp8: dequantized after the gather), `unseen` keys zeroed."""
+    """A call's K or V `[tiles, chunk keys, Hkv, D]` (fp8: dequantized after the gather), `unseen` keys zeroed
+    (through a 64-bit view of each key's row where its bytes allow: a fourth of the elements, the same bits)."""
     x = read_blocks(cache, blocks, sc, dtype).flatten(1, 2)
-    return x if unseen is None else x.masked_fill_(unseen, 0)
+    if unseen is not None:
+        wide = x.device.type != "hpu" and x.is_contiguous() and x.shape[-1] * x.element_size() % 8 == 0
+        (x.view(torch.int64) if wide else x).masked_fill_(unseen, 0)
+    return x
 
 
 def _units_stacked(q: torch.Tensor, rows: int, batch) -> bool:
@@ -371,7 +380,7 @@ def _causal_partial(q, k, v, batch, scale, soft_cap, own: bool = False) -> Parti
         return None
     n, opts = q.shape[0], batch.plan.options
     c, size = opts.causal_tile, opts.invariant_causal_chunk
-    slots = _Slots(q, batch.plan.causal_width, size * c, v.shape[-1])
+    slots = _Slots(q, batch.plan.causal_width, v.shape[-1])
     offsets = torch.arange(c, device=q.device)
     seg = batch.token_seg_start
     for start, stop in _chunks(tiles, size):

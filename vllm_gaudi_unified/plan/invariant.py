@@ -114,9 +114,11 @@ class InvariantPlan(StepPlan):
     dec_hi: np.ndarray  #: [dec tiles, 1, blocks_per_tile] end of visible slots (0: unseen)
     dec_col: np.ndarray  #: [dec tiles] chunk index in the request's context
     dec_whole: int  #: the first `dec_whole` dec tiles see every key of their chunk (no V mask needed)
+    dec_real: tuple  #: (whole, other): the real dec tiles of each range, first in it (the rest padding)
     share_rows: np.ndarray  #: [share calls, invariant_chunk] one-token requests' tokens reading a whole chunk
     share_blocks: np.ndarray  #: [share calls, blocks_per_tile] that chunk's physical blocks (read once per call)
     share_col: np.ndarray  #: [share calls, invariant_chunk] the chunk's index in each row's context
+    share_real: tuple  #: per share call, its real rows (first in it)
     pre_rows: np.ndarray  #: [pre tiles, invariant_rows] tokens of one request (query_len: none)
     pre_blocks: np.ndarray  #: [pre tiles, blocks_per_tile]
     pre_lo: np.ndarray  #: [pre tiles, invariant_rows, blocks_per_tile]
@@ -329,8 +331,9 @@ def _plan_share_calls(dec: dict, T: int, bs: int, W: int | None, per_call: int) 
     rest = {k: np.concatenate([x for i, n in parts for x in (a[i], np.full((n - i.size,) + a.shape[1:],
                                                                           T if k == "rows" else 0, a.dtype))])
             for k, a in dec.items()}
-    rest["whole"] = parts[0][1]
-    return rest, dict(rows=share_rows, blocks=blocks[tiles[new]], col=share_col)
+    rest["whole"], rest["real"] = parts[0][1], (nw, keep.size - nw)
+    return rest, dict(rows=share_rows, blocks=blocks[tiles[new]], col=share_col,
+                      real=tuple(np.bincount(call, minlength=share_rows.shape[0]).tolist()))
 
 
 def _plan_causal_tiles(q, starts, W, opts, sel):
@@ -347,9 +350,7 @@ def _plan_causal_tiles(q, starts, W, opts, sel):
     T = int(q.sum())
 
     def padded(x, fill):
-        out = np.full(n, fill, np.int32)
-        out[:x.size] = x
-        return out
+        return np.concatenate([x, np.full(n - x.size, fill)]).astype(np.int32)
 
     return padded(starts[req] + a * c, T), padded(starts[req] + b * c, 0), padded(b, 0)
 
@@ -359,9 +360,7 @@ def pad_invariant(plan: InvariantPlan, bucket: Bucket) -> InvariantPlan:
     tiles are one-row tiles; the fast route's arrays list real tokens only and stay)."""
     check_covers(bucket, plan.shape)
     T, Tp = plan.bucket.query_len, bucket.query_len
-
-    def rows(a):
-        return move_no_row(a, T, Tp)
+    rows = lambda a: move_no_row(a, T, Tp)  # noqa: E731
 
     nd = bucket.num_shared_blocks - plan.pre_rows.shape[0] - plan.unit_rows.shape[0] - int((plan.share_rows < T).sum())
     nc, nq = bucket.num_causal_tiles, bucket.num_unique_blocks
