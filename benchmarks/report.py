@@ -178,7 +178,7 @@ def trace_table() -> list[str]:
     for k, name in names.items():
         d = data[k]
         cmd = (f"python -m benchmarks.trace_steps --trace ../shared/traces/{d['trace'].split('/')[-1]} --start {d['start']} "
-               f"--steps {d['steps']} --out DIR --plan benchmarks/results/trace_steps_h200/plan_auto.json")
+               f"--steps {d['steps']} --out DIR --plan {d.get('plan') or 'benchmarks/results/trace_steps_h200/plan_auto.json'}")
         routes = d.get("plan_routes")  # the padded routes run, when not both
         cmd += f" --plan-routes {','.join(routes)}" if routes and set(routes) != set(PADDED_ROUTES) else ""
         lines.append(f"- {k}: {_source(name, cmd, d['env']['device'], d['env']['date'])}")

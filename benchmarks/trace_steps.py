@@ -172,7 +172,7 @@ def run(args) -> dict:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / "trace_steps.partial.json").write_text(json.dumps(dict(rows=rows), default=str))
     return dict(trace=args.trace, start=args.start, steps=len(rows), block_size=bs, num_blocks=num_blocks,
-                plan_routes=list(plan_routes), totals=totals(rows), rows=rows)
+                plan=args.plan, plan_routes=list(plan_routes), totals=totals(rows), rows=rows)
 
 
 def totals(rows: list[dict]) -> dict:

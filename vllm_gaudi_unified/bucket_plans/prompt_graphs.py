@@ -58,8 +58,7 @@ TILED_PADDING = 2.0
 #: (0: not), its copies weighing `FEWER_DECODES_WEIGHT` against the steps as they came: a graph's decode part
 #: learned at one load pads the same prompts beside fewer decodes (a quieter hour, a server of fewer
 #: sequences: the mix's prompt steps sit beside the most decodes for 83-90 %).
-FEWER_DECODES = 0.5
-FEWER_DECODES_WEIGHT = 0.5
+FEWER_DECODES, FEWER_DECODES_WEIGHT = 0.5, 0.5
 #: Prompts per step of the top graphs (`top_graphs`), each with the most rows `MAX_GRID_BUDGETS` allows, and
 #: the share of the prompt graphs they may take (none in a plan of fewer than `TOP_GRAPH_FEWEST`). RAG brings
 #: bursts of 7-23 prompts over one document: in no graph, such a step takes the limits bucket (18-44x its time).
@@ -78,11 +77,12 @@ TOP_GRAPH_UNIQUE_MARGIN = 0.25
 #: Causal tiles of the top graphs, in multiples of the most a learned step with prompts has (rounded up to a
 #: power of two): a burst of prompts over a long document, some short ones left to the tiles beside the grid,
 #: otherwise finds only the plan's largest causal bucket. On the device 128 of them took a top graph of 12 prompts
-#: from 13.2 to 15.4 ms, more than the time model says; the tiled bucket at the limits is priced 8x the top graph.
+#: from 13.2 to 15.4 ms, more than the time model says; the tiled limits bucket is priced 8x the top graph.
 TOP_GRAPH_CAUSAL = 2
-#: Shares of the prompt steps (by the cost of their decodes) whose decode loads' envelope is a decode level
-#: (`decode_levels`), beside the plan's own decode buckets.
-LEVEL_QUANTILES = (0.25, 0.5, 0.75, 0.9, 1.0)
+#: Shares of the prompt steps (by decode cost) whose decode loads' envelope is a level (`decode_levels`): the busiest
+#: alone; one below (0.25-0.9 tried) is a corner of the learning load, where the plan's decode buckets fit other loads.
+LEVEL_QUANTILES = (1.0,)
+DECODE_BUCKET_LEVELS = 2  #: and the cheapest this many of the plan's decode buckets covering a candidate's decodes
 
 
 def prompt_work(b: Bucket, block_size: int) -> int:
@@ -336,9 +336,9 @@ def learn_prompt_graphs(plan, steps, max_graphs: int = DEFAULT_PROMPT_GRAPHS, so
     envelopes, buckets = decode_levels(plan, sizes[:, :5], model.weights, [k if k >= 0 else -1 - k for k in src])
     rounded = {rounded_shape(shape, s, cap, up) for shape in shapes for up in (pow2, half_pow2)}
     raised = set(rounded)
-    for r in rounded:  # each also at every envelope above its decodes and the two decode buckets covering them
+    for r in rounded:  # each also at every envelope above its decodes and the decode buckets covering them
         load = np.array(r.sizes[1:4])
-        above = [*envelopes[(envelopes >= load).all(1)], *buckets[(buckets >= load).all(1)][:2]]
+        above = [*envelopes[(envelopes >= load).all(1)], *buckets[(buckets >= load).all(1)][:DECODE_BUCKET_LEVELS]]
         raised.update(with_decodes(r, level, s) for level in above)
     blocks, fewer = (half_pow2(int(np.quantile(sizes[:, 7], f))) for f in TOP_GRAPH_BLOCKS_QUANTILES)
     causal = TOP_GRAPH_CAUSAL * pow2(int(sizes[:, 4].max()))
