@@ -417,6 +417,21 @@ def test_options_are_checked():
     assert PlanOptions().batch_invariant is False
 
 
+def test_tree_sum_order():
+    """`causal.tree_sum`, the invariant mode's one pairwise tree (the self pair's dot products, the sum over a
+    one-row tile's keys, the slots' fold, the MLA chunks' fold): element i added to i + half, then halves again,
+    zero-padded to a power of two; over any dim the bits of the same sum over the last."""
+    from vllm_gaudi_unified.paths.causal import tree_sum
+
+    x = torch.tensor([1e8, 1.0, -1e8, 1.0, 3.0])  # ((1e8 + 3) + (-1e8 + 0)) + ((1 + 0) + (1 + 0)) in fp32
+    assert tree_sum(x).item() == 2.0  # (the exact sum 5, a running fp32 sum 4)
+    y = torch.randn(3, 6, 5, 8) * torch.logspace(-4, 4, 8)
+    for d in range(y.dim()):
+        last = tree_sum(y.movedim(d, -1).contiguous())
+        for overwrite in (False, True):
+            assert torch.equal(tree_sum(y.clone(), overwrite, dim=d).view(torch.int32), last.view(torch.int32))
+
+
 def test_invariant_mode_takes_only_its_own_path(monkeypatch):
     """With batch_invariant the default paths never run; without it the invariant one never runs."""
     import vllm_gaudi_unified.attention as attention

@@ -8,7 +8,7 @@ import torch
 from conftest import run_interpreted
 from vllm_gaudi_unified import PlanOptions, build_unified_batch
 from vllm_gaudi_unified.mla import latent_views
-from vllm_gaudi_unified.paths import mla_invariant
+from vllm_gaudi_unified.paths import mla_invariant, mla_invariant_torch
 from vllm_gaudi_unified.paths.unique import triton_importable
 
 HAS_TRITON = triton_importable()
@@ -83,10 +83,14 @@ def test_route_conditions():
     batch = build_unified_batch([1, 1], [5, 9], [[1, -1], [2, -1]], 16, options=opts)
     q = torch.randn(2, 4, 24)
     assert not mla_invariant.applies(batch, q, kc, vc, None, None, None, None)  # the CPU
+    assert mla_invariant.route(batch, q, kc, vc, None, None, None, None).func is mla_invariant_torch.decode_rows
+    assert mla_invariant.route(batch, q, kc, vc, 5.0, None, None, None) is None  # the tile route
+    assert mla_invariant.route(batch, q, kc, vc.clone(), None, None, None, None) is None
     if ON_CUDA:
         cuda = batch.to("cuda")
         qc, (kcc, vcc) = q.cuda().bfloat16(), latent_views(cache.cuda().bfloat16(), 16)  # (views of one memory)
         assert mla_invariant.applies(cuda, qc, kcc, vcc, None, None, None, None)
+        assert mla_invariant.route(cuda, qc, kcc, vcc, None, None, None, None) is mla_invariant.decode_rows
         assert not mla_invariant.applies(cuda, qc, kcc, vcc, 5.0, None, None, None)
         assert not mla_invariant.applies(cuda, qc, kcc, vcc.clone(), None, None, None, None)
         assert not mla_invariant.applies(cuda, qc, kcc, vcc, None, object(), None, None)

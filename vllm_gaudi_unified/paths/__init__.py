@@ -7,5 +7,6 @@
 - `unique`: cache blocks one query token reads, one row per block;
 - `invariant`: the batch-invariant mode's run: the route choice, and the torch route (fixed shapes, slots
   folded in a fixed tree); `invariant_fast`: its CUDA route (flash per request, Triton with position-fixed splits);
-  `mla_invariant`: its MLA decodes on CUDA (the MLA kernel with position-fixed splits).
+  `mla_invariant`: its MLA decodes (`route`: the MLA kernel with position-fixed splits on CUDA, else
+  `mla_invariant_torch`: the default's chunk layout over fixed chunks).
 """

@@ -42,17 +42,19 @@ def self_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return Partial(acc, s, torch.ones_like(s))
 
 
-def tree_sum(x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
-    """Sum over the last dim by a fixed pairwise tree (zero-padded to a power of two); `overwrite`: the partial
-    sums are written over x's first halves but the last (a new tensor of one sum a row: x's storage not held
-    by the result; the same adds, the same bits)."""
-    n = x.shape[-1]
+def tree_sum(x: torch.Tensor, overwrite: bool = False, dim: int = -1) -> torch.Tensor:
+    """Sum over `dim` by a fixed pairwise tree: halves, then halves again (zero-padded to a power of two);
+    `overwrite`: the partial sums are written over x's first halves but the last (a new tensor of one sum a
+    row: x's storage not held by the result; the same adds, the same bits)."""
+    d = dim % x.dim()
+    n = x.shape[d]
     if n & (n - 1):
-        x = torch.nn.functional.pad(x, (0, (1 << (n - 1).bit_length()) - n))
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h].add_(x[..., h:]) if overwrite and h > 1 else x[..., :h] + x[..., h:]
-    return x[..., 0]
+        x = torch.cat([x, x.new_zeros(x.shape[:d] + ((1 << (n - 1).bit_length()) - n,) + x.shape[d + 1:])], d)
+    while x.shape[d] > 1:
+        h = x.shape[d] // 2
+        low, high = x.narrow(d, 0, h), x.narrow(d, h, h)
+        x = low.add_(high) if overwrite and h > 1 else low + high
+    return x.select(d, 0)
 
 
 def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,

@@ -44,21 +44,18 @@ def invariant_output(q, k, v, key_cache, value_cache, batch, scale: float, soft_
                      sink: Partial | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """The step's rows `[rows, Hq, Dv]` in q's dtype: the own calls' rows final where `own_final`, every
     other row merged (self, cached, causal, then `sink`: the sinks' partial) and normalised."""
-    from vllm_gaudi_unified.paths import mla_invariant, mla_invariant_torch
+    from vllm_gaudi_unified.paths import mla_invariant
 
-    kernel = mla_invariant.applies(batch, q, key_cache, value_cache, soft_cap, sink, k_scale, v_scale)
-    mla = kernel or mla_invariant_torch.applies(batch, key_cache, value_cache, soft_cap, sink, k_scale, v_scale)
+    mla = mla_invariant.route(batch, q, key_cache, value_cache, soft_cap, sink, k_scale, v_scale)
     own = own_final(batch, q, v.shape[-1], soft_cap, sink)
     out = None
-    if not (own and batch.plan.calls_only) and not (mla and mla_invariant.decodes_only(batch)):
+    if not (own and batch.plan.calls_only) and not (mla is not None and mla_invariant.decodes_only(batch)):
         part = invariant_partial(q, k, v, key_cache, value_cache, batch, scale, soft_cap, k_scale, v_scale, own,
-                                 decodes=not mla, final=sink is None)
+                                 decodes=mla is None, final=sink is None)
         out = part.out if isinstance(part, Final) else normalize(
             merge_all([part] + ([] if sink is None else [sink])), q.dtype)
     out = own_rows(q, k, v, key_cache, value_cache, batch, scale, k_scale, v_scale, out) if own else out
-    if kernel:
-        return mla_invariant.decode_rows(q, k, key_cache, v.shape[-1], batch, scale, out)
-    return mla_invariant_torch.decode_rows(q, k, key_cache, v.shape[-1], batch, scale, out, k_scale) if mla else out
+    return out if mla is None else mla(q, k, key_cache, v.shape[-1], batch, scale, out)
 
 
 def own_final(batch, q: torch.Tensor, value_dim: int, soft_cap, sink) -> bool:
@@ -124,7 +121,7 @@ def invariant_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cac
                       final: bool = False) -> Partial | Final:
     """All keys of every token, merged in a fixed order: self, cached, causal; `own`: not the pairs of the
     own-calls requests (their rows are `own_rows`'); not `decodes`: not the one-token requests' cached
-    tiles (their rows are `mla_invariant[_torch].decode_rows`'); `final` (nothing merged after): the fast route
+    tiles (their rows are `mla_invariant.route`'s); `final` (nothing merged after): the fast route
     may give its rows normalized (`Final`, `invariant_fast.fast_partial`)."""
     from vllm_gaudi_unified.paths import invariant_fast
 
@@ -167,18 +164,15 @@ class _Slots:
 
     def fold(self) -> Partial:
         """Each token's `width` slots merged in one fixed order: each scaled once to the token's max over its
-        slots (`merge.rescale_weights`, `merge.rescaled`), then added by a fixed pairwise tree (halves, then
-        halves again; an empty slot adds an exact 0, so a wider step changes nothing). `merge.fold_pairwise`'s
+        slots (`merge.rescale_weights`, `merge.rescaled`), then added by a fixed pairwise tree over the slots
+        (`causal.tree_sum`; an empty slot adds an exact 0, so a wider step changes nothing). `merge.fold_pairwise`'s
         value in a third of its passes: those rescale at every level of the tree."""
         n, w = self.tokens, self.width
         acc, m, total = (x[:n * w].view(w, n, *x.shape[1:]) for x in self.made())
         top = m.amax(0)
         seen, weight = rescale_weights(m, top)
-        acc, total = rescaled(acc, seen, weight), rescaled(total, seen, weight)
-        while acc.shape[0] > 1:
-            h = acc.shape[0] // 2
-            acc, total = acc[:h] + acc[h:], total[:h] + total[h:]
-        return Partial(acc[0], top, total[0])
+        acc, total = (tree_sum(rescaled(x, seen, weight), dim=0) for x in (acc, total))
+        return Partial(acc, top, total)
 
 
 def _chunks(total: int, size: int):

@@ -39,9 +39,11 @@ and these rows are written over theirs.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from vllm_gaudi_unified.paths import mla_decode
+from vllm_gaudi_unified.paths import mla_decode, mla_invariant_torch
 from vllm_gaudi_unified.paths.tiles import compute_dtype
 from vllm_gaudi_unified.plan import invariant as plan_invariant
 
@@ -61,6 +63,18 @@ def applies(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     dtype, device and options, never on its requests."""
     return (sink is None and batch.sliding_window is None
             and mla_decode.mla_unique_route(batch, q, key_cache, value_cache, soft_cap, k_scale, v_scale) == "kernel")
+
+
+def route(batch, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, soft_cap, sink, k_scale,
+          v_scale):
+    """What gives a latent step's one-token rows, `rows(q, key, key_cache, value_dim, batch, scale, out)`: this
+    module's `decode_rows` where the MLA kernel runs (`applies`), else where `mla_invariant_torch.applies`
+    its `decode_rows` with the cache's one scale; None: neither (the invariant tile route takes them)."""
+    if applies(batch, q, key_cache, value_cache, soft_cap, sink, k_scale, v_scale):
+        return decode_rows
+    if mla_invariant_torch.applies(batch, key_cache, value_cache, soft_cap, sink, k_scale, v_scale):
+        return partial(mla_invariant_torch.decode_rows, kv_scale=k_scale)
+    return None
 
 
 def decodes_only(batch) -> bool:

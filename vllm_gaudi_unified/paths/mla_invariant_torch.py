@@ -36,6 +36,7 @@ from vllm_gaudi_unified.merge import Partial, normalize, scatter_max
 from vllm_gaudi_unified.paths.kv_quant import one_tensor_scale, read_blocks
 from vllm_gaudi_unified.paths.mla_shared import finite_shift, latent_cache
 from vllm_gaudi_unified.paths import tiles
+from vllm_gaudi_unified.paths.causal import tree_sum
 from vllm_gaudi_unified.paths.tiles import compute_dtype, product_dtype, slot_mask
 from vllm_gaudi_unified.plan.invariant import pow2, tiles_per_call
 
@@ -151,18 +152,15 @@ def _own_scores(q: torch.Tensor, key: torch.Tensor, scale: float, per: int, sdt:
 
 
 def _tree(x: torch.Tensor, grid: torch.Tensor, width: int, n: int, dt: torch.dtype) -> torch.Tensor:
-    """Each token's tile rows of `x` (`grid` `[width * n]`: chunk-major) added by a fixed pairwise tree over
-    the chunk index, in `dt`: halves, then halves again."""
+    """Each token's tile rows of `x` (`grid` `[width * n]`: chunk-major) added in `dt` by `causal.tree_sum`'s
+    tree over the chunk index: the first level as the sum of the grid's two gathered halves (no whole gathered
+    copy held), the others in place."""
     if width == 1:
         return x.index_select(0, grid).to(dt)
     h = width // 2
     y = x.index_select(0, grid[:h * n]).to(dt)
     y += x.index_select(0, grid[h * n:])
-    while h > 1:
-        h //= 2
-        y[:h * n] += y[h * n:2 * h * n]
-        y = y[:h * n]
-    return y
+    return tree_sum(y.unflatten(0, (h, n)), overwrite=True, dim=0)
 
 
 def _width(batch) -> int:
