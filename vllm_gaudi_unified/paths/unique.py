@@ -65,7 +65,7 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     if batch.plan.unique_units > 1:  # a (request, block) unit: the request's new tokens x all heads
         pairs = None if new is None else request_pairs(q, *new, batch, scale, soft_cap)
         return units_partial(q, k, v, *unit_tokens(batch, n), mask, _partial_slots(batch, n, block_size), scale,
-                             soft_cap, pairs)
+                             soft_cap, pairs, batch.bucket.num_logits)
     part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
                   masked_tiles=_partial_slots(batch, n, block_size))
     return Scattered(part, rows)

@@ -18,6 +18,7 @@ import torch
 from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, compute_dtype, rescale_weights, rescaled, scatter_max
 from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
+from vllm_gaudi_unified.plan.rules import UNIT_FOLD
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
 #: its addresses.
@@ -26,11 +27,12 @@ DROP_ROWS = 64
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
                   mask: torch.Tensor, masked: torch.Tensor, scale: float, soft_cap: float | None,
-                  pairs: tuple[Partial, torch.Tensor] | None = None) -> Partial:
+                  pairs: tuple[Partial, torch.Tensor] | None = None, requests: int | None = None) -> Partial:
     """q `[n, Hq, D]` (the step's queries), k/v `[slots, K, Hkv, D]` (the units' blocks as stored), the
     units' tokens and which are real `[slots, R]` (`unique.unit_tokens`), mask `[slots, 1, K]` (the
     slot's visible keys), `masked`: the slots whose real rows may miss a key (`unique._partial_slots`),
-    `pairs`: the requests' own new pairs as rows and their tokens (`request_pairs`) -> Partial `[n]`."""
+    `pairs`: the requests' own new pairs as rows and their tokens (`request_pairs`), `requests`: the bucket's
+    (`plan.rules.unit_fold_fits` bounds the strays by it; None: every slot may be one) -> Partial `[n]`."""
     n = q.shape[0]
     t, r = tokens.shape
     nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -40,7 +42,6 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     op = product_dtype(q.dtype)
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16 (its products in fp32)
     drop = n + torch.arange(t * r, device=q.device) % DROP_ROWS  # [T*R]
-    index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
     mask = mask & real[:, :, None]  # [T, R, K]
     # rows (r, g) per KV head: the gathered queries written once in the products' layout
     qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
@@ -52,7 +53,7 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     p, m, total = masked_softmax_for(scores)(scores)
     p = p.to(v.dtype).view(t, hkv, r * g, nk)
     acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
-    m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
+    m, total = (x.transpose(1, 2).reshape(t, r, hq) for x in (m, total))  # [T, R, Hq]
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
@@ -60,31 +61,66 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     fix = torch.matmul(p[masked], vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
     listed = torch.arange(s, device=q.device)
     once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
-    fix_rows = (masked[:, None] * r + torch.arange(r, device=q.device)).reshape(-1)  # [S*R]
-    fix_index = torch.where(once[:, None].expand(s, r).reshape(-1), index[fix_rows], drop[:s * r])
+    fix_index = torch.where((once[:, None] & real[masked]).reshape(-1), tokens[masked].reshape(-1), drop[:s * r])
     fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
-    acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)  # their rows: the fix's
-    # one accumulator: every row's max first, then each row scaled to its token's and added
+    # Folds of UNIT_FOLD consecutive slots: the slots of a fold's first request (`folded`) summed over the fold's
+    # axis and added at that request's tokens, the others (`strays`, listed) one by one.
+    c = UNIT_FOLD
+    nf, t0 = t // c, t // c * c
+    live = real[:, 0]
+    key = torch.where(live, tokens[:, 0], n)
+    first = key[:t0].view(nf, c).amin(1)  # [F]: the fold's request (its first token; n: none)
+    folded = live[:t0].view(nf, c) & (key[:t0].view(nf, c) == first[:, None])  # [F, C]
+    stray = live.clone()
+    stray[:t0] &= ~folded.reshape(-1)
+    f_real = (real[:t0].view(nf, c, r) & folded[:, :, None]).any(1)  # [F, R]
+    into = torch.where(f_real, first[:, None] + torch.arange(r, device=q.device), drop[:nf * r].view(nf, r)).view(-1)
+    st = _listed(stray, t if requests is None else min(t, (c - 1) * (requests + 1)))  # [Ns] (t: none)
+    ns = st.shape[0]
+    st_ok = st < t
+    st = st.clamp(max=t - 1)
+    st_index = torch.where((real[st] & st_ok[:, None]).reshape(-1), tokens[st].reshape(-1), drop[:ns * r])
+    # one accumulator: every token's max first, then each fold or row scaled to it and added
     new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
     if pairs is not None:
         new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    new_max = scatter_max(m, index, new_max)
-    row_max = new_max.gather(0, index[:, None].expand(-1, hq))
-    seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
+    fm = m[:t0].reshape(nf, c, r, hq)
+    new_max = scatter_max(torch.where(folded[:, :, None, None], fm, float("-inf")).amax(1).reshape(-1, hq), into, new_max)
+    new_max = scatter_max(m[st].reshape(-1, hq), st_index, new_max)
+    seen, w = rescale_weights(fm, new_max.gather(0, into[:, None].expand(-1, hq)).view(nf, 1, r, hq))
+    seen = seen & folded[:, :, None, None]  # [F, C, R, Hq]: once for every head group and the sums
+    adds = seen & ~fixed[:t0].view(nf, c)[:, :, None, None]  # a masked slot's rows: its fix's
+    seen_s, w_s = rescale_weights(m[st].reshape(-1, hq), new_max.gather(0, st_index[:, None].expand(-1, hq)))
+    adds_s = seen_s & ~fixed[st].repeat_interleave(r)[:, None]
     out = []
     for h in range(hkv):
         hs = slice(h * g, (h + 1) * g)
-        row_acc = rescaled(acc[h].view(t * r, g, dv), seen[:, hs], w[:, hs])
-        out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, acc_index, row_acc))
+        fold = rescaled(acc[h][:t0].view(nf, c, r, g, dv), adds[..., hs], w[..., hs]).sum(1).view(nf * r, g, dv)
+        one = rescaled(acc[h].view(t, r, g, dv)[st].view(ns * r, g, dv), adds_s[:, hs], w_s[:, hs])
+        out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, into, fold)
+                   .index_add(0, st_index, one))
     out = out[0] if hkv == 1 else torch.cat(out, 1)
-    out = out.index_add(0, fix_index, rescaled(fix, seen[fix_rows], w[fix_rows]))
-    sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
+    fix_w = rescale_weights(m[masked].reshape(s * r, hq), new_max.gather(0, fix_index[:, None].expand(-1, hq)))
+    out = out.index_add(0, fix_index, rescaled(fix, *fix_w))
+    sums = torch.zeros_like(new_max).index_add(0, into, rescaled(total[:t0].reshape(nf, c, r, hq), seen, w).sum(1)
+                                               .view(-1, hq))
+    sums = sums.index_add(0, st_index, rescaled(total[st].reshape(-1, hq), seen_s, w_s))
     if pairs is not None:
         rows, where = pairs
         seen_p, w_p = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
         out = out.index_add(0, where, rescaled(rows.acc, seen_p, w_p))
         sums = sums.index_add(0, where, rescaled(rows.sum, seen_p, w_p))
     return Partial(out[:n], new_max[:n], sums[:n])
+
+
+def _listed(flags: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the first `count` True `flags`, by rank (a cumulative sum and one scatter), then
+    `flags.shape[0]` (none)."""
+    t = flags.shape[0]
+    rank = torch.cumsum(flags.to(torch.int32), 0) - 1
+    dest = torch.where(flags & (rank < count), rank, count).to(torch.int64)
+    sel = torch.full((count + 1,), t, dtype=torch.int64, device=flags.device)
+    return sel.index_copy_(0, dest, torch.arange(t, device=flags.device))[:count]
 
 
 def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
