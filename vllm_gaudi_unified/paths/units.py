@@ -9,7 +9,14 @@ The tiles whose real rows miss some key (a request's partial last block: its unu
 NaN, and `0 * NaN` would reach every row of the tile) take `p @ V` again on masked V, all heads in one
 product; their rows replace those tiles' rows in the merge. The merge is one accumulator: each row is
 scaled to its token's max and added at its token (a slot's rows that belong to no token at the
-dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside them.
+dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside them. The slots are taken in
+folds of `UNIT_FOLD` consecutive ones: the slots of a fold's first request (its smallest row) are its
+request's units, so their maxima are one `amax` and their scaled rows one sum over the fold's axis, and
+one row per token of the fold is scattered (a quarter of the atomic adds at 4); the other live slots
+(strays: another request's in the fold, those past the last whole fold) are listed and scattered one by one.
+The planner keeps their count within `(UNIT_FOLD - 1) x (requests + 1)` (`plan.rules.unit_fold_fits`: slots in
+request order hold at most `UNIT_FOLD - 1` per request; a cache slice whose requests' blocks interleave more
+is gathered in request order).
 """
 from __future__ import annotations
 

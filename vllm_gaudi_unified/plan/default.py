@@ -196,8 +196,7 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out, T=None):
         rows = out.full("unique_rows", span, no_row)
         rows[phys] = req
         seen = rows != no_row
-        # no block read twice (and a verify step's slots folded as the device lists them, else gathered)
-        if np.count_nonzero(seen) == P and (not verify or unit_fold_fits(rows, no_row, R)):
+        if np.count_nonzero(seen) == P and (not verify or unit_fold_fits(rows, no_row, R)):  # no block read twice
             hi = out.array("unique_hi", span)
             np.multiply(seen, bs, out=hi)
             hi[phys[last]] = last_hi
@@ -291,13 +290,10 @@ def _plan_unique(rows, ids, lo, hi, T, opts, out, tokens=None, requests=0):
     if opts.unique_layout == "slice" and span > MAX_SLICE_BLOCKS:
         raise ValueError(f"unique_layout='slice' would read cache blocks [0, {span}) for block id {span - 1}: "
                          f"more than {MAX_SLICE_BLOCKS}; use 'gather' or 'auto'")
-    slot_rows = None
-    if unique_reads_slice(ids.size, span - 1, opts):
-        slot_rows = out.full("unique_rows", span, T)
+    slot_rows = out.full("unique_rows", span, T) if unique_reads_slice(ids.size, span - 1, opts) else None
+    if slot_rows is not None:
         slot_rows[ids] = rows
-        if tokens is not None and not unit_fold_fits(slot_rows, T, requests):  # (as `_plan_decodes`)
-            slot_rows = None
-    if slot_rows is None:
+    if slot_rows is None or tokens is not None and not unit_fold_fits(slot_rows, T, requests):  # (`_plan_decodes`)
         lo = out.zeros("unique_lo", ids.size) if lo is None else out.keep("unique_lo", lo)
         return (out.keep("unique_rows", rows), out.keep("unique_blocks", ids), lo, out.keep("unique_hi", hi)), needed
     slot_hi = out.zeros("unique_hi", span)
