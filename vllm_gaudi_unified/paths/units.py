@@ -66,8 +66,8 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     vz = torch.where(mask.any(1)[masked][:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
     fix = torch.matmul(p[masked], vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
-    listed = torch.arange(s, device=q.device)
-    once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
+    ranks = torch.arange(s, device=q.device)
+    once = torch.zeros(t, dtype=ranks.dtype, device=q.device).scatter_(0, masked, ranks)[masked] == ranks
     fix_index = torch.where((once[:, None] & real[masked]).reshape(-1), tokens[masked].reshape(-1), drop[:s * r])
     fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
     # Folds of UNIT_FOLD consecutive slots: the slots of a fold's first request (`folded`) summed over the fold's
@@ -82,7 +82,7 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     stray[:t0] &= ~folded.reshape(-1)
     f_real = (real[:t0].view(nf, c, r) & folded[:, :, None]).any(1)  # [F, R]
     into = torch.where(f_real, first[:, None] + torch.arange(r, device=q.device), drop[:nf * r].view(nf, r)).view(-1)
-    st = _listed(stray, t if requests is None else min(t, (c - 1) * (requests + 1)))  # [Ns] (t: none)
+    st = listed(stray, t if requests is None else min(t, (c - 1) * (requests + 1)))  # [Ns] (t: none)
     ns = st.shape[0]
     st_ok = st < t
     st = st.clamp(max=t - 1)
@@ -120,13 +120,15 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     return Partial(out[:n], new_max[:n], sums[:n])
 
 
-def _listed(flags: torch.Tensor, count: int) -> torch.Tensor:
-    """The indices of the first `count` True `flags`, by rank (a cumulative sum and one scatter), then
-    `flags.shape[0]` (none)."""
+def listed(flags: torch.Tensor, count: int, fill: int | None = None) -> torch.Tensor:
+    """`[count]`: the indices of the first `count` True `flags`, then `fill` (default `flags.shape[0]`: none).
+    Compacted by rank (a cumulative sum and one scatter): the k-th True goes to entry k, the others to a dropped
+    entry `count`. Cheaper than a top-k on the device (one radix pass per byte over every flag: 26 us of a
+    256-decode step at block size 16, H100) and of a shape that follows no data."""
     t = flags.shape[0]
     rank = torch.cumsum(flags.to(torch.int32), 0) - 1
     dest = torch.where(flags & (rank < count), rank, count).to(torch.int64)
-    sel = torch.full((count + 1,), t, dtype=torch.int64, device=flags.device)
+    sel = torch.full((count + 1,), t if fill is None else fill, dtype=torch.int64, device=flags.device)
     return sel.index_copy_(0, dest, torch.arange(t, device=flags.device))[:count]
 
 
