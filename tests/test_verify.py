@@ -224,22 +224,23 @@ def test_units_add_a_masked_slot_listed_twice_once(masked):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_units_fold_slots_of_one_request_and_scatter_the_strays(seed):
-    """`units.units_partial` folds `UNIT_FOLD` consecutive slots of a fold's first request and scatters the
-    others (strays: another request's slots in the fold, the slots past the last whole fold) one by one; dead
-    slots (no real row, NaN keys and values) in a fold reach no row: the same as every slot's tile merged."""
+@pytest.mark.parametrize("fold", [1, 3, 4])
+def test_units_fold_each_requests_slots_wherever_they_lie(seed, fold, monkeypatch):
+    """`units.units_partial` gathers a request's slots, wherever they lie, in folds of `UNIT_FOLD` and scatters
+    one row per token of a fold; dead slots (no real row, NaN keys and values) reach no row: the same as every
+    slot's tile merged. `request_folds` lists every live slot once, a fold one request's."""
     from vllm_gaudi_unified.merge import normalize, scatter_merge
+    from vllm_gaudi_unified.paths import units
     from vllm_gaudi_unified.paths.tiles import attend
-    from vllm_gaudi_unified.paths.units import units_partial
-    from vllm_gaudi_unified.plan.rules import UNIT_FOLD, unit_fold_strays
 
+    monkeypatch.setattr(units, "UNIT_FOLD", fold)
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     q_lens = rng.integers(1, 4, size=5)
     n, hq, hkv, d, bs, u = int(q_lens.sum()), 4, 2, 8, 4, 3
     starts = np.cumsum(q_lens) - q_lens
-    t = 4 * UNIT_FOLD + 3  # whole folds and a tail
-    slot_req = rng.integers(-1, 5, size=t)  # -1: a dead slot; requests interleaved
+    t = 19
+    slot_req = rng.integers(-1, 5, size=t)  # -1: a dead slot; the requests' slots interleaved
     rows = np.where(slot_req < 0, n, starts[slot_req])
     tokens = torch.as_tensor(rows[:, None] + np.arange(u))
     real = torch.as_tensor((slot_req[:, None] >= 0) & (np.arange(u) < q_lens[slot_req][:, None]))
@@ -247,29 +248,13 @@ def test_units_fold_slots_of_one_request_and_scatter_the_strays(seed):
     k, v = (torch.randn(t, bs, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
     k[slot_req < 0], v[slot_req < 0] = float("nan"), float("nan")
     mask = torch.ones(t, 1, bs, dtype=torch.bool)
-    masked = torch.zeros(1, dtype=torch.int64)
-    assert unit_fold_strays(rows, n) > 0
-    got = normalize(units_partial(q, k, v, tokens, real, mask, masked, 0.4, None))
+    layout = units.request_folds(torch.as_tensor(rows), n, fold, 5)
+    listed = layout[layout < t]
+    assert sorted(listed.tolist()) == np.flatnonzero(slot_req >= 0).tolist()
+    assert all(len(set(slot_req[f[f < t].numpy()])) <= 1 for f in layout)
+    got = normalize(units.units_partial(q, k, v, tokens, real, mask, torch.zeros(1, dtype=torch.int64), 0.4, None,
+                                        requests=5))
     want = attend(q[tokens.clamp(max=n - 1)], k, v.nan_to_num(), mask & real[:, :, None], 0.4, None)
     want = normalize(scatter_merge(want, torch.where(real, tokens, n).reshape(-1), n))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
-
-def test_unit_fold_strays_and_a_slice_past_them_gathered():
-    """`plan.rules.unit_fold_strays` counts the live slots not of their fold's first request and those past the
-    last whole fold; a verify step whose slice holds more than `unit_fold_fits` allows reads its blocks gathered."""
-    from vllm_gaudi_unified.plan.rules import unit_fold_fits, unit_fold_strays
-
-    assert unit_fold_strays(np.array([9, 0, 0, 4, 4, 4, 9, 4, 0]), 9, 4) == 2  # slot 3 (request at 0 first), slot 8
-    assert unit_fold_strays(np.array([9, 9, 9, 9, 2, 2, 2, 2]), 9, 4) == 0
-    assert unit_fold_fits(np.array([0, 4] * 8), 9, 2, 4) and not unit_fold_fits(np.array([0, 4] * 12), 9, 2, 4)
-    q, c = np.array([4, 4]), np.array([48, 48])  # 12 blocks each, block size 4
-    inter = np.stack([np.arange(1, 25, 2), np.arange(2, 26, 2)])  # the two requests' blocks alternate
-    table = np.concatenate([inter, [[25], [26]]], 1)  # (their new tokens' blocks)
-    plan = plan_step(q, c, table, 4, options=replace(UNITS, unique_layout="auto"))
-    assert plan.unique_blocks is not None
-    contiguous = np.stack([np.arange(1, 14), np.arange(14, 27)])
-    assert plan_step(q, c, contiguous, 4, options=replace(UNITS, unique_layout="auto")).unique_blocks is None
-    step = Step([4, 4, 3], [32, 32, 17], 4)
-    out, ref, batch = run_case(step, dtype=torch.float64, options=replace(UNITS, unique_layout="slice"))
-    assert_matches(out, ref)

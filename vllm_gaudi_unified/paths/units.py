@@ -9,14 +9,11 @@ The tiles whose real rows miss some key (a request's partial last block: its unu
 NaN, and `0 * NaN` would reach every row of the tile) take `p @ V` again on masked V, all heads in one
 product; their rows replace those tiles' rows in the merge. The merge is one accumulator: each row is
 scaled to its token's max and added at its token (a slot's rows that belong to no token at the
-dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside them. The slots are taken in
-folds of `UNIT_FOLD` consecutive ones: the slots of a fold's first request (its smallest row) are its
-request's units, so their maxima are one `amax` and their scaled rows one sum over the fold's axis, and
-one row per token of the fold is scattered (a quarter of the atomic adds at 4); the other live slots
-(strays: another request's in the fold, those past the last whole fold) are listed and scattered one by one.
-The planner keeps their count within `(UNIT_FOLD - 1) x (requests + 1)` (`plan.rules.unit_fold_fits`: slots in
-request order hold at most `UNIT_FOLD - 1` per request; a cache slice whose requests' blocks interleave more
-is gathered in request order).
+dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside them. A request's slots are
+gathered in folds of `UNIT_FOLD` (`request_folds`: one sort of the slots by request, on the device), so their
+maxima are one `amax` and their scaled rows one sum over the fold's axis, and one row per token of a fold is
+scattered: up to an eighth of the atomic adds at 8 (a request's slots lie anywhere in the cache slice the unique
+path reads in place).
 """
 from __future__ import annotations
 
@@ -25,11 +22,13 @@ import torch
 from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, compute_dtype, rescale_weights, rescaled, scatter_max
 from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
-from vllm_gaudi_unified.plan.rules import UNIT_FOLD
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
 #: its addresses.
 DROP_ROWS = 64
+#: Slots of one request gathered into a fold and summed before the scatter into their tokens (`request_folds`):
+#: the scatter's atomic adds fall by up to this factor; a request's last fold pads up to it.
+UNIT_FOLD = 8
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
@@ -38,8 +37,8 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     """q `[n, Hq, D]` (the step's queries), k/v `[slots, K, Hkv, D]` (the units' blocks as stored), the
     units' tokens and which are real `[slots, R]` (`unique.unit_tokens`), mask `[slots, 1, K]` (the
     slot's visible keys), `masked`: the slots whose real rows may miss a key (`unique._partial_slots`),
-    `pairs`: the requests' own new pairs as rows and their tokens (`request_pairs`), `requests`: the bucket's
-    (`plan.rules.unit_fold_fits` bounds the strays by it; None: every slot may be one) -> Partial `[n]`."""
+    `pairs`: the requests' own new pairs as rows and their tokens (`request_pairs`), `requests`: at most so many
+    requests hold a slot (the bucket's; None: every slot may be one, `request_folds`) -> Partial `[n]`."""
     n = q.shape[0]
     t, r = tokens.shape
     nk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -70,54 +69,61 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     once = torch.zeros(t, dtype=ranks.dtype, device=q.device).scatter_(0, masked, ranks)[masked] == ranks
     fix_index = torch.where((once[:, None] & real[masked]).reshape(-1), tokens[masked].reshape(-1), drop[:s * r])
     fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
-    # Folds of UNIT_FOLD consecutive slots: the slots of a fold's first request (`folded`) summed over the fold's
-    # axis and added at that request's tokens, the others (`strays`, listed) one by one.
-    c = UNIT_FOLD
-    nf, t0 = t // c, t // c * c
+    # A request's slots in folds of UNIT_FOLD (`request_folds`): gathered, scaled to their tokens' maxima and summed
+    # over the fold's axis, one row per token of a fold scattered.
     live = real[:, 0]
-    key = torch.where(live, tokens[:, 0], n)
-    first = key[:t0].view(nf, c).amin(1)  # [F]: the fold's request (its first token; n: none)
-    folded = live[:t0].view(nf, c) & (key[:t0].view(nf, c) == first[:, None])  # [F, C]
-    stray = live.clone()
-    stray[:t0] &= ~folded.reshape(-1)
-    f_real = (real[:t0].view(nf, c, r) & folded[:, :, None]).any(1)  # [F, R]
-    into = torch.where(f_real, first[:, None] + torch.arange(r, device=q.device), drop[:nf * r].view(nf, r)).view(-1)
-    st = listed(stray, t if requests is None else min(t, (c - 1) * (requests + 1)))  # [Ns] (t: none)
-    ns = st.shape[0]
-    st_ok = st < t
-    st = st.clamp(max=t - 1)
-    st_index = torch.where((real[st] & st_ok[:, None]).reshape(-1), tokens[st].reshape(-1), drop[:ns * r])
-    # one accumulator: every token's max first, then each fold or row scaled to it and added
+    c = UNIT_FOLD
+    layout = request_folds(torch.where(live, tokens[:, 0], n), n, c, t if requests is None else requests)  # [F, C]
+    nf = layout.shape[0]
+    used = layout < t
+    sl = layout.clamp(max=t - 1)
+    head = sl[:, 0]
+    into = torch.where(real[head] & used[:, :1], tokens[head], drop[:nf * r].view(nf, r)).view(-1)  # [F*R]
+    # one accumulator: every token's max first, then each fold scaled to it and added
     new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
     if pairs is not None:
         new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    fm = m[:t0].reshape(nf, c, r, hq)
-    new_max = scatter_max(torch.where(folded[:, :, None, None], fm, float("-inf")).amax(1).reshape(-1, hq), into, new_max)
-    new_max = scatter_max(m[st].reshape(-1, hq), st_index, new_max)
+    fm = m[sl]  # [F, C, R, Hq]
+    new_max = scatter_max(torch.where(used[:, :, None, None], fm, float("-inf")).amax(1).reshape(-1, hq), into, new_max)
     seen, w = rescale_weights(fm, new_max.gather(0, into[:, None].expand(-1, hq)).view(nf, 1, r, hq))
-    seen = seen & folded[:, :, None, None]  # [F, C, R, Hq]: once for every head group and the sums
-    adds = seen & ~fixed[:t0].view(nf, c)[:, :, None, None]  # a masked slot's rows: its fix's
-    seen_s, w_s = rescale_weights(m[st].reshape(-1, hq), new_max.gather(0, st_index[:, None].expand(-1, hq)))
-    adds_s = seen_s & ~fixed[st].repeat_interleave(r)[:, None]
+    seen = seen & used[:, :, None, None]  # [F, C, R, Hq]: once for every head group and the sums
+    adds = seen & ~fixed[sl][:, :, None, None]  # a masked slot's rows: its fix's
     out = []
     for h in range(hkv):
         hs = slice(h * g, (h + 1) * g)
-        fold = rescaled(acc[h][:t0].view(nf, c, r, g, dv), adds[..., hs], w[..., hs]).sum(1).view(nf * r, g, dv)
-        one = rescaled(acc[h].view(t, r, g, dv)[st].view(ns * r, g, dv), adds_s[:, hs], w_s[:, hs])
-        out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, into, fold)
-                   .index_add(0, st_index, one))
+        fold = rescaled(acc[h].view(t, r, g, dv)[sl], adds[..., hs], w[..., hs]).sum(1).view(nf * r, g, dv)
+        out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, into, fold))
     out = out[0] if hkv == 1 else torch.cat(out, 1)
     fix_w = rescale_weights(m[masked].reshape(s * r, hq), new_max.gather(0, fix_index[:, None].expand(-1, hq)))
     out = out.index_add(0, fix_index, rescaled(fix, *fix_w))
-    sums = torch.zeros_like(new_max).index_add(0, into, rescaled(total[:t0].reshape(nf, c, r, hq), seen, w).sum(1)
-                                               .view(-1, hq))
-    sums = sums.index_add(0, st_index, rescaled(total[st].reshape(-1, hq), seen_s, w_s))
+    sums = torch.zeros_like(new_max).index_add(0, into, rescaled(total[sl], seen, w).sum(1).view(-1, hq))
     if pairs is not None:
         rows, where = pairs
         seen_p, w_p = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
         out = out.index_add(0, where, rescaled(rows.acc, seen_p, w_p))
         sums = sums.index_add(0, where, rescaled(rows.sum, seen_p, w_p))
     return Partial(out[:n], new_max[:n], sums[:n])
+
+
+def request_folds(key: torch.Tensor, n: int, fold: int, requests: int) -> torch.Tensor:
+    """`[F, fold]` slot indices (`key.shape[0]`: none): every slot whose `key` (its request's first token) is below
+    `n` once, a request's slots in folds of their own, in order of `key`. F bounds the folds of any `requests`
+    requests (`(slots + (fold - 1) x requests) // fold`). One stable sort of the keys, ranks within each run of
+    equal keys and a cumulative sum of the runs' folds: no shape that follows the data."""
+    t = key.shape[0]
+    nf = min(t, (t + (fold - 1) * requests) // fold)
+    sk, order = torch.sort(key, stable=True)  # the live slots by request, the others (n) last
+    i = torch.arange(t, device=key.device)
+    start = torch.ones(t, dtype=torch.bool, device=key.device)
+    start[1:] = sk[1:] != sk[:-1]
+    run = torch.cumsum(start.to(torch.int64), 0) - 1  # [T] each sorted slot's run of one request
+    first = torch.full((t,), t, dtype=torch.int64, device=key.device).scatter_reduce_(0, run, i, "amin")
+    count = torch.zeros(t, dtype=torch.int64, device=key.device).index_add_(0, run, torch.ones_like(run))
+    folds = (count + fold - 1) // fold
+    pos = (torch.cumsum(folds, 0) - folds)[run] * fold + i - first[run]
+    pos = torch.where((sk < n) & (pos < nf * fold), pos, nf * fold)
+    layout = torch.full((nf * fold + 1,), t, dtype=torch.int64, device=key.device)
+    return layout.index_copy_(0, pos, order)[:nf * fold].view(nf, fold)
 
 
 def listed(flags: torch.Tensor, count: int, fill: int | None = None) -> torch.Tensor:

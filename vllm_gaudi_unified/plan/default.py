@@ -57,8 +57,7 @@ from vllm_gaudi_unified.plan.decode_shared import repeated, split_shared
 from vllm_gaudi_unified.plan.options import PathWork, PlanOptions
 from vllm_gaudi_unified.plan.prompts import (bucket_grid, fill_grid, pad_prompts, plan_prompts, prompt_grid, prompt_ragged,
                                              prompt_requests)
-from vllm_gaudi_unified.plan.rules import (MAX_SLICE_BLOCKS, causal_spans, shared_pairs, unique_reads_slice,
-                                           unit_fold_fits)
+from vllm_gaudi_unified.plan.rules import MAX_SLICE_BLOCKS, causal_spans, shared_pairs, unique_reads_slice
 from vllm_gaudi_unified.plan.shared import plan_shared
 from vllm_gaudi_unified.plan.step_plan import StepPlan
 
@@ -128,7 +127,7 @@ def plan_default(q, ctx, bt, nb_ctx, bs: int, W: int | None, num_blocks: int | N
         shared, shared_needed = plan_shared(is_shared, phys, pair_req, pair_blk, pair_hi, bt.shape[1], q, starts,
                                             ctx, bs, W, T, opts, out)
     u_tokens = None if units == 1 else q[pair_req if not is_shared.any() else u_req]  # new tokens per unit
-    unique, unique_needed = _plan_unique(u_rows, u_ids, u_lo, u_hi, T, opts, out, u_tokens, R)
+    unique, unique_needed = _plan_unique(u_rows, u_ids, u_lo, u_hi, T, opts, out, u_tokens)
     if decodes:
         causal_q = causal_k = empty((0,))
         causal_needed = T
@@ -196,18 +195,20 @@ def _plan_decodes(q, ctx, bt, nb_ctx, bs, num_blocks, opts, out, T=None):
         rows = out.full("unique_rows", span, no_row)
         rows[phys] = req
         seen = rows != no_row
-        if np.count_nonzero(seen) == P and (not verify or unit_fold_fits(rows, no_row, R)):  # no block read twice
+        if np.count_nonzero(seen) == P:  # no block read twice
             hi = out.array("unique_hi", span)
             np.multiply(seen, bs, out=hi)
             hi[phys[last]] = last_hi
             unique = rows, None, out.zeros("unique_lo", span), hi
             return _decode_plan(bs, opts, out, ctx, max_id, None, unique, None, q, verify)
-    shared = repeated(phys, span, out)
-    if shared is None:
-        hi = out.full("unique_hi", P, bs)
-        hi[last] = last_hi
-        unique = out.keep("unique_rows", req), out.keep("unique_blocks", phys), out.zeros("unique_lo", P), hi
-        return _decode_plan(bs, opts, out, ctx, max_id, None, unique, None, q, verify)
+        shared = repeated(phys, span, out)
+    else:
+        shared = repeated(phys, span, out)
+        if shared is None:
+            hi = out.full("unique_hi", P, bs)
+            hi[last] = last_hi
+            unique = out.keep("unique_rows", req), out.keep("unique_blocks", phys), out.zeros("unique_lo", P), hi
+            return _decode_plan(bs, opts, out, ctx, max_id, None, unique, None, q, verify)
     if verify:  # a block several requests hold: the general path's shared tiles
         return None
     split = split_shared(shared, phys, max_id, req, ends, nb_ctx, ctx, last, last_hi, bt.shape[1], q, bs, opts, out)
@@ -277,7 +278,7 @@ def _no_shared(opts, bs, W):
     return empty((0, qt)), empty((0, kb)), empty((0, qt, kb)), empty((0, qt, kb)), W is None
 
 
-def _plan_unique(rows, ids, lo, hi, T, opts, out, tokens=None, requests=0):
+def _plan_unique(rows, ids, lo, hi, T, opts, out, tokens=None):
     """One slot per block used by exactly one request: its row is the request's first token (with a
     window, the one token that sees it: later tokens see less far back; else its unit of `tokens` new
     tokens, `PlanOptions.unique_tokens`), compact (gathered) or on the slice [0, max id] of the cache."""
@@ -290,12 +291,11 @@ def _plan_unique(rows, ids, lo, hi, T, opts, out, tokens=None, requests=0):
     if opts.unique_layout == "slice" and span > MAX_SLICE_BLOCKS:
         raise ValueError(f"unique_layout='slice' would read cache blocks [0, {span}) for block id {span - 1}: "
                          f"more than {MAX_SLICE_BLOCKS}; use 'gather' or 'auto'")
-    slot_rows = out.full("unique_rows", span, T) if unique_reads_slice(ids.size, span - 1, opts) else None
-    if slot_rows is not None:
-        slot_rows[ids] = rows
-    if slot_rows is None or tokens is not None and not unit_fold_fits(slot_rows, T, requests):  # (`_plan_decodes`)
+    if not unique_reads_slice(ids.size, span - 1, opts):
         lo = out.zeros("unique_lo", ids.size) if lo is None else out.keep("unique_lo", lo)
         return (out.keep("unique_rows", rows), out.keep("unique_blocks", ids), lo, out.keep("unique_hi", hi)), needed
+    slot_rows = out.full("unique_rows", span, T)
+    slot_rows[ids] = rows
     slot_hi = out.zeros("unique_hi", span)
     slot_hi[ids] = hi
     slot_lo = out.zeros("unique_lo", span)

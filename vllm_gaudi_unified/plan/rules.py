@@ -17,28 +17,6 @@ from vllm_gaudi_unified.plan.options import PlanOptions
 MAX_SLICE_BLOCKS = 1 << 22
 
 
-#: Consecutive unique slots the Gaudi route's verify units fold densely before scattering them into their tokens
-#: (`paths/units.py`): a fold's slots of its first request (`unit_fold_strays`) add up in a sum over one axis.
-UNIT_FOLD = 4
-
-
-def unit_fold_strays(rows: np.ndarray, no_row: int, fold: int = UNIT_FOLD) -> int:
-    """Unique slots a verify step's fold scatters one by one: the live slots (`rows` != `no_row`) past the last
-    whole fold, and those whose row is not the smallest live row of their fold. Slots in request order hold at
-    most `fold - 1` per request (`unit_fold_fits`)."""
-    t0 = rows.size // fold * fold
-    key = np.where(rows == no_row, np.iinfo(np.int64).max, rows)
-    first = key[:t0].reshape(-1, fold).min(1)
-    stray = (key[:t0] != np.repeat(first, fold)) & (key[:t0] != np.iinfo(np.int64).max)
-    return int(np.count_nonzero(stray)) + int(np.count_nonzero(rows[t0:] != no_row))
-
-
-def unit_fold_fits(rows: np.ndarray, no_row: int, requests: int, fold: int = UNIT_FOLD) -> bool:
-    """Does a verify step's slot layout keep its strays within the `(fold - 1) * (requests + 1)` the device lists
-    (`paths/units.py`)? A slice of blocks not in request order may not: that step gathers its blocks."""
-    return unit_fold_strays(rows, no_row, fold) <= (fold - 1) * (requests + 1)
-
-
 def segment_starts(keys: np.ndarray) -> np.ndarray:
     """Indices where a run of equal consecutive `keys` starts."""
     return np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if keys.size else np.zeros(0, np.int64)
