@@ -12,7 +12,7 @@ scaled to its token's max and added at its token (a slot's rows that belong to n
 dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside them. A request's slots are
 gathered in folds of `UNIT_FOLD` (`request_folds`: one sort of the slots by request, on the device), so their
 maxima are one `amax` and their scaled rows one sum over the fold's axis, and one row per token of a fold is
-scattered: up to an eighth of the atomic adds at 8 (a request's slots lie anywhere in the cache slice the unique
+scattered: up to a quarter of the atomic adds at 4 (a request's slots lie anywhere in the cache slice the unique
 path reads in place).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 DROP_ROWS = 64
 #: Slots of one request gathered into a fold and summed before the scatter into their tokens (`request_folds`):
 #: the scatter's atomic adds fall by up to this factor; a request's last fold pads up to it.
-UNIT_FOLD = 8
+UNIT_FOLD = 4
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
@@ -91,7 +91,11 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     out = []
     for h in range(hkv):
         hs = slice(h * g, (h + 1) * g)
-        fold = rescaled(acc[h].view(t, r, g, dv)[sl], adds[..., hs], w[..., hs]).sum(1).view(nf * r, g, dv)
+        rows_h = acc[h].view(t, r, g, dv)
+        fold = rescaled(rows_h[sl[:, 0]], adds[:, 0, :, hs], w[:, 0, :, hs])
+        for j in range(1, c):  # (a sum of gathered terms, one pointwise pass: not a reduction over a short axis)
+            fold = fold + rescaled(rows_h[sl[:, j]], adds[:, j, :, hs], w[:, j, :, hs])
+        fold = fold.view(nf * r, g, dv)
         out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, into, fold))
     out = out[0] if hkv == 1 else torch.cat(out, 1)
     fix_w = rescale_weights(m[masked].reshape(s * r, hq), new_max.gather(0, fix_index[:, None].expand(-1, hq)))
