@@ -1,0 +1,90 @@
+"""A step with prompts in two parts (`step_parts.py`): the grid's requests in a grid graph, the rest in a
+bucket, each its own call; the same result as the step whole."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import Step, assert_matches, make_block_table, make_tensors
+from vllm_gaudi_unified.attention import unified_attention
+from vllm_gaudi_unified.batch import build_unified_batch
+from vllm_gaudi_unified.bucket_plans import ModelSpec, ServerSettings, TraceStep
+from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
+from vllm_gaudi_unified import step_parts
+from vllm_gaudi_unified.reference import reference_attention
+from vllm_gaudi_unified.step_parts import (StepParts, build_step_parts, grid_requests, is_grid_graph,
+                                           learn_grid_graphs, parts_attention)
+
+SETTINGS = ServerSettings(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, num_blocks=96)
+MODEL = ModelSpec(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=64)
+#: two chunks over their contexts between decodes, two decodes over one shared document
+MIXED = Step([1, 12, 1, 9, 1], [9, 20, 17, 6, 17], 4, prefix_groups=[([2, 4], 4)])
+
+
+def trace_step(step: Step, table: np.ndarray) -> TraceStep:
+    bs = step.block_size
+    blocks = [list(map(int, row[: -(-(q + c) // bs)])) for row, q, c in zip(table, step.query_lens, step.context_lens)]
+    return TraceStep(bs, np.array(step.query_lens), np.array(step.context_lens), blocks)
+
+
+@pytest.fixture(autouse=True)
+def free_calls(monkeypatch):
+    """The tiny model's steps cost a fraction of a µs: a second call at the 8B setting's price would never pay."""
+    monkeypatch.setattr(step_parts, "PART_CALL_US", 0.0)
+
+
+@pytest.fixture(scope="module")
+def case():
+    table, num_blocks = make_block_table(MIXED, np.random.default_rng(0))
+    tiled = exponential_plan(SETTINGS, MODEL)
+    graphs, info = learn_grid_graphs(tiled, [trace_step(MIXED, table)] * 2, 4)
+    assert graphs and all(is_grid_graph(g) for g in graphs) and info["prompt_steps_on_prompt_graphs"] == 2
+    return replace(tiled, prompt_graphs=graphs), table, num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+def test_a_step_in_parts_equals_the_step_whole(case, dtype):
+    plan, table, num_blocks = case
+    ql, cl = MIXED.query_lens, MIXED.context_lens
+    q, k, v, kc, vc = make_tensors(MIXED, table, num_blocks, dtype, 0)
+    assert grid_requests(ql, cl, table, 4, SETTINGS.options).tolist() == [False, True, False, True, False]
+    parts = build_step_parts(ql, cl, table, plan, num_blocks=num_blocks)
+    assert isinstance(parts, StepParts) and len(parts.batches) == 2
+    graph, bucket = parts.buckets
+    assert graph in plan.prompt_graphs and is_grid_graph(graph) and bucket in plan.buckets
+    assert sorted(torch.cat(parts.rows).tolist()) == list(range(sum(ql)))  # every row in exactly one part
+    out = parts_attention(q, k, v, kc, vc, parts, 0.37)
+    whole = unified_attention(q, k, v, kc, vc, build_unified_batch(ql, cl, table, 4, num_blocks=num_blocks), 0.37)
+    ref = reference_attention(q, k, v, kc, vc, ql, cl, table, 0.37)
+    assert_matches(out, ref)
+    tol = 1e-6 if dtype == torch.float64 else 1e-2
+    torch.testing.assert_close(out.double(), whole.double(), atol=tol, rtol=tol)
+
+
+def test_a_step_without_a_grid_graph_or_prompts_or_saving_runs_whole(case, monkeypatch):
+    plan, table, num_blocks = case
+    ql, cl = MIXED.query_lens, MIXED.context_lens
+    assert build_step_parts(ql, cl, table, plan) is not None
+    monkeypatch.setattr(step_parts, "PART_CALL_US", 1.0)  # the parts cost more than the step's tiled bucket
+    assert build_step_parts(ql, cl, table, plan) is None
+    monkeypatch.setattr(step_parts, "PART_CALL_US", 0.0)
+    assert build_step_parts([1, 1], [9, 17], table[:2], plan) is None  # decodes alone
+    assert build_step_parts([1, 12], [9, 20], table[:2], replace(plan, prompt_graphs=[])) is None
+
+
+def test_bad_input_to_a_step_in_parts_is_refused_by_name(case):
+    plan, table, num_blocks = case
+    ql, cl = MIXED.query_lens, MIXED.context_lens
+    with pytest.raises(ValueError, match="needs a BucketPlan"):
+        build_step_parts(ql, cl, table, plan.buckets[0])
+    with pytest.raises(ValueError, match="must agree"):
+        build_step_parts(ql, cl[:-1], table, plan)
+    parts = build_step_parts(ql, cl, table, plan, num_blocks=num_blocks)
+    q, k, v, kc, vc = make_tensors(MIXED, table, num_blocks, torch.float64, 0)
+    with pytest.raises(ValueError, match="the step's 24 tokens"):
+        parts_attention(q[:-1], k, v, kc, vc, parts, 0.37)
+    with pytest.raises(ValueError, match="must be StepParts"):
+        parts_attention(q, k, v, kc, vc, parts.batches[0], 0.37)

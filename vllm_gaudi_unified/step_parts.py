@@ -1,0 +1,204 @@
+"""A step with prompts as two parts, each in a graph of its own: the prompt route's grid, and the rest.
+
+A prompt graph (`bucket_plans/prompt_graphs.py`) holds a step's prompt call *and* the decodes beside it,
+so a plan needs a graph per prompt shape and decode load: the product of the two. Traffic varies them
+apart (the same prompts beside 20 decodes at a quiet hour, beside 256 over long documents at a busy one),
+and a product learned from some traffic pads other traffic in both. Cut by requests instead:
+
+* the **grid part**: the requests the prompt route's grid takes (`plan/prompts.py: fill_grid`), planned
+  alone on the prompt route, a step of prompts alone (one fused call): padded to a *grid graph*, a prompt
+  graph with no decode part (`grid_graph`);
+* the **rest**: every other request (decodes, verify steps, the short prompts the grid leaves to the
+  tiles), planned alone on the tiled route: padded to one of the plan's buckets, like a decode step.
+
+A request's attention reads only its own new keys and its own cached blocks, so the two parts share no
+(query, key) pair and no row: each part's rows come out final, written where they belong, with no merge
+(exact: `tests/test_step_parts.py`, float64 against the unsplit step). The graphs a plan warms are then its
+buckets plus its grid graphs: per path, the sum of the sizes, not their product. The price is one graph call
+more per step with prompts and decodes (`PART_CALL_US` in the time model), and the shared tiles of a
+document read by a prompt and by decodes at once are not shared across the parts (the grid reads its
+context itself on the prompt route either way).
+
+`plan_parts` decides (the plan's time model, `CostModel.graph_cost`): a step runs in parts when its grid
+part has a grid graph and the two parts cost no more than the whole step's tiled bucket; `build_step_parts`
+plans and pads the parts, `parts_attention` runs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_gaudi_unified.bucket import Bucket
+from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.plan.options import on_route
+
+#: Time-model price (estimated µs) of the second graph call of a step in parts: a graph launch and the
+#: copies of the part's rows (q/k/v in, output out). The device's per-call cost is tens of µs beside steps
+#: of 1-30 ms.
+PART_CALL_US = 30.0
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """A step planned in parts: per part its batch (padded to its graph) and its token rows of the step,
+    `[t_i]` int64 on the batch's device, in order; every row of the `num_tokens` in exactly one part."""
+
+    batches: tuple
+    rows: tuple
+    num_tokens: int
+
+    @property
+    def buckets(self) -> tuple:
+        """The graph of each part: a grid graph, then a bucket of the plan."""
+        return tuple(b.bucket for b in self.batches)
+
+
+def grid_requests(query_lens, context_lens, block_table, block_size: int, options, sliding_window=None) -> np.ndarray:
+    """Bool `[R]`: the requests of the step whose new tokens the prompt route's grid takes (none when the
+    step has no prompt for it)."""
+    q = np.asarray(query_lens, np.int64)
+    keep = np.zeros(q.size, bool)
+    if q.size == 0 or int(q.max()) < 2:
+        return keep
+    plan = plan_step(q, context_lens, block_table, block_size, sliding_window=sliding_window,
+                     options=on_route(options, "dense"))
+    if plan.shape.num_prompts:
+        starts = np.concatenate([[0], np.cumsum(q)])
+        first = plan.prompt_rows[plan.prompt_len > 0, 0]  # each real prompt's first token
+        keep[np.searchsorted(starts, first, side="right") - 1] = True
+    return keep
+
+
+def _subset(query_lens, context_lens, block_table, keep: np.ndarray):
+    return (np.asarray(query_lens, np.int64)[keep], np.asarray(context_lens, np.int64)[keep],
+            np.asarray(block_table)[keep])
+
+
+def part_shapes(plan, query_lens, context_lens, block_table, keep: np.ndarray):
+    """(grid part's shape on the prompt route, the rest's on the tiled route or None) of a step split at
+    `keep` (`grid_requests`)."""
+    s = plan.settings
+    grid = plan_step(*_subset(query_lens, context_lens, block_table, keep), s.block_size,
+                     sliding_window=s.sliding_window, options=plan.step_options).shape
+    rest = None
+    if not keep.all():
+        rest = plan_step(*_subset(query_lens, context_lens, block_table, ~keep), s.block_size,
+                         sliding_window=s.sliding_window, options=on_route(s.options, "tiles")).shape
+    return grid, rest
+
+
+def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | None:
+    """The graphs of a step in parts, `(grid graph, the rest's bucket or None)`, or None: the step runs whole
+    (`BucketPlan.route`). Parts when a grid graph of `plan` covers the grid part (`grid`), a bucket covers the
+    rest, and the two, with `PART_CALL_US` for the second call, cost no more in the plan's time model than the
+    bucket the step's tiled plan (`tiled_shape()`) pads to."""
+    graph = plan.prompt_graph(grid)
+    if graph is None or not is_grid_graph(graph):
+        return None
+    model, bucket = plan.cost_model, None
+    cost = model.graph_cost(graph)
+    if rest is not None:
+        i = -1 if plan.gather_cap.exceeded(rest) else plan.find_sizes(*rest.sizes)
+        if i < 0:
+            return None
+        bucket, cost = plan.buckets[i], cost + float(plan.costs[i]) + PART_CALL_US
+    tiled = tiled_shape()
+    i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+    return (graph, bucket) if i < 0 or cost <= float(plan.costs[i]) else None
+
+
+def is_grid_graph(graph: Bucket) -> bool:
+    """A prompt graph with no decode part: no shared or unique slots, no causal tiles."""
+    return graph.num_prompts > 0 and not (graph.num_shared_blocks or graph.num_unique_blocks or graph.num_causal_tiles)
+
+
+def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks: int | None = None,
+                     device=None) -> StepParts | None:
+    """The step in parts as `plan` (a `BucketPlan` with grid graphs) decides (`plan_parts`), each part planned
+    and padded to its graph and put on `device`; None: the step runs whole (`build_unified_batch(...,
+    options=plan.step_options, bucket=plan)`)."""
+    from vllm_gaudi_unified.batch import build_unified_batch
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+
+    if not isinstance(plan, BucketPlan):
+        raise ValueError(f"a step in parts needs a BucketPlan, got {type(plan).__name__}")
+    s = plan.settings
+    q = np.asarray(query_lens, np.int64)
+    table = np.asarray(block_table)
+    if q.ndim != 1 or np.shape(context_lens) != q.shape or table.ndim != 2 or table.shape[0] != q.size:
+        raise ValueError(f"query_lens [R], context_lens [R] and block_table [R, M] must agree, got {q.shape}, "
+                         f"{np.shape(context_lens)}, {table.shape}")
+    if not plan.prompt_graphs or plan.settings.sliding_window is not None:
+        return None
+    keep = grid_requests(q, context_lens, table, s.block_size, s.options, s.sliding_window)
+    if not keep.any():
+        return None
+    grid, rest = part_shapes(plan, q, context_lens, table, keep)
+    graphs = plan_parts(plan, grid, rest, lambda: plan_step(q, context_lens, table, s.block_size,
+                                                            options=on_route(s.options, "tiles")).shape)
+    if graphs is None:
+        return None
+    starts = np.concatenate([[0], np.cumsum(q)])
+    batches, rows = [], []
+    for part, options, bucket in ((keep, plan.step_options, graphs[0]), (~keep, s.options, plan)):
+        if not part.any():
+            continue
+        batch = build_unified_batch(*_subset(q, context_lens, table, part), s.block_size, num_blocks=num_blocks,
+                                    options=options, bucket=bucket, device=device)
+        idx = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in np.flatnonzero(part)])
+        batches.append(batch)
+        rows.append(torch.as_tensor(idx, dtype=torch.int64, device=device))
+    return StepParts(tuple(batches), tuple(rows), int(q.sum()))
+
+
+def parts_attention(query, key, value, key_cache, value_cache, parts: StepParts, scale: float, attention=None,
+                    **kwargs) -> torch.Tensor:
+    """`unified_attention` of a step in parts (`build_step_parts`): each part's rows of q/k/v through its own
+    graph (`attention`: a function like `unified_attention`, default it; `graphs.compiled_attention` compiles
+    one per part's graph), its output written at its rows. No merge: the parts share no row and no key.
+    Returns `[num_tokens, Hq, Dv]` in query's dtype."""
+    from vllm_gaudi_unified.attention import unified_attention
+
+    if not isinstance(parts, StepParts):
+        raise ValueError(f"parts must be StepParts (build_step_parts), got {type(parts).__name__}")
+    if query.shape[0] != parts.num_tokens or key.shape[0] != parts.num_tokens or value.shape[0] != parts.num_tokens:
+        raise ValueError(f"query, key and value must hold the step's {parts.num_tokens} tokens, got "
+                         f"{query.shape[0]}, {key.shape[0]}, {value.shape[0]}")
+    run = unified_attention if attention is None else attention
+    out = query.new_empty((parts.num_tokens, query.shape[1], value.shape[-1]))
+    for batch, rows in zip(parts.batches, parts.rows):
+        rows = rows.to(query.device)
+        part = run(*(x.index_select(0, rows) for x in (query, key, value)), key_cache, value_cache, batch, scale,
+                   **kwargs)
+        out.index_copy_(0, rows, part[:rows.numel()])
+    return out
+
+
+def grid_parts(plan, steps, sources=None) -> tuple[list, list]:
+    """The grid part of each step of `steps` (TraceSteps) that has one, as a TraceStep, and its source id
+    (`sources`, one per step; default 0): what a plan's grid graphs learn from (`learn_grid_graphs`)."""
+    from vllm_gaudi_unified.bucket_plans.trace import TraceStep
+
+    s, out, ids = plan.settings, [], []
+    for step, k in zip(steps, [0] * len(steps) if sources is None else sources):
+        keep = grid_requests(step.query_lens, step.context_lens, step.block_table(), step.block_size, s.options,
+                             s.sliding_window)
+        if keep.any():
+            out.append(TraceStep(step.block_size, step.query_lens[keep], step.context_lens[keep],
+                                 [b for b, x in zip(step.block_ids, keep) if x]))
+            ids.append(k)
+    return out, ids
+
+
+def learn_grid_graphs(plan, steps, max_graphs: int, sources=None) -> tuple[list[Bucket], dict]:
+    """The `max_graphs` grid graphs that save the grid parts of `steps` the most time
+    (`prompt_graphs.learn_prompt_graphs` on `grid_parts`: a part of prompts alone has no decode part to raise,
+    so every graph learned is a grid graph), and how many parts they cover."""
+    from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
+
+    steps = list(steps)
+    parts, ids = grid_parts(plan, steps, sources)
+    graphs, info = learn_prompt_graphs(plan, parts, max_graphs, sources=ids if sources is not None else None)
+    return [g for g in graphs if is_grid_graph(g)], info
