@@ -202,3 +202,37 @@ def learn_grid_graphs(plan, steps, max_graphs: int, sources=None) -> tuple[list[
     parts, ids = grid_parts(plan, steps, sources)
     graphs, info = learn_prompt_graphs(plan, parts, max_graphs, sources=ids if sources is not None else None)
     return [g for g in graphs if is_grid_graph(g)], info
+
+
+def padding_in_parts(plan, steps) -> dict:
+    """Time (the plan's model) of `steps` (TraceSteps) unpadded and padded as a server with a plan of grid graphs
+    runs them (`build_step_parts`): a step with prompts in parts where `plan_parts` says so (its grid graph and
+    its rest's bucket, `PART_CALL_US` for the second call; against the unpadded prompt route), else whole on
+    the tiled route in its bucket (against its unpadded prompt route too); every other step in its bucket. Per
+    kind (`decode`, `parts`, `tiled`): count, unpadded, padded; a step no bucket covers is counted in `skipped`.
+    The measure of `prompt_graphs.padding_on_routes` for plans that run steps in parts."""
+    s, model = plan.settings, plan.cost_model
+    tiles = on_route(s.options, "tiles")
+    out, skipped = {k: [0, 0.0, 0.0] for k in ("decode", "parts", "tiled")}, 0
+    for step in steps:
+        q, c, table = step.query_lens, step.context_lens, step.block_table()
+        shape_on = lambda options: plan_step(q, c, table, s.block_size, sliding_window=s.sliding_window,  # noqa: E731
+                                             options=options).shape
+        keep = grid_requests(q, c, table, s.block_size, s.options, s.sliding_window)
+        graphs = plan_parts(plan, *part_shapes(plan, q, c, table, keep), lambda: shape_on(tiles)) if keep.any() else None
+        unpadded = model.graph_cost(shape_on(plan.step_options if keep.any() else tiles))
+        if graphs is not None:
+            kind, padded = "parts", model.graph_cost(graphs[0]) + (
+                0.0 if graphs[1] is None else model.bucket_cost(graphs[1]) + PART_CALL_US)
+        else:
+            tiled = shape_on(tiles)
+            i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+            if i < 0:
+                skipped += 1
+                continue
+            kind, padded = "tiled" if keep.any() else "decode", float(plan.costs[i])
+        row = out[kind]
+        row[0], row[1], row[2] = row[0] + 1, row[1] + unpadded, row[2] + padded
+    unpadded, padded = (sum(r[i] for r in out.values()) for i in (1, 2))
+    return {"padding": padded / unpadded if unpadded else 1.0, "unpadded_us": unpadded, "padded_us": padded,
+            **{k: {"steps": r[0], "unpadded_us": r[1], "padded_us": r[2]} for k, r in out.items()}, "skipped": skipped}
