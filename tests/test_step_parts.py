@@ -88,3 +88,39 @@ def test_bad_input_to_a_step_in_parts_is_refused_by_name(case):
         parts_attention(q[:-1], k, v, kc, vc, parts, 0.37)
     with pytest.raises(ValueError, match="must be StepParts"):
         parts_attention(q, k, v, kc, vc, parts.batches[0], 0.37)
+
+
+def test_warmup_runs_a_parts_plans_buckets_and_grid_graphs(case):
+    from vllm_gaudi_unified.bucket_plans.memory import warmup_memory
+    from vllm_gaudi_unified.step_parts import in_parts
+    from vllm_gaudi_unified.warmup import warmup
+
+    plan, _, _ = case
+    small = replace(plan, buckets=[plan.buckets[0], plan.buckets[-1]])
+    assert in_parts(small) and not in_parts(replace(small, prompt_graphs=[]))
+    report = warmup(small, device="cpu", mode="eager", dtype=torch.float32, progress=False)
+    assert report.buckets == small.buckets + small.prompt_graphs and not report.skipped
+    assert warmup_memory(small).describe()  # both parts' graphs in the plan's memory model
+
+
+def test_generate_parts_learns_grid_graphs_and_evaluate_runs_steps_in_parts(tmp_path, capsys):
+    import json
+
+    from vllm_gaudi_unified.bucket_plans import BucketPlan
+    from vllm_gaudi_unified.step_parts import in_parts
+    from vllm_gaudi_unified.tools.cli import main
+
+    path = str(tmp_path / "plan.json")
+    assert main(["buckets", "generate", "--preset", "bs32-seqs64", "--seeds", "1", "--load-fractions", "",
+                 "--prompt-graphs", "8", "--parts", "-o", path, "--no-progress"]) == 0
+    plan = BucketPlan.load(path)
+    assert in_parts(plan) and 1 <= len(plan.prompt_graphs) <= 8 and "--parts" in plan.info["command"]
+    trace = str(tmp_path / "t.jsonl")
+    assert main(["buckets", "simulate", "--preset", "bs32-seqs64", "--seed", "7", "-o", trace, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["buckets", "evaluate", path, "--trace", trace, "--json", str(tmp_path / "e.json"),
+                 "--no-progress"]) == 0
+    (found,) = json.load(open(tmp_path / "e.json"))["prompt_graphs"]
+    routes = found["routes"]
+    assert routes["parts"]["steps"] > 0 and found["on_prompt_graphs"] == routes["parts"]["steps"]
+    assert routes["padding"] >= 1.0 and f"parts steps {routes['parts']['steps']}" in capsys.readouterr().out

@@ -192,7 +192,7 @@ def grid_parts(plan, steps, sources=None) -> tuple[list, list]:
     return out, ids
 
 
-def learn_grid_graphs(plan, steps, max_graphs: int, sources=None) -> tuple[list[Bucket], dict]:
+def learn_grid_graphs(plan, steps, max_graphs: int, sources=None, with_top: bool = True) -> tuple[list[Bucket], dict]:
     """The `max_graphs` grid graphs that save the grid parts of `steps` the most time
     (`prompt_graphs.learn_prompt_graphs` on `grid_parts`: a part of prompts alone has no decode part to raise,
     so every graph learned is a grid graph), and how many parts they cover."""
@@ -200,8 +200,33 @@ def learn_grid_graphs(plan, steps, max_graphs: int, sources=None) -> tuple[list[
 
     steps = list(steps)
     parts, ids = grid_parts(plan, steps, sources)
-    graphs, info = learn_prompt_graphs(plan, parts, max_graphs, sources=ids if sources is not None else None)
+    graphs, info = learn_prompt_graphs(plan, parts, max_graphs, sources=ids if sources is not None else None,
+                                       with_top=with_top)
     return [g for g in graphs if is_grid_graph(g)], info
+
+
+def in_parts(plan) -> bool:
+    """Whether `plan` runs steps with prompts in parts: its prompt graphs are grid graphs (`learn_grid_graphs`,
+    `buckets generate --parts`), which hold no decode part, so no step with decodes runs whole in one."""
+    return bool(plan.prompt_graphs) and all(is_grid_graph(g) for g in plan.prompt_graphs)
+
+
+def rest_steps(plan, steps) -> list:
+    """`steps` (TraceSteps) as the buckets of a plan with `plan`'s grid graphs see them (its buckets still to be
+    learned): a step whose grid part a grid graph covers as its rest (none where the grid is all), every other
+    step as it is."""
+    from vllm_gaudi_unified.bucket_plans.trace import TraceStep
+
+    s, out = plan.settings, []
+    for step in steps:
+        q, c, table = step.query_lens, step.context_lens, step.block_table()
+        keep = grid_requests(q, c, table, s.block_size, s.options, s.sliding_window)
+        graph = plan.prompt_graph(part_shapes(plan, q, c, table, keep)[0]) if keep.any() else None
+        if graph is None or not is_grid_graph(graph):
+            out.append(step)
+        elif not keep.all():
+            out.append(TraceStep(step.block_size, q[~keep], c[~keep], [b for b, x in zip(step.block_ids, ~keep) if x]))
+    return out
 
 
 def padding_in_parts(plan, steps) -> dict:
