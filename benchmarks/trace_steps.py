@@ -105,11 +105,9 @@ def run(args) -> dict:
     scale = d ** -0.5
     rows = []
     plan_routes = _plan_routes(args.plan, args.plan_routes, args.parts_plan)
-    exp = None
-    if args.plan:
-        s = BucketPlan.load(args.plan).settings
-        exp = gaudi_peer.ExpBuckets.for_server(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
-                                               s.block_size, s.num_blocks)
+    s = BucketPlan.load(args.plan).settings if args.plan else None
+    exp = None if s is None else gaudi_peer.ExpBuckets.for_server(s.max_num_seqs, s.max_num_batched_tokens,
+                                                                  s.max_model_len, s.block_size, s.num_blocks)
     for i, st in enumerate(steps):
         ql, cl, table = st.query_lens, st.context_lens, st.block_table()
         t = int(ql.sum())
@@ -143,8 +141,7 @@ def run(args) -> dict:
             row[f"{name}_step_ms"] = plan_ms + h2d_ms + ms
             row[f"{name}_bucket"] = str(step_plan.bucket)
             row[f"{name}_vs_peer_err"] = _rel_err(out, peer_out)
-            if ref is not None:
-                row[f"{name}_err"] = _rel_err(out, ref)
+            row.update({} if ref is None else {f"{name}_err": _rel_err(out, ref)})
             del batch, out
         for name, (options, plan) in plan_routes.items():
             with fused.gaudi_route():  # (in parts: both parts' graphs in one capture)
@@ -156,10 +153,9 @@ def run(args) -> dict:
                 row[f"{name}_ms"], out = _device_ms(lambda: (parts_attention if isinstance(
                     batch, StepParts) else unified_attention)(q, k, v, kc, vc, batch, scale), device)
             row[f"{name}_step_ms"], row[f"{name}_bucket"] = row[f"{name}_plan_ms"] + row[f"{name}_ms"], "+".join(
-                map(str, getattr(batch, "buckets", [batch.bucket])))
+                map(str, batch.buckets if isinstance(batch, StepParts) else [batch.bucket]))
             row[f"{name}_vs_peer_err"] = _rel_err(out, peer_out)
-            if ref is not None:
-                row[f"{name}_err"] = _rel_err(out, ref)
+            row.update({} if ref is None else {f"{name}_err": _rel_err(out, ref)})
             del batch, out
         rows.append(row)
         del q, k, v, peer, peer_out, ref
@@ -172,7 +168,8 @@ def run(args) -> dict:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / "trace_steps.partial.json").write_text(json.dumps(dict(rows=rows), default=str))
     return dict(trace=args.trace, start=args.start, steps=len(rows), block_size=bs, num_blocks=num_blocks,
-                plan=args.plan, plan_routes=list(plan_routes), totals=totals(rows), rows=rows)
+                plan=args.plan, parts_plan=args.parts_plan, plan_routes=list(plan_routes), totals=totals(rows),
+                rows=rows)
 
 
 def totals(rows: list[dict]) -> dict:
