@@ -124,3 +124,17 @@ def test_generate_parts_learns_grid_graphs_and_evaluate_runs_steps_in_parts(tmp_
     routes = found["routes"]
     assert routes["parts"]["steps"] > 0 and found["on_prompt_graphs"] == routes["parts"]["steps"]
     assert routes["padding"] >= 1.0 and f"parts steps {routes['parts']['steps']}" in capsys.readouterr().out
+
+
+def test_the_plugin_refuses_a_plan_of_grid_graphs_by_name(case, tmp_path):
+    from test_auto_plan import _server
+
+    from vllm_gaudi_unified.plan import PlanOptions
+    from vllm_gaudi_unified.vllm_plugin.steps import _load_bucket_plan
+
+    plan, _, _ = case
+    path = str(tmp_path / "parts.json")
+    plan.save(path)
+    config, kv = _server()
+    with pytest.raises(ValueError, match=r"VLLM_GAUDI_UNIFIED_BUCKETS=.*parts.json: a plan of grid graphs"):
+        _load_bucket_plan(path, config, kv, PlanOptions(), None)
