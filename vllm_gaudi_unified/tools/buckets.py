@@ -318,7 +318,8 @@ def cmd_evaluate(args) -> int:
               f"prompts run in one of the plan's {len(plan.prompt_graphs)} (the others, and the padding above, "
               "on the tiled route)")
         r = p["routes"]
-        print(f"padding, time model, on the routes a server takes (BucketPlan.route): {r['padding']:.3f}; "
+        how = "step_parts.plan_parts" if "parts" in r else "BucketPlan.route"
+        print(f"padding, time model, on the routes a server takes ({how}): {r['padding']:.3f}; "
               + ", ".join(f"{k} steps {r[k]['steps']}: {r[k]['padded_us'] / max(r[k]['unpadded_us'], 1e-9):.3f}"
                           for k in ("decode", "parts" if "parts" in r else "graph", "tiled"))
               + f"; {r['skipped']} steps left out")
