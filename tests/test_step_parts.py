@@ -138,3 +138,25 @@ def test_the_plugin_refuses_a_plan_of_grid_graphs_by_name(case, tmp_path):
     config, kv = _server()
     with pytest.raises(ValueError, match=r"VLLM_GAUDI_UNIFIED_BUCKETS=.*parts.json: a plan of grid graphs"):
         _load_bucket_plan(path, config, kv, PlanOptions(), None)
+
+
+@pytest.mark.parametrize("name", ["seed", "prefill", "chunked_prefill", "prefix_caching", "ragged_partial"])
+def test_the_grid_part_is_the_planners_own_grid(name):
+    """`grid_requests` (the planner's selection without the rest of its plan) names the requests whose rows the
+    prompt route's grid holds."""
+    from conftest import SPECS
+
+    from vllm_gaudi_unified.plan import plan_step
+    from vllm_gaudi_unified.plan.options import on_route
+
+    step = SPECS[name]
+    table, _ = make_block_table(step, np.random.default_rng(0))
+    plan = plan_step(step.query_lens, step.context_lens, table, step.block_size,
+                     options=on_route(SETTINGS.options, "dense"))
+    starts = np.concatenate([[0], np.cumsum(step.query_lens)])
+    held = np.zeros(len(step.query_lens), bool)
+    if plan.shape.num_prompts:
+        held[np.searchsorted(starts, plan.prompt_rows[plan.prompt_len > 0, 0], side="right") - 1] = True
+    assert held.any() == (name != "prefix_caching")  # (its 6-token request reads a prefix others read: tiles)
+    got = grid_requests(step.query_lens, step.context_lens, table, step.block_size, SETTINGS.options)
+    assert got.tolist() == held.tolist()

@@ -32,6 +32,8 @@ import torch
 
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.plan.arrays import cached_pairs, validate
+from vllm_gaudi_unified.plan.prompts import fill_grid, prompt_requests
 from vllm_gaudi_unified.plan.options import on_route
 
 #: Time-model price (estimated µs) of the second graph call of a step in parts: a graph launch and the
@@ -57,18 +59,14 @@ class StepParts:
 
 def grid_requests(query_lens, context_lens, block_table, block_size: int, options, sliding_window=None) -> np.ndarray:
     """Bool `[R]`: the requests of the step whose new tokens the prompt route's grid takes (none when the
-    step has no prompt for it)."""
-    q = np.asarray(query_lens, np.int64)
-    keep = np.zeros(q.size, bool)
-    if q.size == 0 or int(q.max()) < 2:
-        return keep
-    plan = plan_step(q, context_lens, block_table, block_size, sliding_window=sliding_window,
-                     options=on_route(options, "dense"))
-    if plan.shape.num_prompts:
-        starts = np.concatenate([[0], np.cumsum(q)])
-        first = plan.prompt_rows[plan.prompt_len > 0, 0]  # each real prompt's first token
-        keep[np.searchsorted(starts, first, side="right") - 1] = True
-    return keep
+    step has no prompt for it): the planner's own choice (`plan/default.py`: `prompt_requests`, `fill_grid`),
+    without the rest of its plan."""
+    q, ctx, bt, nb_ctx = validate(query_lens, context_lens, block_table, block_size, sliding_window, None)
+    if int(q.max()) < 2 or sliding_window is not None or options.batch_invariant:  # (no prompt route)
+        return np.zeros(q.size, bool)
+    pair_req, _, phys, _, max_block_id = cached_pairs(ctx, nb_ctx, bt, block_size, None, None)
+    return fill_grid(prompt_requests(q, ctx, pair_req, phys, max_block_id, options.unique_tokens), q, nb_ctx,
+                     block_size)
 
 
 def _subset(query_lens, context_lens, block_table, keep: np.ndarray):
@@ -76,24 +74,30 @@ def _subset(query_lens, context_lens, block_table, keep: np.ndarray):
             np.asarray(block_table)[keep])
 
 
-def part_shapes(plan, query_lens, context_lens, block_table, keep: np.ndarray):
-    """(grid part's shape on the prompt route, the rest's on the tiled route or None) of a step split at
+def part_plans(plan, query_lens, context_lens, block_table, keep: np.ndarray, num_blocks: int | None = None):
+    """(grid part's StepPlan on the prompt route, the rest's on the tiled route or None) of a step split at
     `keep` (`grid_requests`)."""
     s = plan.settings
-    grid = plan_step(*_subset(query_lens, context_lens, block_table, keep), s.block_size,
-                     sliding_window=s.sliding_window, options=plan.step_options).shape
+    grid = plan_step(*_subset(query_lens, context_lens, block_table, keep), s.block_size, num_blocks=num_blocks,
+                     sliding_window=s.sliding_window, options=plan.step_options)
     rest = None
     if not keep.all():
-        rest = plan_step(*_subset(query_lens, context_lens, block_table, ~keep), s.block_size,
-                         sliding_window=s.sliding_window, options=on_route(s.options, "tiles")).shape
+        rest = plan_step(*_subset(query_lens, context_lens, block_table, ~keep), s.block_size, num_blocks=num_blocks,
+                         sliding_window=s.sliding_window, options=on_route(s.options, "tiles"))
     return grid, rest
+
+
+def part_shapes(plan, query_lens, context_lens, block_table, keep: np.ndarray):
+    """The shapes of `part_plans`: (grid part's, the rest's or None)."""
+    return tuple(None if p is None else p.shape for p in part_plans(plan, query_lens, context_lens, block_table, keep))
 
 
 def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | None:
     """The graphs of a step in parts, `(grid graph, the rest's bucket or None)`, or None: the step runs whole
     (`BucketPlan.route`). Parts when a grid graph of `plan` covers the grid part (`grid`), a bucket covers the
     rest, and the two, with `PART_CALL_US` for the second call, cost no more in the plan's time model than the
-    bucket the step's tiled plan (`tiled_shape()`) pads to."""
+    bucket the step's tiled plan (`tiled_shape()`) pads to; that plan is made only when the cheapest bucket with
+    the step's query tokens and logits costs less than the parts (as `BucketPlan.route` does)."""
     graph = plan.prompt_graph(grid)
     if graph is None or not is_grid_graph(graph):
         return None
@@ -104,6 +108,10 @@ def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | 
         if i < 0:
             return None
         bucket, cost = plan.buckets[i], cost + float(plan.costs[i]) + PART_CALL_US
+    tokens = grid.query_len + (0 if rest is None else rest.query_len)
+    logits = grid.num_logits + (0 if rest is None else rest.num_logits)
+    if cost <= plan._tiled_floor(tokens, logits):
+        return graph, bucket
     tiled = tiled_shape()
     i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
     return (graph, bucket) if i < 0 or cost <= float(plan.costs[i]) else None
@@ -119,8 +127,9 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     """The step in parts as `plan` (a `BucketPlan` with grid graphs) decides (`plan_parts`), each part planned
     and padded to its graph and put on `device`; None: the step runs whole (`build_unified_batch(...,
     options=plan.step_options, bucket=plan)`)."""
-    from vllm_gaudi_unified.batch import build_unified_batch
+    from vllm_gaudi_unified.batch import UnifiedBatch, check_device
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+    from vllm_gaudi_unified.plan import pad_plan
 
     if not isinstance(plan, BucketPlan):
         raise ValueError(f"a step in parts needs a BucketPlan, got {type(plan).__name__}")
@@ -135,21 +144,19 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     keep = grid_requests(q, context_lens, table, s.block_size, s.options, s.sliding_window)
     if not keep.any():
         return None
-    grid, rest = part_shapes(plan, q, context_lens, table, keep)
-    graphs = plan_parts(plan, grid, rest, lambda: plan_step(q, context_lens, table, s.block_size,
-                                                            options=on_route(s.options, "tiles")).shape)
+    plans = part_plans(plan, q, context_lens, table, keep, num_blocks)
+    graphs = plan_parts(plan, *(None if p is None else p.shape for p in plans), lambda: plan_step(
+        q, context_lens, table, s.block_size, options=on_route(s.options, "tiles")).shape)
     if graphs is None:
         return None
     starts = np.concatenate([[0], np.cumsum(q)])
     batches, rows = [], []
-    for part, options, bucket in ((keep, plan.step_options, graphs[0]), (~keep, s.options, plan)):
-        if not part.any():
+    for part, step_plan, graph in zip((keep, ~keep), plans, graphs):
+        if step_plan is None:
             continue
-        batch = build_unified_batch(*_subset(q, context_lens, table, part), s.block_size, num_blocks=num_blocks,
-                                    options=options, bucket=bucket, device=device)
+        batches.append(UnifiedBatch.from_plan(pad_plan(step_plan, graph), check_device(device or "cpu")))
         idx = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in np.flatnonzero(part)])
-        batches.append(batch)
-        rows.append(torch.as_tensor(idx, dtype=torch.int64, device=device))
+        rows.append(torch.as_tensor(idx, dtype=torch.int64, device=batches[-1].device))
     return StepParts(tuple(batches), tuple(rows), int(q.sum()))
 
 
