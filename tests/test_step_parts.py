@@ -42,7 +42,7 @@ def case():
     tiled = exponential_plan(SETTINGS, MODEL)
     graphs, info = learn_grid_graphs(tiled, [trace_step(MIXED, table)] * 2, 4)
     assert graphs and all(is_grid_graph(g) for g in graphs) and info["prompt_steps_on_prompt_graphs"] == 2
-    return replace(tiled, prompt_graphs=graphs), table, num_blocks
+    return replace(tiled, prompt_graphs=graphs, info={**tiled.info, "parts": True}), table, num_blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
@@ -98,6 +98,7 @@ def test_warmup_runs_a_parts_plans_buckets_and_grid_graphs(case):
     plan, _, _ = case
     small = replace(plan, buckets=[plan.buckets[0], plan.buckets[-1]])
     assert in_parts(small) and not in_parts(replace(small, prompt_graphs=[]))
+    assert not in_parts(replace(small, info={}))  # grid graphs alone, not made in parts: the plan runs steps whole
     report = warmup(small, device="cpu", mode="eager", dtype=torch.float32, progress=False)
     assert report.buckets == small.buckets + small.prompt_graphs and not report.skipped
     assert warmup_memory(small).describe()  # both parts' graphs in the plan's memory model

@@ -213,9 +213,10 @@ def learn_grid_graphs(plan, steps, max_graphs: int, sources=None, with_top: bool
 
 
 def in_parts(plan) -> bool:
-    """Whether `plan` runs steps with prompts in parts: its prompt graphs are grid graphs (`learn_grid_graphs`,
-    `buckets generate --parts`), which hold no decode part, so no step with decodes runs whole in one."""
-    return bool(plan.prompt_graphs) and all(is_grid_graph(g) for g in plan.prompt_graphs)
+    """Whether `plan` runs steps with prompts in parts: made so (`buckets generate --parts`: `info["parts"]`), its
+    prompt graphs grid graphs (`learn_grid_graphs`), which hold no decode part. (A plan whose learned prompt graphs
+    all happen to be of prompts alone runs its steps whole.)"""
+    return bool(plan.info.get("parts")) and bool(plan.prompt_graphs) and all(is_grid_graph(g) for g in plan.prompt_graphs)
 
 
 def rest_steps(plan, steps) -> list:

@@ -45,8 +45,8 @@ def off_prompt_graphs(traces, settings, cap, args):
 
 def graphs_of(probe, plan):
     """`plan` with the prompt graphs (and their info) `_off_prompt_graphs` learned."""
-    info = {k: probe.info[k] for k in ("prompt_steps", "prompt_steps_on_prompt_graphs", "prompt_graph_candidates")
-            if k in probe.info}
+    info = {k: probe.info[k] for k in ("prompt_steps", "prompt_steps_on_prompt_graphs", "prompt_graph_candidates",
+                                       "parts") if k in probe.info}
     return replace(plan, prompt_graphs=probe.prompt_graphs, info={**plan.info, **info})
 
 
@@ -83,10 +83,10 @@ def with_prompt_graphs(plan, traces, args, with_top: bool = True):
 
     runs = [steps_of(src) for _, src in traces]
     steps = [s for run in runs for s in run]
-    learn = learn_grid_graphs if getattr(args, "parts", False) else learn_prompt_graphs
-    graphs, info = learn(plan, steps, args.prompt_graphs, sources=[i for i, run in enumerate(runs) for _ in run],
-                         with_top=with_top)
-    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
+    parts = getattr(args, "parts", False)  # (a plan of grid graphs says so: `step_parts.in_parts`)
+    graphs, info = (learn_grid_graphs if parts else learn_prompt_graphs)(
+        plan, steps, args.prompt_graphs, sources=[i for i, run in enumerate(runs) for _ in run], with_top=with_top)
+    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info, **({"parts": True} if parts else {})})
 
 
 def learning_traces(args, settings):
