@@ -154,7 +154,7 @@ def speed_table() -> list[str]:
 
 
 #: The padded routes of `benchmarks.trace_steps` (its PLAN_ROUTES: that module needs torch).
-PADDED_ROUTES = ("gaudi_bucketed", "gaudi_bucketed_tiles")
+PADDED_ROUTES = ("gaudi_bucketed", "gaudi_bucketed_tiles", "gaudi_parts")
 
 
 def trace_table() -> list[str]:
@@ -165,7 +165,8 @@ def trace_table() -> list[str]:
     rows = (("peer", "vllm-gaudi ops, unpadded"), ("peer_exp", "vllm-gaudi ops, padded to its `exp` buckets"),
             ("cuda", "ours, CUDA route"), ("gaudi", "ours, Gaudi route"),
             ("gaudi_bucketed", "ours, Gaudi route padded to the bucket plan"),
-            ("gaudi_bucketed_tiles", "ours, Gaudi route, the plan's buckets on the tiled paths only"))
+            ("gaudi_bucketed_tiles", "ours, Gaudi route, the plan's buckets on the tiled paths only"),
+            ("gaudi_parts", "ours, Gaudi route in parts, padded to a plan of grid graphs (`--parts`)"))
     for key, name in rows:
         totals = [d["totals"] for d in data.values()]
         if not any(f"{key}_ms" in t for t in totals):  # a route the runs left out (`--plan-routes`)
@@ -180,7 +181,8 @@ def trace_table() -> list[str]:
         cmd = (f"python -m benchmarks.trace_steps --trace ../shared/traces/{d['trace'].split('/')[-1]} --start {d['start']} "
                f"--steps {d['steps']} --out DIR --plan {d.get('plan') or 'benchmarks/results/trace_steps_h200/plan_auto.json'}")
         routes = d.get("plan_routes")  # the padded routes run, when not both
-        cmd += f" --plan-routes {','.join(routes)}" if routes and set(routes) != set(PADDED_ROUTES) else ""
+        cmd += (f" --plan-routes {','.join(routes)}" if routes and set(routes) != set(PADDED_ROUTES) else "") + (
+            f" --parts-plan {d['parts_plan']}" if d.get("parts_plan") else "")
         lines.append(f"- {k}: {_source(name, cmd, d['env']['device'], d['env']['date'])}")
     return out + [""] + lines
 

@@ -14,8 +14,8 @@ Each step of the window (block size and block ids from the trace; random bf16 q/
   llama8b-gaudi3`): **ours, Gaudi route, bucket plan**, every step padded to its bucket as a Gaudi
   server runs it (`build_unified_batch(options=plan.step_options, bucket=plan)`: prompts on the prompt
   route in the plan's prompt graphs, else the tiled route), and **the same plan without its prompt
-  graphs** (every prompt on the tiled route: bucket plans before prompt graphs). Their planning column
-  is `build_unified_batch` whole: plan, pad and copy;
+  graphs** (every prompt on the tiled route: bucket plans before prompt graphs), and **in parts** (`gaudi_parts`,
+  `--parts-plan`: a step's grid and rest, `step_parts.py`). Planning: `build_unified_batch` (`build_step_parts`);
 * **vllm-gaudi's algorithm** (`benchmarks/gaudi_peer.py`: its `ops.py` unchanged, prompts as one
   padded prefill batch, decodes through `flat_pa`), a replayed CUDA graph of its eager ops. Its host
   metadata (built in Python here) is reported apart and left out of its step time, which favours it;
@@ -49,6 +49,7 @@ from vllm_gaudi_unified.bucket_plans.trace import read_trace
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.plan import plan_step
 from vllm_gaudi_unified.files import output_dir
+from vllm_gaudi_unified.step_parts import StepParts, build_step_parts, parts_attention
 from vllm_gaudi_unified.tools.cli import Parser
 
 ROUTES = {"cuda": contextlib.nullcontext, "gaudi": fused.gaudi_route}
@@ -70,28 +71,25 @@ def _median_ms(make, device=None):
             sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times), out
-PLAN_ROUTES = ("gaudi_bucketed", "gaudi_bucketed_tiles")
+PLAN_ROUTES = ("gaudi_bucketed", "gaudi_bucketed_tiles", "gaudi_parts")
 
 
-def _plan_routes(path: str | None, names=PLAN_ROUTES) -> dict:
-    """name -> (options, bucket plan) of the bucket-plan routes among `names` (none without --plan)."""
-    if not path:
-        return {}
-    plan = BucketPlan.load(path)
-    routes = {"gaudi_bucketed": (plan.step_options, plan),
+def _plan_routes(path: str | None, names=PLAN_ROUTES, parts: str | None = None) -> dict:
+    """name -> (options, bucket plan) of the bucket-plan routes among `names` (none without --plan);
+    gaudi_parts: the plan `parts` (grid graphs, `step_parts.py`), else `path`."""
+    plan = BucketPlan.load(path) if path else None
+    routes = {} if plan is None else {"gaudi_bucketed": (plan.step_options, plan),
+              "gaudi_parts": (None, BucketPlan.load(parts or path)),
               "gaudi_bucketed_tiles": (plan.settings.options, replace(plan, prompt_graphs=[]))}
     return {k: v for k, v in routes.items() if k in names}
 
 
 def _device_ms(fn, device) -> tuple[float, torch.Tensor]:
     if device.type != "cuda":  # (a smoke run on the CPU: eager calls)
-        out = fn()
-        return time_ms(fn, device, reps=1), out
+        return time_ms(fn, device, reps=1), fn()
     replay, out = capture(fn, device)
     ms = time_ms(replay, device, reps=10, warmup_ms=2, rep_ms=10)
-    result = out.clone()
-    del replay, out
-    return ms, result
+    return ms, out.clone()
 
 
 def run(args) -> dict:
@@ -106,12 +104,10 @@ def run(args) -> dict:
     vc = torch.randn(num_blocks, bs, hkv, d, generator=g, device=device, dtype=dtype)
     scale = d ** -0.5
     rows = []
-    plan_routes = _plan_routes(args.plan, args.plan_routes)
-    exp = None
-    if args.plan:
-        s = BucketPlan.load(args.plan).settings
-        exp = gaudi_peer.ExpBuckets.for_server(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
-                                               s.block_size, s.num_blocks)
+    plan_routes = _plan_routes(args.plan, args.plan_routes, args.parts_plan)
+    s = BucketPlan.load(args.plan).settings if args.plan else None
+    exp = None if s is None else gaudi_peer.ExpBuckets.for_server(s.max_num_seqs, s.max_num_batched_tokens,
+                                                                  s.max_model_len, s.block_size, s.num_blocks)
     for i, st in enumerate(steps):
         ql, cl, table = st.query_lens, st.context_lens, st.block_table()
         t = int(ql.sum())
@@ -145,21 +141,21 @@ def run(args) -> dict:
             row[f"{name}_step_ms"] = plan_ms + h2d_ms + ms
             row[f"{name}_bucket"] = str(step_plan.bucket)
             row[f"{name}_vs_peer_err"] = _rel_err(out, peer_out)
-            if ref is not None:
-                row[f"{name}_err"] = _rel_err(out, ref)
+            row.update({} if ref is None else {f"{name}_err": _rel_err(out, ref)})
             del batch, out
         for name, (options, plan) in plan_routes.items():
-            with fused.gaudi_route():
-                ms, batch = _median_ms(lambda: build_unified_batch(ql, cl, table, bs, num_blocks=num_blocks,
-                                                                    options=options, bucket=plan, device=device),
-                                       device)
+            with fused.gaudi_route():  # (in parts: both parts' graphs in one capture)
+                ms, batch = _median_ms(lambda: (options is None and build_step_parts(
+                    ql, cl, table, plan, num_blocks=num_blocks, device=device)) or build_unified_batch(
+                    ql, cl, table, bs, num_blocks=num_blocks, options=options or plan.step_options, bucket=plan,
+                    device=device), device)
                 row[f"{name}_plan_ms"], row[f"{name}_h2d_ms"] = ms, 0.0
-                row[f"{name}_ms"], out = _device_ms(lambda: unified_attention(q, k, v, kc, vc, batch, scale), device)
-            row[f"{name}_step_ms"] = row[f"{name}_plan_ms"] + row[f"{name}_ms"]
-            row[f"{name}_bucket"] = str(batch.bucket)
+                row[f"{name}_ms"], out = _device_ms(lambda: (parts_attention if isinstance(
+                    batch, StepParts) else unified_attention)(q, k, v, kc, vc, batch, scale), device)
+            row[f"{name}_step_ms"], row[f"{name}_bucket"] = row[f"{name}_plan_ms"] + row[f"{name}_ms"], "+".join(
+                map(str, batch.buckets if isinstance(batch, StepParts) else [batch.bucket]))
             row[f"{name}_vs_peer_err"] = _rel_err(out, peer_out)
-            if ref is not None:
-                row[f"{name}_err"] = _rel_err(out, ref)
+            row.update({} if ref is None else {f"{name}_err": _rel_err(out, ref)})
             del batch, out
         rows.append(row)
         del q, k, v, peer, peer_out, ref
@@ -172,7 +168,8 @@ def run(args) -> dict:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / "trace_steps.partial.json").write_text(json.dumps(dict(rows=rows), default=str))
     return dict(trace=args.trace, start=args.start, steps=len(rows), block_size=bs, num_blocks=num_blocks,
-                plan=args.plan, plan_routes=list(plan_routes), totals=totals(rows), rows=rows)
+                plan=args.plan, parts_plan=args.parts_plan, plan_routes=list(plan_routes), totals=totals(rows),
+                rows=rows)
 
 
 def totals(rows: list[dict]) -> dict:
@@ -197,8 +194,7 @@ def totals(rows: list[dict]) -> dict:
 
 def _route_names(text: str) -> tuple[str, ...]:
     names = tuple(x for x in text.split(",") if x)
-    bad = [x for x in names if x not in PLAN_ROUTES]
-    if bad or not names:
+    if not names or set(names) - set(PLAN_ROUTES):
         raise argparse.ArgumentTypeError(f"--plan-routes takes some of {', '.join(PLAN_ROUTES)}, got {text!r}")
     return names
 
@@ -210,8 +206,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cuda")
     p.add_argument("--plan", default=None, help="a bucket plan for the trace's settings: adds the padded routes")
-    p.add_argument("--plan-routes", type=_route_names, default=PLAN_ROUTES,
-                   help=f"with --plan: which padded routes to run, comma-separated (default: {','.join(PLAN_ROUTES)})")
+    p.add_argument("--plan-routes", type=_route_names, default=PLAN_ROUTES[:2],
+                   help=f"with --plan: padded routes to run, comma-separated, of {','.join(PLAN_ROUTES)} (default: 2)")
+    p.add_argument("--parts-plan", default=None, help="the gaudi_parts route's plan (grid graphs; default --plan)")
     p.add_argument("--out", type=output_dir, default="out/trace_steps")
     args = p.parse_args(argv)
     out_dir = Path(args.out)

@@ -74,6 +74,9 @@ def register(subparsers) -> None:
                    help="buckets with a prompt shape, learned from the traces (or simulated ones), in which "
                         "prompts and chunks run on the prompt route, one fused call each; other steps with "
                         f"prompts run on the tiled route (0: none; default {DEFAULT_PROMPT_GRAPHS})")
+    g.add_argument("--parts", action="store_true",
+                   help="grid graphs, a step's prompt grid apart from its other requests (`step_parts.py`): the "
+                        "graphs are the buckets plus the grids, a sum; the buckets also learn each step's rest")
     g.add_argument("--miss-policy", choices=("error", "largest", "unbucketed"), default="error",
                    help="what a step no bucket covers does at serve time (default: error)")
     g.add_argument("--jobs", type=JOBS, default=None, help="processes for replaying traces (default: all cores)")
@@ -283,6 +286,7 @@ def cmd_evaluate(args) -> int:
     from vllm_gaudi_unified.tools.evaluate import evaluate
     from vllm_gaudi_unified.tools.shapes import shapes_of_steps, shapes_of_trace
     from vllm_gaudi_unified.tools.upstream import evaluate_upstream, upstream_tuples_of_trace
+    from vllm_gaudi_unified.step_parts import in_parts, padding_in_parts
 
     plan = BucketPlan.load(args.plan)
     if args.upstream and plan.settings.options.batch_invariant:
@@ -299,9 +303,11 @@ def cmd_evaluate(args) -> int:
         results.append(evaluate(plan, shapes, os.path.basename(t)))
         if plan.prompt_graphs:
             steps = window if window is not None else read_trace(t).steps
-            found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, steps)]
+            routes = (padding_in_parts if in_parts(plan) else padding_on_routes)(plan, steps)
+            found = [plan.prompt_graph(s) is not None for s in prompt_shapes(plan, steps)] if not in_parts(plan) else \
+                [True] * routes["parts"]["steps"] + [False] * routes["tiled"]["steps"]
             prompts.append({"trace": os.path.basename(t), "steps_with_prompts": len(found),
-                            "on_prompt_graphs": int(sum(found)), "routes": padding_on_routes(plan, steps)})
+                            "on_prompt_graphs": int(sum(found)), "routes": routes})
         if args.upstream:
             upstream.append(evaluate_upstream(plan.settings, plan.cost_model, upstream_tuples_of_trace(t, plan.settings),
                                               float(shapes.needed.sum()), os.path.basename(t)))
@@ -312,9 +318,11 @@ def cmd_evaluate(args) -> int:
               f"prompts run in one of the plan's {len(plan.prompt_graphs)} (the others, and the padding above, "
               "on the tiled route)")
         r = p["routes"]
-        print(f"padding, time model, on the routes a server takes (BucketPlan.route): {r['padding']:.3f}; "
+        how = "step_parts.plan_parts" if "parts" in r else "BucketPlan.route"
+        print(f"padding, time model, on the routes a server takes ({how}): {r['padding']:.3f}; "
               + ", ".join(f"{k} steps {r[k]['steps']}: {r[k]['padded_us'] / max(r[k]['unpadded_us'], 1e-9):.3f}"
-                          for k in ("decode", "graph", "tiled")) + f"; {r['skipped']} steps left out")
+                          for k in ("decode", "parts" if "parts" in r else "graph", "tiled"))
+              + f"; {r['skipped']} steps left out")
     for u in upstream:
         print(f"\nupstream plan on {u['trace']}: {u['graphs']} graphs, uncovered {u['uncovered']} (run unpadded), "
               f"padding time {u['padding_time']:.3f} / score pairs {u['padding_pairs']:.3f}, worst step "

@@ -28,6 +28,14 @@ def off_prompt_graphs(traces, settings, cap, args):
     out, sources = [], []
     for shapes, src in traces:
         steps = steps_of(src)
+        if getattr(args, "parts", False):  # each step whose grid a grid graph takes leaves its rest to the buckets
+            from vllm_gaudi_unified.step_parts import rest_steps
+            from vllm_gaudi_unified.tools.shapes import shapes_of_steps
+
+            rest = rest_steps(probe, steps)
+            out.append(shapes_of_steps(rest, settings, *shapes.sources[:1]))
+            sources.append(rest)
+            continue
         taken = on_prompt_graphs(probe, steps) if len(steps) == len(shapes) else np.zeros(len(shapes), bool)
         keep = ~taken if (~taken).any() else np.ones(len(shapes), bool)
         out.append(StepShapes(shapes.sizes[keep], shapes.needed[keep], shapes.block_size, shapes.sources))
@@ -37,8 +45,8 @@ def off_prompt_graphs(traces, settings, cap, args):
 
 def graphs_of(probe, plan):
     """`plan` with the prompt graphs (and their info) `_off_prompt_graphs` learned."""
-    info = {k: probe.info[k] for k in ("prompt_steps", "prompt_steps_on_prompt_graphs", "prompt_graph_candidates")
-            if k in probe.info}
+    info = {k: probe.info[k] for k in ("prompt_steps", "prompt_steps_on_prompt_graphs", "prompt_graph_candidates",
+                                       "parts") if k in probe.info}
     return replace(plan, prompt_graphs=probe.prompt_graphs, info={**plan.info, **info})
 
 
@@ -50,8 +58,10 @@ def with_route_padding(plan, traces):
     if not plan.prompt_graphs:
         return plan
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import padding_on_routes
+    from vllm_gaudi_unified.step_parts import in_parts, padding_in_parts
 
-    routes = padding_on_routes(plan, [s for _, src in traces for s in steps_of(src)])
+    routes = (padding_in_parts if in_parts(plan) else padding_on_routes)(plan, [s for _, src in traces
+                                                                              for s in steps_of(src)])
     return replace(plan, info={**plan.info, "expected_padding_on_routes": round(routes["padding"], 4)})
 
 
@@ -69,11 +79,14 @@ def with_prompt_graphs(plan, traces, args, with_top: bool = True):
         return plan
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
 
+    from vllm_gaudi_unified.step_parts import learn_grid_graphs
+
     runs = [steps_of(src) for _, src in traces]
     steps = [s for run in runs for s in run]
-    graphs, info = learn_prompt_graphs(plan, steps, args.prompt_graphs,
-                                       sources=[i for i, run in enumerate(runs) for _ in run], with_top=with_top)
-    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info})
+    parts = getattr(args, "parts", False)  # (a plan of grid graphs says so: `step_parts.in_parts`)
+    graphs, info = (learn_grid_graphs if parts else learn_prompt_graphs)(
+        plan, steps, args.prompt_graphs, sources=[i for i, run in enumerate(runs) for _ in run], with_top=with_top)
+    return replace(plan, prompt_graphs=graphs, info={**plan.info, **info, **({"parts": True} if parts else {})})
 
 
 def learning_traces(args, settings):

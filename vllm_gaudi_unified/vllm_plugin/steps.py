@@ -113,6 +113,12 @@ def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOption
 
     plan = (auto_plan(vllm_config, kv_cache_spec, options, sliding_window, device_kind) if path == "auto"
             else BucketPlan.load(path))
+    from vllm_gaudi_unified.step_parts import in_parts
+
+    if in_parts(plan):
+        raise ValueError(f"{ENV_BUCKETS}={path}: a plan of grid graphs (`buckets generate --parts`) runs a step with "
+                         "prompts in two parts, each its own graph; the plugin runs each step as one graph: make the "
+                         "plan without --parts")
     sched = vllm_config.scheduler_config
     try:
         plan.check_compatible(kv_cache_spec.block_size, max_num_seqs=sched.max_num_seqs,
