@@ -79,9 +79,9 @@ def _engines(tmp_path_factory, name: str) -> dict:
     kw = H.MODELS[name]
     model = H.make_tiny_llama(str(root / "model"), **kw)
     trace = str(root / "trace.jsonl")
-    ref = _run_engine(model, str(root / "ref.json"))
-    plugin = _run_engine(model, str(root / "plugin.json"), VLLM_GAUDI_UNIFIED="1",
-                         VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)
+    ref, plugin = H.concurrently(lambda: _run_engine(model, str(root / "ref.json")),
+                                 lambda: _run_engine(model, str(root / "plugin.json"), VLLM_GAUDI_UNIFIED="1",
+                                                     VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace))
     return dict(ref=ref, plugin=plugin, steps=_read_trace(trace), trace=trace, model=model,
                 heads=(kw["num_heads"], kw["num_kv_heads"]))
 
@@ -279,18 +279,11 @@ def test_vllm_serve_with_vllms_own_attention(mha, tmp_path):
 # ---------------------------------------------------------------------------------------- bucketing
 
 
-def test_bucket_plan_inside_vllm(mha, tmp_path):
-    """A plan from `vllm-gaudi-unified buckets generate` (learned from the recorded trace): the plugin
-    warms every bucket at start-up, pads every step to a bucket of the plan (logged at debug level
-    through vLLM's logger), and the results stay those of vLLM's own attention."""
-    import re
-
-    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
-
+def _generate_plan(mha: dict, plan_path: str) -> None:
+    """`vllm-gaudi-unified buckets generate` learned from the MHA plugin run's trace, saved to `plan_path`."""
     with open(mha["trace"]) as f:
         header = json.loads(f.readline())["trace_header"]
     num_heads, num_kv_heads = mha["heads"]
-    plan_path = str(tmp_path / "plan.json")
     gen = subprocess.run([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "generate", "--strategy", "trace",
                           "--trace", mha["trace"], "--block-size", str(H.BLOCK_SIZE),
                           "--max-num-seqs", str(H.MAX_NUM_SEQS), "--max-num-batched-tokens",
@@ -300,11 +293,40 @@ def test_bucket_plan_inside_vllm(mha, tmp_path):
                           "--dtype-bytes", "4", "--max-graphs", "8", "--miss-policy", "error", "--no-progress",
                           "-o", plan_path], capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr[-4000:]
-    plan = BucketPlan.load(plan_path)
-    trace = str(tmp_path / "bucketed_trace.jsonl")
-    run = _run_engine(mha["model"], str(tmp_path / "bucketed.json"), VLLM_GAUDI_UNIFIED="1",
-                      VLLM_GAUDI_UNIFIED_BUCKETS=plan_path, VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace,
-                      VLLM_LOGGING_LEVEL="DEBUG")
+
+
+@pytest.fixture(scope="module")
+def mha_options(mha, tmp_path_factory):
+    """The MHA model's plugin engine under three options, side by side: a plan from `buckets generate`
+    (`bucketed`, with the plan's path and the run's trace), the batch-invariant mode (`invariant`) and the
+    auto bucket plan (`auto`)."""
+    root = tmp_path_factory.mktemp("mha_options")
+    plan_path, trace = str(root / "plan.json"), str(root / "bucketed_trace.jsonl")
+
+    def bucketed() -> dict:
+        _generate_plan(mha, plan_path)
+        return _run_engine(mha["model"], str(root / "bucketed.json"), VLLM_GAUDI_UNIFIED="1",
+                           VLLM_GAUDI_UNIFIED_BUCKETS=plan_path, VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace,
+                           VLLM_LOGGING_LEVEL="DEBUG")
+
+    runs = H.concurrently(bucketed,
+                          lambda: _run_engine(mha["model"], str(root / "invariant.json"), VLLM_GAUDI_UNIFIED="1",
+                                              VLLM_GAUDI_UNIFIED_BATCH_INVARIANT="1"),
+                          lambda: _run_engine(mha["model"], str(root / "auto.json"), VLLM_GAUDI_UNIFIED="1",
+                                              VLLM_GAUDI_UNIFIED_BUCKETS="auto", VLLM_LOGGING_LEVEL="DEBUG"))
+    return dict(zip(("bucketed", "invariant", "auto"), runs), plan=plan_path, trace=trace)
+
+
+def test_bucket_plan_inside_vllm(mha, mha_options):
+    """A plan from `vllm-gaudi-unified buckets generate` (learned from the recorded trace): the plugin
+    warms every bucket at start-up, pads every step to a bucket of the plan (logged at debug level
+    through vLLM's logger), and the results stay those of vLLM's own attention."""
+    import re
+
+    from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
+
+    plan = BucketPlan.load(mha_options["plan"])
+    run, trace = mha_options["bucketed"], mha_options["trace"]
     graphs = plan.buckets + plan.prompt_graphs  # the buckets and the prompt graphs learned beside them
     assert plan.prompt_graphs, "the trace's prompt steps gave no prompt graph"
     assert f"warmed {len(graphs)} buckets" in run["log"]
@@ -325,22 +347,19 @@ def test_bucket_plan_inside_vllm(mha, tmp_path):
         assert_same_results(run, mha["ref"], case)
 
 
-def test_batch_invariant_planning_inside_vllm(mha, tmp_path):
+def test_batch_invariant_planning_inside_vllm(mha, mha_options):
     """VLLM_GAUDI_UNIFIED_BATCH_INVARIANT=1 (the planner's batch-invariant mode) gives vLLM's results too.
     (vLLM's own VLLM_BATCH_INVARIANT=1 cannot run on the CPU build: its kernels need Triton.)"""
-    run = _run_engine(mha["model"], str(tmp_path / "invariant.json"), VLLM_GAUDI_UNIFIED="1",
-                      VLLM_GAUDI_UNIFIED_BATCH_INVARIANT="1")
     for case in CASES:
-        assert_same_results(run, mha["ref"], case)
+        assert_same_results(mha_options["invariant"], mha["ref"], case)
 
 
-def test_auto_bucket_plan(mha, tmp_path):
+def test_auto_bucket_plan(mha, mha_options):
     """VLLM_GAUDI_UNIFIED_BUCKETS=auto: the plan learned for the server's settings from the simulated mix, made at start-up
     and warmed (the default with a plan): every bucket of it gets a step of its phase, none is skipped."""
     import re
 
-    run = _run_engine(mha["model"], str(tmp_path / "auto.json"), VLLM_GAUDI_UNIFIED="1",
-                      VLLM_GAUDI_UNIFIED_BUCKETS="auto", VLLM_LOGGING_LEVEL="DEBUG")
+    run = mha_options["auto"]
     planned = re.search(r"bucket plan auto, (\d+) buckets, (\d+) prompt graphs", run["log"])
     assert planned and int(planned.group(2)) > 0, "the auto plan learned no prompt graph"
     warmed = re.search(r"warmed (\d+) buckets", run["log"])

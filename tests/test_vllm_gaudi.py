@@ -117,10 +117,38 @@ print(json.dumps({
 """
 
 
-def test_wiring_as_vllm_resolves_it(tmp_path):
+_KERNELS = r"""
+import json
+import habana_standin
+habana_standin.install()
+import cpu_features
+from vllm.platforms import current_platform
+import vllm._custom_ops  # imports the platform's kernels, as every engine does
+print(json.dumps({"platform": type(current_platform).__name__, "expected": cpu_features.vllm_kernel_library(),
+                  "loaded": cpu_features.loaded_vllm_libraries()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """The wiring script (`_WIRING`) and the kernel-library script (`_KERNELS`, on this CPU as it is and as a
+    CPU without AVX-512), each in a subprocess of its own, side by side: name -> the finished process."""
+    model = str(tmp_path_factory.mktemp("wiring") / "model")
+
+    def probe(script: str, *args: str, **env) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script, *args], env=_env(
+            VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1", **env), capture_output=True, text=True,
+            timeout=600, cwd=ROOT)
+
+    names = ("wiring", "native", "avx2")
+    return dict(zip(names, H.concurrently(lambda: probe(_WIRING, model),
+                                          lambda: probe(_KERNELS, UNIFIED_TEST_CPU="native"),
+                                          lambda: probe(_KERNELS, UNIFIED_TEST_CPU="avx2"))))
+
+
+def test_wiring_as_vllm_resolves_it(probes):
     """Through vLLM's own plugin loading and config creation, with the HPU stand-in present."""
-    out = subprocess.run([sys.executable, "-c", _WIRING, str(tmp_path / "model")], env=_env(
-        VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1"), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = probes["wiring"]
     assert out.returncode == 0, out.stderr[-6000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["platform"] == "vllm_gaudi_unified.vllm_plugin.hpu_platform.UnifiedHpuPlatform"
@@ -144,26 +172,12 @@ def test_wiring_as_vllm_resolves_it(tmp_path):
     assert "NotImplementedError: speculative decoding method 'draft_model' is not supported" in got["spec"]["draft_model"]
 
 
-_KERNELS = r"""
-import json
-import habana_standin
-habana_standin.install()
-import cpu_features
-from vllm.platforms import current_platform
-import vllm._custom_ops  # imports the platform's kernels, as every engine does
-print(json.dumps({"platform": type(current_platform).__name__, "expected": cpu_features.vllm_kernel_library(),
-                  "loaded": cpu_features.loaded_vllm_libraries()}))
-"""
-
-
 @pytest.mark.parametrize("cpu", ["native", "avx2"])
-def test_standin_loads_the_kernel_library_this_cpu_runs(cpu):
+def test_standin_loads_the_kernel_library_this_cpu_runs(probes, cpu):
     """vllm-gaudi's platform keeps `Platform.import_kernels` (`import vllm._C`, AVX-512 BF16 only: an illegal
     instruction on other CPUs); the stand-in loads the build vLLM's CPU platform picks for this CPU, on this
     machine as it is and as a CPU without AVX-512 (`UNIFIED_TEST_CPU=avx2`: tests/cpu_features.py)."""
-    out = subprocess.run([sys.executable, "-c", _KERNELS], env=_env(
-        VLLM_PLUGINS=GAUDI_PLUGINS, VLLM_GAUDI_UNIFIED="1", UNIFIED_TEST_CPU=cpu), capture_output=True, text=True,
-        timeout=600, cwd=ROOT)
+    out = probes[cpu]
     assert out.returncode == 0, out.stderr[-6000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["platform"] == "UnifiedHpuPlatform"
@@ -724,13 +738,16 @@ def generations(tmp_path_factory):
     root = tmp_path_factory.mktemp("d")
     model = H.make_tiny_llama(str(root / "model"), **H.MODELS["gqa"])
     plan, trace = str(root / "plan.json"), str(root / "trace.jsonl")
-    runs = {"ref": _engine(model, str(root / "ref.json"), gaudi=False),
-            "unified": _engine(model, str(root / "unified.json"), gaudi=True, VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)}
-    num_buckets = _warmable_plan(plan, trace=trace)  # with the prompt graphs of the unpadded run's steps
-    runs["unified_buckets"] = dict(_engine(model, str(root / "buckets.json"), gaudi=True,
-                                           VLLM_GAUDI_UNIFIED_BUCKETS=plan, VLLM_LOGGING_LEVEL="DEBUG"),
-                                   num_buckets=num_buckets)
-    return runs
+
+    def unified_then_buckets() -> dict:
+        unified = _engine(model, str(root / "unified.json"), gaudi=True, VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)
+        num_buckets = _warmable_plan(plan, trace=trace)  # with the prompt graphs of the unpadded run's steps
+        return {"unified": unified, "unified_buckets": dict(_engine(
+            model, str(root / "buckets.json"), gaudi=True, VLLM_GAUDI_UNIFIED_BUCKETS=plan,
+            VLLM_LOGGING_LEVEL="DEBUG"), num_buckets=num_buckets)}
+
+    runs, ref = H.concurrently(unified_then_buckets, lambda: _engine(model, str(root / "ref.json"), gaudi=False))
+    return dict(runs, ref=ref)
 
 
 @pytest.mark.slow
@@ -791,16 +808,18 @@ def spec_runs(tmp_path_factory):
     trace = str(root / "trace.jsonl")
     plan = str(root / "plan.json")
     num_buckets = _warmable_plan(plan, S.MAX_NUM_SEQS, S.MAX_NUM_BATCHED_TOKENS, num_speculative_tokens=3)
-    runs = {
-        "ngram_buckets": dict(_spec_engine(model, str(root / "ngram_buckets.json"), True, "ngram", 3,
-                                           VLLM_GAUDI_UNIFIED_BUCKETS=plan), num_buckets=num_buckets),
-        "ref_ngram": _spec_engine(model, str(root / "ref_ngram.json"), False, "ngram", 3),
-        "ngram": _spec_engine(model, str(root / "ngram.json"), True, "ngram", 3,
-                              VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace),
-        "auto": _spec_engine(model, str(root / "auto.json"), True),
-        "fp8": _spec_engine(model, str(root / "fp8.json"), True, kv_cache_dtype="fp8_inc"),
-        "fp8_ngram": _spec_engine(model, str(root / "fp8_ngram.json"), True, "ngram", 3, kv_cache_dtype="fp8_inc"),
+    jobs = {
+        "ngram_buckets": lambda: dict(_spec_engine(model, str(root / "ngram_buckets.json"), True, "ngram", 3,
+                                                   VLLM_GAUDI_UNIFIED_BUCKETS=plan), num_buckets=num_buckets),
+        "ref_ngram": lambda: _spec_engine(model, str(root / "ref_ngram.json"), False, "ngram", 3),
+        "ngram": lambda: _spec_engine(model, str(root / "ngram.json"), True, "ngram", 3,
+                                      VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace),
+        "auto": lambda: _spec_engine(model, str(root / "auto.json"), True),
+        "fp8": lambda: _spec_engine(model, str(root / "fp8.json"), True, kv_cache_dtype="fp8_inc"),
+        "fp8_ngram": lambda: _spec_engine(model, str(root / "fp8_ngram.json"), True, "ngram", 3,
+                                          kv_cache_dtype="fp8_inc"),
     }
+    runs = dict(zip(jobs, H.concurrently(*jobs.values())))
     with open(trace) as f:
         runs["ngram_steps"] = [json.loads(line) for line in f if '"query_lens"' in line]
     return runs

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import partial
 
 import pytest
 
@@ -47,13 +48,13 @@ def runs(tmp_path_factory):
     target3, head3 = E.make_eagle3_pair(str(root), H.MODELS["mha"])
     plan, trace = str(root / "plan.json"), str(root / "trace.jsonl")
     num_buckets = _warmable_plan(plan, S.MAX_NUM_SEQS, S.MAX_NUM_BATCHED_TOKENS, num_speculative_tokens=K)
-    out = {}
+    jobs = {"eagle_buckets": lambda: dict(_engine(target, head, "eagle", str(root / "buckets.json"), True,
+                                                  VLLM_GAUDI_UNIFIED_BUCKETS=plan,
+                                                  VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace), num_buckets=num_buckets)}
     for method, t, h in (("eagle", target, head), ("eagle3", target3, head3)):
-        out[f"ref_{method}"] = _engine(t, h, method, str(root / f"ref_{method}.json"), False)
-        out[method] = _engine(t, h, method, str(root / f"{method}.json"), True)
-    out["eagle_buckets"] = dict(_engine(target, head, "eagle", str(root / "buckets.json"), True,
-                                        VLLM_GAUDI_UNIFIED_BUCKETS=plan, VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace),
-                                num_buckets=num_buckets)
+        jobs[f"ref_{method}"] = partial(_engine, t, h, method, str(root / f"ref_{method}.json"), False)
+        jobs[method] = partial(_engine, t, h, method, str(root / f"{method}.json"), True)
+    out = dict(zip(jobs, H.concurrently(*jobs.values())))
     with open(trace) as f:
         out["bucket_steps"] = [json.loads(line) for line in f if '"query_lens"' in line]
     return out

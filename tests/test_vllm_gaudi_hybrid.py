@@ -181,24 +181,37 @@ def _gaudi(model, out, *args, **env):
 
 
 @pytest.fixture(scope="module")
-def reference(granite):
-    """vLLM's own CPU attention on the long scenario (block 64, prefix caching on)."""
+def engine_runs(granite):
+    """Side by side: vLLM's own CPU attention on the long scenario (block 64, prefix caching on) as `ref`; the
+    Gaudi path on it with and without prefix caching (`True`, `False`); and a start-up with a bucket plan
+    (`"plan"`). Each run: its result (None when it failed) and its log."""
+    import vllm_helpers as H
+
     root, model = granite
-    ref, log = _run(model, str(root / "ref.json"), "--block-size", "16", "--long")
+    runs = H.concurrently(lambda: _run(model, str(root / "ref.json"), "--block-size", "16", "--long"),
+                          lambda: _gaudi(model, str(root / "gaudi_True.json"), "--block-size", "16", "--long"),
+                          lambda: _gaudi(model, str(root / "gaudi_False.json"), "--block-size", "16", "--long",
+                                         "--no-prefix-caching"),
+                          lambda: _gaudi(model, str(root / "plan.json"), VLLM_GAUDI_UNIFIED_BUCKETS="auto"))
+    return dict(zip(("ref", True, False, "plan"), runs))
+
+
+@pytest.fixture(scope="module")
+def reference(engine_runs):
+    """vLLM's own CPU attention on the long scenario (block 64, prefix caching on)."""
+    ref, log = engine_runs["ref"]
     assert ref is not None, log[-3000:]
     return ref
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix_caching", "no_prefix_caching"])
-def test_granite_hybrid_on_gaudi_matches_vllm(granite, reference, caching):
+def test_granite_hybrid_on_gaudi_matches_vllm(engine_runs, reference, caching):
     """With prefix caching (vLLM's 'align' mode: block 256, states cached per block, two prefix hits) and
     without (vllm-gaudi's block 48, one state slot per request)."""
     import vllm_helpers as H
 
-    root, model = granite
-    args = () if caching else ("--no-prefix-caching",)
-    got, log = _gaudi(model, str(root / f"gaudi_{caching}.json"), "--block-size", "16", "--long", *args)
+    got, log = engine_runs[caching]
     assert got is not None, log[-3000:]
     assert "2 Mamba2 layers run vllm-gaudi's op" in log and "GAUDI_UNIFIED_HPU_ATTN" in log
     assert "Hybrid model (standard Mamba2 + ATN)" in log  # vllm-gaudi's own hybrid set-up
@@ -210,8 +223,7 @@ def test_granite_hybrid_on_gaudi_matches_vllm(granite, reference, caching):
 
 
 @pytest.mark.slow
-def test_a_bucket_plan_for_a_hybrid_is_refused(granite):
-    root, model = granite
-    got, log = _gaudi(model, str(root / "plan.json"), VLLM_GAUDI_UNIFIED_BUCKETS="auto")
+def test_a_bucket_plan_for_a_hybrid_is_refused(engine_runs):
+    got, log = engine_runs["plan"]
     assert got is None
     assert "a bucket plan (auto) for a model with Mamba2 layers" in log, log[-3000:]

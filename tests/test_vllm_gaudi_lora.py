@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
@@ -82,13 +83,15 @@ def test_lora_through_the_unified_runner(tmp_path):
     b = L.make_adapter(str(tmp_path / "lora_b"), model, seed=2)
     plan, trace = str(tmp_path / "plan.json"), str(tmp_path / "trace.jsonl")
     num_buckets = _warmable_plan(plan)
-    runs = {}
-    for name, gaudi_path, env, extra in (
-            ("ref", False, {}, []), ("unified", True, dict(VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace), []),
-            ("buckets", True, dict(VLLM_GAUDI_UNIFIED_BUCKETS=plan), []),
-            ("prompt_logprobs", True, {}, ["--prompt-logprobs"])):
+
+    def run(name: str, gaudi_path: bool, env: dict, extra: list) -> dict:
         out = str(tmp_path / f"{name}.json")
-        runs[name] = _run_engine([sys.executable, LORA_HELPER, model, a, b, out, *extra], out, gaudi_path, **env)
+        return _run_engine([sys.executable, LORA_HELPER, model, a, b, out, *extra], out, gaudi_path, **env)
+
+    configs = {"buckets": (True, dict(VLLM_GAUDI_UNIFIED_BUCKETS=plan), []),
+               "ref": (False, {}, []), "unified": (True, dict(VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace), []),
+               "prompt_logprobs": (True, {}, ["--prompt-logprobs"])}
+    runs = dict(zip(configs, H.concurrently(*(partial(run, name, *how) for name, how in configs.items()))))
     ref = runs["ref"]
     # Padded to warmed buckets: the padding rows carry no adapter (and the warm-up forwards none).
     assert f"warmed {num_buckets} buckets through the model" in runs["buckets"]["log"]

@@ -363,22 +363,26 @@ def mla_generations(tmp_path_factory):
     root = tmp_path_factory.mktemp("d_mla")
     model = M.make_tiny_deepseek(str(root / "ds"))
     trace = str(root / "trace.jsonl")
-    runs = {"ref": _mla_engine(model, str(root / "ref.json"), gaudi=False),
-            "unified": _mla_engine(model, str(root / "unified.json"), gaudi=True,
-                                   VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace, VLLM_LOGGING_LEVEL="DEBUG")}
-    # The scenario's server settings (vllm_model_helpers.run_mla: blocks of 16, 8 sequences, 64-token budget),
-    # with the prompt graphs of the unpadded run's steps (as `buckets generate --trace` learns them): the
-    # prompt steps padded to one run expanded, the others on the tiled route, latent.
-    plan = exponential_plan(ServerSettings(block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-                                           max_model_len=H.MAX_MODEL_LEN, num_blocks=256), base=8.0)
-    graphs, _ = learn_prompt_graphs(plan, read_trace(trace).steps, max_graphs=8)
-    assert graphs, "the unpadded run recorded no step with prompts"
-    plan = replace(plan, prompt_graphs=graphs)
-    plan.save(str(root / "plan.json"))
-    runs["unified_buckets"] = _mla_engine(model, str(root / "buckets.json"), gaudi=True,
-                                          VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json"),
-                                          VLLM_LOGGING_LEVEL="DEBUG") + (len(plan.buckets) + len(plan.prompt_graphs),)
-    return runs
+
+    def unified_then_buckets() -> dict:
+        runs = {"unified": _mla_engine(model, str(root / "unified.json"), gaudi=True,
+                                       VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace, VLLM_LOGGING_LEVEL="DEBUG")}
+        # The scenario's server settings (vllm_model_helpers.run_mla: blocks of 16, 8 sequences, 64-token budget),
+        # with the prompt graphs of the unpadded run's steps (as `buckets generate --trace` learns them): the
+        # prompt steps padded to one run expanded, the others on the tiled route, latent.
+        plan = exponential_plan(ServerSettings(block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                                               max_model_len=H.MAX_MODEL_LEN, num_blocks=256), base=8.0)
+        graphs, _ = learn_prompt_graphs(plan, read_trace(trace).steps, max_graphs=8)
+        assert graphs, "the unpadded run recorded no step with prompts"
+        plan = replace(plan, prompt_graphs=graphs)
+        plan.save(str(root / "plan.json"))
+        runs["unified_buckets"] = _mla_engine(
+            model, str(root / "buckets.json"), gaudi=True, VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json"),
+            VLLM_LOGGING_LEVEL="DEBUG") + (len(plan.buckets) + len(plan.prompt_graphs),)
+        return runs
+
+    runs, ref = H.concurrently(unified_then_buckets, lambda: _mla_engine(model, str(root / "ref.json"), gaudi=False))
+    return dict(runs, ref=ref)
 
 
 @pytest.mark.slow
@@ -438,8 +442,9 @@ def test_deepseek_v2_fp8_latent_cache_through_the_unified_runner(mla_generations
     import vllm_model_helpers as M
 
     model = M.make_tiny_deepseek(str(tmp_path / "ds"))
-    fp8, log = _mla_engine(model, str(tmp_path / "fp8.json"), gaudi=True, extra=["--kv-cache-dtype", "fp8_inc"])
-    rounded, _ = _mla_engine(model, str(tmp_path / "rounded.json"), gaudi=True, extra=["--e4m3-latents"])
+    (fp8, log), (rounded, _) = H.concurrently(
+        lambda: _mla_engine(model, str(tmp_path / "fp8.json"), gaudi=True, extra=["--kv-cache-dtype", "fp8_inc"]),
+        lambda: _mla_engine(model, str(tmp_path / "rounded.json"), gaudi=True, extra=["--e4m3-latents"]))
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_MLA" in log
     assert "unified MLA on Gaudi: fp8 latent cache (torch.float8_e4m3fn, scale 1.0)" in log
     assert "unified MLA on Gaudi: prompt rows in the expanded form" in log  # forward_mha ran, over fp8 context

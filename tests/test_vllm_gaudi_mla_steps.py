@@ -37,19 +37,25 @@ def short_runs(tmp_path_factory):
     model = M.make_tiny_deepseek(str(root / "ds"), hidden=128)
     gaudi = (*SHORT, "--block-size", str(BLOCK))
     trace = str(root / "trace.jsonl")
-    runs = {"ref": _mla_engine(model, str(root / "ref.json"), gaudi=False, extra=SHORT),
-            "unified": _mla_engine(model, str(root / "unified.json"), gaudi=True, extra=gaudi,
-                                   VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace, VLLM_LOGGING_LEVEL="DEBUG")}
-    steps = read_trace(trace).steps
     plan = exponential_plan(ServerSettings(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64,
                                            max_model_len=H.MAX_MODEL_LEN, num_blocks=128), base=8.0)
-    graphs, _ = learn_prompt_graphs(plan, steps, max_graphs=4)
-    plan = replace(plan, prompt_graphs=graphs)
-    plan.save(str(root / "plan.json"))
-    runs["unified_buckets"] = _mla_engine(model, str(root / "buckets.json"), gaudi=True, extra=gaudi,
-                                          VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json"),
-                                          VLLM_LOGGING_LEVEL="DEBUG")
-    return runs, steps, len(plan.buckets) + len(plan.prompt_graphs)
+
+    def unified_then_buckets() -> tuple[dict, list]:
+        nonlocal plan
+        runs = {"unified": _mla_engine(model, str(root / "unified.json"), gaudi=True, extra=gaudi,
+                                       VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace, VLLM_LOGGING_LEVEL="DEBUG")}
+        steps = read_trace(trace).steps
+        graphs, _ = learn_prompt_graphs(plan, steps, max_graphs=4)
+        plan = replace(plan, prompt_graphs=graphs)
+        plan.save(str(root / "plan.json"))
+        runs["unified_buckets"] = _mla_engine(model, str(root / "buckets.json"), gaudi=True, extra=gaudi,
+                                              VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json"),
+                                              VLLM_LOGGING_LEVEL="DEBUG")
+        return runs, steps
+
+    (runs, steps), ref = H.concurrently(unified_then_buckets,
+                                        lambda: _mla_engine(model, str(root / "ref.json"), gaudi=False, extra=SHORT))
+    return dict(runs, ref=ref), steps, len(plan.buckets) + len(plan.prompt_graphs)
 
 
 @pytest.mark.slow

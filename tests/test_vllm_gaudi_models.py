@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import partial
 
 import pytest
 
@@ -29,20 +30,32 @@ pytestmark = pytest.mark.vllm
 def model_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("kinds")
     plan, trace = str(root / "plan.json"), str(root / "llama4_trace.jsonl")
-    runs = {}
-    for name in M.MODELS:
+
+    def llama4_unified_then_buckets(model: str) -> dict:
+        # The plan takes the prompt graphs of the unpadded run's steps: several kinds replanned per graph.
+        unified = _engine(model, str(root / "llama4_like_unified.json"), gaudi=True,
+                          VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)
+        num_buckets = _warmable_plan(plan, trace=trace)
+        return {"unified": unified, "buckets": dict(_engine(model, str(root / "llama4_buckets.json"), gaudi=True,
+                                                            VLLM_GAUDI_UNIFIED_BUCKETS=plan,
+                                                            VLLM_LOGGING_LEVEL="DEBUG"), num_buckets=num_buckets)}
+
+    keys, jobs = [], []
+    for name in reversed(M.MODELS):  # llama4_like first: its bucketed run waits for its unpadded one
         local = M.make_model(name, str(root / name))
         full = M.make_model(name, str(root / (name + "_full")), local=False)
-        record = {"VLLM_GAUDI_UNIFIED_RECORD_TRACE": trace} if name == "llama4_like" else {}
-        runs[name] = {
-            "ref": _engine(local, str(root / f"{name}_ref.json"), gaudi=False),
-            "unified": _engine(local, str(root / f"{name}_unified.json"), gaudi=True, **record),
-            "full_ref": _engine(full, str(root / f"{name}_full_ref.json"), gaudi=False),
-        }
-    num_buckets = _warmable_plan(plan, trace=trace)  # prompt graphs too: several kinds replanned per graph
-    runs["llama4_like"]["buckets"] = dict(_engine(str(root / "llama4_like"), str(root / "llama4_buckets.json"),
-                                                  gaudi=True, VLLM_GAUDI_UNIFIED_BUCKETS=plan,
-                                                  VLLM_LOGGING_LEVEL="DEBUG"), num_buckets=num_buckets)
+        if name == "llama4_like":
+            keys.append((name, None))
+            jobs.append(partial(llama4_unified_then_buckets, local))
+        else:
+            keys.append((name, "unified"))
+            jobs.append(partial(_engine, local, str(root / f"{name}_unified.json"), gaudi=True))
+        keys += [(name, "ref"), (name, "full_ref")]
+        jobs += [partial(_engine, local, str(root / f"{name}_ref.json"), gaudi=False),
+                 partial(_engine, full, str(root / f"{name}_full_ref.json"), gaudi=False)]
+    runs = {name: {} for name in M.MODELS}
+    for (name, run), result in zip(keys, H.concurrently(*jobs)):
+        runs[name].update(result if run is None else {run: result})
     return runs
 
 
@@ -120,12 +133,13 @@ def test_embeddings_through_the_unified_runner(tmp_path):
 
     model = H.make_tiny_llama(str(tmp_path / "model"), **H.MODELS["gqa"])
     trace = str(tmp_path / "trace.jsonl")
-    runs = {}
-    for name, gaudi in (("ref", False), ("unified", True)):
+
+    def embed(name: str, gaudi: bool) -> dict:
         out = str(tmp_path / f"{name}.json")
         env = dict(VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace) if gaudi else {}
-        runs[name] = _run_engine([sys.executable, MODELS_HELPER, "embed", model, out], out, gaudi, **env)
-    got, ref = runs["unified"], runs["ref"]
+        return _run_engine([sys.executable, MODELS_HELPER, "embed", model, out], out, gaudi, **env)
+
+    got, ref = H.concurrently(lambda: embed("unified", True), lambda: embed("ref", False))
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
     assert "seq_pooling_type='LAST'" in ref["pooler_config"]
     diffs = [float(np.abs(np.subtract(a, b)).max()) for a, b in zip(got["embeddings"], ref["embeddings"])]
@@ -174,7 +188,8 @@ def test_encoder_embeddings_through_the_unified_runner(tmp_path, arch):
     import vllm_model_helpers as MH
 
     model = (MH.make_tiny_bert if arch == "bert" else MH.make_tiny_modernbert)(str(tmp_path / arch))
-    got, ref = _embeddings(tmp_path, model, "unified", True), _embeddings(tmp_path, model, "ref", False)
+    got, ref = H.concurrently(lambda: _embeddings(tmp_path, model, "unified", True),
+                              lambda: _embeddings(tmp_path, model, "ref", False))
     assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in got["log"]
     worst = _largest_difference(got, ref)
     assert worst <= 1e-5, worst
@@ -201,10 +216,13 @@ def test_async_scheduling_through_the_unified_runner(tmp_path):
     from test_vllm_gaudi import _run_engine
 
     model = H.make_tiny_llama(str(tmp_path / "model"), **H.MODELS["gqa"])
-    runs = {}
-    for name, mode, gaudi in (("ref", "async-off", False), ("on", "async-on", True), ("off", "async-off", True)):
+
+    def run(name: str, mode: str, gaudi: bool) -> dict:
         out = str(tmp_path / f"{name}.json")
-        runs[name] = _run_engine([sys.executable, MODELS_HELPER, mode, model, out], out, gaudi)
+        return _run_engine([sys.executable, MODELS_HELPER, mode, model, out], out, gaudi)
+
+    names = {"on": ("async-on", True), "off": ("async-off", True), "ref": ("async-off", False)}
+    runs = dict(zip(names, H.concurrently(*(partial(run, name, *how) for name, how in names.items()))))
     assert runs["on"]["async_scheduling"] and not runs["off"]["async_scheduling"]
     for name in ("on", "off"):
         assert "Using the unified attention backend GAUDI_UNIFIED_HPU_ATTN" in runs[name]["log"]

@@ -14,6 +14,7 @@ CPU_MLA for DeepSeek), unpadded and (Mixtral, DeepSeek) padded to a bucket plan 
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch
 from test_vllm_gaudi import LOGPROB_ATOL, _engine, _warmable_plan, gaudi  # noqa: F401, I001 (also: the module's skips)
 from test_vllm_gaudi_mla import _mla_engine
 from test_vllm_gaudi_models import assert_same_as_reference
+import vllm_helpers as H
 import vllm_models as M
 
 pytestmark = pytest.mark.vllm
@@ -45,18 +47,28 @@ def moe_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     models = {name: M.make_moe_model(name, str(root / name)) for name in M.MOE_MODELS}
     models[DEEPSEEK] = MH.make_tiny_deepseek(str(root / DEEPSEEK), hidden=128, experts=True)
-    runs, plans = {}, {}
-    for name, model in models.items():
-        engine = _deepseek_engine if name == DEEPSEEK else _engine
+    plans = {}
+
+    def gaudi_runs(name: str) -> dict:
+        engine, model = _deepseek_engine if name == DEEPSEEK else _engine, models[name]
         trace = str(root / f"{name}.jsonl")
-        runs[name] = {"ref": engine(model, str(root / f"{name}_ref.json"), gaudi=False),
-                      "unified": engine(model, str(root / f"{name}_unified.json"), gaudi=True,
-                                        VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)}
+        runs = {"unified": engine(model, str(root / f"{name}_unified.json"), gaudi=True,
+                                  VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)}
         if name != "qwen3_moe":  # every step padded to a bucket of a plan, with the prompt graphs of the run's steps
             plan = str(root / f"{name}_plan.json")
             plans[name] = _warmable_plan(plan, trace=trace)
-            runs[name]["buckets"] = engine(model, str(root / f"{name}_buckets.json"), gaudi=True,
-                                           VLLM_GAUDI_UNIFIED_BUCKETS=plan, VLLM_LOGGING_LEVEL="DEBUG")
+            runs["buckets"] = engine(model, str(root / f"{name}_buckets.json"), gaudi=True,
+                                     VLLM_GAUDI_UNIFIED_BUCKETS=plan, VLLM_LOGGING_LEVEL="DEBUG")
+        return runs
+
+    def reference(name: str) -> dict:
+        engine = _deepseek_engine if name == DEEPSEEK else _engine
+        return {"ref": engine(models[name], str(root / f"{name}_ref.json"), gaudi=False)}
+
+    jobs = [partial(gaudi_runs, name) for name in models] + [partial(reference, name) for name in models]
+    runs = {name: {} for name in models}
+    for name, result in zip([*models, *models], H.concurrently(*jobs)):
+        runs[name].update(result)
     return runs, plans
 
 

@@ -37,19 +37,29 @@ def tp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     model = M.make_tiny_deepseek(str(root / "ds"), hidden=128)
     trace = str(root / "trace.jsonl")
-    runs = {"tp1": _mla_engine(model, str(root / "tp1.json"), gaudi=True, extra=SHORT,
-                               VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace),
-            "tp2": _mla_engine(model, str(root / "tp2.json"), gaudi=True, extra=(*SHORT, "--tp", "2"))}
+    llama = H.make_tiny_llama(str(root / "llama"), num_kv_heads=2)  # GQA: one KV head per rank
     plan = exponential_plan(ServerSettings(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64,
                                            max_model_len=H.MAX_MODEL_LEN, num_blocks=128), base=8.0)
-    graphs, _ = learn_prompt_graphs(plan, read_trace(trace).steps, max_graphs=4)
-    plan = replace(plan, prompt_graphs=graphs)
-    plan.save(str(root / "plan.json"))
-    runs["tp2_buckets"] = _mla_engine(model, str(root / "tp2_buckets.json"), gaudi=True, extra=(*SHORT, "--tp", "2"),
-                                      VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json"))
-    llama = H.make_tiny_llama(str(root / "llama"), num_kv_heads=2)  # GQA: one KV head per rank
-    runs["llama_tp1"] = _mla_engine(llama, str(root / "llama_tp1.json"), gaudi=True, extra=SHORT)
-    runs["llama_tp2"] = _mla_engine(llama, str(root / "llama_tp2.json"), gaudi=True, extra=(*SHORT, "--tp", "2"))
+
+    def tp1_then_buckets() -> dict:
+        nonlocal plan
+        tp1 = _mla_engine(model, str(root / "tp1.json"), gaudi=True, extra=SHORT,
+                          VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)
+        graphs, _ = learn_prompt_graphs(plan, read_trace(trace).steps, max_graphs=4)
+        plan = replace(plan, prompt_graphs=graphs)
+        plan.save(str(root / "plan.json"))
+        return {"tp1": tp1, "tp2_buckets": _mla_engine(model, str(root / "tp2_buckets.json"), gaudi=True,
+                                                       extra=(*SHORT, "--tp", "2"),
+                                                       VLLM_GAUDI_UNIFIED_BUCKETS=str(root / "plan.json"))}
+
+    runs, *others = H.concurrently(
+        tp1_then_buckets,
+        lambda: {"tp2": _mla_engine(model, str(root / "tp2.json"), gaudi=True, extra=(*SHORT, "--tp", "2"))},
+        lambda: {"llama_tp2": _mla_engine(llama, str(root / "llama_tp2.json"), gaudi=True,
+                                          extra=(*SHORT, "--tp", "2"))},
+        lambda: {"llama_tp1": _mla_engine(llama, str(root / "llama_tp1.json"), gaudi=True, extra=SHORT)})
+    for other in others:
+        runs.update(other)
     return runs, len(plan.buckets) + len(plan.prompt_graphs)
 
 

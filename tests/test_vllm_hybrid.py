@@ -54,8 +54,9 @@ def test_granite_hybrid_on_the_cpu_platform_matches_vllm(granite):
     import vllm_helpers as H
 
     root, model = granite
-    ref, ref_log = _run(model, str(root / "ref.json"), "--block-size", "16")
-    got, log = _run(model, str(root / "plugin.json"), "--block-size", "16", VLLM_GAUDI_UNIFIED="1")
+    (ref, ref_log), (got, log) = H.concurrently(
+        lambda: _run(model, str(root / "ref.json"), "--block-size", "16"),
+        lambda: _run(model, str(root / "plugin.json"), "--block-size", "16", VLLM_GAUDI_UNIFIED="1"))
     assert ref is not None, ref_log[-3000:]
     assert got is not None, log[-3000:]
     assert "Using the unified attention backend GAUDI_UNIFIED_ATTN" in log
@@ -72,9 +73,10 @@ def test_qwen3_next_on_the_cpu_platform_matches_vllm(tmp_path):
     import vllm_hybrid_helpers as M
 
     model = M.make_tiny_qwen3_next(str(tmp_path / "qwen3_next"))
-    ref, ref_log = _run(model, str(tmp_path / "ref.json"), "--dtype", "bfloat16", "--block-size", "16")
-    got, log = _run(model, str(tmp_path / "plugin.json"), "--dtype", "bfloat16", "--block-size", "16",
-                    VLLM_GAUDI_UNIFIED="1")
+    args = ("--dtype", "bfloat16", "--block-size", "16")
+    (ref, ref_log), (got, log) = H.concurrently(lambda: _run(model, str(tmp_path / "ref.json"), *args),
+                                                lambda: _run(model, str(tmp_path / "plugin.json"), *args,
+                                                             VLLM_GAUDI_UNIFIED="1"))
     assert ref is not None, ref_log[-3000:]
     assert got is not None, log[-3000:]
     assert "Using the unified attention backend GAUDI_UNIFIED_ATTN" in log

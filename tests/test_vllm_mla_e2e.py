@@ -39,14 +39,15 @@ def _generate(model: str, out: str, *args, **env) -> tuple[dict, str]:
 
 def test_deepseek_v2_matches_vllm_cpu_mla(tmp_path):
     model = M.make_tiny_deepseek(str(tmp_path / "ds"))
-    ref, ref_log = _generate(model, str(tmp_path / "ref.json"))
+    (ref, ref_log), (ours, log), (spec, _) = H.concurrently(
+        lambda: _generate(model, str(tmp_path / "ref.json")),
+        lambda: _generate(model, str(tmp_path / "plugin.json"), VLLM_GAUDI_UNIFIED="1"),
+        lambda: _generate(model, str(tmp_path / "spec.json"), "--ngram", "3", VLLM_GAUDI_UNIFIED="1"))
     assert "Using CPU_MLA backend" in ref_log
     assert not ref["chunked_prefill"] and not ref["prefix_caching"]
-    ours, log = _generate(model, str(tmp_path / "plugin.json"), VLLM_GAUDI_UNIFIED="1")
     assert "Using the unified attention backend GAUDI_UNIFIED_MLA" in log
     assert ours["chunked_prefill"] and ours["prefix_caching"]
     assert "unified MLA: prompt rows in the expanded form" in log  # forward_mha ran (mla_prompts.py)
-    spec, _ = _generate(model, str(tmp_path / "spec.json"), "--ngram", "3", VLLM_GAUDI_UNIFIED="1")
     for run in (ours, spec):
         wanted = {k: v for k, v in ref["results"].items() if k in run["results"]}
         report = H.compare_results(run, {"results": wanted})

@@ -79,12 +79,13 @@ def runs(request, tmp_path_factory):
 
     root = tmp_path_factory.mktemp(request.param)
     model = MM.make_model(request.param, str(root / "model"))
-    out = {"ref": run_engine(model, str(root / "ref.json")),
-           "cpu": run_engine(model, str(root / "cpu.json"), VLLM_GAUDI_UNIFIED="1"), "gaudi": None,
-           "model": model, "trace": str(root / "gaudi_trace.jsonl")}
+    out = {"gaudi": None, "model": model, "trace": str(root / "gaudi_trace.jsonl")}
+    jobs = {"ref": lambda: run_engine(model, str(root / "ref.json")),
+            "cpu": lambda: run_engine(model, str(root / "cpu.json"), VLLM_GAUDI_UNIFIED="1")}
     if importlib.util.find_spec("vllm_gaudi") is not None:
-        out["gaudi"] = run_engine(model, str(root / "gaudi.json"), "--gaudi-standin",
-                                  **gaudi_env(VLLM_GAUDI_UNIFIED_RECORD_TRACE=out["trace"]))
+        jobs["gaudi"] = lambda: run_engine(model, str(root / "gaudi.json"), "--gaudi-standin",
+                                           **gaudi_env(VLLM_GAUDI_UNIFIED_RECORD_TRACE=out["trace"]))
+    out.update(zip(jobs, H.concurrently(*jobs.values())))
     return request.param, out
 
 

@@ -53,14 +53,24 @@ def _probe(**env) -> list:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_installed_but_not_asked_leaves_vllm_as_it_was():
+@pytest.fixture(scope="module")
+def probes() -> dict:
+    """`_probe` with VLLM_GAUDI_UNIFIED unset, "0" and "1", side by side (each a process of its own)."""
+    import vllm_helpers as H
+
+    values = (None, "0", "1")
+    return dict(zip(values, H.concurrently(*(lambda v=v: _probe(**({} if v is None else {"VLLM_GAUDI_UNIFIED": v}))
+                                             for v in values))))
+
+
+def test_installed_but_not_asked_leaves_vllm_as_it_was(probes):
     """Through vLLM's own plugin loading: its CPU platform, and no backend added to its registry."""
-    assert _probe() == ["vllm.platforms.cpu.CpuPlatform", False]
-    assert _probe(VLLM_GAUDI_UNIFIED="0") == ["vllm.platforms.cpu.CpuPlatform", False]
+    assert probes[None] == ["vllm.platforms.cpu.CpuPlatform", False]
+    assert probes["0"] == ["vllm.platforms.cpu.CpuPlatform", False]
 
 
-def test_asked_activates_cpu_platform_and_registers_backend():
-    assert _probe(VLLM_GAUDI_UNIFIED="1") == [entry.CPU_PLATFORM, True]
+def test_asked_activates_cpu_platform_and_registers_backend(probes):
+    assert probes["1"] == [entry.CPU_PLATFORM, True]
 
 
 @pytest.mark.parametrize("value, expected", [("", None), ("1", entry.CPU_PLATFORM), ("true", entry.CPU_PLATFORM),

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 
@@ -59,9 +60,11 @@ def _run(models, out: str, method, k, kv_cache_dtype="auto", **env) -> dict:
 
 
 def _pair(models, tmp_path, method, k, kv_cache_dtype="auto") -> tuple[dict, dict, list[dict]]:
-    ref = _run(models, str(tmp_path / "ref.json"), method, k, kv_cache_dtype)
+    """vLLM's engine and the plugin's (`_plugin`), side by side."""
+    ref, (plugin, steps) = H.concurrently(lambda: _run(models, str(tmp_path / "ref.json"), method, k, kv_cache_dtype),
+                                          lambda: _plugin(models, tmp_path, method, k, kv_cache_dtype))
     assert "GAUDI_UNIFIED_ATTN" not in ref["log"]
-    return (ref, *_plugin(models, tmp_path, method, k, kv_cache_dtype))
+    return ref, plugin, steps
 
 
 def _plugin(models, tmp_path, method, k, kv_cache_dtype="auto") -> tuple[dict, list[dict]]:
@@ -128,9 +131,9 @@ def test_ngram_with_the_auto_bucket_plan(models, tmp_path):
     """The plan serving users get (`VLLM_GAUDI_UNIFIED_BUCKETS=auto`, made for this server's settings and
     its draft count; warm-up off to keep the test short): every step padded to one of its buckets, drafts
     included, gives vLLM's tokens and spec-decode counters."""
-    ref = _run(models, str(tmp_path / "ref.json"), "ngram", 3)
-    plugin = _run(models, str(tmp_path / "plugin.json"), "ngram", 3, VLLM_GAUDI_UNIFIED="1",
-                  VLLM_GAUDI_UNIFIED_BUCKETS="auto", VLLM_GAUDI_UNIFIED_WARMUP="0")
+    plugin_env = dict(VLLM_GAUDI_UNIFIED="1", VLLM_GAUDI_UNIFIED_BUCKETS="auto", VLLM_GAUDI_UNIFIED_WARMUP="0")
+    ref, plugin = H.concurrently(lambda: _run(models, str(tmp_path / "ref.json"), "ngram", 3),
+                                 lambda: _run(models, str(tmp_path / "plugin.json"), "ngram", 3, **plugin_env))
     assert "Unified attention: bucket plan auto," in plugin["log"]
     for case in CASES:
         assert_same_results(plugin, ref, case)
@@ -145,11 +148,18 @@ def fp8_runs(models, tmp_path_factory):
     """Per fp8 format, no speculation: vLLM's CPU attention (None on a CPU where it cannot run an fp8
     cache: `cpu_features`) and the plugin with its recorded steps; "auto": the plugin unquantized."""
     missing = cpu_features.vllm_fp8_cpu_attention_missing()
-    runs = {}
+    paths = {name: tmp_path_factory.mktemp(name) for name in (*FP8_FORMATS, "auto")}
+    jobs = {"auto": lambda: _plugin(models, paths["auto"], None, 0)}
     for dtype in FP8_FORMATS:
-        path = tmp_path_factory.mktemp(dtype)
-        runs[dtype] = (None, *_plugin(models, path, None, 0, dtype)) if missing else _pair(models, path, None, 0, dtype)
-    runs["auto"] = _plugin(models, tmp_path_factory.mktemp("auto"), None, 0)
+        jobs[f"{dtype}_plugin"] = partial(_plugin, models, paths[dtype], None, 0, dtype)
+        if not missing:
+            jobs[f"{dtype}_ref"] = partial(_run, models, str(paths[dtype] / "ref.json"), None, 0, dtype)
+    done = dict(zip(jobs, H.concurrently(*jobs.values())))
+    runs = {"auto": done["auto"]}
+    for dtype in FP8_FORMATS:
+        ref = done.get(f"{dtype}_ref")
+        assert ref is None or "GAUDI_UNIFIED_ATTN" not in ref["log"]
+        runs[dtype] = (ref, *done[f"{dtype}_plugin"])
     return runs
 
 

@@ -125,6 +125,25 @@ def scenario_prompts() -> tuple[list[dict], list[dict]]:
     return wave1, wave2
 
 
+#: How many engine subprocesses `concurrently` runs at once (`UNIFIED_TEST_ENGINES`, default: two where the
+#: machine has two cores). A tiny model's engine keeps about one core busy (Python: imports, scheduling,
+#: small kernels), so two of them side by side take about the time of one on a two-core machine.
+ENGINES_AT_ONCE = int(os.environ.get("UNIFIED_TEST_ENGINES") or min(2, os.cpu_count() or 1))
+
+
+def concurrently(*jobs):
+    """The results of `jobs` (callables that each run engine subprocesses and return what they read back), in
+    order, run `ENGINES_AT_ONCE` at a time. Each engine is its own process: running them side by side
+    changes no result. A job's exception is raised here, after the others finished."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if ENGINES_AT_ONCE <= 1 or len(jobs) == 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(min(ENGINES_AT_ONCE, len(jobs))) as pool:
+        futures = [pool.submit(job) for job in jobs]
+    return [f.result() for f in futures]
+
+
 def _logprob_dict(entry) -> dict:
     return {str(tok): float(lp.logprob) for tok, lp in entry.items()}
 
