@@ -104,7 +104,7 @@ def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | 
     model, bucket = plan.cost_model, None
     cost = model.graph_cost(graph)
     if rest is not None:
-        i = -1 if plan.gather_cap.exceeded(rest) else plan.find_sizes(*rest.sizes)
+        i = plan.covering(rest)
         if i < 0:
             return None
         bucket, cost = plan.buckets[i], cost + float(plan.costs[i]) + PART_CALL_US
@@ -113,7 +113,7 @@ def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | 
     if cost <= plan._tiled_floor(tokens, logits):
         return graph, bucket
     tiled = tiled_shape()
-    i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+    i = plan.covering(tiled)
     return (graph, bucket) if i < 0 or cost <= float(plan.costs[i]) else None
 
 
@@ -259,7 +259,7 @@ def padding_in_parts(plan, steps) -> dict:
                 0.0 if graphs[1] is None else model.bucket_cost(graphs[1]) + PART_CALL_US)
         else:
             tiled = shape_on(tiles)
-            i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+            i = plan.covering(tiled)
             if i < 0:
                 skipped += 1
                 continue

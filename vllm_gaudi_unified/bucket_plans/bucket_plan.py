@@ -134,7 +134,7 @@ class BucketPlan:
         if cost <= self._tiled_floor(shape.query_len, shape.num_logits):
             return "dense"
         tiled = tiled_shape()
-        i = -1 if self.gather_cap.exceeded(tiled) else self.find_sizes(*tiled.sizes)
+        i = self.covering(tiled)
         return "dense" if i < 0 or cost <= float(self.costs[i]) else "tiles"
 
     def _tiled_floor(self, q: int, l: int) -> float:
@@ -178,6 +178,11 @@ class BucketPlan:
 
     def __len__(self) -> int:
         return len(self.buckets)
+
+    def covering(self, shape) -> int:
+        """Index of the cheapest bucket that covers a step's tiled `shape` and that the gather cap allows;
+        -1 if none."""
+        return -1 if self.gather_cap.exceeded(shape) else self.find_sizes(*shape.sizes)
 
     def find_sizes(self, q: int, s: int, u: int, l: int, c: int) -> int:
         """Index (into `buckets`) of the cheapest bucket covering these sizes, of their phase where one

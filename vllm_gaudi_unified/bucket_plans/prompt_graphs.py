@@ -290,7 +290,7 @@ def tiled_cost(plan, tiled: Bucket) -> float:
     """What a step of tiled shape `tiled` costs on the tiled route of `plan` in its time model: the bucket it
     pads to, or, where none of the plan's buckets covers it (a plan whose buckets are still to be learned),
     its own shape `TILED_PADDING` times."""
-    i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+    i = plan.covering(tiled)
     return float(plan.costs[i]) if i >= 0 else TILED_PADDING * plan.cost_model.bucket_cost(tiled)
 
 
@@ -386,7 +386,7 @@ def padding_on_routes(plan, steps) -> dict:
             kind, target = "tiled", None
         if target is None:
             tiled = shape if kind == "decode" else plan_with(tiles).shape
-            i = -1 if plan.gather_cap.exceeded(tiled) else plan.find_sizes(*tiled.sizes)
+            i = plan.covering(tiled)
             if i < 0:
                 skipped += 1
                 continue
