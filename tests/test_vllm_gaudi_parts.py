@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import Step, make_block_table, make_tensors
-from test_vllm_gaudi import _attention_layer, gaudi  # noqa: F401  (the stand-in and vllm-gaudi's Attention.forward)
+from test_vllm_gaudi import _attention_layer, gaudi, runner_setup  # noqa: F401  (fixtures: stand-in, vllm-gaudi)
 from vllm_gaudi_unified import build_unified_batch, graphs, step_parts
 from vllm_gaudi_unified.bucket_plans import ModelSpec, ServerSettings, TraceStep
 from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
@@ -204,7 +204,7 @@ def test_compiled_attention_graphs_are_keyed_by_part_shapes_and_layers_by_rows(g
     assert counts["layer"] <= 2 * len(layer_counts)  # per row count at most the graphs before and after the break
 
 
-def test_lazy_mode_refuses_a_plan_in_parts_and_torch_compile_mode_accepts_it(gaudi, case, tmp_path, monkeypatch):  # noqa: F811
+def test_lazy_mode_refuses_a_plan_in_parts_and_torch_compile_mode_accepts_it(gaudi, case, tmp_path):  # noqa: F811
     """At start-up (`StepHooks.create` through `_load_bucket_plan`, with `hpu_parts.parts_support`): lazy mode
     names itself and PT_HPU_LAZY_MODE; torch.compile mode loads the plan, its attention on `"hpu_backend"`
     (eager with enforce_eager); the CPU/CUDA path keeps refusing."""
@@ -249,7 +249,7 @@ def test_bad_input_to_a_step_in_parts_is_refused_by_name(gaudi, case):  # noqa: 
     impl = UnifiedHpuAttentionImpl(HQ, D, D ** -0.5, HKV)
     cut = parts.num_tokens - 1  # the model's rows short of the step's tokens
     md = UnifiedHpuMetadata(batch=batch, slot_mapping=slots[:cut], parts=parts)
-    with pytest.raises(ValueError, match=f"a step in parts of {parts.num_tokens} tokens, but the model gave {cut} rows"):
+    with pytest.raises(ValueError, match=f"a step in parts of {parts.num_tokens} tokens, but the model gave {cut} "):
         impl.forward(None, *(x[:cut].reshape(1, cut, -1) for x in (q, k, v)), (*caches, None, None), md)
     md = UnifiedHpuMetadata(batch=batch, slot_mapping=slots, parts=parts.batches[1])
     with pytest.raises(ValueError, match="parts must be StepParts"):
@@ -269,4 +269,64 @@ def test_model_rows_and_logits_rows_of_a_step_in_parts(case):
     step, (table, nb) = STEPS["B3"], tables["B3"]
     batch, parts, rows = _metadata(plan, step, table, nb)
     md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.zeros(rows, dtype=torch.int64), parts=parts)
-    assert md.rows == rows and md.logits_rows(len(step.query_lens)).tolist() == (np.cumsum(step.query_lens) - 1).tolist()
+    last = np.cumsum(step.query_lens) - 1
+    assert md.rows == rows and md.logits_rows(len(step.query_lens)).tolist() == last.tolist()
+
+
+def test_the_runner_plans_steps_in_parts_and_warms_every_graph(runner_setup, gaudi, monkeypatch,  # noqa: F811
+                                                               tmp_path):
+    """The unified runner (vllm-gaudi's `HPUModelRunner` subclass) with a plan in parts: a step of a prompt and
+    decodes is planned in parts for every layer (model rows a bucket's, the sampled rows each request's last
+    token), a step of decodes whole, every step's attention on the hooks' compile backend; warmup runs every
+    bucket whole and every grid graph as a step in parts over a bucket's rows. In lazy mode the same plan stops
+    the start-up."""
+    from test_vllm_gaudi import C_BLOCK, C_BLOCKS, _scheduler_and_runner
+
+    from vllm_gaudi_unified.vllm_plugin.hpu_parts import model_rows
+    from vllm_gaudi_unified.vllm_plugin.hpu_step import HpuStep
+
+    settings = ServerSettings(block_size=C_BLOCK, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                              num_blocks=C_BLOCKS)
+    model = ModelSpec(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=32, hidden_size=256, vocab_size=512)
+    q, c = np.array([1, 40, 1, 1]), np.array([70, 0, 33, 100])
+    table = np.zeros((4, 8), np.int64)
+    table[:, :5] = np.arange(1, 21).reshape(4, 5)
+    blocks = [list(map(int, row[:-(-(a + b) // C_BLOCK)])) for row, a, b in zip(table, q, c)]
+    tiled = exponential_plan(settings, model)
+    grids, _ = learn_grid_graphs(tiled, [TraceStep(C_BLOCK, q, c, blocks)], 2)
+    plan = replace(tiled, prompt_graphs=grids, info={**tiled.info, "parts": True})
+    path = str(tmp_path / "parts.json")
+    plan.save(path)
+    gaudi.lazy = True
+    try:
+        with pytest.raises(ValueError, match=r"parts.json: a plan of grid graphs .*lazy mode \(PT_HPU_LAZY_MODE=1\)"):
+            _scheduler_and_runner(runner_setup, monkeypatch, path)
+    finally:
+        gaudi.lazy = False
+    _, runner = _scheduler_and_runner(runner_setup, monkeypatch, path)
+    hooks = runner.unified_hooks[0]
+    assert in_parts(hooks.bucket_plan) and hooks.graph_backend is None  # enforce_eager: no compiled model
+    hooks.graph_backend = "eager"
+    names = {f"model.layers.{i}.self_attn.attn" for i in range(2)}
+    metadata = runner.plan_step(HpuStep(["a", "b", "c", "d"], q, c, [table]))
+    assert set(metadata) == names and len({id(m) for m in metadata.values()}) == 1
+    md = metadata["model.layers.0.self_attn.attn"]
+    assert md.parts is not None and md.parts.buckets[0] in plan.prompt_graphs and md.graph_backend == "eager"
+    assert md.rows == model_rows(hooks.bucket_plan, 43) == 64 and md.logits_rows(4).tolist() == [0, 40, 41, 42]
+    assert md.slot_mapping[:43].tolist() == [int(table[r, p // C_BLOCK]) * C_BLOCK + p % C_BLOCK
+                                            for r in range(4) for p in range(c[r], c[r] + q[r])]
+    assert (md.slot_mapping[43:] == runner._PAD_SLOT_ID).all()
+    decodes = HpuStep(["a", "c"], q[[0, 2]], c[[0, 2]], [table[[0, 2]]])
+    whole = runner.plan_step(decodes)["model.layers.1.self_attn.attn"]
+    assert whole.parts is None and whole.graph_backend == "eager" and whole.rows == whole.batch.bucket.query_len
+    seen = []
+    monkeypatch.setattr(runner, "_execute_model_generic", lambda tokens, positions, md, *a, **k: seen.append(
+        (tokens.shape[1], next(iter(md.values())))) or (None, None, None, None))
+    for bucket in plan.buckets[:2] + plan.prompt_graphs:
+        runner._warm_bucket(bucket, None)
+    for bucket, (rows, md) in zip(plan.buckets[:2] + plan.prompt_graphs, seen):
+        assert md.graph_backend == "eager" and md.rows == rows
+        if bucket in plan.prompt_graphs:
+            assert md.parts.buckets == (bucket,) and rows == model_rows(plan, md.parts.num_tokens)
+        else:
+            assert md.parts is None and rows == bucket.query_len
