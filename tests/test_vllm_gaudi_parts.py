@@ -330,3 +330,43 @@ def test_the_runner_plans_steps_in_parts_and_warms_every_graph(runner_setup, gau
             assert md.parts.buckets == (bucket,) and rows == model_rows(plan, md.parts.num_tokens)
         else:
             assert md.parts is None and rows == bucket.query_len
+
+
+@pytest.mark.slow
+def test_generation_with_a_plan_in_parts_through_the_unified_runner(tmp_path):
+    """The e2e scenario through vllm-gaudi's worker and the unified runner (`test_vllm_gaudi.py`, d.) with a plan
+    in parts learned from the unpadded run's recorded steps (the exponential buckets, grid graphs of its grids):
+    accepted at start-up (the stand-in's mode is torch.compile mode; `enforce_eager`, so the parts run eagerly),
+    every bucket and grid graph warmed through the model, steps with prompts run in parts, and the tokens and
+    logprobs are vLLM's own CPU attention's."""
+    import re
+
+    import vllm_helpers as H
+    from test_vllm_gaudi import LOGPROB_ATOL, _engine
+
+    from vllm_gaudi_unified.bucket_plans.trace import read_trace
+
+    model = H.make_tiny_llama(str(tmp_path / "model"), **H.MODELS["gqa"])
+    path, trace = str(tmp_path / "parts.json"), str(tmp_path / "trace.jsonl")
+
+    def unified_then_parts() -> dict:
+        _engine(model, str(tmp_path / "unified.json"), gaudi=True, VLLM_GAUDI_UNIFIED_RECORD_TRACE=trace)
+        settings = ServerSettings(block_size=H.BLOCK_SIZE, max_num_seqs=H.MAX_NUM_SEQS,
+                                  max_num_batched_tokens=H.MAX_NUM_BATCHED_TOKENS, max_model_len=H.MAX_MODEL_LEN,
+                                  num_blocks=256)
+        tiled = exponential_plan(settings, base=8.0)  # few buckets: each is a model forward at start-up
+        grids, _ = learn_grid_graphs(tiled, read_trace(trace).steps, 8)
+        plan = replace(tiled, prompt_graphs=grids, info={**tiled.info, "parts": True})
+        plan.save(path)
+        return dict(_engine(model, str(tmp_path / "parts_run.json"), gaudi=True, VLLM_GAUDI_UNIFIED_BUCKETS=path,
+                            VLLM_LOGGING_LEVEL="DEBUG"), num_graphs=len(plan.buckets) + len(grids))
+
+    got, ref = H.concurrently(unified_then_parts, lambda: _engine(model, str(tmp_path / "ref.json"), gaudi=False))
+    log = got["log"]
+    assert f"warmed {got['num_graphs']} buckets through the model" in log
+    assert len(re.findall(r"unified attention step in parts: graphs", log)) > 0, "no step ran in parts"
+    random_cases = {r["name"] for wave in H.scenario_prompts() for r in wave if r.get("n", 1) > 1}
+    for case, r in H.compare_results(got, ref).items():
+        if case not in random_cases:  # (n > 1 draws in vllm-gaudi's batch order: `test_vllm_gaudi.py` compares them)
+            assert r["tokens_identical"], (case, r)
+            assert r["max_abs_logprob_diff"] <= LOGPROB_ATOL, (case, r)
