@@ -33,6 +33,7 @@ HEADS = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, num_blocks=96)  # on
 STEPS = {p + d: Step(dq[:1] + pq + dq[1:], dc[:1] + pc + dc[1:], BS, **HEADS)
          for p, (pq, pc) in PROMPTS.items() for d, (dq, dc) in DECODES.items()}
 STEPS["2whole"] = Step([1, 1], [33, 6], BS, **HEADS)  # decodes alone: whole
+STEPS["5whole"] = Step(*DECODES["5"], BS, **HEADS)  # whole, in the bucket of A5's and B5's rest
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +88,7 @@ def _metadata(plan, step: Step, table, num_blocks, graph_backend=None, whole: bo
     parts = None if whole else build_step_parts(step.query_lens, step.context_lens, table, plan, num_blocks=num_blocks)
     if parts is None:
         batch = build_unified_batch(step.query_lens, step.context_lens, table, BS, num_blocks=num_blocks,
-                                    options=plan.step_options, bucket=plan)
+                                    options=plan.settings.options, bucket=plan)  # (`StepHooks.create`)
         return batch, None, batch.bucket.query_len
     return parts.batches[0], parts, model_rows(plan, parts.num_tokens)
 
@@ -155,14 +156,12 @@ def _counting(name: str, counts: Counter):
 
 
 def test_compiled_attention_graphs_are_keyed_by_part_shapes_and_layers_by_rows(gaudi, case):  # noqa: F811
-    """Six steps in parts, every (prompt shape, decode load) pair, a step of decodes whole, then the first step
-    again, through a compiled decoder layer (vllm-gaudi's torch.compile mode: `fullgraph` off, dynamic shapes; a
+    """Six steps in parts, every (prompt shape, decode load) pair, two steps of decodes whole (one in a bucket
+    met as a part's), then the first step again, through a compiled decoder layer (vllm-gaudi's torch.compile mode: `fullgraph` off, dynamic shapes; a
     counting backend as the layer's and the attention's): the attention compiles once per bucket or grid graph
-    met (2 grid graphs + 3 buckets for the 6 pairs, + the whole step's bucket), never for a pair of graphs
-    already met; the layer compiles per row count (the graphs before and after the graph break), never for a
+    met (2 grid graphs + 3 buckets for the 6 pairs, + a whole step's bucket), never for a pair of graphs
+    already met nor for a bucket met as a part and then whole; the layer compiles per row count (the graphs before and after the graph break), never for a
     new pair at a row count met; every step equals the layer over the dense reference's attention."""
-    from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata  # noqa: F401
-
     plan, tables = case
     counts = Counter()
     attention_backend = _counting("attention", counts)
@@ -171,7 +170,7 @@ def test_compiled_attention_graphs_are_keyed_by_part_shapes_and_layers_by_rows(g
     decoder = _Decoder(layer)
     compiled = torch.compile(decoder, backend=_counting("layer", counts), fullgraph=False)
     met, layer_counts, pairs = set(), {}, set()
-    for name in list(STEPS) + ["A1"]:
+    for name in list(STEPS) + ["A1"]:  # (5whole: a bucket met as a part's, now whole: no new graph)
         step, (table, nb) = STEPS[name], tables[name]
         batch, parts, rows = _metadata(plan, step, table, nb)
         assert (parts is None) == name.endswith("whole")
@@ -200,7 +199,7 @@ def test_compiled_attention_graphs_are_keyed_by_part_shapes_and_layers_by_rows(g
     in_parts_pairs = {p for p in pairs if len(p) == 2}
     assert len(in_parts_pairs) == 6 and len({g for p in in_parts_pairs for g in p}) == 2 + 3  # a sum, not a product
     assert counts["attention"] == len(met) == 2 + 3 + 1  # and the whole step's bucket
-    assert sorted(layer_counts) == [2, 16, 32]  # buckets' row counts (`hpu_parts.model_rows`): whole, and in parts
+    assert sorted(layer_counts) == [2, 8, 16, 32]  # buckets' row counts (`hpu_parts.model_rows`): whole, and in parts
     assert counts["layer"] <= 2 * len(layer_counts)  # per row count at most the graphs before and after the break
 
 

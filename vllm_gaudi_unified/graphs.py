@@ -58,6 +58,11 @@ def compiled_attention(query, key, value, key_cache, value_cache, batch, scale, 
         private.__kwdefaults__ = run_step.__kwdefaults__
         fn = _COMPILED[graph_key] = torch.compile(private, dynamic=False,
                                                   **({} if backend is None else {"backend": backend}))
+    if torch.is_inference_mode_enabled():
+        # (dynamo builds its guards on the plan's numpy arrays, which the graph reads as tensors, outside
+        # inference mode and checks them inside it: a dispatch-key mismatch it reports as its own bug; torch 2.13)
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(q, k, v, key_cache, value_cache, batch, scale, **kwargs)[:query.shape[0]]
     return fn(q, k, v, key_cache, value_cache, batch, scale, **kwargs)[:query.shape[0]]
 
 

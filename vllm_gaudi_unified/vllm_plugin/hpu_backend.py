@@ -243,6 +243,8 @@ class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
         attend = unified_attention if md.graph_backend is None else partial(compiled_attention,
                                                                               backend=md.graph_backend)
         if md.parts is None:
+            if md.graph_backend is not None:  # a part's strides (`index_select`): a bucket's one compiled graph
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             return attend(q, k, v, key_cache, value_cache, md.batch, self.scale, **kwargs)
         n = md.parts.num_tokens
         if n > q.shape[0]:

@@ -67,7 +67,9 @@ class StepHooks:
         if config.buckets:
             plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options, sliding_window, kind,
                                      parts_refusal)
-            options = plan.step_options  # the prompt route when the plan has prompt graphs
+            # the prompt route when the plan has prompt graphs; a plan in parts: a step not in parts runs whole,
+            # tiled (`step_parts.plan_parts`), planned as a rest part is (one compiled graph per bucket)
+            options = plan.settings.options if in_parts(plan) else plan.step_options
         trace_path = _trace_path(config, vllm_config) if may_record else None
         hooks = cls(options=options, bucket_plan=plan, trace_path=trace_path, warmup_enabled=config.warmup,
                     graph_backend=graph_backend if plan is not None and in_parts(plan) else None)
