@@ -296,7 +296,8 @@ def install(device: str = "gaudi3", lazy: bool = False, memory_bytes: int = 512 
     return state
 
 
-def _eager_backend(graph_module, example_inputs):
+def _eager_backend(graph_module, example_inputs, **options):
+    """(`options`: the Gaudi compiler's, e.g. vllm-gaudi's `force_static_compile`; nothing to set on the CPU)"""
     return graph_module.forward
 
 

@@ -39,8 +39,10 @@ def bucket_key(batch, query: torch.Tensor, key_cache: torch.Tensor, **kwargs) ->
             tuple(sorted((k, v is None) for k, v in kwargs.items())))
 
 
-def compiled_attention(query, key, value, key_cache, value_cache, batch, scale, **kwargs) -> torch.Tensor:
-    """`unified_attention` through the compiled function of this batch's bucket (compiled on first use).
+def compiled_attention(query, key, value, key_cache, value_cache, batch, scale, *, backend=None,
+                       **kwargs) -> torch.Tensor:
+    """`unified_attention` through the compiled function of this batch's bucket (compiled on first use), by
+    `torch.compile`'s `backend` (default its own; a Gaudi in torch.compile mode: `"hpu_backend"`).
 
     The checks and the padding to the bucket's rows run here, eagerly; only `run_step` (`attend_step`'s
     work) is compiled. Compiled, the checks would read the step's own sizes (its token count, its largest
@@ -48,13 +50,19 @@ def compiled_attention(query, key, value, key_cache, value_cache, batch, scale, 
     past a few the bucket would fall back to eager."""
     q, k, v = checked_step(query, key, value, key_cache, value_cache, batch, scale,
                            *(kwargs.get(k) for k in ("logits_soft_cap", "sinks", "k_scale", "v_scale")))
-    graph_key = bucket_key(batch, q, key_cache, **kwargs)
+    graph_key = (bucket_key(batch, q, key_cache, **kwargs), backend)
     fn = _COMPILED.get(graph_key)
     if fn is None:
         private = types.FunctionType(run_step.__code__.replace(), run_step.__globals__, "run_step",
                                      run_step.__defaults__, run_step.__closure__)
         private.__kwdefaults__ = run_step.__kwdefaults__
-        fn = _COMPILED[graph_key] = torch.compile(private, dynamic=False)
+        fn = _COMPILED[graph_key] = torch.compile(private, dynamic=False,
+                                                  **({} if backend is None else {"backend": backend}))
+    if torch.is_inference_mode_enabled():
+        # (dynamo builds its guards on the plan's numpy arrays, which the graph reads as tensors, outside
+        # inference mode and checks them inside it: a dispatch-key mismatch it reports as its own bug; torch 2.13)
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(q, k, v, key_cache, value_cache, batch, scale, **kwargs)[:query.shape[0]]
     return fn(q, k, v, key_cache, value_cache, batch, scale, **kwargs)[:query.shape[0]]
 
 

@@ -367,7 +367,7 @@ def grid_rows(values: torch.Tensor, batch, n: int) -> torch.Tensor:
     Elementwise, so the compiled function writes it in the pass that marks the rows (no gather); none on a
     full grid (`StepPlan.prompt_full`) off a Gaudi (`causal_selects`: nothing to zero)."""
     p, qp = batch.prompt_rows.shape
-    if batch.plan.prompt_full and p * qp == n and causal_selects(values):
+    if causal_selects(values) and p * qp == n and batch.plan.prompt_full:  # (on a Gaudi no guard on the shape)
         return values
     real = (torch.arange(qp, device=values.device)[None, :] < batch.prompt_len[:, None]).reshape(-1, 1, 1)
     out = torch.where(real, values, torch.zeros((), dtype=values.dtype, device=values.device))

@@ -27,16 +27,20 @@ vllm-gaudi's own shapes. So on Gaudi the pieces differ from the CPU path
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import AttentionLayer, AttentionType, MultipleOf
 from vllm_gaudi.attention.backends.hpu_attn import HPUAttentionBackend
 from vllm_gaudi.v1.worker.hpu_model_runner import HPUAttentionMetadataProcessor
 
 from vllm_gaudi_unified import UnifiedBatch, unified_attention
+from vllm_gaudi_unified.graphs import compiled_attention
 from vllm_gaudi_unified.mla_prompts import expanded_step
 from vllm_gaudi_unified.paths.kv_quant import is_fp8, per_token_scales, quantize
+from vllm_gaudi_unified.step_parts import StepParts, parts_attention
 from vllm_gaudi_unified.vllm_plugin.backend import GaudiUnifiedAttentionBackend, GaudiUnifiedAttentionImpl
 from vllm_gaudi_unified.vllm_plugin.cache_write import write_kv
 from vllm_gaudi_unified.vllm_plugin.hpu_mamba import MambaStep
@@ -117,6 +121,22 @@ class UnifiedHpuMetadata:
 
     batch: UnifiedBatch  #: the plan, padded to its bucket when a bucket plan is active, on the model's device
     slot_mapping: torch.Tensor  #: [T] int64 cache slot of each model input row; padding rows: the padding block
+    parts: StepParts | None = None  #: the step in parts (`hpu_parts.py`; `batch` is then its grid part's), or None
+    #: None: the attention is traced where it stands (an HPU graph, or vllm-gaudi's compiled region); else the
+    #: torch.compile backend of its own graphs, one per bucket or grid graph, behind a graph break (`hpu_parts.py`)
+    graph_backend: object = None
+
+    @property
+    def rows(self) -> int:
+        """The model's input rows (the step's tokens, padded)."""
+        return self.slot_mapping.shape[0]
+
+    def logits_rows(self, num_requests: int) -> np.ndarray:
+        """The model row of each request's last token (`num_requests`: the step's)."""
+        if self.parts is None:
+            return self.batch.plan.logits_indices[:num_requests]
+        return np.sort(np.concatenate([rows.cpu().numpy()[b.plan.logits_indices[:b.num_requests]]
+                                       for b, rows in zip(self.parts.batches, self.parts.rows)]))
 
     @property
     def is_prompt(self) -> bool:
@@ -160,7 +180,17 @@ class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
                 kv_cache: tuple | None, attn_metadata: UnifiedHpuMetadata | None,
                 output: torch.Tensor | None = None, output_scale=None, output_block_scale=None) -> torch.Tensor:
         """query `[B, S, Hq * D]` (or `[B * S, Hq * D]`), key/value the same with Hkv; kv_cache
-        `(k_cache, v_cache, k_scales, v_scales)`. Returns query's shape."""
+        `(k_cache, v_cache, k_scales, v_scales)`. Returns query's shape. With `graph_backend` in the metadata
+        the call is a graph break in vllm-gaudi's compiled region (`torch.compiler.disable`): the region's graph
+        ends here, this runs outside it, and a graph of the region's rest starts after it."""
+        if isinstance(attn_metadata, UnifiedHpuMetadata) and attn_metadata.graph_backend is not None:
+            return self._forward_apart(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                       output_block_scale)
+        return self._forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                             output_block_scale)
+
+    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
+                 output_block_scale=None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the unified backend")
         shape = query.shape
@@ -201,10 +231,28 @@ class UnifiedHpuAttentionImpl(GaudiUnifiedAttentionImpl):
             if k.dtype != key_cache.dtype:  # vllm-gaudi's impl does the same for float32 activations
                 q, k, v = q.to(key_cache.dtype), k.to(key_cache.dtype), v.to(key_cache.dtype)
             write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
-        out = unified_attention(q, k, v, key_cache, value_cache, attn_metadata.batch, self.scale,
-                                logits_soft_cap=self.logits_soft_cap, sinks=self.sinks,
-                                k_scale=k_scale, v_scale=v_scale)
+        out = self._attend(q, k, v, key_cache, value_cache, attn_metadata, logits_soft_cap=self.logits_soft_cap,
+                           sinks=self.sinks, k_scale=k_scale, v_scale=v_scale)
         return out.reshape(shape).to(query.dtype)
+
+    _forward_apart = torch.compiler.disable(_forward)
+
+    def _attend(self, q, k, v, key_cache, value_cache, md: UnifiedHpuMetadata, **kwargs) -> torch.Tensor:
+        """The step's attention over the model's rows: whole, or in parts (each part's rows through its graph,
+        padding rows zero); by `graph_backend`'s compiled function per graph when the metadata names one."""
+        attend = unified_attention if md.graph_backend is None else partial(compiled_attention,
+                                                                              backend=md.graph_backend)
+        if md.parts is None:
+            if md.graph_backend is not None:  # a part's strides (`index_select`): a bucket's one compiled graph
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            return attend(q, k, v, key_cache, value_cache, md.batch, self.scale, **kwargs)
+        n = md.parts.num_tokens
+        if n > q.shape[0]:
+            raise ValueError(f"a step in parts of {n} tokens, but the model gave {q.shape[0]} rows: the runner's "
+                             "model inputs and its plan disagree")
+        out = parts_attention(q[:n], k[:n], v[:n], key_cache, value_cache, md.parts, self.scale, attention=attend,
+                              **kwargs)
+        return torch.cat([out, out.new_zeros((q.shape[0] - n, *out.shape[1:]))])
 
     @staticmethod
     def _quantize_new_kv(layer, k, v, key_cache, k_scales, v_scales, slot_mapping, block_size):

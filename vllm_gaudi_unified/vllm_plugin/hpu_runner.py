@@ -13,7 +13,7 @@ defragmenter) and replaces the step's forward plan:
 - `_prepare_inputs`: the step from the runner's own input batch (computed tokens,
   scheduled tokens, block table per KV cache group) -> `build_unified_batch` with the
   bucket plan, exactly as the CPU path's metadata builder plans it
-  (`backend.GaudiUnifiedMetadataBuilder`); model inputs `[1, T]`, padded to the bucket;
+  (`backend.GaudiUnifiedMetadataBuilder`), or in parts (`hpu_parts.py`); model inputs `[1, T]`, padded;
 - `_execute_model_generic`: runs vllm-gaudi's model adapter with that metadata, which
   its metadata processor lets through (`hpu_backend.UnifiedMetadataProcessor`, set by
   `load_model`), and computes the logits of the requests that sample;
@@ -59,6 +59,7 @@ from vllm_gaudi_unified.vllm_plugin.hpu_models import load_shape_fixes
 from vllm_gaudi_unified.vllm_plugin.hpu_moe import adapt_vllm_gaudi_moe
 from vllm_gaudi_unified.vllm_plugin.hpu_lora import configure_step_lora, prompt_logprobs_by_request
 from vllm_gaudi_unified.vllm_plugin.hpu_multimodal import mrope_positions, step_inputs_embeds
+from vllm_gaudi_unified.vllm_plugin.hpu_parts import metadata_in_parts, parts_support
 from vllm_gaudi_unified.vllm_plugin.hpu_warmup import UnifiedWarmup
 from vllm_gaudi_unified.vllm_plugin.hpu_spec import GreedyRejectionSampler, spec_decode_metadata
 from vllm_gaudi_unified.vllm_plugin.hpu_step import (
@@ -154,7 +155,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         self.unified_hooks = [
             StepHooks.encoder_only(config) if t is None else
             StepHooks.create(config, self.vllm_config, g.kv_cache_spec, torch.device(self.device),
-                             sliding_window=w, may_record=(i == recorder))
+                             sliding_window=w, may_record=(i == recorder), **parts_support(self))
             for i, (g, w, t) in enumerate(zip(groups, windows, self.unified_tables))]
         for kinds, t in zip(self.unified_kinds, self.unified_tables):
             if len(kinds) > 1:
@@ -220,6 +221,9 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
                                                    self.device, kind) for kind in kinds}
             else:
                 table = step.block_tables[t]
+                if (parts := metadata_in_parts(self, step, table, hooks, kinds)) is not None:  # (hpu_parts.py)
+                    metadata.update(parts)
+                    continue
                 batches = plan_kinds(step.query_lens, step.context_lens, table, bs, kinds, hooks.options,
                                      bucket_override if bucket_override is not None else hooks.bucket_plan,
                                      self.device)
@@ -237,7 +241,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
                 # the prompt route's mask once per step for every layer, as vllm-gaudi makes its attn_bias
                 # (MLA's expanded prompts, values narrower than keys: the one call's full mask)
                 planned = batches[kind].with_prompt_bias(self.dtype, same_head_dims=not self.model_config.use_mla)
-                md = UnifiedHpuMetadata(batch=planned, slot_mapping=slots)
+                md = UnifiedHpuMetadata(batch=planned, slot_mapping=slots, graph_backend=hooks.graph_backend)
                 metadata.update({name: md for name in names})
         if self.unified_mamba_layers:
             mamba = mamba_step(self, step.query_lens, step.context_lens)
@@ -256,7 +260,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         self.last_step, self._step_forward = step, None
         metadata = self.plan_step(step)
         first = next(iter(metadata.values()))
-        token_ids, tokens_device, positions_device = self.step_inputs(step, first.batch.bucket.query_len)
+        token_ids, tokens_device, positions_device = self.step_inputs(step, first.rows)
         # Which requests sample this step: vLLM's rule (the GPU runner's discard mask): a request
         # whose scheduled tokens reach the end of its known tokens; a prompt chunk short of it does not.
         n = len(step.req_ids)
@@ -272,7 +276,7 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
             self.invalid_req_indices = getattr(self, "invalid_req_indices", []) + discarded  # reset by sample_tokens
             samples[:] = True
             self._last_sampled_on_device(step, tokens_device)
-        last_rows = first.batch.plan.logits_indices[:n]
+        last_rows = first.logits_rows(n)
         logits_indices = torch.from_numpy(np.ascontiguousarray(last_rows[samples], dtype=np.int64))
         self.step_logits_rows = logits_indices.numpy()
         data = PrefillInputData()

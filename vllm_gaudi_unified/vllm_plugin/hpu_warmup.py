@@ -13,6 +13,7 @@ from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuAttentionBackend, UnifiedHpuMetadata
 from vllm_gaudi_unified.vllm_plugin.hpu_lora import no_adapter_mask
 from vllm_gaudi_unified.vllm_plugin.hpu_multimodal import text_inputs_embeds
+from vllm_gaudi_unified.vllm_plugin.hpu_parts import grid_graph_warmup
 
 logger = get_logger("vllm.gaudi_unified.hpu_runner")
 
@@ -70,23 +71,29 @@ class UnifiedWarmup:
                     report.total_seconds)
 
     def _warm_bucket(self, bucket, batch):
+        """One bucket through the model; a plan in parts' grid graph as a step in parts of its one part, over
+        a bucket's row count (`hpu_parts.grid_graph_warmup`): it compiles that graph's attention, and the
+        layers' graphs see only the buckets' row counts."""
         from vllm_gaudi_unified.warmup import batch_for_bucket
 
-        metadata = {}
-        pad = torch.full((bucket.query_len,), self._PAD_SLOT_ID, dtype=torch.int64, device=self.device)
+        metadata, rows = {}, bucket.query_len
         for group, hooks, kinds in zip(self.kv_cache_config.kv_cache_groups, self.unified_hooks, self.unified_kinds):
             for kind, names in kinds.items():
                 b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.bucket_plan.options_for(bucket),
-                                     kind.window, self.device)
-                metadata.update({name: UnifiedHpuMetadata(batch=b, slot_mapping=pad) for name in names})
-        tokens = torch.zeros((1, bucket.query_len), dtype=torch.int64, device=self.device)
-        positions = torch.zeros((3 if self.uses_mrope else 1, bucket.query_len), dtype=torch.int64, device=self.device)
+                                     kind.window, self.device)  # (with the step's mask, as `plan_step` makes it)
+                b = b.with_prompt_bias(self.dtype, same_head_dims=not self.model_config.use_mla)
+                parts, rows = grid_graph_warmup(hooks.bucket_plan, bucket, b) or (None, rows)
+                pad = torch.full((rows,), self._PAD_SLOT_ID, dtype=torch.int64, device=self.device)
+                md = UnifiedHpuMetadata(batch=b, slot_mapping=pad, parts=parts, graph_backend=hooks.graph_backend)
+                metadata.update({name: md for name in names})
+        tokens = torch.zeros((1, rows), dtype=torch.int64, device=self.device)
+        positions = torch.zeros((3 if self.uses_mrope else 1, rows), dtype=torch.int64, device=self.device)
         self.unified_warmed.add(bucket)  # the forward below captures its graph (lazy mode)
         if self.is_pooling_model:  # no logits; its pooler runs after the forward
             from vllm_gaudi_unified.vllm_plugin.hpu_pooling import pooling_forward
 
             return pooling_forward(self, tokens, positions, metadata)
-        mask = no_adapter_mask(self, bucket.query_len)
+        mask = no_adapter_mask(self, rows)
         # A multimodal model's steps all run from inputs_embeds (`hpu_multimodal.py`): its graphs take them too.
         embeds = text_inputs_embeds(self, tokens) if self.supports_mm_inputs else None
         _, _, _, logits = self._execute_model_generic(tokens, positions, metadata,

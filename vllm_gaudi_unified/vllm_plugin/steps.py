@@ -28,9 +28,13 @@ import torch
 from vllm_gaudi_unified import PlanOptions, UnifiedBatch
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan import DEFAULT_OPTIONS
+from vllm_gaudi_unified.step_parts import in_parts
 from vllm_gaudi_unified.vllm_plugin.config import ENV_BATCH_INVARIANT, ENV_BUCKETS, PluginConfig
 
 logger = get_logger("vllm.gaudi_unified.steps")
+
+#: Why the CPU/CUDA path (`backend.py`) refuses a plan in parts.
+ONE_CALL = "this runner runs each step as one attention call: make the plan without --parts"
 
 
 @dataclass
@@ -39,12 +43,17 @@ class StepHooks:
     bucket_plan: object | None = None  #: a `BucketPlan` (anything with .find(shape)), or None: steps run unpadded
     trace_path: str | None = None  #: where steps are appended, or None
     warmup_enabled: bool = True  #: VLLM_GAUDI_UNIFIED_WARMUP
+    #: the compile backend of a plan in parts' attention graphs in vllm-gaudi's torch.compile mode (`hpu_parts.py`)
+    graph_backend: object = None
 
     @classmethod
     def create(cls, config: PluginConfig, vllm_config, kv_cache_spec, device: torch.device,
-               sliding_window: int | None = None, may_record: bool = True) -> "StepHooks":
+               sliding_window: int | None = None, may_record: bool = True, parts_refusal: str | None = ONE_CALL,
+               graph_backend=None) -> "StepHooks":
         """Hooks of one metadata builder (one KV cache group): `sliding_window` is the group's window,
-        `may_record` whether this group's steps are the ones to record (see `_trace_path`)."""
+        `may_record` whether this group's steps are the ones to record (see `_trace_path`), `parts_refusal` why
+        this runner refuses a plan in parts (None: it runs them; `hpu_parts.parts_support` gives the last two),
+        `graph_backend` the compile backend of such a plan's attention graphs."""
         from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
 
         device = torch.device(device)
@@ -56,10 +65,14 @@ class StepHooks:
                                                        unique_tokens=1 + _num_speculative_tokens(vllm_config)))
         plan = None
         if config.buckets:
-            plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options, sliding_window, kind)
-            options = plan.step_options  # the prompt route when the plan has prompt graphs
+            plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options, sliding_window, kind,
+                                     parts_refusal)
+            # the prompt route when the plan has prompt graphs; a plan in parts: a step not in parts runs whole,
+            # tiled (`step_parts.plan_parts`), planned as a rest part is (one compiled graph per bucket)
+            options = plan.settings.options if in_parts(plan) else plan.step_options
         trace_path = _trace_path(config, vllm_config) if may_record else None
-        hooks = cls(options=options, bucket_plan=plan, trace_path=trace_path, warmup_enabled=config.warmup)
+        hooks = cls(options=options, bucket_plan=plan, trace_path=trace_path, warmup_enabled=config.warmup,
+                    graph_backend=graph_backend if plan is not None and in_parts(plan) else None)
         if hooks.trace_path:
             _start_trace(hooks.trace_path, vllm_config, kv_cache_spec, sliding_window)
         return hooks
@@ -91,9 +104,12 @@ class StepHooks:
                     report.total_seconds, report.mode)
 
     def after_plan(self, batch: UnifiedBatch, query_lens: np.ndarray, context_lens: np.ndarray,
-                   block_table: np.ndarray) -> None:
-        """Per step, after planning: debug log, trace line. Host work only."""
-        if logger.isEnabledFor(logging.DEBUG):
+                   block_table: np.ndarray, parts=None) -> None:
+        """Per step, after planning (`parts`: the step in parts, `batch` its grid part): debug log, trace line.
+        Host work only."""
+        if parts is not None and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("unified attention step in parts: graphs %s, %d tokens", parts.buckets, parts.num_tokens)
+        elif logger.isEnabledFor(logging.DEBUG):
             logger.debug("unified attention step: phase %s, bucket %s, step shape %s, %d requests, %d tokens",
                          batch.phase, batch.bucket, batch.shape, batch.num_requests, batch.num_tokens)
         if self.trace_path:
@@ -104,21 +120,19 @@ class StepHooks:
 
 
 def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None,
-                      device_kind: str = ""):
+                      device_kind: str = "", parts_refusal: str | None = ONE_CALL):
     """The plan of `path` (or made now for `auto`, with the options measured for `device_kind`), refused
-    at start-up when it was made for other settings than this server's."""
+    at start-up when it was made for other settings than this server's, or in parts (`buckets generate --parts`)
+    where this runner does not run steps in parts (`parts_refusal`: why; None: it does)."""
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
     from vllm_gaudi_unified.vllm_plugin.auto_plan import auto_plan
 
     plan = (auto_plan(vllm_config, kv_cache_spec, options, sliding_window, device_kind) if path == "auto"
             else BucketPlan.load(path))
-    from vllm_gaudi_unified.step_parts import in_parts
-
-    if in_parts(plan):
+    if in_parts(plan) and parts_refusal is not None:
         raise ValueError(f"{ENV_BUCKETS}={path}: a plan of grid graphs (`buckets generate --parts`) runs a step with "
-                         "prompts in two parts, each its own graph; the plugin runs each step as one graph: make the "
-                         "plan without --parts")
+                         f"prompts in two parts, each its own graph; {parts_refusal}")
     sched = vllm_config.scheduler_config
     try:
         plan.check_compatible(kv_cache_spec.block_size, max_num_seqs=sched.max_num_seqs,
