@@ -179,7 +179,7 @@ def make_plan_from_args(args):
         plan = exponential_plan(settings, model, hardware, base=args.exp_base, cap=cap)
         return with_prompt_graphs(plan, learning_traces(args, settings) if args.prompt_graphs else [], args)
     traces = learning_traces(args, settings)
-    parts, sources, probe = off_prompt_graphs(traces, settings, cap, args)
+    parts, sources, probe, splits = off_prompt_graphs(traces, settings, cap, args)
     if args.strategy == "trace":
         max_graphs = args.max_graphs if args.max_graphs is not None else (None if args.target_waste else 32)
         plan = trace_plan(StepShapes.concat(parts), settings, model, hardware, max_graphs=max_graphs,
@@ -187,7 +187,7 @@ def make_plan_from_args(args):
                           margin=0.2 if args.margin is None else args.margin, progress=not args.no_progress)
         if cap is not None:
             raise ValueError("--memory-share is for the robust and exponential strategies")
-        return with_graphs_again(plan, probe, traces, args)
+        return with_graphs_again(plan, probe, traces, args, splits)
     fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
     scaled = [x for src in sources for x in load_scaled_shapes(src, settings, fractions, drain=True)]
     weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
@@ -203,14 +203,15 @@ def make_plan_from_args(args):
     plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
-    return with_graphs_again(plan, probe, traces, args)
+    return with_graphs_again(plan, probe, traces, args, splits)
 
 
-def with_graphs_again(plan, probe, traces, args):
+def with_graphs_again(plan, probe, traces, args, splits=None):
     """`plan` with the prompt graphs learned again, against the buckets a step left to the tiled route
-    really pads to, and the top graphs (the probe of `off_prompt_graphs` has none)."""
+    really pads to, and the top graphs (the probe of `off_prompt_graphs` has none); its padding on the routes
+    (`with_route_padding`, the steps' `splits` where found)."""
     graphs = with_prompt_graphs(plan, traces, args) if probe.prompt_graphs else graphs_of(probe, plan)
-    return with_route_padding(graphs, traces)
+    return with_route_padding(graphs, traces, splits)
 
 
 def command_line(args) -> str:
