@@ -49,6 +49,9 @@ def register(subparsers) -> None:
     g.add_argument("--margin", type=float_in(0.0, 4.0), default=None,
                    help="grow learned shapes by this share before choosing, for unseen steps "
                         "(default: robust 0.1, trace 0.2)")
+    g.add_argument("--margin-sizes", type=size_names, default=None, metavar="NAMES",
+                   help="robust: the sizes --margin grows, comma separated, of query, shared, unique, logits, causal "
+                        "(default: all)")
     g.add_argument("--skeleton-ratio", type=float_in(0.0, 1e6), default=32.0,
                    help="robust: cost ratio between neighbouring skeleton buckets (0: no skeleton; default 32)")
     g.add_argument("--load-fractions", default="0.5,0.25,0.0625",
@@ -133,6 +136,16 @@ def register(subparsers) -> None:
     sm.set_defaults(func=cmd_simulate)
 
 
+def size_names(text: str) -> str:
+    """--margin-sizes: some of a bucket's size names (`bucket.SIZE_NAMES`), comma separated (as given, checked)."""
+    from vllm_gaudi_unified.bucket import SIZE_NAMES
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or set(names) - set(SIZE_NAMES):
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(SIZE_NAMES)}, comma separated; got {text!r}")
+    return ",".join(names)
+
+
 def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
@@ -194,7 +207,8 @@ def make_plan_from_args(args):
     plan = robust_plan(parts + scaled, settings, model, hardware,
                        max_graphs=DEFAULT_ROBUST_GRAPHS if args.max_graphs is None else args.max_graphs, worst=args.worst,
                        skeleton_ratio=args.skeleton_ratio, resolution=args.resolution,
-                       margin=0.1 if args.margin is None else args.margin, cap=cap, source_weights=weights)
+                       margin=0.1 if args.margin is None else args.margin, cap=cap, source_weights=weights,
+                       margin_sizes=None if args.margin_sizes is None else args.margin_sizes.split(","))
     from vllm_gaudi_unified.tools.evaluate import evaluate
 
     learned = StepShapes.concat([s for s, _ in traces])
