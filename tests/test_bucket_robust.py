@@ -131,6 +131,23 @@ def test_bad_arguments(busy):
         robust_plan([], SETTINGS)
 
 
+def test_the_margin_grows_only_the_sizes_it_names():
+    """A full batch of decodes sits on its request count and its shared tiles: grown by the margin they would
+    take the next grid value; with `margin_sizes` only the unique blocks grow."""
+    from vllm_gaudi_unified.tools.shapes import StepShapes
+
+    step = np.array([[12, 32, 40, 12, 0]], np.int64)  # 12 decodes over one shared tile of 32 blocks (-su)
+    shapes = [StepShapes(step, np.ones((1, 3), np.int64), SETTINGS.block_size)]
+    fit = lambda **kw: robust_plan(shapes, SETTINGS, max_graphs=8, skeleton_ratio=0, margin=0.1, **kw)  # noqa: E731
+    grown, exact = fit(), fit(margin_sizes=("unique",))
+    b = exact.buckets[exact.find_sizes(*step[0])]
+    assert (b.query_len, b.num_shared_blocks, b.num_logits) == (12, 32, 12) and b.num_unique_blocks >= 44
+    assert exact.costs[exact.find_sizes(*step[0])] < grown.costs[grown.find_sizes(*step[0])]
+    assert exact.info["margin_sizes"] == ["unique"] and "margin_sizes" not in grown.info
+    with pytest.raises(ValueError, match="margin_sizes"):
+        fit(margin_sizes=("rows",))
+
+
 def _worst_steps(s: ServerSettings) -> list:
     """The heaviest steps `s` can schedule, as (query_lens, context_lens, block table) over one block table
     shared by all requests (a common prefix): a full-budget prompt; a long prompt and two-token prompts and

@@ -127,6 +127,21 @@ def test_generate_parts_learns_grid_graphs_and_evaluate_runs_steps_in_parts(tmp_
     assert routes["padding"] >= 1.0 and f"parts steps {routes['parts']['steps']}" in capsys.readouterr().out
 
 
+def test_steps_split_once_pad_and_leave_the_same_rests_as_split_again(case):
+    """`grid_splits`, found once for `rest_steps` and `padding_in_parts`, gives what each finds itself."""
+    from vllm_gaudi_unified.step_parts import grid_splits, padding_in_parts, rest_steps
+
+    plan, table, _ = case
+    decode = Step([1, 1, 1], [9, 20, 17], 4)
+    steps = [trace_step(MIXED, table), trace_step(decode, make_block_table(decode, np.random.default_rng(1))[0])]
+    splits = grid_splits(plan, steps)
+    assert [k.any() for k, _ in splits] == [True, False] and splits[1][1] is None
+    assert padding_in_parts(plan, steps, splits) == padding_in_parts(plan, steps)
+    assert padding_in_parts(plan, steps)["parts"]["steps"] == 1 and padding_in_parts(plan, steps)["decode"]["steps"] == 1
+    assert [s.query_lens.tolist() for s in rest_steps(plan, steps, splits)] == [
+        s.query_lens.tolist() for s in rest_steps(plan, steps)] == [[1, 1, 1], [1, 1, 1]]
+
+
 def test_the_plugin_refuses_a_plan_of_grid_graphs_by_name(case, tmp_path):
     from test_auto_plan import _server
 

@@ -25,14 +25,14 @@ plans and pads the parts, `parts_attention` runs them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.plan import plan_step
-from vllm_gaudi_unified.plan.arrays import cached_pairs, validate
+from vllm_gaudi_unified.plan.arrays import cached_pairs, ranges, validate
 from vllm_gaudi_unified.plan.prompts import fill_grid, prompt_requests
 from vllm_gaudi_unified.plan.options import on_route
 
@@ -110,7 +110,7 @@ def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | 
         bucket, cost = plan.buckets[i], cost + float(plan.costs[i]) + PART_CALL_US
     tokens = grid.query_len + (0 if rest is None else rest.query_len)
     logits = grid.num_logits + (0 if rest is None else rest.num_logits)
-    if cost <= plan._tiled_floor(tokens, logits):
+    if cost <= plan.tiled_floor(tokens, logits):
         return graph, bucket
     tiled = tiled_shape()
     i = plan.covering(tiled)
@@ -149,13 +149,13 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
         q, context_lens, table, s.block_size, options=on_route(s.options, "tiles")).shape)
     if graphs is None:
         return None
-    starts = np.concatenate([[0], np.cumsum(q)])
+    starts = np.cumsum(q) - q
     batches, rows = [], []
     for part, step_plan, graph in zip((keep, ~keep), plans, graphs):
         if step_plan is None:
             continue
         batches.append(UnifiedBatch.from_plan(pad_plan(step_plan, graph), check_device(device or "cpu")))
-        idx = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in np.flatnonzero(part)])
+        idx = ranges(starts[part], q[part])[0]  # the part's requests' token rows, in order
         rows.append(torch.as_tensor(idx, dtype=torch.int64, device=batches[-1].device))
     return StepParts(tuple(batches), tuple(rows), int(q.sum()))
 
@@ -202,14 +202,17 @@ def grid_parts(plan, steps, sources=None) -> tuple[list, list]:
 def learn_grid_graphs(plan, steps, max_graphs: int, sources=None, with_top: bool = True) -> tuple[list[Bucket], dict]:
     """The `max_graphs` grid graphs that save the grid parts of `steps` the most time
     (`prompt_graphs.learn_prompt_graphs` on `grid_parts`: a part of prompts alone has no decode part to raise,
-    so every graph learned is a grid graph), and how many parts they cover."""
+    so every graph learned is a grid graph), and how many parts they cover. Each holds a logit per prompt (a
+    grid part has at most one a prompt; the top graphs, made for bursts, would take the decode level's, 13 at
+    the 8B setting, and miss a burst of 14 prompts)."""
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import learn_prompt_graphs
 
     steps = list(steps)
     parts, ids = grid_parts(plan, steps, sources)
     graphs, info = learn_prompt_graphs(plan, parts, max_graphs, sources=ids if sources is not None else None,
                                        with_top=with_top)
-    return [g for g in graphs if is_grid_graph(g)], info
+    return list(dict.fromkeys(replace(g, num_logits=max(g.num_logits, g.num_prompts)) for g in graphs
+                              if is_grid_graph(g))), info
 
 
 def in_parts(plan) -> bool:
@@ -219,51 +222,66 @@ def in_parts(plan) -> bool:
     return bool(plan.info.get("parts")) and bool(plan.prompt_graphs) and all(is_grid_graph(g) for g in plan.prompt_graphs)
 
 
-def rest_steps(plan, steps) -> list:
-    """`steps` (TraceSteps) as the buckets of a plan with `plan`'s grid graphs see them (its buckets still to be
-    learned): a step whose grid part a grid graph covers as its rest (none where the grid is all), every other
-    step as it is."""
-    from vllm_gaudi_unified.bucket_plans.trace import TraceStep
-
+def grid_splits(plan, steps) -> list:
+    """Per step of `steps` (TraceSteps): `(grid requests, the parts' shapes)` at `plan`'s settings (`grid_requests`,
+    `part_shapes`; None for a step with no grid): found once for `rest_steps` and `padding_in_parts` (their
+    `splits`), which see the same steps."""
     s, out = plan.settings, []
     for step in steps:
         q, c, table = step.query_lens, step.context_lens, step.block_table()
         keep = grid_requests(q, c, table, s.block_size, s.options, s.sliding_window)
-        graph = plan.prompt_graph(part_shapes(plan, q, c, table, keep)[0]) if keep.any() else None
-        if graph is None or not is_grid_graph(graph):
-            out.append(step)
-        elif not keep.all():
-            out.append(TraceStep(step.block_size, q[~keep], c[~keep], [b for b, x in zip(step.block_ids, ~keep) if x]))
+        out.append((keep, part_shapes(plan, q, c, table, keep) if keep.any() else None))
     return out
 
 
-def padding_in_parts(plan, steps) -> dict:
+def rest_steps(plan, steps, splits=None) -> list:
+    """`steps` (TraceSteps) as the buckets of a plan with `plan`'s grid graphs see them (its buckets still to be
+    learned): a step whose grid part a grid graph covers as its rest (none where the grid is all), every other
+    step as it is. `splits`: the steps' `grid_splits`, when already found."""
+    from vllm_gaudi_unified.bucket_plans.trace import TraceStep
+
+    out = []
+    for step, (keep, shapes) in zip(steps, grid_splits(plan, steps) if splits is None else splits):
+        graph = None if shapes is None else plan.prompt_graph(shapes[0])
+        if graph is None or not is_grid_graph(graph):
+            out.append(step)
+        elif not keep.all():
+            out.append(TraceStep(step.block_size, step.query_lens[~keep], step.context_lens[~keep],
+                                 [b for b, x in zip(step.block_ids, ~keep) if x]))
+    return out
+
+
+def padding_in_parts(plan, steps, splits=None) -> dict:
     """Time (the plan's model) of `steps` (TraceSteps) unpadded and padded as a server with a plan of grid graphs
     runs them (`build_step_parts`): a step with prompts in parts where `plan_parts` says so (its grid graph and
     its rest's bucket, `PART_CALL_US` for the second call; against the unpadded prompt route), else whole on
     the tiled route in its bucket (against its unpadded prompt route too); every other step in its bucket. Per
     kind (`decode`, `parts`, `tiled`): count, unpadded, padded; a step no bucket covers is counted in `skipped`.
-    The measure of `prompt_graphs.padding_on_routes` for plans that run steps in parts."""
+    The measure of `prompt_graphs.padding_on_routes` for plans that run steps in parts. `splits`: the steps'
+    `grid_splits`, when already found. Each step is planned once per route."""
     s, model = plan.settings, plan.cost_model
     tiles = on_route(s.options, "tiles")
     out, skipped = {k: [0, 0.0, 0.0] for k in ("decode", "parts", "tiled")}, 0
-    for step in steps:
+    for step, (keep, shapes) in zip(steps, grid_splits(plan, steps) if splits is None else splits):
         q, c, table = step.query_lens, step.context_lens, step.block_table()
-        shape_on = lambda options: plan_step(q, c, table, s.block_size, sliding_window=s.sliding_window,  # noqa: E731
-                                             options=options).shape
-        keep = grid_requests(q, c, table, s.block_size, s.options, s.sliding_window)
-        graphs = plan_parts(plan, *part_shapes(plan, q, c, table, keep), lambda: shape_on(tiles)) if keep.any() else None
-        unpadded = model.graph_cost(shape_on(plan.step_options if keep.any() else tiles))
+        tiled = []  # the step's tiled shape, planned at most once
+
+        def tiled_shape():
+            if not tiled:
+                tiled.append(plan_step(q, c, table, s.block_size, sliding_window=s.sliding_window, options=tiles).shape)
+            return tiled[0]
+        graphs = None if shapes is None else plan_parts(plan, *shapes, tiled_shape)
+        unpadded = model.graph_cost(tiled_shape() if shapes is None else plan_step(
+            q, c, table, s.block_size, sliding_window=s.sliding_window, options=plan.step_options).shape)
         if graphs is not None:
             kind, padded = "parts", model.graph_cost(graphs[0]) + (
                 0.0 if graphs[1] is None else model.bucket_cost(graphs[1]) + PART_CALL_US)
         else:
-            tiled = shape_on(tiles)
-            i = plan.covering(tiled)
+            i = plan.covering(tiled_shape())
             if i < 0:
                 skipped += 1
                 continue
-            kind, padded = "tiled" if keep.any() else "decode", float(plan.costs[i])
+            kind, padded = "tiled" if shapes is not None else "decode", float(plan.costs[i])
         row = out[kind]
         row[0], row[1], row[2] = row[0] + 1, row[1] + unpadded, row[2] + padded
     unpadded, padded = (sum(r[i] for r in out.values()) for i in (1, 2))

@@ -131,13 +131,13 @@ class BucketPlan:
         if graph is None:
             return "tiles"
         cost = self._graph_costs[graph]
-        if cost <= self._tiled_floor(shape.query_len, shape.num_logits):
+        if cost <= self.tiled_floor(shape.query_len, shape.num_logits):
             return "dense"
         tiled = tiled_shape()
         i = self.covering(tiled)
         return "dense" if i < 0 or cost <= float(self.costs[i]) else "tiles"
 
-    def _tiled_floor(self, q: int, l: int) -> float:
+    def tiled_floor(self, q: int, l: int) -> float:
         """The least cost of a bucket with at least `q` query tokens and `l` logits (inf: none)."""
         i, j = bisect_left(self._values[0], q), bisect_left(self._values[3], l)
         m = self._masks[0][i] & self._masks[3][j] if i < len(self._values[0]) and j < len(self._values[3]) else 0

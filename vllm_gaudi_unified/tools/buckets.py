@@ -49,6 +49,9 @@ def register(subparsers) -> None:
     g.add_argument("--margin", type=float_in(0.0, 4.0), default=None,
                    help="grow learned shapes by this share before choosing, for unseen steps "
                         "(default: robust 0.1, trace 0.2)")
+    g.add_argument("--margin-sizes", type=size_names, default=None, metavar="NAMES",
+                   help="robust: the sizes --margin grows, comma separated, of query, shared, unique, logits, causal "
+                        "(default: all)")
     g.add_argument("--skeleton-ratio", type=float_in(0.0, 1e6), default=32.0,
                    help="robust: cost ratio between neighbouring skeleton buckets (0: no skeleton; default 32)")
     g.add_argument("--load-fractions", default="0.5,0.25,0.0625",
@@ -133,6 +136,16 @@ def register(subparsers) -> None:
     sm.set_defaults(func=cmd_simulate)
 
 
+def size_names(text: str) -> str:
+    """--margin-sizes: some of a bucket's size names (`bucket.SIZE_NAMES`), comma separated (as given, checked)."""
+    from vllm_gaudi_unified.bucket import SIZE_NAMES
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or set(names) - set(SIZE_NAMES):
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(SIZE_NAMES)}, comma separated; got {text!r}")
+    return ",".join(names)
+
+
 def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
@@ -179,7 +192,7 @@ def make_plan_from_args(args):
         plan = exponential_plan(settings, model, hardware, base=args.exp_base, cap=cap)
         return with_prompt_graphs(plan, learning_traces(args, settings) if args.prompt_graphs else [], args)
     traces = learning_traces(args, settings)
-    parts, sources, probe = off_prompt_graphs(traces, settings, cap, args)
+    parts, sources, probe, splits = off_prompt_graphs(traces, settings, cap, args)
     if args.strategy == "trace":
         max_graphs = args.max_graphs if args.max_graphs is not None else (None if args.target_waste else 32)
         plan = trace_plan(StepShapes.concat(parts), settings, model, hardware, max_graphs=max_graphs,
@@ -187,14 +200,15 @@ def make_plan_from_args(args):
                           margin=0.2 if args.margin is None else args.margin, progress=not args.no_progress)
         if cap is not None:
             raise ValueError("--memory-share is for the robust and exponential strategies")
-        return with_graphs_again(plan, probe, traces, args)
+        return with_graphs_again(plan, probe, traces, args, splits)
     fractions = [float(x) for x in args.load_fractions.split(",") if x.strip()]
     scaled = [x for src in sources for x in load_scaled_shapes(src, settings, fractions, drain=True)]
     weights = [1.0] * len(parts) + [args.load_weight * len(parts) / max(len(scaled), 1)] * len(scaled)
     plan = robust_plan(parts + scaled, settings, model, hardware,
                        max_graphs=DEFAULT_ROBUST_GRAPHS if args.max_graphs is None else args.max_graphs, worst=args.worst,
                        skeleton_ratio=args.skeleton_ratio, resolution=args.resolution,
-                       margin=0.1 if args.margin is None else args.margin, cap=cap, source_weights=weights)
+                       margin=0.1 if args.margin is None else args.margin, cap=cap, source_weights=weights,
+                       margin_sizes=None if args.margin_sizes is None else args.margin_sizes.split(","))
     from vllm_gaudi_unified.tools.evaluate import evaluate
 
     learned = StepShapes.concat([s for s, _ in traces])
@@ -203,14 +217,15 @@ def make_plan_from_args(args):
     plan.info["steps"], plan.info["load_scaled_steps"] = len(learned), int(sum(len(x) for x in scaled))
     plan.info["expected_padding_waste"] = round(seen.padding_time, 4)
     plan.info["expected_padding_pairs"] = round(seen.padding_pairs, 4)
-    return with_graphs_again(plan, probe, traces, args)
+    return with_graphs_again(plan, probe, traces, args, splits)
 
 
-def with_graphs_again(plan, probe, traces, args):
+def with_graphs_again(plan, probe, traces, args, splits=None):
     """`plan` with the prompt graphs learned again, against the buckets a step left to the tiled route
-    really pads to, and the top graphs (the probe of `off_prompt_graphs` has none)."""
+    really pads to, and the top graphs (the probe of `off_prompt_graphs` has none); its padding on the routes
+    (`with_route_padding`, the steps' `splits` where found)."""
     graphs = with_prompt_graphs(plan, traces, args) if probe.prompt_graphs else graphs_of(probe, plan)
-    return with_route_padding(graphs, traces)
+    return with_route_padding(graphs, traces, splits)
 
 
 def command_line(args) -> str:

@@ -8,8 +8,9 @@ import numpy as np
 
 
 def off_prompt_graphs(traces, settings, cap, args):
-    """The step shapes of `traces` the plan's buckets must serve, and the sources to see at lower loads
-    (`robust.load_scaled_shapes`), and a plan holding the prompt graphs learned from the traces: without
+    """The step shapes of `traces` the plan's buckets must serve, the sources to see at lower loads
+    (`robust.load_scaled_shapes`), a plan holding the prompt graphs learned from the traces, and with `--parts`
+    the steps' `step_parts.grid_splits` (for `with_route_padding`; else None). The prompt graphs are learned without
     the steps those prompt graphs take, which never run in a bucket. Learned with them, the buckets spent
     graphs on shapes no step pads to. The probe has no top graphs (`prompt_graphs.top_graphs`): the bursts
     they hold, left to the buckets, give the plan `csu` buckets between the learned ones and the limits, for
@@ -24,15 +25,16 @@ def off_prompt_graphs(traces, settings, cap, args):
     probe = with_prompt_graphs(BucketPlan([bucket_from_sizes((1, 0, 1, 1, 0))], settings, **kw), traces, args,
                                with_top=False)
     if not probe.prompt_graphs:
-        return parts, [src for _, src in traces], probe
-    out, sources = [], []
+        return parts, [src for _, src in traces], probe, None
+    out, sources, splits = [], [], []
     for shapes, src in traces:
         steps = steps_of(src)
         if getattr(args, "parts", False):  # each step whose grid a grid graph takes leaves its rest to the buckets
-            from vllm_gaudi_unified.step_parts import rest_steps
+            from vllm_gaudi_unified.step_parts import grid_splits, rest_steps
             from vllm_gaudi_unified.tools.shapes import shapes_of_steps
 
-            rest = rest_steps(probe, steps)
+            splits += grid_splits(probe, steps)
+            rest = rest_steps(probe, steps, splits[len(splits) - len(steps):])
             out.append(shapes_of_steps(rest, settings, *shapes.sources[:1]))
             sources.append(rest)
             continue
@@ -40,7 +42,7 @@ def off_prompt_graphs(traces, settings, cap, args):
         keep = ~taken if (~taken).any() else np.ones(len(shapes), bool)
         out.append(StepShapes(shapes.sizes[keep], shapes.needed[keep], shapes.block_size, shapes.sources))
         sources.append([s for s, k in zip(steps, keep) if k] if len(steps) == len(shapes) else src)
-    return out, sources, probe
+    return out, sources, probe, splits or None
 
 
 def graphs_of(probe, plan):
@@ -50,18 +52,19 @@ def graphs_of(probe, plan):
     return replace(plan, prompt_graphs=probe.prompt_graphs, info={**plan.info, **info})
 
 
-def with_route_padding(plan, traces):
+def with_route_padding(plan, traces, splits=None):
     """`plan` with `expected_padding_on_routes` in its info where it has prompt graphs: the padding of the steps
-    of `traces` on the routes a server takes (`prompt_graphs.padding_on_routes`, what `buckets evaluate`
-    prints), each step with prompts in its prompt graph or tiled bucket. (`expected_padding_waste` pads every
-    step to a bucket, the measure of the buckets alone.)"""
+    of `traces` on the routes a server takes (`prompt_graphs.padding_on_routes`, or `step_parts.padding_in_parts`
+    with the steps' `splits` where found; what `buckets evaluate` prints), each step with prompts in its prompt
+    graph or tiled bucket, or in parts. (`expected_padding_waste` pads every step to a bucket, the measure of the
+    buckets alone.)"""
     if not plan.prompt_graphs:
         return plan
     from vllm_gaudi_unified.bucket_plans.prompt_graphs import padding_on_routes
     from vllm_gaudi_unified.step_parts import in_parts, padding_in_parts
 
-    routes = (padding_in_parts if in_parts(plan) else padding_on_routes)(plan, [s for _, src in traces
-                                                                              for s in steps_of(src)])
+    steps = [s for _, src in traces for s in steps_of(src)]
+    routes = padding_in_parts(plan, steps, splits) if in_parts(plan) else padding_on_routes(plan, steps)
     return replace(plan, info={**plan.info, "expected_padding_on_routes": round(routes["padding"], 4)})
 
 

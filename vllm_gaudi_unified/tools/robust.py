@@ -63,7 +63,7 @@ import numpy as np
 from vllm_gaudi_unified.bucket_plans.cost import DIMS, CostModel, Hardware, ModelSpec
 from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 from vllm_gaudi_unified.bucket_plans.settings import ServerSettings
-from vllm_gaudi_unified.bucket import PHASES, bucket_from_sizes, codes_of
+from vllm_gaudi_unified.bucket import PHASES, SIZE_NAMES, bucket_from_sizes, codes_of
 from vllm_gaudi_unified.plan.smallest import lift_to_smallest
 from vllm_gaudi_unified.tools.shapes import StepShapes
 from vllm_gaudi_unified.tools.strategies import grid_values, round_up
@@ -145,9 +145,13 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
                 hardware: Hardware | None = None, max_graphs: int = DEFAULT_ROBUST_GRAPHS, worst: float | None = None,
                 skeleton_ratio: float = 32.0, resolution: float = 3.0, margin: float = 0.1,
                 total_share: float = 1.0, source_weights=None, cap: GatherCap | None = None, local_search: bool = True,
-                sources: list | None = None) -> BucketPlan:
+                sources: list | None = None, margin_sizes=None) -> BucketPlan:
     """Learn a plan from several sets of step shapes (traces, and the same traces at lower loads);
-    see the module docstring. `max_graphs` counts every bucket, skeleton included."""
+    see the module docstring. `max_graphs` counts every bucket, skeleton included. `margin` grows the sizes named
+    in `margin_sizes` (`bucket.SIZE_NAMES`; default all): a step's unique blocks and causal tiles grow with its
+    contexts, while its requests (query rows of a decode, logits) stop at a server's batch and its shared slots
+    come in whole tiles of its prefix groups, so grown they would take the next grid value above steps that sit
+    on them (a full batch of 128 decodes in a bucket of 164)."""
     t0 = time.perf_counter()
     model, hardware = model or ModelSpec(), hardware or Hardware()
     shapes = [s for s in shapes if len(s)]
@@ -202,7 +206,10 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
     finer = [SHARED_FINER if d == S and not o.batch_invariant else 1 for d in range(len(DIMS))]  # (invariant: products)
     grids = [grid_values(int(top[d]), steps[d], resolution * finer[d], lo=steps[d] if d in (S, C) else 1)
              for d in range(len(DIMS))]
-    grown = np.where(sizes > 0, np.minimum(np.ceil(sizes * (1 + margin)).astype(np.int64), top[None, :]), 0)
+    grow = np.array([margin_sizes is None or name in margin_sizes for name in SIZE_NAMES], np.float64)
+    if margin_sizes is not None and set(margin_sizes) - set(SIZE_NAMES):
+        raise ValueError(f"margin_sizes must name some of {', '.join(SIZE_NAMES)}, got {margin_sizes!r}")
+    grown = np.where(sizes > 0, np.minimum(np.ceil(sizes * (1 + margin * grow)).astype(np.int64), top[None, :]), 0)
     grown = np.maximum(grown, sizes)
     rounded = np.stack([round_up(grown[:, d], grids[d]) for d in range(len(DIMS))], 1)
     rounded = np.minimum(rounded, np.maximum(top[None, :], sizes))
@@ -264,6 +271,7 @@ def robust_plan(shapes: list[StepShapes], settings: ServerSettings, model: Model
     plan = BucketPlan([bucket_from_sizes(b) for b in buckets], settings, model, hardware, strategy="robust", gather_cap=cap,
                       info={"max_graphs": max_graphs, "worst": worst, "skeleton_ratio": skeleton_ratio,
                             "skeleton_buckets": int(len(skel)), "resolution": resolution, "margin": margin,
+                            **({} if margin_sizes is None else {"margin_sizes": list(margin_sizes)}),
                             "total_share": total_share, "steps": int(sum(len(s) for s in shapes)),
                             "sources": [str(x) for x in (sources or [src for s in shapes for src in s.sources])]})
     plan.info["seconds"] = round(time.perf_counter() - t0, 2)
