@@ -17,7 +17,11 @@ import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, compute_dtype, rescale_weights, rescaled, scatter_max
-from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
+from vllm_gaudi_unified.paths.tiles import attend, gaudi_product, product_dtype, score_product
+
+#: Experiment switch: "base", "heads" (per KV head: product, softmax, product), "pair" (heads, q @ K two heads a
+#: product).
+FORM = "heads"
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
 #: its addresses.
@@ -43,21 +47,25 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
     mask = mask & real[:, :, None]  # [T, R, K]
     # rows (r, g) per KV head: the gathered queries written once in the products' layout
-    qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
-    scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
-    scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
-    if soft_cap is not None:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
-    p, m, total = masked_softmax_for(scores)(scores)
-    p = p.to(v.dtype).view(t, hkv, r * g, nk)
-    acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
-    m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
+    if FORM == "base":
+        qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
+        scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+        scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
+        p, m, total = masked_softmax_for(scores)(scores)
+        p = p.to(v.dtype).view(t, hkv, r * g, nk)
+        acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
+        m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
+        p_masked = p[masked]
+    else:
+        acc, m, total, p_masked = _heads(q, k, v, tokens, mask, masked, scale, soft_cap)
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     vz = torch.where(mask.any(1)[masked][:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
-    fix = torch.matmul(p[masked], vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
+    fix = torch.matmul(p_masked, vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
     listed = torch.arange(s, device=q.device)
     once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
     fix_rows = (masked[:, None] * r + torch.arange(r, device=q.device)).reshape(-1)  # [S*R]
@@ -85,6 +93,46 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
         out = out.index_add(0, where, rescaled(rows.acc, seen_p, w_p))
         sums = sums.index_add(0, where, rescaled(rows.sum, seen_p, w_p))
     return Partial(out[:n], new_max[:n], sums[:n])
+
+
+def _heads(q, k, v, tokens, mask, masked, scale, soft_cap):
+    """Per KV head its scores, softmax and `p @ V` (no stacked scores) -> (acc per head `[T, R*G, Dv]`,
+    max and sum `[T*R, Hq]`, the masked slots' probabilities `[S, Hkv, R*G, K]`)."""
+    n, hq, d = q.shape
+    t, r = tokens.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dt = compute_dtype(q.dtype)
+    fold = soft_cap is None and (q.dtype == dt or gaudi_product(q.device.type))
+    qg = q[tokens.clamp(max=n - 1)]
+    qg = qg * scale if fold else qg
+    hp = 2 if FORM == "pair" and hkv % 2 == 0 else 1
+    if hp == 1:  # [Hkv, T, R*G, D]: each head's rows contiguous
+        qh = qg.view(t, r, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
+    else:  # two heads a product: rows (head, r, g) x channels (head, d), zero off the row's own head
+        qh = qg.new_zeros((hkv // 2, t, 2, r * g, 2, d))
+        qd = torch.diagonal(qh, dim1=2, dim2=4)  # [Hkv/2, T, R*G, D, 2]
+        qd.copy_(qg.view(t, r, hkv // 2, 2, g, d).permute(2, 0, 1, 4, 5, 3).reshape(hkv // 2, t, r * g, d, 2))
+        qh = qh.view(hkv // 2, t, 2 * r * g, 2 * d)
+    vis = mask[:, :, None, :]  # [T, R, 1, K]
+    acc, ms, sums, pm = [], [], [], []
+    for j in range(hkv // hp):
+        kj = k[:, :, j * hp:(j + 1) * hp].reshape(t, nk, hp * d)  # a view: the heads' channels as stored
+        s = score_product(qh[j], kj.transpose(1, 2)).view(t, hp, r, g, nk).to(dt)
+        if not fold:
+            s = s * scale
+        if soft_cap is not None:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        s = s.masked_fill(~vis[:, None], float("-inf"))
+        p, m_h, tot_h = masked_softmax_for(s)(s)
+        p = p.to(v.dtype).view(t, hp, r * g, nk)
+        for i in range(hp):
+            acc.append(torch.matmul(p[:, i], v[:, :, j * hp + i]))
+            pm.append(p[masked, i])
+        ms.append(m_h.transpose(1, 2))
+        sums.append(tot_h.transpose(1, 2))
+    m, total = (torch.cat(x, 2).reshape(t * r, hq) for x in (ms, sums))  # [T, R, Hkv*G] -> [T*R, Hq]
+    return acc, m, total, torch.stack(pm, 1)
 
 
 def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
