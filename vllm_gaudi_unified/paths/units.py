@@ -140,7 +140,7 @@ def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scal
     """Every request's self and causal pairs, one tile per request of `unique_units` rows and keys (its new
     tokens from its first, `token_seg_start` of its last, `logits_indices`): row i sees key j <= i. A padded
     request repeats index 0 (no larger than the one before it) and has no row. Returns the tile rows and
-    their tokens (`n`: none), for `units_partial`'s merge. Only where every request holds at most
+    their tokens (`n` and up: none), for `units_partial`'s merge. Only where every request holds at most
     `unique_units` new tokens (`unique.units_take_new_pairs`)."""
     n, u = q.shape[0], batch.plan.unique_units
     last = batch.logits_indices
@@ -152,4 +152,5 @@ def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scal
     idx = tokens.clamp(max=n - 1)
     causal = torch.ones((u, u), dtype=torch.bool, device=q.device).tril()
     part = attend(q[idx], k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, scale, soft_cap)
-    return part, torch.where(real, tokens, n).reshape(-1)
+    drop = n + torch.arange(real.numel(), device=q.device).view(real.shape) % DROP_ROWS  # (spread, as the units')
+    return part, torch.where(real, tokens, drop).reshape(-1)
