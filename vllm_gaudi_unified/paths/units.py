@@ -22,6 +22,19 @@ from vllm_gaudi_unified.paths.tiles import attend, gaudi_product, product_dtype,
 #: Experiment switch: "base", "heads" (per KV head: product, softmax, product), "pair" (heads, q @ K two heads a
 #: product).
 FORM = "heads"
+MAX_BITS = True
+
+
+def _scatter_max_bits(rows_max: torch.Tensor, index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """`merge.scatter_max` on the floats' bits as order-preserving integers (an integer atomic max, where a
+    float's is a compare-and-swap loop): negative floats have their magnitude bits flipped (an involution)."""
+    it = torch.int32 if start.dtype == torch.float32 else torch.int64
+    low = torch.iinfo(it).max
+
+    flip = lambda b: b ^ ((b >> (8 * b.element_size() - 1)) & low)  # noqa: E731
+    out = flip(start.view(it)).scatter_reduce(0, index.reshape(-1, 1).expand(-1, start.shape[1]),
+                                              flip(rows_max.view(it)), reduce="amax", include_self=True)
+    return flip(out).view(start.dtype)
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
 #: its addresses.
@@ -74,9 +87,13 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)  # their rows: the fix's
     # one accumulator: every row's max first, then each row scaled to its token's and added
     new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
-    if pairs is not None:
-        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    new_max = scatter_max(m, index, new_max)
+    if MAX_BITS:  # one scatter for the units' rows and the pairs', on order-preserving integer keys
+        rows_max, rows_index = (m, index) if pairs is None else (torch.cat([pairs[0].max, m]), torch.cat([pairs[1], index]))
+        new_max = _scatter_max_bits(rows_max, rows_index, new_max)
+    else:
+        if pairs is not None:
+            new_max = scatter_max(pairs[0].max, pairs[1], new_max)
+        new_max = scatter_max(m, index, new_max)
     row_max = new_max.gather(0, index[:, None].expand(-1, hq))
     seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
     out = []
@@ -106,8 +123,8 @@ def _heads(q, k, v, tokens, mask, masked, scale, soft_cap):
     fold = soft_cap is None and (q.dtype == dt or gaudi_product(q.device.type))
     qg = q[tokens.clamp(max=n - 1)]
     qg = qg * scale if fold else qg
-    hp = 2 if FORM == "pair" and hkv % 2 == 0 else 1
-    if hp == 1:  # [Hkv, T, R*G, D]: each head's rows contiguous
+    hp = 2 if FORM in ("pair", "stack2") and hkv % 2 == 0 else 1
+    if hp == 1 or FORM == "stack2":  # [Hkv, T, R*G, D]: each head's rows contiguous
         qh = qg.view(t, r, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
     else:  # two heads a product: rows (head, r, g) x channels (head, d), zero off the row's own head
         qh = qg.new_zeros((hkv // 2, t, 2, r * g, 2, d))
@@ -117,8 +134,12 @@ def _heads(q, k, v, tokens, mask, masked, scale, soft_cap):
     vis = mask[:, :, None, :]  # [T, R, 1, K]
     acc, ms, sums, pm = [], [], [], []
     for j in range(hkv // hp):
-        kj = k[:, :, j * hp:(j + 1) * hp].reshape(t, nk, hp * d)  # a view: the heads' channels as stored
-        s = score_product(qh[j], kj.transpose(1, 2)).view(t, hp, r, g, nk).to(dt)
+        if FORM == "stack2" and hp == 2:
+            s = torch.stack([score_product(qh[2 * j + i], k[:, :, 2 * j + i].transpose(1, 2)) for i in range(2)], 1)
+            s = s.view(t, hp, r, g, nk).to(dt)
+        else:
+            kj = k[:, :, j * hp:(j + 1) * hp].reshape(t, nk, hp * d)  # a view: the heads' channels as stored
+            s = score_product(qh[j], kj.transpose(1, 2)).view(t, hp, r, g, nk).to(dt)
         if not fold:
             s = s * scale
         if soft_cap is not None:
