@@ -1,9 +1,11 @@
 """The unique path's verify units on the matmul route (the Gaudi route: torch ops an HPU graph holds).
 
 A unit is one (request, cache block) slot; its rows are the request's new tokens x the query heads of
-a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). Per KV head one
+a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). Per KV head: one
 batched product over every unit reads that head's keys in place (a strided view of the block as
-stored, no copy), then one softmax over all heads, and per KV head `p @ V` again on V as stored.
+stored, no copy), the softmax of its scores, and `p @ V` on V as stored. A softmax over every head's
+scores would read the products' outputs stacked: one pass reading eight buffers, slower than eight
+passes (docs/benchmarks.md, "Speculative verify steps").
 
 The tiles whose real rows miss some key (a request's partial last block: its unused slots may hold
 NaN, and `0 * NaN` would reach every row of the tile) take `p @ V` again on masked V, all heads in one
@@ -18,23 +20,6 @@ import torch
 from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, compute_dtype, rescale_weights, rescaled, scatter_max
 from vllm_gaudi_unified.paths.tiles import attend, gaudi_product, product_dtype, score_product
-
-#: Experiment switch: "base", "heads" (per KV head: product, softmax, product), "pair" (heads, q @ K two heads a
-#: product).
-FORM = "heads"
-MAX_BITS = True
-
-
-def _scatter_max_bits(rows_max: torch.Tensor, index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """`merge.scatter_max` on the floats' bits as order-preserving integers (an integer atomic max, where a
-    float's is a compare-and-swap loop): negative floats have their magnitude bits flipped (an involution)."""
-    it = torch.int32 if start.dtype == torch.float32 else torch.int64
-    low = torch.iinfo(it).max
-
-    flip = lambda b: b ^ ((b >> (8 * b.element_size() - 1)) & low)  # noqa: E731
-    out = flip(start.view(it)).scatter_reduce(0, index.reshape(-1, 1).expand(-1, start.shape[1]),
-                                              flip(rows_max.view(it)), reduce="amax", include_self=True)
-    return flip(out).view(start.dtype)
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
 #: its addresses.
@@ -59,21 +44,7 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     drop = n + torch.arange(t * r, device=q.device) % DROP_ROWS  # [T*R]
     index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
     mask = mask & real[:, :, None]  # [T, R, K]
-    # rows (r, g) per KV head: the gathered queries written once in the products' layout
-    if FORM == "base":
-        qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
-        scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
-        scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
-        if soft_cap is not None:
-            scores = soft_cap * torch.tanh(scores / soft_cap)
-        scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
-        p, m, total = masked_softmax_for(scores)(scores)
-        p = p.to(v.dtype).view(t, hkv, r * g, nk)
-        acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
-        m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
-        p_masked = p[masked]
-    else:
-        acc, m, total, p_masked = _heads(q, k, v, tokens, mask, masked, scale, soft_cap)
+    acc, m, total, p_masked = _per_head(q, k, v, tokens, mask, masked, scale, soft_cap)
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
@@ -87,13 +58,9 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)  # their rows: the fix's
     # one accumulator: every row's max first, then each row scaled to its token's and added
     new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
-    if MAX_BITS:  # one scatter for the units' rows and the pairs', on order-preserving integer keys
-        rows_max, rows_index = (m, index) if pairs is None else (torch.cat([pairs[0].max, m]), torch.cat([pairs[1], index]))
-        new_max = _scatter_max_bits(rows_max, rows_index, new_max)
-    else:
-        if pairs is not None:
-            new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-        new_max = scatter_max(m, index, new_max)
+    if pairs is not None:
+        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
+    new_max = scatter_max(m, index, new_max)
     row_max = new_max.gather(0, index[:, None].expand(-1, hq))
     seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
     out = []
@@ -112,9 +79,10 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     return Partial(out[:n], new_max[:n], sums[:n])
 
 
-def _heads(q, k, v, tokens, mask, masked, scale, soft_cap):
-    """Per KV head its scores, softmax and `p @ V` (no stacked scores) -> (acc per head `[T, R*G, Dv]`,
-    max and sum `[T*R, Hq]`, the masked slots' probabilities `[S, Hkv, R*G, K]`)."""
+def _per_head(q, k, v, tokens, mask, masked, scale, soft_cap):
+    """Per KV head: its scores, softmax and `p @ V` -> (acc per head `[T, R*G, Dv]`, max and sum `[T*R, Hq]`,
+    the masked slots' probabilities `[S, Hkv, R*G, K]`). The queries are gathered once into `[Hkv, T, R*G, D]`
+    (each head's rows contiguous; the scale folded in where the product keeps q's dtype, as `attend_heads`)."""
     n, hq, d = q.shape
     t, r = tokens.shape
     nk, hkv = k.shape[1], k.shape[2]
@@ -122,36 +90,21 @@ def _heads(q, k, v, tokens, mask, masked, scale, soft_cap):
     dt = compute_dtype(q.dtype)
     fold = soft_cap is None and (q.dtype == dt or gaudi_product(q.device.type))
     qg = q[tokens.clamp(max=n - 1)]
-    qg = qg * scale if fold else qg
-    hp = 2 if FORM in ("pair", "stack2") and hkv % 2 == 0 else 1
-    if hp == 1 or FORM == "stack2":  # [Hkv, T, R*G, D]: each head's rows contiguous
-        qh = qg.view(t, r, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
-    else:  # two heads a product: rows (head, r, g) x channels (head, d), zero off the row's own head
-        qh = qg.new_zeros((hkv // 2, t, 2, r * g, 2, d))
-        qd = torch.diagonal(qh, dim1=2, dim2=4)  # [Hkv/2, T, R*G, D, 2]
-        qd.copy_(qg.view(t, r, hkv // 2, 2, g, d).permute(2, 0, 1, 4, 5, 3).reshape(hkv // 2, t, r * g, d, 2))
-        qh = qh.view(hkv // 2, t, 2 * r * g, 2 * d)
-    vis = mask[:, :, None, :]  # [T, R, 1, K]
+    qh = (qg * scale if fold else qg).view(t, r, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
+    hidden = ~mask[:, :, None, :]  # [T, R, 1, K]
     acc, ms, sums, pm = [], [], [], []
-    for j in range(hkv // hp):
-        if FORM == "stack2" and hp == 2:
-            s = torch.stack([score_product(qh[2 * j + i], k[:, :, 2 * j + i].transpose(1, 2)) for i in range(2)], 1)
-            s = s.view(t, hp, r, g, nk).to(dt)
-        else:
-            kj = k[:, :, j * hp:(j + 1) * hp].reshape(t, nk, hp * d)  # a view: the heads' channels as stored
-            s = score_product(qh[j], kj.transpose(1, 2)).view(t, hp, r, g, nk).to(dt)
+    for h in range(hkv):
+        s = score_product(qh[h], k[:, :, h].transpose(1, 2)).view(t, r, g, nk).to(dt)  # K read in place
         if not fold:
             s = s * scale
         if soft_cap is not None:
             s = soft_cap * torch.tanh(s / soft_cap)
-        s = s.masked_fill(~vis[:, None], float("-inf"))
-        p, m_h, tot_h = masked_softmax_for(s)(s)
-        p = p.to(v.dtype).view(t, hp, r * g, nk)
-        for i in range(hp):
-            acc.append(torch.matmul(p[:, i], v[:, :, j * hp + i]))
-            pm.append(p[masked, i])
-        ms.append(m_h.transpose(1, 2))
-        sums.append(tot_h.transpose(1, 2))
+        p, m_h, tot_h = masked_softmax_for(s)(s.masked_fill(hidden, float("-inf")))
+        p = p.to(v.dtype).view(t, r * g, nk)
+        acc.append(torch.matmul(p, v[:, :, h]))  # V as stored
+        pm.append(p[masked])
+        ms.append(m_h)
+        sums.append(tot_h)
     m, total = (torch.cat(x, 2).reshape(t * r, hq) for x in (ms, sums))  # [T, R, Hkv*G] -> [T*R, Hq]
     return acc, m, total, torch.stack(pm, 1)
 
