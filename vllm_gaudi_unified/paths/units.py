@@ -1,11 +1,9 @@
 """The unique path's verify units on the matmul route (the Gaudi route: torch ops an HPU graph holds).
 
 A unit is one (request, cache block) slot; its rows are the request's new tokens x the query heads of
-a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). Per KV head: one
+a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). Per KV head one
 batched product over every unit reads that head's keys in place (a strided view of the block as
-stored, no copy), the softmax of its scores, and `p @ V` on V as stored. A softmax over every head's
-scores would read the products' outputs stacked: one pass reading eight buffers, slower than eight
-passes (docs/benchmarks.md, "Speculative verify steps").
+stored, no copy), then one softmax over all heads, and per KV head `p @ V` again on V as stored.
 
 The tiles whose real rows miss some key (a request's partial last block: its unused slots may hold
 NaN, and `0 * NaN` would reach every row of the tile) take `p @ V` again on masked V, all heads in one
@@ -19,7 +17,7 @@ import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, compute_dtype, rescale_weights, rescaled, scatter_max
-from vllm_gaudi_unified.paths.tiles import attend, gaudi_product, product_dtype, score_product
+from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
 #: its addresses.
@@ -44,12 +42,22 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     drop = n + torch.arange(t * r, device=q.device) % DROP_ROWS  # [T*R]
     index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
     mask = mask & real[:, :, None]  # [T, R, K]
-    acc, m, total, p_masked = _per_head(q, k, v, tokens, mask, masked, scale, soft_cap)
+    # rows (r, g) per KV head: the gathered queries written once in the products' layout
+    qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
+    scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+    scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
+    p, m, total = masked_softmax_for(scores)(scores)
+    p = p.to(v.dtype).view(t, hkv, r * g, nk)
+    acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
+    m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
     vz = torch.where(mask.any(1)[masked][:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
-    fix = torch.matmul(p_masked, vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
+    fix = torch.matmul(p[masked], vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
     listed = torch.arange(s, device=q.device)
     once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
     fix_rows = (masked[:, None] * r + torch.arange(r, device=q.device)).reshape(-1)  # [S*R]
@@ -79,42 +87,12 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     return Partial(out[:n], new_max[:n], sums[:n])
 
 
-def _per_head(q, k, v, tokens, mask, masked, scale, soft_cap):
-    """Per KV head: its scores, softmax and `p @ V` -> (acc per head `[T, R*G, Dv]`, max and sum `[T*R, Hq]`,
-    the masked slots' probabilities `[S, Hkv, R*G, K]`). The queries are gathered once into `[Hkv, T, R*G, D]`
-    (each head's rows contiguous; the scale folded in where the product keeps q's dtype, as `attend_heads`)."""
-    n, hq, d = q.shape
-    t, r = tokens.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    dt = compute_dtype(q.dtype)
-    fold = soft_cap is None and (q.dtype == dt or gaudi_product(q.device.type))
-    qg = q[tokens.clamp(max=n - 1)]
-    qh = (qg * scale if fold else qg).view(t, r, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
-    hidden = ~mask[:, :, None, :]  # [T, R, 1, K]
-    acc, ms, sums, pm = [], [], [], []
-    for h in range(hkv):
-        s = score_product(qh[h], k[:, :, h].transpose(1, 2)).view(t, r, g, nk).to(dt)  # K read in place
-        if not fold:
-            s = s * scale
-        if soft_cap is not None:
-            s = soft_cap * torch.tanh(s / soft_cap)
-        p, m_h, tot_h = masked_softmax_for(s)(s.masked_fill(hidden, float("-inf")))
-        p = p.to(v.dtype).view(t, r * g, nk)
-        acc.append(torch.matmul(p, v[:, :, h]))  # V as stored
-        pm.append(p[masked])
-        ms.append(m_h)
-        sums.append(tot_h)
-    m, total = (torch.cat(x, 2).reshape(t * r, hq) for x in (ms, sums))  # [T, R, Hkv*G] -> [T*R, Hq]
-    return acc, m, total, torch.stack(pm, 1)
-
-
 def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
                   soft_cap: float | None) -> tuple[Partial, torch.Tensor]:
     """Every request's self and causal pairs, one tile per request of `unique_units` rows and keys (its new
     tokens from its first, `token_seg_start` of its last, `logits_indices`): row i sees key j <= i. A padded
     request repeats index 0 (no larger than the one before it) and has no row. Returns the tile rows and
-    their tokens (`n` and up: none), for `units_partial`'s merge. Only where every request holds at most
+    their tokens (`n`: none), for `units_partial`'s merge. Only where every request holds at most
     `unique_units` new tokens (`unique.units_take_new_pairs`)."""
     n, u = q.shape[0], batch.plan.unique_units
     last = batch.logits_indices
@@ -126,5 +104,4 @@ def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scal
     idx = tokens.clamp(max=n - 1)
     causal = torch.ones((u, u), dtype=torch.bool, device=q.device).tril()
     part = attend(q[idx], k[idx], v[idx], real[:, :, None] & real[:, None, :] & causal, scale, soft_cap)
-    drop = n + torch.arange(real.numel(), device=q.device).view(real.shape) % DROP_ROWS  # (spread, as the units')
-    return part, torch.where(real, tokens, drop).reshape(-1)
+    return part, torch.where(real, tokens, n).reshape(-1)
