@@ -176,3 +176,37 @@ def test_the_grid_part_is_the_planners_own_grid(name):
     assert held.any() == (name != "prefix_caching")  # (its 6-token request reads a prefix others read: tiles)
     got = grid_requests(step.query_lens, step.context_lens, table, step.block_size, SETTINGS.options)
     assert got.tolist() == held.tolist()
+
+
+@pytest.mark.parametrize("requests", [[0, 1, 2, 3, 4], [1, 3], [0, 1, 3, 4]], ids=["mixed", "grid", "two"])
+def test_a_step_in_parts_is_copied_once_and_equals_its_parts_made_one_by_one(case, requests):
+    from vllm_gaudi_unified.batch import UnifiedBatch, _array_fields
+    from vllm_gaudi_unified.plan import pad_plan, plan_step
+    from vllm_gaudi_unified.plan.arrays import ranges
+
+    plan, table, num_blocks = case
+    query_lens, context_lens = (np.asarray(x)[requests] for x in (MIXED.query_lens, MIXED.context_lens))
+    table = table[requests]
+    parts = build_step_parts(query_lens, context_lens, table, plan, num_blocks=num_blocks)
+    assert isinstance(parts, StepParts)
+    q = np.asarray(query_lens)
+    keep = grid_requests(q, context_lens, table, 4, SETTINGS.options)
+    plans = step_parts.part_plans(plan, q, context_lens, table, keep, num_blocks)
+    graphs = step_parts.plan_parts(plan, *(None if p is None else p.shape for p in plans), lambda: plan_step(
+        q, context_lens, table, 4, options=SETTINGS.options).shape)
+    expected = [UnifiedBatch.from_plan(pad_plan(p, g)) for p, g in zip(plans, graphs) if p is not None]
+    starts = np.cumsum(q) - q
+    assert len(parts.batches) == len(expected) == len(parts.rows) == 2 - bool(keep.all())
+    tensors = list(parts.rows)
+    for part, rows in zip((keep, ~keep), parts.rows):
+        assert rows.dtype == torch.int64 and torch.equal(rows, torch.as_tensor(ranges(starts[part], q[part])[0]))
+    for got, want in zip(parts.batches, expected):
+        assert got.bucket == want.bucket and got.plan.shape == want.plan.shape
+        for name in _array_fields(UnifiedBatch):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert a.dtype == b.dtype == torch.int64 and a.shape == b.shape and torch.equal(a, b), name
+                tensors.append(a)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one buffer, one copy
+    assert all(t.storage_offset() % step_parts._ALIGN == 0 for t in tensors)

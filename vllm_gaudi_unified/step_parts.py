@@ -101,8 +101,7 @@ def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | 
     graph = plan.prompt_graph(grid)
     if graph is None or not is_grid_graph(graph):
         return None
-    model, bucket = plan.cost_model, None
-    cost = model.graph_cost(graph)
+    bucket, cost = None, plan.graph_cost(graph)
     if rest is not None:
         i = plan.covering(rest)
         if i < 0:
@@ -127,7 +126,7 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     """The step in parts as `plan` (a `BucketPlan` with grid graphs) decides (`plan_parts`), each part planned
     and padded to its graph and put on `device`; None: the step runs whole (`build_unified_batch(...,
     options=plan.step_options, bucket=plan)`)."""
-    from vllm_gaudi_unified.batch import UnifiedBatch, check_device
+    from vllm_gaudi_unified.batch import check_device
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
     from vllm_gaudi_unified.plan import pad_plan
 
@@ -150,14 +149,38 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     if graphs is None:
         return None
     starts = np.cumsum(q) - q
-    batches, rows = [], []
-    for part, step_plan, graph in zip((keep, ~keep), plans, graphs):
-        if step_plan is None:
-            continue
-        batches.append(UnifiedBatch.from_plan(pad_plan(step_plan, graph), check_device(device or "cpu")))
-        idx = ranges(starts[part], q[part])[0]  # the part's requests' token rows, in order
-        rows.append(torch.as_tensor(idx, dtype=torch.int64, device=batches[-1].device))
-    return StepParts(tuple(batches), tuple(rows), int(q.sum()))
+    padded = [pad_plan(p, graph) for p, graph in zip(plans, graphs) if p is not None]
+    rows = [ranges(starts[part], q[part])[0] for part in (keep, ~keep)[:len(padded)]]  # the parts' token rows
+    batches, rows = _on_device(padded, rows, check_device(device or "cpu"))
+    return StepParts(batches, rows, int(q.sum()))
+
+
+#: Each array of a step in parts starts at a multiple of this many int64s (128 bytes) in the one buffer copied.
+_ALIGN = 16
+
+
+def _on_device(plans, rows, device) -> tuple[tuple, tuple]:
+    """(a `UnifiedBatch` per plan of `plans`, the int64 tensors of `rows`) on `device`, in one host-to-device
+    copy: every array written into one int64 buffer (each at an aligned offset), copied once, each tensor a view
+    of its slice (as `UnifiedBatch.from_plan` makes each: the same values, shapes and None fields)."""
+    from vllm_gaudi_unified.batch import UnifiedBatch, _array_fields
+    from vllm_gaudi_unified.plan.arrays import trusted
+
+    names = _array_fields(UnifiedBatch)
+    arrays = [getattr(p, name) for p in plans for name in names] + list(rows)
+    sizes = np.array([0 if a is None else a.size for a in arrays], np.int64)
+    slots = -(-sizes // _ALIGN) * _ALIGN
+    starts = (np.cumsum(slots) - slots).tolist()
+    host = np.empty(int(slots.sum()), np.int64)
+    for a, o in zip(arrays, starts):
+        if a is not None:
+            host[o:o + a.size] = a.reshape(-1)
+    buf = torch.from_numpy(host).to(device, non_blocking=True)
+    tensors = [None if a is None else buf[o:o + a.size].view(a.shape) for a, o in zip(arrays, starts)]
+    k = len(names)
+    batches = tuple(trusted(UnifiedBatch, plan=p, **dict(zip(names, tensors[i * k:(i + 1) * k])))
+                    for i, p in enumerate(plans))
+    return batches, tuple(tensors[len(plans) * k:])
 
 
 def parts_attention(query, key, value, key_cache, value_cache, parts: StepParts, scale: float, attention=None,

@@ -119,6 +119,10 @@ class BucketPlan:
         the tiled route."""
         return self._prompts.find(shape)
 
+    def graph_cost(self, graph: Bucket) -> float:
+        """`CostModel.graph_cost` of one of the plan's prompt graphs (priced once, when the plan is made)."""
+        return self._graph_costs[graph]
+
     def route(self, shape: Bucket, tiled_shape) -> str:
         """The route of a step with prompts (`shape`: planned on the prompt route): 'dense' when a prompt graph
         covers it and costs, in the plan's time model (`CostModel.graph_cost`), no more than the bucket its
@@ -130,7 +134,7 @@ class BucketPlan:
         graph = self.prompt_graph(shape)
         if graph is None:
             return "tiles"
-        cost = self._graph_costs[graph]
+        cost = self.graph_cost(graph)
         if cost <= self.tiled_floor(shape.query_len, shape.num_logits):
             return "dense"
         tiled = tiled_shape()
