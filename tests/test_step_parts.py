@@ -196,17 +196,21 @@ def test_a_step_in_parts_is_copied_once_and_equals_its_parts_made_one_by_one(cas
         q, context_lens, table, 4, options=SETTINGS.options).shape)
     expected = [UnifiedBatch.from_plan(pad_plan(p, g)) for p, g in zip(plans, graphs) if p is not None]
     starts = np.cumsum(q) - q
+    rows = [ranges(starts[part], q[part])[0] for part in (keep, ~keep)[:len(expected)]]
     assert len(parts.batches) == len(expected) == len(parts.rows) == 2 - bool(keep.all())
-    tensors = list(parts.rows)
-    for part, rows in zip((keep, ~keep), parts.rows):
-        assert rows.dtype == torch.int64 and torch.equal(rows, torch.as_tensor(ranges(starts[part], q[part])[0]))
-    for got, want in zip(parts.batches, expected):
-        assert got.bucket == want.bucket and got.plan.shape == want.plan.shape
-        for name in _array_fields(UnifiedBatch):
-            a, b = getattr(got, name), getattr(want, name)
-            assert (a is None) == (b is None), name
-            if a is not None:
-                assert a.dtype == b.dtype == torch.int64 and a.shape == b.shape and torch.equal(a, b), name
-                tensors.append(a)
+    copied = step_parts._one_copy([b.plan for b in expected], rows, torch.device("cpu"))  # as to a device
+    tensors = []
+    for batches, part_rows in ((parts.batches, parts.rows), copied):
+        for got, want in zip(part_rows, rows):
+            assert got.dtype == torch.int64 and torch.equal(got, torch.as_tensor(want))
+        for got, want in zip(batches, expected):
+            assert got.bucket == want.bucket and got.plan.shape == want.plan.shape
+            for name in _array_fields(UnifiedBatch):
+                a, b = getattr(got, name), getattr(want, name)
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert a.dtype == b.dtype == torch.int64 and a.shape == b.shape and torch.equal(a, b), name
+                    tensors.append(a)
+    tensors = tensors[len(tensors) // 2:] + list(copied[1])
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one buffer, one copy
     assert all(t.storage_offset() % step_parts._ALIGN == 0 for t in tensors)

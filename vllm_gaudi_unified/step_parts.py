@@ -32,6 +32,7 @@ import torch
 
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.plan.default import plan_default
 from vllm_gaudi_unified.plan.arrays import cached_pairs, ranges, validate
 from vllm_gaudi_unified.plan.prompts import fill_grid, prompt_requests
 from vllm_gaudi_unified.plan.options import on_route
@@ -61,7 +62,13 @@ def grid_requests(query_lens, context_lens, block_table, block_size: int, option
     """Bool `[R]`: the requests of the step whose new tokens the prompt route's grid takes (none when the
     step has no prompt for it): the planner's own choice (`plan/default.py`: `prompt_requests`, `fill_grid`),
     without the rest of its plan."""
-    q, ctx, bt, nb_ctx = validate(query_lens, context_lens, block_table, block_size, sliding_window, None)
+    checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, None)
+    return _grid_of(checked, block_size, options, sliding_window)
+
+
+def _grid_of(checked, block_size: int, options, sliding_window) -> np.ndarray:
+    """`grid_requests` of a step's checked arrays (`arrays.validate`)."""
+    q, ctx, bt, nb_ctx = checked
     if int(q.max()) < 2 or sliding_window is not None or options.batch_invariant:  # (no prompt route)
         return np.zeros(q.size, bool)
     pair_req, _, phys, _, max_block_id = cached_pairs(ctx, nb_ctx, bt, block_size, None, None)
@@ -69,22 +76,20 @@ def grid_requests(query_lens, context_lens, block_table, block_size: int, option
                      block_size)
 
 
-def _subset(query_lens, context_lens, block_table, keep: np.ndarray):
-    return (np.asarray(query_lens, np.int64)[keep], np.asarray(context_lens, np.int64)[keep],
-            np.asarray(block_table)[keep])
-
-
-def part_plans(plan, query_lens, context_lens, block_table, keep: np.ndarray, num_blocks: int | None = None):
+def part_plans(plan, query_lens, context_lens, block_table, keep: np.ndarray, num_blocks: int | None = None,
+               checked=None):
     """(grid part's StepPlan on the prompt route, the rest's on the tiled route or None) of a step split at
-    `keep` (`grid_requests`)."""
+    `keep` (`grid_requests`). `checked`: the step's arrays as `arrays.validate` returns them, when already
+    checked: each part is planned from its rows of them, as `plan_step` plans the part's own arrays."""
     s = plan.settings
-    grid = plan_step(*_subset(query_lens, context_lens, block_table, keep), s.block_size, num_blocks=num_blocks,
-                     sliding_window=s.sliding_window, options=plan.step_options)
-    rest = None
-    if not keep.all():
-        rest = plan_step(*_subset(query_lens, context_lens, block_table, ~keep), s.block_size, num_blocks=num_blocks,
-                         sliding_window=s.sliding_window, options=on_route(s.options, "tiles"))
-    return grid, rest
+    bs, W = s.block_size, s.sliding_window
+    checked = checked or validate(query_lens, context_lens, block_table, bs, W, num_blocks)
+
+    def part(rows, options):
+        q, ctx, bt, nb_ctx = (a[rows] for a in checked)
+        bt = np.ascontiguousarray(bt[:, :-(-int(ctx.max()) // bs)])  # the part's own columns (`validate`)
+        return plan_default(q, ctx, bt, nb_ctx, bs, W, num_blocks, options)
+    return part(keep, plan.step_options), None if keep.all() else part(~keep, on_route(s.options, "tiles"))
 
 
 def part_shapes(plan, query_lens, context_lens, block_table, keep: np.ndarray):
@@ -140,10 +145,11 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
                          f"{np.shape(context_lens)}, {table.shape}")
     if not plan.prompt_graphs or plan.settings.sliding_window is not None:
         return None
-    keep = grid_requests(q, context_lens, table, s.block_size, s.options, s.sliding_window)
+    checked = validate(q, context_lens, table, s.block_size, None, num_blocks)  # once for the step and its parts
+    keep = _grid_of(checked, s.block_size, s.options, None)
     if not keep.any():
         return None
-    plans = part_plans(plan, q, context_lens, table, keep, num_blocks)
+    plans = part_plans(plan, q, context_lens, table, keep, num_blocks, checked)
     graphs = plan_parts(plan, *(None if p is None else p.shape for p in plans), lambda: plan_step(
         q, context_lens, table, s.block_size, options=on_route(s.options, "tiles")).shape)
     if graphs is None:
@@ -160,23 +166,33 @@ _ALIGN = 16
 
 
 def _on_device(plans, rows, device) -> tuple[tuple, tuple]:
-    """(a `UnifiedBatch` per plan of `plans`, the int64 tensors of `rows`) on `device`, in one host-to-device
-    copy: every array written into one int64 buffer (each at an aligned offset), copied once, each tensor a view
-    of its slice (as `UnifiedBatch.from_plan` makes each: the same values, shapes and None fields)."""
+    """(a `UnifiedBatch` per plan of `plans`, the int64 tensors of `rows`) on `device`: on the CPU views of the
+    arrays (`UnifiedBatch.from_plan`), elsewhere in one host-to-device copy (`_one_copy`)."""
+    from vllm_gaudi_unified.batch import UnifiedBatch
+
+    if device.type == "cpu":
+        return tuple(UnifiedBatch.from_plan(p) for p in plans), tuple(map(torch.from_numpy, rows))
+    return _one_copy(plans, rows, device)
+
+
+def _one_copy(plans, rows, device) -> tuple[tuple, tuple]:
+    """`_on_device` in one copy: every array written into one int64 host buffer (each at an aligned offset),
+    copied once, each tensor a view of its slice (the values, shapes and None fields of `from_plan`'s); a copy
+    per array costs a call and an allocation each (~34 for a step in parts)."""
     from vllm_gaudi_unified.batch import UnifiedBatch, _array_fields
     from vllm_gaudi_unified.plan.arrays import trusted
 
     names = _array_fields(UnifiedBatch)
     arrays = [getattr(p, name) for p in plans for name in names] + list(rows)
-    sizes = np.array([0 if a is None else a.size for a in arrays], np.int64)
-    slots = -(-sizes // _ALIGN) * _ALIGN
-    starts = (np.cumsum(slots) - slots).tolist()
-    host = np.empty(int(slots.sum()), np.int64)
-    for a, o in zip(arrays, starts):
-        if a is not None:
-            host[o:o + a.size] = a.reshape(-1)
-    buf = torch.from_numpy(host).to(device, non_blocking=True)
-    tensors = [None if a is None else buf[o:o + a.size].view(a.shape) for a, o in zip(arrays, starts)]
+    sizes = [0 if a is None else a.size for a in arrays]
+    pieces = [x for n in sizes for x in (n, -n % _ALIGN)]  # each array, then its padding to the next offset
+    host, o = np.empty(sum(pieces), np.int64), 0
+    for a, n, pad in zip(arrays, sizes, pieces[1::2]):
+        if n:
+            host[o:o + n] = a.reshape(-1)
+        o += n + pad
+    views = torch.split(torch.from_numpy(host).to(device, non_blocking=True), pieces)[::2]
+    tensors = [None if a is None else t if a.ndim == 1 else t.view(a.shape) for a, t in zip(arrays, views)]
     k = len(names)
     batches = tuple(trusted(UnifiedBatch, plan=p, **dict(zip(names, tensors[i * k:(i + 1) * k])))
                     for i, p in enumerate(plans))
