@@ -214,3 +214,29 @@ def test_a_step_in_parts_is_copied_once_and_equals_its_parts_made_one_by_one(cas
     tensors = tensors[len(tensors) // 2:] + list(copied[1])
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one buffer, one copy
     assert all(t.storage_offset() % step_parts._ALIGN == 0 for t in tensors)
+
+
+def test_the_causal_tiles_counted_are_the_tiled_plans_and_decide_as_it_does(case, monkeypatch):
+    from vllm_gaudi_unified.plan import plan_step
+    from vllm_gaudi_unified.plan.options import PlanOptions, on_route
+    from vllm_gaudi_unified.plan.rules import causal_tile_count
+
+    rng = np.random.default_rng(3)
+    for tile in (4, 16, 128):
+        opts = on_route(PlanOptions(causal_tile=tile), "tiles")
+        for _ in range(20):
+            q = rng.choice([1, 1, 2, 3, 7, 20, 40], size=int(rng.integers(1, 9)))
+            step = Step(list(map(int, q)), [int(x) for x in rng.integers(0, 30, q.size)], 4)
+            table, _ = make_block_table(step, rng)
+            want = plan_step(step.query_lens, step.context_lens, table, 4, options=opts).shape.num_causal_tiles
+            assert causal_tile_count(np.asarray(step.query_lens), tile) == want
+    plan, table, num_blocks = case
+    ql, cl = np.asarray(MIXED.query_lens), MIXED.context_lens
+    keep = grid_requests(ql, cl, table, 4, SETTINGS.options)
+    shapes = step_parts.part_shapes(plan, ql, cl, table, keep)
+    tiles = on_route(SETTINGS.options, "tiles")
+    tiled = lambda: plan_step(ql, cl, table, 4, options=tiles).shape  # noqa: E731
+    for call_us in (0.0, 1.0, 1e9):  # parts, whole, whole (the bound never decides against the tiled plan)
+        monkeypatch.setattr(step_parts, "PART_CALL_US", call_us)
+        assert step_parts.plan_parts(plan, *shapes, tiled) == step_parts.plan_parts(
+            plan, *shapes, tiled, lambda: causal_tile_count(ql, tiles.causal_tile))

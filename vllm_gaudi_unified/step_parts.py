@@ -36,6 +36,7 @@ from vllm_gaudi_unified.plan.default import plan_default
 from vllm_gaudi_unified.plan.arrays import cached_pairs, ranges, validate
 from vllm_gaudi_unified.plan.prompts import fill_grid, prompt_requests
 from vllm_gaudi_unified.plan.options import on_route
+from vllm_gaudi_unified.plan.rules import causal_tile_count
 
 #: Time-model price (estimated µs) of the second graph call of a step in parts: a graph launch and the
 #: copies of the part's rows (q/k/v in, output out). The device's per-call cost is tens of µs beside steps
@@ -97,12 +98,13 @@ def part_shapes(plan, query_lens, context_lens, block_table, keep: np.ndarray):
     return tuple(None if p is None else p.shape for p in part_plans(plan, query_lens, context_lens, block_table, keep))
 
 
-def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | None:
+def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape, causal_tiles=None) -> tuple | None:
     """The graphs of a step in parts, `(grid graph, the rest's bucket or None)`, or None: the step runs whole
     (`BucketPlan.route`). Parts when a grid graph of `plan` covers the grid part (`grid`), a bucket covers the
     rest, and the two, with `PART_CALL_US` for the second call, cost no more in the plan's time model than the
     bucket the step's tiled plan (`tiled_shape()`) pads to; that plan is made only when the cheapest bucket with
-    the step's query tokens and logits costs less than the parts (as `BucketPlan.route` does)."""
+    the step's query tokens and logits (as `BucketPlan.route` does), and with `causal_tiles()` causal tiles too
+    (the tiled plan's, `rules.causal_tile_count`, or fewer; asked for after the first), costs less than the parts."""
     graph = plan.prompt_graph(grid)
     if graph is None or not is_grid_graph(graph):
         return None
@@ -114,7 +116,8 @@ def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | 
         bucket, cost = plan.buckets[i], cost + float(plan.costs[i]) + PART_CALL_US
     tokens = grid.query_len + (0 if rest is None else rest.query_len)
     logits = grid.num_logits + (0 if rest is None else rest.num_logits)
-    if cost <= plan.tiled_floor(tokens, logits):
+    if cost <= plan.tiled_floor(tokens, logits) or (causal_tiles is not None and cost <= plan.tiled_floor(
+            tokens, logits, causal_tiles())):
         return graph, bucket
     tiled = tiled_shape()
     i = plan.covering(tiled)
@@ -150,8 +153,9 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     if not keep.any():
         return None
     plans = part_plans(plan, q, context_lens, table, keep, num_blocks, checked)
+    tiles = on_route(s.options, "tiles")
     graphs = plan_parts(plan, *(None if p is None else p.shape for p in plans), lambda: plan_step(
-        q, context_lens, table, s.block_size, options=on_route(s.options, "tiles")).shape)
+        q, context_lens, table, s.block_size, options=tiles).shape, lambda: causal_tile_count(q, tiles.causal_tile))
     if graphs is None:
         return None
     starts = np.cumsum(q) - q
@@ -309,7 +313,8 @@ def padding_in_parts(plan, steps, splits=None) -> dict:
             if not tiled:
                 tiled.append(plan_step(q, c, table, s.block_size, sliding_window=s.sliding_window, options=tiles).shape)
             return tiled[0]
-        graphs = None if shapes is None else plan_parts(plan, *shapes, tiled_shape)
+        graphs = None if shapes is None else plan_parts(plan, *shapes, tiled_shape,
+                                                        lambda: causal_tile_count(q, tiles.causal_tile))
         unpadded = model.graph_cost(tiled_shape() if shapes is None else plan_step(
             q, c, table, s.block_size, sliding_window=s.sliding_window, options=plan.step_options).shape)
         if graphs is not None:

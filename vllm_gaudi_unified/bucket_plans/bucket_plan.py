@@ -141,10 +141,13 @@ class BucketPlan:
         i = self.covering(tiled)
         return "dense" if i < 0 or cost <= float(self.costs[i]) else "tiles"
 
-    def tiled_floor(self, q: int, l: int) -> float:
-        """The least cost of a bucket with at least `q` query tokens and `l` logits (inf: none)."""
-        i, j = bisect_left(self._values[0], q), bisect_left(self._values[3], l)
-        m = self._masks[0][i] & self._masks[3][j] if i < len(self._values[0]) and j < len(self._values[3]) else 0
+    def tiled_floor(self, q: int, l: int, c: int = 0) -> float:
+        """The least cost of a bucket with at least `q` query tokens, `l` logits and `c` causal tiles (inf: none):
+        no more than the cost of the bucket a step of these sizes pads to."""
+        m = -1
+        for d, x in ((0, q), (3, l), (4, c)):
+            i = bisect_left(self._values[d], x)
+            m &= self._masks[d][i] if i < len(self._values[d]) else 0
         return float(self.costs[(m & -m).bit_length() - 1]) if m else float("inf")
 
     # ---- lookup -----------------------------------------------------------------------------
