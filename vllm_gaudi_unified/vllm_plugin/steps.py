@@ -5,7 +5,8 @@ sized), used once per step by `GaudiUnifiedMetadataBuilder.build`:
 
 - a bucket plan (`VLLM_GAUDI_UNIFIED_BUCKETS`: a plan file, checked against
   the server's settings, or `auto`: the plan `buckets generate` learns for
-  these settings from the simulated mix, made at start-up, `auto_plan.py`);
+  these settings from the simulated mix, made at start-up, in parts where the
+  runner runs steps in parts, `auto_plan.py`);
   every step is then padded to its bucket, and the plan
   decides the planner options (a plan is only valid for the options it was
   made with);
