@@ -75,7 +75,7 @@ class StepHooks:
             # the prompt route when the plan has prompt graphs; a plan in parts: a step not in parts runs whole,
             # tiled (`step_parts.plan_parts`), planned as a rest part is (one compiled graph per bucket)
             options = plan.settings.options if in_parts(plan) else plan.step_options
-        parts = plan is not None and in_parts(plan) and whole_steps is None
+        parts = plan is not None and in_parts(plan) and parts_refusal is None and whole_steps is None
         trace_path = _trace_path(config, vllm_config) if may_record else None
         hooks = cls(options=options, bucket_plan=plan, trace_path=trace_path, warmup_enabled=config.warmup,
                     graph_backend=graph_backend if parts else None, steps_in_parts=parts)
