@@ -45,11 +45,13 @@ PART_CALL_US = 30.0
 @dataclass(frozen=True)
 class StepParts:
     """A step planned in parts: per part its batch (padded to its graph) and its token rows of the step,
-    `[t_i]` int64 on the batch's device, in order; every row of the `num_tokens` in exactly one part."""
+    `[t_i]` int64 on the batch's device, in order; every row of the `num_tokens` in exactly one part;
+    `host_rows` the same rows on the host (int64 numpy), for what the host reads of them (no device sync)."""
 
     batches: tuple
     rows: tuple
     num_tokens: int
+    host_rows: tuple
 
     @property
     def buckets(self) -> tuple:
@@ -150,14 +152,14 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     if graphs is None:
         return None
     starts = np.cumsum(q) - q
-    batches, rows = [], []
+    batches, rows, host = [], [], []
     for part, step_plan, graph in zip((keep, ~keep), plans, graphs):
         if step_plan is None:
             continue
         batches.append(UnifiedBatch.from_plan(pad_plan(step_plan, graph), check_device(device or "cpu")))
-        idx = ranges(starts[part], q[part])[0]  # the part's requests' token rows, in order
-        rows.append(torch.as_tensor(idx, dtype=torch.int64, device=batches[-1].device))
-    return StepParts(tuple(batches), tuple(rows), int(q.sum()))
+        host.append(ranges(starts[part], q[part])[0])  # the part's requests' token rows, in order (int64)
+        rows.append(torch.as_tensor(host[-1], device=batches[-1].device))
+    return StepParts(tuple(batches), tuple(rows), int(q.sum()), tuple(host))
 
 
 def parts_attention(query, key, value, key_cache, value_cache, parts: StepParts, scale: float, attention=None,
