@@ -198,6 +198,7 @@ def test_a_step_in_parts_is_copied_once_and_equals_its_parts_made_one_by_one(cas
     starts = np.cumsum(q) - q
     rows = [ranges(starts[part], q[part])[0] for part in (keep, ~keep)[:len(expected)]]
     assert len(parts.batches) == len(expected) == len(parts.rows) == 2 - bool(keep.all())
+    assert all(np.array_equal(a, b) and a.dtype == np.int64 for a, b in zip(parts.host_rows, rows))
     copied = step_parts._one_copy([b.plan for b in expected], rows, torch.device("cpu"))  # as to a device
     tensors = []
     for batches, part_rows in ((parts.batches, parts.rows), copied):

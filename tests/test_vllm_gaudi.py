@@ -583,11 +583,13 @@ def _cpu_path_plan(out, blocks: dict, order: list[str], options, bucket_plan):
 
 
 @pytest.mark.parametrize("buckets", [None, "auto"])
-def test_step_planning_from_hpu_input_batch(runner_setup, monkeypatch, buckets):
+def test_step_planning_from_hpu_input_batch(runner_setup, gaudi, monkeypatch, buckets):
     """Steps made by vLLM's scheduler (chunked prompts, a prefix-cache hit read together with the
     chunk that wrote it, decodes), fed to vllm-gaudi's own `_update_states`; the runner subclass
     plans each from its `HPUInputBatch`. Its plan equals the CPU path's for the same step, and its
-    model inputs (tokens, positions, cache slots) are the scheduler's."""
+    model inputs (tokens, positions, cache slots) are the scheduler's. (`auto` starts in lazy mode, where it is
+    the whole plan the CPU path runs too; in torch.compile mode it is a plan in parts,
+    `test_vllm_gaudi_parts.py`.)"""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -597,9 +599,13 @@ def test_step_planning_from_hpu_input_batch(runner_setup, monkeypatch, buckets):
     from vllm_gaudi_unified.batch import UnifiedBatch
     from vllm_gaudi_unified.paths.prompts import prompt_bias
 
-    scheduler, runner = _scheduler_and_runner(runner_setup, monkeypatch, buckets)
+    gaudi.lazy = True
+    try:
+        scheduler, runner = _scheduler_and_runner(runner_setup, monkeypatch, buckets)
+    finally:
+        gaudi.lazy = False
     hooks = runner.unified_hooks[0]
-    assert (hooks.bucket_plan is not None) == (buckets is not None)
+    assert (hooks.bucket_plan is not None) == (buckets is not None) and not hooks.steps_in_parts
     rng = np.random.default_rng(0)
     prefix = [int(x) for x in rng.integers(3, 500, 70)]
     prompts = {"a": prefix + [int(x) for x in rng.integers(3, 500, 30)], "b": [int(x) for x in rng.integers(3, 500, 5)],

@@ -20,6 +20,7 @@ from vllm_gaudi_unified.bucket_plans import ModelSpec, ServerSettings, TraceStep
 from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
 from vllm_gaudi_unified.reference import reference_attention
 from vllm_gaudi_unified.step_parts import build_step_parts, in_parts, learn_grid_graphs
+from vllm_gaudi_unified.vllm_plugin.hpu_kinds import FULL
 
 pytestmark = pytest.mark.vllm
 
@@ -61,6 +62,15 @@ def case():
     plan = replace(tiled, prompt_graphs=grids, info={**tiled.info, "parts": True})
     assert in_parts(plan) and len(grids) == len(PROMPTS)
     return plan, tables
+
+
+def _runner_of(groups: int = 1, use_mla: bool = False, speculative_config=None, is_pooling_model: bool = False):
+    """What `hpu_parts.parts_support` reads of the unified runner."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False, use_mla=use_mla),
+                           kv_cache_config=SimpleNamespace(kv_cache_groups=[None] * groups),
+                           speculative_config=speculative_config, is_pooling_model=is_pooling_model)
 
 
 def _vllm_gaudi_inputs(step: Step, table: np.ndarray, num_blocks: int, rows: int, seed: int = 0):
@@ -218,22 +228,23 @@ def test_lazy_mode_refuses_a_plan_in_parts_and_torch_compile_mode_accepts_it(gau
     plan.save(path)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64))
     kv = SimpleNamespace(block_size=BS)
-    runner = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False))
+    runner = _runner_of()
+    kinds = {FULL: ["layer"]}
     gaudi.lazy = True
     try:
-        support = hpu_parts.parts_support(runner)
+        support = hpu_parts.parts_support(runner, kinds)
     finally:
         gaudi.lazy = False
-    assert support["graph_backend"] is None
+    assert support["graph_backend"] is None and support["whole_steps"] is None
     with pytest.raises(ValueError, match=r"VLLM_GAUDI_UNIFIED_BUCKETS=.*parts.json: a plan of grid graphs .* lazy mode "
                                          r"\(PT_HPU_LAZY_MODE=1\).*torch.compile mode \(PT_HPU_LAZY_MODE=0\)"):
         _load_bucket_plan(path, config, kv, PlanOptions(), None, parts_refusal=support["parts_refusal"])
-    support = hpu_parts.parts_support(runner)
-    assert support == {"parts_refusal": None, "graph_backend": "hpu_backend"}
+    support = hpu_parts.parts_support(runner, kinds)
+    assert support == {"parts_refusal": None, "whole_steps": None, "graph_backend": "hpu_backend"}
     loaded = _load_bucket_plan(path, config, kv, PlanOptions(), None, parts_refusal=support["parts_refusal"])
     assert in_parts(loaded) and loaded.prompt_graphs == plan.prompt_graphs
     runner.model_config.enforce_eager = True
-    assert hpu_parts.parts_support(runner)["graph_backend"] is None
+    assert hpu_parts.parts_support(runner, kinds)["graph_backend"] is None
     with pytest.raises(ValueError, match="one attention call: make the plan without --parts"):
         _load_bucket_plan(path, config, kv, PlanOptions(), None)
 
@@ -256,8 +267,11 @@ def test_bad_input_to_a_step_in_parts_is_refused_by_name(gaudi, case):  # noqa: 
 
 
 def test_model_rows_and_logits_rows_of_a_step_in_parts(case):
-    """The model rows: the fewest of a bucket holding the step's tokens; the sampled rows: each request's last
-    token in the flat step, from both parts."""
+    """The model rows: the fewest of a bucket holding the step's tokens, each plan its own (two plans, one made
+    after the other is gone); the sampled rows: each request's last token in the flat step, from both parts, read
+    from the host rows (the parts' device rows on the meta device, which cannot be read back, give the same)."""
+    import gc
+
     from vllm_gaudi_unified.vllm_plugin.hpu_backend import UnifiedHpuMetadata
     from vllm_gaudi_unified.vllm_plugin.hpu_parts import model_rows
 
@@ -265,11 +279,41 @@ def test_model_rows_and_logits_rows_of_a_step_in_parts(case):
     sizes = sorted({b.query_len for b in plan.buckets})
     assert [model_rows(plan, n) for n in (1, 13, 16, 17, sizes[-1], sizes[-1] + 1)] == \
         [1, 16, 16, 32, sizes[-1], sizes[-1] + 1]
+    for _ in range(2):  # a plan of other buckets, made twice (the second may take the first one's id)
+        other = replace(plan, buckets=[b for b in plan.buckets if b.query_len not in (1, 16)])
+        assert [model_rows(other, n) for n in (1, 13, 17)] == [2, 32, 32]
+        assert [model_rows(plan, n) for n in (1, 13, 17)] == [1, 16, 32]
+        del other
+        gc.collect()
     step, (table, nb) = STEPS["B3"], tables["B3"]
     batch, parts, rows = _metadata(plan, step, table, nb)
-    md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.zeros(rows, dtype=torch.int64), parts=parts)
+    old = np.sort(np.concatenate([r.cpu().numpy()[b.plan.logits_indices[:b.num_requests]]  # read back per step
+                                  for b, r in zip(parts.batches, parts.rows)]))
+    unread = replace(parts, rows=tuple(r.to("meta") for r in parts.rows))
+    with pytest.raises(NotImplementedError):
+        unread.rows[0].cpu()
     last = np.cumsum(step.query_lens) - 1
-    assert md.rows == rows and md.logits_rows(len(step.query_lens)).tolist() == last.tolist()
+    for p in (parts, unread):
+        md = UnifiedHpuMetadata(batch=batch, slot_mapping=torch.zeros(rows, dtype=torch.int64), parts=p)
+        assert md.rows == rows and md.logits_rows(len(step.query_lens)).tolist() == last.tolist() == old.tolist()
+    assert [h.tolist() for h in parts.host_rows] == [r.tolist() for r in parts.rows]
+
+
+def test_steps_run_in_parts_only_for_one_group_of_full_attention(gaudi):  # noqa: F811
+    """`hpu_parts.whole_steps`, which `parts_support` passes to `StepHooks.create` (and so to `auto`): None for
+    one KV cache group of full attention, else why the group's steps run whole."""
+    from vllm_gaudi_unified.vllm_plugin import hpu_parts
+    from vllm_gaudi_unified.vllm_plugin.hpu_kinds import AttentionKind
+
+    full, window = {FULL: ["a"]}, AttentionKind(sliding_window=8)
+    assert hpu_parts.whole_steps(_runner_of(), full) is None
+    cases = {"sliding windows": (_runner_of(), {window: ["a"]}),
+             "attention other than full": (_runner_of(), {FULL: ["a"], window: ["b"]}),
+             "several KV cache groups": (_runner_of(groups=2), full), "MLA": (_runner_of(use_mla=True), full),
+             "speculative decoding": (_runner_of(speculative_config=object()), full),
+             "a pooling model": (_runner_of(is_pooling_model=True), full)}
+    for why, (runner, kinds) in cases.items():
+        assert why in hpu_parts.whole_steps(runner, kinds) == hpu_parts.parts_support(runner, kinds)["whole_steps"]
 
 
 def test_the_runner_plans_steps_in_parts_and_warms_every_graph(runner_setup, gaudi, monkeypatch,  # noqa: F811
@@ -329,6 +373,46 @@ def test_the_runner_plans_steps_in_parts_and_warms_every_graph(runner_setup, gau
             assert md.parts.buckets == (bucket,) and rows == model_rows(plan, md.parts.num_tokens)
         else:
             assert md.parts is None and rows == bucket.query_len
+
+
+def test_auto_in_the_runner_is_a_plan_in_parts_in_torch_compile_mode_and_whole_in_lazy_mode(
+        runner_setup, gaudi, monkeypatch, tmp_path):  # noqa: F811
+    """`VLLM_GAUDI_UNIFIED_BUCKETS=auto` through the unified runner's start-up (`make_unified_hooks`,
+    `parts_support`): in torch.compile mode `auto` asks for a plan in parts, and the runner plans a step of a
+    prompt and decodes in parts with it; in lazy mode a whole plan, its steps whole. (`make_plan` stands in for
+    `buckets generate`: the exponential buckets of the server's settings, and with `--parts` grid graphs.)"""
+    from test_vllm_gaudi import C_BLOCK, _scheduler_and_runner
+
+    from vllm_gaudi_unified.vllm_plugin import auto_plan as auto
+    from vllm_gaudi_unified.vllm_plugin.hpu_step import HpuStep
+
+    q, c = np.array([1, 40, 1, 1]), np.array([70, 0, 33, 100])
+    table = np.zeros((4, 8), np.int64)
+    table[:, :5] = np.arange(1, 21).reshape(4, 5)
+    blocks = [list(map(int, row[:-(-(a + b) // C_BLOCK)])) for row, a, b in zip(table, q, c)]
+    asked = []
+
+    def make(settings, spec, path, parts=False):
+        asked.append(parts)
+        plan = exponential_plan(settings, spec)
+        if parts:
+            grids, _ = learn_grid_graphs(plan, [TraceStep(C_BLOCK, q, c, blocks)], 2)
+            plan = replace(plan, prompt_graphs=grids, info={**plan.info, "parts": True})
+        plan.save(path)
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(auto, "make_plan", make)
+    for lazy in (False, True):
+        gaudi.lazy = lazy
+        try:
+            _, runner = _scheduler_and_runner(runner_setup, monkeypatch, "auto")
+        finally:
+            gaudi.lazy = False
+        hooks = runner.unified_hooks[0]
+        assert asked[-1] == (not lazy) == in_parts(hooks.bucket_plan) == hooks.steps_in_parts
+        md = runner.plan_step(HpuStep(["a", "b", "c", "d"], q, c, [table]))["model.layers.0.self_attn.attn"]
+        assert (md.parts is not None) == (not lazy) and md.logits_rows(4).tolist() == [0, 40, 41, 42]
+    assert asked == [True, False]
 
 
 @pytest.mark.slow

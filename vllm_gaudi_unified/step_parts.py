@@ -47,11 +47,13 @@ PART_CALL_US = 30.0
 @dataclass(frozen=True)
 class StepParts:
     """A step planned in parts: per part its batch (padded to its graph) and its token rows of the step,
-    `[t_i]` int64 on the batch's device, in order; every row of the `num_tokens` in exactly one part."""
+    `[t_i]` int64 on the batch's device, in order; every row of the `num_tokens` in exactly one part;
+    `host_rows` the same rows on the host (int64 numpy), for what the host reads of them (no device sync)."""
 
     batches: tuple
     rows: tuple
     num_tokens: int
+    host_rows: tuple
 
     @property
     def buckets(self) -> tuple:
@@ -160,9 +162,9 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
         return None
     starts = np.cumsum(q) - q
     padded = [pad_plan(p, graph) for p, graph in zip(plans, graphs) if p is not None]
-    rows = [ranges(starts[part], q[part])[0] for part in (keep, ~keep)[:len(padded)]]  # the parts' token rows
-    batches, rows = _on_device(padded, rows, check_device(device or "cpu"))
-    return StepParts(batches, rows, int(q.sum()))
+    host = tuple(ranges(starts[part], q[part])[0] for part in (keep, ~keep)[:len(padded)])  # the parts' rows
+    batches, rows = _on_device(padded, host, check_device(device or "cpu"))
+    return StepParts(batches, rows, int(q.sum()), host)
 
 
 #: Each array of a step in parts starts at a multiple of this many int64s (128 bytes) in the one buffer copied.

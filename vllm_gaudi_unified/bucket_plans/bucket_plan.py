@@ -150,6 +150,13 @@ class BucketPlan:
             m &= self._masks[d][i] if i < len(self._values[d]) else 0
         return float(self.costs[(m & -m).bit_length() - 1]) if m else float("inf")
 
+    def fewest_rows(self, num_tokens: int) -> int:
+        """The fewest query rows of a bucket that hold `num_tokens` tokens, else `num_tokens` (from the plan's
+        own index of bucket sizes)."""
+        rows = self._values[0]  # the buckets' query lengths, sorted, each once
+        i = bisect_left(rows, num_tokens)
+        return rows[i] if i < len(rows) else int(num_tokens)
+
     # ---- lookup -----------------------------------------------------------------------------
     @property
     def cost_model(self) -> CostModel:

@@ -132,11 +132,12 @@ class UnifiedHpuMetadata:
         return self.slot_mapping.shape[0]
 
     def logits_rows(self, num_requests: int) -> np.ndarray:
-        """The model row of each request's last token (`num_requests`: the step's)."""
+        """The model row of each request's last token (`num_requests`: the step's); host arrays only (a step in
+        parts: its parts' `host_rows`), no read from the device."""
         if self.parts is None:
             return self.batch.plan.logits_indices[:num_requests]
-        return np.sort(np.concatenate([rows.cpu().numpy()[b.plan.logits_indices[:b.num_requests]]
-                                       for b, rows in zip(self.parts.batches, self.parts.rows)]))
+        return np.sort(np.concatenate([rows[b.plan.logits_indices[:b.num_requests]]
+                                       for b, rows in zip(self.parts.batches, self.parts.host_rows)]))
 
     @property
     def is_prompt(self) -> bool:

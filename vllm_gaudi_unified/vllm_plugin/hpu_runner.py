@@ -155,8 +155,8 @@ class UnifiedHpuModelRunner(UnifiedWarmup, HPUModelRunner):
         self.unified_hooks = [
             StepHooks.encoder_only(config) if t is None else
             StepHooks.create(config, self.vllm_config, g.kv_cache_spec, torch.device(self.device),
-                             sliding_window=w, may_record=(i == recorder), **parts_support(self))
-            for i, (g, w, t) in enumerate(zip(groups, windows, self.unified_tables))]
+                             sliding_window=w, may_record=(i == recorder), **parts_support(self, k))
+            for i, (g, w, t, k) in enumerate(zip(groups, windows, self.unified_tables, self.unified_kinds))]
         for kinds, t in zip(self.unified_kinds, self.unified_tables):
             if len(kinds) > 1:
                 logger.info("Unified attention: one KV cache group, one plan per attention kind per step (%s), "

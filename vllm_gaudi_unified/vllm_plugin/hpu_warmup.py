@@ -82,7 +82,7 @@ class UnifiedWarmup:
                 b = batch_for_bucket(bucket, group.kv_cache_spec.block_size, hooks.bucket_plan.options_for(bucket),
                                      kind.window, self.device)  # (with the step's mask, as `plan_step` makes it)
                 b = b.with_prompt_bias(self.dtype, same_head_dims=not self.model_config.use_mla)
-                parts, rows = grid_graph_warmup(hooks.bucket_plan, bucket, b) or (None, rows)
+                parts, rows = grid_graph_warmup(hooks, bucket, b) or (None, rows)
                 pad = torch.full((rows,), self._PAD_SLOT_ID, dtype=torch.int64, device=self.device)
                 md = UnifiedHpuMetadata(batch=b, slot_mapping=pad, parts=parts, graph_backend=hooks.graph_backend)
                 metadata.update({name: md for name in names})

@@ -5,7 +5,8 @@ sized), used once per step by `GaudiUnifiedMetadataBuilder.build`:
 
 - a bucket plan (`VLLM_GAUDI_UNIFIED_BUCKETS`: a plan file, checked against
   the server's settings, or `auto`: the plan `buckets generate` learns for
-  these settings from the simulated mix, made at start-up, `auto_plan.py`);
+  these settings from the simulated mix, made at start-up, in parts where the
+  runner runs steps in parts, `auto_plan.py`);
   every step is then padded to its bucket, and the plan
   decides the planner options (a plan is only valid for the options it was
   made with);
@@ -45,15 +46,19 @@ class StepHooks:
     warmup_enabled: bool = True  #: VLLM_GAUDI_UNIFIED_WARMUP
     #: the compile backend of a plan in parts' attention graphs in vllm-gaudi's torch.compile mode (`hpu_parts.py`)
     graph_backend: object = None
+    #: whether steps with prompts may run in parts: a plan in parts, and a group whose steps run in parts
+    steps_in_parts: bool = False
 
     @classmethod
     def create(cls, config: PluginConfig, vllm_config, kv_cache_spec, device: torch.device,
                sliding_window: int | None = None, may_record: bool = True, parts_refusal: str | None = ONE_CALL,
-               graph_backend=None) -> "StepHooks":
+               whole_steps: str | None = None, graph_backend=None) -> "StepHooks":
         """Hooks of one metadata builder (one KV cache group): `sliding_window` is the group's window,
         `may_record` whether this group's steps are the ones to record (see `_trace_path`), `parts_refusal` why
-        this runner refuses a plan in parts (None: it runs them; `hpu_parts.parts_support` gives the last two),
-        `graph_backend` the compile backend of such a plan's attention graphs."""
+        this runner refuses a plan in parts (None: it runs them; `hpu_parts.parts_support` gives the last three),
+        `whole_steps` why this group's steps run whole under one (None: they may run in parts), `graph_backend`
+        the compile backend of such a plan's attention graphs. `auto` makes a plan in parts where neither
+        reason is given (`auto_plan.py`)."""
         from vllm_gaudi_unified.bucket_plans.device_options import device_kind, options_for_device
 
         device = torch.device(device)
@@ -66,13 +71,14 @@ class StepHooks:
         plan = None
         if config.buckets:
             plan = _load_bucket_plan(config.buckets, vllm_config, kv_cache_spec, options, sliding_window, kind,
-                                     parts_refusal)
+                                     parts_refusal, whole_steps)
             # the prompt route when the plan has prompt graphs; a plan in parts: a step not in parts runs whole,
             # tiled (`step_parts.plan_parts`), planned as a rest part is (one compiled graph per bucket)
             options = plan.settings.options if in_parts(plan) else plan.step_options
+        parts = plan is not None and in_parts(plan) and parts_refusal is None and whole_steps is None
         trace_path = _trace_path(config, vllm_config) if may_record else None
         hooks = cls(options=options, bucket_plan=plan, trace_path=trace_path, warmup_enabled=config.warmup,
-                    graph_backend=graph_backend if plan is not None and in_parts(plan) else None)
+                    graph_backend=graph_backend if parts else None, steps_in_parts=parts)
         if hooks.trace_path:
             _start_trace(hooks.trace_path, vllm_config, kv_cache_spec, sliding_window)
         return hooks
@@ -120,16 +126,17 @@ class StepHooks:
 
 
 def _load_bucket_plan(path: str, vllm_config, kv_cache_spec, options: PlanOptions, sliding_window: int | None,
-                      device_kind: str = "", parts_refusal: str | None = ONE_CALL):
-    """The plan of `path` (or made now for `auto`, with the options measured for `device_kind`), refused
-    at start-up when it was made for other settings than this server's, or in parts (`buckets generate --parts`)
-    where this runner does not run steps in parts (`parts_refusal`: why; None: it does)."""
+                      device_kind: str = "", parts_refusal: str | None = ONE_CALL, whole_steps: str | None = None):
+    """The plan of `path` (or made now for `auto`, with the options measured for `device_kind`: in parts where
+    neither `parts_refusal` nor `whole_steps` says why not), refused at start-up when it was made for other
+    settings than this server's, or in parts (`buckets generate --parts`) where this runner does not run steps
+    in parts (`parts_refusal`: why; None: it does)."""
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
 
     from vllm_gaudi_unified.vllm_plugin.auto_plan import auto_plan
 
-    plan = (auto_plan(vllm_config, kv_cache_spec, options, sliding_window, device_kind) if path == "auto"
-            else BucketPlan.load(path))
+    plan = (auto_plan(vllm_config, kv_cache_spec, options, sliding_window, device_kind, parts_refusal or whole_steps)
+            if path == "auto" else BucketPlan.load(path))
     if in_parts(plan) and parts_refusal is not None:
         raise ValueError(f"{ENV_BUCKETS}={path}: a plan of grid graphs (`buckets generate --parts`) runs a step with "
                          f"prompts in two parts, each its own graph; {parts_refusal}")
