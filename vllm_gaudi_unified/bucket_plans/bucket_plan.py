@@ -128,9 +128,9 @@ class BucketPlan:
         covers it and costs, in the plan's time model (`CostModel.graph_cost`), no more than the bucket its
         tiled plan pads to (both priced as the device runs them: `cost.MEASURED_FACTORS`); else 'tiles'. A
         short question over a long document may have only a large prompt graph covering it, where a tiled
-        bucket is far cheaper. `tiled_shape()` gives the tiled plan's
-        shape; it is asked for only when the cheapest bucket with the step's query tokens and logits (the
-        same on both routes) costs less than the graph, so most steps are planned once."""
+        bucket is far cheaper. `tiled_shape()` gives the tiled plan's shape; it is asked for only when the
+        cheapest bucket with the step's query tokens and logits (the same on both routes) costs less than the
+        graph, so most steps are planned once."""
         graph = self.prompt_graph(shape)
         if graph is None:
             return "tiles"
@@ -142,8 +142,7 @@ class BucketPlan:
         return "dense" if i < 0 or cost <= float(self.costs[i]) else "tiles"
 
     def tiled_floor(self, q: int, l: int, c: int = 0) -> float:
-        """The least cost of a bucket with at least `q` query tokens, `l` logits and `c` causal tiles (inf: none):
-        no more than the cost of the bucket a step of these sizes pads to."""
+        """The least cost of a bucket with at least `q` query tokens, `l` logits and `c` causal tiles (inf: none)."""
         m = -1
         for d, x in ((0, q), (3, l), (4, c)):
             i = bisect_left(self._values[d], x)
