@@ -148,8 +148,8 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     if q.ndim != 1 or np.shape(context_lens) != q.shape or table.ndim != 2 or table.shape[0] != q.size:
         raise ValueError(f"query_lens [R], context_lens [R] and block_table [R, M] must agree, got {q.shape}, "
                          f"{np.shape(context_lens)}, {table.shape}")
-    if not plan.prompt_graphs or plan.settings.sliding_window is not None:
-        return None
+    if not plan.prompt_graphs or plan.settings.sliding_window is not None or (q.size and q.min() == q.max() == 1):
+        return None  # (decodes alone run whole: their planning checks them)
     checked = validate(q, context_lens, table, s.block_size, None, num_blocks)  # once for the step and its parts
     keep = _grid_of(checked, s.block_size, s.options, None)
     if not keep.any():
