@@ -176,3 +176,68 @@ def test_the_grid_part_is_the_planners_own_grid(name):
     assert held.any() == (name != "prefix_caching")  # (its 6-token request reads a prefix others read: tiles)
     got = grid_requests(step.query_lens, step.context_lens, table, step.block_size, SETTINGS.options)
     assert got.tolist() == held.tolist()
+
+
+@pytest.mark.parametrize("requests", [[0, 1, 2, 3, 4], [1, 3], [0, 1, 3, 4]], ids=["mixed", "grid", "two"])
+def test_a_step_in_parts_is_copied_once_and_equals_its_parts_made_one_by_one(case, requests):
+    from vllm_gaudi_unified.batch import UnifiedBatch, _array_fields
+    from vllm_gaudi_unified.plan import pad_plan, plan_step
+    from vllm_gaudi_unified.plan.arrays import ranges
+
+    plan, table, num_blocks = case
+    query_lens, context_lens = (np.asarray(x)[requests] for x in (MIXED.query_lens, MIXED.context_lens))
+    table = table[requests]
+    parts = build_step_parts(query_lens, context_lens, table, plan, num_blocks=num_blocks)
+    assert isinstance(parts, StepParts)
+    q = np.asarray(query_lens)
+    keep = grid_requests(q, context_lens, table, 4, SETTINGS.options)
+    plans = step_parts.part_plans(plan, q, context_lens, table, keep, num_blocks)
+    graphs = step_parts.plan_parts(plan, *(None if p is None else p.shape for p in plans), lambda: plan_step(
+        q, context_lens, table, 4, options=SETTINGS.options).shape)
+    expected = [UnifiedBatch.from_plan(pad_plan(p, g)) for p, g in zip(plans, graphs) if p is not None]
+    starts = np.cumsum(q) - q
+    rows = [ranges(starts[part], q[part])[0] for part in (keep, ~keep)[:len(expected)]]
+    assert len(parts.batches) == len(expected) == len(parts.rows) == 2 - bool(keep.all())
+    assert all(np.array_equal(a, b) and a.dtype == np.int64 for a, b in zip(parts.host_rows, rows))
+    copied = step_parts._one_copy([b.plan for b in expected], rows, torch.device("cpu"))  # as to a device
+    tensors = []
+    for batches, part_rows in ((parts.batches, parts.rows), copied):
+        for got, want in zip(part_rows, rows):
+            assert got.dtype == torch.int64 and torch.equal(got, torch.as_tensor(want))
+        for got, want in zip(batches, expected):
+            assert got.bucket == want.bucket and got.plan.shape == want.plan.shape
+            for name in _array_fields(UnifiedBatch):
+                a, b = getattr(got, name), getattr(want, name)
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert a.dtype == b.dtype == torch.int64 and a.shape == b.shape and torch.equal(a, b), name
+                    tensors.append(a)
+    tensors = tensors[len(tensors) // 2:] + list(copied[1])
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one buffer, one copy
+    assert all(t.storage_offset() % step_parts._ALIGN == 0 for t in tensors)
+
+
+def test_the_causal_tiles_counted_are_the_tiled_plans_and_decide_as_it_does(case, monkeypatch):
+    from vllm_gaudi_unified.plan import plan_step
+    from vllm_gaudi_unified.plan.options import PlanOptions, on_route
+    from vllm_gaudi_unified.plan.rules import causal_tile_count
+
+    rng = np.random.default_rng(3)
+    for tile in (4, 16, 128):
+        opts = on_route(PlanOptions(causal_tile=tile), "tiles")
+        for _ in range(20):
+            q = rng.choice([1, 1, 2, 3, 7, 20, 40], size=int(rng.integers(1, 9)))
+            step = Step(list(map(int, q)), [int(x) for x in rng.integers(0, 30, q.size)], 4)
+            table, _ = make_block_table(step, rng)
+            want = plan_step(step.query_lens, step.context_lens, table, 4, options=opts).shape.num_causal_tiles
+            assert causal_tile_count(np.asarray(step.query_lens), tile) == want
+    plan, table, num_blocks = case
+    ql, cl = np.asarray(MIXED.query_lens), MIXED.context_lens
+    keep = grid_requests(ql, cl, table, 4, SETTINGS.options)
+    shapes = step_parts.part_shapes(plan, ql, cl, table, keep)
+    tiles = on_route(SETTINGS.options, "tiles")
+    tiled = lambda: plan_step(ql, cl, table, 4, options=tiles).shape  # noqa: E731
+    for call_us in (0.0, 1.0, 1e9):  # parts, whole, whole (the bound never decides against the tiled plan)
+        monkeypatch.setattr(step_parts, "PART_CALL_US", call_us)
+        assert step_parts.plan_parts(plan, *shapes, tiled) == step_parts.plan_parts(
+            plan, *shapes, tiled, lambda: causal_tile_count(ql, tiles.causal_tile))

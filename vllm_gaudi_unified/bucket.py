@@ -13,7 +13,7 @@ fields of the design keep their meaning and their order.
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class Bucket:
     @property
     def sizes(self) -> tuple[int, ...]:
         """The numeric fields, in declaration order."""
-        return astuple(self)[1:6]
+        return (self.query_len, self.num_shared_blocks, self.num_unique_blocks, self.num_logits, self.num_causal_tiles)
 
     @property
     def prompts(self) -> tuple[int, int, int]:

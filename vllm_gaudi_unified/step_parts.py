@@ -32,9 +32,11 @@ import torch
 
 from vllm_gaudi_unified.bucket import Bucket
 from vllm_gaudi_unified.plan import plan_step
+from vllm_gaudi_unified.plan.default import plan_default
 from vllm_gaudi_unified.plan.arrays import cached_pairs, ranges, validate
 from vllm_gaudi_unified.plan.prompts import fill_grid, prompt_requests
 from vllm_gaudi_unified.plan.options import on_route
+from vllm_gaudi_unified.plan.rules import causal_tile_count
 
 #: Time-model price (estimated µs) of the second graph call of a step in parts: a graph launch and the
 #: copies of the part's rows (q/k/v in, output out). The device's per-call cost is tens of µs beside steps
@@ -63,7 +65,13 @@ def grid_requests(query_lens, context_lens, block_table, block_size: int, option
     """Bool `[R]`: the requests of the step whose new tokens the prompt route's grid takes (none when the
     step has no prompt for it): the planner's own choice (`plan/default.py`: `prompt_requests`, `fill_grid`),
     without the rest of its plan."""
-    q, ctx, bt, nb_ctx = validate(query_lens, context_lens, block_table, block_size, sliding_window, None)
+    checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, None)
+    return _grid_of(checked, block_size, options, sliding_window)
+
+
+def _grid_of(checked, block_size: int, options, sliding_window) -> np.ndarray:
+    """`grid_requests` of a step's checked arrays (`arrays.validate`)."""
+    q, ctx, bt, nb_ctx = checked
     if int(q.max()) < 2 or sliding_window is not None or options.batch_invariant:  # (no prompt route)
         return np.zeros(q.size, bool)
     pair_req, _, phys, _, max_block_id = cached_pairs(ctx, nb_ctx, bt, block_size, None, None)
@@ -71,22 +79,20 @@ def grid_requests(query_lens, context_lens, block_table, block_size: int, option
                      block_size)
 
 
-def _subset(query_lens, context_lens, block_table, keep: np.ndarray):
-    return (np.asarray(query_lens, np.int64)[keep], np.asarray(context_lens, np.int64)[keep],
-            np.asarray(block_table)[keep])
-
-
-def part_plans(plan, query_lens, context_lens, block_table, keep: np.ndarray, num_blocks: int | None = None):
+def part_plans(plan, query_lens, context_lens, block_table, keep: np.ndarray, num_blocks: int | None = None,
+               checked=None):
     """(grid part's StepPlan on the prompt route, the rest's on the tiled route or None) of a step split at
-    `keep` (`grid_requests`)."""
+    `keep` (`grid_requests`). `checked`: the step's arrays as `arrays.validate` returns them, when already
+    checked: each part is planned from its rows of them, as `plan_step` plans the part's own arrays."""
     s = plan.settings
-    grid = plan_step(*_subset(query_lens, context_lens, block_table, keep), s.block_size, num_blocks=num_blocks,
-                     sliding_window=s.sliding_window, options=plan.step_options)
-    rest = None
-    if not keep.all():
-        rest = plan_step(*_subset(query_lens, context_lens, block_table, ~keep), s.block_size, num_blocks=num_blocks,
-                         sliding_window=s.sliding_window, options=on_route(s.options, "tiles"))
-    return grid, rest
+    bs, W = s.block_size, s.sliding_window
+    checked = checked or validate(query_lens, context_lens, block_table, bs, W, num_blocks)
+
+    def part(rows, options):
+        q, ctx, bt, nb_ctx = (a[rows] for a in checked)
+        bt = np.ascontiguousarray(bt[:, :-(-int(ctx.max()) // bs)])  # the part's own columns (`validate`)
+        return plan_default(q, ctx, bt, nb_ctx, bs, W, num_blocks, options)
+    return part(keep, plan.step_options), None if keep.all() else part(~keep, on_route(s.options, "tiles"))
 
 
 def part_shapes(plan, query_lens, context_lens, block_table, keep: np.ndarray):
@@ -94,17 +100,17 @@ def part_shapes(plan, query_lens, context_lens, block_table, keep: np.ndarray):
     return tuple(None if p is None else p.shape for p in part_plans(plan, query_lens, context_lens, block_table, keep))
 
 
-def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | None:
+def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape, causal_tiles=None) -> tuple | None:
     """The graphs of a step in parts, `(grid graph, the rest's bucket or None)`, or None: the step runs whole
     (`BucketPlan.route`). Parts when a grid graph of `plan` covers the grid part (`grid`), a bucket covers the
     rest, and the two, with `PART_CALL_US` for the second call, cost no more in the plan's time model than the
     bucket the step's tiled plan (`tiled_shape()`) pads to; that plan is made only when the cheapest bucket with
-    the step's query tokens and logits costs less than the parts (as `BucketPlan.route` does)."""
+    the step's query tokens and logits (as `BucketPlan.route` does), and with `causal_tiles()` causal tiles too
+    (the tiled plan's, `rules.causal_tile_count`, or fewer; asked for after the first), costs less than the parts."""
     graph = plan.prompt_graph(grid)
     if graph is None or not is_grid_graph(graph):
         return None
-    model, bucket = plan.cost_model, None
-    cost = model.graph_cost(graph)
+    bucket, cost = None, plan.graph_cost(graph)
     if rest is not None:
         i = plan.covering(rest)
         if i < 0:
@@ -112,7 +118,8 @@ def plan_parts(plan, grid: Bucket, rest: Bucket | None, tiled_shape) -> tuple | 
         bucket, cost = plan.buckets[i], cost + float(plan.costs[i]) + PART_CALL_US
     tokens = grid.query_len + (0 if rest is None else rest.query_len)
     logits = grid.num_logits + (0 if rest is None else rest.num_logits)
-    if cost <= plan.tiled_floor(tokens, logits):
+    if cost <= plan.tiled_floor(tokens, logits) or (causal_tiles is not None and cost <= plan.tiled_floor(
+            tokens, logits, causal_tiles())):
         return graph, bucket
     tiled = tiled_shape()
     i = plan.covering(tiled)
@@ -129,7 +136,7 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     """The step in parts as `plan` (a `BucketPlan` with grid graphs) decides (`plan_parts`), each part planned
     and padded to its graph and put on `device`; None: the step runs whole (`build_unified_batch(...,
     options=plan.step_options, bucket=plan)`)."""
-    from vllm_gaudi_unified.batch import UnifiedBatch, check_device
+    from vllm_gaudi_unified.batch import check_device
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
     from vllm_gaudi_unified.plan import pad_plan
 
@@ -141,25 +148,61 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     if q.ndim != 1 or np.shape(context_lens) != q.shape or table.ndim != 2 or table.shape[0] != q.size:
         raise ValueError(f"query_lens [R], context_lens [R] and block_table [R, M] must agree, got {q.shape}, "
                          f"{np.shape(context_lens)}, {table.shape}")
-    if not plan.prompt_graphs or plan.settings.sliding_window is not None:
-        return None
-    keep = grid_requests(q, context_lens, table, s.block_size, s.options, s.sliding_window)
+    if not plan.prompt_graphs or plan.settings.sliding_window is not None or (q.size and q.min() == q.max() == 1):
+        return None  # (decodes alone run whole: their planning checks them)
+    checked = validate(q, context_lens, table, s.block_size, None, num_blocks)  # once for the step and its parts
+    keep = _grid_of(checked, s.block_size, s.options, None)
     if not keep.any():
         return None
-    plans = part_plans(plan, q, context_lens, table, keep, num_blocks)
+    plans = part_plans(plan, q, context_lens, table, keep, num_blocks, checked)
+    tiles = on_route(s.options, "tiles")
     graphs = plan_parts(plan, *(None if p is None else p.shape for p in plans), lambda: plan_step(
-        q, context_lens, table, s.block_size, options=on_route(s.options, "tiles")).shape)
+        q, context_lens, table, s.block_size, options=tiles).shape, lambda: causal_tile_count(q, tiles.causal_tile))
     if graphs is None:
         return None
     starts = np.cumsum(q) - q
-    batches, rows, host = [], [], []
-    for part, step_plan, graph in zip((keep, ~keep), plans, graphs):
-        if step_plan is None:
-            continue
-        batches.append(UnifiedBatch.from_plan(pad_plan(step_plan, graph), check_device(device or "cpu")))
-        host.append(ranges(starts[part], q[part])[0])  # the part's requests' token rows, in order (int64)
-        rows.append(torch.as_tensor(host[-1], device=batches[-1].device))
-    return StepParts(tuple(batches), tuple(rows), int(q.sum()), tuple(host))
+    padded = [pad_plan(p, graph) for p, graph in zip(plans, graphs) if p is not None]
+    host = tuple(ranges(starts[part], q[part])[0] for part in (keep, ~keep)[:len(padded)])  # the parts' rows
+    batches, rows = _on_device(padded, host, check_device(device or "cpu"))
+    return StepParts(batches, rows, int(q.sum()), host)
+
+
+#: Each array of a step in parts starts at a multiple of this many int64s (128 bytes) in the one buffer copied.
+_ALIGN = 16
+
+
+def _on_device(plans, rows, device) -> tuple[tuple, tuple]:
+    """(a `UnifiedBatch` per plan of `plans`, the int64 tensors of `rows`) on `device`: on the CPU views of the
+    arrays (`UnifiedBatch.from_plan`), elsewhere in one host-to-device copy (`_one_copy`)."""
+    from vllm_gaudi_unified.batch import UnifiedBatch
+
+    if device.type == "cpu":
+        return tuple(UnifiedBatch.from_plan(p) for p in plans), tuple(map(torch.from_numpy, rows))
+    return _one_copy(plans, rows, device)
+
+
+def _one_copy(plans, rows, device) -> tuple[tuple, tuple]:
+    """`_on_device` in one copy: every array written into one int64 host buffer (each at an aligned offset),
+    copied once, each tensor a view of its slice (the values, shapes and None fields of `from_plan`'s); a copy
+    per array costs a call and an allocation each (~34 for a step in parts)."""
+    from vllm_gaudi_unified.batch import UnifiedBatch, _array_fields
+    from vllm_gaudi_unified.plan.arrays import trusted
+
+    names = _array_fields(UnifiedBatch)
+    arrays = [getattr(p, name) for p in plans for name in names] + list(rows)
+    sizes = [0 if a is None else a.size for a in arrays]
+    pieces = [x for n in sizes for x in (n, -n % _ALIGN)]  # each array, then its padding to the next offset
+    host, o = np.empty(sum(pieces), np.int64), 0
+    for a, n, pad in zip(arrays, sizes, pieces[1::2]):
+        if n:
+            host[o:o + n] = a.reshape(-1)
+        o += n + pad
+    views = torch.split(torch.from_numpy(host).to(device, non_blocking=True), pieces)[::2]
+    tensors = [None if a is None else t if a.ndim == 1 else t.view(a.shape) for a, t in zip(arrays, views)]
+    k = len(names)
+    batches = tuple(trusted(UnifiedBatch, plan=p, **dict(zip(names, tensors[i * k:(i + 1) * k])))
+                    for i, p in enumerate(plans))
+    return batches, tuple(tensors[len(plans) * k:])
 
 
 def parts_attention(query, key, value, key_cache, value_cache, parts: StepParts, scale: float, attention=None,
@@ -272,7 +315,8 @@ def padding_in_parts(plan, steps, splits=None) -> dict:
             if not tiled:
                 tiled.append(plan_step(q, c, table, s.block_size, sliding_window=s.sliding_window, options=tiles).shape)
             return tiled[0]
-        graphs = None if shapes is None else plan_parts(plan, *shapes, tiled_shape)
+        graphs = None if shapes is None else plan_parts(plan, *shapes, tiled_shape,
+                                                        lambda: causal_tile_count(q, tiles.causal_tile))
         unpadded = model.graph_cost(tiled_shape() if shapes is None else plan_step(
             q, c, table, s.block_size, sliding_window=s.sliding_window, options=plan.step_options).shape)
         if graphs is not None:

@@ -119,28 +119,34 @@ class BucketPlan:
         the tiled route."""
         return self._prompts.find(shape)
 
+    def graph_cost(self, graph: Bucket) -> float:
+        """`CostModel.graph_cost` of one of the plan's prompt graphs (priced once, when the plan is made)."""
+        return self._graph_costs[graph]
+
     def route(self, shape: Bucket, tiled_shape) -> str:
         """The route of a step with prompts (`shape`: planned on the prompt route): 'dense' when a prompt graph
         covers it and costs, in the plan's time model (`CostModel.graph_cost`), no more than the bucket its
         tiled plan pads to (both priced as the device runs them: `cost.MEASURED_FACTORS`); else 'tiles'. A
         short question over a long document may have only a large prompt graph covering it, where a tiled
-        bucket is far cheaper. `tiled_shape()` gives the tiled plan's
-        shape; it is asked for only when the cheapest bucket with the step's query tokens and logits (the
-        same on both routes) costs less than the graph, so most steps are planned once."""
+        bucket is far cheaper. `tiled_shape()` gives the tiled plan's shape; it is asked for only when the
+        cheapest bucket with the step's query tokens and logits (the same on both routes) costs less than the
+        graph, so most steps are planned once."""
         graph = self.prompt_graph(shape)
         if graph is None:
             return "tiles"
-        cost = self._graph_costs[graph]
+        cost = self.graph_cost(graph)
         if cost <= self.tiled_floor(shape.query_len, shape.num_logits):
             return "dense"
         tiled = tiled_shape()
         i = self.covering(tiled)
         return "dense" if i < 0 or cost <= float(self.costs[i]) else "tiles"
 
-    def tiled_floor(self, q: int, l: int) -> float:
-        """The least cost of a bucket with at least `q` query tokens and `l` logits (inf: none)."""
-        i, j = bisect_left(self._values[0], q), bisect_left(self._values[3], l)
-        m = self._masks[0][i] & self._masks[3][j] if i < len(self._values[0]) and j < len(self._values[3]) else 0
+    def tiled_floor(self, q: int, l: int, c: int = 0) -> float:
+        """The least cost of a bucket with at least `q` query tokens, `l` logits and `c` causal tiles (inf: none)."""
+        m = -1
+        for d, x in ((0, q), (3, l), (4, c)):
+            i = bisect_left(self._values[d], x)
+            m &= self._masks[d][i] if i < len(self._values[d]) else 0
         return float(self.costs[(m & -m).bit_length() - 1]) if m else float("inf")
 
     def fewest_rows(self, num_tokens: int) -> int:

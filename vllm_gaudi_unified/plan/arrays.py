@@ -297,6 +297,8 @@ def move_no_row(rows: np.ndarray, old: int, new: int) -> np.ndarray:
 
 
 def grow(a: np.ndarray, n: int, fill) -> np.ndarray:
-    """`a` padded along its first axis to `n` entries of `fill`."""
+    """`a` padded along its first axis to `n` entries of `fill` (`a` itself when it has `n`)."""
+    if n == a.shape[0]:
+        return a
     extra = np.full((n - a.shape[0],) + a.shape[1:], fill, a.dtype)
     return np.concatenate([a, extra])

@@ -97,3 +97,14 @@ def causal_spans(tile_key: np.ndarray, t: np.ndarray, klo: np.ndarray, needs: np
     lo, hi = np.minimum.reduceat(lo, start), np.maximum.reduceat(hi, start)
     active = hi >= 0
     return start, active, np.where(active, lo, 0) // tile, hi // tile
+
+
+def causal_tile_count(q: np.ndarray, tile: int) -> int:
+    """The causal tiles `plan_step` lists for a step of `q` new tokens per request without a window (on the
+    tiled route: every request's new tokens; `causal_spans`), counted, not built."""
+    if int(q.max()) < 2:
+        return 0
+    t = np.arange(int(q.sum()))
+    klo = np.repeat(np.cumsum(q) - q, q)
+    _, active, first, last = causal_spans(t // tile, t, klo, klo <= t - 1, tile)
+    return int((last - first + 1)[active].sum())
