@@ -131,11 +131,8 @@ def merge_rows(parts: Sequence[Partial | Scattered], rows: int, dtype: torch.dty
     start = not isinstance(parts[0], Scattered)  # a Partial first: its scaled rows start the sums (no zeroed pass)
     some = parts[0] if start else parts[0].rows
     heads, dim = some.acc.shape[1:]
-    if start:  # a Partial first: its max starts the step's (one pass, not a fill and a maximum over it)
-        new_max = torch.cat([some.max, some.max.new_full((1, heads), float("-inf"))])
-    else:
-        new_max = some.max.new_full((rows + 1, heads), float("-inf"))  # (row `rows`: the dropped rows')
-    for p in parts[1:] if start else parts:
+    new_max = some.max.new_full((rows + 1, heads), float("-inf"))  # (row `rows`: the dropped rows')
+    for p in parts:
         if isinstance(p, Scattered):
             new_max = scatter_max(p.rows.max, p.index, new_max)
         else:
