@@ -248,7 +248,9 @@ def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     finite = fused.finite_rows(v)  # [T, K, Hkv]
     vh = torch.empty((hkv, t, nk, dv), dtype=v.dtype, device=v.device)
     written(vh, torch.where, heads(finite & mask.any(1)[:, :, None])[..., None], heads(v), v.new_zeros(()))
-    bad_rows = (mask & ~heads(finite)[:, :, None, :]).any(-1)  # [Hkv, T, R]: rows that see a non-finite value
+    # Rows that see a non-finite value, `[T, R, Hkv]`: a count of them as one product of the mask and the bad keys
+    # (compiled, `(mask & bad).any(-1)` took each key's finiteness again for every row: 12.6 of 87 us, H200)
+    bad_rows = torch.matmul(mask.to(q.dtype), (~finite).to(q.dtype)) > 0
     scores = score_product(qh.view(hkv * t, r * g, d), kh.view(hkv * t, nk, d).transpose(1, 2))
     if not fold:
         scores = scores.to(dt) * scale
@@ -263,6 +265,6 @@ def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     out = torch.empty((t, r, hkv, g, dv), dtype=dt, device=q.device)
     written(out, torch.div, as_rows(acc), as_rows(p_max)[..., None])
     seen = m != float("-inf")
-    m = torch.where(bad_rows[..., None], float("nan"), m)
+    m = torch.where(heads(bad_rows)[..., None], float("nan"), m)
     total = torch.where(seen, 1 / p_max, 0.0)
     return Partial(out.view(t * r, hq, dv), *(as_rows(x).reshape(t * r, hq) for x in (m, total)))
