@@ -355,3 +355,22 @@ def test_one_compiled_function_serves_every_step_of_a_bucket():
                 compiled_attention(q[:1], k[:1], v[:1], kc, vc, batch, 0.37)
     finally:
         clear()
+
+
+def test_compiled_step_with_shared_tiles():
+    """A step with shared tiles of several rows and KV heads (parallel sampling: `tiles.attend_heads`) and
+    every unique slot a partial block, compiled as a bucket's graph is: it compiles (its buffers written in
+    their own layout, `tiles.written`) and matches the reference, poisoned slots included."""
+    from vllm_gaudi_unified.graphs import clear, compiled_attention
+
+    step = SPECS["parallel_sampling"]
+    table, nb = make_block_table(step, np.random.default_rng(0))
+    q, k, v, kc, vc = make_tensors(step, table, nb)
+    batch = build_unified_batch(step.query_lens, step.context_lens, table, 4, options=SMALL_TILES)
+    assert batch.phase == "-su" and batch.shared_rows.shape[1] > 1
+    ref = reference_attention(q, k, v, kc, vc, step.query_lens, step.context_lens, table, 0.37)
+    clear()
+    try:
+        assert_matches(compiled_attention(q, k, v, kc, vc, batch, 0.37), ref)
+    finally:
+        clear()

@@ -66,8 +66,10 @@ def unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
         pairs = None if new is None else request_pairs(q, *new, batch, scale, soft_cap)
         return units_partial(q, k, v, *unit_tokens(batch, n), mask, _partial_slots(batch, n, block_size), scale,
                              soft_cap, pairs)
-    part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap,
-                  masked_tiles=_partial_slots(batch, n, block_size))
+    # As many slots as a bucket's partial ones (one block per request: parallel sampling's last blocks): V
+    # masked once for every slot, one product, no second one on the listed slots nor their ranking
+    masked = None if slots <= _partial_count(batch) else _partial_slots(batch, n, block_size)
+    part = attend(q[rows.clamp(max=n - 1)][:, None], k, v, mask, scale, soft_cap, masked_tiles=masked)
     return Scattered(part, rows)
 
 
@@ -141,8 +143,7 @@ def _partial_slots(batch, n: int, block_size: int) -> torch.Tensor:
     which masking leaves unchanged. Slots without a row (padding, dead slots of the slice) are dropped
     by the merge and need no mask."""
     slots = batch.unique_rows.shape[0]
-    per_request = 1 if batch.sliding_window is None else 2
-    count = min(slots, per_request * batch.bucket.num_logits)
+    count = min(slots, _partial_count(batch))
     partial = (batch.unique_rows < n) & ((batch.unique_lo > 0) | (batch.unique_hi < block_size))
     # Compacted by rank (a cumulative sum and one scatter): the k-th partial slot goes to entry k; the
     # others to a dropped entry `count`; entries left over keep slot 0. Cheaper than a top-k on the device
@@ -151,6 +152,11 @@ def _partial_slots(batch, n: int, block_size: int) -> torch.Tensor:
     dest = torch.where(partial & (rank < count), rank, count).to(torch.int64)
     sel = torch.zeros(count + 1, dtype=torch.int64, device=partial.device)
     return sel.index_copy_(0, dest, torch.arange(slots, device=partial.device))[:count]
+
+
+def _partial_count(batch) -> int:
+    """The most slots of a bucket a real row sees only part of: 2 per request with a sliding window, else 1."""
+    return (1 if batch.sliding_window is None else 2) * batch.bucket.num_logits
 
 
 #: Looked up once, at import: a plain constant is what torch.compile traces without a warning (it
