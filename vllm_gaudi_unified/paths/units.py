@@ -41,23 +41,24 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16 (its products in fp32)
     drop = n + torch.arange(t * r, device=q.device) % DROP_ROWS  # [T*R]
     index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
-    mask = mask & real[:, :, None]  # [T, R, K]
-    # rows (r, g) per KV head: the gathered queries written once in the products' layout
-    qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
-    scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
-    scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
+    # rows (r, g) per KV head: the gathered queries written once in the products' layout, head-major
+    qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
+    # the heads' scores one after the other ([Hkv, T, ...]): a block of the softmax's rows reads one product
+    scores = torch.cat([score_product(qh[h], k[:, :, h].transpose(1, 2)) for h in range(hkv)])
+    scores = scores.view(hkv, t, r, g, nk).to(dt) * scale  # [Hkv, T, R, G, K]
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
+    # one mask per slot: a row without a token sees the slot's keys too, and its rows go to a dropped row
+    scores = scores.masked_fill(~mask[None, :, :, None], float("-inf"))
     p, m, total = masked_softmax_for(scores)(scores)
-    p = p.to(v.dtype).view(t, hkv, r * g, nk)
-    acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
-    m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
+    p = p.to(v.dtype).view(hkv, t, r * g, nk)
+    acc = [torch.matmul(p[h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
+    m, total = (x.permute(1, 2, 0, 3).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
-    vz = torch.where(mask.any(1)[masked][:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
-    fix = torch.matmul(p[masked], vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
+    vz = torch.where(mask[masked, 0][:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
+    fix = torch.matmul(p[:, masked].transpose(0, 1), vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
     listed = torch.arange(s, device=q.device)
     once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
     fix_rows = (masked[:, None] * r + torch.arange(r, device=q.device)).reshape(-1)  # [S*R]
