@@ -221,3 +221,28 @@ def test_units_add_a_masked_slot_listed_twice_once(masked):
     want = normalize(scatter_merge(want, torch.where(real, tokens, n).reshape(-1), n))
     torch.testing.assert_close(got[:5], want[:5], rtol=1e-6, atol=1e-6)
     assert torch.equal(got[5], torch.zeros_like(got[5]))  # token 5 sees no key here
+
+
+def test_a_unit_row_without_a_token_reaches_no_token():
+    """`units.units_partial`: a unit's rows past its request's tokens see the slot's keys like its real rows
+    (one mask per slot), and their rows, NaN from a NaN query here, go to the dropped rows only."""
+    from vllm_gaudi_unified.merge import normalize
+    from vllm_gaudi_unified.paths.units import units_partial
+
+    g = torch.Generator().manual_seed(5)
+    n, hq, hkv, d, bs = 6, 4, 2, 8, 4
+    q = torch.randn(n, hq, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, bs, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    q[2] = float("nan")  # the query of the first unit's row without a token
+    tokens = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    real = torch.tensor([[True, True, False], [True, True, True]])
+    mask = torch.ones(2, 1, bs, dtype=torch.bool)
+    mask[1, 0, 3:] = False
+    got = normalize(units_partial(q, k, v, tokens, real, mask, torch.tensor([1]), 0.4, None))
+    for t, slot in ((0, 0), (1, 0), (3, 1), (4, 1), (5, 1)):
+        seen = mask[slot, 0]
+        kk, vv = k[slot][seen].repeat_interleave(hq // hkv, 1), v[slot][seen].repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,khd->hk", q[t], kk) * 0.4
+        want = torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv)
+        torch.testing.assert_close(got[t], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))  # token 2 has no row here
