@@ -199,8 +199,27 @@ def test_units_with_a_soft_cap_sinks_and_fp16(dtype, extra):
     assert_matches(out, ref)
 
 
+@pytest.fixture(params=["heads_first", "tokens_first"])
+def layout_rows(request, monkeypatch):
+    """`units.units_partial` with its scores head-major, then token-major, whatever the rows
+    (`HEADS_FIRST_MIN_ROWS`)."""
+    from vllm_gaudi_unified.paths import units
+
+    monkeypatch.setattr(units, "HEADS_FIRST_MIN_ROWS", 1 if request.param == "heads_first" else 10**9)
+    return request.param
+
+
+@pytest.mark.parametrize("name", sorted(VERIFY))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_verify_units_in_both_score_layouts(name, dtype, layout_rows):
+    step, phase = VERIFY[name]
+    out, ref, batch = run_case(step, dtype=dtype, options=UNITS)
+    assert batch.phase == phase and batch.plan.unique_units == 4
+    assert_matches(out, ref)
+
+
 @pytest.mark.parametrize("masked", [[1, 0, 0], [0, 1, 1, 0], [1]])
-def test_units_add_a_masked_slot_listed_twice_once(masked):
+def test_units_add_a_masked_slot_listed_twice_once(masked, layout_rows):
     """`units.units_partial`: a slot listed in `masked` more than once (the bucket's count is padded with slot 0)
     adds its rows once; a masked slot's unseen NaN value reaches no row; the same as the general tiles merged."""
     from vllm_gaudi_unified.merge import normalize, scatter_merge
@@ -223,7 +242,7 @@ def test_units_add_a_masked_slot_listed_twice_once(masked):
     assert torch.equal(got[5], torch.zeros_like(got[5]))  # token 5 sees no key here
 
 
-def test_a_unit_row_without_a_token_reaches_no_token():
+def test_a_unit_row_without_a_token_reaches_no_token(layout_rows):
     """`units.units_partial`: a unit's rows past its request's tokens see the slot's keys like its real rows
     (one mask per slot), and their rows, NaN from a NaN query here, go to the dropped rows only."""
     from vllm_gaudi_unified.merge import normalize
