@@ -199,8 +199,27 @@ def test_units_with_a_soft_cap_sinks_and_fp16(dtype, extra):
     assert_matches(out, ref)
 
 
+@pytest.fixture(params=["heads_first", "tokens_first"])
+def layout_rows(request, monkeypatch):
+    """`units.units_partial` with its scores head-major, then token-major, whatever the rows
+    (`HEADS_FIRST_MIN_ROWS`)."""
+    from vllm_gaudi_unified.paths import units
+
+    monkeypatch.setattr(units, "HEADS_FIRST_MIN_ROWS", 1 if request.param == "heads_first" else 10**9)
+    return request.param
+
+
+@pytest.mark.parametrize("name", sorted(VERIFY))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_verify_units_in_both_score_layouts(name, dtype, layout_rows):
+    step, phase = VERIFY[name]
+    out, ref, batch = run_case(step, dtype=dtype, options=UNITS)
+    assert batch.phase == phase and batch.plan.unique_units == 4
+    assert_matches(out, ref)
+
+
 @pytest.mark.parametrize("masked", [[1, 0, 0], [0, 1, 1, 0], [1]])
-def test_units_add_a_masked_slot_listed_twice_once(masked):
+def test_units_add_a_masked_slot_listed_twice_once(masked, layout_rows):
     """`units.units_partial`: a slot listed in `masked` more than once (the bucket's count is padded with slot 0)
     adds its rows once; a masked slot's unseen NaN value reaches no row; the same as the general tiles merged."""
     from vllm_gaudi_unified.merge import normalize, scatter_merge
@@ -221,3 +240,28 @@ def test_units_add_a_masked_slot_listed_twice_once(masked):
     want = normalize(scatter_merge(want, torch.where(real, tokens, n).reshape(-1), n))
     torch.testing.assert_close(got[:5], want[:5], rtol=1e-6, atol=1e-6)
     assert torch.equal(got[5], torch.zeros_like(got[5]))  # token 5 sees no key here
+
+
+def test_a_unit_row_without_a_token_reaches_no_token(layout_rows):
+    """`units.units_partial`: a unit's rows past its request's tokens see the slot's keys like its real rows
+    (one mask per slot), and their rows, NaN from a NaN query here, go to the dropped rows only."""
+    from vllm_gaudi_unified.merge import normalize
+    from vllm_gaudi_unified.paths.units import units_partial
+
+    g = torch.Generator().manual_seed(5)
+    n, hq, hkv, d, bs = 6, 4, 2, 8, 4
+    q = torch.randn(n, hq, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, bs, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    q[2] = float("nan")  # the query of the first unit's row without a token
+    tokens = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    real = torch.tensor([[True, True, False], [True, True, True]])
+    mask = torch.ones(2, 1, bs, dtype=torch.bool)
+    mask[1, 0, 3:] = False
+    got = normalize(units_partial(q, k, v, tokens, real, mask, torch.tensor([1]), 0.4, None))
+    for t, slot in ((0, 0), (1, 0), (3, 1), (4, 1), (5, 1)):
+        seen = mask[slot, 0]
+        kk, vv = k[slot][seen].repeat_interleave(hq // hkv, 1), v[slot][seen].repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,khd->hk", q[t], kk) * 0.4
+        want = torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv)
+        torch.testing.assert_close(got[t], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))  # token 2 has no row here

@@ -3,7 +3,10 @@
 A unit is one (request, cache block) slot; its rows are the request's new tokens x the query heads of
 a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). Per KV head one
 batched product over every unit reads that head's keys in place (a strided view of the block as
-stored, no copy), then one softmax over all heads, and per KV head `p @ V` again on V as stored.
+stored, no copy), then one softmax over all heads, and per KV head `p @ V` again on V as stored. The
+scores are head-major (`[Hkv, T, R, G, K]`, one mask per slot: a unit's rows past its request's tokens see
+the slot's keys too and go to dropped rows) from `HEADS_FIRST_MIN_ROWS` rows per KV head, else token-major
+(`[T, Hkv, R, G, K]`, those rows masked out): which is faster depends on the rows (measured).
 
 The tiles whose real rows miss some key (a request's partial last block: its unused slots may hold
 NaN, and `0 * NaN` would reach every row of the tile) take `p @ V` again on masked V, all heads in one
@@ -22,6 +25,10 @@ from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
 #: its addresses.
 DROP_ROWS = 64
+#: A KV head's unit rows (tokens x query heads) from which the scores are laid out head-major: measured faster
+#: there (32 rows: 64 x 8, ragged 96, heads 64/8/64 and 8/1/128) and slower at 16 and 8 rows (64 x 4, 64 x 2,
+#: 16 x 2; at 64 x 4 its compiled softmax is a looped reduction, token-major one pass), docs/benchmarks.md.
+HEADS_FIRST_MIN_ROWS = 32
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
@@ -41,23 +48,32 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     q, k, v = q.to(op), k.to(op), v.to(op)  # no-ops but for fp16 (its products in fp32)
     drop = n + torch.arange(t * r, device=q.device) % DROP_ROWS  # [T*R]
     index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
-    mask = mask & real[:, :, None]  # [T, R, K]
     # rows (r, g) per KV head: the gathered queries written once in the products' layout
-    qh = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d).transpose(1, 2).reshape(t, hkv, r * g, d)
-    scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
-    scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
+    qg = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d)
+    first = r * g >= HEADS_FIRST_MIN_ROWS
+    if first:  # head-major: one mask per slot (a unit's rows without a token see its keys, and are dropped)
+        qh = qg.permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
+        scores = torch.cat([score_product(qh[h], k[:, :, h].transpose(1, 2)) for h in range(hkv)])
+        scores = scores.view(hkv, t, r, g, nk).to(dt) * scale  # [Hkv, T, R, G, K]
+    else:  # token-major: the rows without a token masked out
+        mask = mask & real[:, :, None]  # [T, R, K]
+        qh = qg.transpose(1, 2).reshape(t, hkv, r * g, d)
+        scores = torch.stack([score_product(qh[:, h], k[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+        scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~mask[:, None, :, None], float("-inf"))
+    scores = scores.masked_fill(~(mask[None, :, :, None] if first else mask[:, None, :, None]), float("-inf"))
     p, m, total = masked_softmax_for(scores)(scores)
-    p = p.to(v.dtype).view(t, hkv, r * g, nk)
-    acc = [torch.matmul(p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv] each, V as stored
-    m, total = (x.transpose(1, 2).reshape(t * r, hq) for x in (m, total))  # [T*R, Hq]
+    p = p.to(v.dtype).view(*scores.shape[:2], r * g, nk)
+    acc = [torch.matmul(p[h] if first else p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv], V as stored
+    m, total = ((x.permute(1, 2, 0, 3) if first else x.transpose(1, 2)).reshape(t * r, hq) for x in (m, total))
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
-    vz = torch.where(mask.any(1)[masked][:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
-    fix = torch.matmul(p[masked], vz).view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
+    seen = mask[masked, 0] if first else mask.any(1)[masked]  # [S, K]
+    vz = torch.where(seen[:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
+    fix = torch.matmul(p[:, masked].transpose(0, 1) if first else p[masked], vz)
+    fix = fix.view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
     listed = torch.arange(s, device=q.device)
     once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
     fix_rows = (masked[:, None] * r + torch.arange(r, device=q.device)).reshape(-1)  # [S*R]
