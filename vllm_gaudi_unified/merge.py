@@ -99,7 +99,7 @@ def fold_pairwise(slots: Partial) -> Partial:
 #: Destinations x rows x heads up to which `scatter_max` is one masked reduction (dense ops an HPU graph or
 #: one fused kernel runs) instead of a scatter with a max (a slow general op on a Gaudi, an aten fallback
 #: kernel under torch.compile).
-DENSE_MAX_WORK = 1 << 20
+DENSE_MAX_WORK = 1 << 21
 
 
 def scatter_max(rows_max: torch.Tensor, index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
