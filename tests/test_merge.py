@@ -95,3 +95,28 @@ def test_merge_rows_equals_merging_the_scattered_paths_first():
     wide = Partial(half.acc.double(), first.max, first.sum)
     out = merge_rows([half, Scattered(more, torch.tensor([2, 4, 0]))], 4, torch.float64)
     assert torch.equal(out, merge_rows([wide, Scattered(more, torch.tensor([2, 4, 0]))], 4, torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scatter_max_dense_form_equals_the_scatter(monkeypatch, dtype):
+    """The masked reduction and the scatter give the same maxima bit for bit; a NaN row's token alone gets NaN."""
+    from vllm_gaudi_unified import merge as m
+
+    g = torch.Generator().manual_seed(3)
+    rows_max = torch.randn(48, 4, generator=g, dtype=dtype) * 10
+    rows_max[torch.rand(48, 4, generator=g) < 0.3] = float("-inf")
+    index = torch.randint(0, 9, (48,), generator=g)
+    index[:5] = 9  # dropped rows
+    start = torch.full((10, 4), float("-inf"), dtype=dtype)
+    start[2] = 50.0
+    rows_max[index == 3] = torch.where(torch.arange(4) == 1, float("nan"), rows_max[index == 3])
+    assert m.DENSE_MAX_WORK >= start.shape[0] * rows_max.numel()
+    dense = m.scatter_max(rows_max, index, start)
+    monkeypatch.setattr(m, "DENSE_MAX_WORK", 0)
+    scattered = m.scatter_max(rows_max, index, start)
+    assert torch.equal(dense.isnan(), scattered.isnan())
+    assert dense.isnan().sum() == 1 and dense[3, 1].isnan()
+    assert torch.equal(dense.nan_to_num(), scattered.nan_to_num())
+    for t in range(10):
+        want = torch.cat([start[t:t + 1], rows_max[index == t]]).amax(0)
+        assert torch.equal(dense[t].nan_to_num(), want.nan_to_num())

@@ -96,9 +96,20 @@ def fold_pairwise(slots: Partial) -> Partial:
     return Partial(acc[:, 0], m[:, 0], s[:, 0])
 
 
+#: Destinations x rows x heads up to which `scatter_max` is one masked reduction (dense ops an HPU graph or
+#: one fused kernel runs) instead of a scatter with a max (a slow general op on a Gaudi, an aten fallback
+#: kernel under torch.compile).
+DENSE_MAX_WORK = 1 << 21
+
+
 def scatter_max(rows_max: torch.Tensor, index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """`start` `[num_out + 1, heads]` with row i's max `rows_max[i]` taken in at `index[i]` (`num_out`: drop)."""
-    idx = index.reshape(-1, 1).expand(-1, rows_max.shape[1])
+    """`start` `[num_out + 1, heads]` with row i's max `rows_max[i]` taken in at `index[i]` (`num_out`: drop).
+    A max is exact in any order: both forms give the same values (a NaN row's token gets NaN, no other)."""
+    index = index.reshape(-1)
+    if 0 < start.shape[0] * rows_max.numel() <= DENSE_MAX_WORK:
+        hit = index == torch.arange(start.shape[0], device=index.device, dtype=index.dtype)[:, None]  # [out, rows]
+        return torch.maximum(start, torch.where(hit[:, :, None], rows_max, float("-inf")).amax(1))
+    idx = index[:, None].expand(-1, rows_max.shape[1])
     return start.scatter_reduce(0, idx, rows_max, reduce="amax", include_self=True)
 
 
