@@ -32,15 +32,25 @@ def to_device(arrays, device) -> list:
     an int64 copy of it; elsewhere a view of one buffer that one non-blocking host-to-device copy fills."""
     if on_cpu(device):
         return [None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
-    sizes = [0 if a is None else a.size for a in arrays]
-    pieces = [x for n in sizes for x in (n, -n % ALIGN)]  # each array, then its padding to the next offset
-    host, o = np.empty(sum(pieces), np.int64), 0
-    for a, n, pad in zip(arrays, sizes, pieces[1::2]):
-        if n:
-            host[o:o + n].reshape(a.shape)[...] = a  # (any dtype and strides: cast and gathered in one pass)
-        o += n + pad
-    views = torch.split(torch.from_numpy(host).to(device, non_blocking=True), pieces)[::2]
-    return [None if a is None else t if a.ndim == 1 else t.view(a.shape) for a, t in zip(arrays, views)]
+    offsets, end = [], 0
+    for a in arrays:
+        offsets.append(end)
+        end += 0 if a is None else -(-a.size // ALIGN) * ALIGN
+    host = np.empty(end, np.int64)
+    for a, at in zip(arrays, offsets):
+        if a is not None and a.size:
+            host[at:at + a.size] = a.reshape(-1)  # (any dtype and strides: cast and gathered in one pass)
+    buf = torch.from_numpy(host).to(device, non_blocking=True)
+    return [None if a is None else buf.as_strided(a.shape, _strides(a.shape), at) for a, at in zip(arrays, offsets)]
+
+
+def _strides(shape: tuple) -> tuple:
+    """Element strides of a C-contiguous tensor of `shape`."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
 
 
 def copied_event(device: torch.device):
