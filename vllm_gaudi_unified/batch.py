@@ -77,11 +77,15 @@ class UnifiedBatch:
             if not isinstance(a, np.ndarray) or a.dtype.kind not in "iub":
                 raise ValueError(f"extra arrays must be numpy integer arrays, got {getattr(a, 'dtype', type(a))}")
         kinds = [InvariantBatch if cls is UnifiedBatch and isinstance(p, InvariantPlan) else cls for p in plans]
-        names = [_array_fields(k) for k in kinds]
-        tensors = iter(to_device([getattr(p, n) for p, ns in zip(plans, names) for n in ns] + list(extra), device))
-        # (trusted: the dataclass __init__ of 14 frozen fields is a tenth of a decode step's host time)
-        batches = tuple(trusted(k, plan=p, **{n: next(tensors) for n in ns}) for k, p, ns in zip(kinds, plans, names))
-        return batches, tuple(tensors)
+        arrays = [getattr(p, n) for p, k in zip(plans, kinds) for n in _array_fields(k)]
+        tensors = to_device(arrays + list(extra) if extra else arrays, device)
+        batches, at = [], 0
+        for p, k in zip(plans, kinds):
+            names = _array_fields(k)
+            # (trusted: the dataclass __init__ of 14 frozen fields is a tenth of a decode step's host time)
+            batches.append(trusted(k, plan=p, **dict(zip(names, tensors[at:at + len(names)]))))
+            at += len(names)
+        return tuple(batches), tuple(tensors[at:])
 
     def to(self, device: torch.device | str) -> "UnifiedBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("plan", "pieces")}
