@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_gaudi_unified"
 ROOT = "vllm_gaudi_unified"
 
 #: Imported while serving: must not reach `tools` (and nothing in the package reaches `benchmarks`).
-SERVE_TIME = ("attention", "batch", "bucket", "graphs", "hpu", "log", "merge", "reference", "warmup", "plan",
+SERVE_TIME = ("attention", "batch", "copies", "bucket", "graphs", "hpu", "log", "merge", "reference", "warmup", "plan",
               "paths", "bucket_plans", "vllm_plugin", "files", "flags")
 #: Loaded or planned on every step and replayed offline: numpy only.
 NUMPY_ONLY = ("bucket", "plan", "bucket_plans")

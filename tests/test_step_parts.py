@@ -13,7 +13,7 @@ from vllm_gaudi_unified.attention import unified_attention
 from vllm_gaudi_unified.batch import build_unified_batch
 from vllm_gaudi_unified.bucket_plans import ModelSpec, ServerSettings, TraceStep
 from vllm_gaudi_unified.bucket_plans.exponential import exponential_plan
-from vllm_gaudi_unified import step_parts
+from vllm_gaudi_unified import copies, step_parts
 from vllm_gaudi_unified.reference import reference_attention
 from vllm_gaudi_unified.step_parts import (StepParts, build_step_parts, grid_requests, is_grid_graph,
                                            learn_grid_graphs, parts_attention)
@@ -199,7 +199,9 @@ def test_a_step_in_parts_is_copied_once_and_equals_its_parts_made_one_by_one(cas
     rows = [ranges(starts[part], q[part])[0] for part in (keep, ~keep)[:len(expected)]]
     assert len(parts.batches) == len(expected) == len(parts.rows) == 2 - bool(keep.all())
     assert all(np.array_equal(a, b) and a.dtype == np.int64 for a, b in zip(parts.host_rows, rows))
-    copied = step_parts._one_copy([b.plan for b in expected], rows, torch.device("cpu"))  # as to a device
+    with pytest.MonkeyPatch.context() as m:  # the one packed copy a device gets, here into the CPU
+        m.setattr(copies, "on_cpu", lambda device: False)
+        copied = UnifiedBatch.from_plans([b.plan for b in expected], "cpu", rows)
     tensors = []
     for batches, part_rows in ((parts.batches, parts.rows), copied):
         for got, want in zip(part_rows, rows):
@@ -214,7 +216,7 @@ def test_a_step_in_parts_is_copied_once_and_equals_its_parts_made_one_by_one(cas
                     tensors.append(a)
     tensors = tensors[len(tensors) // 2:] + list(copied[1])
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one buffer, one copy
-    assert all(t.storage_offset() % step_parts._ALIGN == 0 for t in tensors)
+    assert all(t.storage_offset() % copies.ALIGN == 0 for t in tensors)
 
 
 def test_the_causal_tiles_counted_are_the_tiled_plans_and_decide_as_it_does(case, monkeypatch):

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from vllm_gaudi_unified.bucket import Bucket, with_prompts
+from vllm_gaudi_unified.copies import copied_event, to_device
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanBuffers, PlanOptions, StepPlan, pad_plan, plan_step
 from vllm_gaudi_unified.plan.arrays import trusted
@@ -61,18 +62,30 @@ class UnifiedBatch:
 
     @classmethod
     def from_plan(cls, plan: StepPlan, device: torch.device | str | None = None) -> "UnifiedBatch":
-        """The plan's arrays as int64 tensors; an `InvariantPlan` gives an `InvariantBatch`."""
-        if cls is UnifiedBatch and isinstance(plan, InvariantPlan):
-            cls = InvariantBatch
+        """The plan's arrays as int64 tensors; an `InvariantPlan` gives an `InvariantBatch` (`from_plans`)."""
+        return cls.from_plans((plan,), device)[0][0]
 
-        def tensor(a: np.ndarray | None):
-            if a is None:
-                return None
-            t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-            return t if device is None else t.to(device, non_blocking=True)
-
-        # (trusted: the dataclass __init__ of 14 frozen fields is a tenth of a decode step's host time)
-        return trusted(cls, plan=plan, **{name: tensor(getattr(plan, name)) for name in _array_fields(cls)})
+    @classmethod
+    def from_plans(cls, plans, device: torch.device | str | None = None, extra=()) -> tuple[tuple, tuple]:
+        """(a batch per plan of `plans`, an int64 tensor per host array of `extra`) on `device`, every array in
+        one host-to-device copy (`copies.to_device`; on the CPU the tensors are the arrays). An `InvariantPlan`
+        gives an `InvariantBatch`; a batch's tensors are its class's plan fields (`_array_fields`), in order."""
+        for p in plans:
+            if not isinstance(p, StepPlan):
+                raise ValueError(f"plans must be StepPlans (plan_step), got {type(p).__name__}")
+        for a in extra:
+            if not isinstance(a, np.ndarray) or a.dtype.kind not in "iub":
+                raise ValueError(f"extra arrays must be numpy integer arrays, got {getattr(a, 'dtype', type(a))}")
+        kinds = [InvariantBatch if cls is UnifiedBatch and isinstance(p, InvariantPlan) else cls for p in plans]
+        arrays = [getattr(p, n) for p, k in zip(plans, kinds) for n in _array_fields(k)]
+        tensors = to_device(arrays + list(extra) if extra else arrays, device)
+        batches, at = [], 0
+        for p, k in zip(plans, kinds):
+            names = _array_fields(k)
+            # (trusted: the dataclass __init__ of 14 frozen fields is a tenth of a decode step's host time)
+            batches.append(trusted(k, plan=p, **dict(zip(names, tensors[at:at + len(names)]))))
+            at += len(names)
+        return tuple(batches), tuple(tensors[at:])
 
     def to(self, device: torch.device | str) -> "UnifiedBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("plan", "pieces")}
@@ -238,7 +251,7 @@ class StepBuffers:
             values[name] = dst.view(a.shape)
             copied = True
         if copied:
-            self._copied = _event(self.device)
+            self._copied = copied_event(self.device)
         return trusted(cls, plan=plan, **values)
 
     def _empty(self, shape: tuple) -> torch.Tensor:
@@ -258,25 +271,6 @@ def _array_fields(cls) -> tuple[str, ...]:
     if names is None:
         names = _FIELDS[cls] = tuple(f.name for f in fields(cls) if f.name not in ("plan", "pieces", "prompt_bias"))
     return names
-
-
-def _event(device: torch.device):
-    """An event recorded now on `device`'s current stream (a backend without events: `wait` then
-    synchronizes the device)."""
-    try:
-        event = torch.Event(device=device)
-        event.record()
-        return event
-    except (RuntimeError, AttributeError, TypeError):
-        return _Synchronize(device)
-
-
-class _Synchronize:
-    def __init__(self, device):
-        self.device = device
-
-    def synchronize(self):
-        getattr(torch, self.device.type).synchronize()
 
 
 def build_unified_batch(query_lens, context_lens, block_table, block_size: int, *,
@@ -327,8 +321,8 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
     if cap is not None and cap.exceeded(plan.shape):  # rare: several calls, each padded into new arrays
         pieces = [_pad_to(p, bucket) for p in split_plan(plan, cap)]
         device = buffers.device if buffers is not None else device
-        rest = tuple(UnifiedBatch.from_plan(p, device) for p in pieces[1:])
-        return replace(UnifiedBatch.from_plan(pieces[0], device), pieces=rest)
+        first, *rest = UnifiedBatch.from_plans(pieces, device)[0]  # (every piece in one copy)
+        return replace(first, pieces=tuple(rest))
     if bucket is not None:
         plan = _pad_to(plan, bucket, host)
     if logger.isEnabledFor(logging.DEBUG):

@@ -25,14 +25,14 @@ plans and pads the parts, `parts_attention` runs them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from vllm_gaudi_unified.bucket import Bucket
-from vllm_gaudi_unified.plan import plan_step
-from vllm_gaudi_unified.plan.default import plan_default
+from vllm_gaudi_unified.plan import plan_checked, plan_step
 from vllm_gaudi_unified.plan.arrays import cached_pairs, ranges, validate
 from vllm_gaudi_unified.plan.prompts import fill_grid, prompt_requests
 from vllm_gaudi_unified.plan.options import on_route
@@ -82,17 +82,15 @@ def _grid_of(checked, block_size: int, options, sliding_window) -> np.ndarray:
 def part_plans(plan, query_lens, context_lens, block_table, keep: np.ndarray, num_blocks: int | None = None,
                checked=None):
     """(grid part's StepPlan on the prompt route, the rest's on the tiled route or None) of a step split at
-    `keep` (`grid_requests`). `checked`: the step's arrays as `arrays.validate` returns them, when already
-    checked: each part is planned from its rows of them, as `plan_step` plans the part's own arrays."""
+    `keep` (`grid_requests`), each planned as `plan_step` plans the part's own arrays (`plan_checked`).
+    `checked`: the step's arrays as `arrays.validate` returns them, when already checked."""
     s = plan.settings
-    bs, W = s.block_size, s.sliding_window
-    checked = checked or validate(query_lens, context_lens, block_table, bs, W, num_blocks)
-
-    def part(rows, options):
-        q, ctx, bt, nb_ctx = (a[rows] for a in checked)
-        bt = np.ascontiguousarray(bt[:, :-(-int(ctx.max()) // bs)])  # the part's own columns (`validate`)
-        return plan_default(q, ctx, bt, nb_ctx, bs, W, num_blocks, options)
-    return part(keep, plan.step_options), None if keep.all() else part(~keep, on_route(s.options, "tiles"))
+    if checked is None:
+        checked = validate(query_lens, context_lens, block_table, s.block_size, s.sliding_window, num_blocks)
+    part = functools.partial(plan_checked, checked, s.block_size, sliding_window=s.sliding_window,
+                             num_blocks=num_blocks)
+    return part(rows=keep, options=plan.step_options), None if keep.all() else part(
+        rows=~keep, options=on_route(s.options, "tiles"))
 
 
 def part_shapes(plan, query_lens, context_lens, block_table, keep: np.ndarray):
@@ -136,7 +134,7 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
     """The step in parts as `plan` (a `BucketPlan` with grid graphs) decides (`plan_parts`), each part planned
     and padded to its graph and put on `device`; None: the step runs whole (`build_unified_batch(...,
     options=plan.step_options, bucket=plan)`)."""
-    from vllm_gaudi_unified.batch import check_device
+    from vllm_gaudi_unified.batch import UnifiedBatch, check_device
     from vllm_gaudi_unified.bucket_plans.bucket_plan import BucketPlan
     from vllm_gaudi_unified.plan import pad_plan
 
@@ -156,53 +154,15 @@ def build_step_parts(query_lens, context_lens, block_table, plan, *, num_blocks:
         return None
     plans = part_plans(plan, q, context_lens, table, keep, num_blocks, checked)
     tiles = on_route(s.options, "tiles")
-    graphs = plan_parts(plan, *(None if p is None else p.shape for p in plans), lambda: plan_step(
-        q, context_lens, table, s.block_size, options=tiles).shape, lambda: causal_tile_count(q, tiles.causal_tile))
+    graphs = plan_parts(plan, *(None if p is None else p.shape for p in plans), lambda: plan_checked(
+        checked, s.block_size, options=tiles).shape, lambda: causal_tile_count(q, tiles.causal_tile))
     if graphs is None:
         return None
     starts = np.cumsum(q) - q
     padded = [pad_plan(p, graph) for p, graph in zip(plans, graphs) if p is not None]
     host = tuple(ranges(starts[part], q[part])[0] for part in (keep, ~keep)[:len(padded)])  # the parts' rows
-    batches, rows = _on_device(padded, host, check_device(device or "cpu"))
+    batches, rows = UnifiedBatch.from_plans(padded, check_device(device or "cpu"), host)  # (one copy)
     return StepParts(batches, rows, int(q.sum()), host)
-
-
-#: Each array of a step in parts starts at a multiple of this many int64s (128 bytes) in the one buffer copied.
-_ALIGN = 16
-
-
-def _on_device(plans, rows, device) -> tuple[tuple, tuple]:
-    """(a `UnifiedBatch` per plan of `plans`, the int64 tensors of `rows`) on `device`: on the CPU views of the
-    arrays (`UnifiedBatch.from_plan`), elsewhere in one host-to-device copy (`_one_copy`)."""
-    from vllm_gaudi_unified.batch import UnifiedBatch
-
-    if device.type == "cpu":
-        return tuple(UnifiedBatch.from_plan(p) for p in plans), tuple(map(torch.from_numpy, rows))
-    return _one_copy(plans, rows, device)
-
-
-def _one_copy(plans, rows, device) -> tuple[tuple, tuple]:
-    """`_on_device` in one copy: every array written into one int64 host buffer (each at an aligned offset),
-    copied once, each tensor a view of its slice (the values, shapes and None fields of `from_plan`'s); a copy
-    per array costs a call and an allocation each (~34 for a step in parts)."""
-    from vllm_gaudi_unified.batch import UnifiedBatch, _array_fields
-    from vllm_gaudi_unified.plan.arrays import trusted
-
-    names = _array_fields(UnifiedBatch)
-    arrays = [getattr(p, name) for p in plans for name in names] + list(rows)
-    sizes = [0 if a is None else a.size for a in arrays]
-    pieces = [x for n in sizes for x in (n, -n % _ALIGN)]  # each array, then its padding to the next offset
-    host, o = np.empty(sum(pieces), np.int64), 0
-    for a, n, pad in zip(arrays, sizes, pieces[1::2]):
-        if n:
-            host[o:o + n] = a.reshape(-1)
-        o += n + pad
-    views = torch.split(torch.from_numpy(host).to(device, non_blocking=True), pieces)[::2]
-    tensors = [None if a is None else t if a.ndim == 1 else t.view(a.shape) for a, t in zip(arrays, views)]
-    k = len(names)
-    batches = tuple(trusted(UnifiedBatch, plan=p, **dict(zip(names, tensors[i * k:(i + 1) * k])))
-                    for i, p in enumerate(plans))
-    return batches, tuple(tensors[len(plans) * k:])
 
 
 def parts_attention(query, key, value, key_cache, value_cache, parts: StepParts, scale: float, attention=None,

@@ -10,14 +10,15 @@
 - `bidirectional`: the planner of encoder-only steps (no cache, whole-request causal tiles);
 - `smallest`: the smallest step of each phase (warmup's step per bucket; the buckets a plan keeps).
 
-`plan_step` and `pad_plan` below pick the planner from `options.batch_invariant`.
+`plan_step` (and `plan_checked`, for arrays already checked) and `pad_plan` below pick the planner from
+`options.batch_invariant`.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 from vllm_gaudi_unified.bucket import Bucket
-from vllm_gaudi_unified.plan.arrays import validate
+from vllm_gaudi_unified.plan.arrays import check_scalars, checked_rows, validate
 from vllm_gaudi_unified.plan.bidirectional import plan_bidirectional
 from vllm_gaudi_unified.plan.buffers import PlanBuffers
 from vllm_gaudi_unified.plan.default import pad_default, plan_default
@@ -38,15 +39,37 @@ def plan_step(query_lens, context_lens, block_table, block_size: int, *, sliding
 
     `causal=False`: an encoder-only step (`plan/bidirectional.py`): every token sees its whole request,
     no cache (context_lens all 0), no window."""
+    opts = _options(options)
+    checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
+    return _planned(checked, int(block_size), sliding_window, num_blocks, opts, buffers, causal)
+
+
+def plan_checked(checked: tuple, block_size: int, *, rows=None, sliding_window: int | None = None,
+                 num_blocks: int | None = None, options: PlanOptions | None = None,
+                 buffers: PlanBuffers | None = None, causal: bool = True) -> StepPlan:
+    """`plan_step` of a step whose arrays `arrays.validate` already checked (`checked`, its result at the same
+    `block_size`): the planner `plan_step` picks, with no second check of the arrays. `rows`: only those
+    requests (a bool mask or indices), planned as `plan_step` plans their own arrays (`arrays.checked_rows`)."""
+    opts = _options(options)
+    check_scalars(block_size, sliding_window, num_blocks)
+    if rows is not None:
+        checked = checked_rows(checked, rows, block_size)
+    return _planned(checked, int(block_size), sliding_window, num_blocks, opts, buffers, causal)
+
+
+def _options(options) -> PlanOptions:
     if options is not None and not isinstance(options, PlanOptions):
         raise ValueError(f"options must be a PlanOptions or None, got {options!r}")
-    opts = options or DEFAULT_OPTIONS
-    checked = validate(query_lens, context_lens, block_table, block_size, sliding_window, num_blocks)
+    return options or DEFAULT_OPTIONS
+
+
+def _planned(checked, block_size: int, sliding_window, num_blocks, opts: PlanOptions, buffers, causal) -> StepPlan:
+    """The one choice of planner (`plan_step`, `plan_checked`)."""
     if not causal:
-        return plan_bidirectional(checked[0], checked[1], int(block_size), sliding_window, opts)
+        return plan_bidirectional(checked[0], checked[1], block_size, sliding_window, opts)
     if opts.batch_invariant:
-        return plan_invariant(*checked, int(block_size), sliding_window, num_blocks, opts)
-    return plan_default(*checked, int(block_size), sliding_window, num_blocks, opts, buffers)
+        return plan_invariant(*checked, block_size, sliding_window, num_blocks, opts)
+    return plan_default(*checked, block_size, sliding_window, num_blocks, opts, buffers)
 
 
 def pad_plan(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = None) -> StepPlan:
@@ -61,4 +84,4 @@ def pad_plan(plan: StepPlan, bucket: Bucket, buffers: PlanBuffers | None = None)
 
 
 __all__ = ["DEFAULT_OPTIONS", "InvariantPlan", "PathWork", "PlanBuffers", "PlanOptions", "StepPlan", "UNIQUE_LAYOUTS",
-           "pad_plan", "plan_step"]
+           "pad_plan", "plan_checked", "plan_step"]

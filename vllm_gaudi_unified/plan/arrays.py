@@ -118,8 +118,22 @@ def validate(query_lens, context_lens, block_table, block_size, sliding_window, 
         raise ValueError(
             f"block_table has {bt.shape[1]} columns but request {r} needs {int(nb_ctx[r])} blocks "
             f"for context_lens[{r}] = {int(ctx[r])} (block_size {block_size})")
-    # Only the columns some context needs: a server's table is as wide as its longest sequence.
-    return q, ctx, np.ascontiguousarray(bt[:, :need], dtype=np.int64), nb_ctx
+    return q, ctx, _needed_columns(bt, ctx_max, bs), nb_ctx
+
+
+def checked_rows(checked: tuple, rows, block_size: int) -> tuple:
+    """`validate`'s result (`checked`, at `block_size`) for the requests `rows` of the step (a bool mask or
+    indices): what `validate` returns for those requests' own arrays, without checking them again."""
+    q, ctx, bt, nb_ctx = (a[rows] for a in checked)
+    if not q.size:
+        raise ValueError("rows select no request: a step needs at least one request")
+    return q, ctx, _needed_columns(bt, int(ctx.max()), int(block_size)), nb_ctx
+
+
+def _needed_columns(bt: np.ndarray, ctx_max: int, block_size: int) -> np.ndarray:
+    """Only the columns some context needs (int64, contiguous): a server's table is as wide as its longest
+    sequence."""
+    return np.ascontiguousarray(bt[:, :-(-ctx_max // block_size)], dtype=np.int64)
 
 
 #: Most causal tiles of one step (a 2**20-token prompt at causal_tile 1 would need 2**39).

@@ -122,8 +122,8 @@ def plan_kinds(query_lens, context_lens, block_table, block_size: int, kinds, op
                                   f"{cap} in one of its attention kinds ({', '.join(map(str, kinds))}): splitting "
                                   "a step of several kinds is not supported; raise the cap")
     target = step_bucket([p.shape for p in plans.values()], bucket)
-    return {k: UnifiedBatch.from_plan(p if target is None else pad_plan(p, target), device)
-            for k, p in plans.items()}
+    padded = [p if target is None else pad_plan(p, target) for p in plans.values()]
+    return dict(zip(plans, UnifiedBatch.from_plans(padded, device)[0]))  # (every kind in one copy)
 
 
 def _plan_kind(kind: AttentionKind, query_lens, context_lens, block_table, block_size: int, options):
