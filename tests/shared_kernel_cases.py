@@ -78,6 +78,8 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
             ref = reference_attention(*(t.double() for t in x), step.query_lens, step.context_lens, table, 0.37)
             batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
                                         options=opts, bucket=bucket, device=device)
+            if in_kernel:
+                same_slots(batch)
             before = len(calls)
             out = unified_attention(*(t.to(device) for t in x), batch, 0.37)
             ran = calls[before:]
@@ -89,6 +91,18 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
     for k, v in defaults.items():
         set_attr(unique, k, v)
     return done
+
+
+def same_slots(batch) -> None:
+    """`unique.token_slots` (one launch) gives the slots of `_slots_with_shared` in `token_order`'s order."""
+    n = batch.bucket.query_len
+    ids, lo, hi, starts = unique.token_slots(batch, n)
+    rows, *want = unique._slots_with_shared(batch, n)
+    order, want_starts = unique.token_order(rows, n)
+    assert torch.equal(starts.cpu(), want_starts.cpu()), (starts, want_starts)
+    real = int(starts[n])
+    for got, w in zip((ids, lo, hi), want):
+        assert torch.equal(got[:real].cpu(), w[order[:real]].cpu())
 
 
 if __name__ == "__main__":

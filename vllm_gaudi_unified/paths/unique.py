@@ -208,6 +208,27 @@ def _slots_with_shared(batch, n: int):
     return (cat(batch.unique_rows, rows), cat(ids, blocks), cat(batch.unique_lo, lo), cat(batch.unique_hi, hi))
 
 
+def token_slots(batch, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_slots_with_shared`'s slots in token order (block ids, lo, hi) and each token's first place among them
+    (`[n + 1]`), as `token_order` orders them, in one launch (`unique_kernel.slots_kernel`): in a parallel-sampling
+    step the concatenation and the order kernel were two launches, and the unique kernel then read `order` before
+    each key tile's block id."""
+    from vllm_gaudi_unified.paths import unique_kernel
+
+    u, (t, r, kb) = batch.unique_rows.shape[0], batch.shared_lo.shape
+    cells = t * r * kb
+    dev = batch.unique_rows.device
+    ids, lo, hi = (torch.empty(u + cells, dtype=torch.int64, device=dev) for _ in range(3))
+    starts = torch.empty(n + 1, dtype=torch.int64, device=dev)
+    plain = lambda x: x.contiguous()  # noqa: E731
+    u_ids = batch.unique_rows if batch.unique_blocks is None else plain(batch.unique_blocks)  # (slice: unread)
+    unique_kernel.slots_kernel[(n + 1,)](
+        plain(batch.unique_rows), u_ids, plain(batch.unique_lo), plain(batch.unique_hi), plain(batch.shared_rows),
+        plain(batch.shared_blocks), plain(batch.shared_lo), plain(batch.shared_hi), ids, lo, hi, starts, u, cells, n,
+        R=r, KB=kb, SLICE=batch.unique_blocks is None, CHUNK=1024)
+    return ids, lo, hi, starts
+
+
 def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
                           scale: float, k_scale=None, v_scale=None, shared: bool = False,
                           new: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -224,19 +245,24 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     from vllm_gaudi_unified.paths import unique_kernel
 
     n, hq, d = q.shape
-    if shared:
-        rows, ids, lo, hi = _slots_with_shared(batch, n)
-        slice_ = False
-    else:
-        rows, lo, hi = batch.unique_rows, batch.unique_lo, batch.unique_hi
-        ids, slice_ = batch.unique_blocks, batch.unique_blocks is None
-    slots = rows.shape[0]
+    slots = batch.unique_rows.shape[0] + (batch.shared_lo.numel() if shared else 0)
     if slots == 0 and new is None:
         return None
+    in_order = shared and (n + 1) * slots <= SCAN_ORDER_MAX_WORK  # (`token_slots`)
+    if in_order:
+        ids, lo, hi, starts = token_slots(batch, n)
+        order, slice_ = ids, False  # (order unused: the slots are in token order)
+    else:
+        if shared:
+            rows, ids, lo, hi = _slots_with_shared(batch, n)
+            slice_ = False
+        else:
+            rows, lo, hi = batch.unique_rows, batch.unique_lo, batch.unique_hi
+            ids, slice_ = batch.unique_blocks, batch.unique_blocks is None
+        order, starts = token_order(rows, n, batch.token_seg_start, 1 if shared else batch.plan.unique_units)
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
     units = 1 if shared else batch.plan.unique_units  # (with shared cells: `per_token`'s batch)
-    order, starts = token_order(rows, n, batch.token_seg_start, units)
     work = starts.shape[0] > n + 1  # the unit starts listed: a program per request's unit, not per token
     ids = order if slice_ else ids  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
@@ -257,7 +283,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         HQ=hq, G=g, ROWS=max(16, _pow2(units * g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=slice_, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
         SPLIT_KEYS=0, UNITS=units, **_new_args(new, q, scale, v_factor, units), out_ptr=acc if out is None else out,
-        FINAL=in_kernel, EXACT_DIV=False, SORTED=False, WORK=work, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+        FINAL=in_kernel, EXACT_DIV=False, SORTED=in_order, WORK=work, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     if in_kernel:
         return Final(out)
     if splits == 1:

@@ -283,7 +283,64 @@ def _order_body(rows_ptr, order_ptr, starts_ptr, S, seg_ptr, CHUNK: tl.constexpr
                  mask=(2 * two + start.to(tl.int32)) == 1)
 
 
+def _slots_body(u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr, s_blocks_ptr, s_lo_ptr, s_hi_ptr, ids_ptr,
+                lo_ptr, hi_ptr, starts_ptr, U, C, n, R: tl.constexpr, KB: tl.constexpr, SLICE: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """`unique._slots_with_shared` and `_order_body` in one launch, the slots written in token order: program t
+    (0..n) counts the slots whose row is below t (`starts[t]`) and writes its own slots' block ids, `lo` and
+    `hi` (row == t) in index order from there, for the unique kernel's `SORTED` form (no `order` read per key
+    tile). Slot i < `U` is unique slot i (`u_*`; `SLICE`: block id i); slot `U + c` is cell c of the shared
+    tiles, `[tiles, R rows, KB blocks]` (`s_rows` `[tiles * R]`, `s_blocks` `[tiles * KB]`, `s_lo`/`s_hi` per
+    cell), its tile row's token where it has a visible slot, else `n` (no row: not written)."""
+    t = tl.program_id(0)
+    before = tl.zeros([CHUNK], tl.int32)
+    for c in range(0, U + C, CHUNK):
+        row, _, _, _ = _slot(c + tl.arange(0, CHUNK), u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr,
+                             s_blocks_ptr, s_lo_ptr, s_hi_ptr, U, C, n, R, KB, SLICE, False)
+        before += (row < t).to(tl.int32)
+    pos = tl.sum(before, 0)
+    tl.store(starts_ptr + t, pos.to(tl.int64))
+    if t < n:
+        for c in range(0, U + C, CHUNK):
+            row, blk, lo, hi = _slot(c + tl.arange(0, CHUNK), u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr,
+                                     s_blocks_ptr, s_lo_ptr, s_hi_ptr, U, C, n, R, KB, SLICE, True)
+            mine = (row == t).to(tl.int32)
+            at = pos + tl.cumsum(mine, 0) - 1
+            tl.store(ids_ptr + at, blk, mask=mine != 0)
+            tl.store(lo_ptr + at, lo, mask=mine != 0)
+            tl.store(hi_ptr + at, hi, mask=mine != 0)
+            pos += tl.sum(mine, 0)
+
+
+@triton.jit
+def _slot(idx, u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr, s_blocks_ptr, s_lo_ptr, s_hi_ptr, U, C, n,
+          R: tl.constexpr, KB: tl.constexpr, SLICE: tl.constexpr, FULL: tl.constexpr):
+    """`_slots_body`'s slots `idx`: (row, and with `FULL` block id, lo, hi); past the last slot, row n + 1."""
+    uniq = idx < U
+    cell = idx - U
+    shared = (idx >= U) & (idx < U + C)
+    s_lo = tl.load(s_lo_ptr + cell, mask=shared, other=0)
+    s_hi = tl.load(s_hi_ptr + cell, mask=shared, other=0)
+    seen = shared & (s_hi > s_lo)
+    s_row = tl.where(seen, tl.load(s_rows_ptr + cell // KB, mask=seen, other=0), n)
+    row = tl.where(uniq, tl.load(u_rows_ptr + idx, mask=uniq, other=0), tl.where(shared, s_row, n + 1))
+    blk = row
+    lo = row
+    hi = row
+    if FULL:
+        if SLICE:
+            u_blk = idx
+        else:
+            u_blk = tl.load(u_ids_ptr + idx, mask=uniq, other=0)
+        s_blk = tl.load(s_blocks_ptr + (cell // (R * KB)) * KB + cell % KB, mask=seen, other=0)
+        blk = tl.where(uniq, u_blk, s_blk)
+        lo = tl.where(uniq, tl.load(u_lo_ptr + idx, mask=uniq, other=0), s_lo)
+        hi = tl.where(uniq, tl.load(u_hi_ptr + idx, mask=uniq, other=0), s_hi)
+    return row, blk, lo, hi
+
+
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter instead
 #: (numpy on the CPU: how tests run it without a GPU, in a process of their own).
 unique_kernel = triton.jit(_unique_body)
 order_kernel = triton.jit(_order_body)
+slots_kernel = triton.jit(_slots_body)
