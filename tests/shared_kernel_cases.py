@@ -36,7 +36,7 @@ CASES = [
                         prefix_groups=[([0, 1, 2], 2), ([3, 4, 5, 6, 7], 4)], num_qo_heads=6, num_kv_heads=3),
      8, {"KERNEL_SPLIT_KEYS": 8, "KERNEL_MIN_PROGRAMS": 1 << 12, "KERNEL_MIN_SPLIT_KEYS": 4}, True),
     # a group larger than the tile rows: two row chunks, the second with padding rows; the slots ordered past
-    # `token_slots`' bound (the concatenation and `token_order`)
+    # `unique_kernel.token_slots`' bound (the concatenation and `token_order`)
     ("row_chunks", Step([1] * 6, [9, 12, 12, 16, 10, 13], 4, prefix_groups=[([0, 1, 2, 3, 4, 5], 2)],
                         num_qo_heads=4, num_kv_heads=1), 4, {"SCAN_ORDER_MAX_WORK": 0}, True),
     # a prompt beside the group (csu): its own chunk's shared cells go through the kernel too
@@ -70,7 +70,8 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
         for k, v in {**defaults, **consts}.items():
             if k != "layout":
                 set_attr(unique, k, v)
-        opts = replace(SMALL_TILES, shared_rows=rows, shared_rows_max=rows, unique_layout=consts.get("layout", "gather"))
+        opts = replace(SMALL_TILES, shared_rows=rows, shared_rows_max=rows,
+                       unique_layout=consts.get("layout", "gather"))
         table, nb = make_block_table(step, np.random.default_rng(i))
         nb += 8 * (opts.unique_layout == "slice")  # (room for the padded bucket's slice; unread blocks hold NaN/inf)
         tensors = make_tensors(step, table, nb, torch.float64, seed=i)
@@ -101,9 +102,11 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
 
 
 def same_slots(batch) -> None:
-    """`unique.token_slots` (one launch) gives the slots of `_slots_with_shared` in `token_order`'s order."""
+    """`unique_kernel.token_slots` (one launch) gives the slots of `_slots_with_shared` in `token_order`'s order."""
+    from vllm_gaudi_unified.paths import unique_kernel
+
     n = batch.bucket.query_len
-    ids, lo, hi, starts = unique.token_slots(batch, n)
+    ids, lo, hi, starts = unique_kernel.token_slots(batch, n)
     rows, *want = unique._slots_with_shared(batch, n)
     order, want_starts = unique.token_order(rows, n)
     assert torch.equal(starts.cpu(), want_starts.cpu()), (starts, want_starts)

@@ -208,27 +208,6 @@ def _slots_with_shared(batch, n: int):
     return (cat(batch.unique_rows, rows), cat(ids, blocks), cat(batch.unique_lo, lo), cat(batch.unique_hi, hi))
 
 
-def token_slots(batch, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_slots_with_shared`'s slots in token order (block ids, lo, hi) and each token's first place among them
-    (`[n + 1]`), as `token_order` orders them, in one launch (`unique_kernel.slots_kernel`): in a parallel-sampling
-    step the concatenation and the order kernel were two launches, and the unique kernel then read `order` before
-    each key tile's block id."""
-    from vllm_gaudi_unified.paths import unique_kernel
-
-    u, (t, r, kb) = batch.unique_rows.shape[0], batch.shared_lo.shape
-    cells = t * r * kb
-    dev = batch.unique_rows.device
-    ids, lo, hi = (torch.empty(u + cells, dtype=torch.int64, device=dev) for _ in range(3))
-    starts = torch.empty(n + 1, dtype=torch.int64, device=dev)
-    plain = lambda x: x.contiguous()  # noqa: E731
-    u_ids = batch.unique_rows if batch.unique_blocks is None else plain(batch.unique_blocks)  # (slice: unread)
-    unique_kernel.slots_kernel[(n + 1,)](
-        plain(batch.unique_rows), u_ids, plain(batch.unique_lo), plain(batch.unique_hi), plain(batch.shared_rows),
-        plain(batch.shared_blocks), plain(batch.shared_lo), plain(batch.shared_hi), ids, lo, hi, starts, u, cells, n,
-        R=r, KB=kb, SLICE=batch.unique_blocks is None, CHUNK=1024)
-    return ids, lo, hi, starts
-
-
 def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch,
                           scale: float, k_scale=None, v_scale=None, shared: bool = False,
                           new: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -248,9 +227,9 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     slots = batch.unique_rows.shape[0] + (batch.shared_lo.numel() if shared else 0)
     if slots == 0 and new is None:
         return None
-    in_order = shared and (n + 1) * slots <= SCAN_ORDER_MAX_WORK  # (`token_slots`)
+    in_order = shared and (n + 1) * slots <= SCAN_ORDER_MAX_WORK  # (`unique_kernel.token_slots`)
     if in_order:
-        ids, lo, hi, starts = token_slots(batch, n)
+        ids, lo, hi, starts = unique_kernel.token_slots(batch, n)
         order, slice_ = ids, False  # (order unused: the slots are in token order)
     else:
         if shared:

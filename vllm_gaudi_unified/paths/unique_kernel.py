@@ -22,6 +22,7 @@ Imported only where Triton is (CUDA); `attention._run_paths` chooses when.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -344,3 +345,22 @@ def _slot(idx, u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr, s_blocks_p
 unique_kernel = triton.jit(_unique_body)
 order_kernel = triton.jit(_order_body)
 slots_kernel = triton.jit(_slots_body)
+
+
+def token_slots(batch, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`unique._slots_with_shared`'s slots in token order (block ids, lo, hi) and each token's first place among
+    them (`[n + 1]`), as `unique.token_order` orders them, in one launch (`slots_kernel`): in a parallel-sampling
+    step the concatenation and the order kernel were two launches, and the unique kernel then read `order` before
+    each key tile's block id."""
+    u, (t, r, kb) = batch.unique_rows.shape[0], batch.shared_lo.shape
+    cells = t * r * kb
+    dev = batch.unique_rows.device
+    ids, lo, hi = (torch.empty(u + cells, dtype=torch.int64, device=dev) for _ in range(3))
+    starts = torch.empty(n + 1, dtype=torch.int64, device=dev)
+    plain = lambda x: x.contiguous()  # noqa: E731
+    u_ids = batch.unique_rows if batch.unique_blocks is None else plain(batch.unique_blocks)  # (slice: unread)
+    slots_kernel[(n + 1,)](
+        plain(batch.unique_rows), u_ids, plain(batch.unique_lo), plain(batch.unique_hi), plain(batch.shared_rows),
+        plain(batch.shared_blocks), plain(batch.shared_lo), plain(batch.shared_hi), ids, lo, hi, starts, u, cells, n,
+        R=r, KB=kb, SLICE=batch.unique_blocks is None, CHUNK=1024)
+    return ids, lo, hi, starts
