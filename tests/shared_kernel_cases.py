@@ -106,13 +106,16 @@ def same_slots(batch) -> None:
     from vllm_gaudi_unified.paths import unique_kernel
 
     n = batch.bucket.query_len
-    ids, lo, hi, starts = unique_kernel.token_slots(batch, n)
     rows, *want = unique._slots_with_shared(batch, n)
     order, want_starts = unique.token_order(rows, n)
-    assert torch.equal(starts.cpu(), want_starts.cpu()), (starts, want_starts)
-    real = int(starts[n])
-    for got, w in zip((ids, lo, hi), want):
-        assert torch.equal(got[:real].cpu(), w[order[:real]].cpu())
+    chunk = unique_kernel.SLOTS_CHUNK
+    for unique_kernel.SLOTS_CHUNK in (chunk, 16):  # one pass, then chunks of 16 slots (two passes)
+        ids, lo, hi, starts = unique_kernel.token_slots(batch, n)
+        assert torch.equal(starts.cpu(), want_starts.cpu()), (starts, want_starts)
+        real = int(starts[n])
+        for got, w in zip((ids, lo, hi), want):
+            assert torch.equal(got[:real].cpu(), w[order[:real]].cpu())
+    unique_kernel.SLOTS_CHUNK = chunk
 
 
 if __name__ == "__main__":

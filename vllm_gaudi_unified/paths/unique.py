@@ -31,9 +31,11 @@ KERNEL_MAX_SPLITS = 32
 KERNEL_WARPS = 4
 KERNEL_STAGES = 2
 #: A launch of fewer (token, KV head, split) programs than this (a few tokens with long contexts: parallel
-#: sampling) cuts each token's keys into more splits, none under `KERNEL_MIN_SPLIT_KEYS` keys.
+#: sampling) cuts each token's keys into more splits, none under `KERNEL_MIN_SPLIT_KEYS` keys, while that cuts
+#: the key tiles a split walks (H200, parallel sampling at heads 8/1/128, 16 programs: 32 splits of one tile
+#: 20.0 us a step, 16 of two 21.0, 8 of three 22.1; `python -m benchmarks.speed --variants`, `uk_minsplit`).
 KERNEL_MIN_PROGRAMS = 512
-KERNEL_MIN_SPLIT_KEYS = 256
+KERNEL_MIN_SPLIT_KEYS = 64
 #: Shared tiles of at most this many rows (a small group: parallel sampling's n <= 16 samples) go through
 #: the kernel too, each row reading the tile's blocks itself (`kernel_takes_shared`): the re-reads mostly
 #: hit L2, and the step is one kernel instead of a gather, flash and a scatter merge (docs/benchmarks.md).
@@ -358,10 +360,13 @@ def scan_token_order(rows: torch.Tensor, n: int, seg=None, units: int = 1) -> tu
 
 def _splits(keys_per_token: float, programs: int) -> int:
     """Splits per token (a power of two): about `KERNEL_SPLIT_KEYS` keys each, and more while the launch
-    has fewer than `KERNEL_MIN_PROGRAMS` programs and each split keeps `KERNEL_MIN_SPLIT_KEYS` keys."""
+    has fewer than `KERNEL_MIN_PROGRAMS` programs, each split keeps `KERNEL_MIN_SPLIT_KEYS` keys and walks
+    fewer key tiles for it."""
     splits = min(KERNEL_MAX_SPLITS, _pow2(math.ceil(keys_per_token / KERNEL_SPLIT_KEYS)))
+    tiles = math.ceil(keys_per_token / KERNEL_KEYS)  # (a split walks ceil(tiles / splits) key tiles)
     while (splits < KERNEL_MAX_SPLITS and programs * splits < KERNEL_MIN_PROGRAMS
-           and keys_per_token >= 2 * splits * KERNEL_MIN_SPLIT_KEYS):
+           and keys_per_token >= 2 * splits * KERNEL_MIN_SPLIT_KEYS
+           and -(-tiles // (2 * splits)) < -(-tiles // splits)):
         splits *= 2
     return splits
 
