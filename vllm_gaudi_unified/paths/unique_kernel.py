@@ -371,8 +371,6 @@ def token_slots(batch, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     them (`[n + 1]`), as `unique.token_order` orders them, in one launch (`slots_kernel`): in a parallel-sampling
     step the concatenation and the order kernel were two launches, and the unique kernel then read `order` before
     each key tile's block id."""
-    from vllm_gaudi_unified.paths.unique import _pow2
-
     u, (t, r, kb) = batch.unique_rows.shape[0], batch.shared_lo.shape
     cells = t * r * kb
     dev = batch.unique_rows.device
@@ -383,6 +381,6 @@ def token_slots(batch, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     slots_kernel[(n + 1,)](
         plain(batch.unique_rows), u_ids, plain(batch.unique_lo), plain(batch.unique_hi), plain(batch.shared_rows),
         plain(batch.shared_blocks), plain(batch.shared_lo), plain(batch.shared_hi), ids, lo, hi, starts, u, cells, n,
-        R=r, KB=kb, SLICE=batch.unique_blocks is None, CHUNK=max(16, min(SLOTS_CHUNK, _pow2(u + cells))),
-        ONE=u + cells <= SLOTS_CHUNK)
+        R=r, KB=kb, SLICE=batch.unique_blocks is None, ONE=u + cells <= SLOTS_CHUNK,
+        CHUNK=max(16, min(SLOTS_CHUNK, triton.next_power_of_2(u + cells))))
     return ids, lo, hi, starts
