@@ -34,7 +34,7 @@ CASES = [
     # two groups and a lone decode; many splits per token (split keys 8, occupancy rule on)
     ("two_groups", Step([1] * 9, [17, 19, 24, 33, 40, 35, 34, 37, 5], 8,
                         prefix_groups=[([0, 1, 2], 2), ([3, 4, 5, 6, 7], 4)], num_qo_heads=6, num_kv_heads=3),
-     8, {"KERNEL_SPLIT_KEYS": 8, "KERNEL_MIN_PROGRAMS": 1 << 12, "KERNEL_MIN_SPLIT_KEYS": 4}, True),
+     8, {"KERNEL_SPLIT_KEYS": 8, "KERNEL_MIN_PROGRAMS": 1 << 12, "KERNEL_MIN_SHARED_SPLIT_KEYS": 4}, True),
     # a group larger than the tile rows: two row chunks, the second with padding rows; the slots ordered past
     # `unique_kernel.token_slots`' bound (the concatenation and `token_order`)
     ("row_chunks", Step([1] * 6, [9, 12, 12, 16, 10, 13], 4, prefix_groups=[([0, 1, 2, 3, 4, 5], 2)],
@@ -61,7 +61,7 @@ def check(device: str, query_dtype: torch.dtype, set_attr=setattr) -> int:
     for name in ("fused_shared_partial", "shared_partial"):
         f = getattr(attention, name)
         set_attr(attention, name, lambda *a, _f=f, **kw: calls.append(("shared", False)) or _f(*a, **kw))
-    names = ("KERNEL_SPLIT_KEYS", "KERNEL_MIN_PROGRAMS", "KERNEL_MIN_SPLIT_KEYS", "KERNEL_SHARED_MAX_ROWS",
+    names = ("KERNEL_SPLIT_KEYS", "KERNEL_MIN_PROGRAMS", "KERNEL_MIN_SHARED_SPLIT_KEYS", "KERNEL_SHARED_MAX_ROWS",
              "SCAN_ORDER_MAX_WORK")
     defaults = {k: getattr(unique, k) for k in names}
     low = torch.float16 if device == "cpu" else torch.bfloat16
