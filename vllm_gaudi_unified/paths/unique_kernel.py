@@ -368,9 +368,9 @@ SLOTS_CHUNK = 1024
 
 def token_slots(batch, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`unique._slots_with_shared`'s slots in token order (block ids, lo, hi) and each token's first place among
-    them (`[n + 1]`), as `unique.token_order` orders them, in one launch (`slots_kernel`): in a parallel-sampling
-    step the concatenation and the order kernel were two launches, and the unique kernel then read `order` before
-    each key tile's block id."""
+    them (`[n + 1]`), as `unique.token_order` orders them, in one launch (`slots_kernel`) where the concatenation and
+    `token_order` take two; the unique kernel reads them as they lie (`SORTED`), no `order` load before a key tile's
+    block id. Entries past `starts[n]` (cells without a row) are left unwritten: no program reads them."""
     u, (t, r, kb) = batch.unique_rows.shape[0], batch.shared_lo.shape
     cells = t * r * kb
     dev = batch.unique_rows.device
