@@ -294,9 +294,9 @@ def _verify_rows(name: str) -> dict:
 
 
 def verify_table() -> list[str]:
-    runs, peers, mla, cuda_runs, units, heads, major = (f"verify_h200/{n}.json" for n in (
-        "gaudi_compiled", "with_peers", "mla_units", "cuda_final", "gaudi_units", "gaudi_heads", "gaudi_head_major"))
-    ours, peer, cuda = {k: v for n in (runs, heads, units, major) for k, v in _verify_rows(n).items()}, _verify_rows(peers), _verify_rows(cuda_runs)
+    runs, peers, mla, cuda_runs, compiled = (f"verify_h200/{n}.json" for n in (
+        "gaudi_compiled", "with_peers", "mla_units", "cuda_final", "gaudi_route"))
+    ours, peer, cuda = {k: v for n in (runs, compiled) for k, v in _verify_rows(n).items()}, _verify_rows(peers), _verify_rows(cuda_runs)
     titles = {r["scenario"]: r.get("title", r["scenario"]) for r in _load(runs)["rows"]}
     ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
     out = ["CUDA route:", ""] + _head("step", "ours", "vLLM Triton", "ours / Triton", "our decode, same contexts",
@@ -327,8 +327,8 @@ def verify_table() -> list[str]:
     src = lambda n, c: _source(n, c, _load(n)["env"]["device"], _load(n)["env"]["date"])  # noqa: E731
     return out + ["", f"- {src(cuda_runs, 'python -m benchmarks.verify --out DIR --no-peers --routes cuda')} "
                   "(the CUDA table)", f"- {src(runs, 'python -m benchmarks.verify --out DIR --compile CASES')}",
-                  *(f"- {src(n, 'python -m benchmarks.verify --out DIR --compile CASES --cases CASES --routes , --no-peers --no-triton')} "
-                    f"(the Gaudi route's {w})" for n, w in ((heads, "steps it holds compiled, over the file above"), (units, "steps re-measured compiled, over the file above"))), f"- {src(major, 'benchmarks.verify timing (capture, time_ms) of the compiled Gaudi step, unique.units_partial of main and of the commit swapped in one process')} (over the file above)",
+                  f"- {src(compiled, 'python -m benchmarks.verify --out DIR --compile CASES --cases CASES --routes , --no-peers --no-triton')} "
+                  "(the Gaudi route's compiled steps, over the file above)",
                   f"- {src(peers, 'python -m benchmarks.verify --out DIR')} (vllm-gaudi's columns)",
                   f"- {src(mla, 'python -m benchmarks.verify --out DIR --mla --cases none --no-peers --no-triton')}"]
 
