@@ -50,8 +50,8 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
     # rows (r, g) per KV head: the gathered queries written once in the products' layout
     qg = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d)
-    first = r * g >= HEADS_FIRST_MIN_ROWS
-    if first:  # head-major: one mask per slot (a unit's rows without a token see its keys, and are dropped)
+    heads_first = r * g >= HEADS_FIRST_MIN_ROWS
+    if heads_first:  # head-major: one mask per slot (a unit's rows without a token see its keys, and are dropped)
         qh = qg.permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
         scores = torch.cat([score_product(qh[h], k[:, :, h].transpose(1, 2)) for h in range(hkv)])
         scores = scores.view(hkv, t, r, g, nk).to(dt) * scale  # [Hkv, T, R, G, K]
@@ -62,17 +62,17 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
         scores = scores.view(t, hkv, r, g, nk).to(dt) * scale  # [T, Hkv, R, G, K]
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~(mask[None, :, :, None] if first else mask[:, None, :, None]), float("-inf"))
+    scores = scores.masked_fill(~(mask[None, :, :, None] if heads_first else mask[:, None, :, None]), float("-inf"))
     p, m, total = masked_softmax_for(scores)(scores)
     p = p.to(v.dtype).view(*scores.shape[:2], r * g, nk)
-    acc = [torch.matmul(p[h] if first else p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv], V as stored
-    m, total = ((x.permute(1, 2, 0, 3) if first else x.transpose(1, 2)).reshape(t * r, hq) for x in (m, total))
+    acc = [torch.matmul(p[h] if heads_first else p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv], V as stored
+    m, total = ((x.permute(1, 2, 0, 3) if heads_first else x.transpose(1, 2)).reshape(t * r, hq) for x in (m, total))
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
-    seen = mask[masked, 0] if first else mask.any(1)[masked]  # [S, K]
+    seen = mask[masked, 0] if heads_first else mask.any(1)[masked]  # [S, K]
     vz = torch.where(seen[:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
-    fix = torch.matmul(p[:, masked].transpose(0, 1) if first else p[masked], vz)
+    fix = torch.matmul(p[:, masked].transpose(0, 1) if heads_first else p[masked], vz)
     fix = fix.view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
     listed = torch.arange(s, device=q.device)
     once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
