@@ -158,8 +158,9 @@ class StepBuffers:
     in place; the batch's tensors are views of one device block that one
     non-blocking copy fills from one host block (page-locked when the device can
     pin), every array cast to int64 at its offset (`copies.KeptCopy`). All are
-    sized by the largest bucket (`reserve_for`), so a step allocates nothing and
-    every step of one bucket hands its graph the same addresses. On the CPU the
+    sized by the largest bucket (`reserve_for`), so a step allocates nothing, and
+    offsets follow the arrays' shapes, so every step of one bucket hands its
+    graph the same addresses. On the CPU the
     host buffers are the device tensors (no copy). A batch built into buffers is
     valid until the next build into them (the copy of the previous step is
     waited for before the host block is written again).
