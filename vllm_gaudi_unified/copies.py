@@ -74,8 +74,13 @@ class KeptCopy:
     into the host block at the offsets of `packed` and ONE non-blocking copy moves the span they use; the
     tensors are views of the device block. Offsets follow the arrays' shapes alone, so steps whose arrays
     have the same shapes (the steps padded to one bucket) get the same addresses, step after step, and a
-    step allocates nothing; a step larger than the blocks (beyond `reserve`, rare) lays out larger ones, at
-    new addresses. The host block is written again only after the last copy from it is done (`wait`)."""
+    step allocates nothing (the views of each set of shapes are made once: `MAX_LAYOUTS`); a step larger
+    than the blocks (beyond `reserve`, rare) lays out larger ones, at new addresses. The host block is
+    written again only after the last copy from it is done (`wait`)."""
+
+    #: Sets of shapes whose offsets and views are kept (a bucket plan's steps: one per bucket; unpadded steps:
+    #: as many as they come, so the kept ones are dropped at this many)
+    MAX_LAYOUTS = 1024
 
     def __init__(self, device: torch.device, pin: bool, reserve=()):
         """`reserve`: the most elements of each array (the blocks hold them all at once)."""
@@ -92,6 +97,7 @@ class KeptCopy:
             host = torch.empty(n, dtype=torch.int64)
         self.host, self._host_array = host, host.numpy()
         self.block = torch.empty(n, dtype=torch.int64, device=self.device)
+        self._layouts: dict[tuple, tuple] = {}  # the arrays' shapes -> (offsets, end, views in `block`)
 
     def wait(self) -> None:
         """Block until the last copy is done (its host memory is free)."""
@@ -101,15 +107,22 @@ class KeptCopy:
 
     def __call__(self, arrays) -> list:
         """Each of `arrays` (as `to_device` takes them) as an int64 tensor of its shape in the device block."""
-        offsets, end = packed(arrays)
-        if end > self.block.numel():
-            self._grow(max(end, 2 * self.block.numel()))
+        shapes = tuple(None if a is None else a.shape for a in arrays)
+        layout = self._layouts.get(shapes)
+        if layout is None:
+            offsets, end = packed(arrays)
+            if end > self.block.numel():
+                self._grow(max(end, 2 * self.block.numel()))
+            if len(self._layouts) >= self.MAX_LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[shapes] = offsets, end, _views(self.block, arrays, offsets)
+        offsets, end, views = layout
         self.wait()
         _write(self._host_array, arrays, offsets)
         if end:
             self.block[:end].copy_(self.host[:end], non_blocking=True)
             self._copied = copied_event(self.device)
-        return _views(self.block, arrays, offsets)
+        return list(views)
 
 
 def copied_event(device: torch.device):
