@@ -10,7 +10,7 @@ import torch
 
 from conftest import SMALL_TILES, SPECS, make_block_table
 from vllm_gaudi_unified import copies
-from vllm_gaudi_unified.batch import InvariantBatch, UnifiedBatch, _array_fields, build_unified_batch
+from vllm_gaudi_unified.batch import InvariantBatch, StepBuffers, UnifiedBatch, _array_fields, build_unified_batch
 from vllm_gaudi_unified.plan import InvariantPlan, PlanOptions, pad_plan, plan_checked, plan_step
 from vllm_gaudi_unified.plan.arrays import validate
 
@@ -178,3 +178,71 @@ def test_plan_checked_encoder_only_and_bad_input():
         plan_checked(checked, 4, options="tiles")
     with pytest.raises(ValueError, match="block_size must be an int >= 1"):
         plan_checked(checked, 0)
+
+
+class _Copies(torch.overrides.TorchFunctionMode):
+    """Counts `Tensor.copy_` calls (the host-to-device copies of a batch built into buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.Tensor.copy_
+        return func(*args, **(kwargs or {}))
+
+
+def _step_batches(buffers, names, options):
+    """(batch into `buffers`, batch without) of each step, checked before the next build into the buffers."""
+    for name in names:
+        step = SPECS[name]
+        table, num_blocks = make_block_table(step, np.random.default_rng(2))
+        args = (step.query_lens, step.context_lens, table, step.block_size)
+        with _Copies() as copied:
+            kept = build_unified_batch(*args, num_blocks=num_blocks, options=OPTIONS[options], buffers=buffers)
+        fresh = build_unified_batch(*args, num_blocks=num_blocks, options=OPTIONS[options])
+        yield kept, fresh, copied.count
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("reserve", [False, True], ids=["growing", "reserved"])
+def test_steps_built_into_buffers_are_one_copy_into_one_block_and_equal_those_built_without(options, reserve):
+    """Off the host (`copy=True`: the device path on the CPU), step after step: every field of the batch
+    equals the batch built without buffers; its tensors are views of the one device block at aligned offsets,
+    filled by one copy. Without a reservation the blocks grow (new addresses); a smaller step after a bigger
+    one, steps with empty arrays (an invariant plan's routes, a step without causal tiles) stay exact."""
+    names = ["prefill", "long_causal", "decode", "seed", "parallel_sampling", "ragged_partial", "seed"]
+    sizes = {"token_seg_start": 64, "shared_lo": 1 << 18} if reserve else None  # (room for every step's arrays)
+    buffers = StepBuffers("cpu", reserve=sizes, copy=True)
+    blocks, empties = set(), 0
+    for kept, fresh, copies_made in _step_batches(buffers, names, options):
+        tensors = _assert_fields(kept, kept.plan)
+        assert copies_made == 1
+        for name in _array_fields(type(kept)):
+            x, y = getattr(kept, name), getattr(fresh, name)
+            assert (x is None) == (y is None) and (x is None or (x.shape == y.shape and torch.equal(x, y))), name
+        block = buffers.blocks.block
+        assert all(t.untyped_storage().data_ptr() == block.data_ptr() and t.storage_offset() % copies.ALIGN == 0
+                   for t in tensors if t.numel())
+        empties += any(not t.numel() for t in tensors)
+        blocks.add(block.data_ptr())
+    assert empties and (len(blocks) == 1) == reserve
+
+
+def test_a_kept_copy_grows_past_its_reservation_and_falls_back_to_pageable_memory():
+    """`pin` where no pinned memory exists: pageable blocks. An array beyond the reservation lays out new,
+    larger blocks; the arrays stay exact, and the next step of the same shapes keeps the new addresses."""
+    kept = copies.KeptCopy(torch.device("cpu"), pin=True, reserve=[16, 4])
+    assert kept.pin == torch.cuda.is_available() and kept.block.numel() == 32
+    small = [np.arange(5, dtype=np.int32), np.zeros((0, 2), np.int64)]
+    big = [np.arange(80).reshape(8, 10)[:, ::2], None]  # (40 elements, not contiguous)
+    addresses = []
+    for i, arrays in enumerate((small, big, big, small, big, small)):
+        if i == 4:
+            kept.MAX_LAYOUTS = 1  # (then each step lays its views out again: the same offsets)
+        got = kept(arrays)
+        for a, t in zip(arrays, got):
+            assert (t is None) == (a is None) and (a is None or (t.dtype == torch.int64 and np.array_equal(t.numpy(), a)))
+        addresses.append(got[0].data_ptr())
+    assert kept.block.numel() == 64 and addresses[0] != addresses[1] == addresses[2] == addresses[3] == addresses[5]
+    kept.wait()

@@ -221,18 +221,6 @@ def _bucket_for(steps, options, block_size) -> Bucket:
     return Bucket(phase_of(sizes[3], shared, sizes[1]), sizes[0], shared, sizes[1], sizes[2], sizes[3], *prompts)
 
 
-class _NoNewKeys(dict):
-    """The device buffers: any new or replaced one is an allocation."""
-
-    def __init__(self, items, log):
-        super().__init__(items)
-        self.log = log
-
-    def __setitem__(self, key, value):
-        self.log.append(key)
-        super().__setitem__(key, value)
-
-
 DEVICES = [("cpu", None)] + [("cuda", None)] * torch.cuda.is_available()
 
 
@@ -252,7 +240,8 @@ def test_a_buckets_steps_reuse_the_same_memory_and_allocate_nothing(monkeypatch,
     buffers = StepBuffers(device, reserve=StepBuffers.reserve_for([bucket], options, bs), copy=copy)
     allocations = []
     monkeypatch.setattr(buffers.host, "_grow", lambda *a: allocations.append(a))
-    monkeypatch.setattr(buffers, "_device", _NoNewKeys(buffers._device, allocations))
+    if buffers.blocks is not None:  # the host and device blocks of the one copy
+        monkeypatch.setattr(buffers.blocks, "_grow", lambda *a: allocations.append(a))
     addresses = None
     for q, c, t in steps:
         batch = build_unified_batch(q, c, t, bs, options=options, bucket=bucket, buffers=buffers)
@@ -264,6 +253,9 @@ def test_a_buckets_steps_reuse_the_same_memory_and_allocate_nothing(monkeypatch,
             assert (x is None and y is None) or (x.device.type == device and torch.equal(x.cpu(), y)), name
         now = {name: x.data_ptr() for name, x in tensors.items() if x is not None and x.numel()}
         assert addresses is None or now == addresses
+        if buffers.blocks is not None:
+            assert {x.untyped_storage().data_ptr() for x in tensors.values() if x is not None and x.numel()} == {
+                buffers.blocks.block.data_ptr()}  # views of the one device block
         addresses = now
     assert not allocations
     assert len(addresses) >= 10  # every array of the step, in kept memory

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from vllm_gaudi_unified.bucket import Bucket, with_prompts
-from vllm_gaudi_unified.copies import copied_event, to_device
+from vllm_gaudi_unified.copies import KeptCopy, to_device
 from vllm_gaudi_unified.log import get_logger
 from vllm_gaudi_unified.plan import InvariantPlan, PathWork, PlanBuffers, PlanOptions, StepPlan, pad_plan, plan_step
 from vllm_gaudi_unified.plan.arrays import trusted
@@ -154,33 +154,28 @@ class InvariantBatch(UnifiedBatch):
 class StepBuffers:
     """Memory a server keeps from step to step for its batches' index tensors.
 
-    The planner writes each step into host buffers (`plan.PlanBuffers`, pinned
-    when the device can pin), padding in place; the batch's tensors are views of
-    device buffers that one non-blocking copy per array fills. Both are sized by
-    the largest bucket (`reserve_for`), so a step allocates nothing and every
-    step of one bucket hands its graph the same addresses. On the CPU the host
-    buffers are the device tensors (no copy). A batch built into buffers is
-    valid until the next build into them (the device copy of the previous step
-    is waited for before its host memory is written again).
+    The planner writes each step into host buffers (`plan.PlanBuffers`), padding
+    in place; the batch's tensors are views of one device block that one
+    non-blocking copy fills from one host block (page-locked when the device can
+    pin), every array cast to int64 at its offset (`copies.KeptCopy`). All are
+    sized by the largest bucket (`reserve_for`), so a step allocates nothing, and
+    offsets follow the arrays' shapes, so every step of one bucket hands its
+    graph the same addresses. On the CPU the
+    host buffers are the device tensors (no copy). A batch built into buffers is
+    valid until the next build into them (the copy of the previous step is
+    waited for before the host block is written again).
     """
 
     def __init__(self, device: torch.device | str = "cpu", reserve: dict[str, int] | None = None,
                  pin: bool | None = None, copy: bool | None = None):
-        """`pin`: page-locked host memory (default: off the CPU). `copy`: device tensors apart from the
-        host buffers, filled by a copy per array (default: off the CPU; on it, the host buffers are the
+        """`pin`: page-locked host block (default: off the CPU). `copy`: device tensors apart from the
+        host buffers, filled by one copy per step (default: off the CPU; on it, the host buffers are the
         tensors)."""
         self.device = torch.device(device)
         self.on_host = not ((self.device.type != "cpu") if copy is None else copy)
-        self.pin = (self.device.type != "cpu") if pin is None else pin
-        self._host_tensors: dict[int, torch.Tensor] = {}  # id of a host buffer -> its torch tensor
-        self._device: dict[str, torch.Tensor] = {}
-        self._copied = None  # event after the last host -> device copies
-        self._empties: dict[tuple, torch.Tensor] = {}  # shape -> an empty tensor on the device
-        self.host = PlanBuffers(allocate=self._allocate_host)
-        for name, n in (reserve or {}).items():
-            self.host.array(name, n)
-            if not self.on_host:
-                self._device_buffer(name, n)
+        self.host = PlanBuffers(reserve=reserve)
+        pin = (self.device.type != "cpu") if pin is None else pin
+        self.blocks = None if self.on_host else KeptCopy(self.device, pin, (reserve or {}).values())
 
     @staticmethod
     def reserve_for(buckets, options: PlanOptions, block_size: int) -> dict[str, int]:
@@ -201,64 +196,28 @@ class StepBuffers:
                 sizes[name] = max(sizes.get(name, 0), n)
         return sizes
 
-    def _allocate_host(self, n: int, dtype) -> np.ndarray:
-        dtype = torch.from_numpy(np.empty(0, dtype)).dtype
-        try:
-            t = torch.empty(n, dtype=dtype, pin_memory=self.pin)
-        except RuntimeError:  # no pinned memory on this backend: pageable, the copy then waits for itself
-            self.pin = False
-            t = torch.empty(n, dtype=dtype)
-        a = t.numpy()
-        self._host_tensors[id(a)] = t
-        return a
-
-    def _device_buffer(self, name: str, n: int) -> torch.Tensor:
-        buf = self._device.get(name)
-        if buf is None or buf.numel() < n:
-            buf = self._device[name] = torch.empty(max(n, 16, 0 if buf is None else 2 * buf.numel()),
-                                                   dtype=torch.int64, device=self.device)
-        return buf
-
     def wait(self) -> None:
-        """Block until the previous step's host -> device copies are done (its host memory is free)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        """Block until the previous step's host -> device copy is done (its host block is free)."""
+        if self.blocks is not None:
+            self.blocks.wait()
 
     def batch(self, plan: StepPlan) -> "UnifiedBatch":
-        """The plan's arrays as tensors in these buffers (arrays not yet in the host buffers are copied in;
-        an empty array needs no memory: an empty tensor, made once per shape)."""
+        """The plan's arrays as tensors in these buffers: off the host, in one copy (an array not planned in
+        the host buffers, as an invariant plan's, is cast into the host block from where it is); on it, the
+        host buffers (such an array is copied in; an empty array: an empty tensor)."""
         cls = InvariantBatch if isinstance(plan, InvariantPlan) else UnifiedBatch
+        names = _array_fields(cls)
+        arrays = [getattr(plan, name) for name in names]
+        if self.blocks is not None:
+            return trusted(cls, plan=plan, **dict(zip(names, self.blocks(arrays))))
         values = {}
-        copied = False
-        for name in _array_fields(cls):
-            a = getattr(plan, name)
-            if a is None:
-                values[name] = None
-                continue
-            if not a.size:
-                values[name] = self._empty(a.shape)
-                continue
-            if not self.host.holds(name, a):  # not planned here (an invariant plan)
+        for name, a in zip(names, arrays):
+            if a is not None and not a.size:
+                a = np.empty(a.shape, np.int64)
+            elif a is not None and not self.host.holds(name, a):  # not planned here (an invariant plan)
                 a = self.host.keep(name, np.ascontiguousarray(a, dtype=np.int64))
-            if self.on_host:
-                values[name] = torch.from_numpy(a)
-                continue
-            base = self.host.buffer(name)
-            src = self._host_tensors[id(base)][: a.size]
-            dst = self._device_buffer(name, a.size)[: a.size]
-            dst.copy_(src, non_blocking=True)
-            values[name] = dst.view(a.shape)
-            copied = True
-        if copied:
-            self._copied = copied_event(self.device)
+            values[name] = None if a is None else torch.from_numpy(a)
         return trusted(cls, plan=plan, **values)
-
-    def _empty(self, shape: tuple) -> torch.Tensor:
-        t = self._empties.get(shape)
-        if t is None:
-            t = self._empties[shape] = torch.empty(shape, dtype=torch.int64, device=self.device)
-        return t
 
 
 _FIELDS: dict = {}
@@ -302,7 +261,6 @@ def build_unified_batch(query_lens, context_lens, block_table, block_size: int, 
             raise ValueError(f"buffers must be StepBuffers or None, got {type(buffers).__name__}")
         if device is not None and device != buffers.device:
             raise ValueError(f"device {device} differs from the buffers' device {buffers.device}")
-        buffers.wait()
     host = None if buffers is None else buffers.host
     plan_with = functools.partial(plan_step, query_lens, context_lens, block_table, block_size,
                                   sliding_window=sliding_window, num_blocks=num_blocks, causal=causal)

@@ -5,13 +5,12 @@ faults than in arithmetic (the mixed 8192-token step of `benchmarks/planning.py`
 faulted ~700 pages a call, about 2 ms, more than all its numpy work), and a
 graph replay wants its inputs at the same address every step. A server plans
 into `PlanBuffers` (the vLLM metadata builder does, through `batch.StepBuffers`,
-whose memory is pinned for the device copy); a plan made into buffers holds
+which copies them to the device in one copy); a plan made into buffers holds
 views of them and is valid until the next plan into the same buffers.
 """
 from __future__ import annotations
 
 from math import prod
-from typing import Callable
 
 import numpy as np
 
@@ -50,14 +49,11 @@ FRESH = FreshArrays()
 class PlanBuffers(FreshArrays):
     """One growing 1-D host buffer per array name; `array(name, shape)` is a view of its first elements.
 
-    `allocate(n, dtype)` makes the memory (default: numpy; `batch.StepBuffers` passes pinned
-    torch memory). `reserve` sizes buffers up front (a bucket plan's largest bucket), so a
-    server's steps never allocate; a step that needs more grows the buffer, keeping its content,
-    which is what lets `pad_plan` pad a plan in place."""
+    `reserve` sizes buffers up front (a bucket plan's largest bucket), so a server's steps never
+    allocate; a step that needs more grows the buffer, keeping its content, which is what lets
+    `pad_plan` pad a plan in place."""
 
-    def __init__(self, allocate: Callable[[int, np.dtype], np.ndarray] | None = None,
-                 reserve: dict[str, int] | None = None):
-        self._allocate = allocate or (lambda n, dtype: np.empty(n, dtype))
+    def __init__(self, reserve: dict[str, int] | None = None):
         self._buffers: dict[str, np.ndarray] = {}
         self._views: dict[str, np.ndarray] = {}  # the last array handed out per name
         self._scratch: dict[str, np.ndarray] = {}  # plain numpy: never copied to a device, never pinned
@@ -105,7 +101,7 @@ class PlanBuffers(FreshArrays):
 
     def _grow(self, name, n, dtype):
         old = self._buffers.get(name)
-        new = self._allocate(max(n, 16, 0 if old is None else 2 * old.size), dtype)
+        new = np.empty(max(n, 16, 0 if old is None else 2 * old.size), dtype)
         if old is not None and old.dtype == dtype:
             new[: old.size] = old  # a plan being padded keeps its content
         self._buffers[name] = new
