@@ -69,7 +69,12 @@ def test_splits_rule():
     assert unique._splits(2048, 2048) == 1  # decode 256 x 2k, 8 KV heads: unchanged
     assert unique._splits(8192, 512) == 1  # decode 64 x 8k: 512 programs already
     assert unique._splits(2176, 128) == 4  # parallel sampling 16 x (2k + 64): 512 programs of 544 keys
-    assert unique._splits(128, 128) == 1  # one block a token: no split under the minimum
+    assert unique._splits(2176, 16) == 8  # heads 8/1/128, 16 programs: splits of 384 keys (three key tiles)
+    shared = unique.KERNEL_MIN_SHARED_SPLIT_KEYS
+    assert unique._splits(2176, 16, shared) == 32  # the same with shared cells: one key tile a split
+    assert unique._splits(1024, 64) == 4  # 8 decodes x 1k: splits of two key tiles, not 8 of one
+    assert unique._splits(128, 128, shared) == 1  # one block a token: one key tile, no split
+    assert unique._splits(3 * 128, 16, shared) == 4  # three key tiles: 4 splits of one (the 4th empty), not 8
     assert unique._splits(40000, 8) == unique.KERNEL_MAX_SPLITS
     assert unique._splits(20000, 4096) == 4  # ceil(20000 / 8192) rounded up to a power of two
 
