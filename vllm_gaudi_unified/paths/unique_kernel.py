@@ -292,67 +292,73 @@ def _slots_body(u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr, s_blocks_
     `hi` (row == t) in index order from there, for the unique kernel's `SORTED` form (no `order` read per key
     tile). Slot i < `U` is unique slot i (`u_*`; `SLICE`: block id i); slot `U + c` is cell c of the shared
     tiles, `[tiles, R rows, KB blocks]` (`s_rows` `[tiles * R]`, `s_blocks` `[tiles * KB]`, `s_lo`/`s_hi` per
-    cell), its tile row's token where it has a visible slot, else `n` (no row: not written). `ONE` (all slots
-    in one `CHUNK`): every slot loaded once, all loads at once; else a pass to count, a pass to write."""
+    cell), its tile row's token where it has a visible slot, else `n` (no row: not written); past the last
+    slot, row n + 1. `ONE` (all slots in one `CHUNK`): every slot loaded once, all loads at once; else a pass to
+    count, a pass to write. The rows, and so every store's address, come from loads in this body, no helper's
+    result: torch.compile's analysis of a user kernel (`torch._higher_order_ops.triton_kernel_wrap`) counts
+    every argument of a helper whose result reaches a store's address as written, and the batch's arrays
+    (views of one device buffer) taken as written inputs broke the compiled step (an illegal address, H200)."""
     t = tl.program_id(0)
     if ONE:
-        row, blk, lo, hi = _slot(tl.arange(0, CHUNK), u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr,
-                                 s_blocks_ptr, s_lo_ptr, s_hi_ptr, U, C, n, R, KB, SLICE, True)
+        idx = tl.arange(0, CHUNK)
+        uniq, cell, shared = idx < U, idx - U, (idx >= U) & (idx < U + C)
+        s_lo = tl.load(s_lo_ptr + cell, mask=shared, other=0)
+        s_hi = tl.load(s_hi_ptr + cell, mask=shared, other=0)
+        s_row = tl.where(s_hi > s_lo, tl.load(s_rows_ptr + cell // KB, mask=shared, other=0), n)
+        row = tl.where(uniq, tl.load(u_rows_ptr + idx, mask=uniq, other=0), tl.where(shared, s_row, n + 1))
+        blk, lo, hi = _slot_values(idx, uniq, shared, cell, s_lo, s_hi, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_blocks_ptr,
+                                   R, KB, SLICE)
         pos = tl.sum((row < t).to(tl.int32), 0)
     else:
         before = tl.zeros([CHUNK], tl.int32)
         for c in range(0, U + C, CHUNK):
-            row, _, _, _ = _slot(c + tl.arange(0, CHUNK), u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr,
-                                 s_blocks_ptr, s_lo_ptr, s_hi_ptr, U, C, n, R, KB, SLICE, False)
+            idx = c + tl.arange(0, CHUNK)
+            uniq, cell, shared = idx < U, idx - U, (idx >= U) & (idx < U + C)
+            s_lo = tl.load(s_lo_ptr + cell, mask=shared, other=0)
+            s_hi = tl.load(s_hi_ptr + cell, mask=shared, other=0)
+            s_row = tl.where(s_hi > s_lo, tl.load(s_rows_ptr + cell // KB, mask=shared, other=0), n)
+            row = tl.where(uniq, tl.load(u_rows_ptr + idx, mask=uniq, other=0), tl.where(shared, s_row, n + 1))
             before += (row < t).to(tl.int32)
         pos = tl.sum(before, 0)
     tl.store(starts_ptr + t, pos.to(tl.int64))
     if t < n:
         if ONE:
-            _write_mine(row == t, pos, blk, lo, hi, ids_ptr, lo_ptr, hi_ptr)
+            mine = row == t
+            at = pos + tl.cumsum(mine.to(tl.int32), 0) - 1
+            tl.store(ids_ptr + at, blk, mask=mine)
+            tl.store(lo_ptr + at, lo, mask=mine)
+            tl.store(hi_ptr + at, hi, mask=mine)
         else:
             for c in range(0, U + C, CHUNK):
-                row, blk, lo, hi = _slot(c + tl.arange(0, CHUNK), u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr,
-                                         s_rows_ptr, s_blocks_ptr, s_lo_ptr, s_hi_ptr, U, C, n, R, KB, SLICE, True)
-                pos = _write_mine(row == t, pos, blk, lo, hi, ids_ptr, lo_ptr, hi_ptr)
+                idx = c + tl.arange(0, CHUNK)
+                uniq, cell, shared = idx < U, idx - U, (idx >= U) & (idx < U + C)
+                s_lo = tl.load(s_lo_ptr + cell, mask=shared, other=0)
+                s_hi = tl.load(s_hi_ptr + cell, mask=shared, other=0)
+                s_row = tl.where(s_hi > s_lo, tl.load(s_rows_ptr + cell // KB, mask=shared, other=0), n)
+                row = tl.where(uniq, tl.load(u_rows_ptr + idx, mask=uniq, other=0), tl.where(shared, s_row, n + 1))
+                mine = row == t
+                blk, lo, hi = _slot_values(idx, uniq, shared, cell, s_lo, s_hi, u_ids_ptr, u_lo_ptr, u_hi_ptr,
+                                           s_blocks_ptr, R, KB, SLICE)
+                at = pos + tl.cumsum(mine.to(tl.int32), 0) - 1
+                tl.store(ids_ptr + at, blk, mask=mine)
+                tl.store(lo_ptr + at, lo, mask=mine)
+                tl.store(hi_ptr + at, hi, mask=mine)
+                pos += tl.sum(mine.to(tl.int32), 0)
 
 
 @triton.jit
-def _write_mine(mine, pos, blk, lo, hi, ids_ptr, lo_ptr, hi_ptr):
-    """The slots `mine` of a chunk at `pos`, `pos + 1`, ... in index order; returns the next place."""
-    at = pos + tl.cumsum(mine.to(tl.int32), 0) - 1
-    tl.store(ids_ptr + at, blk, mask=mine)
-    tl.store(lo_ptr + at, lo, mask=mine)
-    tl.store(hi_ptr + at, hi, mask=mine)
-    return pos + tl.sum(mine.to(tl.int32), 0)
-
-
-@triton.jit
-def _slot(idx, u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr, s_blocks_ptr, s_lo_ptr, s_hi_ptr, U, C, n,
-          R: tl.constexpr, KB: tl.constexpr, SLICE: tl.constexpr, FULL: tl.constexpr):
-    """`_slots_body`'s slots `idx`: (row, and with `FULL` block id, lo, hi); past the last slot, row n + 1. Every
-    load's address and mask come from `idx` alone, so they are issued together."""
-    uniq = idx < U
-    cell = idx - U
-    shared = (idx >= U) & (idx < U + C)
-    s_lo = tl.load(s_lo_ptr + cell, mask=shared, other=0)
-    s_hi = tl.load(s_hi_ptr + cell, mask=shared, other=0)
-    s_row = tl.load(s_rows_ptr + cell // KB, mask=shared, other=0)
-    u_row = tl.load(u_rows_ptr + idx, mask=uniq, other=0)
-    row = tl.where(uniq, u_row, tl.where(shared, tl.where(s_hi > s_lo, s_row, n), n + 1))
-    blk = row
-    lo = row
-    hi = row
-    if FULL:
-        if SLICE:
-            u_blk = idx
-        else:
-            u_blk = tl.load(u_ids_ptr + idx, mask=uniq, other=0)
-        s_blk = tl.load(s_blocks_ptr + (cell // (R * KB)) * KB + cell % KB, mask=shared, other=0)
-        blk = tl.where(uniq, u_blk, s_blk)
-        lo = tl.where(uniq, tl.load(u_lo_ptr + idx, mask=uniq, other=0), s_lo)
-        hi = tl.where(uniq, tl.load(u_hi_ptr + idx, mask=uniq, other=0), s_hi)
-    return row, blk, lo, hi
+def _slot_values(idx, uniq, shared, cell, s_lo, s_hi, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_blocks_ptr, R: tl.constexpr,
+                 KB: tl.constexpr, SLICE: tl.constexpr):
+    """`_slots_body`'s slots `idx`: (block id, lo, hi), their loads' addresses and masks from `idx` alone (issued
+    together); the results are stored as values only (see `_slots_body`)."""
+    if SLICE:
+        u_blk = idx
+    else:
+        u_blk = tl.load(u_ids_ptr + idx, mask=uniq, other=0)
+    s_blk = tl.load(s_blocks_ptr + (cell // (R * KB)) * KB + cell % KB, mask=shared, other=0)
+    lo = tl.where(uniq, tl.load(u_lo_ptr + idx, mask=uniq, other=0), s_lo)
+    hi = tl.where(uniq, tl.load(u_hi_ptr + idx, mask=uniq, other=0), s_hi)
+    return tl.where(uniq, u_blk, s_blk), lo, hi
 
 
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter instead
