@@ -300,7 +300,14 @@ def _slots_body(u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr, s_blocks_
     (views of one device buffer) taken as written inputs broke the compiled step (an illegal address, H200)."""
     t = tl.program_id(0)
     if ONE:
-        idx = tl.arange(0, CHUNK)
+        passes = 1
+    else:
+        passes = 2
+    chunks = tl.maximum(tl.cdiv(U + C, CHUNK), 1)
+    before = tl.zeros([CHUNK], tl.int32)
+    pos = tl.sum(before, 0)
+    for it in range(0, passes * chunks):  # (`ONE`: one iteration, counting and writing)
+        idx = (it % chunks) * CHUNK + tl.arange(0, CHUNK)
         uniq, cell, shared = idx < U, idx - U, (idx >= U) & (idx < U + C)
         s_lo = tl.load(s_lo_ptr + cell, mask=shared, other=0)
         s_hi = tl.load(s_hi_ptr + cell, mask=shared, other=0)
@@ -308,42 +315,18 @@ def _slots_body(u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr, s_blocks_
         row = tl.where(uniq, tl.load(u_rows_ptr + idx, mask=uniq, other=0), tl.where(shared, s_row, n + 1))
         blk, lo, hi = _slot_values(idx, uniq, shared, cell, s_lo, s_hi, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_blocks_ptr,
                                    R, KB, SLICE)
-        pos = tl.sum((row < t).to(tl.int32), 0)
-    else:
-        before = tl.zeros([CHUNK], tl.int32)
-        for c in range(0, U + C, CHUNK):
-            idx = c + tl.arange(0, CHUNK)
-            uniq, cell, shared = idx < U, idx - U, (idx >= U) & (idx < U + C)
-            s_lo = tl.load(s_lo_ptr + cell, mask=shared, other=0)
-            s_hi = tl.load(s_hi_ptr + cell, mask=shared, other=0)
-            s_row = tl.where(s_hi > s_lo, tl.load(s_rows_ptr + cell // KB, mask=shared, other=0), n)
-            row = tl.where(uniq, tl.load(u_rows_ptr + idx, mask=uniq, other=0), tl.where(shared, s_row, n + 1))
+        if it < chunks:
             before += (row < t).to(tl.int32)
-        pos = tl.sum(before, 0)
-    tl.store(starts_ptr + t, pos.to(tl.int64))
-    if t < n:
-        if ONE:
+        if it == chunks - 1:
+            pos = tl.sum(before, 0)
+            tl.store(starts_ptr + t, pos.to(tl.int64))
+        if (it >= (passes - 1) * chunks) & (t < n):
             mine = row == t
             at = pos + tl.cumsum(mine.to(tl.int32), 0) - 1
             tl.store(ids_ptr + at, blk, mask=mine)
             tl.store(lo_ptr + at, lo, mask=mine)
             tl.store(hi_ptr + at, hi, mask=mine)
-        else:
-            for c in range(0, U + C, CHUNK):
-                idx = c + tl.arange(0, CHUNK)
-                uniq, cell, shared = idx < U, idx - U, (idx >= U) & (idx < U + C)
-                s_lo = tl.load(s_lo_ptr + cell, mask=shared, other=0)
-                s_hi = tl.load(s_hi_ptr + cell, mask=shared, other=0)
-                s_row = tl.where(s_hi > s_lo, tl.load(s_rows_ptr + cell // KB, mask=shared, other=0), n)
-                row = tl.where(uniq, tl.load(u_rows_ptr + idx, mask=uniq, other=0), tl.where(shared, s_row, n + 1))
-                mine = row == t
-                blk, lo, hi = _slot_values(idx, uniq, shared, cell, s_lo, s_hi, u_ids_ptr, u_lo_ptr, u_hi_ptr,
-                                           s_blocks_ptr, R, KB, SLICE)
-                at = pos + tl.cumsum(mine.to(tl.int32), 0) - 1
-                tl.store(ids_ptr + at, blk, mask=mine)
-                tl.store(lo_ptr + at, lo, mask=mine)
-                tl.store(hi_ptr + at, hi, mask=mine)
-                pos += tl.sum(mine.to(tl.int32), 0)
+            pos += tl.sum(mine.to(tl.int32), 0)
 
 
 @triton.jit
