@@ -295,9 +295,10 @@ def _slots_body(u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr, s_blocks_
     cell), its tile row's token where it has a visible slot, else `n` (no row: not written); past the last
     slot, row n + 1. `ONE` (all slots in one `CHUNK`): every slot loaded once, all loads at once; else a pass to
     count, a pass to write. The rows, and so every store's address, come from loads in this body, no helper's
-    result: torch.compile's analysis of a user kernel (`torch._higher_order_ops.triton_kernel_wrap`) counts
-    every argument of a helper whose result reaches a store's address as written, and the batch's arrays
-    (views of one device buffer) taken as written inputs broke the compiled step (an illegal address, H200)."""
+    result: torch.compile's analysis of a user kernel (`torch._higher_order_ops.triton_kernel_wrap`) takes every
+    argument of a helper whose result reaches a store's address as written, and with the batch's arrays (views of
+    one device buffer) taken as written inputs the compiled launch wrote wrong slots and overwrote the arrays
+    (torch 2.11, H200: the unique kernel then read out of bounds)."""
     t = tl.program_id(0)
     if ONE:
         passes = 1
