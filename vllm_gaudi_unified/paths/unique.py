@@ -31,9 +31,14 @@ KERNEL_MAX_SPLITS = 32
 KERNEL_WARPS = 4
 KERNEL_STAGES = 2
 #: A launch of fewer (token, KV head, split) programs than this (a few tokens with long contexts: parallel
-#: sampling) cuts each token's keys into more splits, none under `KERNEL_MIN_SPLIT_KEYS` keys.
+#: sampling) cuts each token's keys into more splits, none under `KERNEL_MIN_SPLIT_KEYS` keys
+#: (`KERNEL_MIN_SHARED_SPLIT_KEYS` with a small group's shared cells, whose blocks every row reads, from L2 after
+#: the first), while that cuts the key tiles a split walks. H200, one process: parallel sampling at heads
+#: 8/1/128 (16 programs) 22.5 us a step with 8 splits of three tiles, 20.3 with 32 of one; without shared
+#: cells, 8 decodes x 1k (64 programs) 26.8 with 4 splits of two tiles, 28.3 with 8 of one.
 KERNEL_MIN_PROGRAMS = 512
 KERNEL_MIN_SPLIT_KEYS = 256
+KERNEL_MIN_SHARED_SPLIT_KEYS = 64
 #: Shared tiles of at most this many rows (a small group: parallel sampling's n <= 16 samples) go through
 #: the kernel too, each row reading the tile's blocks itself (`kernel_takes_shared`): the re-reads mostly
 #: hit L2, and the step is one kernel instead of a gather, flash and a scatter merge (docs/benchmarks.md).
@@ -224,23 +229,29 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     from vllm_gaudi_unified.paths import unique_kernel
 
     n, hq, d = q.shape
-    if shared:
-        rows, ids, lo, hi = _slots_with_shared(batch, n)
-        slice_ = False
-    else:
-        rows, lo, hi = batch.unique_rows, batch.unique_lo, batch.unique_hi
-        ids, slice_ = batch.unique_blocks, batch.unique_blocks is None
-    slots = rows.shape[0]
+    slots = batch.unique_rows.shape[0] + (batch.shared_lo.numel() if shared else 0)
     if slots == 0 and new is None:
         return None
+    in_order = shared and (n + 1) * slots <= SCAN_ORDER_MAX_WORK  # (`unique_kernel.token_slots`)
+    if in_order:
+        ids, lo, hi, starts = unique_kernel.token_slots(batch, n)
+        order, slice_ = ids, False  # (order unused: the slots are in token order)
+    else:
+        if shared:
+            rows, ids, lo, hi = _slots_with_shared(batch, n)
+            slice_ = False
+        else:
+            rows, lo, hi = batch.unique_rows, batch.unique_lo, batch.unique_hi
+            ids, slice_ = batch.unique_blocks, batch.unique_blocks is None
+        order, starts = token_order(rows, n, batch.token_seg_start, 1 if shared else batch.plan.unique_units)
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
     units = 1 if shared else batch.plan.unique_units  # (with shared cells: `per_token`'s batch)
-    order, starts = token_order(rows, n, batch.token_seg_start, units)
     work = starts.shape[0] > n + 1  # the unit starts listed: a program per request's unit, not per token
     ids = order if slice_ else ids  # (unused for the slice)
     keys_per_token = slots * bs / max(1, batch.bucket.num_logits)  # decodes: about one request's context
-    splits = _splits(keys_per_token, (n if units == 1 else batch.bucket.num_logits) * hkv)  # (programs with work)
+    splits = _splits(keys_per_token, (n if units == 1 else batch.bucket.num_logits) * hkv,  # (programs with work)
+                     KERNEL_MIN_SHARED_SPLIT_KEYS if shared else KERNEL_MIN_SPLIT_KEYS)
     dt = compute_dtype(q.dtype)
     in_kernel = final and splits == 1  # (the kernel writes the final rows; acc/m/total give its dtype only)
     out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device) if in_kernel else None
@@ -257,7 +268,7 @@ def kernel_unique_partial(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
         HQ=hq, G=g, ROWS=max(16, _pow2(units * g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs, KEYS=KERNEL_KEYS,
         SPLITS=splits, SLICE=slice_, K_SCALES=_scale_mode(ks), V_SCALES=_scale_mode(vs),
         SPLIT_KEYS=0, UNITS=units, **_new_args(new, q, scale, v_factor, units), out_ptr=acc if out is None else out,
-        FINAL=in_kernel, EXACT_DIV=False, SORTED=False, WORK=work, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
+        FINAL=in_kernel, EXACT_DIV=False, SORTED=in_order, WORK=work, num_warps=KERNEL_WARPS, num_stages=KERNEL_STAGES)
     if in_kernel:
         return Final(out)
     if splits == 1:
@@ -351,12 +362,16 @@ def scan_token_order(rows: torch.Tensor, n: int, seg=None, units: int = 1) -> tu
     return order, starts
 
 
-def _splits(keys_per_token: float, programs: int) -> int:
+def _splits(keys_per_token: float, programs: int, min_keys: int | None = None) -> int:
     """Splits per token (a power of two): about `KERNEL_SPLIT_KEYS` keys each, and more while the launch
-    has fewer than `KERNEL_MIN_PROGRAMS` programs and each split keeps `KERNEL_MIN_SPLIT_KEYS` keys."""
+    has fewer than `KERNEL_MIN_PROGRAMS` programs, each split keeps `min_keys` keys (default
+    `KERNEL_MIN_SPLIT_KEYS`) and walks fewer key tiles for it."""
+    min_keys = KERNEL_MIN_SPLIT_KEYS if min_keys is None else min_keys
     splits = min(KERNEL_MAX_SPLITS, _pow2(math.ceil(keys_per_token / KERNEL_SPLIT_KEYS)))
+    tiles = math.ceil(keys_per_token / KERNEL_KEYS)  # (a split walks ceil(tiles / splits) key tiles)
     while (splits < KERNEL_MAX_SPLITS and programs * splits < KERNEL_MIN_PROGRAMS
-           and keys_per_token >= 2 * splits * KERNEL_MIN_SPLIT_KEYS):
+           and keys_per_token >= 2 * splits * min_keys
+           and -(-tiles // (2 * splits)) < -(-tiles // splits)):
         splits *= 2
     return splits
 

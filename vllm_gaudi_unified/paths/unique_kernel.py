@@ -22,6 +22,7 @@ Imported only where Triton is (CUDA); `attention._run_paths` chooses when.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -283,7 +284,93 @@ def _order_body(rows_ptr, order_ptr, starts_ptr, S, seg_ptr, CHUNK: tl.constexpr
                  mask=(2 * two + start.to(tl.int32)) == 1)
 
 
+def _slots_body(u_rows_ptr, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_rows_ptr, s_blocks_ptr, s_lo_ptr, s_hi_ptr, ids_ptr,
+                lo_ptr, hi_ptr, starts_ptr, U, C, n, R: tl.constexpr, KB: tl.constexpr, SLICE: tl.constexpr,
+                CHUNK: tl.constexpr, ONE: tl.constexpr):
+    """`unique._slots_with_shared` and `_order_body` in one launch, the slots written in token order: program t
+    (0..n) counts the slots whose row is below t (`starts[t]`) and writes its own slots' block ids, `lo` and
+    `hi` (row == t) in index order from there, for the unique kernel's `SORTED` form (no `order` read per key
+    tile). Slot i < `U` is unique slot i (`u_*`; `SLICE`: block id i); slot `U + c` is cell c of the shared
+    tiles, `[tiles, R rows, KB blocks]` (`s_rows` `[tiles * R]`, `s_blocks` `[tiles * KB]`, `s_lo`/`s_hi` per
+    cell), its tile row's token where it has a visible slot, else `n` (no row: not written); past the last
+    slot, row n + 1. `ONE` (all slots in one `CHUNK`): every slot loaded once, all loads at once; else a pass to
+    count, a pass to write. The rows, and so every store's address, come from loads in this body, no helper's
+    result: torch.compile's analysis of a user kernel (`torch._higher_order_ops.triton_kernel_wrap`) takes every
+    argument of a helper whose result reaches a store's address as written, and with the batch's arrays (views of
+    one device buffer) taken as written inputs the compiled launch wrote wrong slots and overwrote the arrays
+    (torch 2.11, H200: the unique kernel then read out of bounds)."""
+    t = tl.program_id(0)
+    if ONE:
+        passes = 1
+    else:
+        passes = 2
+    chunks = tl.maximum(tl.cdiv(U + C, CHUNK), 1)
+    before = tl.zeros([CHUNK], tl.int32)
+    pos = tl.sum(before, 0)
+    for it in range(0, passes * chunks):  # (`ONE`: one iteration, counting and writing)
+        idx = (it % chunks) * CHUNK + tl.arange(0, CHUNK)
+        uniq, cell, shared = idx < U, idx - U, (idx >= U) & (idx < U + C)
+        s_lo = tl.load(s_lo_ptr + cell, mask=shared, other=0)
+        s_hi = tl.load(s_hi_ptr + cell, mask=shared, other=0)
+        s_row = tl.where(s_hi > s_lo, tl.load(s_rows_ptr + cell // KB, mask=shared, other=0), n)
+        row = tl.where(uniq, tl.load(u_rows_ptr + idx, mask=uniq, other=0), tl.where(shared, s_row, n + 1))
+        blk, lo, hi = _slot_values(idx, uniq, shared, cell, s_lo, s_hi, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_blocks_ptr,
+                                   R, KB, SLICE)
+        if it < chunks:
+            before += (row < t).to(tl.int32)
+        if it == chunks - 1:
+            pos = tl.sum(before, 0)
+            tl.store(starts_ptr + t, pos.to(tl.int64))
+        if (it >= (passes - 1) * chunks) & (t < n):
+            mine = row == t
+            at = pos + tl.cumsum(mine.to(tl.int32), 0) - 1
+            tl.store(ids_ptr + at, blk, mask=mine)
+            tl.store(lo_ptr + at, lo, mask=mine)
+            tl.store(hi_ptr + at, hi, mask=mine)
+            pos += tl.sum(mine.to(tl.int32), 0)
+
+
+@triton.jit
+def _slot_values(idx, uniq, shared, cell, s_lo, s_hi, u_ids_ptr, u_lo_ptr, u_hi_ptr, s_blocks_ptr, R: tl.constexpr,
+                 KB: tl.constexpr, SLICE: tl.constexpr):
+    """`_slots_body`'s slots `idx`: (block id, lo, hi), their loads' addresses and masks from `idx` alone (issued
+    together); the results are stored as values only (see `_slots_body`)."""
+    if SLICE:
+        u_blk = idx
+    else:
+        u_blk = tl.load(u_ids_ptr + idx, mask=uniq, other=0)
+    s_blk = tl.load(s_blocks_ptr + (cell // (R * KB)) * KB + cell % KB, mask=shared, other=0)
+    lo = tl.where(uniq, tl.load(u_lo_ptr + idx, mask=uniq, other=0), s_lo)
+    hi = tl.where(uniq, tl.load(u_hi_ptr + idx, mask=uniq, other=0), s_hi)
+    return tl.where(uniq, u_blk, s_blk), lo, hi
+
+
 #: Compiled for the GPU; with TRITON_INTERPRET=1 set before Triton is imported, the interpreter instead
 #: (numpy on the CPU: how tests run it without a GPU, in a process of their own).
 unique_kernel = triton.jit(_unique_body)
 order_kernel = triton.jit(_order_body)
+slots_kernel = triton.jit(_slots_body)
+
+
+#: Slots `slots_kernel` loads at once: up to this many, each once (one pass); more, in chunks of this many, twice.
+SLOTS_CHUNK = 1024
+
+
+def token_slots(batch, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`unique._slots_with_shared`'s slots in token order (block ids, lo, hi) and each token's first place among
+    them (`[n + 1]`), as `unique.token_order` orders them, in one launch (`slots_kernel`) where the concatenation and
+    `token_order` take two; the unique kernel reads them as they lie (`SORTED`), no `order` load before a key tile's
+    block id. Entries past `starts[n]` (cells without a row) are left unwritten: no program reads them."""
+    u, (t, r, kb) = batch.unique_rows.shape[0], batch.shared_lo.shape
+    cells = t * r * kb
+    dev = batch.unique_rows.device
+    ids, lo, hi = (torch.empty(u + cells, dtype=torch.int64, device=dev) for _ in range(3))
+    starts = torch.empty(n + 1, dtype=torch.int64, device=dev)
+    plain = lambda x: x.contiguous()  # noqa: E731
+    u_ids = batch.unique_rows if batch.unique_blocks is None else plain(batch.unique_blocks)  # (slice: unread)
+    slots_kernel[(n + 1,)](
+        plain(batch.unique_rows), u_ids, plain(batch.unique_lo), plain(batch.unique_hi), plain(batch.shared_rows),
+        plain(batch.shared_blocks), plain(batch.shared_lo), plain(batch.shared_hi), ids, lo, hi, starts, u, cells, n,
+        R=r, KB=kb, SLICE=batch.unique_blocks is None, ONE=u + cells <= SLOTS_CHUNK,
+        CHUNK=max(16, min(SLOTS_CHUNK, triton.next_power_of_2(u + cells))))
+    return ids, lo, hi, starts
