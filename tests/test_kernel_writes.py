@@ -44,7 +44,7 @@ KERNELS = {"unique_kernel": ("unique_kernel", "order_kernel", "slots_kernel"),
            "mla_kernel": ("mla_kernel", "split_combine", "ordered_combine")}
 
 
-def _unique_step(step: Step, opts, final_only: bool = False, splits_keys=None, fp8: bool = False, shared=None):
+def _unique_step(step: Step, opts, splits_keys=None, fp8: bool = False, shared=None, chunk=None, listed=False):
     """A GQA/MQA step through `unified_attention` with the kernel on the unique path (flash's exact stand-in
     elsewhere): the launches of `kernel_unique_partial` (and `token_slots`, `combine_splits`)."""
     from vllm_gaudi_unified import attention, build_unified_batch, unified_attention
@@ -57,6 +57,13 @@ def _unique_step(step: Step, opts, final_only: bool = False, splits_keys=None, f
         patches.append((unique, "KERNEL_SPLIT_KEYS", splits_keys))
     if shared is not None:  # (the slots in token order by `token_slots`, else sorted after `_slots_with_shared`)
         patches.append((unique, "SCAN_ORDER_MAX_WORK", unique.SCAN_ORDER_MAX_WORK if shared else 0))
+    if chunk:  # (`token_slots` in chunks: a counting pass, then a writing pass)
+        from vllm_gaudi_unified.paths import unique_kernel
+
+        patches.append((unique_kernel, "SLOTS_CHUNK", chunk))
+    if listed:  # (the scan's order, as on CUDA: the unit starts listed, a program per unit, `WORK`)
+        patches.append((unique, "token_order", lambda rows, n, seg=None, units=1: unique.scan_token_order(
+            rows, n, seg, units)))
     table, nb = make_block_table(step, np.random.default_rng(3))
     q, k, v, kc, vc = make_tensors(step, table, nb, torch.float32, seed=3)
     batch = build_unified_batch(step.query_lens, step.context_lens, table, step.block_size, num_blocks=nb,
@@ -84,7 +91,7 @@ def _scan_step(units: int):
                                                       else None, units)
 
 
-def _invariant_step():
+def _invariant_step(final: bool = False):
     """The batch-invariant fast route (`invariant_fast._slots_partial`: the kernel in position-fixed splits, then
     `ordered_combine`) on a verify unit beside decodes and a longer context."""
     from test_batch_invariance import INVARIANT
@@ -93,8 +100,9 @@ def _invariant_step():
     from vllm_gaudi_unified.plan import invariant as plan_invariant
 
     step = Step([3, 1, 5, 1], [30, 6, 9, 13], 4, num_qo_heads=6, num_kv_heads=1)
-    batch, patches, launch = _unique_step(step, INVARIANT)
-    patches += [(invariant_fast, "applies", lambda batch, q, kc, vc, cap: cap is None),
+    if final:  # (decodes and a unit only, the kernel's rows the step's: the combine's final rows)
+        step = Step([1, 3, 1], [30, 6, 13], 4, num_qo_heads=6, num_kv_heads=1)
+    patches = [(invariant_fast, "applies", lambda batch, q, kc, vc, cap: cap is None),
                 (plan_invariant, "SPLIT_KEYS", 8), (plan_invariant, "SPLIT_HEAD_KEYS", 4)]
     return _rebuild(step, INVARIANT, patches)
 
@@ -144,6 +152,13 @@ STEPS = {
         Step([1] * 6, [13, 14, 17, 21, 12, 30], 4, prefix_groups=[([0, 1, 2, 3, 4], 3)], num_qo_heads=8,
              num_kv_heads=2), replace(SMALL_TILES, shared_rows=4, shared_rows_max=4, unique_layout="gather"),
         shared=True), {"slots_kernel", "unique_kernel"}),
+    "sampling_shared_chunks": (lambda: _unique_step(
+        Step([1] * 6, [13, 14, 17, 21, 12, 30], 4, prefix_groups=[([0, 1, 2, 3, 4], 3)], num_qo_heads=8,
+             num_kv_heads=2), replace(SMALL_TILES, shared_rows=4, shared_rows_max=4), shared=True, chunk=16,
+        splits_keys=8), {"slots_kernel", "unique_kernel", "split_combine"}),
+    "verify_units_listed": (lambda: _unique_step(Step([1, 3, 4, 2, 1], [13, 30, 7, 1, 2], 8),
+                                                 replace(SMALL_TILES, unique_tokens=4), listed=True),
+                            {"order_kernel", "unique_kernel"}),
     "sampling_shared_sorted": (lambda: _unique_step(
         Step([1] * 6, [13, 14, 17, 21, 12, 30], 4, prefix_groups=[([0, 1, 2, 3, 4], 3)], num_qo_heads=8,
              num_kv_heads=2), replace(SMALL_TILES, shared_rows=4, shared_rows_max=4), shared=False,
@@ -151,6 +166,7 @@ STEPS = {
     "scan_order": (lambda: _scan_step(1), {"order_kernel"}),
     "scan_order_units": (lambda: _scan_step(4), {"order_kernel"}),
     "batch_invariant": (_invariant_step, {"unique_kernel", "ordered_combine"}),
+    "batch_invariant_final": (lambda: _invariant_step(final=True), {"unique_kernel", "ordered_combine"}),
     "mla_decode": (lambda: _mla_step(SPECS["decode"], SMALL_TILES, {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 8}),
                    {"mla_kernel", "split_combine"}),
     "mla_decode_final": (lambda: _mla_step(SPECS["decode"], SMALL_TILES, {}), {"mla_kernel"}),
@@ -158,6 +174,28 @@ STEPS = {
                                               {"MLA_KEYS": 16}), {"mla_kernel"}),
     "mla_verify": (lambda: _mla_step(Step([1, 3, 4, 2, 1], [13, 30, 7, 1, 2], 8), MLA_VERIFY, {"MLA_SPLIT_KEYS": 8}),
                    {"mla_kernel", "split_combine"}),
+}
+
+#: What a step's launch of a kernel shows (its arguments): that the step is the form it is named for.
+SHOWS = {
+    ("decode_final", "unique_kernel"): {"FINAL": True, "NEW_KEYS": 16},
+    ("decode_splits_combine", "unique_kernel"): {"FINAL": False, "SPLITS": 8},
+    ("decode_fp8_scales", "unique_kernel"): {"K_SCALES": 1, "V_SCALES": 2},
+    ("verify_units_new_keys", "unique_kernel"): {"UNITS": 4, "NEW_KEYS": 16, "SPLITS": 4},
+    ("verify_units_listed", "unique_kernel"): {"UNITS": 4, "WORK": True},
+    ("verify_units_listed", "order_kernel"): {"UNITS": 4},
+    ("sampling_shared_in_order", "slots_kernel"): {"ONE": True},
+    ("sampling_shared_in_order", "unique_kernel"): {"SORTED": True},
+    ("sampling_shared_chunks", "slots_kernel"): {"ONE": False},
+    ("sampling_shared_sorted", "unique_kernel"): {"SORTED": False, "SLICE": False},
+    ("scan_order_units", "order_kernel"): {"UNITS": 4},
+    ("batch_invariant", "unique_kernel"): {"SPLIT_KEYS": 4, "UNITS": 3},
+    ("batch_invariant", "ordered_combine"): {"FINAL": False},
+    ("batch_invariant_final", "ordered_combine"): {"FINAL": True},
+    ("mla_decode", "mla_kernel"): {"FINAL": False, "SELF": True},
+    ("mla_decode_final", "mla_kernel"): {"FINAL": True},
+    ("mla_sampling_shared", "mla_kernel"): {"SLICE": False},
+    ("mla_verify", "mla_kernel"): {"UNITS": 4, "UNIT_ROWS": True},
 }
 
 
@@ -239,6 +277,8 @@ def test_compile_finds_each_kernel_writing_its_outputs_only(step, kernel):
     batch, launched = _launches(step)
     mine = [(w, args) for k, w, args in launched if k == kernel]
     assert mine, f"{step} did not launch {kernel} (launched: {[k for k, _, _ in launched]})"
+    shows = SHOWS.get((step, kernel), {})
+    assert any(all(args.get(a) == v for a, v in shows.items()) for _, args in mine), (step, kernel, shows)
     batch_storage = {t.untyped_storage().data_ptr() for t in _tensors_of(batch) if t.numel()}
     assert len(batch_storage) > 3
     for written, args in mine:
