@@ -109,15 +109,41 @@ def _invariant_step(final: bool = False):
 
 def _rebuild(step, opts, patches):
     """(The invariant plan reads `plan_invariant`'s split constants: the batch is built under the patches.)"""
+    return _built_under(patches, lambda: _unique_step(step, opts))
+
+
+def _built_under(patches, build):
     saved = [(m, k, getattr(m, k)) for m, k, _ in patches]
     for m, k, v in patches:
         setattr(m, k, v)
     try:
-        batch, more, launch = _unique_step(step, opts)
+        batch, more, launch = build()
     finally:
-        for m, k, v in saved:
+        for m, k, v in reversed(saved):
             setattr(m, k, v)
     return batch, patches + more, launch
+
+
+def _mla_invariant_step():
+    """The batch-invariant MLA route (`mla_invariant.decode_rows`: the kernel over the tokens' position-fixed
+    splits, `TOKENS`, then `ordered_combine`) on decodes of several splits beside a prompt and a verify unit."""
+    import mla_invariant_cases as cases
+
+    from vllm_gaudi_unified import build_unified_batch
+    from vllm_gaudi_unified.mla import absorb_query, mla_attention
+    from vllm_gaudi_unified.paths import mla_decode
+    from vllm_gaudi_unified.plan import invariant as plan_invariant
+
+    def build():
+        reqs, table, nb, q_nope, q_pe, latent, cache, w_uk, _ = cases.world((1, 70), [(1, 200), (5, 0), (3, 12)], 1,
+                                                                             16, torch.float32)
+        ql, cl = [q for q, _ in reqs], [c for _, c in reqs]
+        batch = build_unified_batch(ql, cl, table, 16, num_blocks=nb, options=cases.OPTIONS)
+        query, lat, cache = (x.float() for x in (absorb_query(q_nope, q_pe, w_uk), latent, cache))
+        return batch, [], lambda: mla_attention(query, lat, cache, batch, 0.1, cases.L)
+
+    return _built_under([(mla_decode, "mla_unique_route", lambda *a: "kernel"), (mla_decode, "MLA_KEYS", 8),
+                         (plan_invariant, "SPLIT_KEYS", 32)], build)
 
 
 def _mla_step(step: Step, opts, consts: dict):
@@ -167,6 +193,7 @@ STEPS = {
     "scan_order_units": (lambda: _scan_step(4), {"order_kernel"}),
     "batch_invariant": (_invariant_step, {"unique_kernel", "ordered_combine"}),
     "batch_invariant_final": (lambda: _invariant_step(final=True), {"unique_kernel", "ordered_combine"}),
+    "mla_batch_invariant": (_mla_invariant_step, {"mla_kernel", "ordered_combine"}),
     "mla_decode": (lambda: _mla_step(SPECS["decode"], SMALL_TILES, {"MLA_KEYS": 16, "MLA_SPLIT_KEYS": 8}),
                    {"mla_kernel", "split_combine"}),
     "mla_decode_final": (lambda: _mla_step(SPECS["decode"], SMALL_TILES, {}), {"mla_kernel"}),
@@ -192,6 +219,8 @@ SHOWS = {
     ("batch_invariant", "unique_kernel"): {"SPLIT_KEYS": 4, "UNITS": 3},
     ("batch_invariant", "ordered_combine"): {"FINAL": False},
     ("batch_invariant_final", "ordered_combine"): {"FINAL": True},
+    ("mla_batch_invariant", "mla_kernel"): {"TOKENS": True, "SPLIT_KEYS": 8},
+    ("mla_batch_invariant", "ordered_combine"): {"TOKENS": True, "FINAL": True},
     ("mla_decode", "mla_kernel"): {"FINAL": False, "SELF": True},
     ("mla_decode_final", "mla_kernel"): {"FINAL": True},
     ("mla_sampling_shared", "mla_kernel"): {"SLICE": False},
@@ -273,7 +302,8 @@ CASES = [(step, kernel) for step, (_, kernels) in STEPS.items() for kernel in so
 
 @pytest.mark.parametrize("step,kernel", CASES, ids=[f"{s}-{k}" for s, k in CASES])
 def test_compile_finds_each_kernel_writing_its_outputs_only(step, kernel):
-    """Every launch of `kernel` in `step`: found written exactly its output arguments, none of them one of the batch's tensors or sharing storage with one."""
+    """Every launch of `kernel` in `step`: found written exactly its output arguments, none of them one of the
+    batch's tensors or sharing storage with one."""
     batch, launched = _launches(step)
     mine = [(w, args) for k, w, args in launched if k == kernel]
     assert mine, f"{step} did not launch {kernel} (launched: {[k for k, _, _ in launched]})"
@@ -286,10 +316,6 @@ def test_compile_finds_each_kernel_writing_its_outputs_only(step, kernel):
         assert set(written) == outputs, f"{kernel} in {step}: found written {written}, its outputs {sorted(outputs)}"
         shared = [a for a in written if args[a].untyped_storage().data_ptr() in batch_storage]
         assert not shared, f"{kernel} in {step} writes the batch's {shared}"
-        # (and none of the batch's tensors is an argument taken as written under another name)
-        for a, x in args.items():
-            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in batch_storage:
-                assert a not in written, (kernel, step, a)
 
 
 def test_every_route_kernel_is_checked():
