@@ -131,34 +131,3 @@ def test_token_order_is_a_stable_sort(monkeypatch, slots):
         monkeypatch.setattr(unique, "RANK_SORT_MAX_SLOTS", rank_max)
         order, got = unique.token_order(rows, n)
         assert torch.equal(order, want) and torch.equal(got, starts)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its CUDA backend writes the kernel's IR; no GPU needed)")
-@pytest.mark.parametrize("chunk", [1024, 16])  # every slot in one chunk (`ONE`), then chunks of 16 (two passes)
-def test_compile_finds_slots_kernel_writing_its_outputs_only(monkeypatch, chunk):
-    """torch.compile takes the arguments its IR analysis of a user Triton kernel finds written as mutated (cloned,
-    and copied back into the graph's inputs): `token_slots`' kernel, launched as the step launches it, writes its
-    four outputs only; the batch's arrays (on CUDA views of one buffer) are read."""
-    import triton
-    from torch._higher_order_ops import triton_kernel_wrap as wrap
-
-    from vllm_gaudi_unified.paths import unique_kernel
-
-    if not torch.cuda.is_available():  # (the IR for an H100 without one: the analysis reads the target only)
-        from triton.backends.compiler import GPUTarget
-
-        target = GPUTarget("cuda", 90, 32)
-        monkeypatch.setattr(triton.runtime.driver, "_active", type("Target", (), {
-            "get_current_target": lambda self: target})())
-    kernel, launched = unique_kernel.slots_kernel, {}
-    monkeypatch.setattr(unique_kernel, "slots_kernel", type("Launch", (), {"__getitem__": lambda self, grid: (
-        lambda *a, **kw: launched.update(zip(kernel.arg_names, a), **kw))})())
-    monkeypatch.setattr(unique_kernel, "SLOTS_CHUNK", chunk)
-    batch = _batch(4)[0]
-    unique_kernel.token_slots(batch, batch.bucket.query_len)
-    assert launched["ONE"] == (chunk == 1024)
-    if hasattr(wrap, "identify_accessed_tensors"):
-        written = {d.name for d in wrap.identify_accessed_tensors(kernel, launched, {}).read_writes.writes}
-    else:
-        written = set(wrap.identify_mutated_tensors(kernel, launched, {}))
-    assert written == {"ids_ptr", "lo_ptr", "hi_ptr", "starts_ptr"}
