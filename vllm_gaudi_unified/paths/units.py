@@ -29,6 +29,11 @@ DROP_ROWS = 64
 #: there (32 rows: 64 x 8, ragged 96, heads 64/8/64 and 8/1/128) and slower at 16 and 8 rows (64 x 4, 64 x 2,
 #: 16 x 2; at 64 x 4 its compiled softmax is a looped reduction, token-major one pass), docs/benchmarks.md.
 HEADS_FIRST_MIN_ROWS = 32
+#: Probabilities taken against each token's max over all its units (`scatter_max` of the rows' maxes first),
+#: so `p @ V` writes rows already scaled and the merge adds them with no rescale pass.
+TOKEN_MAX = False
+#: Every KV head's rows added by one `index_add` over `[T*R, Hq, Dv]` (else one per KV head).
+ONE_ADD = False
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
@@ -63,10 +68,22 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~(mask[None, :, :, None] if heads_first else mask[:, None, :, None]), float("-inf"))
-    p, m, total = masked_softmax_for(scores)(scores)
+    as_rows = lambda x: (x.permute(1, 2, 0, 3) if heads_first else x.transpose(1, 2)).reshape(t * r, hq)  # noqa: E731
+    new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
+    if pairs is not None:
+        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
+    if TOKEN_MAX:  # each token's max first: the probabilities against it, so the rows need no rescale
+        m = as_rows(scores.amax(-1))
+        new_max = scatter_max(m, index, new_max)
+        ref = new_max.gather(0, index[:, None].expand(-1, hq))
+        ref = torch.where(ref == float("-inf"), 0.0, ref).view(t, r, hkv, g)
+        p = torch.exp(scores - (ref.permute(2, 0, 1, 3) if heads_first else ref.transpose(1, 2))[..., None])
+        total = as_rows(p.sum(-1))
+    else:
+        p, m, total = masked_softmax_for(scores)(scores)
+        m, total = as_rows(m), as_rows(total)
     p = p.to(v.dtype).view(*scores.shape[:2], r * g, nk)
     acc = [torch.matmul(p[h] if heads_first else p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv], V as stored
-    m, total = ((x.permute(1, 2, 0, 3) if heads_first else x.transpose(1, 2)).reshape(t * r, hq) for x in (m, total))
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
@@ -81,20 +98,31 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
     acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)  # their rows: the fix's
     # one accumulator: every row's max first, then each row scaled to its token's and added
-    new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
-    if pairs is not None:
-        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    new_max = scatter_max(m, index, new_max)
-    row_max = new_max.gather(0, index[:, None].expand(-1, hq))
-    seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
-    out = []
-    for h in range(hkv):
-        hs = slice(h * g, (h + 1) * g)
-        row_acc = rescaled(acc[h].view(t * r, g, dv), seen[:, hs], w[:, hs])
-        out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, acc_index, row_acc))
-    out = out[0] if hkv == 1 else torch.cat(out, 1)
-    out = out.index_add(0, fix_index, rescaled(fix, seen[fix_rows], w[fix_rows]))
-    sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
+    if TOKEN_MAX:  # (already scaled: a row that saw no key adds exactly 0 whatever its V held)
+        seen = m != float("-inf")
+        rows = torch.stack([a.view(t, r, g, dv) for a in acc], 2).view(t * r, hq, dv) if hkv > 1 else acc[0]
+        out = torch.zeros((n + DROP_ROWS, hq, dv), dtype=dt, device=q.device)
+        out = out.index_add(0, acc_index, torch.where(seen[..., None], rows.view(t * r, hq, dv).to(dt), 0.0))
+        out = out.index_add(0, fix_index, torch.where(seen[fix_rows][..., None], fix.to(dt), 0.0))
+        sums = torch.zeros_like(new_max).index_add(0, index, total)
+    else:
+        new_max = scatter_max(m, index, new_max)
+        row_max = new_max.gather(0, index[:, None].expand(-1, hq))
+        seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
+        if ONE_ADD:
+            rows = torch.stack([a.view(t, r, g, dv) for a in acc], 2).view(t * r, hq, dv) if hkv > 1 else acc[0]
+            out = torch.zeros((n + DROP_ROWS, hq, dv), dtype=dt, device=q.device)
+            out = out.index_add(0, acc_index, rescaled(rows.view(t * r, hq, dv), seen, w))
+        else:
+            out = []
+            for h in range(hkv):
+                hs = slice(h * g, (h + 1) * g)
+                row_acc = rescaled(acc[h].view(t * r, g, dv), seen[:, hs], w[:, hs])
+                out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, acc_index,
+                                                                                                  row_acc))
+            out = out[0] if hkv == 1 else torch.cat(out, 1)
+        out = out.index_add(0, fix_index, rescaled(fix, seen[fix_rows], w[fix_rows]))
+        sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
     if pairs is not None:
         rows, where = pairs
         seen_p, w_p = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
