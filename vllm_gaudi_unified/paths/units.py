@@ -34,6 +34,25 @@ HEADS_FIRST_MIN_ROWS = 32
 TOKEN_MAX = False
 #: Every KV head's rows added by one `index_add` over `[T*R, Hq, Dv]` (else one per KV head).
 ONE_ADD = False
+#: The tokens' maxes scattered as integers ordered as the floats (`ordered_bits`): the device's integer atomic
+#: max, where a float max is a compare-and-swap loop that many units of one token queue on.
+INT_MAX = False
+
+
+def ordered_bits(x: torch.Tensor) -> torch.Tensor:
+    """Floats -> integers of their width in the same order (NaN, made positive, above +inf); its own inverse on
+    the integers (`ordered_bits(ordered_bits(x)).view(x.dtype)` is x, a NaN as a positive NaN)."""
+    if x.is_floating_point():
+        x = torch.where(torch.isnan(x), float("nan"), x).view(torch.int32 if x.dtype == torch.float32 else torch.int64)
+    return torch.where(x < 0, x ^ torch.iinfo(x.dtype).max, x)
+
+
+def token_max(m: torch.Tensor, index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """`merge.scatter_max(m, index, start)`; with `INT_MAX` through `ordered_bits`."""
+    if not INT_MAX:
+        return scatter_max(m, index, start)
+    idx = index[:, None].expand(-1, m.shape[1])
+    return ordered_bits(ordered_bits(start).scatter_reduce(0, idx, ordered_bits(m), "amax")).view(start.dtype)
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
@@ -74,7 +93,7 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
         new_max = scatter_max(pairs[0].max, pairs[1], new_max)
     if TOKEN_MAX:  # each token's max first: the probabilities against it, so the rows need no rescale
         m = as_rows(scores.amax(-1))
-        new_max = scatter_max(m, index, new_max)
+        new_max = token_max(m, index, new_max)
         ref = new_max.gather(0, index[:, None].expand(-1, hq))
         ref = torch.where(ref == float("-inf"), 0.0, ref).view(t, r, hkv, g)
         p = torch.exp(scores - (ref.permute(2, 0, 1, 3) if heads_first else ref.transpose(1, 2))[..., None])
@@ -106,7 +125,7 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
         out = out.index_add(0, fix_index, torch.where(seen[fix_rows][..., None], fix.to(dt), 0.0))
         sums = torch.zeros_like(new_max).index_add(0, index, total)
     else:
-        new_max = scatter_max(m, index, new_max)
+        new_max = token_max(m, index, new_max)
         row_max = new_max.gather(0, index[:, None].expand(-1, hq))
         seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
         if ONE_ADD:
