@@ -20,6 +20,7 @@ import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, compute_dtype, rescale_weights, rescaled, scatter_max
+from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
@@ -29,30 +30,10 @@ DROP_ROWS = 64
 #: there (32 rows: 64 x 8, ragged 96, heads 64/8/64 and 8/1/128) and slower at 16 and 8 rows (64 x 4, 64 x 2,
 #: 16 x 2; at 64 x 4 its compiled softmax is a looped reduction, token-major one pass), docs/benchmarks.md.
 HEADS_FIRST_MIN_ROWS = 32
-#: Probabilities taken against each token's max over all its units (`scatter_max` of the rows' maxes first),
-#: so `p @ V` writes rows already scaled and the merge adds them with no rescale pass.
-TOKEN_MAX = False
-#: Every KV head's rows added by one `index_add` over `[T*R, Hq, Dv]` (else one per KV head).
-ONE_ADD = False
-#: The tokens' maxes scattered as integers ordered as the floats (`ordered_bits`): the device's integer atomic
-#: max, where a float max is a compare-and-swap loop that many units of one token queue on.
-INT_MAX = False
-
-
-def ordered_bits(x: torch.Tensor) -> torch.Tensor:
-    """Floats -> integers of their width in the same order (NaN, made positive, above +inf); its own inverse on
-    the integers (`ordered_bits(ordered_bits(x)).view(x.dtype)` is x, a NaN as a positive NaN)."""
-    if x.is_floating_point():
-        x = torch.where(torch.isnan(x), float("nan"), x).view(torch.int32 if x.dtype == torch.float32 else torch.int64)
-    return torch.where(x < 0, x ^ torch.iinfo(x.dtype).max, x)
-
-
-def token_max(m: torch.Tensor, index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """`merge.scatter_max(m, index, start)`; with `INT_MAX` through `ordered_bits`."""
-    if not INT_MAX:
-        return scatter_max(m, index, start)
-    idx = index[:, None].expand(-1, m.shape[1])
-    return ordered_bits(ordered_bits(start).scatter_reduce(0, idx, ordered_bits(m), "amax")).view(start.dtype)
+#: A unit's rows through one fused call with statistics (`fused.sdpa_lse`: FusedSDPA's on a Gaudi, cuDNN's on
+#: CUDA), a KV head's rows (tokens x query heads) as one head's queries over the block as stored: no score in
+#: memory. The slots that miss a key take the matmul tiles (`tiles.attend`, masked), their rows in place.
+FUSED = False
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
@@ -74,6 +55,8 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
     # rows (r, g) per KV head: the gathered queries written once in the products' layout
     qg = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d)
+    if FUSED and soft_cap is None and dv == d and fused.lse_kernel_for(q):
+        return _fused_units(qg, k, v, index, drop, mask, masked, scale, n, pairs)
     heads_first = r * g >= HEADS_FIRST_MIN_ROWS
     if heads_first:  # head-major: one mask per slot (a unit's rows without a token see its keys, and are dropped)
         qh = qg.permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
@@ -87,22 +70,10 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~(mask[None, :, :, None] if heads_first else mask[:, None, :, None]), float("-inf"))
-    as_rows = lambda x: (x.permute(1, 2, 0, 3) if heads_first else x.transpose(1, 2)).reshape(t * r, hq)  # noqa: E731
-    new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
-    if pairs is not None:
-        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    if TOKEN_MAX:  # each token's max first: the probabilities against it, so the rows need no rescale
-        m = as_rows(scores.amax(-1))
-        new_max = token_max(m, index, new_max)
-        ref = new_max.gather(0, index[:, None].expand(-1, hq))
-        ref = torch.where(ref == float("-inf"), 0.0, ref).view(t, r, hkv, g)
-        p = torch.exp(scores - (ref.permute(2, 0, 1, 3) if heads_first else ref.transpose(1, 2))[..., None])
-        total = as_rows(p.sum(-1))
-    else:
-        p, m, total = masked_softmax_for(scores)(scores)
-        m, total = as_rows(m), as_rows(total)
+    p, m, total = masked_softmax_for(scores)(scores)
     p = p.to(v.dtype).view(*scores.shape[:2], r * g, nk)
     acc = [torch.matmul(p[h] if heads_first else p[:, h], v[:, :, h]) for h in range(hkv)]  # [T, R*G, Dv], V as stored
+    m, total = ((x.permute(1, 2, 0, 3) if heads_first else x.transpose(1, 2)).reshape(t * r, hq) for x in (m, total))
     # The masked tiles again on masked V, all heads in one product; a slot listed twice is added once.
     s = masked.shape[0]
     zero = torch.zeros((), dtype=v.dtype, device=v.device)
@@ -117,37 +88,65 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
     acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)  # their rows: the fix's
     # one accumulator: every row's max first, then each row scaled to its token's and added
-    if TOKEN_MAX:  # (already scaled: a row that saw no key adds exactly 0 whatever its V held)
-        seen = m != float("-inf")
-        rows = torch.stack([a.view(t, r, g, dv) for a in acc], 2).view(t * r, hq, dv) if hkv > 1 else acc[0]
-        out = torch.zeros((n + DROP_ROWS, hq, dv), dtype=dt, device=q.device)
-        out = out.index_add(0, acc_index, torch.where(seen[..., None], rows.view(t * r, hq, dv).to(dt), 0.0))
-        out = out.index_add(0, fix_index, torch.where(seen[fix_rows][..., None], fix.to(dt), 0.0))
-        sums = torch.zeros_like(new_max).index_add(0, index, total)
-    else:
-        new_max = token_max(m, index, new_max)
-        row_max = new_max.gather(0, index[:, None].expand(-1, hq))
-        seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
-        if ONE_ADD:
-            rows = torch.stack([a.view(t, r, g, dv) for a in acc], 2).view(t * r, hq, dv) if hkv > 1 else acc[0]
-            out = torch.zeros((n + DROP_ROWS, hq, dv), dtype=dt, device=q.device)
-            out = out.index_add(0, acc_index, rescaled(rows.view(t * r, hq, dv), seen, w))
-        else:
-            out = []
-            for h in range(hkv):
-                hs = slice(h * g, (h + 1) * g)
-                row_acc = rescaled(acc[h].view(t * r, g, dv), seen[:, hs], w[:, hs])
-                out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, acc_index,
-                                                                                                  row_acc))
-            out = out[0] if hkv == 1 else torch.cat(out, 1)
-        out = out.index_add(0, fix_index, rescaled(fix, seen[fix_rows], w[fix_rows]))
-        sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
+    new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
+    if pairs is not None:
+        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
+    new_max = scatter_max(m, index, new_max)
+    row_max = new_max.gather(0, index[:, None].expand(-1, hq))
+    seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
+    out = []
+    for h in range(hkv):
+        hs = slice(h * g, (h + 1) * g)
+        row_acc = rescaled(acc[h].view(t * r, g, dv), seen[:, hs], w[:, hs])
+        out.append(torch.zeros((n + DROP_ROWS, g, dv), dtype=dt, device=q.device).index_add(0, acc_index, row_acc))
+    out = out[0] if hkv == 1 else torch.cat(out, 1)
+    out = out.index_add(0, fix_index, rescaled(fix, seen[fix_rows], w[fix_rows]))
+    sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
     if pairs is not None:
         rows, where = pairs
         seen_p, w_p = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
         out = out.index_add(0, where, rescaled(rows.acc, seen_p, w_p))
         sums = sums.index_add(0, where, rescaled(rows.sum, seen_p, w_p))
     return Partial(out[:n], new_max[:n], sums[:n])
+
+
+def _fused_units(qg, k, v, index, drop, mask, masked, scale, n, pairs) -> Partial:
+    """`units_partial` through `fused.sdpa_lse` (`FUSED`): qg `[T, R, Hkv, G, D]` the gathered queries, index and
+    drop `[T*R]` the rows' tokens and dropped rows, the rest as `units_partial`'s."""
+    t, r, hkv, g, d = qg.shape
+    hq, nk, dv = hkv * g, k.shape[1], v.shape[-1]
+    dt = compute_dtype(qg.dtype)
+    qh = qg.permute(0, 2, 1, 3, 4).reshape(t, hkv, r * g, d)
+    out, lse = fused.sdpa_lse(qh, k.transpose(1, 2), v.transpose(1, 2), None, scale)  # every key of each slot
+    rows = out.view(t, hkv, r, g, dv).transpose(1, 2).reshape(t * r, hq, dv)  # acc = the normalised rows, sum 1
+    m = lse.view(t, hkv, r, g).transpose(1, 2).reshape(t * r, hq)
+    # The masked slots again on the matmul tiles, masked; their rows' statistics replace the call's (which may
+    # have met a NaN in an unused slot), their rows are added in place of its (sent to the dropped rows).
+    s = masked.shape[0]
+    fix = attend(qg[masked].view(s, r, hq, d), k[masked], v[masked], mask[masked].expand(s, r, nk), scale, None)
+    fix_rows = (masked[:, None] * r + torch.arange(r, device=qg.device)).reshape(-1)  # [S*R]
+    m = m.index_copy(0, fix_rows, fix.max)
+    total = torch.ones_like(m).index_copy(0, fix_rows, fix.sum)
+    listed = torch.arange(s, device=qg.device)
+    once = torch.zeros(t, dtype=listed.dtype, device=qg.device).scatter_(0, masked, listed)[masked] == listed
+    fix_index = torch.where(once[:, None].expand(s, r).reshape(-1), index[fix_rows], drop[:s * r])
+    fixed = torch.zeros(t, dtype=torch.bool, device=qg.device).index_fill_(0, masked, True)
+    acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)
+    new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=qg.device)
+    if pairs is not None:
+        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
+    new_max = scatter_max(m, index, new_max)
+    seen, w = rescale_weights(m, new_max.gather(0, index[:, None].expand(-1, hq)))
+    acc = torch.zeros((n + DROP_ROWS, hq, dv), dtype=dt, device=qg.device).index_add(0, acc_index,
+                                                                                     rescaled(rows.to(dt), seen, w))
+    acc = acc.index_add(0, fix_index, rescaled(fix.acc, seen[fix_rows], w[fix_rows]))
+    sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
+    if pairs is not None:
+        p_rows, where = pairs
+        seen_p, w_p = rescale_weights(p_rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
+        acc = acc.index_add(0, where, rescaled(p_rows.acc, seen_p, w_p))
+        sums = sums.index_add(0, where, rescaled(p_rows.sum, seen_p, w_p))
+    return Partial(acc[:n], new_max[:n], sums[:n])
 
 
 def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
