@@ -1,18 +1,23 @@
-"""The unique path's verify units on the matmul route (the Gaudi route: torch ops an HPU graph holds).
+"""The unique path's verify units on the Gaudi route (torch ops and the fused SDPA call an HPU graph holds).
 
 A unit is one (request, cache block) slot; its rows are the request's new tokens x the query heads of
-a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). Per KV head one
-batched product over every unit reads that head's keys in place (a strided view of the block as
-stored, no copy), then one softmax over all heads, and per KV head `p @ V` again on V as stored. The
+a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). With `FUSED` (16-bit
+inputs, no soft cap, one head dim) every unit is one fused call with statistics (`fused.sdpa_lse`:
+FusedSDPA's on a Gaudi, cuDNN's on CUDA), a KV head's rows (tokens x query heads) the queries of one head
+over the block as stored (no copy of K or V, no score in memory); its LSE is the rows' max and their sum 1.
+The slots whose real rows miss a key (a request's partial last block: its unused slots may hold NaN)
+are computed again on the matmul tiles (`tiles.attend`, masked), and their rows and statistics take the
+place of the call's. Otherwise (the matmul form): per KV head one batched product over every unit reads
+that head's keys in place (a strided view of the block as stored), then one softmax over all heads, and
+per KV head `p @ V` again on V as stored. The
 scores are head-major (`[Hkv, T, R, G, K]`, one mask per slot: a unit's rows past its request's tokens see
 the slot's keys too and go to dropped rows) from `HEADS_FIRST_MIN_ROWS` rows per KV head, else token-major
-(`[T, Hkv, R, G, K]`, those rows masked out): which is faster depends on the rows (measured).
+(`[T, Hkv, R, G, K]`, those rows masked out): which is faster depends on the rows (measured); the masked
+tiles take `p @ V` again on masked V, all heads in one product, their rows replacing those tiles' rows.
 
-The tiles whose real rows miss some key (a request's partial last block: its unused slots may hold
-NaN, and `0 * NaN` would reach every row of the tile) take `p @ V` again on masked V, all heads in one
-product; their rows replace those tiles' rows in the merge. The merge is one accumulator: each row is
-scaled to its token's max and added at its token (a slot's rows that belong to no token at the
-dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside them.
+The merge is one accumulator: each row is scaled to its token's max and added at its token (a slot's rows
+that belong to no token at the dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside
+them.
 """
 from __future__ import annotations
 
@@ -30,10 +35,9 @@ DROP_ROWS = 64
 #: there (32 rows: 64 x 8, ragged 96, heads 64/8/64 and 8/1/128) and slower at 16 and 8 rows (64 x 4, 64 x 2,
 #: 16 x 2; at 64 x 4 its compiled softmax is a looped reduction, token-major one pass), docs/benchmarks.md.
 HEADS_FIRST_MIN_ROWS = 32
-#: A unit's rows through one fused call with statistics (`fused.sdpa_lse`: FusedSDPA's on a Gaudi, cuDNN's on
-#: CUDA), a KV head's rows (tokens x query heads) as one head's queries over the block as stored: no score in
-#: memory. The slots that miss a key take the matmul tiles (`tiles.attend`, masked), their rows in place.
-FUSED = False
+#: The units through one fused call with statistics (`fused.sdpa_lse`) where it takes them, else the matmul
+#: form: measured faster at every verify step (docs/benchmarks.md, "Speculative verify steps").
+FUSED = True
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
