@@ -85,17 +85,9 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     vz = torch.where(seen[:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
     fix = torch.matmul(p[:, masked].transpose(0, 1) if heads_first else p[masked], vz)
     fix = fix.view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
-    listed = torch.arange(s, device=q.device)
-    once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
-    fix_rows = (masked[:, None] * r + torch.arange(r, device=q.device)).reshape(-1)  # [S*R]
-    fix_index = torch.where(once[:, None].expand(s, r).reshape(-1), index[fix_rows], drop[:s * r])
-    fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
-    acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)  # their rows: the fix's
+    fix_rows, fix_index, acc_index = _fix_rows(masked, index, drop, t, r)
     # one accumulator: every row's max first, then each row scaled to its token's and added
-    new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
-    if pairs is not None:
-        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    new_max = scatter_max(m, index, new_max)
+    new_max = _token_max(m, index, pairs, n)
     row_max = new_max.gather(0, index[:, None].expand(-1, hq))
     seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
     out = []
@@ -106,12 +98,7 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     out = out[0] if hkv == 1 else torch.cat(out, 1)
     out = out.index_add(0, fix_index, rescaled(fix, seen[fix_rows], w[fix_rows]))
     sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
-    if pairs is not None:
-        rows, where = pairs
-        seen_p, w_p = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
-        out = out.index_add(0, where, rescaled(rows.acc, seen_p, w_p))
-        sums = sums.index_add(0, where, rescaled(rows.sum, seen_p, w_p))
-    return Partial(out[:n], new_max[:n], sums[:n])
+    return _with_pairs(out, new_max, sums, pairs, n)
 
 
 def _fused_units(qg, k, v, index, drop, mask, masked, scale, n, pairs) -> Partial:
@@ -128,29 +115,46 @@ def _fused_units(qg, k, v, index, drop, mask, masked, scale, n, pairs) -> Partia
     # have met a NaN in an unused slot), their rows are added in place of its (sent to the dropped rows).
     s = masked.shape[0]
     fix = attend(qg[masked].view(s, r, hq, d), k[masked], v[masked], mask[masked].expand(s, r, nk), scale, None)
-    fix_rows = (masked[:, None] * r + torch.arange(r, device=qg.device)).reshape(-1)  # [S*R]
+    fix_rows, fix_index, acc_index = _fix_rows(masked, index, drop, t, r)
     m = m.index_copy(0, fix_rows, fix.max)
     total = torch.ones_like(m).index_copy(0, fix_rows, fix.sum)
-    listed = torch.arange(s, device=qg.device)
-    once = torch.zeros(t, dtype=listed.dtype, device=qg.device).scatter_(0, masked, listed)[masked] == listed
-    fix_index = torch.where(once[:, None].expand(s, r).reshape(-1), index[fix_rows], drop[:s * r])
-    fixed = torch.zeros(t, dtype=torch.bool, device=qg.device).index_fill_(0, masked, True)
-    acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)
-    new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=qg.device)
-    if pairs is not None:
-        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    new_max = scatter_max(m, index, new_max)
+    new_max = _token_max(m, index, pairs, n)
     seen, w = rescale_weights(m, new_max.gather(0, index[:, None].expand(-1, hq)))
     acc = torch.zeros((n + DROP_ROWS, hq, dv), dtype=dt, device=qg.device).index_add(0, acc_index,
                                                                                      rescaled(rows.to(dt), seen, w))
     acc = acc.index_add(0, fix_index, rescaled(fix.acc, seen[fix_rows], w[fix_rows]))
     sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
+    return _with_pairs(acc, new_max, sums, pairs, n)
+
+
+def _fix_rows(masked: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, t: int, r: int):
+    """(the masked slots' rows `[S*R]`, their tokens: a slot listed twice added once, the units' rows' tokens with
+    the masked slots' rows at the dropped rows: the fix's rows take their place)."""
+    s = masked.shape[0]
+    listed = torch.arange(s, device=masked.device)
+    once = torch.zeros(t, dtype=listed.dtype, device=masked.device).scatter_(0, masked, listed)[masked] == listed
+    fix_rows = (masked[:, None] * r + torch.arange(r, device=masked.device)).reshape(-1)
+    fix_index = torch.where(once[:, None].expand(s, r).reshape(-1), index[fix_rows], drop[:s * r])
+    fixed = torch.zeros(t, dtype=torch.bool, device=masked.device).index_fill_(0, masked, True)
+    return fix_rows, fix_index, torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)
+
+
+def _token_max(m: torch.Tensor, index: torch.Tensor, pairs, n: int) -> torch.Tensor:
+    """Each token's max `[n + DROP_ROWS, Hq]` over the rows `m` (at `index`) and the requests' pairs."""
+    new_max = m.new_full((n + DROP_ROWS, m.shape[1]), float("-inf"))
     if pairs is not None:
-        p_rows, where = pairs
-        seen_p, w_p = rescale_weights(p_rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
-        acc = acc.index_add(0, where, rescaled(p_rows.acc, seen_p, w_p))
-        sums = sums.index_add(0, where, rescaled(p_rows.sum, seen_p, w_p))
-    return Partial(acc[:n], new_max[:n], sums[:n])
+        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
+    return scatter_max(m, index, new_max)
+
+
+def _with_pairs(out: torch.Tensor, new_max: torch.Tensor, sums: torch.Tensor, pairs, n: int) -> Partial:
+    """The accumulators with the requests' own pairs (`request_pairs`) scaled to the tokens' max and added."""
+    if pairs is not None:
+        rows, where = pairs
+        seen, w = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, new_max.shape[1])))
+        out = out.index_add(0, where, rescaled(rows.acc, seen, w))
+        sums = sums.index_add(0, where, rescaled(rows.sum, seen, w))
+    return Partial(out[:n], new_max[:n], sums[:n])
 
 
 def request_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float,
