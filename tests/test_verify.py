@@ -199,12 +199,13 @@ def test_units_with_a_soft_cap_sinks_and_fp16(dtype, extra):
     assert_matches(out, ref)
 
 
-@pytest.fixture(params=["heads_first", "tokens_first"])
+@pytest.fixture(params=["fused", "heads_first", "tokens_first"])
 def layout_rows(request, monkeypatch):
-    """`units.units_partial` with its scores head-major, then token-major, whatever the rows
-    (`HEADS_FIRST_MIN_ROWS`)."""
+    """`units.units_partial` through the fused call (`FUSED`), then the matmul form with its scores head-major,
+    then token-major, whatever the rows (`HEADS_FIRST_MIN_ROWS`)."""
     from vllm_gaudi_unified.paths import units
 
+    monkeypatch.setattr(units, "FUSED", request.param == "fused")
     monkeypatch.setattr(units, "HEADS_FIRST_MIN_ROWS", 1 if request.param == "heads_first" else 10**9)
     return request.param
 
@@ -230,7 +231,7 @@ def test_units_add_a_masked_slot_listed_twice_once(masked, layout_rows):
     n, hq, hkv, d, bs = 6, 4, 2, 8, 4
     q = torch.randn(n, hq, d, generator=g, dtype=torch.float64)
     k, v = (torch.randn(4, bs, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
-    v[1, 3] = float("nan")  # slot 1 sees keys 0-1 only
+    k[1, 3], v[1, 3] = float("nan"), float("nan")  # slot 1 sees keys 0-1 only
     tokens = torch.tensor([[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]])
     real = torch.tensor([[True, True, True], [True, True, True], [True, True, False], [True, True, False]])
     mask = torch.ones(4, 1, bs, dtype=torch.bool)

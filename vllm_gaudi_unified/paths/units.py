@@ -1,18 +1,23 @@
-"""The unique path's verify units on the matmul route (the Gaudi route: torch ops an HPU graph holds).
+"""The unique path's verify units on the Gaudi route (torch ops and the fused SDPA call an HPU graph holds).
 
 A unit is one (request, cache block) slot; its rows are the request's new tokens x the query heads of
-a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). Per KV head one
-batched product over every unit reads that head's keys in place (a strided view of the block as
-stored, no copy), then one softmax over all heads, and per KV head `p @ V` again on V as stored. The
+a KV head, so a block is read once for all of them (`PlanOptions.unique_tokens`). With `FUSED` (16-bit
+inputs, no soft cap, one head dim) every unit is one fused call with statistics (`fused.sdpa_lse`:
+FusedSDPA's on a Gaudi, cuDNN's on CUDA), a KV head's rows (tokens x query heads) the queries of one head
+over the block as stored (no copy of K or V, no score in memory); its LSE is the rows' max and their sum 1.
+The slots whose real rows miss a key (a request's partial last block: its unused slots may hold NaN)
+are computed again on the matmul tiles (`tiles.attend`, masked), and their rows and statistics take the
+place of the call's. Otherwise (the matmul form): per KV head one batched product over every unit reads
+that head's keys in place (a strided view of the block as stored), then one softmax over all heads, and
+per KV head `p @ V` again on V as stored. The
 scores are head-major (`[Hkv, T, R, G, K]`, one mask per slot: a unit's rows past its request's tokens see
 the slot's keys too and go to dropped rows) from `HEADS_FIRST_MIN_ROWS` rows per KV head, else token-major
-(`[T, Hkv, R, G, K]`, those rows masked out): which is faster depends on the rows (measured).
+(`[T, Hkv, R, G, K]`, those rows masked out): which is faster depends on the rows (measured); the masked
+tiles take `p @ V` again on masked V, all heads in one product, their rows replacing those tiles' rows.
 
-The tiles whose real rows miss some key (a request's partial last block: its unused slots may hold
-NaN, and `0 * NaN` would reach every row of the tile) take `p @ V` again on masked V, all heads in one
-product; their rows replace those tiles' rows in the merge. The merge is one accumulator: each row is
-scaled to its token's max and added at its token (a slot's rows that belong to no token at the
-dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside them.
+The merge is one accumulator: each row is scaled to its token's max and added at its token (a slot's rows
+that belong to no token at the dropped rows past `n`), the requests' own new pairs (`request_pairs`) beside
+them.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
 from vllm_gaudi_unified.merge import Partial, compute_dtype, rescale_weights, rescaled, scatter_max
+from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 
 #: Dropped rows the units' rows without a token are added into, spread: added into one, they would queue on
@@ -29,6 +35,9 @@ DROP_ROWS = 64
 #: there (32 rows: 64 x 8, ragged 96, heads 64/8/64 and 8/1/128) and slower at 16 and 8 rows (64 x 4, 64 x 2,
 #: 16 x 2; at 64 x 4 its compiled softmax is a looped reduction, token-major one pass), docs/benchmarks.md.
 HEADS_FIRST_MIN_ROWS = 32
+#: The units through one fused call with statistics (`fused.sdpa_lse`) where it takes them, else the matmul
+#: form: measured faster at every verify step (docs/benchmarks.md, "Speculative verify steps").
+FUSED = True
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
@@ -50,6 +59,8 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     index = torch.where(real.reshape(-1), tokens.reshape(-1), drop)
     # rows (r, g) per KV head: the gathered queries written once in the products' layout
     qg = q[tokens.clamp(max=n - 1)].view(t, r, hkv, g, d)
+    if FUSED and soft_cap is None and dv == d and fused.lse_kernel_for(q):
+        return _fused_units(qg, k, v, index, drop, mask, masked, scale, n, pairs)
     heads_first = r * g >= HEADS_FIRST_MIN_ROWS
     if heads_first:  # head-major: one mask per slot (a unit's rows without a token see its keys, and are dropped)
         qh = qg.permute(2, 0, 1, 3, 4).reshape(hkv, t, r * g, d)
@@ -74,17 +85,9 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     vz = torch.where(seen[:, :, None, None], v[masked], zero).transpose(1, 2)  # [S, Hkv, K, Dv]
     fix = torch.matmul(p[:, masked].transpose(0, 1) if heads_first else p[masked], vz)
     fix = fix.view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
-    listed = torch.arange(s, device=q.device)
-    once = torch.zeros(t, dtype=listed.dtype, device=q.device).scatter_(0, masked, listed)[masked] == listed
-    fix_rows = (masked[:, None] * r + torch.arange(r, device=q.device)).reshape(-1)  # [S*R]
-    fix_index = torch.where(once[:, None].expand(s, r).reshape(-1), index[fix_rows], drop[:s * r])
-    fixed = torch.zeros(t, dtype=torch.bool, device=q.device).index_fill_(0, masked, True)
-    acc_index = torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)  # their rows: the fix's
+    fix_rows, fix_index, acc_index = _fix_rows(masked, index, drop, t, r)
     # one accumulator: every row's max first, then each row scaled to its token's and added
-    new_max = torch.full((n + DROP_ROWS, hq), float("-inf"), dtype=dt, device=q.device)
-    if pairs is not None:
-        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    new_max = scatter_max(m, index, new_max)
+    new_max = _token_max(m, index, pairs, n)
     row_max = new_max.gather(0, index[:, None].expand(-1, hq))
     seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
     out = []
@@ -95,11 +98,62 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     out = out[0] if hkv == 1 else torch.cat(out, 1)
     out = out.index_add(0, fix_index, rescaled(fix, seen[fix_rows], w[fix_rows]))
     sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
+    return _with_pairs(out, new_max, sums, pairs, n)
+
+
+def _fused_units(qg, k, v, index, drop, mask, masked, scale, n, pairs) -> Partial:
+    """`units_partial` through `fused.sdpa_lse` (`FUSED`): qg `[T, R, Hkv, G, D]` the gathered queries, index and
+    drop `[T*R]` the rows' tokens and dropped rows, the rest as `units_partial`'s."""
+    t, r, hkv, g, d = qg.shape
+    hq, nk, dv = hkv * g, k.shape[1], v.shape[-1]
+    dt = compute_dtype(qg.dtype)
+    qh = qg.permute(0, 2, 1, 3, 4).reshape(t, hkv, r * g, d)
+    out, lse = fused.sdpa_lse(qh, k.transpose(1, 2), v.transpose(1, 2), None, scale)  # every key of each slot
+    rows = out.view(t, hkv, r, g, dv).transpose(1, 2).reshape(t * r, hq, dv)  # acc = the normalised rows, sum 1
+    m = lse.view(t, hkv, r, g).transpose(1, 2).reshape(t * r, hq)
+    # The masked slots again on the matmul tiles, masked; their rows' statistics replace the call's (which may
+    # have met a NaN in an unused slot), their rows are added in place of its (sent to the dropped rows).
+    s = masked.shape[0]
+    fix = attend(qg[masked].view(s, r, hq, d), k[masked], v[masked], mask[masked].expand(s, r, nk), scale, None)
+    fix_rows, fix_index, acc_index = _fix_rows(masked, index, drop, t, r)
+    m = m.index_copy(0, fix_rows, fix.max)
+    total = torch.ones_like(m).index_copy(0, fix_rows, fix.sum)
+    new_max = _token_max(m, index, pairs, n)
+    seen, w = rescale_weights(m, new_max.gather(0, index[:, None].expand(-1, hq)))
+    acc = torch.zeros((n + DROP_ROWS, hq, dv), dtype=dt, device=qg.device).index_add(0, acc_index,
+                                                                                     rescaled(rows.to(dt), seen, w))
+    acc = acc.index_add(0, fix_index, rescaled(fix.acc, seen[fix_rows], w[fix_rows]))
+    sums = torch.zeros_like(new_max).index_add(0, index, rescaled(total, seen, w))
+    return _with_pairs(acc, new_max, sums, pairs, n)
+
+
+def _fix_rows(masked: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, t: int, r: int):
+    """(the masked slots' rows `[S*R]`, their tokens: a slot listed twice added once, the units' rows' tokens with
+    the masked slots' rows at the dropped rows: the fix's rows take their place)."""
+    s = masked.shape[0]
+    listed = torch.arange(s, device=masked.device)
+    once = torch.zeros(t, dtype=listed.dtype, device=masked.device).scatter_(0, masked, listed)[masked] == listed
+    fix_rows = (masked[:, None] * r + torch.arange(r, device=masked.device)).reshape(-1)
+    fix_index = torch.where(once[:, None].expand(s, r).reshape(-1), index[fix_rows], drop[:s * r])
+    fixed = torch.zeros(t, dtype=torch.bool, device=masked.device).index_fill_(0, masked, True)
+    return fix_rows, fix_index, torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)
+
+
+def _token_max(m: torch.Tensor, index: torch.Tensor, pairs, n: int) -> torch.Tensor:
+    """Each token's max `[n + DROP_ROWS, Hq]` over the rows `m` (at `index`) and the requests' pairs."""
+    new_max = m.new_full((n + DROP_ROWS, m.shape[1]), float("-inf"))
+    if pairs is not None:
+        new_max = scatter_max(pairs[0].max, pairs[1], new_max)
+    return scatter_max(m, index, new_max)
+
+
+def _with_pairs(out: torch.Tensor, new_max: torch.Tensor, sums: torch.Tensor, pairs, n: int) -> Partial:
+    """The accumulators with the requests' own pairs (`request_pairs`) scaled to the tokens' max and added."""
     if pairs is not None:
         rows, where = pairs
-        seen_p, w_p = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, hq)))
-        out = out.index_add(0, where, rescaled(rows.acc, seen_p, w_p))
-        sums = sums.index_add(0, where, rescaled(rows.sum, seen_p, w_p))
+        seen, w = rescale_weights(rows.max, new_max.gather(0, where[:, None].expand(-1, new_max.shape[1])))
+        out = out.index_add(0, where, rescaled(rows.acc, seen, w))
+        sums = sums.index_add(0, where, rescaled(rows.sum, seen, w))
     return Partial(out[:n], new_max[:n], sums[:n])
 
 
