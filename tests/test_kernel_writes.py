@@ -142,8 +142,10 @@ def _mla_invariant_step():
         query, lat, cache = (x.float() for x in (absorb_query(q_nope, q_pe, w_uk), latent, cache))
         return batch, [], lambda: mla_attention(query, lat, cache, batch, 0.1, cases.L)
 
+    # (rope dims of 16: Triton 3.6 compiles no `tl.dot` over fewer, and an analysis that cannot compile the kernel
+    # takes every argument as written)
     return _built_under([(mla_decode, "mla_unique_route", lambda *a: "kernel"), (mla_decode, "MLA_KEYS", 8),
-                         (plan_invariant, "SPLIT_KEYS", 32)], build)
+                         (plan_invariant, "SPLIT_KEYS", 32), (cases, "R", 16)], build)
 
 
 def _mla_step(step: Step, opts, consts: dict):
