@@ -271,12 +271,14 @@ def test_a_unit_row_without_a_token_reaches_no_token(layout_rows):
 @pytest.mark.parametrize("name", ["ragged", "mqa", "sampling"])
 def test_units_token_max_over_copies_is_the_one_scatters(name, layout_rows, monkeypatch):
     """`units.MAX_COPIES`: the units' row maxima scattered into copies of the tokens' max then reduced give the
-    same output bits as one scatter (a max in any order), in the scatter form (`merge.DENSE_MAX_WORK` 0)."""
+    same output bits as one scatter (a max in any order), in the scatter form (`merge.DENSE_MAX_WORK` 0), whatever
+    a unit's maxima (`MAX_COPIES_UNIT_ENTRIES`)."""
     from vllm_gaudi_unified import merge
     from vllm_gaudi_unified.paths import units
 
     for mod in (merge, units):
         monkeypatch.setattr(mod, "DENSE_MAX_WORK", 0)
+    monkeypatch.setattr(units, "MAX_COPIES_UNIT_ENTRIES", 10**9)
     outs, starts = [], []
     monkeypatch.setattr(units, "scatter_max", lambda m, i, s: starts.append(s.shape[0]) or merge.scatter_max(m, i, s))
     for copies in (1, 3, 8):

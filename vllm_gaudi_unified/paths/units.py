@@ -39,9 +39,14 @@ HEADS_FIRST_MIN_ROWS = 32
 #: form: measured faster at every verify step (docs/benchmarks.md, "Speculative verify steps").
 FUSED = True
 #: Copies of the tokens' max the units' row maxima are scattered into (a unit's rows into copy `unit % MAX_COPIES`),
-#: then reduced over the copies: the units of one request are adjacent and hit the same tokens, and a scatter
-#: with a max queues on an address hit by many at once. Only where `merge.scatter_max` takes the scatter form.
-MAX_COPIES = 8
+#: then reduced over the copies, where `merge.scatter_max` takes the scatter form and a unit holds at most
+#: `MAX_COPIES_UNIT_ENTRIES` maxima (rows x query heads): a request's adjacent units hit the same tokens, and a
+#: scatter with a max queues on an address many of a thread block's entries hit. Compiled and replayed on an
+#: H200 (alternately, one process): 64 x (4 over 3k) at heads 8/1/128 (32 entries) 0.156 -> 0.146 ms at 4
+#: copies, 0.141 at 8 and 16 (its decode 0.105); the verify steps at heads 32/8/128 (256 entries) mixed: 64 x
+#: (8 over 3k) 0.564 -> 0.559 at 4, 0.595 at 8, 0.581 at 16, ragged 96 0.951 -> 0.962 at 8, 0.947 at 16.
+MAX_COPIES = 16
+MAX_COPIES_UNIT_ENTRIES = 32
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
@@ -145,12 +150,13 @@ def _fix_rows(masked: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, t: 
 
 def _token_max(m: torch.Tensor, index: torch.Tensor, pairs, n: int, r: int) -> torch.Tensor:
     """Each token's max `[n + DROP_ROWS, Hq]` over the rows `m` (at `index`, `r` rows a unit) and the requests'
-    pairs; spread over `MAX_COPIES` copies where the scatter form runs (exact: a max in any order)."""
+    pairs; spread over `MAX_COPIES` copies where the scatter form runs on few maxima a unit (exact: a max in any
+    order)."""
     width, hq = n + DROP_ROWS, m.shape[1]
     new_max = m.new_full((width, hq), float("-inf"))
     if pairs is not None:
         new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    if MAX_COPIES <= 1 or width * m.numel() <= DENSE_MAX_WORK:
+    if MAX_COPIES <= 1 or r * hq > MAX_COPIES_UNIT_ENTRIES or width * m.numel() <= DENSE_MAX_WORK:
         return scatter_max(m, index, new_max)
     unit = torch.arange(m.shape[0], device=m.device, dtype=index.dtype) // r
     copies = m.new_full((MAX_COPIES * width, hq), float("-inf"))
