@@ -266,3 +266,28 @@ def test_a_unit_row_without_a_token_reaches_no_token(layout_rows):
         want = torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv)
         torch.testing.assert_close(got[t], want, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[2], torch.zeros_like(got[2]))  # token 2 has no row here
+
+
+@pytest.mark.parametrize("name", ["ragged", "mqa", "sampling"])
+def test_units_token_max_over_copies_is_the_one_scatters(name, layout_rows, monkeypatch):
+    """`units.MAX_COPIES`: the units' row maxima scattered into copies of the tokens' max then reduced give the
+    same output bits as one scatter (a max in any order), in the scatter form (`merge.DENSE_MAX_WORK` 0), whatever
+    a unit's maxima (`MAX_COPIES_UNIT_ENTRIES`)."""
+    from vllm_gaudi_unified import merge
+    from vllm_gaudi_unified.paths import units
+
+    for mod in (merge, units):
+        monkeypatch.setattr(mod, "DENSE_MAX_WORK", 0)
+    monkeypatch.setattr(units, "MAX_COPIES_UNIT_ENTRIES", 10**9)
+    outs, starts = [], []
+    monkeypatch.setattr(units, "scatter_max", lambda m, i, s: starts.append(s.shape[0]) or merge.scatter_max(m, i, s))
+    for copies in (1, 3, 8):
+        monkeypatch.setattr(units, "MAX_COPIES", copies)
+        starts.clear()
+        out, ref, batch = run_case(VERIFY[name][0], dtype=torch.float64, options=UNITS)
+        assert batch.plan.unique_units == 4
+        assert_matches(out, ref)
+        outs.append(out)
+        width = width if copies > 1 else max(starts)
+        assert max(starts) == copies * width  # the units' rows scattered into the copies
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])

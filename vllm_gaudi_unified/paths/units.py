@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
-from vllm_gaudi_unified.merge import Partial, compute_dtype, rescale_weights, rescaled, scatter_max
+from vllm_gaudi_unified.merge import DENSE_MAX_WORK, Partial, compute_dtype, rescale_weights, rescaled, scatter_max
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 
@@ -38,6 +38,15 @@ HEADS_FIRST_MIN_ROWS = 32
 #: The units through one fused call with statistics (`fused.sdpa_lse`) where it takes them, else the matmul
 #: form: measured faster at every verify step (docs/benchmarks.md, "Speculative verify steps").
 FUSED = True
+#: Copies of the tokens' max the units' row maxima are scattered into (a unit's rows into copy `unit % MAX_COPIES`),
+#: then reduced over the copies, where `merge.scatter_max` takes the scatter form and a unit holds at most
+#: `MAX_COPIES_UNIT_ENTRIES` maxima (rows x query heads): a request's adjacent units hit the same tokens, and a
+#: scatter with a max queues on an address many of a thread block's entries hit. Compiled and replayed on an
+#: H200 (alternately, one process): 64 x (4 over 3k) at heads 8/1/128 (32 entries) 0.156 -> 0.146 ms at 4
+#: copies, 0.141 at 8 and 16 (its decode 0.105); the verify steps at heads 32/8/128 (256 entries) mixed: 64 x
+#: (8 over 3k) 0.564 -> 0.559 at 4, 0.595 at 8, 0.581 at 16, ragged 96 0.951 -> 0.962 at 8, 0.947 at 16.
+MAX_COPIES = 16
+MAX_COPIES_UNIT_ENTRIES = 32
 
 
 def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor,
@@ -87,7 +96,7 @@ def units_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: tor
     fix = fix.view(s, hkv, r, g, dv).transpose(1, 2).reshape(s * r, hq, dv)
     fix_rows, fix_index, acc_index = _fix_rows(masked, index, drop, t, r)
     # one accumulator: every row's max first, then each row scaled to its token's and added
-    new_max = _token_max(m, index, pairs, n)
+    new_max = _token_max(m, index, pairs, n, r)
     row_max = new_max.gather(0, index[:, None].expand(-1, hq))
     seen, w = rescale_weights(m, row_max)  # once for every head group, the fix's rows and the sums
     out = []
@@ -118,7 +127,7 @@ def _fused_units(qg, k, v, index, drop, mask, masked, scale, n, pairs) -> Partia
     fix_rows, fix_index, acc_index = _fix_rows(masked, index, drop, t, r)
     m = m.index_copy(0, fix_rows, fix.max)
     total = torch.ones_like(m).index_copy(0, fix_rows, fix.sum)
-    new_max = _token_max(m, index, pairs, n)
+    new_max = _token_max(m, index, pairs, n, r)
     seen, w = rescale_weights(m, new_max.gather(0, index[:, None].expand(-1, hq)))
     acc = torch.zeros((n + DROP_ROWS, hq, dv), dtype=dt, device=qg.device).index_add(0, acc_index,
                                                                                      rescaled(rows.to(dt), seen, w))
@@ -139,12 +148,20 @@ def _fix_rows(masked: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, t: 
     return fix_rows, fix_index, torch.where(fixed[:, None].expand(t, r).reshape(-1), drop, index)
 
 
-def _token_max(m: torch.Tensor, index: torch.Tensor, pairs, n: int) -> torch.Tensor:
-    """Each token's max `[n + DROP_ROWS, Hq]` over the rows `m` (at `index`) and the requests' pairs."""
-    new_max = m.new_full((n + DROP_ROWS, m.shape[1]), float("-inf"))
+def _token_max(m: torch.Tensor, index: torch.Tensor, pairs, n: int, r: int) -> torch.Tensor:
+    """Each token's max `[n + DROP_ROWS, Hq]` over the rows `m` (at `index`, `r` rows a unit) and the requests'
+    pairs; spread over `MAX_COPIES` copies where the scatter form runs on few maxima a unit (exact: a max in any
+    order)."""
+    width, hq = n + DROP_ROWS, m.shape[1]
+    new_max = m.new_full((width, hq), float("-inf"))
     if pairs is not None:
         new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    return scatter_max(m, index, new_max)
+    if MAX_COPIES <= 1 or r * hq > MAX_COPIES_UNIT_ENTRIES or width * m.numel() <= DENSE_MAX_WORK:
+        return scatter_max(m, index, new_max)
+    unit = torch.arange(m.shape[0], device=m.device, dtype=index.dtype) // r
+    copies = m.new_full((MAX_COPIES * width, hq), float("-inf"))
+    copies = scatter_max(m, index + unit % MAX_COPIES * width, copies)
+    return torch.maximum(new_max, copies.view(MAX_COPIES, width, hq).amax(0))
 
 
 def _with_pairs(out: torch.Tensor, new_max: torch.Tensor, sums: torch.Tensor, pairs, n: int) -> Partial:
