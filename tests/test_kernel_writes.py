@@ -142,9 +142,9 @@ def _mla_invariant_step():
         query, lat, cache = (x.float() for x in (absorb_query(q_nope, q_pe, w_uk), latent, cache))
         return batch, [], lambda: mla_attention(query, lat, cache, batch, 0.1, cases.L)
 
-    # (rope dims of 16: Triton 3.6 compiles no `tl.dot` over fewer, and an analysis that cannot compile the kernel
-    # takes every argument as written)
-    return _built_under([(mla_decode, "mla_unique_route", lambda *a: "kernel"), (mla_decode, "MLA_KEYS", 8),
+    # (key tiles and rope dims of 16: Triton 3.6 compiles no `tl.dot` over fewer, and an analysis that cannot
+    # compile the kernel takes every argument as written)
+    return _built_under([(mla_decode, "mla_unique_route", lambda *a: "kernel"), (mla_decode, "MLA_KEYS", 16),
                          (plan_invariant, "SPLIT_KEYS", 32), (cases, "R", 16)], build)
 
 
@@ -221,7 +221,7 @@ SHOWS = {
     ("batch_invariant", "unique_kernel"): {"SPLIT_KEYS": 4, "UNITS": 3},
     ("batch_invariant", "ordered_combine"): {"FINAL": False},
     ("batch_invariant_final", "ordered_combine"): {"FINAL": True},
-    ("mla_batch_invariant", "mla_kernel"): {"TOKENS": True, "SPLIT_KEYS": 8},
+    ("mla_batch_invariant", "mla_kernel"): {"TOKENS": True, "SPLIT_KEYS": 16},
     ("mla_batch_invariant", "ordered_combine"): {"TOKENS": True, "FINAL": True},
     ("mla_decode", "mla_kernel"): {"FINAL": False, "SELF": True},
     ("mla_decode_final", "mla_kernel"): {"FINAL": True},
