@@ -521,7 +521,10 @@ def test_ctrl_c_reaching_the_worker_processes_is_still_one_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "vllm_gaudi_unified", "buckets", "evaluate", plan,
                              *[a for t in traces for a in ("--trace", str(t))], "--jobs", "2", "--no-progress"],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            # (a terminal's SIGINT disposition: a test run started in the background of a shell
+                            # without job control inherits SIGINT ignored, which the command rightly keeps)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline, ignored = time.monotonic() + 120, []
         while not (len(ignored) >= 2 and all(ignored)) and proc.poll() is None and time.monotonic() < deadline:
