@@ -102,11 +102,16 @@ def fold_pairwise(slots: Partial) -> Partial:
 DENSE_MAX_WORK = 1 << 21
 
 
+def dense_max(destinations: int, rows_max: torch.Tensor) -> bool:
+    """Whether `scatter_max` of `rows_max` into `destinations` rows takes the dense form (`DENSE_MAX_WORK`)."""
+    return 0 < destinations * rows_max.numel() <= DENSE_MAX_WORK
+
+
 def scatter_max(rows_max: torch.Tensor, index: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """`start` `[num_out + 1, heads]` with row i's max `rows_max[i]` taken in at `index[i]` (`num_out`: drop).
     A max is exact in any order: both forms give the same values (a NaN row's token gets NaN, no other)."""
     index = index.reshape(-1)
-    if 0 < start.shape[0] * rows_max.numel() <= DENSE_MAX_WORK:
+    if dense_max(start.shape[0], rows_max):
         hit = index == torch.arange(start.shape[0], device=index.device, dtype=index.dtype)[:, None]  # [out, rows]
         return torch.maximum(start, torch.where(hit[:, :, None], rows_max, float("-inf")).amax(1))
     idx = index[:, None].expand(-1, rows_max.shape[1])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_unified.hpu import masked_softmax_for
-from vllm_gaudi_unified.merge import DENSE_MAX_WORK, Partial, compute_dtype, rescale_weights, rescaled, scatter_max
+from vllm_gaudi_unified.merge import Partial, compute_dtype, dense_max, rescale_weights, rescaled, scatter_max
 from vllm_gaudi_unified.paths import fused
 from vllm_gaudi_unified.paths.tiles import attend, product_dtype, score_product
 
@@ -156,7 +156,7 @@ def _token_max(m: torch.Tensor, index: torch.Tensor, pairs, n: int, r: int) -> t
     new_max = m.new_full((width, hq), float("-inf"))
     if pairs is not None:
         new_max = scatter_max(pairs[0].max, pairs[1], new_max)
-    if MAX_COPIES <= 1 or r * hq > MAX_COPIES_UNIT_ENTRIES or width * m.numel() <= DENSE_MAX_WORK:
+    if MAX_COPIES <= 1 or r * hq > MAX_COPIES_UNIT_ENTRIES or dense_max(width, m) or not m.numel():
         return scatter_max(m, index, new_max)
     unit = torch.arange(m.shape[0], device=m.device, dtype=index.dtype) // r
     copies = m.new_full((MAX_COPIES * width, hq), float("-inf"))
